@@ -1,0 +1,123 @@
+"""ctxkit: explicit CUDA contexts, run-time compiled kernels and multi-GPU pipelines.
+
+Submodules are imported on first use, so ``import ctxkit`` is cheap and works on a
+machine without a GPU or driver.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS: dict[str, str] = {
+    # errors
+    "CudaError": "errors",
+    "DriverNotFoundError": "errors",
+    "NoCurrentContextError": "errors",
+    "ContextStackError": "errors",
+    "ContextClosedError": "errors",
+    "ContextInUseError": "errors",
+    "OutOfMemoryError": "errors",
+    "CompileError": "errors",
+    "ContextPoisonedError": "errors",
+    "ForkError": "errors",
+    "LaunchArgumentError": "errors",
+    # devices and contexts
+    "Device": "device",
+    "device_count": "device",
+    "devices": "device",
+    "Context": "context",
+    "current_context": "context",
+    # registry
+    "ContextRegistry": "registry",
+    "registry": "registry",
+    "bind": "registry",
+    "bound": "registry",
+    "ContextExecutor": "registry",
+    # compiler and modules
+    "Program": "compiler",
+    "ObjectCode": "compiler",
+    "compile": "compiler",
+    "Module": "module",
+    "Kernel": "module",
+    "PreparedLaunch": "module",
+    # memory, streams
+    "DeviceBuffer": "memory",
+    "DeviceArray": "memory",
+    "device_array": "memory",
+    "pinned_empty": "memory",
+    "pinned_zeros": "memory",
+    "register_host": "memory",
+    "is_pinned": "memory",
+    "ManagedBuffer": "memory",
+    "enable_peer_access": "memory",
+    "copy_peer": "memory",
+    "Stream": "stream",
+    "Event": "stream",
+    # multi-device
+    "Pipeline": "pipeline",
+}
+
+_SUBMODULES = {"procs", "trace", "errors", "compiler", "module", "memory", "stream", "pipeline"}
+
+__all__ = sorted([*_EXPORTS, "procs", "__version__"])
+
+# The core is imported eagerly (it needs no driver to import). ``registry`` must be
+# rebound after its submodule loads: importing ``ctxkit.registry`` sets the package
+# attribute to the module, but ``ctxkit.registry`` is the ContextRegistry instance.
+from .context import Context, current_context  # noqa: E402
+from .device import Device, device_count, devices  # noqa: E402
+from .errors import (  # noqa: E402
+    CompileError,
+    ContextClosedError,
+    ContextInUseError,
+    ContextPoisonedError,
+    ContextStackError,
+    CudaError,
+    DriverNotFoundError,
+    ForkError,
+    LaunchArgumentError,
+    NoCurrentContextError,
+    OutOfMemoryError,
+)
+from .registry import ContextExecutor, ContextRegistry, bind, bound  # noqa: E402
+from .registry import registry as _the_registry  # noqa: E402
+
+registry = _the_registry
+
+
+def __getattr__(name: str) -> Any:
+    mod = _EXPORTS.get(name)
+    if mod is not None:
+        value = getattr(importlib.import_module(f".{mod}", __name__), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'ctxkit' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from . import procs as procs
+    from .compiler import ObjectCode, Program, compile
+    from .memory import (
+        DeviceArray,
+        DeviceBuffer,
+        ManagedBuffer,
+        copy_peer,
+        device_array,
+        enable_peer_access,
+        is_pinned,
+        pinned_empty,
+        pinned_zeros,
+        register_host,
+    )
+    from .module import Kernel, Module, PreparedLaunch
+    from .pipeline import Pipeline
+    from .stream import Event, Stream

@@ -1,0 +1,285 @@
+"""The one door to ``cuda.bindings.driver``.
+
+Responsibilities:
+
+* import the bindings (absent bindings or driver -> :class:`DriverNotFoundError`);
+* ``cuInit`` exactly once per process, lazily and thread-safely;
+* turn a non-success ``CUresult`` into the right ctxkit exception;
+* hide the differences between cuda-bindings 12.x and 13.x;
+* refuse CUDA in a child forked after its parent initialised it (:class:`ForkError`).
+
+Hot paths elsewhere call ``drv.cuXxx`` directly and pass a non-zero status to
+:func:`raise_for`; everything else goes through :func:`call`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+from . import errors
+from .errors import CudaError, DriverNotFoundError, ForkError
+
+try:  # pragma: no branch - exercised by both CI (present) and users without bindings
+    import cuda.bindings as _bindings_pkg
+    from cuda.bindings import driver as _drv_module
+
+    _IMPORT_ERROR: BaseException | None = None
+except Exception as exc:  # pragma: no cover - depends on the installation
+    _bindings_pkg = None  # type: ignore[assignment]
+    _drv_module = None  # type: ignore[assignment]
+    _IMPORT_ERROR = exc
+
+#: The ``cuda.bindings.driver`` module (``None`` when cuda-bindings is not installed).
+drv: Any = _drv_module
+
+CUDA_ERROR_NOT_INITIALIZED = 3
+CUDA_ERROR_NO_DEVICE = 100
+
+
+def parse_version(text: str) -> tuple[int, int]:
+    """Return ``(major, minor)`` from a version string such as ``"13.3.0"``."""
+    parts = [p for p in text.split(".")[:2]]
+    nums = []
+    for p in parts:
+        digits = "".join(ch for ch in p if ch.isdigit())
+        nums.append(int(digits) if digits else 0)
+    while len(nums) < 2:
+        nums.append(0)
+    return nums[0], nums[1]
+
+
+BINDINGS_VERSION: tuple[int, int] = (
+    parse_version(getattr(_bindings_pkg, "__version__", "0.0")) if _bindings_pkg else (0, 0)
+)
+
+_init_lock = threading.Lock()
+_init_pid: int | None = None
+_parent_initialized_pid: int | None = None
+_no_device = False
+
+
+def _mark_forked_child() -> None:
+    global _init_pid, _parent_initialized_pid
+    if _init_pid is not None:
+        _parent_initialized_pid = _init_pid
+    _init_pid = None
+
+
+os.register_at_fork(after_in_child=_mark_forked_child)
+
+
+def bindings_available() -> bool:
+    """True when cuda-bindings imported (says nothing about a driver)."""
+    return drv is not None
+
+
+def _require_bindings() -> ModuleType:
+    if drv is None:
+        raise DriverNotFoundError(
+            "cuda-bindings is not installed or failed to import "
+            f"({_IMPORT_ERROR!r}); install it with `pip install ctxkit[cu13]` "
+            "(or [cu12] for a CUDA 12 driver)"
+        )
+    return drv
+
+
+def _fork_error(what: str = "") -> ForkError:
+    parent = _parent_initialized_pid
+    return ForkError(
+        f"{what + ': ' if what else ''}CUDA was initialised in parent process {parent} "
+        f"and this process ({os.getpid()}) was forked from it; CUDA cannot be used in "
+        "a forked child. Use the 'spawn' start method "
+        "(multiprocessing.get_context('spawn') or ctxkit.procs.run_per_device)",
+        errors._NOT_INITIALIZED,
+        "CUDA_ERROR_NOT_INITIALIZED",
+    )
+
+
+def in_forked_child() -> bool:
+    """True in a process forked after its parent initialised CUDA."""
+    return _parent_initialized_pid is not None and _init_pid is None
+
+
+def init() -> None:
+    """Call ``cuInit(0)`` once for this process (cheap after the first call).
+
+    Raises
+    ------
+    DriverNotFoundError
+        cuda-bindings or the driver library is missing.
+    ForkError
+        This process was forked after its parent initialised CUDA.
+    """
+    if _init_pid is not None:
+        return
+    _init_slow()
+
+
+def _init_slow() -> None:
+    global _init_pid, _no_device
+    d = _require_bindings()
+    with _init_lock:
+        if _init_pid is not None:
+            return
+        if in_forked_child():
+            raise _fork_error()
+        try:
+            (err,) = d.cuInit(0)
+        except Exception as exc:  # libcuda missing: pathfinder/RuntimeError
+            raise DriverNotFoundError(
+                "no NVIDIA driver found (libcuda.so.1 could not be loaded: "
+                f"{exc}); this machine has no usable GPU driver"
+            ) from None
+        if err == CUDA_ERROR_NO_DEVICE:
+            _no_device = True
+        elif err:
+            raise from_result(int(err), "cuInit(0)")
+        _install_name_lookup()
+        _init_pid = os.getpid()
+
+
+def no_device() -> bool:
+    """True when the driver loaded but reported no CUDA device (after :func:`init`)."""
+    return _no_device
+
+
+def _install_name_lookup() -> None:
+    d = drv
+
+    def lookup(code: int) -> tuple[str, str]:
+        try:
+            name = d.CUresult(code).name
+        except Exception:
+            name = f"CUresult {code}"
+        text = ""
+        try:
+            err, s = d.cuGetErrorString(d.CUresult(code))
+            if not err and s:
+                text = s.decode() if isinstance(s, bytes) else str(s)
+        except Exception:
+            pass
+        return name, text
+
+    errors.set_name_lookup(lookup)
+
+
+def _enum_only_lookup(code: int) -> tuple[str, str]:
+    try:
+        return drv.CUresult(code).name, ""
+    except Exception:
+        return f"CUresult {code}", ""
+
+
+if drv is not None:
+    errors.set_name_lookup(_enum_only_lookup)
+
+
+def from_result(code: int, what: str = "", detail: str = "") -> CudaError:
+    """Exception for a failed driver call, with fork detection."""
+    if code == CUDA_ERROR_NOT_INITIALIZED and _parent_initialized_pid is not None:
+        return _fork_error(what)
+    return errors.from_result(code, what, detail)
+
+
+def raise_for(err: Any, what: str = "", detail: str = "") -> None:
+    """Raise the ctxkit exception for a non-zero status *err* (no-op on success)."""
+    if err:
+        raise from_result(int(err), what, detail)
+
+
+def call(fn: Callable[..., Any], *args: Any, what: str = "") -> Any:
+    """Call a ``cuda.bindings.driver`` function and check its status.
+
+    Returns ``None``, the single result, or a tuple of results, after the status.
+    """
+    res = fn(*args)
+    err = res[0]
+    if err:
+        raise from_result(int(err), what or _default_what(fn))
+    if len(res) == 1:
+        return None
+    if len(res) == 2:
+        return res[1]
+    return res[1:]
+
+
+def _default_what(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__name__", "CUDA call")
+
+
+def driver_version() -> tuple[int, int] | None:
+    """The driver's CUDA version as ``(major, minor)``, or ``None`` without a driver."""
+    if drv is None:
+        return None
+    try:
+        err, v = drv.cuDriverGetVersion()
+    except Exception:
+        return None
+    if err:
+        return None
+    return v // 1000, (v % 1000) // 10
+
+
+# --- cuda-bindings 12.x / 13.x differences -------------------------------------------
+
+
+def ctx_create_args(bindings_major: int, flags: int, dev: Any) -> tuple[Any, ...]:
+    """Arguments of ``cuCtxCreate`` for this cuda-bindings major version.
+
+    13.x exposes the v4 form ``cuCtxCreate(params, flags, dev)``; 12.x has the classic
+    ``cuCtxCreate(flags, dev)`` (the v4 form is ``cuCtxCreate_v4`` there).
+    """
+    if bindings_major >= 13:
+        return (None, flags, dev)
+    return (flags, dev)
+
+
+def ctx_create(flags: int, dev: Any) -> Any:
+    """Create an owned context (it becomes current; the caller pops it)."""
+    return call(
+        drv.cuCtxCreate,
+        *ctx_create_args(BINDINGS_VERSION[0], flags, dev),
+        what=f"cuCtxCreate(flags={flags}, device={int(dev)})",
+    )
+
+
+def mem_location(target: int | str) -> Any:
+    """A ``CUmemLocation`` for a device ordinal, or ``"cpu"`` for the host."""
+    loc = drv.CUmemLocation()
+    if isinstance(target, str):
+        loc.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST
+        loc.id = 0
+    else:
+        loc.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        loc.id = int(target)
+    return loc
+
+
+CPU_DEVICE_ID = -1  # CU_DEVICE_CPU in the 12.x device-ordinal forms
+
+
+def uses_mem_location(bindings_major: int) -> bool:
+    """True when prefetch/advise take a ``CUmemLocation`` (13.x) rather than an ordinal."""
+    return bindings_major >= 13
+
+
+def mem_prefetch(ptr: int, nbytes: int, target: int | str, stream: Any) -> None:
+    """``cuMemPrefetchAsync`` to a device ordinal or ``"cpu"``, on either bindings major."""
+    if uses_mem_location(BINDINGS_VERSION[0]):
+        call(drv.cuMemPrefetchAsync, ptr, nbytes, mem_location(target), 0, stream)
+    else:
+        dev = CPU_DEVICE_ID if isinstance(target, str) else int(target)
+        call(drv.cuMemPrefetchAsync, ptr, nbytes, dev, stream)
+
+
+def mem_advise(ptr: int, nbytes: int, advice: Any, target: int | str) -> None:
+    """``cuMemAdvise`` for a device ordinal or ``"cpu"``, on either bindings major."""
+    if uses_mem_location(BINDINGS_VERSION[0]):
+        call(drv.cuMemAdvise, ptr, nbytes, advice, mem_location(target))
+    else:
+        dev = CPU_DEVICE_ID if isinstance(target, str) else int(target)
+        call(drv.cuMemAdvise, ptr, nbytes, advice, dev)

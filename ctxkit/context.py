@@ -1,0 +1,486 @@
+"""CUDA contexts (``CUcontext``) as Python context managers.
+
+The driver keeps one context stack per thread. ctxkit mirrors only what it pushed
+itself, in thread-local state, so that
+
+* re-entering the context already on top costs no driver call,
+* every pop is verified against the handle the driver actually popped, and a
+  foreign push/pop inside a ``with`` block is reported, never silently "fixed",
+* resources can be freed inside their own context from any thread.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+from . import _driver
+from ._driver import call, drv
+from .device import Device
+from .errors import (
+    STICKY_CODES,
+    ContextClosedError,
+    ContextInUseError,
+    ContextPoisonedError,
+    ContextStackError,
+    CudaError,
+)
+
+__all__ = ["Context", "current_context", "current_handle", "thread_bindings"]
+
+_OWNED = "owned"
+_PRIMARY = "primary"
+_FOREIGN = "foreign"
+
+
+class _PerThread:
+    """What ctxkit pushed in one thread: ``top`` and a stack of (ctx, previous top, pushed)."""
+
+    __slots__ = ("__weakref__", "name", "stack", "thread", "top")
+
+    def __init__(self) -> None:
+        t = threading.current_thread()
+        self.thread = weakref.ref(t)
+        self.name = t.name
+        self.top: Context | None = None
+        self.stack: list[tuple[Context, Context | None, bool]] = []
+
+
+_all_threads: dict[int, _PerThread] = {}
+_all_lock = threading.Lock()
+
+
+class _Local(threading.local):
+    s: _PerThread
+
+    def __init__(self) -> None:
+        self.s = _PerThread()
+        with _all_lock:
+            _all_threads[threading.get_ident()] = self.s
+            for ident in [i for i, st in _all_threads.items() if st.thread() is None]:
+                del _all_threads[ident]
+
+
+_tls = _Local()
+_shutting_down = False
+
+
+def _mark_shutdown() -> None:
+    global _shutting_down
+    _shutting_down = True
+
+
+atexit.register(_mark_shutdown)
+
+
+def thread_state() -> _PerThread:
+    """This thread's ctxkit context bookkeeping (internal)."""
+    return _tls.s
+
+
+def thread_bindings() -> dict[str, list[Context]]:
+    """Contexts ctxkit has bound in each live thread, innermost last, keyed by thread name.
+
+    For diagnostics: foreign pushes (PyTorch, raw cuda.bindings) are not listed.
+    """
+    with _all_lock:
+        states = list(_all_threads.items())
+    out: dict[str, list[Context]] = {}
+    for ident, st in states:
+        if st.thread() is None:
+            continue
+        ctxs = [c for c, _prev, pushed in list(st.stack) if pushed]
+        if ctxs:
+            out[f"{st.name} ({ident})"] = ctxs
+    return out
+
+
+def current_handle() -> int:
+    """Handle of this thread's current context according to the driver (0 when none)."""
+    top = _tls.s.top
+    if top is not None:
+        return top.handle
+    _driver.init()
+    return int(call(drv.cuCtxGetCurrent, what="cuCtxGetCurrent"))
+
+
+def current_context() -> Context | None:
+    """This thread's current context as the driver reports it, or ``None``.
+
+    Contexts made current by other libraries (PyTorch, CuPy, raw cuda.bindings) are
+    returned too: their primary context is recognised as ``Context.primary(device)``.
+    """
+    _driver.init()
+    cu = call(drv.cuCtxGetCurrent, what="cuCtxGetCurrent")
+    handle = int(cu)
+    if not handle:
+        return None
+    known = Context._known.get(handle)
+    if known is not None and not known.closed:
+        return known
+    return Context._adopt_current(cu)
+
+
+class Context:
+    """A CUDA context; ``with ctx:`` pushes it on this thread's stack and pops it after.
+
+    Do not construct directly: use :meth:`create` (an owned context, destroyed by
+    :meth:`close`) or :meth:`primary` (the device's primary context, shared with
+    PyTorch, CuPy and Numba; :meth:`close` releases ctxkit's reference).
+
+    Contexts compare and hash by handle. ``with`` blocks nest to any depth and across
+    devices; re-entering the context already on top costs no driver call.
+
+    Attributes
+    ----------
+    device : Device
+        The device the context runs on.
+    handle : int
+        The ``CUcontext`` value.
+    """
+
+    _known: ClassVar[weakref.WeakValueDictionary[int, Context]] = weakref.WeakValueDictionary()
+    _primaries: ClassVar[dict[int, Context]] = {}
+    _class_lock: ClassVar[threading.RLock] = threading.RLock()
+
+    __slots__ = ("__weakref__", "_cu", "_kind", "_poison", "closed", "device", "handle")
+
+    def __init__(self, cu: Any, device: Device, kind: str) -> None:
+        self._cu = cu
+        self.handle = int(cu)
+        self.device = device
+        self._kind = kind
+        self._poison: CudaError | None = None
+        self.closed = False
+        Context._known[self.handle] = self
+
+    # --- construction --------------------------------------------------------------
+
+    @classmethod
+    def create(cls, device: Device | int = 0, flags: int = 0) -> Context:
+        """Create an owned context on *device* (``cuCtxCreate``).
+
+        The new context is *not* left current: use ``with ctx:``. ``flags`` takes
+        ``CUctx_flags`` values (e.g. ``CU_CTX_SCHED_BLOCKING_SYNC``) as an int.
+        """
+        dev = Device(device)
+        if isinstance(flags, bool) or not isinstance(flags, int):
+            try:
+                flags = int(flags)
+            except (TypeError, ValueError):
+                raise TypeError(
+                    f"flags must be an int of CUctx_flags bits, got {flags!r}"
+                ) from None
+        cu = _driver.ctx_create(flags, dev.handle)
+        err, popped = drv.cuCtxPopCurrent()
+        _driver.raise_for(err, "cuCtxPopCurrent after cuCtxCreate")
+        ctx = cls(cu, dev, _OWNED)
+        if int(popped) != ctx.handle:  # pragma: no cover - driver contract
+            raise ContextStackError(
+                f"cuCtxCreate left {int(popped):#x} current instead of {ctx.handle:#x}"
+            )
+        return ctx
+
+    @classmethod
+    def primary(cls, device: Device | int = 0) -> Context:
+        """The retained primary context of *device*: the one PyTorch/CuPy/Numba use.
+
+        Returns the same object on every call until it is closed.
+        """
+        dev = Device(device)
+        ctx = cls._primaries.get(dev.ordinal)
+        if ctx is not None and not ctx.closed:
+            return ctx
+        with cls._class_lock:
+            ctx = cls._primaries.get(dev.ordinal)
+            if ctx is None or ctx.closed:
+                cu = call(
+                    drv.cuDevicePrimaryCtxRetain,
+                    dev.handle,
+                    what=f"cuDevicePrimaryCtxRetain(device={dev.ordinal})",
+                )
+                ctx = cls(cu, dev, _PRIMARY)
+                cls._primaries[dev.ordinal] = ctx
+        return ctx
+
+    @classmethod
+    def _adopt_current(cls, cu: Any) -> Context:
+        """Wrap a context some other library made current in this thread."""
+        ordinal = int(call(drv.cuCtxGetDevice, what="cuCtxGetDevice"))
+        dev = Device(ordinal)
+        prim = cls.primary(dev)
+        if prim.handle == int(cu):
+            return prim
+        with cls._class_lock:
+            known = cls._known.get(int(cu))
+            if known is not None and not known.closed:
+                return known
+            return cls(cu, dev, _FOREIGN)
+
+    # --- properties ----------------------------------------------------------------
+
+    @property
+    def is_primary(self) -> bool:
+        """True for a device's primary context."""
+        return self._kind == _PRIMARY
+
+    @property
+    def kind(self) -> str:
+        """``"owned"`` (created here), ``"primary"`` or ``"foreign"`` (made elsewhere)."""
+        return self._kind
+
+    @property
+    def poisoned(self) -> bool:
+        """True once a sticky error (kernel fault) made the context unusable."""
+        return self._poison is not None
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Context):
+            return self.handle == other.handle
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.handle)
+
+    def __repr__(self) -> str:
+        state = " closed" if self.closed else (" poisoned" if self._poison else "")
+        return f"<Context {self._kind} device={self.device.ordinal} handle={self.handle:#x}{state}>"
+
+    # --- push / pop ----------------------------------------------------------------
+
+    def __enter__(self) -> Context:
+        st = _tls.s
+        if st.top is self:
+            st.stack.append((self, self, False))
+            return self
+        if self.closed or self._poison is not None:
+            self._raise_unusable()
+        (err,) = drv.cuCtxPushCurrent(self._cu)
+        if err:
+            raise self._error(err, "cuCtxPushCurrent")
+        st.stack.append((self, st.top, True))
+        st.top = self
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        st = _tls.s
+        stack = st.stack
+        if not stack or stack[-1][0] is not self:
+            raise self._order_error(stack)
+        _ctx, prev, pushed = stack.pop()
+        if not pushed:
+            return
+        err, popped = drv.cuCtxPopCurrent()
+        if err:
+            st.top = None
+            raise self._error(err, "cuCtxPopCurrent")
+        got = int(popped)
+        if got != self.handle:
+            self._restore_foreign(st, popped, got)
+        st.top = prev
+
+    def push(self) -> None:
+        """Make this context current in the calling thread (pair with :meth:`pop`)."""
+        self.__enter__()
+
+    def pop(self) -> None:
+        """Undo the matching :meth:`push`; verifies the driver popped this context.
+
+        Raises
+        ------
+        ContextStackError
+            The innermost ctxkit push in this thread is another context, or foreign
+            code left a different context on top (it is put back; nothing is lost).
+        """
+        self.__exit__(None, None, None)
+
+    def _order_error(self, stack: list[tuple[Context, Context | None, bool]]) -> ContextStackError:
+        inner = stack[-1][0] if stack else None
+        where = threading.current_thread().name
+        if inner is None:
+            msg = f"pop of {self!r} in thread {where!r}, but ctxkit pushed nothing here"
+        else:
+            msg = (
+                f"pop of {self!r} in thread {where!r}, but the innermost context ctxkit "
+                f"pushed here is {inner!r}; pop contexts in reverse order of push "
+                "(prefer `with ctx:` blocks)"
+            )
+        return ContextStackError(msg)
+
+    def _restore_foreign(self, st: _PerThread, popped: Any, got: int) -> None:
+        """Put back a context ctxkit did not push, then report the foreign change."""
+        if got:
+            drv.cuCtxPushCurrent(popped)
+        st.top = None
+        raise ContextStackError(
+            f"context stack changed under ctxkit in thread "
+            f"{threading.current_thread().name!r}: expected to pop {self.handle:#x} "
+            f"({self._kind}, device {self.device.ordinal}) but the top was {got:#x}. "
+            "Some code pushed or popped a context inside this block without undoing it; "
+            "ctxkit restored that context and did not pop it. Make every push/pop inside "
+            "the block balanced."
+        )
+
+    # --- lifetime ------------------------------------------------------------------
+
+    def _raise_unusable(self) -> None:
+        if self.closed:
+            raise ContextClosedError(f"{self!r} is closed; create a new context")
+        assert self._poison is not None
+        raise ContextPoisonedError(
+            f"{self!r} is poisoned by an earlier fault and cannot be used: {self._poison}",
+            self._poison.code,
+            self._poison.name,
+        )
+
+    def _error(self, err: Any, what: str) -> CudaError:
+        exc = _driver.from_result(int(err), f"{what} on {self!r}")
+        if int(err) in STICKY_CODES and self._poison is None:
+            self._poison = exc
+        return exc
+
+    def check_usable(self) -> None:
+        """Raise ``ContextClosedError``/``ContextPoisonedError`` if it cannot be used."""
+        if self.closed or self._poison is not None:
+            self._raise_unusable()
+
+    def note_error(self, err: Any, what: str) -> CudaError:
+        """Build the exception for a failed call made in this context.
+
+        A sticky error marks the context poisoned, so later uses fail fast.
+        """
+        return self._error(err, what)
+
+    def synchronize(self) -> None:
+        """Wait for all work in this context (GIL released while waiting).
+
+        Raises
+        ------
+        ContextPoisonedError
+            A kernel faulted; the context can no longer be used.
+        """
+        with self:
+            (err,) = drv.cuCtxSynchronize()
+        if err:
+            raise self._error(err, "cuCtxSynchronize")
+
+    def memory_info(self) -> tuple[int, int]:
+        """``(free, total)`` device memory in bytes (``cuMemGetInfo``)."""
+        with self:
+            free, total = call(drv.cuMemGetInfo, what="cuMemGetInfo")
+        return int(free), int(total)
+
+    def run_in(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Call ``fn(*args)`` with this context current (cheap when it already is)."""
+        with self:
+            return fn(*args)
+
+    def _current_elsewhere(self) -> list[str]:
+        with _all_lock:
+            states = list(_all_threads.values())
+        names = []
+        for st in states:
+            if st.thread() is None:
+                continue
+            if any(c is self and pushed for c, _p, pushed in list(st.stack)):
+                names.append(st.name)
+        return names
+
+    def close(self) -> None:
+        """Destroy an owned context / release a primary one. Idempotent.
+
+        Raises
+        ------
+        ContextInUseError
+            The context is current in some thread (ctxkit's own pushes and the
+            calling thread's driver stack are checked).
+        """
+        if self.closed:
+            return
+        with Context._class_lock:
+            if self.closed:
+                return
+            users = self._current_elsewhere()
+            if not users and _driver.bindings_available():
+                err, cu = drv.cuCtxGetCurrent()
+                if not err and int(cu) == self.handle:
+                    users = [threading.current_thread().name]
+            if users:
+                raise ContextInUseError(
+                    f"cannot close {self!r}: it is current in thread(s) {users}; leave "
+                    "the `with` blocks (or pop it) in those threads first"
+                )
+            self._release()
+
+    def _release(self) -> None:
+        self.closed = True
+        Context._known.pop(self.handle, None)
+        if self._kind == _OWNED:
+            call(drv.cuCtxDestroy, self._cu, what=f"cuCtxDestroy({self.handle:#x})")
+        elif self._kind == _PRIMARY:
+            if Context._primaries.get(self.device.ordinal) is self:
+                del Context._primaries[self.device.ordinal]
+            call(
+                drv.cuDevicePrimaryCtxRelease,
+                self.device.handle,
+                what=f"cuDevicePrimaryCtxRelease(device={self.device.ordinal})",
+            )
+
+    # --- freeing resources from any thread ----------------------------------------
+
+    def free(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Call a driver free function *in this context*, from whatever thread.
+
+        Used by buffers, streams, events and modules when they are closed or collected:
+        the context is bound for the call (no cost when it already is) so the handle is
+        never freed in whatever context happens to be current. A closed context freed its
+        resources already, and at interpreter exit the process teardown does; both skip.
+        """
+        if self.closed or self._poison is not None or _shutting_down:
+            return
+        if _tls.s.top is self:
+            _check_free(fn(*args), fn)
+            return
+        with self:
+            _check_free(fn(*args), fn)
+
+
+def _check_free(res: Any, fn: Callable[..., Any]) -> None:
+    err = res[0] if isinstance(res, tuple) else res
+    if err:
+        raise _driver.from_result(int(err), getattr(fn, "__name__", "free"))
+
+
+def free_quietly(ctx: Context, fn: Callable[..., Any], *args: Any) -> None:
+    """:meth:`Context.free` for finalizers: never raises (GC must not see exceptions)."""
+    try:
+        ctx.free(fn, *args)
+    except Exception:
+        pass
+
+
+def finalizer(owner: object, ctx: Context, fn: Callable[..., Any], *args: Any) -> weakref.finalize:
+    """Free ``fn(*args)`` in *ctx* when *owner* is collected or the finalizer is called."""
+    fin = weakref.finalize(owner, free_quietly, ctx, fn, *args)
+    fin.atexit = False
+    return fin
+
+
+def require_current(what: str) -> Context:
+    """The current context, or a :class:`NoCurrentContextError` naming the fix.
+
+    Called before operations that the driver would otherwise refuse with
+    ``CUDA_ERROR_INVALID_CONTEXT``.
+    """
+    top = _tls.s.top
+    if top is not None:
+        return top
+    ctx = current_context()
+    if ctx is None:
+        from .registry import no_context_error
+
+        raise no_context_error(what)
+    return ctx

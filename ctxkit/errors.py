@@ -1,0 +1,245 @@
+"""Exception hierarchy of ctxkit and the mapping from a ``CUresult`` code to it.
+
+Every failure of the driver, NVRTC or nvJitLink surfaces as a :class:`CudaError`
+subclass whose message carries the CUDA error name, the driver's explanation and,
+for the errors people meet most, what to do about it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+__all__ = [
+    "CompileError",
+    "ContextClosedError",
+    "ContextInUseError",
+    "ContextPoisonedError",
+    "ContextStackError",
+    "CudaError",
+    "DriverNotFoundError",
+    "ForkError",
+    "LaunchArgumentError",
+    "NoCurrentContextError",
+    "OutOfMemoryError",
+    "error_class_for",
+    "from_result",
+]
+
+
+class CudaError(RuntimeError):
+    """A CUDA driver, NVRTC or nvJitLink call failed.
+
+    Attributes
+    ----------
+    code : int
+        The numeric ``CUresult`` (or library status) value; 0 when no call failed
+        (ctxkit detected the problem itself).
+    name : str
+        The CUDA name of the error, e.g. ``"CUDA_ERROR_INVALID_CONTEXT"``.
+    """
+
+    def __init__(self, message: str, code: int = 0, name: str = "") -> None:
+        super().__init__(message)
+        self.code = int(code)
+        self.name = name
+
+
+class DriverNotFoundError(CudaError):
+    """No usable NVIDIA driver (``libcuda``) or no ``cuda-bindings`` installation."""
+
+
+class NoCurrentContextError(CudaError):
+    """The calling thread has no current context where ctxkit needs one."""
+
+
+class ContextStackError(CudaError):
+    """The thread's context stack is not what ctxkit expected (foreign push/pop)."""
+
+
+class ContextClosedError(CudaError):
+    """A closed context (or an object of one) was used."""
+
+
+class ContextInUseError(CudaError):
+    """A context cannot be closed while it is current in some thread."""
+
+
+class OutOfMemoryError(CudaError, MemoryError):
+    """An allocation did not fit on the device (or in page-locked host memory)."""
+
+
+class CompileError(CudaError):
+    """NVRTC or nvJitLink rejected a program; ``.log`` holds the full compiler log."""
+
+    def __init__(self, message: str, log: str = "", code: int = 0, name: str = "") -> None:
+        super().__init__(message, code, name)
+        self.log = log
+
+
+class ContextPoisonedError(CudaError):
+    """A sticky error (illegal address, trap, ...) left the context unusable."""
+
+
+class ForkError(CudaError):
+    """CUDA was used in a process forked after its parent initialised CUDA."""
+
+
+class LaunchArgumentError(CudaError, TypeError):
+    """Kernel arguments do not match the kernel's parameter list."""
+
+
+# Codes from the CUDA driver API (cuda.h); kept here so the mapping also works
+# (and can be tested) on a machine where the driver library is absent.
+_NOT_INITIALIZED = 3
+_DEINITIALIZED = 4
+_OUT_OF_MEMORY = 2
+_NO_DEVICE = 100
+_INVALID_DEVICE = 101
+_INVALID_CONTEXT = 201
+_CONTEXT_ALREADY_CURRENT = 202
+_CONTEXT_ALREADY_IN_USE = 216
+_PEER_ACCESS_ALREADY_ENABLED = 704
+_CONTEXT_IS_DESTROYED = 709
+_ILLEGAL_ADDRESS = 700
+_LAUNCH_OUT_OF_RESOURCES = 701
+_HARDWARE_STACK_ERROR = 714
+_ILLEGAL_INSTRUCTION = 715
+_MISALIGNED_ADDRESS = 716
+_INVALID_ADDRESS_SPACE = 717
+_INVALID_PC = 718
+_LAUNCH_FAILED = 719
+_UNSUPPORTED_PTX_VERSION = 222
+_NO_BINARY_FOR_GPU = 209
+_INVALID_PTX = 218
+_NOT_FOUND = 500
+_INVALID_HANDLE = 400
+_STUB_LIBRARY = 34
+_INSUFFICIENT_DRIVER = 35
+_ASSERT = 710
+_ECC_UNCORRECTABLE = 214
+
+#: Errors after which the context is corrupt and every later call fails.
+STICKY_CODES = frozenset(
+    {
+        _ILLEGAL_ADDRESS,
+        _HARDWARE_STACK_ERROR,
+        _ILLEGAL_INSTRUCTION,
+        _MISALIGNED_ADDRESS,
+        _INVALID_ADDRESS_SPACE,
+        _INVALID_PC,
+        _LAUNCH_FAILED,
+        _ASSERT,
+        _ECC_UNCORRECTABLE,
+    }
+)
+
+_CLASS_FOR_CODE: dict[int, type[CudaError]] = {
+    _OUT_OF_MEMORY: OutOfMemoryError,
+    _INVALID_CONTEXT: NoCurrentContextError,
+    _CONTEXT_IS_DESTROYED: ContextClosedError,
+    _CONTEXT_ALREADY_IN_USE: ContextInUseError,
+    _STUB_LIBRARY: DriverNotFoundError,
+    _INSUFFICIENT_DRIVER: DriverNotFoundError,
+    **dict.fromkeys(STICKY_CODES, ContextPoisonedError),
+}
+
+_HINTS: dict[int, str] = {
+    _NOT_INITIALIZED: "the driver is not initialised in this process; call ctxkit APIs "
+    "(they initialise it) rather than raw cuda.bindings calls first",
+    _OUT_OF_MEMORY: "free buffers you no longer need (close() them), use smaller chunks, "
+    "or pick a device with more free memory",
+    _NO_DEVICE: "no CUDA device is visible; check nvidia-smi and CUDA_VISIBLE_DEVICES",
+    _INVALID_DEVICE: "use an ordinal in range(ctxkit.device_count())",
+    _INVALID_CONTEXT: "this thread has no current context; use `with ctx:` or "
+    "`with ctxkit.bind(device_or_ctx):` in the thread that does the work",
+    _CONTEXT_IS_DESTROYED: "the context was destroyed; create a new one and reallocate "
+    "its resources",
+    _CONTEXT_ALREADY_IN_USE: "the context is current in another thread in exclusive "
+    "compute mode; share it through ctxkit.registry instead",
+    _UNSUPPORTED_PTX_VERSION: "the PTX came from an NVRTC newer than the driver; compile "
+    "with target='cubin' (or 'auto'), or upgrade the driver",
+    _NO_BINARY_FOR_GPU: "the module has no code for this GPU; compile for its arch "
+    "(ctxkit.compile(..., arch=None) picks the current device)",
+    _INVALID_PTX: "the PTX failed to JIT-compile; see the JIT log in this message",
+    _NOT_FOUND: "the named symbol is not in the module; check the name "
+    '(extern "C" or name_expressions for C++ templates)',
+    _INVALID_HANDLE: "the handle belongs to another context or was already freed; use "
+    "objects inside the context that created them",
+    _STUB_LIBRARY: "libcuda is the toolkit's stub, not a real driver; install the NVIDIA "
+    "driver or fix LD_LIBRARY_PATH",
+    _INSUFFICIENT_DRIVER: "the driver is older than this CUDA runtime; upgrade the driver "
+    "or install the cu12 extra (cuda-bindings 12.x)",
+    _LAUNCH_OUT_OF_RESOURCES: "the launch needs more registers or shared memory than the "
+    "device has per block; use a smaller block",
+    _PEER_ACCESS_ALREADY_ENABLED: "peer access is already on (ctxkit.enable_peer_access is "
+    "idempotent)",
+    _DEINITIALIZED: "the driver is shutting down (interpreter exit)",
+}
+_STICKY_HINT = (
+    "a kernel faulted and the context is poisoned: every later call in it fails; "
+    "destroy it (or reset the primary context / restart the process) and rebuild its "
+    "resources. Run under compute-sanitizer to find the faulting access"
+)
+
+_name_lookup: Callable[[int], tuple[str, str]] | None = None
+_lookup_lock = threading.Lock()
+
+
+def set_name_lookup(lookup: Callable[[int], tuple[str, str]] | None) -> None:
+    """Install the function that turns a code into (name, description).
+
+    ``_driver`` installs one backed by ``cuGetErrorName``/``cuGetErrorString``; without
+    it (no driver) the enum name from cuda-bindings, or a generic name, is used.
+    """
+    global _name_lookup
+    with _lookup_lock:
+        _name_lookup = lookup
+
+
+def describe(code: int) -> tuple[str, str]:
+    """Return ``(name, explanation)`` for a ``CUresult`` code."""
+    lookup = _name_lookup
+    if lookup is not None:
+        try:
+            return lookup(code)
+        except Exception:
+            pass
+    return f"CUresult {code}", ""
+
+
+def hint_for(code: int) -> str:
+    """Return the "what to do" sentence for *code* (empty when there is none)."""
+    if code in STICKY_CODES:
+        return _STICKY_HINT
+    return _HINTS.get(code, "")
+
+
+def error_class_for(code: int) -> type[CudaError]:
+    """Return the :class:`CudaError` subclass that represents *code*."""
+    return _CLASS_FOR_CODE.get(int(code), CudaError)
+
+
+def from_result(code: int, what: str = "", detail: str = "") -> CudaError:
+    """Build the exception for a failed call.
+
+    Parameters
+    ----------
+    code : int
+        The non-zero ``CUresult``.
+    what : str
+        The call that failed, with the arguments worth showing.
+    detail : str
+        Extra context (JIT log, thread, device), appended as is.
+    """
+    code = int(code)
+    name, text = describe(code)
+    parts = [f"{what} failed: {name}" if what else name]
+    if text:
+        parts[0] += f" ({text})"
+    hint = hint_for(code)
+    if hint:
+        parts.append(f"Fix: {hint}.")
+    if detail:
+        parts.append(detail)
+    return error_class_for(code)("\n".join(parts), code, name)
