@@ -115,7 +115,7 @@ _INVALID_PTX = 218
 _NOT_FOUND = 500
 _INVALID_HANDLE = 400
 _STUB_LIBRARY = 34
-_INSUFFICIENT_DRIVER = 35
+_REQUIRES_NEWER_DRIVER = 36
 _ASSERT = 710
 _ECC_UNCORRECTABLE = 214
 
@@ -140,7 +140,7 @@ _CLASS_FOR_CODE: dict[int, type[CudaError]] = {
     _CONTEXT_IS_DESTROYED: ContextClosedError,
     _CONTEXT_ALREADY_IN_USE: ContextInUseError,
     _STUB_LIBRARY: DriverNotFoundError,
-    _INSUFFICIENT_DRIVER: DriverNotFoundError,
+    _REQUIRES_NEWER_DRIVER: DriverNotFoundError,
     **dict.fromkeys(STICKY_CODES, ContextPoisonedError),
 }
 
@@ -168,8 +168,8 @@ _HINTS: dict[int, str] = {
     "objects inside the context that created them",
     _STUB_LIBRARY: "libcuda is the toolkit's stub, not a real driver; install the NVIDIA "
     "driver or fix LD_LIBRARY_PATH",
-    _INSUFFICIENT_DRIVER: "the driver is older than this CUDA runtime; upgrade the driver "
-    "or install the cu12 extra (cuda-bindings 12.x)",
+    _REQUIRES_NEWER_DRIVER: "this call needs a newer driver than the installed one; upgrade "
+    "the driver or install the cu12 extra (cuda-bindings 12.x)",
     _LAUNCH_OUT_OF_RESOURCES: "the launch needs more registers or shared memory than the "
     "device has per block; use a smaller block",
     _PEER_ACCESS_ALREADY_ENABLED: "peer access is already on (ctxkit.enable_peer_access is "
