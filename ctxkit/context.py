@@ -270,8 +270,8 @@ class Context:
         stack = st.stack
         if not stack or stack[-1][0] is not self:
             raise self._order_error(stack)
-        _ctx, prev, pushed = stack.pop()
-        if not pushed:
+        entry = stack.pop()
+        if not entry[2]:
             return
         err, popped = drv.cuCtxPopCurrent()
         if err:
@@ -279,8 +279,8 @@ class Context:
             raise self._error(err, "cuCtxPopCurrent")
         got = int(popped)
         if got != self.handle:
-            self._restore_foreign(st, popped, got)
-        st.top = prev
+            self._restore_foreign(st, entry, popped, got)
+        st.top = entry[1]
 
     def push(self) -> None:
         """Make this context current in the calling thread (pair with :meth:`pop`)."""
@@ -310,18 +310,34 @@ class Context:
             )
         return ContextStackError(msg)
 
-    def _restore_foreign(self, st: _PerThread, popped: Any, got: int) -> None:
-        """Put back a context ctxkit did not push, then report the foreign change."""
-        if got:
-            drv.cuCtxPushCurrent(popped)
+    def _restore_foreign(
+        self, st: _PerThread, entry: tuple[Context, Context | None, bool], popped: Any, got: int
+    ) -> None:
+        """Put back a context ctxkit did not push, then report the foreign change.
+
+        If foreign code pushed on top of this context, this context is still on the
+        driver's stack beneath it, so ctxkit keeps its record: once the foreign code pops
+        its context, ``ctx.pop()`` completes. If foreign code popped this context, the
+        record is dropped.
+        """
+        drv.cuCtxPushCurrent(popped)
         st.top = None
+        prev = entry[1]
+        popped_ours = prev is not None and got == prev.handle
+        where = threading.current_thread().name
+        if popped_ours:
+            detail = "foreign code popped this context inside the block"
+        else:
+            st.stack.append(entry)
+            detail = (
+                "foreign code pushed a context inside the block and did not pop it; this "
+                "context is still beneath it: pop the foreign context, then call ctx.pop()"
+            )
         raise ContextStackError(
-            f"context stack changed under ctxkit in thread "
-            f"{threading.current_thread().name!r}: expected to pop {self.handle:#x} "
-            f"({self._kind}, device {self.device.ordinal}) but the top was {got:#x}. "
-            "Some code pushed or popped a context inside this block without undoing it; "
-            "ctxkit restored that context and did not pop it. Make every push/pop inside "
-            "the block balanced."
+            f"context stack changed under ctxkit in thread {where!r}: expected to pop "
+            f"{self.handle:#x} ({self._kind}, device {self.device.ordinal}) but the top was "
+            f"{got:#x}; {detail}. ctxkit put {got:#x} back and did not pop it. Keep every "
+            "push/pop inside a ctxkit block balanced."
         )
 
     # --- lifetime ------------------------------------------------------------------

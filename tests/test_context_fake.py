@@ -93,10 +93,13 @@ def test_foreign_push_inside_block_raises_and_keeps_foreign(fake_driver):
     with pytest.raises(ck.ContextStackError, match="expected to pop") as ei, ctx:
         fake_driver.stack().append(foreign)  # raw push without pop
     assert f"{ctx.handle:#x}" in str(ei.value) and "0xf00" in str(ei.value)
-    # ctxkit did not pop the foreign context: it is still on top
+    # ctxkit did not pop the foreign context: it is still on top, ours beneath it
     assert fake_driver.current() == 0xF00
-    assert thread_state().stack == []
     assert thread_state().top is None
+    assert [e[0] for e in thread_state().stack] == [ctx]
+    fake_driver.stack().pop()  # the foreign code balances its push
+    ctx.pop()  # and ctxkit's record completes
+    assert fake_driver.current() == 0 and thread_state().stack == []
 
 
 def test_foreign_pop_inside_block_raises(fake_driver):

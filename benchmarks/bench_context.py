@@ -1,0 +1,184 @@
+"""Context switching and registry costs: ctxkit vs raw cuda.bindings, measured in one run.
+
+    PYTHONPATH=. python3 benchmarks/bench_context.py [--quick]
+
+Prints per-operation microseconds and SUMMARY lines with the targets of issues 2 and 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import ctxkit as ck
+from ctxkit._driver import drv
+
+
+def best_us(fn: Callable[[int], None], n: int, repeats: int = 5) -> float:
+    """Best per-iteration time in microseconds of ``fn(n)`` over *repeats* runs."""
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn(n)
+        best = min(best, time.perf_counter() - t0)
+    return best / n * 1e6
+
+
+def raw_pair(cu: object) -> Callable[[int], None]:
+    push, pop = drv.cuCtxPushCurrent, drv.cuCtxPopCurrent
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            (err,) = push(cu)
+            if err:
+                raise RuntimeError(err)
+            err, _c = pop()
+            if err:
+                raise RuntimeError(err)
+
+    return run
+
+
+def with_ctx(ctx: ck.Context) -> Callable[[int], None]:
+    def run(n: int) -> None:
+        for _ in range(n):
+            with ctx:
+                pass
+
+    return run
+
+
+def with_bind(target: ck.Context) -> Callable[[int], None]:
+    bind = ck.bind
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            with bind(target):
+                pass
+
+    return run
+
+
+def empty_loop(n: int) -> None:
+    for _ in range(n):
+        pass
+
+
+def summary(name: str, value: float, unit: str, target: str, ok: bool) -> None:
+    print(f"SUMMARY {name} {value:.2f}{unit} (target {target}) {'PASS' if ok else 'FAIL'}")
+
+
+def bench_switching(n: int) -> None:
+    ctx = ck.registry.context(0)
+    base = best_us(empty_loop, n)
+    raw = best_us(raw_pair(ctx._cu), n) - base
+    enter = best_us(with_ctx(ctx), n) - base
+    bind_cold = best_us(with_bind(ctx), n) - base
+    with ctx:
+        reenter = best_us(with_ctx(ctx), n) - base
+        bind_hot = best_us(with_bind(ctx), n) - base
+    print(f"raw cuCtxPushCurrent+cuCtxPopCurrent : {raw:.3f} us")
+    print(f"with ctx: (not current)              : {enter:.3f} us  ({enter / raw:.2f}x raw)")
+    print(f"with ctx: (already current)          : {reenter:.3f} us")
+    print(
+        f"with ck.bind(ctx): (not current)     : {bind_cold:.3f} us  ({bind_cold / raw:.2f}x raw)"
+    )
+    print(f"with ck.bind(ctx): (already current) : {bind_hot:.3f} us")
+    summary("context.with_vs_raw_pair", enter / raw, "x", "<= 1.30x", enter / raw <= 1.3)
+    summary("context.reenter_us", reenter, "us", "<= 0.30us", reenter <= 0.3)
+    summary("registry.bind_cold_vs_raw", bind_cold / raw, "x", "<= 1.30x", bind_cold / raw <= 1.3)
+    summary("registry.bind_hot_us", bind_hot, "us", "<= 0.30us", bind_hot <= 0.3)
+
+
+def _empty_kernel() -> tuple[ck.Kernel, bytes]:
+    from ctxkit.compiler import kernel_source
+
+    obj = ck.compile(kernel_source("empty.cu"), name="empty.cu")
+    kernel = ck.Module.load(obj).function("empty")
+    return kernel, obj.code
+
+
+def _raw_thread_launches(ctx: ck.Context, cubin: bytes, n: int) -> None:
+    """A raw cuda.bindings worker: push, load, launch n times, sync, pop."""
+    (err,) = drv.cuCtxPushCurrent(ctx._cu)
+    assert not err
+    try:
+        err, mod = drv.cuModuleLoadData(cubin)
+        assert not err, err
+        err, fn = drv.cuModuleGetFunction(mod, b"empty")
+        assert not err, err
+        a = ctypes.c_void_p(0)
+        b = ctypes.c_int(0)
+        params = (ctypes.c_void_p * 2)(ctypes.addressof(a), ctypes.addressof(b))
+        addr = ctypes.addressof(params)
+        err, stream = drv.cuStreamCreate(1)
+        assert not err
+        for _ in range(n):
+            (err,) = drv.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, stream, addr, 0)
+            if err:
+                raise RuntimeError(err)
+        drv.cuStreamSynchronize(stream)
+        drv.cuStreamDestroy(stream)
+        drv.cuModuleUnload(mod)
+    finally:
+        drv.cuCtxPopCurrent()
+
+
+def _ctxkit_task(kernel: ck.Kernel, n: int) -> None:
+    stream = ck.Stream()
+    for _ in range(n):
+        kernel.launch(1, 32, 0, 0, stream=stream)
+    stream.synchronize()
+
+
+def bench_thread_throughput(per_thread: int) -> None:
+    try:
+        kernel, cubin = _empty_kernel()
+    except Exception as exc:  # compiler/module not available: report, don't hide
+        print(f"thread throughput skipped: {exc!r}")
+        return
+    ctx = ck.registry.context(0)
+    print("threads | raw launches/s | ctxkit ContextExecutor launches/s | ratio")
+    worst = float("inf")
+    for nthreads in (1, 4, 8):
+        t0 = time.perf_counter()
+        threads = [
+            threading.Thread(target=_raw_thread_launches, args=(ctx, cubin, per_thread))
+            for _ in range(nthreads)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        raw_rate = nthreads * per_thread / (time.perf_counter() - t0)
+        with ck.ContextExecutor(ctx, max_workers=nthreads) as ex:
+            ex.submit(int).result()  # start-up outside the timing
+            t0 = time.perf_counter()
+            futs = [ex.submit(_ctxkit_task, kernel, per_thread) for _ in range(nthreads)]
+            for f in futs:
+                f.result()
+            ck_rate = nthreads * per_thread / (time.perf_counter() - t0)
+        ratio = ck_rate / raw_rate
+        worst = min(worst, ratio)
+        print(f"{nthreads:7d} | {raw_rate:14,.0f} | {ck_rate:33,.0f} | {ratio:.2f}")
+    summary("registry.executor_vs_raw_threads", worst, "x", ">= 0.90x (not slower)", worst >= 0.9)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args(argv)
+    if ck.device_count() == 0:
+        print("bench_context: no GPU: no CUDA device/driver on this machine", file=sys.stderr)
+        return 2
+    bench_switching(50_000 if args.quick else 300_000)
+    bench_thread_throughput(2_000 if args.quick else 10_000)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
