@@ -36,34 +36,30 @@ _PRIMARY = "primary"
 _FOREIGN = "foreign"
 
 
-class _PerThread:
-    """What ctxkit pushed in one thread: ``top`` and a stack of (ctx, previous top, pushed)."""
 
-    __slots__ = ("__weakref__", "name", "stack", "thread", "top")
+class _Local(threading.local):
+    """Per-thread record of what ctxkit pushed.
+
+    ``top`` is the context ctxkit believes current (``None``: unknown or none);
+    ``stack`` holds one entry per open ``with``/push: ``(ctx, previous top)`` for a real
+    push, or the context itself for a re-entry that cost no driver call.
+    """
+
+    top: Context | None
+    stack: list[Any]
 
     def __init__(self) -> None:
         t = threading.current_thread()
-        self.thread = weakref.ref(t)
-        self.name = t.name
-        self.top: Context | None = None
-        self.stack: list[tuple[Context, Context | None, bool]] = []
-
-
-_all_threads: dict[int, _PerThread] = {}
-_all_lock = threading.Lock()
-
-
-class _Local(threading.local):
-    s: _PerThread
-
-    def __init__(self) -> None:
-        self.s = _PerThread()
+        self.top = None
+        self.stack = []
         with _all_lock:
-            _all_threads[threading.get_ident()] = self.s
-            for ident in [i for i, st in _all_threads.items() if st.thread() is None]:
+            _all_threads[threading.get_ident()] = (weakref.ref(t), t.name, self.stack)
+            for ident in [i for i, v in _all_threads.items() if v[0]() is None]:
                 del _all_threads[ident]
 
 
+_all_threads: dict[int, tuple[weakref.ref[threading.Thread], str, list[Any]]] = {}
+_all_lock = threading.Lock()
 _tls = _Local()
 _shutting_down = False
 
@@ -76,9 +72,18 @@ def _mark_shutdown() -> None:
 atexit.register(_mark_shutdown)
 
 
-def thread_state() -> _PerThread:
+def thread_state() -> _Local:
     """This thread's ctxkit context bookkeeping (internal)."""
-    return _tls.s
+    return _tls
+
+
+def entry_context(entry: Any) -> Context:
+    """The context of a ``thread_state().stack`` entry."""
+    return entry[0] if type(entry) is tuple else entry
+
+
+def _pushed_contexts(stack: list[Any]) -> list[Context]:
+    return [e[0] for e in list(stack) if type(e) is tuple]
 
 
 def thread_bindings() -> dict[str, list[Context]]:
@@ -89,18 +94,18 @@ def thread_bindings() -> dict[str, list[Context]]:
     with _all_lock:
         states = list(_all_threads.items())
     out: dict[str, list[Context]] = {}
-    for ident, st in states:
-        if st.thread() is None:
+    for ident, (ref, name, stack) in states:
+        if ref() is None:
             continue
-        ctxs = [c for c, _prev, pushed in list(st.stack) if pushed]
+        ctxs = _pushed_contexts(stack)
         if ctxs:
-            out[f"{st.name} ({ident})"] = ctxs
+            out[f"{name} ({ident})"] = ctxs
     return out
 
 
 def current_handle() -> int:
     """Handle of this thread's current context according to the driver (0 when none)."""
-    top = _tls.s.top
+    top = _tls.top
     if top is not None:
         return top.handle
     _driver.init()
@@ -252,27 +257,34 @@ class Context:
     # --- push / pop ----------------------------------------------------------------
 
     def __enter__(self) -> Context:
-        st = _tls.s
+        st = _tls
         if st.top is self:
-            st.stack.append((self, self, False))
+            st.stack.append(self)
             return self
+        return self._push(st)
+
+    def __exit__(self, et: object, ev: object, tb: object) -> None:
+        stack = _tls.stack
+        if stack and stack[-1] is self:
+            stack.pop()
+            return
+        self._pop(_tls)
+
+    def _push(self, st: _Local) -> Context:
         if self.closed or self._poison is not None:
             self._raise_unusable()
         (err,) = drv.cuCtxPushCurrent(self._cu)
         if err:
             raise self._error(err, "cuCtxPushCurrent")
-        st.stack.append((self, st.top, True))
+        st.stack.append((self, st.top))
         st.top = self
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        st = _tls.s
+    def _pop(self, st: _Local) -> None:
         stack = st.stack
-        if not stack or stack[-1][0] is not self:
+        if not stack or entry_context(stack[-1]) is not self:
             raise self._order_error(stack)
         entry = stack.pop()
-        if not entry[2]:
-            return
         err, popped = drv.cuCtxPopCurrent()
         if err:
             st.top = None
@@ -297,8 +309,8 @@ class Context:
         """
         self.__exit__(None, None, None)
 
-    def _order_error(self, stack: list[tuple[Context, Context | None, bool]]) -> ContextStackError:
-        inner = stack[-1][0] if stack else None
+    def _order_error(self, stack: list[Any]) -> ContextStackError:
+        inner = entry_context(stack[-1]) if stack else None
         where = threading.current_thread().name
         if inner is None:
             msg = f"pop of {self!r} in thread {where!r}, but ctxkit pushed nothing here"
@@ -311,7 +323,7 @@ class Context:
         return ContextStackError(msg)
 
     def _restore_foreign(
-        self, st: _PerThread, entry: tuple[Context, Context | None, bool], popped: Any, got: int
+        self, st: _Local, entry: tuple[Context, Context | None], popped: Any, got: int
     ) -> None:
         """Put back a context ctxkit did not push, then report the foreign change.
 
@@ -397,13 +409,11 @@ class Context:
     def _current_elsewhere(self) -> list[str]:
         with _all_lock:
             states = list(_all_threads.values())
-        names = []
-        for st in states:
-            if st.thread() is None:
-                continue
-            if any(c is self and pushed for c, _p, pushed in list(st.stack)):
-                names.append(st.name)
-        return names
+        return [
+            name
+            for ref, name, stack in states
+            if ref() is not None and any(c is self for c in _pushed_contexts(stack))
+        ]
 
     def close(self) -> None:
         """Destroy an owned context / release a primary one. Idempotent.
@@ -457,7 +467,7 @@ class Context:
         """
         if self.closed or self._poison is not None or _shutting_down:
             return
-        if _tls.s.top is self:
+        if _tls.top is self:
             _check_free(fn(*args), fn)
             return
         with self:
@@ -491,7 +501,7 @@ def require_current(what: str) -> Context:
     Called before operations that the driver would otherwise refuse with
     ``CUDA_ERROR_INVALID_CONTEXT``.
     """
-    top = _tls.s.top
+    top = _tls.top
     if top is not None:
         return top
     ctx = current_context()

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from typing import Any, ParamSpec, TypeVar
 
-from .context import Context, current_handle, thread_bindings, thread_state
+from .context import Context, current_handle, entry_context, thread_bindings, thread_state
 from .device import Device
 from .errors import NoCurrentContextError
 
@@ -348,7 +348,7 @@ class ContextExecutor(Executor):
     def _repair(st: Any, depth: int) -> None:
         """A task left contexts pushed: pop them so the next task starts clean."""
         while len(st.stack) > depth:
-            st.stack[-1][0].pop()
+            entry_context(st.stack[-1]).pop()
 
     def _drain_with(self, exc: BaseException) -> None:
         while True:

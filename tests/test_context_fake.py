@@ -96,7 +96,7 @@ def test_foreign_push_inside_block_raises_and_keeps_foreign(fake_driver):
     # ctxkit did not pop the foreign context: it is still on top, ours beneath it
     assert fake_driver.current() == 0xF00
     assert thread_state().top is None
-    assert [e[0] for e in thread_state().stack] == [ctx]
+    assert [context_mod.entry_context(e) for e in thread_state().stack] == [ctx]
     fake_driver.stack().pop()  # the foreign code balances its push
     ctx.pop()  # and ctxkit's record completes
     assert fake_driver.current() == 0 and thread_state().stack == []
