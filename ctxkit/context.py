@@ -36,7 +36,6 @@ _PRIMARY = "primary"
 _FOREIGN = "foreign"
 
 
-
 class _Local(threading.local):
     """Per-thread record of what ctxkit pushed.
 
@@ -64,12 +63,13 @@ _tls = _Local()
 _shutting_down = False
 
 
-def _mark_shutdown() -> None:
+def begin_shutdown() -> None:
+    """Interpreter exit: from now on frees are skipped (the process teardown frees)."""
     global _shutting_down
     _shutting_down = True
 
 
-atexit.register(_mark_shutdown)
+atexit.register(begin_shutdown)
 
 
 def thread_state() -> _Local:

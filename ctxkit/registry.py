@@ -13,14 +13,17 @@ context is per thread. ctxkit's answer:
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from typing import Any, ParamSpec, TypeVar
 
+from . import context as _context
 from .context import Context, current_handle, entry_context, thread_bindings, thread_state
 from .device import Device
 from .errors import NoCurrentContextError
@@ -298,6 +301,7 @@ class ContextExecutor(Executor):
         if blas_threads is not None:
             _blas_acquire(blas_threads)
         self._blas_held = blas_threads is not None
+        _live_executors.add(self)
 
     def submit(self, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> Future[R]:
         """Schedule ``fn(*args, **kwargs)`` on a worker with the context current."""
@@ -390,3 +394,30 @@ class ContextExecutor(Executor):
 
     def __repr__(self) -> str:
         return f"<ContextExecutor {self.context!r} workers={self.max_workers}>"
+
+
+_live_executors: weakref.WeakSet[ContextExecutor] = weakref.WeakSet()
+
+
+def _at_exit() -> None:
+    """Finish live executors' queued work, then release what the registry created.
+
+    Contexts still current in some thread are left to the process teardown; nothing here
+    may raise or print.
+    """
+    for ex in list(_live_executors):
+        try:
+            ex.shutdown(wait=True)
+        except Exception:
+            pass
+    _context.begin_shutdown()
+    with registry._lock:
+        created, registry._created = registry._created, []
+    for ctx in reversed(created):
+        try:
+            ctx.close()
+        except Exception:
+            pass
+
+
+atexit.register(_at_exit)
