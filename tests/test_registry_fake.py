@@ -252,3 +252,26 @@ def test_stress_random_nested_binds_match_driver(fake_driver):
     for t in threads:
         t.join()
     assert mismatches == []
+
+
+def test_at_exit_finishes_executors_and_releases_registry_contexts(fake_driver, monkeypatch):
+    import sys
+
+    from ctxkit import context as context_mod
+    from ctxkit import registry as _unused  # noqa: F401
+
+    reg_mod = sys.modules["ctxkit.registry"]
+    monkeypatch.setattr(context_mod, "_shutting_down", False)
+    monkeypatch.setattr(reg_mod, "_live_executors", reg_mod.weakref.WeakSet())
+    reg = _reg()
+    c0, c1 = reg.context(0), reg.context(1)
+    ex = ContextExecutor(c0, max_workers=2)
+    done = []
+    ex.submit(done.append, 1)
+    c1.push()  # still current in this thread at exit: left to the process teardown
+    reg_mod._at_exit()
+    assert done == [1]
+    assert ex._shutdown
+    assert c0.closed and not c1.closed
+    assert context_mod._shutting_down
+    c1.pop()
