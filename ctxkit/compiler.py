@@ -1,0 +1,971 @@
+"""Run-time compilation: NVRTC programs, the on-disk kernel cache, nvJitLink, ``ptx/``.
+
+``compile(source)`` turns CUDA C++ into an :class:`ObjectCode` for the device of the
+current context: a cubin by default (loads with no JIT, whatever the NVRTC/driver
+versions), PTX when asked for. Results are cached on disk (see
+:mod:`ctxkit._compile_cache`) and in memory, so a second process gets the compiled
+kernel without loading NVRTC at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import sys
+import threading
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from . import _compile_cache as _cache
+from . import _driver
+from .errors import CompileError, DriverNotFoundError
+
+__all__ = [
+    "ObjectCode",
+    "Program",
+    "PtxVersionWarning",
+    "cache_dir",
+    "clear_cache",
+    "cli_compile",
+    "compile",
+    "cuda_include_dirs",
+    "detect_target",
+    "kernel_names",
+    "kernel_path",
+    "kernel_source",
+    "link_ptx",
+    "normalize_arch",
+    "nvrtc_version",
+    "supported_archs",
+]
+
+TARGETS = ("auto", "ptx", "cubin", "fatbin")
+_INSTALL_HINT = "install it with `pip install ctxkit[cu13]` (or [cu12] for a CUDA 12 driver)"
+_FATBIN_MAGIC = b"\x50\xed\x55\xba"
+
+
+class PtxVersionWarning(UserWarning):
+    """PTX was produced by an NVRTC newer than the driver, which will refuse to load it."""
+
+
+# --- NVRTC library ------------------------------------------------------------------
+
+
+def _nvrtc() -> ModuleType:
+    try:
+        from cuda.bindings import nvrtc
+    except Exception as exc:
+        raise CompileError(f"NVRTC bindings are not available ({exc!r}); {_INSTALL_HINT}") from None
+    return nvrtc
+
+
+@lru_cache(maxsize=1)
+def nvrtc_version() -> tuple[int, int]:
+    """The NVRTC version as ``(major, minor)`` (loads the NVRTC library).
+
+    Raises
+    ------
+    CompileError
+        NVRTC is not installed.
+    """
+    nvrtc = _nvrtc()
+    try:
+        err, major, minor = nvrtc.nvrtcVersion()
+    except Exception as exc:
+        raise CompileError(
+            f"the NVRTC library could not be loaded ({exc}); {_INSTALL_HINT}"
+        ) from None
+    _check(err, "nvrtcVersion")
+    return int(major), int(minor)
+
+
+@lru_cache(maxsize=1)
+def supported_archs() -> tuple[int, ...]:
+    """The real architectures this NVRTC compiles for, e.g. ``(75, 80, ..., 90, 100, 120)``."""
+    nvrtc = _nvrtc()
+    nvrtc_version()
+    err, archs = nvrtc.nvrtcGetSupportedArchs()
+    _check(err, "nvrtcGetSupportedArchs")
+    return tuple(sorted(int(a) for a in archs))
+
+
+def _result_name(err: Any) -> str:
+    return getattr(err, "name", None) or f"nvrtcResult {int(err)}"
+
+
+def _check(err: Any, what: str) -> None:
+    if err:
+        raise CompileError(
+            f"{what} failed: {_result_name(err)}", code=int(err), name=_result_name(err)
+        )
+
+
+def _versions_line() -> str:
+    drv = _driver.driver_version()
+    drv_text = f"driver CUDA {drv[0]}.{drv[1]}" if drv else "no driver"
+    try:
+        nv = nvrtc_version()
+        nv_text = f"NVRTC {nv[0]}.{nv[1]}"
+    except CompileError:
+        nv_text = "NVRTC unavailable"
+    return f"{nv_text}, {drv_text}, cuda-bindings {'.'.join(map(str, _driver.BINDINGS_VERSION))}"
+
+
+# --- architectures ------------------------------------------------------------------
+
+_ARCH_RE = re.compile(r"^(?:sm_|compute_|lto_)?(\d{2,3})([af]?)$")
+
+
+def normalize_arch(arch: Any) -> str:
+    """``"sm_XY"`` for an arch given as ``"sm_90"``, ``"compute_90"``, ``"90"``, ``"9.0"``,
+    ``(9, 0)``, ``90`` or a :class:`~ctxkit.Device`; arch-specific suffixes stay (``"sm_90a"``).
+
+    Raises
+    ------
+    ValueError
+        The value does not name an architecture.
+    """
+    if hasattr(arch, "compute_capability"):
+        arch = arch.compute_capability
+    if isinstance(arch, tuple) and len(arch) == 2 and all(isinstance(v, int) for v in arch):
+        return f"sm_{arch[0]}{arch[1]}"
+    if isinstance(arch, int) and not isinstance(arch, bool) and arch > 0:
+        return f"sm_{arch}"
+    if isinstance(arch, str):
+        text = arch.strip().lower()
+        if re.fullmatch(r"\d+\.\d", text):
+            text = text.replace(".", "")
+        m = _ARCH_RE.match(text)
+        if m:
+            return f"sm_{m.group(1)}{m.group(2)}"
+    raise ValueError(
+        f"cannot understand arch={arch!r}; use a string like 'sm_90', a (major, minor) tuple "
+        "or a ctxkit.Device"
+    )
+
+
+def _arch_number(arch: str) -> int:
+    m = _ARCH_RE.match(arch)
+    assert m is not None
+    return int(m.group(1))
+
+
+def _default_arch() -> str:
+    """The arch of the current context's device, else device 0's."""
+    from .context import current_context
+    from .device import Device, device_count
+
+    try:
+        ctx = current_context()
+    except DriverNotFoundError as exc:
+        raise ValueError(_no_gpu_arch_message(str(exc))) from None
+    if ctx is not None:
+        return ctx.device.arch
+    if device_count() == 0:
+        raise ValueError(_no_gpu_arch_message("the driver reports no CUDA device"))
+    return Device(0).arch
+
+
+def _no_gpu_arch_message(reason: str) -> str:
+    return (
+        f"arch=None means 'the current device', but there is no GPU here ({reason}). "
+        "Pass the target architecture explicitly, e.g. compile(src, arch='sm_90') "
+        "(python -m ctxkit compile --arch sm_90)"
+    )
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What NVRTC is asked for once arch and target are resolved."""
+
+    arch: str  # the arch asked for, normalised
+    build_arch: str  # what NVRTC compiles for (capped to what it supports)
+    target: str  # "ptx" | "cubin" | "fatbin"
+    note: str  # explains a capped arch / a PTX fallback (goes into the log)
+
+
+def _plan(arch: str, target: str) -> _Plan:
+    supported = supported_archs()
+    num = _arch_number(arch)
+    if num in supported:
+        return _Plan(arch, arch, "cubin" if target == "auto" else target, "")
+    lower = [a for a in supported if a < num]
+    nv = "{}.{}".format(*nvrtc_version())
+    span = f"sm_{supported[0]}..sm_{supported[-1]}"
+    if not lower:
+        raise ValueError(
+            f"NVRTC {nv} cannot compile for {arch} (it supports {span}); use an NVRTC that "
+            "still supports this GPU (e.g. the cu12 extra of ctxkit)"
+        )
+    capped = f"sm_{lower[-1]}"
+    same_major = lower[-1] // 10 == num // 10
+    if target == "auto":
+        target = "cubin" if same_major else "ptx"
+    elif target in ("cubin", "fatbin") and not same_major:
+        raise ValueError(
+            f"NVRTC {nv} cannot make a {target} for {arch} (it supports {span}), and a "
+            f"{capped} cubin does not run on {arch}; use target='ptx' or 'auto' (PTX for "
+            f"{capped.replace('sm_', 'compute_')}, JIT-compiled by the driver)"
+        )
+    built = capped if target != "ptx" else capped.replace("sm_", "compute_")
+    note = (
+        f"ctxkit: {arch} is newer than NVRTC {nv} supports ({span}); compiled "
+        f"{target} for {built} instead"
+        + (" (the driver JIT-compiles the PTX for the device)" if target == "ptx" else "")
+    )
+    return _Plan(arch, capped, target, note)
+
+
+def _warn_if_ptx_too_new(nvrtc: tuple[int, int] | None, stacklevel: int) -> None:
+    drv = _driver.driver_version()
+    if nvrtc is None or drv is None or tuple(nvrtc) <= drv:
+        return
+    warnings.warn(
+        f"PTX from NVRTC {nvrtc[0]}.{nvrtc[1]} will not load on this driver (CUDA "
+        f"{drv[0]}.{drv[1]}): it refuses newer PTX with CUDA_ERROR_UNSUPPORTED_PTX_VERSION. "
+        "Compile with target='auto' or 'cubin' (no JIT needed), or upgrade the driver.",
+        PtxVersionWarning,
+        stacklevel=stacklevel + 1,
+    )
+
+
+# --- headers ------------------------------------------------------------------------
+
+_INCLUDE_RE = re.compile(r"^[ \t]*#[ \t]*include\b", re.MULTILINE)
+
+
+@lru_cache(maxsize=1)
+def cuda_include_dirs() -> tuple[str, ...]:
+    """Directories holding the CUDA headers (``cuda_fp16.h``, ``cuda/std/...``).
+
+    Found with cuda-pathfinder: the ``nvidia-cuda-runtime`` and ``nvidia-cuda-cccl``
+    wheels (installed by ``ctxkit[cu13]``), conda, or a CUDA toolkit (``CUDA_HOME``).
+    Added to every compile whose source includes anything.
+    """
+    dirs: list[str] = []
+    try:
+        from cuda.pathfinder import find_nvidia_header_directory
+    except Exception:
+        find_nvidia_header_directory = None
+    for lib in ("cudart", "cccl"):
+        found = None
+        if find_nvidia_header_directory is not None:
+            try:
+                found = find_nvidia_header_directory(lib)
+            except Exception:
+                found = None
+        if found and found not in dirs:
+            dirs.append(found)
+    if not dirs:
+        for var in ("CUDA_PATH", "CUDA_HOME"):
+            root = os.environ.get(var)
+            if root and os.path.isdir(os.path.join(root, "include")):
+                dirs.append(os.path.join(root, "include"))
+                break
+    return tuple(dirs)
+
+
+def _cuda_dirs_fingerprint(dirs: Sequence[str]) -> list[Any]:
+    out = []
+    for d in dirs:
+        canary = next(
+            (
+                os.path.join(d, f)
+                for f in ("cuda_runtime.h", "cuda/std/version")
+                if os.path.isfile(os.path.join(d, f))
+            ),
+            d,
+        )
+        st = os.stat(canary)
+        out.append([d, st.st_size, st.st_mtime_ns])
+    return out
+
+
+# --- object code --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ObjectCode:
+    """Compiled device code, ready for ``ctxkit.Module.load``.
+
+    Attributes
+    ----------
+    code : bytes
+        The image: PTX text (NUL-terminated, as ``cuModuleLoadData`` wants), cubin or fatbin.
+    target : {"ptx", "cubin", "fatbin"}
+    arch : str
+        ``"sm_XY"`` for cubin/fatbin, ``"compute_XY"`` for PTX.
+    log : str
+        NVRTC warnings (and ctxkit notes, e.g. a capped arch); empty when clean.
+    ptx : str or None
+        The PTX text, also kept next to a cubin so entry signatures can be parsed.
+    lowered_names : dict
+        Name expression (``"axpy<float>"``) -> mangled kernel name.
+    name : str
+        The program name (the file name in compiler messages).
+    options : tuple of str
+        The NVRTC options used.
+    nvrtc_version : tuple or None
+        ``(major, minor)`` of the NVRTC that compiled it.
+    from_cache : bool
+        True when the code came from the on-disk or in-memory cache.
+    """
+
+    code: bytes
+    target: str
+    arch: str
+    log: str = ""
+    ptx: str | None = None
+    lowered_names: Mapping[str, str] = field(default_factory=dict)
+    name: str = "kernel.cu"
+    options: tuple[str, ...] = ()
+    nvrtc_version: tuple[int, int] | None = None
+    from_cache: bool = field(default=False, compare=False)
+
+    def __repr__(self) -> str:
+        src = " cached" if self.from_cache else ""
+        return f"<ObjectCode {self.name!r} {self.target} {self.arch} {len(self.code)} bytes{src}>"
+
+    def lowered_name(self, expression: str) -> str:
+        """The mangled name of a name expression given at compile time."""
+        try:
+            return self.lowered_names[expression]
+        except KeyError:
+            known = sorted(self.lowered_names) or "none"
+            raise KeyError(
+                f"{expression!r} was not a name expression of {self.name!r} (given: {known}); "
+                "pass it in name_expressions= when compiling"
+            ) from None
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write :attr:`code` to *path* (PTX without its NUL terminator); returns the path."""
+        p = Path(path)
+        p.write_bytes(self.code.rstrip(b"\0") if self.target == "ptx" else self.code)
+        return p
+
+    @classmethod
+    def from_bytes(cls, data: bytes, name: str = "<bytes>", arch: str = "") -> ObjectCode:
+        """Wrap an existing PTX/cubin/fatbin image (kind detected from its contents)."""
+        target = detect_target(data)
+        ptx = None
+        if target == "ptx":
+            ptx = bytes(data).rstrip(b"\0").decode("utf-8", "replace")
+            data = ptx.encode() + b"\0"
+            if not arch:
+                m = re.search(r"^\s*\.target\s+(\w+)", ptx, re.MULTILINE)
+                arch = m.group(1).replace("sm_", "compute_") if m else ""
+        return cls(code=bytes(data), target=target, arch=arch, ptx=ptx, name=name)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> ObjectCode:
+        """Read a ``.ptx``, ``.cubin`` or ``.fatbin`` file."""
+        p = Path(path)
+        return cls.from_bytes(p.read_bytes(), name=p.name)
+
+
+def detect_target(data: bytes) -> str:
+    """``"cubin"`` (ELF), ``"fatbin"`` (fatbinary magic) or ``"ptx"`` (text with ``.version``).
+
+    Raises
+    ------
+    ValueError
+        The bytes are none of these.
+    """
+    head = bytes(data[:4])
+    if head == b"\x7fELF":
+        return "cubin"
+    if head == _FATBIN_MAGIC:
+        return "fatbin"
+    text = bytes(data[:65536]).decode("utf-8", "replace")
+    if re.search(r"^\s*\.version\s+\d+\.\d+", text, re.MULTILINE):
+        return "ptx"
+    raise ValueError(
+        "the data is not PTX (no '.version' directive), a cubin (ELF) or a fatbin; "
+        "compile CUDA C++ sources with ctxkit.compile() first"
+    )
+
+
+# --- options ------------------------------------------------------------------------
+
+_ARCH_OPT_RE = re.compile(r"^(?:-arch|--gpu-architecture)(?:=|$)(.*)$")
+
+
+def _as_str_tuple(value: Any, what: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (str, bytes)):
+        raise TypeError(
+            f"{what} must be a sequence of strings, e.g. ({value!r},), not a single string"
+        )
+    items = tuple(value)
+    for item in items:
+        if not isinstance(item, (str, os.PathLike)):
+            raise TypeError(f"{what} must contain strings, got {type(item).__name__}: {item!r}")
+    return tuple(os.fspath(i) for i in items)
+
+
+def _define_options(defines: Mapping[str, Any] | Iterable[str] | None) -> list[str]:
+    if defines is None:
+        return []
+    if isinstance(defines, Mapping):
+        out = []
+        for k, v in defines.items():
+            out.append(f"-D{k}" if v is None or v is True else f"-D{k}={v}")
+        return out
+    return [f"-D{d}" for d in _as_str_tuple(defines, "defines")]
+
+
+def _split_arch_option(options: tuple[str, ...]) -> tuple[tuple[str, ...], str | None]:
+    """Remove ``-arch``/``--gpu-architecture`` from *options*; return it separately."""
+    rest: list[str] = []
+    arch = None
+    it = iter(options)
+    for opt in it:
+        m = _ARCH_OPT_RE.match(opt)
+        if m:
+            arch = m.group(1) or next(it, "")
+            continue
+        rest.append(opt)
+    return tuple(rest), arch
+
+
+def _include_dirs_in(options: Sequence[str]) -> list[str]:
+    dirs = []
+    for i, opt in enumerate(options):
+        for prefix in ("--include-path=", "-I"):
+            if opt.startswith(prefix):
+                value = opt[len(prefix) :] or (options[i + 1] if i + 1 < len(options) else "")
+                if value:
+                    dirs.append(value)
+    return dirs
+
+
+# --- programs -----------------------------------------------------------------------
+
+
+class Program:
+    """A CUDA C++ program for NVRTC.
+
+    Parameters
+    ----------
+    source : str or bytes
+        CUDA C++ source; kernels meant to be looked up by name need ``extern "C"``
+        (or a name expression, for templates).
+    name : str
+        File name used in compiler messages.
+    options : sequence of str
+        Raw NVRTC options (e.g. ``("-lineinfo", "--use_fast_math")``). An ``-arch``
+        option here is used when ``compile(arch=None)``.
+    headers : dict, optional
+        ``{include name: source}`` for ``#include "name"`` without files.
+    name_expressions : sequence of str
+        Expressions such as ``"axpy<float>"`` whose mangled names are wanted
+        (:attr:`ObjectCode.lowered_names`).
+    std : str, optional
+        C++ standard, ``"c++17"`` or ``"17"``.
+    defines : dict or sequence of str, optional
+        ``{"N": 4, "FAST": None}`` or ``("N=4", "FAST")``.
+    include_dirs : sequence of path
+        Extra include directories (their files are part of the cache key).
+
+    The CUDA headers (``cuda_fp16.h``, ``cuda_bf16.h``, ``cuda/std/...``) are found
+    automatically (:func:`cuda_include_dirs`).
+    """
+
+    def __init__(
+        self,
+        source: str | bytes,
+        name: str = "kernel.cu",
+        options: Sequence[str] = (),
+        *,
+        headers: Mapping[str, str | bytes] | None = None,
+        name_expressions: Sequence[str] = (),
+        std: str | None = None,
+        defines: Mapping[str, Any] | Iterable[str] | None = None,
+        include_dirs: Sequence[str | os.PathLike[str]] = (),
+    ) -> None:
+        if isinstance(source, bytes):
+            source = source.decode("utf-8")
+        if not isinstance(source, str):
+            raise TypeError(f"source must be str or bytes, got {type(source).__name__}")
+        self.source = source
+        self.name = str(name)
+        self.headers = {str(k): _text(v) for k, v in (headers or {}).items()}
+        self.name_expressions = _as_str_tuple(name_expressions, "name_expressions")
+        user, self._arch_option = _split_arch_option(_as_str_tuple(options, "options"))
+        self.include_dirs = _as_str_tuple(include_dirs, "include_dirs")
+        extra = [f"-I{d}" for d in self.include_dirs] + _define_options(defines)
+        if std is not None:
+            extra.append(f"--std={std if str(std).startswith('c++') else 'c++' + str(std)}")
+        self.options: tuple[str, ...] = (*user, *extra)
+
+    def __repr__(self) -> str:
+        return f"<Program {self.name!r} options={list(self.options)}>"
+
+    def _needs_cuda_headers(self) -> bool:
+        texts = [self.source, *self.headers.values()]
+        return any(_INCLUDE_RE.search(t) for t in texts) or any(
+            o.startswith(("-include", "--pre-include")) for o in self.options
+        )
+
+    def compile(self, target: str = "auto", arch: Any = None, *, cache: bool = False) -> ObjectCode:
+        """Compile with NVRTC.
+
+        Parameters
+        ----------
+        target : {"auto", "ptx", "cubin", "fatbin"}
+            ``"auto"``: cubin for the exact device (no JIT at load time, so it loads on
+            any driver), or PTX when this NVRTC is too old for the device (noted in the
+            log). ``"ptx"`` warns (:class:`PtxVersionWarning`) if NVRTC is newer than the
+            driver. ``"fatbin"`` packs cubin + PTX (needs ``nvidia-nvfatbin``).
+        arch : str, tuple, Device or None
+            ``None``: the current context's device, else device 0. Archs newer than this
+            NVRTC supports are capped (said in the log).
+        cache : bool
+            Use the on-disk/in-memory cache (``ctxkit.compile`` defaults to True).
+
+        Raises
+        ------
+        CompileError
+            NVRTC rejected the program; ``.log`` has the full log.
+        ValueError
+            Bad target/arch, or ``arch=None`` on a machine without a GPU.
+        """
+        return self._compile(target, arch, cache, stacklevel=2)
+
+    def _compile(self, target: str, arch: Any, cache: bool, stacklevel: int) -> ObjectCode:
+        if target not in TARGETS:
+            raise ValueError(f"target must be one of {TARGETS}, not {target!r}")
+        arch = self._resolve_arch(arch)
+        directory = _cache.cache_dir() if cache else None
+        key = self._cache_key(arch, target) if directory is not None else ""
+        obj = _cache_lookup(directory, key) if directory is not None else None
+        if obj is None:
+            obj = self._build(arch, target)
+            if directory is not None:
+                _cache_store(directory, key, obj)
+        if obj.target == "ptx":
+            _warn_if_ptx_too_new(obj.nvrtc_version, stacklevel + 1)
+        return obj
+
+    def _resolve_arch(self, arch: Any) -> str:
+        if arch is None and self._arch_option:
+            return normalize_arch(self._arch_option)
+        if arch is not None and self._arch_option:
+            a, b = normalize_arch(arch), normalize_arch(self._arch_option)
+            if a != b:
+                raise ValueError(
+                    f"arch={arch!r} conflicts with the option -arch={self._arch_option}"
+                )
+        return normalize_arch(arch) if arch is not None else _default_arch()
+
+    def _cache_key(self, arch: str, target: str) -> str:
+        parts: dict[str, Any] = {
+            "source": self.source,
+            "name": self.name,
+            "headers": sorted(self.headers.items()),
+            "options": list(self.options),
+            "name_expressions": list(self.name_expressions),
+            "arch": arch,
+            "target": target,
+            "toolchain": _cache.toolchain_fingerprint(nvrtc_version, _driver.BINDINGS_VERSION[0]),
+            "include_files": _cache.file_fingerprint(
+                [*self.include_dirs, *_include_dirs_in(self.options)]
+            ),
+        }
+        if self._needs_cuda_headers():
+            parts["cuda_headers"] = _cuda_dirs_fingerprint(cuda_include_dirs())
+            own_dir = os.path.dirname(self.name)
+            if own_dir:
+                parts["own_dir"] = _cache.file_fingerprint([own_dir])
+        return _cache.make_key(parts)
+
+    def _build(self, arch: str, target: str) -> ObjectCode:
+        plan = _plan(arch, target)
+        nvrtc_arch = (
+            plan.build_arch if plan.target != "ptx" else plan.build_arch.replace("sm_", "compute_")
+        )
+        options = [f"-arch={nvrtc_arch}", *self.options]
+        if self._needs_cuda_headers():
+            options += [f"-I{d}" for d in cuda_include_dirs()]
+        ptx, cubin, log, lowered = _run_nvrtc(self, options, want_cubin=plan.target != "ptx")
+        _count("compiled")
+        log = "\n".join(x for x in (plan.note, log) if x)
+        if plan.target == "ptx":
+            code, out_arch = ptx.encode() + b"\0", nvrtc_arch
+        elif plan.target == "cubin":
+            code, out_arch = cubin, plan.build_arch
+        else:
+            code, out_arch = _make_fatbin(cubin, ptx, plan.build_arch, self.name), plan.build_arch
+        return ObjectCode(
+            code=code,
+            target=plan.target,
+            arch=out_arch,
+            log=log,
+            ptx=ptx or None,
+            lowered_names=lowered,
+            name=self.name,
+            options=tuple(options),
+            nvrtc_version=nvrtc_version(),
+        )
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+# --- NVRTC calls --------------------------------------------------------------------
+
+
+def _program_log(nvrtc: ModuleType, prog: Any) -> str:
+    err, size = nvrtc.nvrtcGetProgramLogSize(prog)
+    if err or size <= 1:
+        return ""
+    buf = b" " * size
+    (err,) = nvrtc.nvrtcGetProgramLog(prog, buf)
+    return "" if err else buf.rstrip(b"\0").decode("utf-8", "replace").strip()
+
+
+def _get_blob(nvrtc: ModuleType, prog: Any, size_fn: str, get_fn: str) -> bytes:
+    err, size = getattr(nvrtc, size_fn)(prog)
+    _check(err, size_fn)
+    if size <= 1:
+        return b""
+    buf = b" " * size
+    (err,) = getattr(nvrtc, get_fn)(prog, buf)
+    _check(err, get_fn)
+    return buf
+
+
+def _run_nvrtc(
+    program: Program, options: list[str], want_cubin: bool
+) -> tuple[str, bytes, str, dict[str, str]]:
+    """Compile; return (PTX text, cubin or b"", log, lowered names)."""
+    nvrtc = _nvrtc()
+    nvrtc_version()
+    names = list(program.headers)
+    err, prog = nvrtc.nvrtcCreateProgram(
+        program.source.encode(),
+        program.name.encode(),
+        len(names),
+        [program.headers[n].encode() for n in names],
+        [n.encode() for n in names],
+    )
+    _check(err, "nvrtcCreateProgram")
+    try:
+        for expr in program.name_expressions:
+            _check(nvrtc.nvrtcAddNameExpression(prog, expr.encode())[0], "nvrtcAddNameExpression")
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(options), [o.encode() for o in options])
+        log = _program_log(nvrtc, prog)
+        if err:
+            raise _compile_error(program, options, err, log)
+        ptx = _get_blob(nvrtc, prog, "nvrtcGetPTXSize", "nvrtcGetPTX")
+        cubin = _get_blob(nvrtc, prog, "nvrtcGetCUBINSize", "nvrtcGetCUBIN") if want_cubin else b""
+        if want_cubin and not cubin:
+            raise CompileError(f"NVRTC produced no cubin for {program.name!r} ({options})")
+        lowered = {}
+        for expr in program.name_expressions:
+            err, mangled = nvrtc.nvrtcGetLoweredName(prog, expr.encode())
+            _check(err, f"nvrtcGetLoweredName({expr!r})")
+            lowered[expr] = mangled.decode() if isinstance(mangled, bytes) else str(mangled)
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    return ptx.rstrip(b"\0").decode("utf-8", "replace"), bytes(cubin), log, lowered
+
+
+_ERROR_LINE_RE = re.compile(r"^(.+?)\((\d+)\): (?:catastrophic )?error: (.*)$", re.MULTILINE)
+
+
+def _compile_error(program: Program, options: list[str], err: Any, log: str) -> CompileError:
+    m = _ERROR_LINE_RE.search(log)
+    first = f" (first error: {m.group(1)} line {m.group(2)}: {m.group(3)})" if m else ""
+    message = (
+        f"NVRTC failed to compile {program.name!r}: {_result_name(err)}{first}\n"
+        f"--- NVRTC log ---\n{log or '(empty)'}\n--- end of log ---\n"
+        f"options: {' '.join(options)}\n"
+        f"versions: {_versions_line()}"
+    )
+    return CompileError(message, log=log, code=int(err), name=_result_name(err))
+
+
+# --- nvJitLink / nvFatbin -----------------------------------------------------------
+
+
+def link_ptx(ptx: str | bytes, arch: Any = "sm_90", *, name: str = "input.ptx") -> bytes:
+    """Assemble/link PTX into a cubin for *arch* with nvJitLink (verifies hand-written PTX).
+
+    Raises
+    ------
+    CompileError
+        nvJitLink rejected the PTX (``.log`` has ptxas' messages) or is not installed.
+    """
+    try:
+        from cuda.bindings import nvjitlink
+    except Exception as exc:
+        raise CompileError(
+            f"nvJitLink bindings are not available ({exc!r}); {_INSTALL_HINT}"
+        ) from None
+    data = ptx.encode() if isinstance(ptx, str) else bytes(ptx)
+    target = normalize_arch(arch)
+    try:
+        handle = nvjitlink.create(1, [f"-arch={target}"])
+    except Exception as exc:
+        raise CompileError(f"nvJitLink cannot link for {target}: {exc}") from None
+    try:
+        try:
+            nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), name)
+            nvjitlink.complete(handle)
+        except nvjitlink.nvJitLinkError as exc:
+            log = _jitlink_log(nvjitlink, handle)
+            raise CompileError(
+                f"nvJitLink failed to link {name!r} for {target}: {exc}\n{log}", log=log
+            ) from None
+        size = nvjitlink.get_linked_cubin_size(handle)
+        buf = bytearray(size)
+        nvjitlink.get_linked_cubin(handle, buf)
+    finally:
+        nvjitlink.destroy(handle)
+    return bytes(buf)
+
+
+def _jitlink_log(nvjitlink: ModuleType, handle: int) -> str:
+    size = nvjitlink.get_error_log_size(handle)
+    if size <= 1:
+        return ""
+    buf = bytearray(size)
+    nvjitlink.get_error_log(handle, buf)
+    return bytes(buf).rstrip(b"\0").decode("utf-8", "replace").strip()
+
+
+def _make_fatbin(cubin: bytes, ptx: str, arch: str, name: str) -> bytes:
+    try:
+        from cuda.bindings import nvfatbin
+
+        handle = nvfatbin.create([], 0)
+    except Exception as exc:
+        raise CompileError(
+            f"target='fatbin' needs the nvFatbin library ({exc}); install it with "
+            "`pip install nvidia-nvfatbin` (cu12: nvidia-nvfatbin-cu12), or use target='cubin'"
+        ) from None
+    digits = arch.removeprefix("sm_")
+    try:
+        nvfatbin.add_cubin(handle, cubin, len(cubin), digits, name)
+        if ptx:
+            data = ptx.encode() + b"\0"
+            nvfatbin.add_ptx(handle, data, len(data), digits, name, "")
+        buf = bytearray(nvfatbin.size(handle))
+        nvfatbin.get(handle, buf)
+    except Exception as exc:
+        raise CompileError(f"nvFatbin failed to build a fatbin for {name!r}: {exc}") from None
+    finally:
+        nvfatbin.destroy(handle)
+    return bytes(buf)
+
+
+# --- cache glue ---------------------------------------------------------------------
+
+_stats_lock = threading.Lock()
+#: Counters for tests and benchmarks: NVRTC compiles, disk hits, memory hits.
+stats = {"compiled": 0, "disk_hits": 0, "memory_hits": 0}
+
+
+def _count(what: str) -> None:
+    with _stats_lock:
+        stats[what] += 1
+
+
+def _cache_lookup(directory: Path, key: str) -> ObjectCode | None:
+    obj = _cache.memo_get(directory, key)
+    if obj is not None:
+        _count("memory_hits")
+        return obj  # type: ignore[no-any-return]
+    entry = _cache.read_entry(directory, key)
+    if entry is None:
+        return None
+    header, blobs = entry
+    try:
+        obj = ObjectCode(
+            code=blobs["code"],
+            target=header["target"],
+            arch=header["arch"],
+            log=header["log"],
+            ptx=blobs["ptx"].decode() if "ptx" in blobs else None,
+            lowered_names=dict(header["lowered_names"]),
+            name=header["name"],
+            options=tuple(header["options"]),
+            nvrtc_version=tuple(header["nvrtc_version"]),  # type: ignore[arg-type]
+            from_cache=True,
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
+    _count("disk_hits")
+    _cache.memo_put(directory, key, obj)
+    return obj
+
+
+def _cache_store(directory: Path, key: str, obj: ObjectCode) -> None:
+    header = {
+        "target": obj.target,
+        "arch": obj.arch,
+        "log": obj.log,
+        "lowered_names": dict(obj.lowered_names),
+        "name": obj.name,
+        "options": list(obj.options),
+        "nvrtc_version": list(obj.nvrtc_version or ()),
+    }
+    blobs = {"code": obj.code}
+    if obj.ptx is not None:
+        blobs["ptx"] = obj.ptx.encode()
+    _cache.write_entry(directory, key, header, blobs)
+    _cache.memo_put(directory, key, dataclasses.replace(obj, from_cache=True))
+
+
+def cache_dir() -> Path | None:
+    """The kernel cache directory (``None`` when ``CTXKIT_CACHE_DIR=off``)."""
+    return _cache.cache_dir()
+
+
+def clear_cache() -> int:
+    """Empty the in-memory and on-disk kernel caches; returns the number of files removed."""
+    return _cache.clear()
+
+
+# --- public entry point -------------------------------------------------------------
+
+
+def compile(
+    source: str | bytes,
+    name: str = "kernel.cu",
+    options: Sequence[str] = (),
+    *,
+    arch: Any = None,
+    target: str = "auto",
+    headers: Mapping[str, str | bytes] | None = None,
+    name_expressions: Sequence[str] = (),
+    std: str | None = None,
+    defines: Mapping[str, Any] | Iterable[str] | None = None,
+    include_dirs: Sequence[str | os.PathLike[str]] = (),
+    cache: bool = True,
+) -> ObjectCode:
+    """Compile CUDA C++ with NVRTC, through the on-disk cache.
+
+    Parameters are those of :class:`Program` and :meth:`Program.compile`. With the
+    cache (default) an identical request, in this process or any later one, returns
+    the stored code without touching NVRTC. ``CTXKIT_CACHE_DIR`` moves the cache;
+    ``CTXKIT_CACHE_DIR=off`` disables it.
+
+    Examples
+    --------
+    >>> obj = ctxkit.compile(kernel_source("saxpy.cu"), arch="sm_90")   # doctest: +SKIP
+    >>> obj.target, obj.arch
+    ('cubin', 'sm_90')
+    """
+    prog = Program(
+        source,
+        name,
+        options,
+        headers=headers,
+        name_expressions=name_expressions,
+        std=std,
+        defines=defines,
+        include_dirs=include_dirs,
+    )
+    return prog._compile(target, arch, cache, stacklevel=2)
+
+
+# --- the kernel library (ptx/) ------------------------------------------------------
+
+
+def _ptx_dir() -> Path:
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "ptx", here.parent / "ptx"):
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError(
+        f"the ctxkit kernel library (ptx/) is missing next to {here}; reinstall ctxkit"
+    )
+
+
+def kernel_names() -> list[str]:
+    """File names in the kernel library (``*.cu`` sources and hand-written ``*.ptx``)."""
+    return sorted(p.name for p in _ptx_dir().iterdir() if p.suffix in (".cu", ".cuh", ".ptx"))
+
+
+def kernel_path(name: str) -> Path:
+    """Path of a kernel library file; ``"saxpy"`` means ``"saxpy.cu"``.
+
+    Raises
+    ------
+    FileNotFoundError
+        No such file; the message lists the files there are.
+    """
+    directory = _ptx_dir()
+    base = Path(name).name
+    for candidate in (base, base + ".cu"):
+        p = directory / candidate
+        if p.is_file():
+            return p
+    raise FileNotFoundError(
+        f"no kernel {name!r} in the ctxkit kernel library ({directory}); available: "
+        f"{', '.join(kernel_names())}"
+    )
+
+
+def kernel_source(name: str) -> str:
+    """Text of a kernel library file (``ptx/<name>``), e.g. ``kernel_source("saxpy.cu")``."""
+    return kernel_path(name).read_text(encoding="utf-8")
+
+
+# --- command line -------------------------------------------------------------------
+
+
+def cli_compile(args: argparse.Namespace) -> int:
+    """``python -m ctxkit compile FILE.cu``: write FILE.cubin/.ptx; exit 1 on any error."""
+    src_path = Path(args.file)
+    try:
+        source = src_path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        print(f"ctxkit compile: cannot read {src_path}: {exc}", file=sys.stderr)
+        return 1
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", PtxVersionWarning)
+            obj = compile(
+                source,
+                name=src_path.name,
+                arch=args.arch,
+                target=args.target or "auto",
+                defines=args.defines or None,
+                include_dirs=[str(src_path.parent or "."), *args.include_dirs],
+                std=args.std,
+                cache=not args.no_cache,
+            )
+    except CompileError as exc:
+        print(exc.log or str(exc), file=sys.stderr)
+        print(f"ctxkit compile: {src_path} failed to compile ({exc.name})", file=sys.stderr)
+        return 1
+    except ValueError as exc:
+        print(f"ctxkit compile: {exc}", file=sys.stderr)
+        if args.arch is None:
+            print("ctxkit compile: pass --arch, e.g. --arch sm_90", file=sys.stderr)
+        return 1
+    out = Path(args.output) if args.output else src_path.with_suffix("." + obj.target)
+    try:
+        obj.save(out)
+    except OSError as exc:
+        print(f"ctxkit compile: cannot write {out}: {exc}", file=sys.stderr)
+        return 1
+    if obj.log:
+        print(obj.log, file=sys.stderr)
+    for w in caught:
+        print(f"warning: {w.message}", file=sys.stderr)
+    cached = " (from cache)" if obj.from_cache else ""
+    print(f"wrote {out} ({obj.target}, {obj.arch}, {len(obj.code)} bytes){cached}")
+    return 0
