@@ -143,12 +143,19 @@ def toolchain_fingerprint(nvrtc_version: Callable[[], tuple[int, int]], bindings
     return make_key({"bindings_major": bindings_major, "toolchain": ident})
 
 
+_HEADER_SUFFIXES = frozenset(
+    {"", ".h", ".hh", ".hpp", ".hxx", ".cuh", ".inl", ".inc", ".ipp", ".tcc", ".cu", ".def"}
+)
+
+
 def file_fingerprint(dirs: Iterable[str], limit: int = 2000) -> list[Any]:
     """``(relative path, size, mtime)`` of the files under each include directory.
 
-    A header edited in an include directory changes the key. Hidden directories are
-    skipped and at most *limit* files and folders are visited per directory, so a huge
-    tree costs a bounded number of ``stat`` calls (edits past the limit go unseen).
+    A header edited in an include directory changes the key; only header-like files
+    count (``.h``, ``.cuh``, ``.hpp``, ``.cu``..., or no suffix), so compiler outputs
+    written there do not. Hidden directories are skipped and at most *limit* entries
+    are visited per directory, so a huge tree costs a bounded number of ``stat`` calls
+    (edits past the limit go unseen).
     """
     out: list[Any] = []
     for d in dirs:
@@ -159,6 +166,8 @@ def file_fingerprint(dirs: Iterable[str], limit: int = 2000) -> list[Any]:
             visited += len(subdirs)
             for name in sorted(names):
                 visited += 1
+                if os.path.splitext(name)[1].lower() not in _HEADER_SUFFIXES:
+                    continue
                 try:
                     st = os.stat(os.path.join(root, name))
                 except OSError:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import os
 import re
 import sys
@@ -60,7 +61,7 @@ class PtxVersionWarning(UserWarning):
 
 def _nvrtc() -> ModuleType:
     try:
-        from cuda.bindings import nvrtc
+        nvrtc = importlib.import_module("cuda.bindings.nvrtc")
     except Exception as exc:
         raise CompileError(f"NVRTC bindings are not available ({exc!r}); {_INSTALL_HINT}") from None
     return nvrtc
@@ -707,7 +708,7 @@ def link_ptx(ptx: str | bytes, arch: Any = "sm_90", *, name: str = "input.ptx") 
         nvJitLink rejected the PTX (``.log`` has ptxas' messages) or is not installed.
     """
     try:
-        from cuda.bindings import nvjitlink
+        nvjitlink = importlib.import_module("cuda.bindings.nvjitlink")
     except Exception as exc:
         raise CompileError(
             f"nvJitLink bindings are not available ({exc!r}); {_INSTALL_HINT}"
@@ -746,8 +747,7 @@ def _jitlink_log(nvjitlink: ModuleType, handle: int) -> str:
 
 def _make_fatbin(cubin: bytes, ptx: str, arch: str, name: str) -> bytes:
     try:
-        from cuda.bindings import nvfatbin
-
+        nvfatbin = importlib.import_module("cuda.bindings.nvfatbin")
         handle = nvfatbin.create([], 0)
     except Exception as exc:
         raise CompileError(
