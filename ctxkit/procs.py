@@ -243,13 +243,14 @@ def _error_from(
     exitcode: int | None,
     attempts: int,
     head: str,
+    kind: str = "exception",
 ) -> DeviceTaskError:
     tb = desc["traceback"]
     return DeviceTaskError(
         f"{head}: {desc['type']}: {desc['message']}\n--- traceback in child process {pid} ---\n"
         f"{tb.rstrip()}",
         device=device,
-        kind="exception",
+        kind=kind,
         pid=pid,
         exitcode=exitcode,
         traceback=tb,
@@ -937,10 +938,9 @@ class DevicePool:
                     slot.state = "idle"
                     self._dispatch(slot)
         elif kind == "init_error":
-            self._mark_broken(slot, _error_from(
-                msg[1], slot.ordinal, slot.proc.pid, None, 1,
-                f"DevicePool worker for device {slot.ordinal} failed to start",
-            ))  # fmt: skip
+            head = f"DevicePool worker for device {slot.ordinal} failed to start"
+            err = _error_from(msg[1], slot.ordinal, slot.proc.pid, None, 1, head, "init")
+            self._mark_broken(slot, err)
             slot.result_r.close()
         elif kind == "result":
             self._complete(slot, msg[1], msg[2], msg[3])
@@ -952,20 +952,18 @@ class DevicePool:
                 _procwire.discard(out[2])
             return
         pid = slot.proc.pid
+        head = f"task {task.label} on device {slot.ordinal}"
+        error: DeviceTaskError | None = None
         if out[0] == "ok":
             try:
                 value = _procwire.decode(out[1], out[2])
             except Exception as exc:
-                error: DeviceTaskError | None = _error_from(
-                    _procwire.describe_exception(exc), slot.ordinal, pid, None, 1,
-                    f"task {task.label} on device {slot.ordinal}: result not loadable",
-                )  # fmt: skip
-            else:
-                error = None
+                desc = _procwire.describe_exception(exc)
+                error = _error_from(
+                    desc, slot.ordinal, pid, None, 1, f"{head}: result not loadable"
+                )
         else:
-            error = _error_from(
-                out[1], slot.ordinal, pid, None, 1, f"task {task.label} on device {slot.ordinal}"
-            )
+            error = _error_from(out[1], slot.ordinal, pid, None, 1, head)
         with self._lock:
             slot.current = None
             if restart:
