@@ -1,0 +1,347 @@
+"""Copy machinery shared by :mod:`ctxkit.memory`: validation, host/device/peer copies,
+foreign (``__cuda_array_interface__``) memory, and peer access."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from . import _driver
+from ._driver import drv
+from ._hostmem import check_async_host
+from .context import Context, require_current
+from .errors import CudaError
+from .registry import guard, registry
+from .stream import Stream, _context_of_cu, stream_handle
+
+__all__ = [
+    "Mem",
+    "copy_device",
+    "copy_peer",
+    "device_mem",
+    "dtoh",
+    "enable_peer_access",
+    "htod",
+    "peer_access_enabled",
+]
+
+_PEER_ACCESS_UNSUPPORTED = 217
+_PEER_ACCESS_ALREADY_ENABLED = 704
+
+
+def nbytes_arg(nbytes: Any, what: str) -> int:
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)):
+        raise TypeError(f"{what}: nbytes must be an int, got {type(nbytes).__name__}")
+    if nbytes < 0:
+        raise ValueError(f"{what}: nbytes must be >= 0, got {nbytes}")
+    return int(nbytes)
+
+
+def shape_arg(shape: Any) -> tuple[int, ...]:
+    shp = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    for s in shp:
+        if isinstance(s, bool) or not isinstance(s, (int, np.integer)):
+            raise TypeError(f"shape entries must be ints, got {shape!r}")
+        if s < 0:
+            raise ValueError(f"negative dimension in shape {shape!r}")
+    return tuple(int(s) for s in shp)
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def stream_for(ctx: Context, stream: Any, what: str) -> Any:
+    """The driver handle of *stream* for an operation on memory of *ctx*."""
+    if isinstance(stream, Stream):
+        if stream.context != ctx:
+            raise ValueError(
+                f"{what}: {stream!r} belongs to {stream.context!r}, the memory to {ctx!r}; "
+                "use a stream of the memory's context"
+            )
+        return stream._open_handle(what)
+    return stream_handle(stream)
+
+
+class Mem(NamedTuple):
+    """Device memory taking part in a copy."""
+
+    ptr: int
+    nbytes: int
+    context: Context | None
+    stream: int | None
+    dtype: np.dtype[Any] | None
+    shape: tuple[int, ...] | None
+
+
+def device_mem(obj: Any, what: str, *, write: bool = False) -> Mem:
+    """The device memory of a ctxkit buffer/array or a ``__cuda_array_interface__`` object."""
+    own = getattr(obj, "_ctxkit_mem", None)
+    if own is not None:
+        return own()  # type: ignore[no-any-return]
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if not isinstance(cai, dict):
+        raise TypeError(
+            f"{what}: expected a ctxkit DeviceBuffer/DeviceArray or an object with "
+            f"__cuda_array_interface__ (CuPy, PyTorch, Numba), got {type(obj).__name__}"
+        )
+    return from_cai(cai, what, write)
+
+
+def from_cai(cai: dict[str, Any], what: str, write: bool) -> Mem:
+    shape = tuple(int(s) for s in cai["shape"])
+    dtype = np.dtype(cai["typestr"])
+    ptr, readonly = cai["data"]
+    strides = cai.get("strides")
+    if strides is not None and not is_c_contiguous(shape, tuple(strides), dtype.itemsize):
+        raise ValueError(
+            f"{what}: the device array is not C-contiguous (strides {tuple(strides)}); "
+            "make it contiguous first (e.g. .copy() / .contiguous())"
+        )
+    if write and readonly:
+        raise ValueError(f"{what}: the destination device array is read-only")
+    stream = cai.get("stream")
+    nbytes = math.prod(shape) * dtype.itemsize
+    return Mem(int(ptr or 0), nbytes, None, stream, dtype, shape)
+
+
+def is_c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
+    if 0 in shape:
+        return True
+    expected = itemsize
+    for dim, stride in zip(reversed(shape), reversed(strides)):
+        if dim != 1 and stride != expected:
+            return False
+        expected *= dim
+    return True
+
+
+def c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    out, acc = [], itemsize
+    for s in reversed(shape):
+        out.append(acc)
+        acc *= s
+    return tuple(reversed(out))
+
+
+def context_of_pointer(ptr: int, what: str) -> Context:
+    """The context owning foreign device memory (its device's primary one for pool/VMM
+    allocations, which report no context)."""
+    attr = drv.CUpointer_attribute
+    err, cu = drv.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_CONTEXT, ptr)
+    if not err and cu is not None and int(cu):
+        return _context_of_cu(cu)
+    err, ordinal = drv.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr)
+    if err:
+        raise ValueError(
+            f"{what}: {ptr:#x} is not device memory known to CUDA "
+            f"({_driver.from_result(int(err), 'cuPointerGetAttribute').name})"
+        )
+    return Context.primary(int(ordinal))
+
+
+def stream_value(stream: Any) -> int:
+    """*stream* as a CUDA Array Interface stream value (1 for the legacy default)."""
+    if stream is None:
+        return 1
+    if isinstance(stream, Stream) and stream.handle is None:
+        return 0
+    return int(stream_handle(stream)) or 1
+
+
+def sync_foreign_stream(ctx: Context, value: int, what: str) -> None:
+    """CUDA Array Interface v3: the consumer synchronizes the producer's stream."""
+    with guard(ctx, what):
+        (err,) = drv.cuStreamSynchronize(drv.CUstream(int(value)))
+    if err:
+        raise ctx.note_error(err, f"cuStreamSynchronize({int(value):#x}) for {what}")
+
+
+# --- copies -----------------------------------------------------------------------------
+
+
+def htod(ctx: Context, dst: int, src: np.ndarray, stream: Any, what: str) -> None:
+    n = src.nbytes
+    if n == 0:
+        return
+    host = src.__array_interface__["data"][0]
+    if stream is None:
+        with guard(ctx, what):
+            (err,) = drv.cuMemcpyHtoD(dst, host, n)
+    else:
+        sh = stream_for(ctx, stream, what)
+        check_async_host(src, what)
+        with guard(ctx, what):
+            (err,) = drv.cuMemcpyHtoDAsync(dst, host, n, sh)
+    if err:
+        raise ctx.note_error(err, f"{what}: cuMemcpyHtoD ({n} bytes)")
+
+
+def dtoh(ctx: Context, dst: np.ndarray, src: int, stream: Any, what: str) -> None:
+    n = dst.nbytes
+    if n == 0:
+        return
+    host = dst.__array_interface__["data"][0]
+    if stream is None:
+        with guard(ctx, what):
+            (err,) = drv.cuMemcpyDtoH(host, src, n)
+    else:
+        sh = stream_for(ctx, stream, what)
+        check_async_host(dst, what)
+        with guard(ctx, what):
+            (err,) = drv.cuMemcpyDtoHAsync(host, src, n, sh)
+    if err:
+        raise ctx.note_error(err, f"{what}: cuMemcpyDtoH ({n} bytes)")
+
+
+def copy_device(dst: Mem, src: Mem, n: int, stream: Any, what: str) -> bool:
+    """Device-to-device copy of *n* bytes; peer copy across contexts. Returns the
+    :func:`copy_peer` flag (False for same-context copies)."""
+    if n == 0:
+        return False
+    dctx, sctx = resolve_contexts(dst, src, stream, what)
+    ours = stream_value(stream)
+    for m, c in ((src, sctx), (dst, dctx)):
+        if m.stream is not None and int(m.stream) != ours:
+            sync_foreign_stream(c, m.stream, what)
+    if dctx != sctx:
+        return memcpy_peer(dst.ptr, dctx, src.ptr, sctx, n, stream, what)
+    if stream is None:
+        with guard(dctx, what):
+            (err,) = drv.cuMemcpyDtoD(dst.ptr, src.ptr, n)
+    else:
+        sh = stream_for(dctx, stream, what)
+        with guard(dctx, what):
+            (err,) = drv.cuMemcpyDtoDAsync(dst.ptr, src.ptr, n, sh)
+    if err:
+        raise dctx.note_error(err, f"{what}: cuMemcpyDtoD ({n} bytes)")
+    return False
+
+
+def resolve_contexts(dst: Mem, src: Mem, stream: Any, what: str) -> tuple[Context, Context]:
+    """The contexts of both sides; foreign memory is looked up by pointer."""
+    if dst.context is not None and src.context is not None:
+        return dst.context, src.context
+    anchor = dst.context or src.context
+    if anchor is None:
+        anchor = stream.context if isinstance(stream, Stream) else require_current(what)
+    with guard(anchor, what):
+        dctx = dst.context or context_of_pointer(dst.ptr, what)
+        sctx = src.context or context_of_pointer(src.ptr, what)
+    return dctx, sctx
+
+
+def check_same_size(got: int, want: int, what: str, name: str) -> None:
+    if got != want:
+        raise ValueError(
+            f"{what}: the {name} has {got} bytes but the device memory has {want}; sizes "
+            "must match (copy into a slice buf[off:off+n] for a partial copy)"
+        )
+
+
+# --- peer access ------------------------------------------------------------------------
+
+_peer_pairs: set[tuple[int, int]] = set()
+
+
+def _peer_ctx(x: Any) -> Context:
+    if isinstance(x, Context):
+        x.check_usable()
+        return x
+    ctx = registry.resolve(x)
+    ctx.check_usable()
+    return ctx
+
+
+def enable_peer_access(a: Any, b: Any) -> None:
+    """Let context *a* access memory of context *b* (``cuCtxEnablePeerAccess``).
+
+    *a* and *b* are Contexts, Devices or ordinals (the registry's contexts). One
+    direction per call: call ``enable_peer_access(b, a)`` too for the other. Idempotent:
+    a second call is not an error, and being the Driver API it leaves no pending error
+    behind (the runtime's ``cudaGetLastError`` is not touched). Contexts on the same
+    device need nothing.
+
+    Raises
+    ------
+    CudaError
+        ``CUDA_ERROR_PEER_ACCESS_UNSUPPORTED``: the devices cannot access each other
+        (``Device.can_access_peer`` is False); copies still work, staged by the driver.
+    """
+    ca, cb = _peer_ctx(a), _peer_ctx(b)
+    if ca.device.ordinal == cb.device.ordinal:
+        return
+    if not ca.device.can_access_peer(cb.device):
+        raise CudaError(
+            f"enable_peer_access: device {ca.device.ordinal} cannot access device "
+            f"{cb.device.ordinal} directly (cuDeviceCanAccessPeer is 0: no NVLink/PCIe P2P "
+            "path, or IOMMU/virtualization blocks it). copy_peer still works through the "
+            "driver's staged path",
+            _PEER_ACCESS_UNSUPPORTED,
+            "CUDA_ERROR_PEER_ACCESS_UNSUPPORTED",
+        )
+    with ca:
+        (err,) = drv.cuCtxEnablePeerAccess(cb._cu, 0)
+    if err and int(err) != _PEER_ACCESS_ALREADY_ENABLED:
+        raise ca.note_error(err, f"cuCtxEnablePeerAccess({ca!r} -> {cb!r})")
+    _peer_pairs.add((ca.handle, cb.handle))
+
+
+def peer_access_enabled(a: Any, b: Any) -> bool:
+    """True when :func:`enable_peer_access` (a, b) has succeeded in this process."""
+    return (_peer_ctx(a).handle, _peer_ctx(b).handle) in _peer_pairs
+
+
+def copy_peer(dst: Any, src: Any, nbytes: int | None = None, stream: Any = None) -> bool:
+    """Copy *nbytes* (default: all of *src*) between memory of two contexts/devices.
+
+    Uses ``cuMemcpyPeer`` (``cuMemcpyPeerAsync`` on *stream*): the driver copies
+    directly over NVLink/PCIe when peer access is enabled between the two contexts and
+    stages through host memory otherwise.
+
+    Returns
+    -------
+    bool
+        True when peer access was enabled between the two contexts (either direction,
+        by :func:`enable_peer_access`) so the direct path ran; False for the staged path.
+    """
+    what = "copy_peer"
+    d = device_mem(dst, what, write=True)
+    s = device_mem(src, what)
+    n = s.nbytes if nbytes is None else nbytes_arg(nbytes, what)
+    if n > s.nbytes or n > d.nbytes:
+        raise ValueError(
+            f"{what}: {n} bytes do not fit (source {s.nbytes} bytes, destination {d.nbytes})"
+        )
+    dctx, sctx = resolve_contexts(d, s, stream, what)
+    if n == 0:
+        return _direct(dctx, sctx)
+    return memcpy_peer(d.ptr, dctx, s.ptr, sctx, n, stream, what)
+
+
+def _direct(a: Context, b: Context) -> bool:
+    return (a.handle, b.handle) in _peer_pairs or (b.handle, a.handle) in _peer_pairs
+
+
+def memcpy_peer(
+    dptr: int, dctx: Context, sptr: int, sctx: Context, n: int, stream: Any, what: str
+) -> bool:
+    direct = _direct(dctx, sctx)
+    if stream is None:
+        bind = dctx
+        with guard(bind, what):
+            (err,) = drv.cuMemcpyPeer(dptr, dctx._cu, sptr, sctx._cu, n)
+    else:
+        if isinstance(stream, Stream):
+            bind, sh = stream.context, stream._open_handle(what)
+        else:
+            bind, sh = dctx, stream_handle(stream)
+        with guard(bind, what):
+            (err,) = drv.cuMemcpyPeerAsync(dptr, dctx._cu, sptr, sctx._cu, n, sh)
+    if err:
+        raise bind.note_error(
+            err, f"{what}: cuMemcpyPeer{'Async' if stream is not None else ''} ({n} bytes)"
+        )
+    return direct

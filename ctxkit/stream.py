@@ -1,0 +1,556 @@
+"""CUDA streams and events (``CUstream``, ``CUevent``).
+
+Every stream and event is created *in its own context* (the context passed in, or the
+caller's current one), remembers it in ``.context``, and is destroyed inside it from
+whatever thread drops the last reference. Streams of other libraries (CuPy, PyTorch,
+anything with ``__cuda_stream__``) are accepted wherever a stream is, and can be wrapped
+without being owned (:meth:`Stream.from_handle`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import logging
+import threading
+import weakref
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+from ._driver import drv, from_result
+from .context import Context, finalizer, require_current
+from .device import Device
+from .errors import ContextClosedError
+from .registry import guard, registry
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .module import Graph
+
+__all__ = ["Event", "Stream", "context_for", "stream_handle"]
+
+log = logging.getLogger("ctxkit.stream")
+
+STREAM_NON_BLOCKING = 1
+EVENT_BLOCKING_SYNC = 1
+EVENT_DISABLE_TIMING = 2
+_NOT_READY = 600
+
+CtxArg = Context | Device | int | None
+
+
+def context_for(context: CtxArg, what: str) -> Context:
+    """The context a new resource goes into: the one given, or the caller's current one.
+
+    ``None`` means the calling thread's current context (``NoCurrentContextError`` when it
+    has none); a Device or ordinal means the registry's context of that device.
+    """
+    if context is None:
+        ctx = require_current(what)
+    elif isinstance(context, Context):
+        ctx = context
+    else:
+        ctx = registry.resolve(context)
+    ctx.check_usable()
+    return ctx
+
+
+def stream_handle(obj: Any) -> Any:
+    """A ``CUstream`` for *obj*, for passing to driver calls.
+
+    Accepts ``None`` (the current context's legacy default stream, handle 0), a
+    :class:`Stream`, a ``CUstream``, an int handle, an object with ``__cuda_stream__``
+    (returns ``(version, handle)``), a CuPy stream (``.ptr``) or a PyTorch stream
+    (``.cuda_stream``).
+
+    Raises
+    ------
+    TypeError
+        *obj* is none of these.
+    """
+    if obj is None:
+        return _NULL_STREAM
+    if isinstance(obj, Stream):
+        return obj.handle
+    return drv.CUstream(_foreign_stream_int(obj))
+
+
+def _foreign_stream_int(obj: Any) -> int:
+    if isinstance(obj, bool):
+        raise TypeError("a stream cannot be a bool")
+    if isinstance(obj, int):
+        return obj
+    if drv is not None and isinstance(obj, drv.CUstream):
+        return int(obj)
+    proto = getattr(obj, "__cuda_stream__", None)
+    if proto is not None:
+        _version, handle = proto() if callable(proto) else proto
+        return int(handle)
+    for attr in ("ptr", "cuda_stream"):
+        value = getattr(obj, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    raise TypeError(
+        f"expected a stream (ctxkit.Stream, CUstream, int handle, an object with "
+        f"__cuda_stream__, a CuPy or PyTorch stream) or None, got {type(obj).__name__}"
+    )
+
+
+_NULL_STREAM: Any = drv.CUstream(0) if drv is not None else None
+
+
+def _context_of_cu(cu: Any) -> Context:
+    """The ctxkit Context for a driver ``CUcontext`` made anywhere."""
+    known = Context._known.get(int(cu))
+    if known is not None and not known.closed:
+        return known
+    (err,) = drv.cuCtxPushCurrent(cu)
+    if err:
+        raise from_result(int(err), f"cuCtxPushCurrent({int(cu):#x})")
+    try:
+        return Context._adopt_current(cu)
+    finally:
+        drv.cuCtxPopCurrent()
+
+
+# --- host callbacks -------------------------------------------------------------------
+
+_pending: dict[int, tuple[Callable[[], Any], weakref.ref[Stream]]] = {}
+_keys = itertools.count(1)
+
+
+def _run_host_func(key: int | None) -> None:
+    entry = _pending.pop(key or 0, None)
+    if entry is None:
+        return
+    fn, stream_ref = entry
+    try:
+        fn()
+    except BaseException as exc:
+        stream = stream_ref()
+        if stream is None:
+            log.error("host function %r raised after its stream was dropped", fn, exc_info=exc)
+        else:
+            with stream._lock:
+                stream._callback_errors.append(exc)
+
+
+_HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(_run_host_func)
+_HOST_FN_ADDR = ctypes.cast(_HOST_FN, ctypes.c_void_p).value or 0
+
+
+# --- streams --------------------------------------------------------------------------
+
+
+class Stream:
+    """A CUDA stream, created in its own context.
+
+    Parameters
+    ----------
+    context : Context, Device, int or None
+        The context to create it in; ``None`` means the calling thread's current context
+        (``NoCurrentContextError`` when it has none). The stream is created with that
+        context bound, whatever else is current.
+    nonblocking : bool
+        ``CU_STREAM_NON_BLOCKING``: no implicit synchronization with the legacy default
+        stream (handle 0).
+    priority : int
+        Lower numbers are higher priority; must lie in the context's
+        ``cuCtxGetStreamPriorityRange`` (0 is always valid).
+
+    Raises
+    ------
+    ValueError
+        *priority* is outside the device's range (the message gives the range).
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_callback_errors",
+        "_fin",
+        "_lock",
+        "_owner",
+        "context",
+        "handle",
+        "nonblocking",
+        "owned",
+        "priority",
+    )
+
+    handle: Any
+    context: Context
+    _fin: weakref.finalize | None
+
+    def __init__(self, context: CtxArg = None, nonblocking: bool = True, priority: int = 0) -> None:
+        ctx = context_for(context, "Stream()")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority must be an int, got {type(priority).__name__}")
+        flags = STREAM_NON_BLOCKING if nonblocking else 0
+        with ctx:
+            if priority:
+                _check_priority(ctx, priority)
+            err, handle = drv.cuStreamCreateWithPriority(flags, priority)
+        if err:
+            raise ctx.note_error(err, f"cuStreamCreateWithPriority(flags={flags}, {priority})")
+        self._setup(ctx, handle, bool(nonblocking), priority, owned=True, owner=None)
+        self._fin = finalizer(self, ctx, drv.cuStreamDestroy, handle)
+
+    def _setup(
+        self, ctx: Context, handle: Any, nonblocking: bool, priority: int, owned: bool, owner: Any
+    ) -> None:
+        self.context = ctx
+        self.handle = handle
+        self.nonblocking = nonblocking
+        self.priority = priority
+        self.owned = owned
+        self._owner = owner
+        self._fin = None
+        self._lock = threading.Lock()
+        self._callback_errors: list[BaseException] = []
+
+    @classmethod
+    def from_handle(cls, stream: Any, context: CtxArg = None) -> Stream:
+        """Wrap an existing stream without owning it (it is never destroyed by ctxkit).
+
+        *stream* is anything :func:`stream_handle` accepts (a CuPy or PyTorch stream, an
+        object with ``__cuda_stream__``, an int or ``CUstream``); the wrapper keeps a
+        Python object alive while it lives. *context* defaults to the stream's own context
+        (``cuStreamGetCtx``); for the special handles 0 (legacy default), 1 and 2 it is
+        the current context.
+        """
+        if isinstance(stream, Stream):
+            return stream
+        value = _foreign_stream_int(stream)
+        handle = drv.CUstream(value)
+        if context is not None:
+            ctx = context_for(context, "Stream.from_handle")
+        elif value in (0, 1, 2):
+            ctx = require_current("Stream.from_handle(default stream)")
+        else:
+            ctx = _context_of_stream(handle)
+        obj = cls.__new__(cls)
+        owner = None if isinstance(stream, int) else stream
+        obj._setup(ctx, handle, False, 0, owned=False, owner=owner)
+        return obj
+
+    # --- protocol / identity ---------------------------------------------------------
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        """The CUDA stream protocol: ``(0, handle)``."""
+        return (0, int(self.handle))
+
+    @property
+    def ptr(self) -> int:
+        """The stream handle as an int."""
+        return int(self.handle)
+
+    @property
+    def device(self) -> Device:
+        """The device of the stream's context."""
+        return self.context.device
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self.handle is None
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Stream):
+            a, b = self.handle, other.handle
+            return a is not None and b is not None and int(a) == int(b)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(("stream", int(self.handle or 0)))
+
+    def __repr__(self) -> str:
+        if self.handle is None:
+            return "<Stream closed>"
+        kind = "" if self.owned else " borrowed"
+        return (
+            f"<Stream{kind} {int(self.handle):#x} device={self.context.device.ordinal} "
+            f"priority={self.priority}>"
+        )
+
+    def _open_handle(self, what: str) -> Any:
+        handle = self.handle
+        if handle is None:
+            raise ContextClosedError(f"{what}: the stream was closed")
+        return handle
+
+    # --- operations ------------------------------------------------------------------
+
+    def synchronize(self) -> None:
+        """Wait for all work in the stream (the GIL is released while waiting).
+
+        Raises
+        ------
+        ContextPoisonedError
+            A kernel faulted; the context can no longer be used.
+        BaseException
+            The first exception raised by a host function (:meth:`launch_host_func`)
+            since the last synchronize; later ones are logged.
+        """
+        handle = self._open_handle("Stream.synchronize")
+        ctx = self.context
+        ctx.check_usable()
+        with guard(ctx, "Stream.synchronize"):
+            (err,) = drv.cuStreamSynchronize(handle)
+        if err:
+            raise ctx.note_error(err, "cuStreamSynchronize")
+        if self._callback_errors:
+            self._raise_callback_error()
+
+    def _raise_callback_error(self) -> None:
+        with self._lock:
+            errors, self._callback_errors = self._callback_errors, []
+        for extra in errors[1:]:
+            log.error("another host function on %r raised", self, exc_info=extra)
+        if errors:
+            raise errors[0]
+
+    def query(self) -> bool:
+        """True when all work in the stream has completed (``cuStreamQuery``)."""
+        handle = self._open_handle("Stream.query")
+        ctx = self.context
+        with guard(ctx, "Stream.query"):
+            (err,) = drv.cuStreamQuery(handle)
+        if err == _NOT_READY:
+            return False
+        if err:
+            raise ctx.note_error(err, "cuStreamQuery")
+        return True
+
+    def wait(self, event_or_stream: Event | Stream | Any) -> None:
+        """Make later work in this stream wait for an event or for another stream's work.
+
+        The event may belong to another context or device (the cross-device dependency
+        of a multi-GPU program). A stream argument waits for everything enqueued on it so
+        far: an event is recorded there and waited on.
+        """
+        handle = self._open_handle("Stream.wait")
+        if isinstance(event_or_stream, Event):
+            event = event_or_stream
+        else:
+            other = Stream.from_handle(event_or_stream)
+            event = Event(timing=False, context=other.context)
+            event.record(other)
+        ev = event._open_handle("Stream.wait")
+        ctx = self.context
+        with guard(ctx, "Stream.wait"):
+            (err,) = drv.cuStreamWaitEvent(handle, ev, 0)
+        if err:
+            raise ctx.note_error(err, "cuStreamWaitEvent")
+
+    def record(self, event: Event | None = None, *, timing: bool = True) -> Event:
+        """Record *event* (a new one when ``None``) at this point of the stream."""
+        if event is None:
+            event = Event(timing=timing, context=self.context)
+        event.record(self)
+        return event
+
+    def launch_host_func(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn()`` on a driver thread once the work enqueued so far has completed.
+
+        ``fn`` must not call CUDA. An exception it raises is kept and re-raised by the
+        next :meth:`synchronize` of this stream (logged if the stream is gone by then).
+        ``fn`` is kept alive until it has run; the driver skips it if the context faults.
+        """
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+        handle = self._open_handle("Stream.launch_host_func")
+        key = next(_keys)
+        _pending[key] = (fn, weakref.ref(self))
+        ctx = self.context
+        with guard(ctx, "Stream.launch_host_func"):
+            (err,) = drv.cuLaunchHostFunc(handle, drv.CUhostFn(_HOST_FN_ADDR), key)
+        if err:
+            _pending.pop(key, None)
+            raise ctx.note_error(err, "cuLaunchHostFunc")
+
+    def capture(self, mode: str = "thread_local") -> AbstractContextManager[Graph]:
+        """``with stream.capture() as g:`` records the work enqueued on this stream in the
+        block into a CUDA graph; ``g.launch(stream)`` replays it (:func:`ctxkit.module.capture`)."""
+        from .module import capture
+
+        return capture(self, mode=mode)
+
+    def close(self) -> None:
+        """Destroy an owned stream now (in its context); idempotent. Borrowed: forget it."""
+        fin = self._fin
+        if fin is not None:
+            fin()
+        self.handle = None
+        self._owner = None
+
+
+def _check_priority(ctx: Context, priority: int) -> None:
+    err, least, greatest = drv.cuCtxGetStreamPriorityRange()
+    if err:
+        raise ctx.note_error(err, "cuCtxGetStreamPriorityRange")
+    if not greatest <= priority <= least:
+        raise ValueError(
+            f"stream priority {priority} is outside the range of device "
+            f"{ctx.device.ordinal}: {greatest} (highest) .. {least} (lowest)"
+        )
+
+
+def _context_of_stream(handle: Any) -> Context:
+    err, cu = drv.cuStreamGetCtx(handle)
+    if err:
+        raise from_result(int(err), f"cuStreamGetCtx({int(handle):#x})")
+    return _context_of_cu(cu)
+
+
+# --- events ---------------------------------------------------------------------------
+
+
+class Event:
+    """A CUDA event, created in its own context.
+
+    Parameters
+    ----------
+    timing : bool
+        Record timestamps (needed by :meth:`elapsed_ms`); ``False`` makes the event
+        cheaper for pure dependencies (``CU_EVENT_DISABLE_TIMING``).
+    context : Context, Device, int or None
+        As for :class:`Stream`.
+    blocking : bool
+        ``CU_EVENT_BLOCKING_SYNC``: :meth:`synchronize` sleeps instead of spinning.
+    """
+
+    __slots__ = ("__weakref__", "_fin", "_recorded", "context", "handle", "timing")
+
+    def __init__(self, timing: bool = True, context: CtxArg = None, *, blocking: bool = False):
+        ctx = context_for(context, "Event()")
+        flags = (0 if timing else EVENT_DISABLE_TIMING) | (EVENT_BLOCKING_SYNC if blocking else 0)
+        with ctx:
+            err, handle = drv.cuEventCreate(flags)
+        if err:
+            raise ctx.note_error(err, f"cuEventCreate(flags={flags})")
+        self.context = ctx
+        self.handle = handle
+        self.timing = bool(timing)
+        self._recorded = False
+        self._fin = finalizer(self, ctx, drv.cuEventDestroy, handle)
+
+    def __repr__(self) -> str:
+        if self.handle is None:
+            return "<Event closed>"
+        return (
+            f"<Event {int(self.handle):#x} device={self.context.device.ordinal} "
+            f"timing={self.timing}>"
+        )
+
+    def _open_handle(self, what: str) -> Any:
+        handle = self.handle
+        if handle is None:
+            raise ContextClosedError(f"{what}: the event was closed")
+        return handle
+
+    @property
+    def device(self) -> Device:
+        """The device of the event's context."""
+        return self.context.device
+
+    def record(self, stream: Stream | Any = None) -> Event:
+        """Record the event on *stream* (default: the context's legacy default stream).
+
+        Raises
+        ------
+        ValueError
+            *stream* is a ctxkit Stream of another context (the driver requires the
+            event and the stream to share a context).
+        """
+        handle = self._open_handle("Event.record")
+        ctx = self.context
+        if isinstance(stream, Stream) and stream.context != ctx:
+            raise ValueError(
+                f"cannot record {self!r} (context {ctx!r}) on {stream!r} of context "
+                f"{stream.context!r}: create the event in the stream's context "
+                "(Event(context=stream.context) or stream.record())"
+            )
+        sh = stream_handle(stream)
+        with guard(ctx, "Event.record"):
+            (err,) = drv.cuEventRecord(handle, sh)
+        if err:
+            raise ctx.note_error(err, "cuEventRecord")
+        self._recorded = True
+        return self
+
+    def query(self) -> bool:
+        """True when the work before the recorded point has completed."""
+        handle = self._open_handle("Event.query")
+        ctx = self.context
+        with guard(ctx, "Event.query"):
+            (err,) = drv.cuEventQuery(handle)
+        if err == _NOT_READY:
+            return False
+        if err:
+            raise ctx.note_error(err, "cuEventQuery")
+        return True
+
+    def synchronize(self) -> None:
+        """Wait until the recorded work has completed (GIL released while waiting)."""
+        handle = self._open_handle("Event.synchronize")
+        ctx = self.context
+        ctx.check_usable()
+        with guard(ctx, "Event.synchronize"):
+            (err,) = drv.cuEventSynchronize(handle)
+        if err:
+            raise ctx.note_error(err, "cuEventSynchronize")
+
+    def elapsed_ms(self, end: Event) -> float:
+        """Milliseconds from this event to *end*; waits for *end* to complete first.
+
+        Raises
+        ------
+        ValueError
+            Either event was created with ``timing=False``, was never recorded, or the
+            two belong to different devices/contexts.
+        """
+        check_elapsed(self, end)
+        end.synchronize()
+        ctx = self.context
+        with guard(ctx, "Event.elapsed_ms"):
+            err, ms = drv.cuEventElapsedTime(self.handle, end.handle)
+        if err == _NOT_READY:
+            raise ValueError(
+                f"{self!r} has not completed although {end!r} has: record the start event "
+                "before the end event on the same stream"
+            )
+        if err:
+            raise ctx.note_error(err, "cuEventElapsedTime")
+        return float(ms)
+
+    def close(self) -> None:
+        """Destroy the event now (in its context); idempotent."""
+        self._fin()
+        self.handle = None
+
+
+def check_elapsed(start: Event, end: Event) -> None:
+    """The checks of :meth:`Event.elapsed_ms`, before any driver call."""
+    if not isinstance(end, Event):
+        raise TypeError(f"end must be a ctxkit.Event, got {type(end).__name__}")
+    start._open_handle("Event.elapsed_ms")
+    end._open_handle("Event.elapsed_ms")
+    for ev, name in ((start, "start"), (end, "end")):
+        if not ev.timing:
+            raise ValueError(
+                f"elapsed_ms: the {name} event {ev!r} was created with timing=False and has "
+                "no timestamp; create both events with Event(timing=True)"
+            )
+        if not ev._recorded:
+            raise ValueError(f"elapsed_ms: the {name} event {ev!r} was never recorded")
+    d0, d1 = start.context.device.ordinal, end.context.device.ordinal
+    if d0 != d1:
+        raise ValueError(
+            f"elapsed_ms: the events are on different devices ({d0} and {d1}); GPU clocks "
+            "are per device: time each device with its own pair of events"
+        )
+    if start.context != end.context:
+        raise ValueError(
+            f"elapsed_ms: the events belong to different contexts ({start.context!r} and "
+            f"{end.context!r}) of device {d0}; create both in one context"
+        )
