@@ -145,7 +145,9 @@ class ModuleDriver:
         if bx * by * bz > self.attrs["MAX_THREADS_PER_BLOCK"]:
             return (1,)
         sig = next(lib[name] for lib in self.libraries.values() if name in lib)
-        ptrs = (ctypes.c_void_p * max(len(sig.params), 1)).from_address(params) if params else []
+        ptrs: Any = (
+            (ctypes.c_void_p * max(len(sig.params), 1)).from_address(params) if params else []
+        )
         values = [ctypes.string_at(ptrs[i], p.size) for i, p in enumerate(sig.params)]
         self.launches.append(
             dict(
@@ -246,7 +248,7 @@ def test_read_image_from_object_code_bytes_text_and_paths(tmp_path: Path):
     assert (img.format, img.label, img.code[-1:]) == ("ptx", "mine", b"\0")
     assert img.code.count(b"\0") == 1
     assert M.read_image(cubin.code).format == "cubin"
-    assert M.read_image(ptx.code).ptx == ptx.ptx.rstrip("\0")
+    assert M.read_image(ptx.code).ptx == (ptx.ptx or "").rstrip("\0")
     text = M.read_image(VECTOR_ADD)
     assert (text.format, text.label, text.code) == (
         "ptx",
@@ -442,7 +444,7 @@ def test_bad_arguments_never_reach_the_driver(fake):
         with pytest.raises(ValueError, match="block dimensions must be positive"):
             k.launch(1, 0, FakeBuffer(1), FakeBuffer(2), FakeBuffer(3), 4)
         with pytest.raises(TypeError, match="grid must be an int or a tuple"):
-            k.launch(1.5, 1, FakeBuffer(1), FakeBuffer(2), FakeBuffer(3), 4)
+            k.launch(1.5, 1, FakeBuffer(1), FakeBuffer(2), FakeBuffer(3), 4)  # type: ignore[arg-type]
     assert fake.launches == []
 
 

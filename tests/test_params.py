@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import struct
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -354,10 +355,10 @@ def test_pack_hand_written_types():
 def test_address_for_points_into_a_thread_local_buffer():
     pk = packer("empty")
     addr = pk.address_for((FakeBuffer(0xABC), 42))
-    ptrs = (ctypes.c_void_p * 2).from_address(addr)
-    assert ctypes.c_uint64.from_address(ptrs[0]).value == 0xABC
-    assert ctypes.c_uint32.from_address(ptrs[1]).value == 42
-    assert ptrs[1] - ptrs[0] == 8
+    p0, p1 = (int(p or 0) for p in (ctypes.c_void_p * 2).from_address(addr))
+    assert ctypes.c_uint64.from_address(p0).value == 0xABC
+    assert ctypes.c_uint32.from_address(p1).value == 42
+    assert p1 - p0 == 8
     assert pk.address_for((1, 2)) == addr  # reused in this thread
     other: list[int] = []
     t = threading.Thread(target=lambda: other.append(pk.address_for((1, 2))))
@@ -455,7 +456,7 @@ def test_hand_written_type_errors(index, value, why):
 
 def test_half_struct_hint_and_non_contiguous_array():
     pk = packer("k")
-    args = [1] * 18
+    args: list[Any] = [1] * 18
     args[10], args[11], args[14], args[15] = bytes(24), bytes(16), np.float16(1), bytes(16)
     args[8] = args[13] = FakeBuffer(1)
     args[5] = args[6] = 1.0
