@@ -11,22 +11,30 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import os
 import re
-import sys
 import threading
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from . import _compile_cache as _cache
 from . import _driver
-from .errors import CompileError, DriverNotFoundError
+from ._nvrtc import (
+    cuda_dirs_fingerprint,
+    cuda_include_dirs,
+    link_ptx,
+    make_fatbin,
+    normalize_arch,
+    nvrtc_version,
+    plan,
+    run_nvrtc,
+    supported_archs,
+)
+from ._ptxlib import kernel_names, kernel_path, kernel_source
+from .errors import DriverNotFoundError
 
 __all__ = [
     "ObjectCode",
@@ -48,114 +56,12 @@ __all__ = [
 ]
 
 TARGETS = ("auto", "ptx", "cubin", "fatbin")
-_INSTALL_HINT = "install it with `pip install ctxkit[cu13]` (or [cu12] for a CUDA 12 driver)"
+_INCLUDE_RE = re.compile(r"^[ \t]*#[ \t]*include\b", re.MULTILINE)
 _FATBIN_MAGIC = b"\x50\xed\x55\xba"
 
 
 class PtxVersionWarning(UserWarning):
     """PTX was produced by an NVRTC newer than the driver, which will refuse to load it."""
-
-
-# --- NVRTC library ------------------------------------------------------------------
-
-
-def _nvrtc() -> ModuleType:
-    try:
-        nvrtc = importlib.import_module("cuda.bindings.nvrtc")
-    except Exception as exc:
-        raise CompileError(f"NVRTC bindings are not available ({exc!r}); {_INSTALL_HINT}") from None
-    return nvrtc
-
-
-@lru_cache(maxsize=1)
-def nvrtc_version() -> tuple[int, int]:
-    """The NVRTC version as ``(major, minor)`` (loads the NVRTC library).
-
-    Raises
-    ------
-    CompileError
-        NVRTC is not installed.
-    """
-    nvrtc = _nvrtc()
-    try:
-        err, major, minor = nvrtc.nvrtcVersion()
-    except Exception as exc:
-        raise CompileError(
-            f"the NVRTC library could not be loaded ({exc}); {_INSTALL_HINT}"
-        ) from None
-    _check(err, "nvrtcVersion")
-    return int(major), int(minor)
-
-
-@lru_cache(maxsize=1)
-def supported_archs() -> tuple[int, ...]:
-    """The real architectures this NVRTC compiles for, e.g. ``(75, 80, ..., 90, 100, 120)``."""
-    nvrtc = _nvrtc()
-    nvrtc_version()
-    err, archs = nvrtc.nvrtcGetSupportedArchs()
-    _check(err, "nvrtcGetSupportedArchs")
-    return tuple(sorted(int(a) for a in archs))
-
-
-def _result_name(err: Any) -> str:
-    return getattr(err, "name", None) or f"nvrtcResult {int(err)}"
-
-
-def _check(err: Any, what: str) -> None:
-    if err:
-        raise CompileError(
-            f"{what} failed: {_result_name(err)}", code=int(err), name=_result_name(err)
-        )
-
-
-def _versions_line() -> str:
-    drv = _driver.driver_version()
-    drv_text = f"driver CUDA {drv[0]}.{drv[1]}" if drv else "no driver"
-    try:
-        nv = nvrtc_version()
-        nv_text = f"NVRTC {nv[0]}.{nv[1]}"
-    except CompileError:
-        nv_text = "NVRTC unavailable"
-    return f"{nv_text}, {drv_text}, cuda-bindings {'.'.join(map(str, _driver.BINDINGS_VERSION))}"
-
-
-# --- architectures ------------------------------------------------------------------
-
-_ARCH_RE = re.compile(r"^(?:sm_|compute_|lto_)?(\d{2,3})([af]?)$")
-
-
-def normalize_arch(arch: Any) -> str:
-    """``"sm_XY"`` for an arch given as ``"sm_90"``, ``"compute_90"``, ``"90"``, ``"9.0"``,
-    ``(9, 0)``, ``90`` or a :class:`~ctxkit.Device`; arch-specific suffixes stay (``"sm_90a"``).
-
-    Raises
-    ------
-    ValueError
-        The value does not name an architecture.
-    """
-    if hasattr(arch, "compute_capability"):
-        arch = arch.compute_capability
-    if isinstance(arch, tuple) and len(arch) == 2 and all(isinstance(v, int) for v in arch):
-        return f"sm_{arch[0]}{arch[1]}"
-    if isinstance(arch, int) and not isinstance(arch, bool) and arch > 0:
-        return f"sm_{arch}"
-    if isinstance(arch, str):
-        text = arch.strip().lower()
-        if re.fullmatch(r"\d+\.\d", text):
-            text = text.replace(".", "")
-        m = _ARCH_RE.match(text)
-        if m:
-            return f"sm_{m.group(1)}{m.group(2)}"
-    raise ValueError(
-        f"cannot understand arch={arch!r}; use a string like 'sm_90', a (major, minor) tuple "
-        "or a ctxkit.Device"
-    )
-
-
-def _arch_number(arch: str) -> int:
-    m = _ARCH_RE.match(arch)
-    assert m is not None
-    return int(m.group(1))
 
 
 def _default_arch() -> str:
@@ -182,48 +88,6 @@ def _no_gpu_arch_message(reason: str) -> str:
     )
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """What NVRTC is asked for once arch and target are resolved."""
-
-    arch: str  # the arch asked for, normalised
-    build_arch: str  # what NVRTC compiles for (capped to what it supports)
-    target: str  # "ptx" | "cubin" | "fatbin"
-    note: str  # explains a capped arch / a PTX fallback (goes into the log)
-
-
-def _plan(arch: str, target: str) -> _Plan:
-    supported = supported_archs()
-    num = _arch_number(arch)
-    if num in supported:
-        return _Plan(arch, arch, "cubin" if target == "auto" else target, "")
-    lower = [a for a in supported if a < num]
-    nv = "{}.{}".format(*nvrtc_version())
-    span = f"sm_{supported[0]}..sm_{supported[-1]}"
-    if not lower:
-        raise ValueError(
-            f"NVRTC {nv} cannot compile for {arch} (it supports {span}); use an NVRTC that "
-            "still supports this GPU (e.g. the cu12 extra of ctxkit)"
-        )
-    capped = f"sm_{lower[-1]}"
-    same_major = lower[-1] // 10 == num // 10
-    if target == "auto":
-        target = "cubin" if same_major else "ptx"
-    elif target in ("cubin", "fatbin") and not same_major:
-        raise ValueError(
-            f"NVRTC {nv} cannot make a {target} for {arch} (it supports {span}), and a "
-            f"{capped} cubin does not run on {arch}; use target='ptx' or 'auto' (PTX for "
-            f"{capped.replace('sm_', 'compute_')}, JIT-compiled by the driver)"
-        )
-    built = capped if target != "ptx" else capped.replace("sm_", "compute_")
-    note = (
-        f"ctxkit: {arch} is newer than NVRTC {nv} supports ({span}); compiled "
-        f"{target} for {built} instead"
-        + (" (the driver JIT-compiles the PTX for the device)" if target == "ptx" else "")
-    )
-    return _Plan(arch, capped, target, note)
-
-
 def _warn_if_ptx_too_new(nvrtc: tuple[int, int] | None, stacklevel: int) -> None:
     drv = _driver.driver_version()
     if nvrtc is None or drv is None or tuple(nvrtc) <= drv:
@@ -235,58 +99,6 @@ def _warn_if_ptx_too_new(nvrtc: tuple[int, int] | None, stacklevel: int) -> None
         PtxVersionWarning,
         stacklevel=stacklevel + 1,
     )
-
-
-# --- headers ------------------------------------------------------------------------
-
-_INCLUDE_RE = re.compile(r"^[ \t]*#[ \t]*include\b", re.MULTILINE)
-
-
-@lru_cache(maxsize=1)
-def cuda_include_dirs() -> tuple[str, ...]:
-    """Directories holding the CUDA headers (``cuda_fp16.h``, ``cuda/std/...``).
-
-    Found with cuda-pathfinder: the ``nvidia-cuda-runtime`` and ``nvidia-cuda-cccl``
-    wheels (installed by ``ctxkit[cu13]``), conda, or a CUDA toolkit (``CUDA_HOME``).
-    Added to every compile whose source includes anything.
-    """
-    dirs: list[str] = []
-    try:
-        from cuda.pathfinder import find_nvidia_header_directory
-    except Exception:
-        find_nvidia_header_directory = None
-    for lib in ("cudart", "cccl"):
-        found = None
-        if find_nvidia_header_directory is not None:
-            try:
-                found = find_nvidia_header_directory(lib)
-            except Exception:
-                found = None
-        if found and found not in dirs:
-            dirs.append(found)
-    if not dirs:
-        for var in ("CUDA_PATH", "CUDA_HOME"):
-            root = os.environ.get(var)
-            if root and os.path.isdir(os.path.join(root, "include")):
-                dirs.append(os.path.join(root, "include"))
-                break
-    return tuple(dirs)
-
-
-def _cuda_dirs_fingerprint(dirs: Sequence[str]) -> list[Any]:
-    out = []
-    for d in dirs:
-        canary = next(
-            (
-                os.path.join(d, f)
-                for f in ("cuda_runtime.h", "cuda/std/version")
-                if os.path.isfile(os.path.join(d, f))
-            ),
-            d,
-        )
-        st = os.stat(canary)
-        out.append([d, st.st_size, st.st_mtime_ns])
-    return out
 
 
 # --- object code --------------------------------------------------------------------
@@ -511,6 +323,7 @@ class Program:
         return f"<Program {self.name!r} options={list(self.options)}>"
 
     def _needs_cuda_headers(self) -> bool:
+        """True when the program includes anything (then CUDA include dirs are added)."""
         texts = [self.source, *self.headers.values()]
         return any(_INCLUDE_RE.search(t) for t in texts) or any(
             o.startswith(("-include", "--pre-include")) for o in self.options
@@ -582,34 +395,39 @@ class Program:
             ),
         }
         if self._needs_cuda_headers():
-            parts["cuda_headers"] = _cuda_dirs_fingerprint(cuda_include_dirs())
+            parts["cuda_headers"] = cuda_dirs_fingerprint(cuda_include_dirs())
             own_dir = os.path.dirname(self.name)
             if own_dir:
                 parts["own_dir"] = _cache.file_fingerprint([own_dir])
         return _cache.make_key(parts)
 
     def _build(self, arch: str, target: str) -> ObjectCode:
-        plan = _plan(arch, target)
-        nvrtc_arch = (
-            plan.build_arch if plan.target != "ptx" else plan.build_arch.replace("sm_", "compute_")
-        )
+        p = plan(arch, target)
+        built = p.build_arch
+        nvrtc_arch = built.replace("sm_", "compute_") if p.target == "ptx" else built
         options = [f"-arch={nvrtc_arch}", *self.options]
         if self._needs_cuda_headers():
             options += [f"-I{d}" for d in cuda_include_dirs()]
-        ptx, cubin, log, lowered = _run_nvrtc(self, options, want_cubin=plan.target != "ptx")
+        ptx, cubin, log, lowered = run_nvrtc(
+            self.source,
+            self.name,
+            self.headers,
+            self.name_expressions,
+            options,
+            want_cubin=p.target != "ptx",
+        )
         _count("compiled")
-        log = "\n".join(x for x in (plan.note, log) if x)
-        if plan.target == "ptx":
-            code, out_arch = ptx.encode() + b"\0", nvrtc_arch
-        elif plan.target == "cubin":
-            code, out_arch = cubin, plan.build_arch
+        if p.target == "ptx":
+            code = ptx.encode() + b"\0"
+        elif p.target == "cubin":
+            code = cubin
         else:
-            code, out_arch = _make_fatbin(cubin, ptx, plan.build_arch, self.name), plan.build_arch
+            code = make_fatbin(cubin, ptx, built, self.name)
         return ObjectCode(
             code=code,
-            target=plan.target,
-            arch=out_arch,
-            log=log,
+            target=p.target,
+            arch=nvrtc_arch,
+            log="\n".join(x for x in (p.note, log) if x),
             ptx=ptx or None,
             lowered_names=lowered,
             name=self.name,
@@ -620,153 +438,6 @@ class Program:
 
 def _text(value: str | bytes) -> str:
     return value.decode("utf-8") if isinstance(value, bytes) else str(value)
-
-
-# --- NVRTC calls --------------------------------------------------------------------
-
-
-def _program_log(nvrtc: ModuleType, prog: Any) -> str:
-    err, size = nvrtc.nvrtcGetProgramLogSize(prog)
-    if err or size <= 1:
-        return ""
-    buf = b" " * size
-    (err,) = nvrtc.nvrtcGetProgramLog(prog, buf)
-    return "" if err else buf.rstrip(b"\0").decode("utf-8", "replace").strip()
-
-
-def _get_blob(nvrtc: ModuleType, prog: Any, size_fn: str, get_fn: str) -> bytes:
-    err, size = getattr(nvrtc, size_fn)(prog)
-    _check(err, size_fn)
-    if size <= 1:
-        return b""
-    buf = b" " * size
-    (err,) = getattr(nvrtc, get_fn)(prog, buf)
-    _check(err, get_fn)
-    return buf
-
-
-def _run_nvrtc(
-    program: Program, options: list[str], want_cubin: bool
-) -> tuple[str, bytes, str, dict[str, str]]:
-    """Compile; return (PTX text, cubin or b"", log, lowered names)."""
-    nvrtc = _nvrtc()
-    nvrtc_version()
-    names = list(program.headers)
-    err, prog = nvrtc.nvrtcCreateProgram(
-        program.source.encode(),
-        program.name.encode(),
-        len(names),
-        [program.headers[n].encode() for n in names],
-        [n.encode() for n in names],
-    )
-    _check(err, "nvrtcCreateProgram")
-    try:
-        for expr in program.name_expressions:
-            _check(nvrtc.nvrtcAddNameExpression(prog, expr.encode())[0], "nvrtcAddNameExpression")
-        (err,) = nvrtc.nvrtcCompileProgram(prog, len(options), [o.encode() for o in options])
-        log = _program_log(nvrtc, prog)
-        if err:
-            raise _compile_error(program, options, err, log)
-        ptx = _get_blob(nvrtc, prog, "nvrtcGetPTXSize", "nvrtcGetPTX")
-        cubin = _get_blob(nvrtc, prog, "nvrtcGetCUBINSize", "nvrtcGetCUBIN") if want_cubin else b""
-        if want_cubin and not cubin:
-            raise CompileError(f"NVRTC produced no cubin for {program.name!r} ({options})")
-        lowered = {}
-        for expr in program.name_expressions:
-            err, mangled = nvrtc.nvrtcGetLoweredName(prog, expr.encode())
-            _check(err, f"nvrtcGetLoweredName({expr!r})")
-            lowered[expr] = mangled.decode() if isinstance(mangled, bytes) else str(mangled)
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
-    return ptx.rstrip(b"\0").decode("utf-8", "replace"), bytes(cubin), log, lowered
-
-
-_ERROR_LINE_RE = re.compile(r"^(.+?)\((\d+)\): (?:catastrophic )?error: (.*)$", re.MULTILINE)
-
-
-def _compile_error(program: Program, options: list[str], err: Any, log: str) -> CompileError:
-    m = _ERROR_LINE_RE.search(log)
-    first = f" (first error: {m.group(1)} line {m.group(2)}: {m.group(3)})" if m else ""
-    message = (
-        f"NVRTC failed to compile {program.name!r}: {_result_name(err)}{first}\n"
-        f"--- NVRTC log ---\n{log or '(empty)'}\n--- end of log ---\n"
-        f"options: {' '.join(options)}\n"
-        f"versions: {_versions_line()}"
-    )
-    return CompileError(message, log=log, code=int(err), name=_result_name(err))
-
-
-# --- nvJitLink / nvFatbin -----------------------------------------------------------
-
-
-def link_ptx(ptx: str | bytes, arch: Any = "sm_90", *, name: str = "input.ptx") -> bytes:
-    """Assemble/link PTX into a cubin for *arch* with nvJitLink (verifies hand-written PTX).
-
-    Raises
-    ------
-    CompileError
-        nvJitLink rejected the PTX (``.log`` has ptxas' messages) or is not installed.
-    """
-    try:
-        nvjitlink = importlib.import_module("cuda.bindings.nvjitlink")
-    except Exception as exc:
-        raise CompileError(
-            f"nvJitLink bindings are not available ({exc!r}); {_INSTALL_HINT}"
-        ) from None
-    data = ptx.encode() if isinstance(ptx, str) else bytes(ptx)
-    target = normalize_arch(arch)
-    try:
-        handle = nvjitlink.create(1, [f"-arch={target}"])
-    except Exception as exc:
-        raise CompileError(f"nvJitLink cannot link for {target}: {exc}") from None
-    try:
-        try:
-            nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), name)
-            nvjitlink.complete(handle)
-        except nvjitlink.nvJitLinkError as exc:
-            log = _jitlink_log(nvjitlink, handle)
-            raise CompileError(
-                f"nvJitLink failed to link {name!r} for {target}: {exc}\n{log}", log=log
-            ) from None
-        size = nvjitlink.get_linked_cubin_size(handle)
-        buf = bytearray(size)
-        nvjitlink.get_linked_cubin(handle, buf)
-    finally:
-        nvjitlink.destroy(handle)
-    return bytes(buf)
-
-
-def _jitlink_log(nvjitlink: ModuleType, handle: int) -> str:
-    size = nvjitlink.get_error_log_size(handle)
-    if size <= 1:
-        return ""
-    buf = bytearray(size)
-    nvjitlink.get_error_log(handle, buf)
-    return bytes(buf).rstrip(b"\0").decode("utf-8", "replace").strip()
-
-
-def _make_fatbin(cubin: bytes, ptx: str, arch: str, name: str) -> bytes:
-    try:
-        nvfatbin = importlib.import_module("cuda.bindings.nvfatbin")
-        handle = nvfatbin.create([], 0)
-    except Exception as exc:
-        raise CompileError(
-            f"target='fatbin' needs the nvFatbin library ({exc}); install it with "
-            "`pip install nvidia-nvfatbin` (cu12: nvidia-nvfatbin-cu12), or use target='cubin'"
-        ) from None
-    digits = arch.removeprefix("sm_")
-    try:
-        nvfatbin.add_cubin(handle, cubin, len(cubin), digits, name)
-        if ptx:
-            data = ptx.encode() + b"\0"
-            nvfatbin.add_ptx(handle, data, len(data), digits, name, "")
-        buf = bytearray(nvfatbin.size(handle))
-        nvfatbin.get(handle, buf)
-    except Exception as exc:
-        raise CompileError(f"nvFatbin failed to build a fatbin for {name!r}: {exc}") from None
-    finally:
-        nvfatbin.destroy(handle)
-    return bytes(buf)
 
 
 # --- cache glue ---------------------------------------------------------------------
@@ -880,92 +551,11 @@ def compile(
     return prog._compile(target, arch, cache, stacklevel=2)
 
 
-# --- the kernel library (ptx/) ------------------------------------------------------
-
-
-def _ptx_dir() -> Path:
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "ptx", here.parent / "ptx"):
-        if candidate.is_dir():
-            return candidate
-    raise FileNotFoundError(
-        f"the ctxkit kernel library (ptx/) is missing next to {here}; reinstall ctxkit"
-    )
-
-
-def kernel_names() -> list[str]:
-    """File names in the kernel library (``*.cu`` sources and hand-written ``*.ptx``)."""
-    return sorted(p.name for p in _ptx_dir().iterdir() if p.suffix in (".cu", ".cuh", ".ptx"))
-
-
-def kernel_path(name: str) -> Path:
-    """Path of a kernel library file; ``"saxpy"`` means ``"saxpy.cu"``.
-
-    Raises
-    ------
-    FileNotFoundError
-        No such file; the message lists the files there are.
-    """
-    directory = _ptx_dir()
-    base = Path(name).name
-    for candidate in (base, base + ".cu"):
-        p = directory / candidate
-        if p.is_file():
-            return p
-    raise FileNotFoundError(
-        f"no kernel {name!r} in the ctxkit kernel library ({directory}); available: "
-        f"{', '.join(kernel_names())}"
-    )
-
-
-def kernel_source(name: str) -> str:
-    """Text of a kernel library file (``ptx/<name>``), e.g. ``kernel_source("saxpy.cu")``."""
-    return kernel_path(name).read_text(encoding="utf-8")
-
-
 # --- command line -------------------------------------------------------------------
 
 
 def cli_compile(args: argparse.Namespace) -> int:
     """``python -m ctxkit compile FILE.cu``: write FILE.cubin/.ptx; exit 1 on any error."""
-    src_path = Path(args.file)
-    try:
-        source = src_path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        print(f"ctxkit compile: cannot read {src_path}: {exc}", file=sys.stderr)
-        return 1
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", PtxVersionWarning)
-            obj = compile(
-                source,
-                name=src_path.name,
-                arch=args.arch,
-                target=args.target or "auto",
-                defines=args.defines or None,
-                include_dirs=[str(src_path.parent or "."), *args.include_dirs],
-                std=args.std,
-                cache=not args.no_cache,
-            )
-    except CompileError as exc:
-        print(exc.log or str(exc), file=sys.stderr)
-        print(f"ctxkit compile: {src_path} failed to compile ({exc.name})", file=sys.stderr)
-        return 1
-    except ValueError as exc:
-        print(f"ctxkit compile: {exc}", file=sys.stderr)
-        if args.arch is None:
-            print("ctxkit compile: pass --arch, e.g. --arch sm_90", file=sys.stderr)
-        return 1
-    out = Path(args.output) if args.output else src_path.with_suffix("." + obj.target)
-    try:
-        obj.save(out)
-    except OSError as exc:
-        print(f"ctxkit compile: cannot write {out}: {exc}", file=sys.stderr)
-        return 1
-    if obj.log:
-        print(obj.log, file=sys.stderr)
-    for w in caught:
-        print(f"warning: {w.message}", file=sys.stderr)
-    cached = " (from cache)" if obj.from_cache else ""
-    print(f"wrote {out} ({obj.target}, {obj.arch}, {len(obj.code)} bytes){cached}")
-    return 0
+    from ._compile_cli import run
+
+    return run(args)

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 import ctxkit
-from ctxkit import _compile_cache, _driver
+from ctxkit import _compile_cache, _driver, _nvrtc
 from ctxkit import compiler as C
 from ctxkit.errors import CompileError, DriverNotFoundError
 
@@ -204,6 +204,16 @@ def test_cuda_headers_come_from_the_wheels_when_installed() -> None:
     assert any(
         "site-packages" in d and os.path.isfile(os.path.join(d, "cuda_fp16.h")) for d in dirs
     )
+
+
+def test_missing_cuda_headers_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(C, "cuda_include_dirs", lambda: ())
+    monkeypatch.setattr(_nvrtc, "cuda_include_dirs", lambda: ())
+    src = '#include <cuda_fp16.h>\nextern "C" __global__ void k(float* x) { x[0] = 1.0f; }\n'
+    with pytest.raises(CompileError, match="nvidia-cuda-runtime") as info:
+        ctxkit.compile(src, arch="sm_90", cache=False)
+    assert "'cuda_fp16.h' was not found" in str(info.value)
+    assert "CUDA include dirs found: none" in str(info.value)
 
 
 def test_half_precision_kernel_compiles() -> None:
@@ -481,7 +491,7 @@ def test_link_ptx_unsupported_arch() -> None:
 def test_missing_nvrtc_bindings_explain_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "cuda.bindings.nvrtc", None)
     with pytest.raises(CompileError, match=r"ctxkit\[cu13\]"):
-        C._nvrtc()
+        _nvrtc.load_nvrtc()
 
 
 def test_missing_nvjitlink_explains_install(monkeypatch: pytest.MonkeyPatch) -> None:
