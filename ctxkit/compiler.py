@@ -136,7 +136,7 @@ class ObjectCode:
     arch: str
     log: str = ""
     ptx: str | None = None
-    lowered_names: Mapping[str, str] = field(default_factory=dict)
+    lowered_names: Mapping[str, str] = field(default_factory=dict, hash=False)
     name: str = "kernel.cu"
     options: tuple[str, ...] = ()
     nvrtc_version: tuple[int, int] | None = None

@@ -449,6 +449,12 @@ def test_save_and_from_file_roundtrip(tmp_path: Path) -> None:
     assert p2.code == ptx.code and p2.ptx == ptx.ptx
 
 
+def test_object_code_is_hashable_and_comparable() -> None:
+    a = ctxkit.compile(SAXPY, arch="sm_90", name_expressions=("saxpy",), cache=False)
+    b = ctxkit.compile(SAXPY, arch="sm_90", name_expressions=("saxpy",), cache=False)
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+
+
 def test_from_bytes_of_hand_written_ptx() -> None:
     obj = ctxkit.ObjectCode.from_bytes(C.kernel_source("vector_add_lowisa.ptx").encode())
     assert obj.target == "ptx" and obj.arch == "compute_52" and obj.code.endswith(b"\0")
