@@ -341,7 +341,10 @@ class Module:
                 "CUDA_ERROR_NOT_FOUND",
             )
         if err:
-            raise _driver.from_result(int(err), f"looking up kernel {name!r} in {self.name}")
+            what = f"looking up kernel {name!r} in {self.name}"
+            if int(err) in _JIT_CODES:
+                raise _jit_error(int(err), what, self._image)
+            raise _driver.from_result(int(err), what)
         k = Kernel(self, name, symbol, handle, self._signature_for(symbol, handle))
         self._kernels[name] = k
         return k
@@ -385,17 +388,22 @@ def _load_error(
     err_log: bytearray,
     ctx: Context | None = None,
 ) -> CudaError:
-    error_log, info_log = _decode_log(err_log), _decode_log(info)
-    if code in _JIT_CODES and image.format == "ptx" and not error_log:
-        error_log = _diagnose_jit(image) or ""
     call_text = f"{what}({image.label}, {image.format})"
-    detail = jit_detail(code, image.ptx, error_log, info_log)
-    exc = _driver.from_result(code, call_text, detail)
     if code in _JIT_CODES:
-        return CompileError(str(exc), error_log, code, exc.name)
+        return _jit_error(code, call_text, image, _decode_log(err_log), _decode_log(info))
     if ctx is not None and code in STICKY_CODES:
         return ctx.note_error(code, call_text)
-    return exc
+    return _driver.from_result(code, call_text)
+
+
+def _jit_error(
+    code: int, call_text: str, image: _Image, error_log: str = "", info_log: str = ""
+) -> CompileError:
+    """A JIT failure with the JIT's log (re-read in the current context if lost)."""
+    if not error_log and image.format == "ptx":
+        error_log = _diagnose_jit(image) or ""
+    exc = _driver.from_result(code, call_text, jit_detail(code, image.ptx, error_log, info_log))
+    return CompileError(str(exc), error_log, code, exc.name)
 
 
 def _diagnose_jit(image: _Image) -> str | None:
@@ -558,10 +566,8 @@ class Kernel:
 
     def _function_error(self, code: int, ctx: Context) -> CudaError:
         what = f"cuKernelGetFunction({self.name!r}) in {ctx!r}"
-        if code in _JIT_CODES and self.module.ptx:
-            log = _diagnose_jit(self.module._image) or ""
-            exc = _driver.from_result(code, what, jit_detail(code, self.module.ptx, log, ""))
-            return CompileError(str(exc), log, code, exc.name)
+        if code in _JIT_CODES:
+            return _jit_error(code, what, self.module._image)
         return ctx.note_error(code, what)
 
     def _wrong_context(self, ctx: Context) -> CudaError:
@@ -671,6 +677,8 @@ class Kernel:
         what = f"cuLaunchKernel({self.name!r}, grid={grid}, block={block}, shared_mem={shared_mem})"
         if code in STICKY_CODES:
             return ctx.note_error(code, what)
+        if code in _JIT_CODES:
+            return _jit_error(code, what, self.module._image)
         detail = ""
         if code in (_INVALID_VALUE, _OUT_OF_RESOURCES):
             reasons = _params.explain_launch_config(

@@ -1,0 +1,108 @@
+"""CUDA graphs on a real device: capture launches on a stream, replay them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ctxkit as ck
+from ctxkit import compiler as C
+from ctxkit.memory import to_device
+from ctxkit.module import Graph, Module, capture
+
+N = 4096
+
+
+@pytest.fixture
+def saxpy(ctx0) -> ck.Kernel:
+    obj = ck.compile(C.kernel_source("saxpy.cu"), arch=ctx0.device.arch)
+    return Module.load(obj).function("saxpy")
+
+
+def test_capture_and_replay_100_kernels(ctx0, saxpy):
+    with ctx0:
+        s = ck.Stream()
+        x = to_device(np.ones(N, np.float32))
+        y = to_device(np.zeros(N, np.float32))
+        pl = saxpy.prepare(16, 256, 1.0, x, y, N, stream=s)
+        with capture(s) as g:
+            for _ in range(50):
+                pl()
+            for _ in range(50):
+                saxpy.launch(16, 256, 1.0, x, y, N, stream=s)
+        assert isinstance(g, Graph) and g.num_nodes == 100
+        s.synchronize()
+        assert not y.to_host().any(), "capturing must not execute the work"
+        pl.set_arg(0, 5.0)  # the graph holds the arguments it captured
+        for _ in range(3):
+            g.launch(s)
+        s.synchronize()
+        assert (y.to_host() == 300.0).all()
+        g.launch()  # the context's default stream
+        ctx0.synchronize()
+        assert (y.to_host() == 400.0).all()
+        g.close()
+        g.close()
+        with pytest.raises(ck.CudaError, match="graph is empty"):
+            g.launch(s)
+
+
+def test_stream_capture_method_with_a_memset_node(ctx0, saxpy):
+    with ctx0:
+        s = ck.Stream()
+        x = to_device(np.full(N, 2, np.float32))
+        y = to_device(np.full(N, 7, np.float32))
+        with s.capture() as g:
+            y.buffer.memset(0, stream=s)
+            for _ in range(10):
+                saxpy.launch(16, 256, 0.5, x, y, N, stream=s)
+        assert g.num_nodes == 11
+        g.launch(s)
+        g.launch(s)
+        s.synchronize()
+        assert (y.to_host() == 10.0).all()  # reset by the memset node, then 10 x (+1)
+
+
+def test_failed_capture_leaves_the_stream_usable(ctx0, saxpy):
+    with ctx0:
+        s = ck.Stream()
+        x = to_device(np.ones(N, np.float32))
+        y = to_device(np.zeros(N, np.float32))
+        with pytest.raises(ck.CudaError), capture(s) as bad:
+            saxpy.launch(16, 256, 1.0, x, y, N, stream=s)
+            s.synchronize()  # not capturable: the capture is invalidated
+        with pytest.raises(ck.CudaError, match="graph is empty"):
+            bad.launch(s)
+        with capture(s) as g:
+            saxpy.launch(16, 256, 1.0, x, y, N, stream=s)
+        g.launch(s)
+        s.synchronize()
+        assert (y.to_host() == 1.0).all()
+
+
+def test_default_stream_cannot_be_captured(ctx0):
+    with ctx0:
+        with pytest.raises(ValueError, match="created stream"), capture(None):
+            pass
+        with pytest.raises(ValueError, match="default stream cannot be captured"), capture(0):
+            pass
+
+
+def test_graph_launch_binds_its_context(ctx0, saxpy):
+    with ctx0:
+        s = ck.Stream()
+        x = to_device(np.ones(N, np.float32))
+        y = to_device(np.zeros(N, np.float32))
+        with capture(s) as g:
+            saxpy.launch(16, 256, 3.0, x, y, N, stream=s)
+    other = ck.Context.create(0)
+    try:
+        with other:
+            g.launch()  # runs in ctx0 (the graph's context), on its default stream
+        with ctx0:
+            ctx0.synchronize()
+            assert (y.to_host() == 3.0).all()
+    finally:
+        other.close()
+    with pytest.raises(ck.NoCurrentContextError):
+        g.launch()
