@@ -1,0 +1,156 @@
+"""Interoperability with CuPy and PyTorch (each skipped when not installed): ctxkit memory
+viewed by them without a copy (CUDA Array Interface and DLPack), their arrays passed to
+ctxkit kernels and copies, and their streams accepted by ctxkit."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ctxkit as ck
+from ctxkit.stream import Stream, stream_handle
+
+N = 10_007
+
+
+@pytest.fixture(scope="module")
+def k() -> SimpleNamespace:
+    from ctxkit.compiler import kernel_source
+
+    with ck.registry.context(0):
+        scale = ck.Module.load(ck.compile(kernel_source("scale.cu")))
+        fill = ck.Module.load(ck.compile(kernel_source("fill.cu")))
+    return SimpleNamespace(scale=scale.function("scale_f32"), fill=fill.function("fill_f32"))
+
+
+def grid(n: int) -> int:
+    return (n + 255) // 256
+
+
+# --- CuPy ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cp() -> Any:
+    return pytest.importorskip("cupy")
+
+
+def test_cupy_views_ctxkit_memory_without_copy(ctx0, cp):
+    x = np.arange(N, dtype=np.float32)
+    with ctx0:
+        arr = ck.memory.to_device(x)
+        via_cai = cp.asarray(arr)
+        via_dlpack = cp.from_dlpack(arr)
+        assert via_cai.data.ptr == arr.ptr and via_dlpack.data.ptr == arr.ptr
+        assert via_cai.shape == (N,) and via_cai.dtype == cp.float32
+        via_cai *= 2
+        cp.cuda.runtime.deviceSynchronize()
+        np.testing.assert_array_equal(arr.to_host(), 2 * x)
+        buf_view = cp.asarray(arr.buffer)  # a buffer is exported as bytes
+        assert buf_view.dtype == cp.uint8 and buf_view.size == arr.nbytes
+
+
+def test_cupy_arrays_in_ctxkit_kernels_and_copies(ctx0, cp, k):
+    with ctx0:
+        src = cp.arange(N, dtype=cp.float32)
+        dst = cp.zeros(N, dtype=cp.float32)
+        k.scale.launch(grid(N), 256, src, dst, N, np.float32(4.0))
+        ctx0.synchronize()
+        np.testing.assert_array_equal(cp.asnumpy(dst), 4 * np.arange(N, dtype=np.float32))
+        mine = ck.device_array(N, np.float32)
+        mine.copy_from(dst)  # CuPy array as a copy source
+        np.testing.assert_array_equal(mine.to_host(), cp.asnumpy(dst))
+        out = cp.empty(N, dtype=cp.float32)
+        mine.copy_to(out)  # and as a copy target
+        assert bool((out == dst).all())
+        with pytest.raises(ValueError, match="shape"):
+            mine.copy_to(cp.empty(N - 1, dtype=cp.float32))
+
+
+def test_cupy_streams(ctx0, cp, k):
+    with ctx0:
+        cs = cp.cuda.Stream(non_blocking=True)
+        assert int(stream_handle(cs)) == cs.ptr
+        wrapped = Stream.from_handle(cs)
+        assert wrapped.context is ctx0 and not wrapped.owned
+        buf = ck.device_array(N, np.float32)
+        host = ck.pinned_empty(N, np.float32)
+        host[:] = 1.5
+        buf.copy_from_host(host, stream=cs)  # a foreign stream, as is
+        k.scale.launch(grid(N), 256, buf, buf, N, np.float32(2.0), stream=wrapped)
+        buf.stream = cs
+        assert buf.__cuda_array_interface__["stream"] == cs.ptr
+        view = cp.from_dlpack(buf)  # CuPy's current stream is ordered after cs
+        assert bool((view == 3.0).all())
+        cs.synchronize()
+
+
+def test_ctxkit_stream_to_cupy(ctx0, cp):
+    with ctx0:
+        s = ck.Stream()
+        ext = cp.cuda.ExternalStream(s.ptr)
+        with ext:
+            a = cp.ones(1000, dtype=cp.float64) * 3
+        s.synchronize()
+        assert float(a.sum()) == 3000.0
+
+
+# --- PyTorch --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def torch() -> Any:
+    t = pytest.importorskip("torch")
+    if not t.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    return t
+
+
+def test_torch_views_ctxkit_memory_without_copy(ctx0, torch):
+    x = np.arange(N, dtype=np.float32)
+    with ctx0:
+        arr = ck.memory.to_device(x)
+        t = torch.from_dlpack(arr)
+        assert t.data_ptr() == arr.ptr and t.device == torch.device("cuda", 0)
+        t.mul_(3)
+        torch.cuda.synchronize()
+        np.testing.assert_array_equal(arr.to_host(), 3 * x)
+        t2 = torch.as_tensor(arr, device="cuda:0")  # CUDA Array Interface
+        assert t2.data_ptr() == arr.ptr
+        two_d = ck.memory.to_device(np.ones((97, 103), np.float32))
+        t3 = torch.from_dlpack(two_d)
+        assert tuple(t3.shape) == (97, 103) and t3.is_contiguous()
+        assert t3.data_ptr() == two_d.ptr and float(t3.sum()) == 97 * 103
+
+
+def test_torch_tensors_in_ctxkit_kernels_and_copies(ctx0, torch, k):
+    with ctx0:
+        src = torch.arange(N, dtype=torch.float32, device="cuda:0")
+        dst = torch.empty_like(src)
+        k.scale.launch(grid(N), 256, src, dst, N, np.float32(0.5))
+        ctx0.synchronize()
+        np.testing.assert_array_equal(dst.cpu().numpy(), 0.5 * np.arange(N, dtype=np.float32))
+        mine = ck.device_array(N, np.float32)
+        mine.copy_from(dst)
+        out = torch.zeros_like(dst)
+        mine.copy_to(out)
+        torch.cuda.synchronize()
+        assert torch.equal(out, dst)
+        small = ck.device_array((6, 4), np.float32)
+        with pytest.raises(ValueError, match="not C-contiguous"):
+            small.copy_to(torch.zeros(4, 6, device="cuda:0").t())
+
+
+def test_torch_streams(ctx0, torch, k):
+    with ctx0:
+        ts = torch.cuda.Stream(device=0)
+        assert int(stream_handle(ts)) == ts.cuda_stream
+        wrapped = Stream.from_handle(ts)
+        assert wrapped.context is ctx0
+        out = torch.empty(N, device="cuda:0")
+        k.fill.launch(grid(N), 256, out, np.float32(7.0), N, stream=ts)
+        ts.synchronize()
+        assert float(out.sum()) == 7.0 * N
