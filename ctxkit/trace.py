@@ -1,0 +1,492 @@
+"""Timelines of multi-device work: who ran what, where, and when.
+
+A :class:`Timeline` is a sorted list of :class:`Interval` (name, device, stream, chunk,
+start and end in milliseconds on one host clock). It is built from plain numbers (so
+it can be tested and loaded anywhere) or by a :class:`Recorder`, which collects host
+intervals from :func:`time.perf_counter` and pairs of CUDA events, and maps each
+device's event times onto the host clock through one reference event per device.
+
+Export: :meth:`Timeline.to_chrome_trace` writes Chrome-trace JSON (open it in
+https://ui.perfetto.dev or ``chrome://tracing``; one process per device, one thread
+per stream or host thread); :meth:`Timeline.to_png` draws a Gantt chart when
+matplotlib is installed (``pip install 'ctxkit[plot]'``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from typing import Any
+
+__all__ = ["Filter", "Interval", "Recorder", "Timeline"]
+
+HOST_PREFIX = "host"
+
+
+@dataclass(frozen=True)
+class Interval:
+    """One stage of work: ``name`` ran on ``device``/``stream`` from ``start_ms`` to ``end_ms``.
+
+    Attributes
+    ----------
+    name : str
+        Stage name: ``"h2d"``, ``"kernel"``, ``"d2h"``, ``"fill"``, ``"drain"``,
+        ``"prefetch"``, ``"wait"``, ``"stage:<name>"``...
+    device : int
+        Device ordinal (``-1`` for work tied to no device).
+    stream : str
+        The GPU stream (``"stream 0"``) or host thread (``"host <thread name>"``).
+    chunk : int or None
+        Index of the chunk the stage belongs to, ``None`` for stages outside a map.
+    start_ms, end_ms : float
+        Milliseconds since the recording started, on the host clock.
+    """
+
+    name: str
+    device: int
+    stream: str
+    chunk: int | None
+    start_ms: float
+    end_ms: float
+
+    @property
+    def duration_ms(self) -> float:
+        """``end_ms - start_ms``."""
+        return self.end_ms - self.start_ms
+
+    @property
+    def category(self) -> str:
+        """The name up to the first ``":"`` (``"stage:sum"`` -> ``"stage"``)."""
+        return self.name.split(":", 1)[0]
+
+    @property
+    def is_host(self) -> bool:
+        """True for intervals of a host thread (stream name starting with ``"host"``)."""
+        return self.stream.startswith(HOST_PREFIX)
+
+    def overlap_ms(self, other: Interval) -> float:
+        """Length of the time both intervals cover (0 when disjoint)."""
+        return max(0.0, min(self.end_ms, other.end_ms) - max(self.start_ms, other.start_ms))
+
+
+#: A selection of intervals: ``None`` (all), a predicate, or a mapping from field name to
+#: a value (equality), a set/list/tuple (membership) or a predicate on that field.
+Filter = Mapping[str, Any] | Callable[[Interval], bool] | None
+
+_FIELDS = tuple(f.name for f in fields(Interval))
+
+
+def _field_test(key: str, want: Any) -> Callable[[Interval], bool]:
+    if key not in _FIELDS:
+        raise ValueError(f"unknown Interval field {key!r} in a filter; fields are {list(_FIELDS)}")
+    if callable(want):
+        return lambda iv: bool(want(getattr(iv, key)))
+    if isinstance(want, (set, frozenset, list, tuple)):
+        allowed = frozenset(want)
+        return lambda iv: getattr(iv, key) in allowed
+    return lambda iv: getattr(iv, key) == want
+
+
+def matcher(flt: Filter = None, **fields_: Any) -> Callable[[Interval], bool]:
+    """Turn a :data:`Filter` (plus field keywords, all ANDed) into a predicate."""
+    tests: list[Callable[[Interval], bool]] = []
+    if callable(flt):
+        tests.append(flt)
+    elif isinstance(flt, Mapping):
+        tests.extend(_field_test(k, v) for k, v in flt.items())
+    elif flt is not None:
+        raise TypeError(
+            "a filter is None, a mapping of Interval fields or a callable, "
+            f"not {type(flt).__name__}"
+        )
+    tests.extend(_field_test(k, v) for k, v in fields_.items())
+    if not tests:
+        return lambda iv: True
+    if len(tests) == 1:
+        return tests[0]
+    return lambda iv: all(t(iv) for t in tests)
+
+
+def _union_ms(intervals: Iterable[Interval]) -> float:
+    total = 0.0
+    cur_start = cur_end = None
+    for iv in sorted(intervals, key=lambda i: i.start_ms):
+        if cur_end is None or iv.start_ms > cur_end:
+            if cur_end is not None and cur_start is not None:
+                total += cur_end - cur_start
+            cur_start, cur_end = iv.start_ms, iv.end_ms
+        else:
+            cur_end = max(cur_end, iv.end_ms)
+    if cur_end is not None and cur_start is not None:
+        total += cur_end - cur_start
+    return total
+
+
+def _stream_key(name: str) -> tuple[bool, str]:
+    return (name.startswith(HOST_PREFIX), name)
+
+
+class Timeline:
+    """Intervals of one or more runs, sorted by start time.
+
+    Parameters
+    ----------
+    intervals : iterable of Interval
+        The stages; ``end_ms`` must not precede ``start_ms``.
+    dropped : int
+        How many recorded stages could not be resolved (e.g. their events never ran
+        because the run failed); shown by :meth:`summary`.
+    """
+
+    def __init__(self, intervals: Iterable[Interval] = (), *, dropped: int = 0) -> None:
+        items = list(intervals)
+        for iv in items:
+            if not isinstance(iv, Interval):
+                raise TypeError(f"Timeline holds Interval objects, not {type(iv).__name__}")
+            if iv.end_ms < iv.start_ms:
+                raise ValueError(f"interval ends before it starts: {iv}")
+        items.sort(key=lambda i: (i.start_ms, i.end_ms, i.device, i.stream))
+        self._intervals: tuple[Interval, ...] = tuple(items)
+        self.dropped = int(dropped)
+
+    @property
+    def intervals(self) -> tuple[Interval, ...]:
+        """All intervals, sorted by start."""
+        return self._intervals
+
+    def __len__(self) -> int:
+        return len(self._intervals)
+
+    def __iter__(self) -> Iterator[Interval]:
+        return iter(self._intervals)
+
+    def __repr__(self) -> str:
+        return (
+            f"<Timeline {len(self)} intervals, devices {self.devices()}, {self.duration_ms:.3f} ms>"
+        )
+
+    # --- selection ---------------------------------------------------------------
+
+    def select(self, flt: Filter = None, **fields_: Any) -> Timeline:
+        """The intervals matching *flt* and the field keywords (``select(name="h2d")``)."""
+        test = matcher(flt, **fields_)
+        return Timeline((iv for iv in self._intervals if test(iv)), dropped=self.dropped)
+
+    def names(self) -> list[str]:
+        """Distinct stage names, sorted."""
+        return sorted({iv.name for iv in self._intervals})
+
+    def devices(self) -> list[int]:
+        """Distinct device ordinals, sorted."""
+        return sorted({iv.device for iv in self._intervals})
+
+    def streams(self, device: int | None = None) -> list[str]:
+        """Distinct streams (GPU streams first, then host threads), optionally of one device."""
+        names = {iv.stream for iv in self._intervals if device is None or iv.device == device}
+        return sorted(names, key=_stream_key)
+
+    @property
+    def start_ms(self) -> float:
+        """Start of the earliest interval (0.0 when empty)."""
+        return self._intervals[0].start_ms if self._intervals else 0.0
+
+    @property
+    def end_ms(self) -> float:
+        """End of the latest interval (0.0 when empty)."""
+        return max((iv.end_ms for iv in self._intervals), default=0.0)
+
+    @property
+    def duration_ms(self) -> float:
+        """From the earliest start to the latest end."""
+        return self.end_ms - self.start_ms
+
+    # --- analysis ----------------------------------------------------------------
+
+    def overlaps(
+        self, a: Filter, b: Filter, *, min_overlap_ms: float = 0.0
+    ) -> list[tuple[Interval, Interval]]:
+        """Pairs ``(x, y)``, x matching *a* and y matching *b*, that run at the same time.
+
+        Two intervals overlap when they share more than *min_overlap_ms*; an interval
+        is never paired with itself. The result is truthy when any pair exists, so
+        ``assert tl.overlaps({"name": "h2d"}, {"name": "kernel"})`` reads naturally.
+        """
+        xs = self.select(a).intervals
+        ys = sorted(self.select(b).intervals, key=lambda i: i.start_ms)
+        starts = [y.start_ms for y in ys]
+        pairs = []
+        for x in xs:
+            stop = bisect.bisect_left(starts, x.end_ms - min_overlap_ms)
+            for y in ys[:stop]:
+                if y is not x and x.overlap_ms(y) > min_overlap_ms:
+                    pairs.append((x, y))
+        return pairs
+
+    def busy_ms(self, flt: Filter = None, **fields_: Any) -> float:
+        """Time covered by at least one matching interval (overlaps counted once)."""
+        return _union_ms(self.select(flt, **fields_).intervals)
+
+    def breakdown(self) -> dict[int, dict[str, float]]:
+        """Busy milliseconds per device and stage category (``{0: {"h2d": 3.1, ...}}``)."""
+        out: dict[int, dict[str, float]] = {}
+        for dev in self.devices():
+            mine = [iv for iv in self._intervals if iv.device == dev]
+            cats = sorted({iv.category for iv in mine})
+            out[dev] = {c: _union_ms(iv for iv in mine if iv.category == c) for c in cats}
+        return out
+
+    def summary(self) -> str:
+        """A few human-readable lines: span and busy time per stage for every device."""
+        if not self._intervals:
+            return "empty timeline"
+        lines = [f"timeline: {len(self)} intervals over {self.duration_ms:.3f} ms"]
+        for dev, cats in self.breakdown().items():
+            mine = self.select(device=dev)
+            parts = ", ".join(f"{c} {ms:.3f} ms" for c, ms in cats.items())
+            label = f"device {dev}" if dev >= 0 else "host"
+            lines.append(f"  {label}: {mine.start_ms:.3f}..{mine.end_ms:.3f} ms; busy: {parts}")
+        if self.dropped:
+            lines.append(f"  ({self.dropped} recorded stages could not be resolved)")
+        return "\n".join(lines)
+
+    # --- export ------------------------------------------------------------------
+
+    def to_chrome_trace(self, path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+        """Chrome-trace JSON: ``"X"`` events, pid = device, tid = stream or host thread.
+
+        Returns the JSON object and, when *path* is given, writes it there (open the
+        file in https://ui.perfetto.dev or ``chrome://tracing``). Times are in
+        microseconds, as the format requires.
+        """
+        events: list[dict[str, Any]] = []
+        tids: dict[tuple[int, str], int] = {}
+        for dev in self.devices():
+            label = f"GPU {dev}" if dev >= 0 else "host"
+            events.append(_meta("process_name", dev, None, {"name": label}))
+            events.append(_meta("process_sort_index", dev, None, {"sort_index": dev}))
+            for i, stream in enumerate(self.streams(dev)):
+                tids[(dev, stream)] = i
+                events.append(_meta("thread_name", dev, i, {"name": stream}))
+                events.append(_meta("thread_sort_index", dev, i, {"sort_index": i}))
+        for iv in self._intervals:
+            events.append(
+                {
+                    "name": iv.name,
+                    "cat": iv.category,
+                    "ph": "X",
+                    "ts": iv.start_ms * 1000.0,
+                    "dur": iv.duration_ms * 1000.0,
+                    "pid": iv.device,
+                    "tid": tids[(iv.device, iv.stream)],
+                    "args": {"chunk": iv.chunk, "stream": iv.stream},
+                }
+            )
+        data = {
+            "traceEvents": events,
+            "displayTimeUnit": "ms",
+            "otherData": {"generator": "ctxkit", "dropped": self.dropped},
+        }
+        if path is not None:
+            with open(path, "w", encoding="utf-8") as fh:
+                json.dump(data, fh)
+        return data
+
+    @classmethod
+    def from_chrome_trace(cls, source: Mapping[str, Any] | str | os.PathLike[str]) -> Timeline:
+        """Rebuild a Timeline from :meth:`to_chrome_trace` output (a dict or a file path)."""
+        if isinstance(source, Mapping):
+            data: Mapping[str, Any] = source
+        else:
+            with open(source, encoding="utf-8") as fh:
+                data = json.load(fh)
+        events = data.get("traceEvents")
+        if not isinstance(events, list):
+            raise ValueError("not a Chrome trace: no 'traceEvents' list")
+        names: dict[tuple[int, int], str] = {}
+        for ev in events:
+            if ev.get("ph") == "M" and ev.get("name") == "thread_name":
+                names[(ev["pid"], ev["tid"])] = ev["args"]["name"]
+        intervals = []
+        for ev in events:
+            if ev.get("ph") != "X":
+                continue
+            args = ev.get("args") or {}
+            stream = args.get("stream") or names.get((ev["pid"], ev["tid"]), str(ev["tid"]))
+            start = float(ev["ts"]) / 1000.0
+            intervals.append(
+                Interval(
+                    ev["name"],
+                    int(ev["pid"]),
+                    stream,
+                    args.get("chunk"),
+                    start,
+                    start + float(ev.get("dur", 0.0)) / 1000.0,
+                )
+            )
+        other = data.get("otherData") or {}
+        return cls(intervals, dropped=int(other.get("dropped", 0)))
+
+    def to_png(
+        self, path: str | os.PathLike[str], *, title: str | None = None, dpi: int = 120
+    ) -> None:
+        """Draw a Gantt chart (one row per device and stream) into a PNG file.
+
+        Raises
+        ------
+        ImportError
+            matplotlib is not installed (install the ``plot`` extra).
+        """
+        try:
+            from matplotlib.backends.backend_agg import FigureCanvasAgg
+            from matplotlib.figure import Figure
+        except ImportError as exc:
+            raise ImportError(
+                "Timeline.to_png needs matplotlib: pip install 'ctxkit[plot]' (or "
+                "pip install matplotlib). Timeline.to_chrome_trace(path) needs nothing "
+                "and opens in https://ui.perfetto.dev"
+            ) from exc
+        rows = [(d, s) for d in self.devices() for s in self.streams(d)]
+        cats = sorted({iv.category for iv in self._intervals})
+        palette = [
+            "#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2",
+            "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac",
+        ]  # fmt: skip
+        color = {c: palette[i % len(palette)] for i, c in enumerate(cats)}
+        fig = Figure(figsize=(12, max(2.0, 0.35 * len(rows) + 1.2)))
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot(1, 1, 1)
+        for y, (dev, stream) in enumerate(rows):
+            for cat in cats:
+                bars = [
+                    (iv.start_ms, iv.duration_ms)
+                    for iv in self._intervals
+                    if iv.device == dev and iv.stream == stream and iv.category == cat
+                ]
+                if bars:
+                    ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=color[cat])
+        ax.set_yticks(range(len(rows)))
+        ax.set_yticklabels([f"GPU {d} {s}" if d >= 0 else s for d, s in rows])
+        ax.invert_yaxis()
+        ax.set_xlabel("time (ms)")
+        ax.set_title(title or f"ctxkit timeline ({self.duration_ms:.2f} ms)")
+        from matplotlib.patches import Patch
+
+        ax.legend(
+            handles=[Patch(color=color[c], label=c) for c in cats],
+            loc="upper right",
+            fontsize="small",
+        )
+        fig.tight_layout()
+        fig.savefig(os.fspath(path), dpi=dpi)
+
+
+def _meta(name: str, pid: int, tid: int | None, args: dict[str, Any]) -> dict[str, Any]:
+    ev: dict[str, Any] = {"name": name, "ph": "M", "pid": pid, "args": args}
+    if tid is not None:
+        ev["tid"] = tid
+    return ev
+
+
+def _event_elapsed(start: Any, end: Any) -> float:
+    return float(start.elapsed_ms(end))
+
+
+class Recorder:
+    """Collects host intervals and device event pairs during a run.
+
+    Device times come from events: :meth:`calibrate` ties one completed reference
+    event per device to the host clock, and each :meth:`mark` ``(start_event,
+    end_event)`` is placed at ``reference host time + elapsed(reference, event)``.
+
+    Parameters
+    ----------
+    elapsed_ms : callable, optional
+        ``elapsed_ms(a, b)`` -> milliseconds from event *a* to event *b*; default
+        ``a.elapsed_ms(b)`` (``ctxkit.Event``).
+    clock : callable, optional
+        Host clock in seconds (default :func:`time.perf_counter`).
+    """
+
+    def __init__(
+        self,
+        elapsed_ms: Callable[[Any, Any], float] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self._elapsed = elapsed_ms or _event_elapsed
+        self.clock = clock
+        self.t0 = clock()
+        self._host: list[Interval] = []
+        self._marks: list[tuple[str, int, str, int | None, Any, Any]] = []
+        self._refs: dict[int, tuple[Any, float]] = {}
+        self._cached: Timeline | None = None
+        self._lock = threading.Lock()
+
+    def ms(self, host_s: float) -> float:
+        """A host-clock time in seconds as milliseconds since the recording started."""
+        return (host_s - self.t0) * 1000.0
+
+    def host(
+        self, name: str, device: int, stream: str, chunk: int | None, start_s: float, end_s: float
+    ) -> None:
+        """Add a host interval measured with the recorder's clock (seconds)."""
+        self._host.append(Interval(name, device, stream, chunk, self.ms(start_s), self.ms(end_s)))
+        self._cached = None
+
+    @contextmanager
+    def host_span(
+        self, name: str, device: int, chunk: int | None = None, stream: str | None = None
+    ) -> Iterator[None]:
+        """Time the ``with`` body as a host interval on the calling thread."""
+        label = stream or f"{HOST_PREFIX} {threading.current_thread().name}"
+        t = self.clock()
+        try:
+            yield
+        finally:
+            self.host(name, device, label, chunk, t, self.clock())
+
+    def calibrate(self, device: int, ref_event: Any, host_s: float) -> None:
+        """Record that *ref_event* of *device* completed at host time *host_s* (seconds)."""
+        with self._lock:
+            self._refs[device] = (ref_event, host_s)
+            self._cached = None
+
+    def calibrated(self, device: int) -> bool:
+        """True once *device* has a reference event."""
+        return device in self._refs
+
+    def mark(
+        self, name: str, device: int, stream: str, chunk: int | None, start: Any, end: Any
+    ) -> None:
+        """Add a device interval between two recorded events of *device*."""
+        self._marks.append((name, device, stream, chunk, start, end))
+        self._cached = None
+
+    def timeline(self) -> Timeline:
+        """Resolve everything recorded so far (events must have completed)."""
+        cached = self._cached
+        if cached is not None:
+            return cached
+        intervals = list(self._host)
+        dropped = 0
+        for name, dev, stream, chunk, start, end in list(self._marks):
+            ref = self._refs.get(dev)
+            if ref is None:
+                dropped += 1
+                continue
+            base = self.ms(ref[1])
+            try:
+                s = base + self._elapsed(ref[0], start)
+                e = base + self._elapsed(ref[0], end)
+            except Exception:
+                dropped += 1
+                continue
+            intervals.append(Interval(name, dev, stream, chunk, s, max(s, e)))
+        tl = Timeline(intervals, dropped=dropped)
+        self._cached = tl
+        return tl
