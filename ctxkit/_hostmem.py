@@ -322,7 +322,8 @@ def register_host(arr: Any, *, context: Any = None) -> Iterator[np.ndarray]:
     Yields the array (as numpy). Async copies from/to it are truly asynchronous inside
     the block; it is unregistered on exit (inside the registering context). Memory that
     is already page-locked (a :func:`pinned_empty` array, an enclosing ``register_host``)
-    is yielded unchanged and left alone on exit.
+    and memory CUDA already manages (a ``ManagedBuffer.as_numpy()`` view) are yielded
+    unchanged and left alone on exit.
 
     Page rules: the driver locks whole pages, so an array that shares a page with memory
     already registered elsewhere cannot be registered; that case raises ``ValueError``
@@ -337,7 +338,7 @@ def register_host(arr: Any, *, context: Any = None) -> Iterator[np.ndarray]:
     """
     a = host_array(arr, "register_host")
     ptr, nbytes = _address(a), a.nbytes
-    if nbytes == 0 or host_pointer_kind(ptr) == "pinned":
+    if nbytes == 0 or host_pointer_kind(ptr) != "pageable":
         yield a
         return
     ctx = host_context(context, "register_host")

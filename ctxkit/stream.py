@@ -18,6 +18,8 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from ._driver import drv, from_result
 from .context import Context, finalizer, require_current
 from .device import Device
@@ -71,15 +73,15 @@ def stream_handle(obj: Any) -> Any:
     if obj is None:
         return _NULL_STREAM
     if isinstance(obj, Stream):
-        return obj.handle
+        return obj._open_handle("using the stream")
     return drv.CUstream(_foreign_stream_int(obj))
 
 
 def _foreign_stream_int(obj: Any) -> int:
     if isinstance(obj, bool):
         raise TypeError("a stream cannot be a bool")
-    if isinstance(obj, int):
-        return obj
+    if isinstance(obj, (int, np.integer)):
+        return int(obj)
     if drv is not None and isinstance(obj, drv.CUstream):
         return int(obj)
     proto = getattr(obj, "__cuda_stream__", None)
@@ -229,8 +231,9 @@ class Stream:
         else:
             ctx = _context_of_stream(handle)
         obj = cls.__new__(cls)
-        owner = None if isinstance(stream, int) else stream
-        obj._setup(ctx, handle, False, 0, owned=False, owner=owner)
+        owner = None if isinstance(stream, (int, np.integer)) else stream
+        nonblocking, priority = _stream_properties(handle, value)
+        obj._setup(ctx, handle, nonblocking, priority, owned=False, owner=owner)
         return obj
 
     # --- protocol / identity ---------------------------------------------------------
@@ -393,6 +396,15 @@ def _check_priority(ctx: Context, priority: int) -> None:
             f"stream priority {priority} is outside the range of device "
             f"{ctx.device.ordinal}: {greatest} (highest) .. {least} (lowest)"
         )
+
+
+def _stream_properties(handle: Any, value: int) -> tuple[bool, int]:
+    """``(nonblocking, priority)`` of an existing stream (defaults for special handles)."""
+    if value in (0, 1, 2):
+        return False, 0
+    err, flags = drv.cuStreamGetFlags(handle)
+    err2, priority = drv.cuStreamGetPriority(handle)
+    return (not err and bool(int(flags) & STREAM_NON_BLOCKING)), (0 if err2 else int(priority))
 
 
 def _context_of_stream(handle: Any) -> Context:

@@ -95,6 +95,7 @@ class FakeMemDriver:
         self.registered: dict[int, tuple[int, int, int]] = {}  # start -> (end, page range)
         self.log: list[tuple[str, int, Any]] = []  # (call, current ctx, detail)
         self.streams: dict[int, int] = {}  # handle -> ctx
+        self.stream_info: dict[int, tuple[int, int]] = {}  # handle -> (flags, priority)
         self.events: dict[int, tuple[int, int]] = {}  # handle -> (ctx, flags)
         self.host_funcs: dict[int, list[tuple[int, int]]] = {}
         self.waits: list[tuple[int, int]] = []
@@ -294,6 +295,7 @@ class FakeMemDriver:
             return (INVALID_CONTEXT, None)
         h = next(self._ids)
         self.streams[h] = self.cur()
+        self.stream_info[h] = (flags, priority)
         self.note("streamcreate", (h, flags, priority))
         return (OK, FakeHandle(h))
 
@@ -303,6 +305,14 @@ class FakeMemDriver:
         del self.streams[int(h)]
         self.note("streamdestroy", int(h))
         return (OK,)
+
+    def cuStreamGetFlags(self, h: Any) -> tuple[int, int]:
+        entry = self.stream_info.get(int(h))
+        return (OK, entry[0]) if entry else (INVALID_HANDLE, 0)
+
+    def cuStreamGetPriority(self, h: Any) -> tuple[int, int]:
+        entry = self.stream_info.get(int(h))
+        return (OK, entry[1]) if entry else (INVALID_HANDLE, 0)
 
     def cuStreamGetCtx(self, h: Any) -> tuple[int, Any]:
         ctx = self.streams.get(int(h))
@@ -1207,6 +1217,9 @@ def test_register_host_unregisters_on_error_and_accepts_pinned(fake, ctx0):
             pass
         with ck.register_host(np.zeros(0)):
             pass
+        managed_view = ManagedBuffer(64).as_numpy()
+        with ck.register_host(managed_view) as same:
+            assert same is managed_view
     assert len(fake.calls("register")) == 1
 
 
@@ -1441,6 +1454,8 @@ def test_stream_from_foreign_handles(fake, ctx0, ctx1):
     t = TorchStream()
     w = Stream.from_handle(t)
     assert w.context is ctx1 and not w.owned and w._owner is t
+    assert w.nonblocking and w.priority == 0
+    assert Stream.from_handle(np.int64(int(s1.handle))).context is ctx1
     with pytest.raises(NoCurrentContextError):
         in_thread(lambda: Stream.from_handle(0))
     with ctx0:
@@ -1469,6 +1484,8 @@ def test_stream_closed_and_cross_thread_destroy(fake, ctx0, ctx1):
         s = Stream()
         s.close()
         s.close()
+        with pytest.raises(ContextClosedError, match="stream was closed"):
+            stream_handle(s)
         for op in (
             s.synchronize,
             s.query,
