@@ -4,6 +4,7 @@ foreign (``__cuda_array_interface__``) memory, and peer access."""
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -13,7 +14,7 @@ from ._driver import drv
 from ._hostmem import check_async_host
 from .context import Context, require_current
 from .errors import CudaError
-from .registry import guard, registry
+from .registry import bind, guard
 from .stream import Stream, _context_of_cu, stream_handle
 
 __all__ = [
@@ -243,14 +244,16 @@ def check_same_size(got: int, want: int, what: str, name: str) -> None:
 
 # --- peer access ------------------------------------------------------------------------
 
-_peer_pairs: set[tuple[int, int]] = set()
+#: (from, to) context handles -> the Context objects, so that a handle reused by a new
+#: context after the old one was closed is not mistaken for an enabled pair
+_peer_pairs: dict[tuple[int, int], tuple[weakref.ref[Context], weakref.ref[Context]]] = {}
 
 
 def _peer_ctx(x: Any) -> Context:
     if isinstance(x, Context):
         x.check_usable()
         return x
-    ctx = registry.resolve(x)
+    ctx = bind(x)
     ctx.check_usable()
     return ctx
 
@@ -286,12 +289,12 @@ def enable_peer_access(a: Any, b: Any) -> None:
         (err,) = drv.cuCtxEnablePeerAccess(cb._cu, 0)
     if err and int(err) != _PEER_ACCESS_ALREADY_ENABLED:
         raise ca.note_error(err, f"cuCtxEnablePeerAccess({ca!r} -> {cb!r})")
-    _peer_pairs.add((ca.handle, cb.handle))
+    _peer_pairs[(ca.handle, cb.handle)] = (weakref.ref(ca), weakref.ref(cb))
 
 
 def peer_access_enabled(a: Any, b: Any) -> bool:
     """True when :func:`enable_peer_access` (a, b) has succeeded in this process."""
-    return (_peer_ctx(a).handle, _peer_ctx(b).handle) in _peer_pairs
+    return _enabled(_peer_ctx(a), _peer_ctx(b))
 
 
 def copy_peer(dst: Any, src: Any, nbytes: int | None = None, stream: Any = None) -> bool:
@@ -321,8 +324,13 @@ def copy_peer(dst: Any, src: Any, nbytes: int | None = None, stream: Any = None)
     return memcpy_peer(d.ptr, dctx, s.ptr, sctx, n, stream, what)
 
 
+def _enabled(a: Context, b: Context) -> bool:
+    refs = _peer_pairs.get((a.handle, b.handle))
+    return refs is not None and refs[0]() is a and refs[1]() is b and not (a.closed or b.closed)
+
+
 def _direct(a: Context, b: Context) -> bool:
-    return (a.handle, b.handle) in _peer_pairs or (b.handle, a.handle) in _peer_pairs
+    return _enabled(a, b) or _enabled(b, a)
 
 
 def memcpy_peer(

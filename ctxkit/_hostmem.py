@@ -19,7 +19,7 @@ from ._driver import drv
 from .context import Context, current_context, finalizer, thread_state
 from .device import Device
 from .errors import OutOfMemoryError
-from .registry import registry
+from .registry import bind
 from .stream import context_for
 
 __all__ = [
@@ -118,7 +118,7 @@ def host_pointer_kind(ptr: int) -> str:
     _driver.init()
     err, value = drv.cuPointerGetAttribute(_attr("MEMORY_TYPE"), ptr)
     if err == _INVALID_CONTEXT:
-        with registry.context(0):
+        with bind(0):
             err, value = drv.cuPointerGetAttribute(_attr("MEMORY_TYPE"), ptr)
     if err == _INVALID_VALUE:
         return "pageable"
@@ -250,7 +250,7 @@ def host_context(context: Any, what: str) -> Context:
         return context_for(context, what)
     ctx = thread_state().top or current_context()
     if ctx is None:
-        ctx = registry.context(0)
+        ctx = bind(0)
     ctx.check_usable()
     return ctx
 

@@ -24,7 +24,7 @@ from ._driver import drv, from_result
 from .context import Context, finalizer, require_current
 from .device import Device
 from .errors import ContextClosedError
-from .registry import guard, registry
+from .registry import bind, guard
 
 if TYPE_CHECKING:  # pragma: no cover
     from .module import Graph
@@ -52,7 +52,7 @@ def context_for(context: CtxArg, what: str) -> Context:
     elif isinstance(context, Context):
         ctx = context
     else:
-        ctx = registry.resolve(context)
+        ctx = bind(context)
     ctx.check_usable()
     return ctx
 

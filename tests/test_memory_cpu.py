@@ -414,7 +414,7 @@ def fake(fake_driver, monkeypatch):
     for mod in (_driver, context, device, _array, _copies, _hostmem, memory, stream):
         monkeypatch.setattr(mod, "drv", f)
     monkeypatch.setattr(memory, "_concurrent_managed", {})
-    monkeypatch.setattr(_copies, "_peer_pairs", set())
+    monkeypatch.setattr(_copies, "_peer_pairs", {})
     monkeypatch.setattr(_hostmem, "_strict", False)
     yield f
     gc.collect()
@@ -1333,6 +1333,15 @@ def test_enable_peer_access_is_idempotent(fake, ctx0, ctx1):
     assert [c[2] for c in fake.calls("enablepeer")] == [(ctx0.handle, ctx1.handle)] * 2
     ck.enable_peer_access(0, ck.Context.create(0))  # same device: nothing to do
     assert len(fake.calls("enablepeer")) == 2
+
+
+def test_peer_state_does_not_survive_a_closed_context(fake, ctx0):
+    other = ck.Context.create(1)
+    ck.enable_peer_access(ctx0, other)
+    assert memory.peer_access_enabled(ctx0, other)
+    other.close()
+    reborn = Context(FakeHandle(other.handle), ck.Device(1), "owned")  # same handle, new context
+    assert not memory.peer_access_enabled(ctx0, reborn)
 
 
 def test_enable_peer_access_unsupported(fake, ctx0, ctx1):
