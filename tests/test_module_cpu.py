@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import ctxkit as ck
-from ctxkit import _params
+from ctxkit import _devptr, _graph, _image, _kernel, _params
 from ctxkit import module as M
 from ctxkit.compiler import ObjectCode, compile
 
@@ -221,8 +221,9 @@ for _enum in ("CUjit_option", "CUfunction_attribute", "CUstreamCaptureMode", "CU
 def fake(fake_driver, monkeypatch):
     gc.collect()  # modules of earlier tests unload now, not into this test's records
     drv = ModuleDriver(fake_driver)
-    monkeypatch.setattr(M, "drv", drv)
-    monkeypatch.setattr(M, "_stream_handle_fn", lambda s: s.handle)
+    for mod in (M, _kernel, _graph, _image):
+        monkeypatch.setattr(mod, "drv", drv)
+    monkeypatch.setattr(_kernel, "_stream_handle_fn", lambda s: s.handle)
     return drv
 
 
@@ -307,10 +308,10 @@ def test_jit_detail(monkeypatch):
 
 
 def test_function_attribute_names():
-    assert M._function_attribute("num_regs").name == "CU_FUNC_ATTRIBUTE_NUM_REGS"
-    assert M._function_attribute("CU_FUNC_ATTRIBUTE_NUM_REGS").name.endswith("NUM_REGS")
+    assert _kernel._function_attribute("num_regs").name == "CU_FUNC_ATTRIBUTE_NUM_REGS"
+    assert _kernel._function_attribute("CU_FUNC_ATTRIBUTE_NUM_REGS").name.endswith("NUM_REGS")
     with pytest.raises(ValueError, match="unknown kernel attribute 'regs'.*num_regs"):
-        M._function_attribute("regs")
+        _kernel._function_attribute("regs")
 
 
 def test_public_names_and_error_types():
@@ -318,7 +319,7 @@ def test_public_names_and_error_types():
     assert ck.PreparedLaunch is M.PreparedLaunch
     assert issubclass(M.KernelNotFoundError, ck.CudaError)
     assert issubclass(M.KernelNotFoundError, LookupError)
-    assert _params._host_resolver is M._host_array_pointer
+    assert _devptr._host_resolver is _kernel._host_array_pointer
 
 
 def test_module_load_without_a_driver_says_so():

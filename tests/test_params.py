@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ctxkit import LaunchArgumentError
+from ctxkit import LaunchArgumentError, _devptr
 from ctxkit import _params as P
 
 # NVRTC 13 output for:
@@ -478,7 +478,7 @@ def test_host_pointer_resolver_accepts_device_visible_host_memory():
         seen.append(arr)
         return 0x5000 if arr is pinned else None
 
-    old = P._host_resolver
+    old = _devptr._host_resolver
     P.set_host_pointer_resolver(resolver)
     try:
         assert struct.unpack("<QI", packer("empty").pack((pinned, 1))) == (0x5000, 1)
