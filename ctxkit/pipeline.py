@@ -1,0 +1,1159 @@
+"""Multi-device copy -> kernel -> copy pipelines over host numpy arrays.
+
+``Pipeline.map`` splits the first axis of a host array over devices and chunks. Per chunk
+it runs H2D copy -> ``kernel(d_in, d_out, n, *args)`` -> D2H copy, and keeps every device
+busy at once:
+
+* each device is driven by its own worker thread (a ``ContextExecutor`` bound to the
+  device's shared context), so a call that blocks on one device never stalls another;
+* pageable input and output go through pinned staging buffers (``staging_buffers`` per
+  device, allocated once and reused), filled and drained by a pool of host copy threads
+  (``np.copyto`` releases the GIL), overlapped with the transfers and kernels of
+  neighbouring chunks through events: a staging buffer is refilled only after the H2D
+  that read it completed, and drained only after the D2H that wrote it;
+* pinned input/output (``ctxkit.pinned_empty``, ``register_host``) is copied directly,
+  fully asynchronously (the zero-copy path).
+
+``Pipeline.submit`` enqueues cross-device stages ordered by events
+(``cuStreamWaitEvent``); ``Pipeline.map_managed`` runs the same map over unified memory
+with per-device prefetch. ``Pipeline.trace`` returns the :class:`~ctxkit.trace.Timeline`
+of the last run.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import _driver
+from ._driver import drv
+from ._hostmem import host_pointer_kind
+from ._plan import (
+    Chunk,
+    Plan,
+    addr,
+    check_block,
+    check_device_specs,
+    check_options,
+    default_chunk_bytes,
+    grid_size,
+    make_plan,
+    prepare_io,
+    row_bytes,
+    split_rows,
+)
+from ._staging import (
+    CopyPool,
+    DeviceState,
+    Slot,
+    calibrate,
+    default_host_threads,
+    ensure_buffers,
+    quiet_sync,
+    shutdown_all,
+    sync_event,
+)
+from .compiler import ObjectCode
+from .context import Context
+from .device import Device, device_count
+from .errors import ContextPoisonedError, CudaError, LaunchArgumentError
+from .memory import ManagedBuffer, is_pinned
+from .module import Kernel, Module
+from .registry import registry
+from .stream import Event, Stream
+from .trace import Recorder, Timeline
+
+__all__ = [
+    "Chunk",
+    "ChunkView",
+    "DeviceStats",
+    "Pipeline",
+    "PipelineError",
+    "Plan",
+    "RunStats",
+    "StageHandle",
+    "default_chunk_bytes",
+    "grid_size",
+    "make_plan",
+    "prepare_io",
+    "split_rows",
+]
+
+_NO_DEVICE = 100
+
+
+# --- public result types ------------------------------------------------------------------
+
+
+class PipelineError(CudaError):
+    """A failure inside a pipeline run, naming the device, chunk (or stage) and step.
+
+    Attributes
+    ----------
+    device : int
+        Ordinal of the device the failing work ran on.
+    chunk : int or None
+        Index of the chunk (``None`` for a :meth:`Pipeline.submit` stage).
+    step : str
+        ``"h2d"``, ``"kernel"``, ``"d2h"``, ``"fill"``, ``"drain"``, ``"setup"``, ``"stage"``...
+    poisoned : bool
+        True when the device's context is poisoned (a kernel faulted): the pipeline
+        cannot be used again and says so.
+
+    The original exception is ``__cause__``; ``code``/``name`` are copied from it.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        device: int = -1,
+        chunk: int | None = None,
+        step: str = "",
+        cause: BaseException | None = None,
+        poisoned: bool = False,
+    ) -> None:
+        code = getattr(cause, "code", 0) if isinstance(cause, CudaError) else 0
+        name = getattr(cause, "name", "") if isinstance(cause, CudaError) else ""
+        super().__init__(message, code, name)
+        self.device = device
+        self.chunk = chunk
+        self.step = step
+        self.poisoned = poisoned
+        if cause is not None:
+            self.__cause__ = cause
+
+
+@dataclass
+class DeviceStats:
+    """What one device did in the last run."""
+
+    device: int
+    chunks: int = 0
+    rows: int = 0
+    nbytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def gbps(self) -> float:
+        """Input gigabytes (1e9) per second of this device's worker time."""
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass
+class RunStats:
+    """Totals of the last run: input bytes, wall seconds and the per-device breakdown."""
+
+    nbytes: int = 0
+    seconds: float = 0.0
+    path: str = ""
+    devices: list[DeviceStats] = field(default_factory=list)
+
+    @property
+    def gbps(self) -> float:
+        """Input gigabytes (1e9) per wall-clock second."""
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class ChunkView:
+    """One chunk's device (or managed) memory, handed to a callable map body.
+
+    Has ``.ptr``, ``.shape``, ``.dtype``, ``.size``, ``.nbytes`` and
+    ``__cuda_array_interface__`` (v3), so it can be passed to ``Kernel.launch`` or
+    wrapped by CuPy/Numba/PyTorch without a copy.
+    """
+
+    __slots__ = ("dtype", "ptr", "shape")
+
+    def __init__(self, ptr: int, shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
+        self.ptr = int(ptr)
+        self.shape = tuple(shape)
+        self.dtype = np.dtype(dtype)
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Size in bytes."""
+        return self.size * self.dtype.itemsize
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {
+            "version": 3,
+            "shape": self.shape,
+            "typestr": self.dtype.str,
+            "data": (self.ptr, False),
+            "strides": None,
+        }
+
+    def __repr__(self) -> str:
+        return f"<ChunkView {self.ptr:#x} shape={self.shape} dtype={self.dtype}>"
+
+
+class StageHandle:
+    """A stage enqueued by :meth:`Pipeline.submit`: its completion is :attr:`event`.
+
+    Pass handles in ``after=`` of later stages (on any device) to order them.
+    """
+
+    def __init__(self, device: int, name: str, context: Context, owner: Pipeline) -> None:
+        self.device = device
+        self.name = name
+        self._context = context
+        self._owner = weakref.ref(owner)
+        self._future: Future[Any] = Future()
+        self._event: Event | None = None
+
+    @property
+    def event(self) -> Event:
+        """The event recorded after the stage's work (waits until it was enqueued)."""
+        self._future.result()
+        assert self._event is not None
+        return self._event
+
+    def result(self, timeout: float | None = None) -> Any:
+        """What the stage function returned (once it ran on the device's worker thread).
+
+        The GPU work it enqueued may still be running: use :meth:`synchronize` for that.
+        """
+        return self._future.result(timeout)
+
+    def done(self) -> bool:
+        """True when the stage was enqueued and its GPU work has completed."""
+        if not self._future.done():
+            return False
+        if self._future.exception() is not None:
+            return True
+        with self._context:
+            return self.event.query()
+
+    def synchronize(self) -> None:
+        """Wait for the stage's GPU work; raises :class:`PipelineError` if it failed."""
+        ev = self.event
+        try:
+            with self._context:
+                ev.synchronize()
+        except CudaError as exc:
+            raise _stage_error(self, "synchronize", exc) from exc
+
+    def __repr__(self) -> str:
+        state = "done" if self._future.done() else "pending"
+        return f"<StageHandle {self.name!r} device={self.device} {state}>"
+
+
+def _stage_error(handle: StageHandle, step: str, exc: BaseException) -> PipelineError:
+    poisoned = isinstance(exc, ContextPoisonedError) or handle._context.poisoned
+    return PipelineError(
+        f"Pipeline stage {handle.name!r} on device {handle.device} failed ({step}): {exc}",
+        handle.device,
+        None,
+        "stage",
+        exc,
+        poisoned,
+    )
+
+
+# --- runs ---------------------------------------------------------------------------------
+
+
+class _Run:
+    """The state shared by the worker threads of one map call."""
+
+    def __init__(
+        self,
+        x: np.ndarray,
+        out: np.ndarray,
+        plan: Plan,
+        launch: Callable[..., None],
+        recorder: Recorder | None,
+        managed: bool,
+        prefetch: bool = True,
+        to_host: bool = True,
+    ) -> None:
+        self.x = x
+        self.out = out
+        self.x_bytes = x.reshape(-1).view(np.uint8)
+        self.out_bytes = out.reshape(-1).view(np.uint8)
+        self.x_ptr = addr(x)
+        self.out_ptr = addr(out)
+        self.in_row = row_bytes(x)
+        self.out_row = row_bytes(out)
+        self.row_elems = math.prod(x.shape[1:])
+        self.plan = plan
+        self.launch = launch
+        self.rec = recorder
+        self.managed = managed
+        self.prefetch = prefetch
+        self.to_host = to_host
+        self.stage_in = not managed and not is_pinned(x)
+        self.stage_out = not managed and not is_pinned(out)
+        self.stop = threading.Event()
+        self.errors: list[BaseException] = []
+        self.lock = threading.Lock()
+        self.taken: dict[int, list[Event]] = {}
+        self.stats: dict[int, DeviceStats] = {}
+        self.started: dict[int, float] = {}
+        self._queue = iter(plan.chunks)
+
+    @property
+    def path(self) -> str:
+        if self.managed:
+            return "managed"
+        kinds = ("staged" if self.stage_in else "pinned", "staged" if self.stage_out else "pinned")
+        return "pinned" if kinds == ("pinned", "pinned") else f"in={kinds[0]}, out={kinds[1]}"
+
+    def chunks_for(self, part: int) -> Iterator[Chunk]:
+        if self.plan.schedule == "static":
+            yield from self.plan.for_part(part)
+            return
+        while not self.stop.is_set():
+            with self.lock:
+                chunk = next(self._queue, None)
+            if chunk is None:
+                return
+            yield chunk
+
+    def fail(self, dev: DeviceState, chunk: Chunk | None, step: str, exc: BaseException) -> None:
+        self.stop.set()
+        if not isinstance(exc, Exception) or isinstance(exc, PipelineError):
+            err: BaseException = exc
+        else:
+            err = _chunk_error(dev, chunk, step, exc)
+        with self.lock:
+            self.errors.append(err)
+
+
+def _chunk_error(
+    dev: DeviceState, chunk: Chunk | None, step: str, exc: BaseException
+) -> PipelineError:
+    poisoned = isinstance(exc, ContextPoisonedError) or dev.ctx.poisoned
+    where = (
+        f"chunk {chunk.index} (rows {chunk.row0}..{chunk.row1})" if chunk is not None else "setup"
+    )
+    msg = f"Pipeline.map failed on device {dev.ordinal}, {where}, step {step!r}: {exc}"
+    if poisoned:
+        msg += (
+            f"\nThe context of device {dev.ordinal} is poisoned (a kernel faulted; other "
+            "chunks running at the same time may have caused it): this pipeline cannot be "
+            "used again. close() it; the device needs a fresh context (restart the process)."
+        )
+    return PipelineError(msg, dev.ordinal, chunk.index if chunk else None, step, exc, poisoned)
+
+
+def _check_copy(dev: DeviceState, err: Any, what: str, step: str) -> None:
+    if err:
+        exc = dev.ctx.note_error(err, what)
+        exc._ctxkit_step = step  # type: ignore[attr-defined]
+        raise exc
+
+
+# --- the pipeline -------------------------------------------------------------------------
+
+
+class Pipeline:
+    """Copy -> kernel -> copy over every GPU at once, from host numpy arrays.
+
+    Parameters
+    ----------
+    devices : sequence of int, Device or Context, optional
+        The devices to use (default: all visible). Ints and Devices use the registry's
+        shared context of the device; a Context is used as given.
+    chunk_bytes : int, optional
+        Default chunk size in bytes (per :meth:`map` overridable). Default: 32 MiB, less
+        when a device would get fewer than 4 chunks.
+    staging_buffers : int
+        Slots per device (3 = triple buffering): each has a stream, an input and an
+        output device buffer and, for pageable data, pinned staging buffers. Allocated
+        at the first :meth:`map` that needs them, reused, grown when a later call needs
+        bigger chunks, freed by :meth:`close`.
+    host_threads : int, optional
+        Threads of the host copy pool (pageable <-> pinned). Default:
+        ``min(usable CPUs - 1, 8 * len(devices))``, at least 2.
+    schedule : {"static", "dynamic"}
+        ``"static"``: an even contiguous share of rows per device. ``"dynamic"``: devices
+        take chunks from a shared queue (work stealing; helps unequal devices).
+    trace : bool
+        Record events around every stage so that :meth:`trace` can show the timeline.
+
+    Raises
+    ------
+    ValueError
+        ``devices=[]``, duplicate devices, or an invalid option.
+    DriverNotFoundError, CudaError
+        No driver, or no CUDA device (with ``devices=None``).
+
+    Notes
+    -----
+    Kernel calling convention of :meth:`map`: ``kernel(d_in, d_out, n, *args)`` with
+    device pointers to the chunk's input and output and ``n`` (``size_t``) the element
+    count of the input chunk; launched with ``grid = min(ceil(n / block), device
+    capacity)`` blocks, so kernels must use a grid-stride loop.
+    """
+
+    def __init__(
+        self,
+        devices: Sequence[int | Device | Context] | None = None,
+        chunk_bytes: int | None = None,
+        staging_buffers: int = 3,
+        host_threads: int | None = None,
+        *,
+        schedule: str = "static",
+        trace: bool = True,
+    ) -> None:
+        check_options(chunk_bytes, staging_buffers, host_threads, schedule)
+        specs = check_device_specs(devices)
+        self.chunk_bytes = chunk_bytes
+        self.staging_buffers = staging_buffers
+        self.schedule = schedule
+        self.tracing = bool(trace)
+        contexts = _resolve_contexts(specs)
+        self._devices = [DeviceState(i, ctx, staging_buffers) for i, ctx in enumerate(contexts)]
+        self.host_threads = host_threads or default_host_threads(len(contexts))
+        self._pool: list[CopyPool] = []
+        self._lock = threading.RLock()
+        self._inflight: list[Future[Any]] = []
+        self._run: _Run | None = None
+        self._recorder: Recorder | None = None
+        self._stages: list[StageHandle] = []
+        self._kernels: dict[tuple[int, str], tuple[Any, Module, Kernel]] = {}
+        self._stats = RunStats()
+        self._closed = False
+        self._fin = weakref.finalize(self, shutdown_all, self._devices, self._pool)
+
+    # --- properties ----------------------------------------------------------------
+
+    @property
+    def devices(self) -> list[Device]:
+        """The devices, in the order work is split over them."""
+        return [d.ctx.device for d in self._devices]
+
+    @property
+    def contexts(self) -> list[Context]:
+        """The context used on each device."""
+        return [d.ctx for d in self._devices]
+
+    @property
+    def poisoned(self) -> bool:
+        """True when a device's context was poisoned by a fault (the pipeline is unusable)."""
+        return any(d.ctx.poisoned for d in self._devices)
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._closed
+
+    @property
+    def last_stats(self) -> RunStats:
+        """Bytes, seconds and per-device breakdown of the last :meth:`map`."""
+        return self._stats
+
+    def stream(self, device: int | Device | Context) -> Stream:
+        """The stream :meth:`submit` stages of *device* run on."""
+        return self._device_for(device).stage_stream
+
+    def __repr__(self) -> str:
+        state = " closed" if self._closed else (" poisoned" if self.poisoned else "")
+        return f"<Pipeline devices={[d.ordinal for d in self._devices]}{state}>"
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- map -----------------------------------------------------------------------
+
+    def map(
+        self,
+        kernel: Any,
+        x: Any,
+        out: np.ndarray | None = None,
+        args: Sequence[Any] = (),
+        chunk_bytes: int | None = None,
+        block: int = 256,
+        *,
+        mode: str = "auto",
+        schedule: str | None = None,
+    ) -> np.ndarray:
+        """Run ``kernel`` over *x* chunk by chunk on every device; return *out*.
+
+        Parameters
+        ----------
+        kernel : Kernel, (ObjectCode, entry name) or callable
+            A :class:`~ctxkit.module.Kernel` (loaded in any context: it runs on every
+            device), a compiled object and the entry to load from it, or a callable
+            ``body(ctx, stream, d_in, d_out, n, *args)`` that enqueues arbitrary work on
+            ``stream`` (``d_in``/``d_out`` are :class:`ChunkView`).
+        x : numpy.ndarray
+            Input; split along the first axis. Pinned (``ctxkit.pinned_empty``) input is
+            copied directly, pageable input is staged through pinned buffers.
+        out : numpy.ndarray, optional
+            Output, ``np.empty_like(x)`` by default. It may differ from *x* in dtype and
+            row shape (same number of rows); each chunk's kernel writes the matching
+            rows. ``out=x`` works in place.
+        args : sequence
+            Extra kernel (or body) arguments after ``(d_in, d_out, n)``.
+        chunk_bytes : int, optional
+            Chunk size for this call (default: the pipeline's).
+        block : int
+            Threads per block.
+        mode : {"auto", "managed"}
+            ``"managed"`` runs :meth:`map_managed` (x must be unified memory).
+        schedule : {"static", "dynamic"}, optional
+            Override the pipeline's schedule for this call.
+
+        Raises
+        ------
+        PipelineError
+            A chunk failed: the message names the device, chunk, rows and step.
+        ContextPoisonedError
+            The pipeline is unusable after an earlier fault.
+        """
+        if mode == "managed":
+            return self.map_managed(kernel, x, out, args, chunk_bytes, block, schedule=schedule)
+        if mode != "auto":
+            raise ValueError(f"mode must be 'auto' or 'managed', not {mode!r}")
+        x, out = prepare_io(x, out)
+        return self._map(kernel, x, out, args, chunk_bytes, block, schedule, managed=False)
+
+    def map_managed(
+        self,
+        kernel: Any,
+        x: Any,
+        out: Any = None,
+        args: Sequence[Any] = (),
+        chunk_bytes: int | None = None,
+        block: int = 256,
+        *,
+        dtype: Any = None,
+        shape: Sequence[int] | None = None,
+        schedule: str | None = None,
+        prefetch: bool = True,
+        to_host: bool = True,
+    ) -> np.ndarray:
+        """The map of :meth:`map` over unified (managed) memory: no staging, no copies.
+
+        Each device prefetches its chunks of *x* and *out* (``cuMemPrefetchAsync``),
+        runs the kernel on them in place, and (``to_host``) prefetches the results back
+        to host memory.
+
+        Parameters
+        ----------
+        x : ManagedBuffer or numpy.ndarray
+            Managed memory: a :class:`~ctxkit.memory.ManagedBuffer` (give ``dtype`` and
+            optionally ``shape``) or a numpy view of one (``buf.as_numpy(dtype)``).
+        out : ManagedBuffer, numpy.ndarray or None
+            Managed output; default: a new ManagedBuffer shaped like *x*. ``out=x``
+            works in place.
+        prefetch, to_host : bool
+            Prefetch chunks to the device before the kernel / back to the host after.
+
+        Returns
+        -------
+        numpy.ndarray
+            The output as a numpy view of managed memory (it keeps the buffer alive).
+        """
+        self._check_usable()
+        xa = _managed_array(x, dtype, shape, "x")
+        if out is None:
+            buf = ManagedBuffer(xa.nbytes, context=self._devices[0].ctx)
+            oa = buf.as_numpy(xa.dtype, xa.shape)
+        else:
+            oa = _managed_array(out, dtype or xa.dtype, shape or xa.shape, "out")
+        xa, oa = prepare_io(xa, oa)
+        with self._devices[0].ctx:
+            for arr, what in ((xa, "x"), (oa, "out")):
+                if arr.nbytes and host_pointer_kind(addr(arr)) != "managed":
+                    raise ValueError(
+                        f"map_managed: {what} is not unified (managed) memory; allocate it "
+                        "with ctxkit.ManagedBuffer (or use Pipeline.map for host arrays)"
+                    )
+        self._map(
+            kernel, xa, oa, args, chunk_bytes, block, schedule, managed=True,
+            prefetch=prefetch, to_host=to_host,
+        )  # fmt: skip
+        return oa
+
+    def _map(
+        self,
+        kernel: Any,
+        x: np.ndarray,
+        out: np.ndarray,
+        args: Sequence[Any],
+        chunk_bytes: int | None,
+        block: int,
+        schedule: str | None,
+        *,
+        managed: bool,
+        prefetch: bool = True,
+        to_host: bool = True,
+    ) -> np.ndarray:
+        self._check_usable()
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(f"args must be a tuple of extra kernel arguments, not {type(args)}")
+        check_block(block)
+        chunk_bytes = self.chunk_bytes if chunk_bytes is None else chunk_bytes
+        check_options(chunk_bytes, self.staging_buffers, self.host_threads, schedule or "static")
+        with self._lock:
+            launch = self._launcher(kernel, x, out, tuple(args), block)
+            self._settle()
+            self._check_usable()
+            self._new_recording()
+            row = max(row_bytes(x), row_bytes(out))
+            plan = make_plan(
+                x.shape[0], row, len(self._devices), chunk_bytes, schedule or self.schedule
+            )
+            t0 = time.perf_counter()
+            run = _Run(x, out, plan, launch, self._recorder, managed, prefetch, to_host)
+            if plan.chunks and x.nbytes + out.nbytes:
+                self._execute(run)
+            self._stats = _run_stats(run, time.perf_counter() - t0, x.nbytes)
+        return out
+
+    def _execute(self, run: _Run) -> None:
+        if run.stage_in or run.stage_out:
+            self._ensure_pool()
+        active = [
+            d for d in self._devices if run.plan.schedule == "dynamic" or run.plan.for_part(d.part)
+        ]
+        self._run = run
+        futures: list[Future[Any]] = []
+        for dev in active:
+            q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+            run.stats[dev.ordinal] = DeviceStats(dev.ordinal)
+            run.taken[dev.ordinal] = []
+            feeder = dev.worker.submit(self._feed, run, dev, q)
+            feeder.add_done_callback(functools.partial(_unblock_if_not_run, q))
+            futures.append(feeder)
+            futures.append(dev.drainer.submit(self._drain, run, dev, q))
+        self._inflight = futures
+        try:
+            for f in futures:
+                f.result()
+        except BaseException:
+            run.stop.set()
+            self._settle()
+            raise
+        self._inflight = []
+        if not self.tracing:
+            self._recycle(run)
+        if run.errors:
+            first = run.errors[0]
+            if isinstance(first, PipelineError) and len(run.errors) > 1:
+                first.args = (f"{first} (+{len(run.errors) - 1} more errors in this run)",)
+            raise first
+
+    def _settle(self) -> None:
+        """Wait until the workers of an interrupted run have stopped (no-op otherwise)."""
+        if not self._inflight:
+            return
+        if self._run is not None:
+            self._run.stop.set()
+        wait_futures(self._inflight)
+        self._inflight = []
+
+    # --- worker side ---------------------------------------------------------------
+
+    def _feed(self, run: _Run, dev: DeviceState, q: queue.SimpleQueue[Any]) -> None:
+        """Worker thread of *dev*: enqueue every chunk (runs with dev's context current)."""
+        chunk: Chunk | None = None
+        stats = run.stats[dev.ordinal]
+        run.started[dev.ordinal] = time.perf_counter()
+        try:
+            self._prepare_device(run, dev)
+            for k, chunk in enumerate(run.chunks_for(dev.part)):
+                if run.stop.is_set():
+                    break
+                slot = dev.slots[k % len(dev.slots)]
+                if run.managed:
+                    self._enqueue_managed(run, dev, slot, chunk, q)
+                else:
+                    self._enqueue(run, dev, slot, chunk, q)
+                stats.chunks += 1
+                stats.rows += chunk.rows
+                stats.nbytes += chunk.rows * run.in_row
+            chunk = None
+        except _Stopped:
+            pass
+        except BaseException as exc:
+            run.fail(dev, chunk, getattr(exc, "_ctxkit_step", "enqueue"), exc)
+        finally:
+            q.put(None)
+
+    def _prepare_device(self, run: _Run, dev: DeviceState) -> None:
+        try:
+            for slot in dev.slots:
+                slot.h2d_done = None
+                slot.out_free.set()
+            if not run.managed:
+                rows = run.plan.rows_per_chunk
+                ensure_buffers(
+                    dev, rows * run.in_row, rows * run.out_row, run.stage_in, run.stage_out
+                )
+            if run.rec is not None and not run.rec.calibrated(dev.ordinal):
+                calibrate(dev, run.rec)
+        except BaseException as exc:
+            exc._ctxkit_step = "setup"  # type: ignore[attr-defined]
+            raise
+
+    def _enqueue(
+        self, run: _Run, dev: DeviceState, slot: Slot, c: Chunk, q: queue.SimpleQueue[Any]
+    ) -> None:
+        s = slot.stream
+        sh = s.handle
+        nb_in, nb_out = c.rows * run.in_row, c.rows * run.out_row
+        b_in, b_out = c.row0 * run.in_row, c.row0 * run.out_row
+        rec, taken, timing = run.rec, run.taken[dev.ordinal], run.rec is not None
+        assert slot.d_in is not None and slot.d_out is not None
+        if run.stage_in:
+            assert slot.pin_in is not None
+            if slot.h2d_done is not None:
+                sync_event(dev, slot.h2d_done, f"waiting for the H2D copy before chunk {c.index}")
+            trace = (rec, "fill", dev.ordinal, c.index) if rec is not None else None
+            dst_in, src_in = slot.pin_in[:nb_in], run.x_bytes[b_in : b_in + nb_in]
+            _step(self._pool[0].copy, "fill", dst_in, src_in, trace)
+            src = addr(slot.pin_in)
+        else:
+            src = run.x_ptr + b_in
+        e0 = dev.take_event(True, taken).record(s) if timing else None
+        (err,) = drv.cuMemcpyHtoDAsync(slot.d_in.ptr, src, nb_in, sh)
+        _check_copy(dev, err, "cuMemcpyHtoDAsync", "h2d")
+        e1 = dev.take_event(timing, taken).record(s)
+        slot.h2d_done = e1
+        n = c.rows * run.row_elems
+        _step(run.launch, "kernel", dev, s, slot.d_in.ptr, slot.d_out.ptr, n, c)
+        e2 = dev.take_event(True, taken).record(s) if timing else None
+        if run.stage_out:
+            assert slot.pin_out is not None
+            while not slot.out_free.wait(0.05):
+                if run.stop.is_set():
+                    raise _Stopped
+            slot.out_free.clear()
+            dst = addr(slot.pin_out)
+        else:
+            dst = run.out_ptr + b_out
+        (err,) = drv.cuMemcpyDtoHAsync(dst, slot.d_out.ptr, nb_out, sh)
+        _check_copy(dev, err, "cuMemcpyDtoHAsync", "d2h")
+        e3 = dev.take_event(timing, taken).record(s)
+        q.put((c, slot, e3, b_out, nb_out))
+        if rec is not None:
+            rec.mark("h2d", dev.ordinal, slot.label, c.index, e0, e1)
+            rec.mark("kernel", dev.ordinal, slot.label, c.index, e1, e2)
+            rec.mark("d2h", dev.ordinal, slot.label, c.index, e2, e3)
+
+    def _enqueue_managed(
+        self, run: _Run, dev: DeviceState, slot: Slot, c: Chunk, q: queue.SimpleQueue[Any]
+    ) -> None:
+        s = slot.stream
+        rec, taken, timing = run.rec, run.taken[dev.ordinal], run.rec is not None
+        nb_in, nb_out = c.rows * run.in_row, c.rows * run.out_row
+        p_in, p_out = run.x_ptr + c.row0 * run.in_row, run.out_ptr + c.row0 * run.out_row
+        prefetch = dev.prefetch_ok and run.prefetch
+        to_host = dev.prefetch_ok and run.to_host
+        e0 = dev.take_event(True, taken).record(s) if timing else None
+        if prefetch:
+            _step(_driver.mem_prefetch, "prefetch", p_in, nb_in, dev.ordinal, s.handle)
+            if p_out != p_in:
+                _step(_driver.mem_prefetch, "prefetch", p_out, nb_out, dev.ordinal, s.handle)
+        e1 = dev.take_event(True, taken).record(s) if timing else None
+        _step(run.launch, "kernel", dev, s, p_in, p_out, c.rows * run.row_elems, c)
+        e2 = dev.take_event(True, taken).record(s) if timing else None
+        if to_host:
+            _step(_driver.mem_prefetch, "prefetch", p_out, nb_out, "cpu", s.handle)
+        e3 = dev.take_event(timing, taken).record(s)
+        q.put((c, slot, e3, 0, 0))
+        if rec is not None:
+            rec.mark("prefetch", dev.ordinal, slot.label, c.index, e0, e1)
+            rec.mark("kernel", dev.ordinal, slot.label, c.index, e1, e2)
+            rec.mark("prefetch_back", dev.ordinal, slot.label, c.index, e2, e3)
+
+    def _drain(self, run: _Run, dev: DeviceState, q: queue.SimpleQueue[Any]) -> None:
+        """Drain thread of *dev*: wait for each chunk, copy staged output to the user's array."""
+        rec = run.rec
+        try:
+            while True:
+                item = q.get()
+                if item is None:
+                    break
+                c, slot, ev, b_out, nb_out = item
+                try:
+                    if run.stop.is_set():
+                        continue
+                    sync_event(dev, ev, f"cuEventSynchronize after chunk {c.index}")
+                    if run.stage_out:
+                        trace = (rec, "drain", dev.ordinal, c.index) if rec is not None else None
+                        self._pool[0].copy(
+                            run.out_bytes[b_out : b_out + nb_out], slot.pin_out[:nb_out], trace
+                        )
+                except BaseException as exc:
+                    run.fail(dev, c, "drain" if run.stage_out else "kernel", exc)
+                finally:
+                    slot.out_free.set()
+        finally:
+            self._finish_device(run, dev)
+
+    def _finish_device(self, run: _Run, dev: DeviceState) -> None:
+        try:
+            for slot in dev.slots:
+                (err,) = drv.cuStreamSynchronize(slot.stream.handle)
+                if err:
+                    raise dev.ctx.note_error(err, "cuStreamSynchronize")
+        except BaseException as exc:
+            if not any(getattr(e, "device", None) == dev.ordinal for e in run.errors):
+                run.fail(dev, None, "synchronize", exc)
+        run.stats[dev.ordinal].seconds = time.perf_counter() - run.started[dev.ordinal]
+
+    # --- kernels -------------------------------------------------------------------
+
+    def _launcher(
+        self, kernel: Any, x: np.ndarray, out: np.ndarray, args: tuple[Any, ...], block: int
+    ) -> Callable[..., None]:
+        if isinstance(kernel, tuple):
+            kernel = self._load(kernel)
+        if isinstance(kernel, Kernel):
+            _check_param_count(kernel, args)
+
+            def launch_kernel(
+                dev: DeviceState, s: Stream, d_in: int, d_out: int, n: int, c: Chunk
+            ) -> None:
+                grid = grid_size(n, block, dev.max_blocks(block))
+                kernel.launch(grid, block, d_in, d_out, n, *args, stream=s)
+
+            return launch_kernel
+        if callable(kernel):
+            body = kernel
+            in_tail, out_tail = x.shape[1:], out.shape[1:]
+
+            def launch_body(
+                dev: DeviceState, s: Stream, d_in: int, d_out: int, n: int, c: Chunk
+            ) -> None:
+                body(
+                    dev.ctx,
+                    s,
+                    ChunkView(d_in, (c.rows, *in_tail), x.dtype),
+                    ChunkView(d_out, (c.rows, *out_tail), out.dtype),
+                    n,
+                    *args,
+                )
+
+            return launch_body
+        raise TypeError(
+            "kernel must be a ctxkit Kernel, an (ObjectCode, 'entry') pair or a callable "
+            f"body(ctx, stream, d_in, d_out, n); got {type(kernel).__name__}"
+        )
+
+    def _load(self, pair: tuple[Any, ...]) -> Kernel:
+        if len(pair) != 2 or not isinstance(pair[1], str):
+            raise TypeError(
+                "a kernel given as a tuple must be (ObjectCode, 'entry_name'), got "
+                f"{tuple(type(p).__name__ for p in pair)}"
+            )
+        obj, name = pair
+        if not isinstance(obj, (ObjectCode, bytes, str, os.PathLike)):
+            raise TypeError(
+                f"the first element of a kernel pair must be an ObjectCode (or bytes/path), "
+                f"got {type(obj).__name__}"
+            )
+        key = (id(obj), name)
+        hit = self._kernels.get(key)
+        if hit is not None and hit[0] is obj:
+            return hit[2]
+        with self._devices[0].ctx:
+            mod = Module.load(obj)
+            kern = mod.function(name)
+        self._kernels[key] = (obj, mod, kern)
+        return kern
+
+    # --- cross-device stages -------------------------------------------------------
+
+    def submit(
+        self,
+        device: int | Device | Context,
+        fn: Callable[[Context, Stream], Any],
+        after: Iterable[StageHandle | Event] = (),
+        *,
+        name: str | None = None,
+    ) -> StageHandle:
+        """Enqueue ``fn(ctx, stream)`` on *device* after the stages in *after* completed.
+
+        ``fn`` runs on the device's worker thread with its context current and enqueues
+        work on ``stream`` (:meth:`stream`); an event recorded after it completes the
+        returned handle. The device's stream waits for every handle (or Event) in
+        *after* on the GPU (``cuStreamWaitEvent``, across devices), without blocking
+        the host. Stages on one device run in submission order.
+        """
+        self._check_usable()
+        dev = self._device_for(device)
+        if not callable(fn):
+            raise TypeError(f"fn must be callable as fn(ctx, stream), got {type(fn).__name__}")
+        deps = list(after)
+        for h in deps:
+            if isinstance(h, StageHandle):
+                if h._owner() is not self:
+                    raise ValueError(f"{h!r} was not submitted to this pipeline")
+            elif not isinstance(h, Event):
+                raise TypeError(
+                    f"after= takes StageHandles or ctxkit Events, got {type(h).__name__}"
+                )
+        label = str(name or getattr(fn, "__name__", "stage"))
+        handle = StageHandle(dev.ordinal, label, dev.ctx, self)
+        with self._lock:
+            if self._recorder is None and self.tracing:
+                self._recorder = Recorder()
+            rec = self._recorder
+            self._stages.append(handle)
+        handle._future = dev.worker.submit(self._run_stage, dev, fn, deps, handle, rec)
+        return handle
+
+    def _run_stage(
+        self,
+        dev: DeviceState,
+        fn: Callable[[Context, Stream], Any],
+        deps: list[StageHandle | Event],
+        handle: StageHandle,
+        rec: Recorder | None,
+    ) -> Any:
+        s = dev.stage_stream
+        try:
+            events = [h.event if isinstance(h, StageHandle) else h for h in deps]
+        except BaseException as exc:
+            raise _stage_error(handle, "dependency failed", exc) from exc
+        try:
+            if rec is not None and not rec.calibrated(dev.ordinal):
+                calibrate(dev, rec)
+            timing = rec is not None
+            if events:
+                w0 = Event(timing=timing, context=dev.ctx).record(s)
+                for ev in events:
+                    s.wait(ev)
+                w1 = Event(timing=timing, context=dev.ctx).record(s)
+                if rec is not None:
+                    rec.mark("wait", dev.ordinal, "stage", None, w0, w1)
+            s0 = Event(timing=timing, context=dev.ctx).record(s)
+            result = fn(dev.ctx, s)
+            end = Event(timing=timing, context=dev.ctx).record(s)
+        except PipelineError:
+            raise
+        except BaseException as exc:
+            if not isinstance(exc, Exception):
+                raise
+            raise _stage_error(handle, "enqueue", exc) from exc
+        handle._event = end
+        if rec is not None:
+            rec.mark(f"stage:{handle.name}", dev.ordinal, "stage", None, s0, end)
+        return result
+
+    def wait(self, handles: Iterable[StageHandle] | None = None) -> None:
+        """Wait for the GPU work of *handles* (default: every stage submitted so far).
+
+        Raises
+        ------
+        PipelineError
+            A stage failed; the message names its device and name.
+        """
+        todo = list(self._stages if handles is None else handles)
+        first: BaseException | None = None
+        for h in todo:
+            try:
+                h.synchronize()
+            except BaseException as exc:
+                if first is None:
+                    first = exc
+        if handles is None:
+            with self._lock:
+                self._stages = [h for h in self._stages if h not in todo]
+        if first is not None:
+            raise first
+
+    # --- trace ---------------------------------------------------------------------
+
+    def trace(self) -> Timeline:
+        """The timeline of the last :meth:`map` (and the stages submitted since).
+
+        Intervals: ``h2d``/``kernel``/``d2h`` per chunk on ``"stream <slot>"``,
+        ``fill``/``drain`` host copies on ``"host <thread>"``, ``prefetch`` in managed
+        mode, and ``wait``/``stage:<name>`` on ``"stage"``. Empty when tracing is off.
+        """
+        rec = self._recorder
+        if rec is None:
+            return Timeline()
+        with self._lock:
+            for h in list(self._stages):
+                try:
+                    h.synchronize()
+                except BaseException:
+                    pass
+            with self._devices[0].ctx:
+                return rec.timeline()
+
+    def _new_recording(self) -> None:
+        old = self._run
+        if old is not None:
+            self._recycle(old)
+            self._run = None
+        self._recorder = Recorder() if self.tracing else None
+
+    def _recycle(self, run: _Run) -> None:
+        by_ordinal = {d.ordinal: d for d in self._devices}
+        for ordinal, events in run.taken.items():
+            by_ordinal[ordinal].give_back(events)
+        run.taken = {}
+
+    # --- lifetime ------------------------------------------------------------------
+
+    def synchronize(self) -> None:
+        """Wait for all work the pipeline enqueued, on every device."""
+        for dev in self._devices:
+            for s in [*(slot.stream for slot in dev.slots), dev.stage_stream]:
+                with dev.ctx:
+                    s.synchronize()
+
+    def close(self) -> None:
+        """Stop the worker threads and free every buffer, stream and event. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._settle()
+            for h in self._stages:
+                try:
+                    h._future.exception()
+                except BaseException:
+                    pass
+            self._closed = True
+            self._fin.detach()
+            for dev in self._devices:
+                quiet_sync(dev)
+                dev.release()
+            for p in self._pool:
+                p.close()
+            self._pool.clear()
+            self._kernels.clear()
+            self._stages.clear()
+            self._run = None
+
+    # --- helpers -------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise ValueError("this Pipeline is closed; create a new one")
+        for dev in self._devices:
+            if dev.ctx.poisoned:
+                try:
+                    dev.ctx.check_usable()
+                except ContextPoisonedError as exc:
+                    raise ContextPoisonedError(
+                        f"this Pipeline is unusable: the context of device {dev.ordinal} was "
+                        f"poisoned by an earlier fault ({exc}); close() it and restart the "
+                        "process (or reset the device) to use the GPU again",
+                        exc.code,
+                        exc.name,
+                    ) from exc
+
+    def _device_for(self, device: int | Device | Context) -> DeviceState:
+        for dev in self._devices:
+            if dev.ctx == device or dev.ordinal == _ordinal(device):
+                return dev
+        raise ValueError(
+            f"{device!r} is not one of this pipeline's devices {[d.ordinal for d in self._devices]}"
+        )
+
+    def _ensure_pool(self) -> None:
+        if not self._pool:
+            self._pool.append(CopyPool(self.host_threads))
+
+
+class _Stopped(Exception):
+    """Internal: the run was stopped while a worker waited."""
+
+
+def _step(fn: Callable[..., Any], step: str, *args: Any) -> Any:
+    """Call *fn*; tag an exception with the pipeline step it happened in."""
+    try:
+        return fn(*args)
+    except BaseException as exc:
+        if not hasattr(exc, "_ctxkit_step"):
+            try:
+                exc._ctxkit_step = step  # type: ignore[attr-defined]
+            except AttributeError:
+                pass
+        raise
+
+
+def _ordinal(device: object) -> int | None:
+    if isinstance(device, Device):
+        return device.ordinal
+    if isinstance(device, int) and not isinstance(device, bool):
+        return device
+    return None
+
+
+def _unblock_if_not_run(q: queue.SimpleQueue[Any], feeder: Future[Any]) -> None:
+    """A feeder task that never ran (its worker could not start) still ends the drainer."""
+    if feeder.cancelled() or feeder.exception() is not None:
+        q.put(None)
+
+
+def _run_stats(run: _Run, seconds: float, nbytes: int) -> RunStats:
+    return RunStats(nbytes, seconds, run.path, [run.stats[k] for k in sorted(run.stats)])
+
+
+def _check_param_count(kernel: Kernel, args: tuple[Any, ...]) -> None:
+    try:
+        want = len(kernel.params)
+    except Exception:  # no PTX signature to check against (e.g. a bare cubin)
+        return
+    if want != 3 + len(args):
+        name = getattr(kernel, "name", "kernel")
+        raise LaunchArgumentError(
+            f"Pipeline.map calls {name}(d_in, d_out, n, *args) with {3 + len(args)} "
+            f"arguments but {name} takes {want}: pass its extra parameters with "
+            f"args=(...) (got args={args!r})"
+        )
+
+
+def _resolve_contexts(specs: list[int | Device | Context] | None) -> list[Context]:
+    if specs is None:
+        n = device_count()
+        if n == 0:
+            _driver.init()
+            raise CudaError(
+                "Pipeline(devices=None): no CUDA device is visible (the driver reports "
+                "none); check nvidia-smi and CUDA_VISIBLE_DEVICES",
+                _NO_DEVICE,
+                "CUDA_ERROR_NO_DEVICE",
+            )
+        specs = list(range(n))
+    contexts = [registry.resolve(d) for d in specs]
+    for ctx in contexts:
+        ctx.check_usable()
+    return contexts
+
+
+def _managed_array(obj: Any, dtype: Any, shape: Sequence[int] | None, what: str) -> np.ndarray:
+    if isinstance(obj, np.ndarray):
+        return obj
+    if isinstance(obj, ManagedBuffer):
+        if dtype is None:
+            raise TypeError(f"map_managed: pass dtype= to view the ManagedBuffer {what} as")
+        if shape is None:
+            return obj.as_numpy(dtype)
+        return obj.as_numpy(dtype, tuple(shape))
+    raise TypeError(
+        f"map_managed: {what} must be a ManagedBuffer or a numpy view of one, "
+        f"got {type(obj).__name__}"
+    )
