@@ -157,10 +157,12 @@ def jit_detail(code: int, ptx: str | None, error_log: str, info_log: str) -> str
 
 
 def decode_log(buf: bytearray) -> str:
+    """The text a JIT log buffer holds (up to its NUL)."""
     return bytes(buf).split(b"\0", 1)[0].decode(errors="replace").strip()
 
 
 def jit_options() -> tuple[list[Any], list[Any], bytearray, bytearray]:
+    """JIT option keys and values with fresh info and error log buffers (also returned)."""
     info, err = bytearray(_LOG_BYTES), bytearray(_LOG_BYTES)
     opt = drv.CUjit_option
     keys = [

@@ -50,9 +50,6 @@ def _host_array_pointer(arr: np.ndarray) -> int | None:
 _params.set_host_pointer_resolver(_host_array_pointer)
 
 
-_params.set_host_pointer_resolver(_host_array_pointer)
-
-
 # --- streams --------------------------------------------------------------------------
 
 _stream_handle_fn: Callable[[Any], Any] | None = None

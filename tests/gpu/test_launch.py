@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ from ctxkit.memory import to_device
 from ctxkit.module import Module
 
 N = 100_003
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _kernels(ctx: ck.Context, *files: str) -> dict[str, ck.Kernel]:
@@ -281,7 +284,7 @@ def test_prepared_launch_from_a_thread_with_another_context(ctx0, k):
 # --- sticky faults (in a child process: a fault can poison the device's contexts) -------
 
 
-def test_fault_poisons_only_that_context(tmp_path):
+def test_fault_poisons_only_that_context():
     script = textwrap.dedent(
         """
         import numpy as np, ctxkit as ck
@@ -310,8 +313,17 @@ def test_fault_poisons_only_that_context(tmp_path):
                 print("DEVICE1_OK", bool((d.to_host() == 2.0).all()))
         """
     )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
     proc = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=240
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=REPO,
+        env=env,
     )
     out = proc.stdout
     assert "POISONED CUDA_ERROR_ILLEGAL_ADDRESS" in out, (out, proc.stderr)
