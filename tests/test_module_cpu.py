@@ -86,12 +86,36 @@ class ModuleDriver:
     # libraries and modules
     def cuLibraryLoadData(self, code, keys, vals, n, lkeys, lvals, ln):
         assert n == len(keys) == len(vals) and ln == 0
+        if b"SILENT" in code:
+            return (218, None)  # a failure that leaves the log buffers empty
         if b"BAD" in code:
             vals[2][: len(b"ptxas fatal: bad")] = b"ptxas fatal: bad"
             return (218, None)
         h = self._new()
-        self.libraries[int(h)] = _params.parse_entries(code)
+        cubin = code.startswith(b"\x7fELF")
+        self.libraries[int(h)] = _params.parse_entries(VECTOR_ADD if cubin else code)
         return (0, h)
+
+    param_info = True
+
+    def cuKernelGetParamInfo(self, kernel, index):
+        if not self.param_info:
+            raise RuntimeError("Function cuKernelGetParamInfo not found")
+        lib, name = self.kernels[int(kernel)]
+        params = self.libraries[lib][name].params
+        if index >= len(params):
+            return (1, 0, 0)
+        return (0, params[index].offset, params[index].size)
+
+    def cuLibraryGetKernelCount(self, lib):
+        return (0, len(self.libraries[int(lib)]))
+
+    def cuLibraryEnumerateKernels(self, n, lib):
+        names = list(self.libraries[int(lib)])[:n]
+        return (0, [self.cuLibraryGetKernel(lib, x.encode())[1] for x in names])
+
+    def cuKernelGetName(self, kernel):
+        return (0, self.kernels[int(kernel)][1].encode())
 
     def cuLibraryGetKernel(self, lib, name: bytes):
         if name.decode() not in self.libraries[int(lib)]:
@@ -117,6 +141,9 @@ class ModuleDriver:
         cur = self.base.current()
         if not cur:
             return (201, None)
+        if b"SILENT" in image:
+            vals[2][:14] = b"diagnosed: bad"
+            return (218, None)
         h = self._new()
         self.libraries[int(h)] = _params.parse_entries(image)
         self.module_ctx = cur
@@ -614,3 +641,47 @@ def test_capture_ends_cleanly_when_the_block_raises(fake):
     with pytest.raises(ValueError, match="default stream cannot be captured"):
         with ctx, M.capture(FakeStream(ctx, 0)):
             pass
+
+
+def test_jit_log_is_recovered_in_the_current_context(fake):
+    silent = BAD_PTX.replace("BAD", "SILENT")
+    with pytest.raises(ck.CompileError) as info:
+        load(silent)
+    assert info.value.log == ""  # no context current: nothing to re-read the log with
+    with ck.registry.context(0), pytest.raises(ck.CompileError) as info:
+        load(silent)
+    assert info.value.log == "diagnosed: bad" and "JIT error log:\ndiagnosed: bad" in str(
+        info.value
+    )
+
+
+def test_cubin_without_ptx_uses_the_driver_layout(fake):
+    mod = load(b"\x7fELF" + bytes(60))
+    assert (mod.format, mod.ptx) == ("cubin", None)
+    assert mod.entries == ["vector_add", "saxpy", "_Z4axpyIfEvT_PKS0_PS0_m"]
+    k = mod.function("saxpy")
+    assert [(p.kind, p.offset, p.size) for p in k.params] == [
+        ("bits", 0, 4),
+        ("bits", 8, 8),
+        ("bits", 16, 8),
+        ("bits", 24, 8),
+    ]
+    assert k.signature is not None and "type unknown" in k.params[0].ptx_type
+    with ck.registry.context(0):
+        with pytest.raises(ck.LaunchArgumentError, match=r"np\.float32\(x\)"):
+            k.launch(1, 1, 2.0, FakeBuffer(8), FakeBuffer(16), 4)
+        k.launch(1, 1, np.float32(2.0), FakeBuffer(8), FakeBuffer(16), 4)
+    vals = fake.launches[-1]["values"]
+    assert np.frombuffer(vals[0], np.float32)[0] == 2.0
+    assert [as_u64(v) for v in vals[1:]] == [8, 16, 4]
+
+
+def test_unknown_layout_is_refused_with_the_reason(fake):
+    fake.param_info = False
+    k = load(b"\x7fELF" + bytes(60)).function("vector_add")
+    assert k.signature is None
+    with pytest.raises(ck.LaunchArgumentError, match="parameter list of kernel 'vector_add'"):
+        _ = k.params
+    with ck.registry.context(0), pytest.raises(ck.LaunchArgumentError, match="unknown"):
+        k.launch(1, 1, 0, 0, 0, 0)
+    assert fake.launches == []
