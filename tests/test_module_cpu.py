@@ -254,7 +254,7 @@ def fake(fake_driver, monkeypatch):
     return drv
 
 
-def load(text: str = VECTOR_ADD, **kw: Any) -> M.Module:
+def load(text: str | bytes = VECTOR_ADD, **kw: Any) -> M.Module:
     return M.Module.load(text, **kw)
 
 
