@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import warnings
+import weakref
 from typing import Any
 
 import numpy as np
@@ -692,8 +693,6 @@ def test_host_callback_trampoline_from_a_foreign_thread(caplog):
 
 
 def holder_ref(s: Stream) -> Any:
-    import weakref
-
     return weakref.ref(s)
 
 
@@ -767,6 +766,30 @@ def test_close_is_idempotent_and_use_after_close_is_clear(fake, ctx0):
                 op()
     assert "closed" in repr(buf)
     assert len(fake.calls("free")) == 1
+
+
+def test_from_pointer_wraps_without_owning(fake, ctx0):
+    class Owner:
+        pass
+
+    with ctx0:
+        real_buf = DeviceBuffer(32)
+        owner = Owner()
+        alive = weakref.ref(owner)
+        wrapped = DeviceBuffer.from_pointer(real_buf.ptr + 8, 16, owner=owner)
+        del owner
+        gc.collect()
+        assert alive() is not None and wrapped.context is ctx0
+        wrapped.copy_from_host(np.arange(16, dtype=np.uint8))
+        assert real_buf.copy_to_host()[8:24].tolist() == list(range(16))
+        assert wrapped.view((4,), np.float32).ptr == real_buf.ptr + 8
+        wrapped.close()  # forgets the memory and the owner; frees nothing
+        gc.collect()
+        assert alive() is None and fake.used == 32 and not fake.calls("free")
+        with pytest.raises(ContextClosedError):
+            wrapped.copy_to_host()
+        bare = DeviceBuffer.from_pointer(real_buf.ptr, 32, context=0)
+        assert bare.context is ctx0 and bare.nbytes == 32
 
 
 def test_context_manager_closes(fake, ctx0):
