@@ -43,6 +43,10 @@ _EXPORTS: dict[str, str] = {
     "Module": "module",
     "Kernel": "module",
     "PreparedLaunch": "module",
+    "KernelNotFoundError": "module",
+    "Graph": "module",
+    "capture": "module",
+    "kernel_source": "compiler",
     # memory, streams
     "DeviceBuffer": "memory",
     "DeviceArray": "memory",
@@ -105,7 +109,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover
     from . import procs as procs
-    from .compiler import ObjectCode, Program, compile
+    from .compiler import ObjectCode, Program, compile, kernel_source
     from .memory import (
         DeviceArray,
         DeviceBuffer,
@@ -118,6 +122,6 @@ if TYPE_CHECKING:  # pragma: no cover
         pinned_zeros,
         register_host,
     )
-    from .module import Kernel, Module, PreparedLaunch
+    from .module import Graph, Kernel, KernelNotFoundError, Module, PreparedLaunch, capture
     from .pipeline import Pipeline
     from .stream import Event, Stream
