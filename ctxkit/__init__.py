@@ -58,6 +58,9 @@ _EXPORTS: dict[str, str] = {
     "ManagedBuffer": "memory",
     "enable_peer_access": "memory",
     "copy_peer": "memory",
+    "to_device": "memory",
+    "PageableCopyWarning": "memory",
+    "PageableCopyError": "memory",
     "Stream": "stream",
     "Event": "stream",
     # multi-device
@@ -114,6 +117,8 @@ if TYPE_CHECKING:  # pragma: no cover
         DeviceArray,
         DeviceBuffer,
         ManagedBuffer,
+        PageableCopyError,
+        PageableCopyWarning,
         copy_peer,
         device_array,
         enable_peer_access,
@@ -121,6 +126,7 @@ if TYPE_CHECKING:  # pragma: no cover
         pinned_empty,
         pinned_zeros,
         register_host,
+        to_device,
     )
     from .module import Graph, Kernel, KernelNotFoundError, Module, PreparedLaunch, capture
     from .pipeline import Pipeline
