@@ -1,0 +1,76 @@
+"""Every example runs on the GPU machine, checks itself, and ends with its "OK" line."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted(p for p in (REPO / "examples").glob("*.py") if not p.name.startswith("_"))
+MPI = {"mpi_pipeline.py"}
+#: Smaller sizes than the defaults where an example takes them, to keep the suite quick.
+ARGS = {
+    "multi_device_streams.py": ["--mb", "64"],
+    "peer_copy.py": ["--mb", "64", "--reps", "5"],
+    "thread_pool_server.py": ["--requests", "20"],
+    "process_per_gpu.py": ["--quick"],
+    "mpi_pipeline.py": ["--quick"],
+}
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")  # Open MPI refuses root without these
+    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    return env
+
+
+def _check(proc: subprocess.CompletedProcess[str], name: str) -> None:
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n{out[-6000:]}"
+    assert "Traceback" not in out, f"{name} printed a traceback:\n{out[-6000:]}"
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    assert lines and lines[-1].startswith("OK"), f"{name}: no final OK line:\n{proc.stdout[-3000:]}"
+    assert "FAILED" not in out
+
+
+@pytest.mark.parametrize("path", [p for p in EXAMPLES if p.name not in MPI], ids=lambda p: p.name)
+def test_example(path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(path), *ARGS.get(path.name, [])],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    print(proc.stdout)
+    _check(proc, path.name)
+
+
+@pytest.mark.parametrize("path", [p for p in EXAMPLES if p.name in MPI], ids=lambda p: p.name)
+def test_mpi_example(path: Path) -> None:
+    mpiexec = shutil.which("mpiexec") or (
+        "/usr/bin/mpiexec" if Path("/usr/bin/mpiexec").exists() else None
+    )
+    if mpiexec is None:
+        pytest.skip("no mpiexec on this machine")
+    proc = subprocess.run(
+        [mpiexec, "-n", "2", sys.executable, str(path), *ARGS.get(path.name, [])],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    print(proc.stdout)
+    _check(proc, path.name)
