@@ -740,9 +740,11 @@ class Pipeline:
         e2 = dev.take_event(True, taken).record(s) if timing else None
         if run.stage_out:
             assert slot.pin_out is not None
-            while not slot.out_free.wait(0.05):
+            while not slot.out_free.wait(0.01):
                 if run.stop.is_set():
                     raise _Stopped
+            if run.stop.is_set():
+                raise _Stopped
             slot.out_free.clear()
             dst = addr(slot.pin_out)
         else:
