@@ -1,0 +1,653 @@
+"""Bad-input corpus: each mistake raises the documented typed error with an actionable message,
+and the process keeps working afterwards (a vector_add runs after every case).
+
+Cases cover devices, contexts, the registry and executors, memory, streams and events, the
+compiler, modules and launches, the pipeline, procs, fork and a sticky fault (the last in a
+subprocess). Each case names the exception class and the key phrases its message must hold.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import sys
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ctxkit as ck
+from ctxkit.compiler import kernel_source
+from ctxkit.context import Context
+from ctxkit.module import KernelNotFoundError
+
+REPO = Path(__file__).resolve().parents[2]
+N = 1000
+
+BAD_PTX = """
+.version 7.0
+.target sm_52
+.address_size 64
+
+.visible .entry broken(.param .u64 p)
+{
+    bogus.instruction.that.does.not.exist %r1;
+    ret;
+}
+"""
+
+
+class Env:
+    """What the cases share: device 0's context, an owned context, kernels, buffers."""
+
+    def __init__(self) -> None:
+        self.ctx0 = ck.registry.context(0)
+        self.owned = Context.create(0)
+        with self.ctx0:
+            self.vadd_obj = ck.compile(kernel_source("vector_add.cu"), name="vector_add.cu")
+            self.vadd_module = ck.Module.load(self.vadd_obj)
+            self.vadd = self.vadd_module.function("vector_add")
+            self.scale = ck.Module.load(
+                ck.compile(kernel_source("scale.cu"), name="scale.cu")
+            ).function("scale_f32")
+            self.a, self.b, self.c = (ck.DeviceBuffer(N * 4) for _ in range(3))
+
+
+@pytest.fixture(scope="module")
+def env() -> Iterator[Env]:
+    e = Env()
+    yield e
+    e.owned.close()
+
+
+@pytest.fixture(autouse=True)
+def still_works(env: Env) -> Iterator[None]:
+    """After every case a normal launch must still compute the right answer."""
+    yield
+    rng = np.random.default_rng()
+    x, y = rng.random(N, dtype=np.float32), rng.random(N, dtype=np.float32)
+    with ck.bind(0):
+        a, b, c = (ck.DeviceBuffer(N * 4) for _ in range(3))
+        a.copy_from_host(x)
+        b.copy_from_host(y)
+        env.vadd.launch(4, 256, a, b, c, N)
+        got = c.copy_to_host(np.empty(N, np.float32))
+        for buf in (a, b, c):
+            buf.close()
+    assert np.array_equal(got, x + y), "the process no longer computes after the case"
+
+
+@dataclass(frozen=True)
+class Case:
+    fn: Callable[[Env], Any]
+    exc: type[BaseException]
+    phrases: tuple[str, ...]
+    devices: int
+
+
+CASES: dict[str, Case] = {}
+
+
+def case(exc: type[BaseException], *phrases: str, devices: int = 1) -> Callable[..., Any]:
+    def register(fn: Callable[[Env], Any]) -> Callable[[Env], Any]:
+        CASES[fn.__name__] = Case(fn, exc, phrases, devices)
+        return fn
+
+    return register
+
+
+def in_thread(fn: Callable[[], Any], name: str = "case-thread") -> None:
+    """Run *fn* in a fresh thread (no context current) and re-raise what it raised."""
+    box: list[BaseException] = []
+
+    def body() -> None:
+        try:
+            fn()
+        except BaseException as exc:
+            box.append(exc)
+
+    t = threading.Thread(target=body, name=name)
+    t.start()
+    t.join()
+    if box:
+        raise box[0]
+
+
+def vadd_args(env: Env) -> tuple[Any, ...]:
+    return env.a, env.b, env.c, N
+
+
+# --- devices, contexts, registry, executors --------------------------------------------------
+
+
+@case(ValueError, "out of range", "valid")
+def device_ordinal_out_of_range(env: Env) -> None:
+    ck.Device(99)
+
+
+@case(TypeError, "must be an int")
+def device_ordinal_wrong_type(env: Env) -> None:
+    ck.Device("0")  # type: ignore[arg-type]
+
+
+@case(ValueError, "unknown device attribute", "warp_size")
+def device_attribute_unknown(env: Env) -> None:
+    ck.Device(0).attribute("warp")
+
+
+@case(TypeError, "flags must be an int")
+def context_flags_wrong_type(env: Env) -> None:
+    ck.Context.create(0, flags="fast")  # type: ignore[arg-type]
+
+
+@case(ck.ContextClosedError, "is closed")
+def closed_context_pushed(env: Env) -> None:
+    c = ck.Context.create(0)
+    c.close()
+    with c:
+        pass
+
+
+@case(ck.ContextStackError, "pushed nothing here")
+def pop_without_push(env: Env) -> None:
+    in_thread(env.owned.pop)
+
+
+@case(ck.ContextStackError, "reverse order")
+def pop_out_of_order(env: Env) -> None:
+    env.ctx0.push()
+    env.owned.push()
+    try:
+        env.ctx0.pop()
+    finally:
+        env.owned.pop()
+        env.ctx0.pop()
+
+
+@case(ck.ContextInUseError, "is current in thread")
+def close_while_current(env: Env) -> None:
+    c = ck.Context.create(0)
+    try:
+        with c:
+            c.close()
+    finally:
+        c.close()
+
+
+@case(TypeError, "expected a ctxkit.Context")
+def bind_wrong_type(env: Env) -> None:
+    ck.bind("zero")  # type: ignore[arg-type]
+
+
+@case(TypeError, "expected a ctxkit.Context")
+def registry_set_wrong_type(env: Env) -> None:
+    ck.registry.set(0, "ctx")  # type: ignore[arg-type]
+
+
+@case(ValueError, "belongs to device 1", devices=2)
+def registry_set_wrong_device(env: Env) -> None:
+    ck.registry.set(0, ck.registry.context(1))
+
+
+@case(ValueError, "max_workers must be at least 1")
+def executor_without_workers(env: Env) -> None:
+    ck.ContextExecutor(0, max_workers=0)
+
+
+@case(ValueError, "blas_threads must be a positive int")
+def executor_bad_blas_threads(env: Env) -> None:
+    ck.ContextExecutor(0, max_workers=1, blas_threads=-2)
+
+
+@case(RuntimeError, "after shutdown")
+def executor_submit_after_shutdown(env: Env) -> None:
+    ex = ck.ContextExecutor(0, max_workers=1)
+    ex.shutdown()
+    ex.submit(print)
+
+
+@case(ck.NoCurrentContextError, "worker-without-context", "ctxkit.bind")
+def buffer_in_thread_without_context(env: Env) -> None:
+    in_thread(lambda: ck.DeviceBuffer(256), name="worker-without-context")
+
+
+@case(ck.NoCurrentContextError, "needs a current CUDA context", "ContextExecutor")
+def launch_in_thread_without_context(env: Env) -> None:
+    in_thread(lambda: env.vadd.launch(4, 256, *vadd_args(env)))
+
+
+# --- memory ----------------------------------------------------------------------------------
+
+
+@case(ValueError, "nbytes must be >= 0")
+def buffer_negative_size(env: Env) -> None:
+    ck.DeviceBuffer(-1)
+
+
+@case(TypeError, "nbytes must be an int")
+def buffer_float_size(env: Env) -> None:
+    ck.DeviceBuffer(1.5)  # type: ignore[arg-type]
+
+
+@case(ck.OutOfMemoryError, "cannot allocate", "are free", "close()")
+def buffer_10_tib(env: Env) -> None:
+    ck.DeviceBuffer(10 << 40)
+
+
+@case(ValueError, "sizes must match")
+def copy_from_host_wrong_size(env: Env) -> None:
+    ck.DeviceBuffer(16).copy_from_host(np.zeros(3, np.float32))
+
+
+@case(ValueError, "sizes must match")
+def copy_to_host_wrong_size(env: Env) -> None:
+    ck.DeviceBuffer(16).copy_to_host(np.zeros(5, np.float32))
+
+
+@case(ValueError, "not C-contiguous", "ascontiguousarray")
+def copy_from_non_contiguous(env: Env) -> None:
+    ck.DeviceBuffer(32).copy_from_host(np.zeros(16, np.float32)[::2])
+
+
+@case(ValueError, "read-only")
+def copy_into_read_only(env: Env) -> None:
+    out = np.zeros(4, np.float32)
+    out.flags.writeable = False
+    ck.DeviceBuffer(16).copy_to_host(out)
+
+
+@case(TypeError, "numpy array or a buffer")
+def copy_from_a_string(env: Env) -> None:
+    ck.DeviceBuffer(16).copy_from_host("sixteen bytes!!!")
+
+
+@case(ck.ContextClosedError, "buffer was closed")
+def closed_buffer(env: Env) -> None:
+    buf = ck.DeviceBuffer(16)
+    buf.close()
+    buf.copy_to_host()
+
+
+@case(ck.ContextClosedError, "is closed", "create a new context")
+def buffer_of_closed_context(env: Env) -> None:
+    c = ck.Context.create(0)
+    buf = ck.DeviceBuffer(64, c)
+    c.close()
+    buf.copy_to_host()
+
+
+@case(ValueError, "0..255")
+def memset_out_of_range(env: Env) -> None:
+    ck.DeviceBuffer(16).memset(300)
+
+
+@case(ValueError, "needs 12 bytes")
+def view_wrong_shape(env: Env) -> None:
+    ck.DeviceBuffer(10).view((3,), np.float32)
+
+
+@case(TypeError, "byte slice")
+def buffer_indexed_with_int(env: Env) -> None:
+    ck.DeviceBuffer(16)[3]  # type: ignore[index]
+
+
+@case(ValueError, "do not fit")
+def copy_peer_too_many_bytes(env: Env) -> None:
+    src, dst = ck.DeviceBuffer(64, env.ctx0), ck.DeviceBuffer(64, env.owned)
+    ck.copy_peer(dst, src, 128)
+
+
+@case(ValueError, "numpy view")
+def managed_close_with_live_views(env: Env) -> None:
+    m = ck.ManagedBuffer(4096)
+    view = m.as_numpy(np.float32)
+    m.close()
+    del view
+
+
+@case(ValueError, "shares a page")
+def register_host_page_already_registered(env: Env) -> None:
+    host = np.zeros(4 * 4096, np.uint8)
+    with ck.register_host(host[100:200]), ck.register_host(host[300:400]):
+        pass
+
+
+# --- streams and events ----------------------------------------------------------------------
+
+
+@case(ValueError, "outside the range")
+def stream_priority_out_of_range(env: Env) -> None:
+    ck.Stream(priority=99)
+
+
+@case(TypeError, "priority must be an int")
+def stream_priority_wrong_type(env: Env) -> None:
+    ck.Stream(priority="high")  # type: ignore[arg-type]
+
+
+@case(ck.ContextClosedError, "stream was closed")
+def closed_stream(env: Env) -> None:
+    s = ck.Stream()
+    s.close()
+    s.synchronize()
+
+
+@case(ck.ContextClosedError, "event was closed")
+def closed_event(env: Env) -> None:
+    e = ck.Event()
+    e.close()
+    e.record()
+
+
+@case(ValueError, "timing=False")
+def elapsed_without_timing(env: Env) -> None:
+    start = ck.Event(timing=False).record()
+    start.elapsed_ms(ck.Event().record())
+
+
+@case(ValueError, "never recorded")
+def elapsed_of_unrecorded_events(env: Env) -> None:
+    ck.Event().elapsed_ms(ck.Event())
+
+
+@case(ValueError, "different devices", devices=2)
+def elapsed_across_devices(env: Env) -> None:
+    start = ck.Event(context=env.ctx0).record()
+    end = ck.Event(context=ck.registry.context(1)).record()
+    start.elapsed_ms(end)
+
+
+@case(ValueError, "the stream's context")
+def event_recorded_on_stream_of_other_context(env: Env) -> None:
+    ck.Event(context=env.ctx0).record(ck.Stream(env.owned))
+
+
+@case(TypeError, "expected a stream")
+def launch_with_a_string_stream(env: Env) -> None:
+    env.vadd.launch(4, 256, *vadd_args(env), stream="fast")
+
+
+@case(TypeError, "must be callable")
+def host_func_not_callable(env: Env) -> None:
+    ck.Stream().launch_host_func(5)  # type: ignore[arg-type]
+
+
+@case(ZeroDivisionError, "division")
+def host_func_exception_reraised(env: Env) -> None:
+    s = ck.Stream()
+    s.launch_host_func(lambda: 1 / 0)
+    s.synchronize()
+
+
+# --- compiler and modules --------------------------------------------------------------------
+
+
+@case(ck.CompileError, "NVRTC failed to compile", "undefined_name", "line")
+def compile_bad_source(env: Env) -> None:
+    src = 'extern "C" __global__ void k(float* x) { x[0] = undefined_name; }'
+    try:
+        ck.compile(src, name="bad.cu", cache=False)
+    except ck.CompileError as exc:
+        assert "undefined_name" in exc.log, "CompileError.log lacks the NVRTC log"
+        raise
+
+
+@case(ck.CompileError, "NVRTC failed to compile", "--no-such-option")
+def compile_bad_option(env: Env) -> None:
+    ck.compile(kernel_source("vector_add.cu"), options=("--no-such-option",), cache=False)
+
+
+@case(TypeError, "source must be str or bytes")
+def compile_wrong_type(env: Env) -> None:
+    ck.compile(123)  # type: ignore[arg-type]
+
+
+@case(ValueError, "target must be one of")
+def compile_bad_target(env: Env) -> None:
+    ck.compile(kernel_source("vector_add.cu"), target="elf")
+
+
+@case(ValueError, "cannot understand arch")
+def compile_bad_arch(env: Env) -> None:
+    ck.compile(kernel_source("vector_add.cu"), arch="banana")
+
+
+@case(TypeError, "not a single string")
+def compile_options_as_one_string(env: Env) -> None:
+    ck.compile(kernel_source("vector_add.cu"), options="-lineinfo")  # type: ignore[arg-type]
+
+
+@case(ValueError, "not PTX")
+def load_garbage_bytes(env: Env) -> None:
+    ck.Module.load(b"\x00 this is not device code")
+
+
+@case(ck.CompileError, "PTX")
+def load_bad_ptx(env: Env) -> None:
+    kernel = ck.Module.load(BAD_PTX).function("broken")
+    kernel.launch(1, 1, env.a)
+    env.ctx0.synchronize()
+
+
+@case(KernelNotFoundError, "Kernels present: vector_add", "Did you mean 'vector_add'")
+def wrong_kernel_name(env: Env) -> None:
+    env.vadd_module.function("vector_ad")
+
+
+@case(KernelNotFoundError, "mangled", 'extern "C"')
+def mangled_kernel_name(env: Env) -> None:
+    obj = ck.compile("__global__ void plain(float* x) { x[0] = 1.0f; }", name="plain.cu")
+    ck.Module.load(obj).function("plain")
+
+
+@case(FileNotFoundError, "neither a file nor PTX")
+def load_missing_file(env: Env) -> None:
+    ck.Module.load("/no/such/kernel.cubin")
+
+
+@case(TypeError, "Module.load takes")
+def load_wrong_type(env: Env) -> None:
+    ck.Module.load(12345)
+
+
+# --- launches --------------------------------------------------------------------------------
+
+
+@case(ck.LaunchArgumentError, "takes 4 arguments but 2 were given", "Signature")
+def launch_too_few_arguments(env: Env) -> None:
+    env.vadd.launch(4, 256, env.a, env.b)
+
+
+@case(ck.LaunchArgumentError, "argument 0", "a float for an integer parameter")
+def launch_float_for_pointer(env: Env) -> None:
+    env.vadd.launch(4, 256, 1.5, env.b, env.c, N)
+
+
+@case(ck.LaunchArgumentError, "pageable host memory", "pinned_empty")
+def launch_with_host_array(env: Env) -> None:
+    env.vadd.launch(4, 256, np.zeros(N, np.float32), env.b, env.c, N)
+
+
+@case(ck.LaunchArgumentError, "argument 3", "a float for an integer parameter")
+def launch_float_for_size(env: Env) -> None:
+    env.vadd.launch(4, 256, env.a, env.b, env.c, 3.5)
+
+
+@case(ck.CudaError, "2048 threads", "1024")
+def launch_block_too_large(env: Env) -> None:
+    env.vadd.launch(1, 2048, *vadd_args(env))
+
+
+@case(ValueError, "positive")
+def launch_empty_grid(env: Env) -> None:
+    env.vadd.launch(0, 256, *vadd_args(env))
+
+
+@case(ck.CudaError, "shared_mem=1048576")
+def launch_too_much_shared_memory(env: Env) -> None:
+    env.vadd.launch(1, 32, *vadd_args(env), shared_mem=1 << 20)
+
+
+@case(ck.CudaError, "belongs to", "with stream.context")
+def launch_on_stream_of_other_context(env: Env) -> None:
+    env.vadd.launch(4, 256, *vadd_args(env), stream=ck.Stream(env.owned))
+
+
+@case(ck.CudaError, "bound to", "ctxkit.bind")
+def bound_module_launched_in_other_context(env: Env) -> None:
+    mod = ck.Module.load(env.vadd_obj, context=env.owned)
+    mod.function("vector_add").launch(4, 256, *vadd_args(env))
+
+
+@case(ck.CudaError, "is closed", "load it again")
+def launch_from_closed_module(env: Env) -> None:
+    mod = ck.Module.load(env.vadd_obj)
+    kernel = mod.function("vector_add")
+    mod.close()
+    kernel.launch(4, 256, *vadd_args(env))
+
+
+# --- pipeline, procs, fork -------------------------------------------------------------------
+
+
+@case(ValueError, "at least one device")
+def pipeline_without_devices(env: Env) -> None:
+    ck.Pipeline(devices=[])
+
+
+@case(ValueError, "listed twice")
+def pipeline_duplicate_device(env: Env) -> None:
+    ck.Pipeline(devices=[0, 0])
+
+
+@case(ValueError, "out of range")
+def pipeline_missing_device(env: Env) -> None:
+    ck.Pipeline(devices=[99])
+
+
+@case(ValueError, "chunk_bytes must be >= 1")
+def pipeline_zero_chunk(env: Env) -> None:
+    ck.Pipeline(chunk_bytes=0)
+
+
+@case(ck.LaunchArgumentError, "args=")
+def pipeline_kernel_arguments_missing(env: Env) -> None:
+    with ck.Pipeline(devices=[0]) as p:
+        p.map(env.scale, np.zeros(1024, np.float32))
+
+
+def top_level_task(ordinal: int) -> int:
+    return ordinal
+
+
+@case(ValueError, "'spawn' start method")
+def procs_with_fork_context(env: Env) -> None:
+    ck.procs.run_per_device(top_level_task, mp_context=multiprocessing.get_context("fork"))
+
+
+@case(TypeError, "lambda", "module level")
+def procs_with_lambda(env: Env) -> None:
+    ck.procs.run_per_device(lambda d: d)
+
+
+@case(ck.ForkError, "forked", "spawn")
+def cuda_in_forked_child(env: Env) -> None:
+    read_fd, write_fd = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads running
+        pid = os.fork()
+    if pid == 0:  # the child: report, never return into pytest
+        try:
+            os.close(read_fd)
+            try:
+                ck.device_count()
+                report = "no error"
+            except BaseException as exc:
+                report = f"{type(exc).__name__}\n{exc}"
+            os.write(write_fd, report.encode())
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as f:
+        report = f.read().decode()
+    os.waitpid(pid, 0)
+    kind, _, message = report.partition("\n")
+    if kind == "ForkError":
+        raise ck.ForkError(message)
+    raise AssertionError(f"the forked child got {report!r}, not ForkError")
+
+
+# --- the runner ------------------------------------------------------------------------------
+
+
+def test_corpus_is_large_enough() -> None:
+    assert len(CASES) >= 40
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bad_input(name: str, env: Env) -> None:
+    c = CASES[name]
+    if ck.device_count() < c.devices:
+        pytest.skip(f"needs {c.devices} devices")
+    with ck.bind(0):
+        with pytest.raises(c.exc) as info:
+            c.fn(env)
+    message = str(info.value)
+    for phrase in c.phrases:
+        assert phrase in message, f"{name}: {phrase!r} is not in the message:\n{message}"
+
+
+STICKY = """
+import numpy as np
+import ctxkit as ck
+from ctxkit.compiler import kernel_source
+
+n = ck.device_count()
+victim = ck.Context.create(n - 1)
+with victim:
+    fault = ck.Module.load(ck.compile(kernel_source("fault.cu"), name="fault.cu")).function("fault")
+    buf = ck.DeviceBuffer(64)
+    fault.launch(1, 1, buf)
+    try:
+        victim.synchronize()
+    except ck.ContextPoisonedError as exc:
+        print("FIRST", exc.name, str(exc).splitlines()[0])
+try:
+    with victim:
+        ck.DeviceBuffer(64)
+except ck.ContextPoisonedError as exc:
+    print("LATER", "poisoned" in str(exc))
+if n > 1:
+    with ck.bind(0):
+        b = ck.DeviceBuffer(16)
+        b.copy_from_host(np.arange(4, dtype=np.float32))
+        print("OTHER", b.copy_to_host(np.empty(4, np.float32)).tolist())
+"""
+
+
+def test_sticky_fault_poisons_only_its_context() -> None:
+    """A kernel fault (in a child process, to keep this one clean): ContextPoisonedError on
+    the sync, fail-fast ContextPoisonedError on the next use, other devices unaffected."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [sys.executable, "-c", STICKY],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
+    assert "FIRST CUDA_ERROR_ILLEGAL_ADDRESS" in out, out + proc.stderr
+    assert "LATER True" in out, out + proc.stderr
+    if ck.device_count() > 1:
+        assert "OTHER [0.0, 1.0, 2.0, 3.0]" in out, out + proc.stderr
