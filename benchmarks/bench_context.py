@@ -43,6 +43,51 @@ def raw_pair(cu: object) -> Callable[[int], None]:
     return run
 
 
+def raw_pair_checked(cu: object) -> Callable[[int], None]:
+    """The raw pair plus the handle comparison ctxkit does on every pop."""
+    push, pop = drv.cuCtxPushCurrent, drv.cuCtxPopCurrent
+    want = int(cu)  # type: ignore[call-overload]
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            (err,) = push(cu)
+            if err:
+                raise RuntimeError(err)
+            err, c = pop()
+            if err or int(c) != want:
+                raise RuntimeError(err)
+
+    return run
+
+
+class _RawWith:
+    """A minimal Python context manager around the raw pair (the floor for any `with`)."""
+
+    def __init__(self, cu: object) -> None:
+        self.cu = cu
+
+    def __enter__(self) -> None:
+        (err,) = drv.cuCtxPushCurrent(self.cu)
+        if err:
+            raise RuntimeError(err)
+
+    def __exit__(self, *exc: object) -> None:
+        err, _c = drv.cuCtxPopCurrent()
+        if err:
+            raise RuntimeError(err)
+
+
+def raw_with(cu: object) -> Callable[[int], None]:
+    cm = _RawWith(cu)
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            with cm:
+                pass
+
+    return run
+
+
 def with_ctx(ctx: ck.Context) -> Callable[[int], None]:
     def run(n: int) -> None:
         for _ in range(n):
@@ -78,6 +123,8 @@ def bench_switching(n: int, rounds: int = 7) -> None:
     variants: dict[str, Callable[[int], None]] = {
         "base": empty_loop,
         "raw": raw_pair(ctx._cu),
+        "raw_checked": raw_pair_checked(ctx._cu),
+        "raw_with": raw_with(ctx._cu),
         "enter": with_ctx(ctx),
         "bind_cold": with_bind(ctx),
     }
@@ -93,6 +140,8 @@ def bench_switching(n: int, rounds: int = 7) -> None:
     t = {k: v - base for k, v in best.items()}
     raw = t["raw"]
     print(f"raw cuCtxPushCurrent+cuCtxPopCurrent : {raw:.3f} us")
+    print(f"  + int(popped) == handle check      : {t['raw_checked']:.3f} us")
+    print(f"  as a minimal Python `with` class   : {t['raw_with']:.3f} us")
     print(
         f"with ctx: (not current)              : {t['enter']:.3f} us  ({t['enter'] / raw:.2f}x raw)"
     )
@@ -144,9 +193,11 @@ def _raw_thread_launches(ctx: ck.Context, cubin: bytes, n: int) -> None:
 
 
 def _ctxkit_task(kernel: ck.Kernel, n: int) -> None:
+    """The ctxkit twin of the raw worker: the context is already current, launches pre-packed."""
     stream = ck.Stream()
+    launch = kernel.prepare(1, 32, 0, 0, stream=stream)
     for _ in range(n):
-        kernel.launch(1, 32, 0, 0, stream=stream)
+        launch()
     stream.synchronize()
 
 

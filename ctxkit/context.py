@@ -258,33 +258,29 @@ class Context:
 
     def __enter__(self) -> Context:
         st = _tls
-        if st.top is self:
+        top = st.top
+        if top is self:
             st.stack.append(self)
             return self
-        return self._push(st)
-
-    def __exit__(self, et: object, ev: object, tb: object) -> None:
-        stack = _tls.stack
-        if stack and stack[-1] is self:
-            stack.pop()
-            return
-        self._pop(_tls)
-
-    def _push(self, st: _Local) -> Context:
         if self.closed or self._poison is not None:
             self._raise_unusable()
         (err,) = drv.cuCtxPushCurrent(self._cu)
         if err:
             raise self._error(err, "cuCtxPushCurrent")
-        st.stack.append((self, st.top))
+        st.stack.append((self, top))
         st.top = self
         return self
 
-    def _pop(self, st: _Local) -> None:
+    def __exit__(self, et: object, ev: object, tb: object) -> None:
+        st = _tls
         stack = st.stack
-        if not stack or entry_context(stack[-1]) is not self:
+        entry = stack[-1] if stack else None
+        if entry is self:
+            stack.pop()
+            return
+        if type(entry) is not tuple or entry[0] is not self:
             raise self._order_error(stack)
-        entry = stack.pop()
+        stack.pop()
         err, popped = drv.cuCtxPopCurrent()
         if err:
             st.top = None
