@@ -23,23 +23,32 @@ of the last run.
 from __future__ import annotations
 
 import functools
-import math
 import os
 import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from . import _driver
-from ._driver import drv
 from ._hostmem import host_pointer_kind
+from ._pipework import (
+    ChunkView,
+    DeviceStats,
+    PipelineError,
+    Run,
+    RunStats,
+    drain,
+    feed,
+    make_launcher,
+    run_stats,
+    unblock_if_not_run,
+)
 from ._plan import (
     Chunk,
     Plan,
@@ -54,22 +63,19 @@ from ._plan import (
     row_bytes,
     split_rows,
 )
+from ._stages import StageHandle, run_stage
 from ._staging import (
     CopyPool,
     DeviceState,
-    Slot,
-    calibrate,
     default_host_threads,
-    ensure_buffers,
     quiet_sync,
     shutdown_all,
-    sync_event,
 )
 from .compiler import ObjectCode
 from .context import Context
 from .device import Device, device_count
-from .errors import ContextPoisonedError, CudaError, LaunchArgumentError
-from .memory import ManagedBuffer, is_pinned
+from .errors import ContextPoisonedError, CudaError
+from .memory import ManagedBuffer
 from .module import Kernel, Module
 from .registry import registry
 from .stream import Event, Stream
@@ -92,277 +98,6 @@ __all__ = [
 ]
 
 _NO_DEVICE = 100
-
-
-# --- public result types ------------------------------------------------------------------
-
-
-class PipelineError(CudaError):
-    """A failure inside a pipeline run, naming the device, chunk (or stage) and step.
-
-    Attributes
-    ----------
-    device : int
-        Ordinal of the device the failing work ran on.
-    chunk : int or None
-        Index of the chunk (``None`` for a :meth:`Pipeline.submit` stage).
-    step : str
-        ``"h2d"``, ``"kernel"``, ``"d2h"``, ``"fill"``, ``"drain"``, ``"setup"``, ``"stage"``...
-    poisoned : bool
-        True when the device's context is poisoned (a kernel faulted): the pipeline
-        cannot be used again and says so.
-
-    The original exception is ``__cause__``; ``code``/``name`` are copied from it.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        device: int = -1,
-        chunk: int | None = None,
-        step: str = "",
-        cause: BaseException | None = None,
-        poisoned: bool = False,
-    ) -> None:
-        code = getattr(cause, "code", 0) if isinstance(cause, CudaError) else 0
-        name = getattr(cause, "name", "") if isinstance(cause, CudaError) else ""
-        super().__init__(message, code, name)
-        self.device = device
-        self.chunk = chunk
-        self.step = step
-        self.poisoned = poisoned
-        if cause is not None:
-            self.__cause__ = cause
-
-
-@dataclass
-class DeviceStats:
-    """What one device did in the last run."""
-
-    device: int
-    chunks: int = 0
-    rows: int = 0
-    nbytes: int = 0
-    seconds: float = 0.0
-
-    @property
-    def gbps(self) -> float:
-        """Input gigabytes (1e9) per second of this device's worker time."""
-        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-
-@dataclass
-class RunStats:
-    """Totals of the last run: input bytes, wall seconds and the per-device breakdown."""
-
-    nbytes: int = 0
-    seconds: float = 0.0
-    path: str = ""
-    devices: list[DeviceStats] = field(default_factory=list)
-
-    @property
-    def gbps(self) -> float:
-        """Input gigabytes (1e9) per wall-clock second."""
-        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-
-class ChunkView:
-    """One chunk's device (or managed) memory, handed to a callable map body.
-
-    Has ``.ptr``, ``.shape``, ``.dtype``, ``.size``, ``.nbytes`` and
-    ``__cuda_array_interface__`` (v3), so it can be passed to ``Kernel.launch`` or
-    wrapped by CuPy/Numba/PyTorch without a copy.
-    """
-
-    __slots__ = ("dtype", "ptr", "shape")
-
-    def __init__(self, ptr: int, shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
-        self.ptr = int(ptr)
-        self.shape = tuple(shape)
-        self.dtype = np.dtype(dtype)
-
-    @property
-    def size(self) -> int:
-        """Number of elements."""
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        """Size in bytes."""
-        return self.size * self.dtype.itemsize
-
-    @property
-    def __cuda_array_interface__(self) -> dict[str, Any]:
-        return {
-            "version": 3,
-            "shape": self.shape,
-            "typestr": self.dtype.str,
-            "data": (self.ptr, False),
-            "strides": None,
-        }
-
-    def __repr__(self) -> str:
-        return f"<ChunkView {self.ptr:#x} shape={self.shape} dtype={self.dtype}>"
-
-
-class StageHandle:
-    """A stage enqueued by :meth:`Pipeline.submit`: its completion is :attr:`event`.
-
-    Pass handles in ``after=`` of later stages (on any device) to order them.
-    """
-
-    def __init__(self, device: int, name: str, context: Context, owner: Pipeline) -> None:
-        self.device = device
-        self.name = name
-        self._context = context
-        self._owner = weakref.ref(owner)
-        self._future: Future[Any] = Future()
-        self._event: Event | None = None
-
-    @property
-    def event(self) -> Event:
-        """The event recorded after the stage's work (waits until it was enqueued)."""
-        self._future.result()
-        assert self._event is not None
-        return self._event
-
-    def result(self, timeout: float | None = None) -> Any:
-        """What the stage function returned (once it ran on the device's worker thread).
-
-        The GPU work it enqueued may still be running: use :meth:`synchronize` for that.
-        """
-        return self._future.result(timeout)
-
-    def done(self) -> bool:
-        """True when the stage was enqueued and its GPU work has completed."""
-        if not self._future.done():
-            return False
-        if self._future.exception() is not None:
-            return True
-        with self._context:
-            return self.event.query()
-
-    def synchronize(self) -> None:
-        """Wait for the stage's GPU work; raises :class:`PipelineError` if it failed."""
-        ev = self.event
-        try:
-            with self._context:
-                ev.synchronize()
-        except CudaError as exc:
-            raise _stage_error(self, "synchronize", exc) from exc
-
-    def __repr__(self) -> str:
-        state = "done" if self._future.done() else "pending"
-        return f"<StageHandle {self.name!r} device={self.device} {state}>"
-
-
-def _stage_error(handle: StageHandle, step: str, exc: BaseException) -> PipelineError:
-    poisoned = isinstance(exc, ContextPoisonedError) or handle._context.poisoned
-    return PipelineError(
-        f"Pipeline stage {handle.name!r} on device {handle.device} failed ({step}): {exc}",
-        handle.device,
-        None,
-        "stage",
-        exc,
-        poisoned,
-    )
-
-
-# --- runs ---------------------------------------------------------------------------------
-
-
-class _Run:
-    """The state shared by the worker threads of one map call."""
-
-    def __init__(
-        self,
-        x: np.ndarray,
-        out: np.ndarray,
-        plan: Plan,
-        launch: Callable[..., None],
-        recorder: Recorder | None,
-        managed: bool,
-        prefetch: bool = True,
-        to_host: bool = True,
-    ) -> None:
-        self.x = x
-        self.out = out
-        self.x_bytes = x.reshape(-1).view(np.uint8)
-        self.out_bytes = out.reshape(-1).view(np.uint8)
-        self.x_ptr = addr(x)
-        self.out_ptr = addr(out)
-        self.in_row = row_bytes(x)
-        self.out_row = row_bytes(out)
-        self.row_elems = math.prod(x.shape[1:])
-        self.plan = plan
-        self.launch = launch
-        self.rec = recorder
-        self.managed = managed
-        self.prefetch = prefetch
-        self.to_host = to_host
-        self.stage_in = not managed and not is_pinned(x)
-        self.stage_out = not managed and not is_pinned(out)
-        self.stop = threading.Event()
-        self.errors: list[BaseException] = []
-        self.lock = threading.Lock()
-        self.taken: dict[int, list[Event]] = {}
-        self.stats: dict[int, DeviceStats] = {}
-        self.started: dict[int, float] = {}
-        self._queue = iter(plan.chunks)
-
-    @property
-    def path(self) -> str:
-        if self.managed:
-            return "managed"
-        kinds = ("staged" if self.stage_in else "pinned", "staged" if self.stage_out else "pinned")
-        return "pinned" if kinds == ("pinned", "pinned") else f"in={kinds[0]}, out={kinds[1]}"
-
-    def chunks_for(self, part: int) -> Iterator[Chunk]:
-        if self.plan.schedule == "static":
-            yield from self.plan.for_part(part)
-            return
-        while not self.stop.is_set():
-            with self.lock:
-                chunk = next(self._queue, None)
-            if chunk is None:
-                return
-            yield chunk
-
-    def fail(self, dev: DeviceState, chunk: Chunk | None, step: str, exc: BaseException) -> None:
-        self.stop.set()
-        if not isinstance(exc, Exception) or isinstance(exc, PipelineError):
-            err: BaseException = exc
-        else:
-            err = _chunk_error(dev, chunk, step, exc)
-        with self.lock:
-            self.errors.append(err)
-
-
-def _chunk_error(
-    dev: DeviceState, chunk: Chunk | None, step: str, exc: BaseException
-) -> PipelineError:
-    poisoned = isinstance(exc, ContextPoisonedError) or dev.ctx.poisoned
-    where = (
-        f"chunk {chunk.index} (rows {chunk.row0}..{chunk.row1})" if chunk is not None else "setup"
-    )
-    msg = f"Pipeline.map failed on device {dev.ordinal}, {where}, step {step!r}: {exc}"
-    if poisoned:
-        msg += (
-            f"\nThe context of device {dev.ordinal} is poisoned (a kernel faulted; other "
-            "chunks running at the same time may have caused it): this pipeline cannot be "
-            "used again. close() it; the device needs a fresh context (restart the process)."
-        )
-    return PipelineError(msg, dev.ordinal, chunk.index if chunk else None, step, exc, poisoned)
-
-
-def _check_copy(dev: DeviceState, err: Any, what: str, step: str) -> None:
-    if err:
-        exc = dev.ctx.note_error(err, what)
-        exc._ctxkit_step = step  # type: ignore[attr-defined]
-        raise exc
-
-
-# --- the pipeline -------------------------------------------------------------------------
 
 
 class Pipeline:
@@ -427,7 +162,7 @@ class Pipeline:
         self._pool: list[CopyPool] = []
         self._lock = threading.RLock()
         self._inflight: list[Future[Any]] = []
-        self._run: _Run | None = None
+        self._run: Run | None = None
         self._recorder: Recorder | None = None
         self._stages: list[StageHandle] = []
         self._kernels: dict[tuple[int, str], tuple[Any, Module, Kernel]] = {}
@@ -610,7 +345,9 @@ class Pipeline:
         chunk_bytes = self.chunk_bytes if chunk_bytes is None else chunk_bytes
         check_options(chunk_bytes, self.staging_buffers, self.host_threads, schedule or "static")
         with self._lock:
-            launch = self._launcher(kernel, x, out, tuple(args), block)
+            if isinstance(kernel, tuple):
+                kernel = self._load(kernel)
+            launch = make_launcher(kernel, x, out, tuple(args), block)
             self._settle()
             self._check_usable()
             self._new_recording()
@@ -619,15 +356,16 @@ class Pipeline:
                 x.shape[0], row, len(self._devices), chunk_bytes, schedule or self.schedule
             )
             t0 = time.perf_counter()
-            run = _Run(x, out, plan, launch, self._recorder, managed, prefetch, to_host)
+            run = Run(x, out, plan, launch, self._recorder, managed, prefetch, to_host)
             if plan.chunks and x.nbytes + out.nbytes:
                 self._execute(run)
-            self._stats = _run_stats(run, time.perf_counter() - t0, x.nbytes)
+            self._stats = run_stats(run, time.perf_counter() - t0, x.nbytes)
         return out
 
-    def _execute(self, run: _Run) -> None:
+    def _execute(self, run: Run) -> None:
         if run.stage_in or run.stage_out:
             self._ensure_pool()
+            run.pool = self._pool[0]
         active = [
             d for d in self._devices if run.plan.schedule == "dynamic" or run.plan.for_part(d.part)
         ]
@@ -637,10 +375,10 @@ class Pipeline:
             q: queue.SimpleQueue[Any] = queue.SimpleQueue()
             run.stats[dev.ordinal] = DeviceStats(dev.ordinal)
             run.taken[dev.ordinal] = []
-            feeder = dev.worker.submit(self._feed, run, dev, q)
-            feeder.add_done_callback(functools.partial(_unblock_if_not_run, q))
+            feeder = dev.worker.submit(feed, run, dev, q)
+            feeder.add_done_callback(functools.partial(unblock_if_not_run, q))
             futures.append(feeder)
-            futures.append(dev.drainer.submit(self._drain, run, dev, q))
+            futures.append(dev.drainer.submit(drain, run, dev, q))
         self._inflight = futures
         try:
             for f in futures:
@@ -667,197 +405,7 @@ class Pipeline:
         wait_futures(self._inflight)
         self._inflight = []
 
-    # --- worker side ---------------------------------------------------------------
-
-    def _feed(self, run: _Run, dev: DeviceState, q: queue.SimpleQueue[Any]) -> None:
-        """Worker thread of *dev*: enqueue every chunk (runs with dev's context current)."""
-        chunk: Chunk | None = None
-        stats = run.stats[dev.ordinal]
-        run.started[dev.ordinal] = time.perf_counter()
-        try:
-            self._prepare_device(run, dev)
-            for k, chunk in enumerate(run.chunks_for(dev.part)):
-                if run.stop.is_set():
-                    break
-                slot = dev.slots[k % len(dev.slots)]
-                if run.managed:
-                    self._enqueue_managed(run, dev, slot, chunk, q)
-                else:
-                    self._enqueue(run, dev, slot, chunk, q)
-                stats.chunks += 1
-                stats.rows += chunk.rows
-                stats.nbytes += chunk.rows * run.in_row
-            chunk = None
-        except _Stopped:
-            pass
-        except BaseException as exc:
-            run.fail(dev, chunk, getattr(exc, "_ctxkit_step", "enqueue"), exc)
-        finally:
-            q.put(None)
-
-    def _prepare_device(self, run: _Run, dev: DeviceState) -> None:
-        try:
-            for slot in dev.slots:
-                slot.h2d_done = None
-                slot.out_free.set()
-            if not run.managed:
-                rows = run.plan.rows_per_chunk
-                ensure_buffers(
-                    dev, rows * run.in_row, rows * run.out_row, run.stage_in, run.stage_out
-                )
-            if run.rec is not None and not run.rec.calibrated(dev.ordinal):
-                calibrate(dev, run.rec)
-        except BaseException as exc:
-            exc._ctxkit_step = "setup"  # type: ignore[attr-defined]
-            raise
-
-    def _enqueue(
-        self, run: _Run, dev: DeviceState, slot: Slot, c: Chunk, q: queue.SimpleQueue[Any]
-    ) -> None:
-        s = slot.stream
-        sh = s.handle
-        nb_in, nb_out = c.rows * run.in_row, c.rows * run.out_row
-        b_in, b_out = c.row0 * run.in_row, c.row0 * run.out_row
-        rec, taken, timing = run.rec, run.taken[dev.ordinal], run.rec is not None
-        assert slot.d_in is not None and slot.d_out is not None
-        if run.stage_in:
-            assert slot.pin_in is not None
-            if slot.h2d_done is not None:
-                sync_event(dev, slot.h2d_done, f"waiting for the H2D copy before chunk {c.index}")
-            trace = (rec, "fill", dev.ordinal, c.index) if rec is not None else None
-            dst_in, src_in = slot.pin_in[:nb_in], run.x_bytes[b_in : b_in + nb_in]
-            _step(self._pool[0].copy, "fill", dst_in, src_in, trace)
-            src = addr(slot.pin_in)
-        else:
-            src = run.x_ptr + b_in
-        e0 = dev.take_event(True, taken).record(s) if timing else None
-        (err,) = drv.cuMemcpyHtoDAsync(slot.d_in.ptr, src, nb_in, sh)
-        _check_copy(dev, err, "cuMemcpyHtoDAsync", "h2d")
-        e1 = dev.take_event(timing, taken).record(s)
-        slot.h2d_done = e1
-        n = c.rows * run.row_elems
-        _step(run.launch, "kernel", dev, s, slot.d_in.ptr, slot.d_out.ptr, n, c)
-        e2 = dev.take_event(True, taken).record(s) if timing else None
-        if run.stage_out:
-            assert slot.pin_out is not None
-            while not slot.out_free.wait(0.01):
-                if run.stop.is_set():
-                    raise _Stopped
-            if run.stop.is_set():
-                raise _Stopped
-            slot.out_free.clear()
-            dst = addr(slot.pin_out)
-        else:
-            dst = run.out_ptr + b_out
-        (err,) = drv.cuMemcpyDtoHAsync(dst, slot.d_out.ptr, nb_out, sh)
-        _check_copy(dev, err, "cuMemcpyDtoHAsync", "d2h")
-        e3 = dev.take_event(timing, taken).record(s)
-        q.put((c, slot, e3, b_out, nb_out))
-        if rec is not None:
-            rec.mark("h2d", dev.ordinal, slot.label, c.index, e0, e1)
-            rec.mark("kernel", dev.ordinal, slot.label, c.index, e1, e2)
-            rec.mark("d2h", dev.ordinal, slot.label, c.index, e2, e3)
-
-    def _enqueue_managed(
-        self, run: _Run, dev: DeviceState, slot: Slot, c: Chunk, q: queue.SimpleQueue[Any]
-    ) -> None:
-        s = slot.stream
-        rec, taken, timing = run.rec, run.taken[dev.ordinal], run.rec is not None
-        nb_in, nb_out = c.rows * run.in_row, c.rows * run.out_row
-        p_in, p_out = run.x_ptr + c.row0 * run.in_row, run.out_ptr + c.row0 * run.out_row
-        prefetch = dev.prefetch_ok and run.prefetch
-        to_host = dev.prefetch_ok and run.to_host
-        e0 = dev.take_event(True, taken).record(s) if timing else None
-        if prefetch:
-            _step(_driver.mem_prefetch, "prefetch", p_in, nb_in, dev.ordinal, s.handle)
-            if p_out != p_in:
-                _step(_driver.mem_prefetch, "prefetch", p_out, nb_out, dev.ordinal, s.handle)
-        e1 = dev.take_event(True, taken).record(s) if timing else None
-        _step(run.launch, "kernel", dev, s, p_in, p_out, c.rows * run.row_elems, c)
-        e2 = dev.take_event(True, taken).record(s) if timing else None
-        if to_host:
-            _step(_driver.mem_prefetch, "prefetch", p_out, nb_out, "cpu", s.handle)
-        e3 = dev.take_event(timing, taken).record(s)
-        q.put((c, slot, e3, 0, 0))
-        if rec is not None:
-            rec.mark("prefetch", dev.ordinal, slot.label, c.index, e0, e1)
-            rec.mark("kernel", dev.ordinal, slot.label, c.index, e1, e2)
-            rec.mark("prefetch_back", dev.ordinal, slot.label, c.index, e2, e3)
-
-    def _drain(self, run: _Run, dev: DeviceState, q: queue.SimpleQueue[Any]) -> None:
-        """Drain thread of *dev*: wait for each chunk, copy staged output to the user's array."""
-        rec = run.rec
-        try:
-            while True:
-                item = q.get()
-                if item is None:
-                    break
-                c, slot, ev, b_out, nb_out = item
-                try:
-                    if run.stop.is_set():
-                        continue
-                    sync_event(dev, ev, f"cuEventSynchronize after chunk {c.index}")
-                    if run.stage_out:
-                        trace = (rec, "drain", dev.ordinal, c.index) if rec is not None else None
-                        self._pool[0].copy(
-                            run.out_bytes[b_out : b_out + nb_out], slot.pin_out[:nb_out], trace
-                        )
-                except BaseException as exc:
-                    run.fail(dev, c, "drain" if run.stage_out else "kernel", exc)
-                finally:
-                    slot.out_free.set()
-        finally:
-            self._finish_device(run, dev)
-
-    def _finish_device(self, run: _Run, dev: DeviceState) -> None:
-        try:
-            for slot in dev.slots:
-                (err,) = drv.cuStreamSynchronize(slot.stream.handle)
-                if err:
-                    raise dev.ctx.note_error(err, "cuStreamSynchronize")
-        except BaseException as exc:
-            if not any(getattr(e, "device", None) == dev.ordinal for e in run.errors):
-                run.fail(dev, None, "synchronize", exc)
-        run.stats[dev.ordinal].seconds = time.perf_counter() - run.started[dev.ordinal]
-
     # --- kernels -------------------------------------------------------------------
-
-    def _launcher(
-        self, kernel: Any, x: np.ndarray, out: np.ndarray, args: tuple[Any, ...], block: int
-    ) -> Callable[..., None]:
-        if isinstance(kernel, tuple):
-            kernel = self._load(kernel)
-        if isinstance(kernel, Kernel):
-            _check_param_count(kernel, args)
-
-            def launch_kernel(
-                dev: DeviceState, s: Stream, d_in: int, d_out: int, n: int, c: Chunk
-            ) -> None:
-                grid = grid_size(n, block, dev.max_blocks(block))
-                kernel.launch(grid, block, d_in, d_out, n, *args, stream=s)
-
-            return launch_kernel
-        if callable(kernel):
-            body = kernel
-            in_tail, out_tail = x.shape[1:], out.shape[1:]
-
-            def launch_body(
-                dev: DeviceState, s: Stream, d_in: int, d_out: int, n: int, c: Chunk
-            ) -> None:
-                body(
-                    dev.ctx,
-                    s,
-                    ChunkView(d_in, (c.rows, *in_tail), x.dtype),
-                    ChunkView(d_out, (c.rows, *out_tail), out.dtype),
-                    n,
-                    *args,
-                )
-
-            return launch_body
-        raise TypeError(
-            "kernel must be a ctxkit Kernel, an (ObjectCode, 'entry') pair or a callable "
-            f"body(ctx, stream, d_in, d_out, n); got {type(kernel).__name__}"
-        )
 
     def _load(self, pair: tuple[Any, ...]) -> Kernel:
         if len(pair) != 2 or not isinstance(pair[1], str):
@@ -919,46 +467,8 @@ class Pipeline:
                 self._recorder = Recorder()
             rec = self._recorder
             self._stages.append(handle)
-        handle._future = dev.worker.submit(self._run_stage, dev, fn, deps, handle, rec)
+        handle._future = dev.worker.submit(run_stage, dev, fn, deps, handle, rec)
         return handle
-
-    def _run_stage(
-        self,
-        dev: DeviceState,
-        fn: Callable[[Context, Stream], Any],
-        deps: list[StageHandle | Event],
-        handle: StageHandle,
-        rec: Recorder | None,
-    ) -> Any:
-        s = dev.stage_stream
-        try:
-            events = [h.event if isinstance(h, StageHandle) else h for h in deps]
-        except BaseException as exc:
-            raise _stage_error(handle, "dependency failed", exc) from exc
-        try:
-            if rec is not None and not rec.calibrated(dev.ordinal):
-                calibrate(dev, rec)
-            timing = rec is not None
-            if events:
-                w0 = Event(timing=timing, context=dev.ctx).record(s)
-                for ev in events:
-                    s.wait(ev)
-                w1 = Event(timing=timing, context=dev.ctx).record(s)
-                if rec is not None:
-                    rec.mark("wait", dev.ordinal, "stage", None, w0, w1)
-            s0 = Event(timing=timing, context=dev.ctx).record(s)
-            result = fn(dev.ctx, s)
-            end = Event(timing=timing, context=dev.ctx).record(s)
-        except PipelineError:
-            raise
-        except BaseException as exc:
-            if not isinstance(exc, Exception):
-                raise
-            raise _stage_error(handle, "enqueue", exc) from exc
-        handle._event = end
-        if rec is not None:
-            rec.mark(f"stage:{handle.name}", dev.ordinal, "stage", None, s0, end)
-        return result
 
     def wait(self, handles: Iterable[StageHandle] | None = None) -> None:
         """Wait for the GPU work of *handles* (default: every stage submitted so far).
@@ -1010,7 +520,7 @@ class Pipeline:
             self._run = None
         self._recorder = Recorder() if self.tracing else None
 
-    def _recycle(self, run: _Run) -> None:
+    def _recycle(self, run: Run) -> None:
         by_ordinal = {d.ordinal: d for d in self._devices}
         for ordinal, events in run.taken.items():
             by_ordinal[ordinal].give_back(events)
@@ -1079,53 +589,12 @@ class Pipeline:
             self._pool.append(CopyPool(self.host_threads))
 
 
-class _Stopped(Exception):
-    """Internal: the run was stopped while a worker waited."""
-
-
-def _step(fn: Callable[..., Any], step: str, *args: Any) -> Any:
-    """Call *fn*; tag an exception with the pipeline step it happened in."""
-    try:
-        return fn(*args)
-    except BaseException as exc:
-        if not hasattr(exc, "_ctxkit_step"):
-            try:
-                exc._ctxkit_step = step  # type: ignore[attr-defined]
-            except AttributeError:
-                pass
-        raise
-
-
 def _ordinal(device: object) -> int | None:
     if isinstance(device, Device):
         return device.ordinal
     if isinstance(device, int) and not isinstance(device, bool):
         return device
     return None
-
-
-def _unblock_if_not_run(q: queue.SimpleQueue[Any], feeder: Future[Any]) -> None:
-    """A feeder task that never ran (its worker could not start) still ends the drainer."""
-    if feeder.cancelled() or feeder.exception() is not None:
-        q.put(None)
-
-
-def _run_stats(run: _Run, seconds: float, nbytes: int) -> RunStats:
-    return RunStats(nbytes, seconds, run.path, [run.stats[k] for k in sorted(run.stats)])
-
-
-def _check_param_count(kernel: Kernel, args: tuple[Any, ...]) -> None:
-    try:
-        want = len(kernel.params)
-    except Exception:  # no PTX signature to check against (e.g. a bare cubin)
-        return
-    if want != 3 + len(args):
-        name = getattr(kernel, "name", "kernel")
-        raise LaunchArgumentError(
-            f"Pipeline.map calls {name}(d_in, d_out, n, *args) with {3 + len(args)} "
-            f"arguments but {name} takes {want}: pass its extra parameters with "
-            f"args=(...) (got args={args!r})"
-        )
 
 
 def _resolve_contexts(specs: list[int | Device | Context] | None) -> list[Context]:

@@ -24,7 +24,6 @@ import numpy as np
 import pytest
 
 import ctxkit as ck
-from ctxkit import pipeline as pl
 from ctxkit._plan import check_device_specs, check_options
 from ctxkit.context import thread_state
 from ctxkit.pipeline import (
@@ -265,38 +264,26 @@ def test_benchmark_exits_2_without_gpu():
 @pytest.fixture
 def gpu(monkeypatch):
     """Swap the driver for a 2-device FakeGPU in every ctxkit module for one test."""
-    import ctxkit
-    from ctxkit import (
-        _array,
-        _copies,
-        _demo,
-        _driver,
-        _hostmem,
-        _staging,
-        context,
-        device,
-        errors,
-        memory,
-        module,
-        stream,
-    )
+    from ctxkit import _demo, _driver, context, device, errors, memory  # noqa: F401
     from ctxkit.registry import ContextRegistry
 
     fake = FakeGPU(ndev=2)
-    for mod in (_driver, context, device, stream, memory, _hostmem, _copies, _array, module,
-                pl, _staging, _demo):  # fmt: skip
-        monkeypatch.setattr(mod, "drv", fake)
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("ctxkit") and getattr(mod, "drv", None) is not None:
+            monkeypatch.setattr(mod, "drv", fake)
     monkeypatch.setattr(errors, "_name_lookup", errors._name_lookup)
     monkeypatch.setattr(_driver, "_init_pid", None)
     monkeypatch.setattr(_driver, "_no_device", False)
     monkeypatch.setattr(_driver, "_parent_initialized_pid", None)
     monkeypatch.setattr(device.Device, "_instances", {})
     monkeypatch.setattr(context.Context, "_primaries", {})
-    monkeypatch.setattr(memory, "_concurrent_managed", {})
+    monkeypatch.setattr(memory, "_concurrent_managed", {}, raising=False)
     reg = ContextRegistry()
-    monkeypatch.setattr(sys.modules["ctxkit.registry"], "registry", reg)
-    monkeypatch.setattr(pl, "registry", reg)
-    monkeypatch.setattr(ctxkit, "registry", reg)
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("ctxkit") and isinstance(
+            getattr(mod, "registry", None), ContextRegistry
+        ):
+            monkeypatch.setattr(mod, "registry", reg)
     st = thread_state()
     saved = (st.top, list(st.stack))
     st.top, st.stack[:] = None, []
