@@ -495,7 +495,8 @@ class Pipeline:
     # --- trace ---------------------------------------------------------------------
 
     def trace(self) -> Timeline:
-        """The timeline of the last :meth:`map` (and the stages submitted since).
+        """The timeline of the last :meth:`map` (and the stages submitted since); still
+        available after :meth:`close`.
 
         Intervals: ``h2d``/``kernel``/``d2h`` per chunk on ``"stream <slot>"``,
         ``fill``/``drain`` host copies on ``"host <thread>"``, ``prefetch`` in managed
@@ -504,6 +505,8 @@ class Pipeline:
         rec = self._recorder
         if rec is None:
             return Timeline()
+        if self._closed:
+            return rec.timeline()  # resolved by close() while the events existed
         with self._lock:
             for h in list(self._stages):
                 try:
@@ -545,6 +548,11 @@ class Pipeline:
                 try:
                     h._future.exception()
                 except BaseException:
+                    pass
+            if self._recorder is not None and not self.poisoned:
+                try:
+                    self.trace()
+                except Exception:  # the timeline is a diagnostic: never block close()
                     pass
             self._closed = True
             self._fin.detach()

@@ -639,6 +639,13 @@ def test_trace_shows_overlap_of_copies_kernels_and_devices(gpu, tmp_path):
     assert {e["pid"] for e in data["traceEvents"] if e["ph"] == "X"} == {0, 1}
 
 
+def test_trace_survives_close(gpu):
+    with Pipeline([0, 1], chunk_bytes=4000) as p:
+        p.map(scale_body(gpu, 2.0), np.arange(4000, dtype=np.float32))
+    tl = p.trace()
+    assert tl.dropped == 0 and len(tl.select(name="kernel")) == 4
+
+
 def test_trace_off(gpu):
     with Pipeline([0], trace=False) as p:
         p.map(scale_body(gpu, 2.0), np.arange(100.0))
