@@ -70,7 +70,7 @@ from .context import Context, finalizer
 from .device import Device
 from .errors import ContextClosedError, CudaError, OutOfMemoryError
 from .registry import guard
-from .stream import context_for
+from .stream import Stream, context_for
 
 __all__ = [
     "DeviceArray",
@@ -485,13 +485,17 @@ class ManagedBuffer(DeviceBuffer):
 
     def prefetch(self, target: Any = None, stream: Any = None) -> None:
         """Migrate the pages to a device (Device/ordinal/Context; default: its own) or to
-        the host (``"cpu"``), enqueued on *stream* (needs ``concurrentManagedAccess``)."""
+        the host (``"cpu"``), enqueued on *stream* (needs ``concurrentManagedAccess``).
+
+        Managed memory is shared by every context, so *stream* may be a ctxkit Stream of
+        any context, e.g. the stream of the device that will use the pages next (the
+        prefetch is enqueued there, in that stream's context)."""
         what = "ManagedBuffer.prefetch"
         ptr = self.ptr
         tgt = device_of(target) if target is not None else self.context.device.ordinal
         if self.nbytes == 0:
             return
-        ctx = self.context
+        ctx = stream.context if isinstance(stream, Stream) else self.context
         sh = stream_for(ctx, stream, what)
         with guard(ctx, what):
             _driver.mem_prefetch(ptr, self.nbytes, tgt, sh)

@@ -40,29 +40,52 @@ class Request:
     latency: float = 0.0
 
 
+class Lane:
+    """A worker's own stream, pinned staging and device buffers (in the current context)."""
+
+    def __init__(self) -> None:
+        self.stream = ck.Stream()
+        self.pin_in = ck.pinned_empty(MAX_ELEMENTS, np.float32)
+        self.pin_out = ck.pinned_empty(MAX_ELEMENTS, np.float32)
+        self.d_in = ck.DeviceBuffer(MAX_ELEMENTS * 4)
+        self.d_out = ck.DeviceBuffer(MAX_ELEMENTS * 4)
+
+    def run(self, req: Request, scale: ck.Kernel) -> np.ndarray:
+        """H2D -> kernel -> D2H on the lane's stream; returns the response."""
+        n, s = req.x.size, self.stream
+        np.copyto(self.pin_in[:n], req.x)
+        self.d_in[: n * 4].copy_from_host(self.pin_in[:n], stream=s)
+        scale.launch(blocks_for(n), 256, self.d_in, self.d_out, n, req.alpha, stream=s)
+        self.d_out[: n * 4].copy_to_host(self.pin_out[:n], stream=s)
+        s.synchronize()
+        return self.pin_out[:n].copy()
+
+    def close(self) -> None:
+        for obj in (self.stream, self.d_in, self.d_out):
+            obj.close()
+
+
 def serve(requests: queue.Queue[Request | None], scale: ck.Kernel) -> int:
     """One worker's loop; runs on a ContextExecutor thread (the context is current)."""
-    stream = ck.Stream()
-    pin_in = ck.pinned_empty(MAX_ELEMENTS, np.float32)
-    pin_out = ck.pinned_empty(MAX_ELEMENTS, np.float32)
-    d_in, d_out = ck.DeviceBuffer(MAX_ELEMENTS * 4), ck.DeviceBuffer(MAX_ELEMENTS * 4)
+    lane: Lane | None = None
+    failure: BaseException | None = None
+    try:
+        lane = Lane()
+    except BaseException as exc:  # answer every request with the reason; never hang a client
+        failure = exc
     served = 0
     while (req := requests.get()) is not None:
         try:
-            n = req.x.size
-            np.copyto(pin_in[:n], req.x)
-            d_in[: n * 4].copy_from_host(pin_in[:n], stream=stream)
-            scale.launch(blocks_for(n), 256, d_in, d_out, n, req.alpha, stream=stream)
-            d_out[: n * 4].copy_to_host(pin_out[:n], stream=stream)
-            stream.synchronize()
-            req.y = pin_out[:n].copy()
+            if lane is None:
+                raise RuntimeError(f"this worker could not start: {failure!r}")
+            req.y = lane.run(req, scale)
         except BaseException as exc:
             req.error = exc
         req.latency = time.perf_counter() - req.sent
         req.done.set()
         served += 1
-    for obj in (stream, d_in, d_out):
-        obj.close()
+    if lane is not None:
+        lane.close()
     return served
 
 

@@ -25,7 +25,12 @@
 #
 # Exit codes: 0 suite passed, 1 tests failed, 2 usage / no GPU / no wheels, 3 wrong toolchain.
 set -u
+ORIG_PWD=$PWD
 cd "$(dirname "$0")/.."
+
+abspath() {  # a path given on the command line, relative to where the script was started
+    case "$1" in /*) echo "$1" ;; *) echo "$ORIG_PWD/$1" ;; esac
+}
 
 usage() {
     echo "usage: bash scripts/version-matrix.sh {installed | cu12 WHEEL_DIR | nvrtc-new WHEEL_DIR}" >&2
@@ -34,11 +39,13 @@ usage() {
 }
 
 slim() {  # slim OUT_DIR WHEEL...
-    local out=$1
+    [ $# -gt 1 ] || usage
+    local out args=()
+    out=$(abspath "$1")
     shift
-    [ $# -gt 0 ] || usage
+    for w in "$@"; do args+=("$(abspath "$w")"); done
     mkdir -p "$out"
-    python3 - "$out" "$@" <<'PY'
+    python3 - "$out" "${args[@]}" <<'PY'
 import io, lzma, os, sys, tarfile, zipfile
 out, wheels = sys.argv[1], sys.argv[2:]
 drop = (".pyx", ".pxd", ".pyx.in", ".pxd.in", ".cpp")
@@ -64,8 +71,8 @@ case "$CONFIG" in
     slim) shift; slim "$@"; exit $? ;;
     installed) WHEELS="" ;;
     cu12 | nvrtc-new)
-        WHEELS="${2:-}"
-        [ -n "$WHEELS" ] || usage
+        [ -n "${2:-}" ] || usage
+        WHEELS=$(abspath "$2")
         ;;
     *) usage ;;
 esac

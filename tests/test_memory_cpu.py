@@ -1310,6 +1310,19 @@ def test_managed_synchronizes_without_concurrent_access(fake, ctx0):
     assert len(fake.calls("ctxsync")) == 1
 
 
+def test_managed_prefetch_on_a_stream_of_another_context(fake, ctx0, ctx1):
+    """Managed memory of ctx0 prefetched to device 1 on device 1's stream (the per-device
+    prefetch of examples/unified_memory.py): enqueued in the stream's context."""
+    with ctx0:
+        m = ManagedBuffer(4096)
+    s1 = Stream(ctx1)
+    with ctx0:
+        m[:2048].prefetch(1, stream=s1)
+    (call,) = fake.calls("prefetch")
+    assert call[1] == ctx1.handle
+    assert int(call[2][-1]) == int(s1.handle)
+
+
 def test_managed_prefetch_and_advise(fake, ctx0, ctx1):
     with ctx0:
         s = Stream()
