@@ -65,6 +65,9 @@ _EXPORTS: dict[str, str] = {
     "Event": "stream",
     # multi-device
     "Pipeline": "pipeline",
+    "PipelineError": "pipeline",
+    "StageHandle": "pipeline",
+    "Timeline": "trace",
 }
 
 _SUBMODULES = {"procs", "trace", "errors", "compiler", "module", "memory", "stream", "pipeline"}
@@ -129,5 +132,6 @@ if TYPE_CHECKING:  # pragma: no cover
         to_device,
     )
     from .module import Graph, Kernel, KernelNotFoundError, Module, PreparedLaunch, capture
-    from .pipeline import Pipeline
+    from .pipeline import Pipeline, PipelineError, StageHandle
     from .stream import Event, Stream
+    from .trace import Timeline
