@@ -11,6 +11,8 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
+import zipfile
 from pathlib import Path
 from types import ModuleType
 
@@ -114,6 +116,30 @@ def test_version_matrix_refuses_missing_wheel_folder() -> None:
     proc = _run(["bash", "scripts/version-matrix.sh", "cu12", "/nonexistent/wheels"])
     assert proc.returncode == 2
     assert "no wheels" in proc.stderr
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_version_matrix_slims_wheels(tmp_path: Path) -> None:
+    whl = tmp_path / "nvidia_fake-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(whl, "w") as z:
+        z.writestr("nvidia/fake/lib/libfake.so.1", b"\x7fELF" + b"1" * 4096)
+        z.writestr("nvidia/fake/lib/libfake.alt.so.1", b"\x7fELF" + b"2" * 4096)
+        z.writestr("cuda/fake/__init__.py", "")
+        z.writestr("cuda/fake/driver.pyx", "# cython source")
+        z.writestr("nvidia_fake-1.0.dist-info/METADATA", "Name: nvidia-fake")
+    out = tmp_path / "slim"
+    proc = _run(["bash", "scripts/version-matrix.sh", "slim", str(out), str(whl)])
+    assert proc.returncode == 0, proc.stderr
+    assert "MiB" in proc.stdout
+    with tarfile.open(out / "nvidia_fake-1.0-py3-none-any.tar.xz") as t:
+        names = set(t.getnames())
+        mode = t.getmember("nvidia/fake/lib/libfake.so.1").mode
+    assert names == {
+        "nvidia/fake/lib/libfake.so.1",
+        "cuda/fake/__init__.py",
+        "nvidia_fake-1.0.dist-info/METADATA",
+    }
+    assert mode & 0o111
 
 
 @no_gpu_only
