@@ -50,7 +50,27 @@ class Graph:
         self._fin = finalizer(self, self.context, drv.cuGraphExecDestroy, self._exec)
 
     def launch(self, stream: Any = None) -> None:
-        """Replay the graph on *stream* (``None``: the context's legacy default stream)."""
+        """Replay the graph on *stream* (``None``: the context's legacy default stream).
+
+        Runs in the graph's own context, bound for the call when another one is current.
+
+        Raises
+        ------
+        NoCurrentContextError
+            The calling thread has no current context.
+        CudaError
+            The graph is empty (capture unfinished, or closed).
+        """
+        self._enqueue(drv.cuGraphLaunch, stream, "Graph.launch")
+
+    def upload(self, stream: Any = None) -> None:
+        """Upload the graph to the device ahead of its first launch (``cuGraphUpload``).
+
+        Optional: the first :meth:`launch` uploads it otherwise. Ordered on *stream*.
+        """
+        self._enqueue(drv.cuGraphUpload, stream, "Graph.upload")
+
+    def _enqueue(self, fn: Any, stream: Any, what: str) -> None:
         if self._exec is None:
             raise CudaError(
                 "the graph is empty: its capture block has not finished, or it was closed"
@@ -58,12 +78,12 @@ class Graph:
         ctx = self.context
         hs = 0 if stream is None else stream_for(stream, ctx)
         if thread_state().top is ctx:
-            (err,) = drv.cuGraphLaunch(self._exec, hs)
+            (err,) = fn(self._exec, hs)
         else:
-            with guard(ctx, "Graph.launch"):
-                (err,) = drv.cuGraphLaunch(self._exec, hs)
+            with guard(ctx, what):
+                (err,) = fn(self._exec, hs)
         if err:
-            raise ctx.note_error(int(err), "cuGraphLaunch")
+            raise ctx.note_error(int(err), getattr(fn, "__name__", what))
 
     def close(self) -> None:
         """Free the executable graph (in its context). Idempotent."""

@@ -103,16 +103,34 @@ class Kernel:
     module : Module
     """
 
-    __slots__ = ("__weakref__", "_funcs", "_handle", "_packer", "_sig", "module", "name", "symbol")
+    __slots__ = (
+        "__weakref__",
+        "_funcs",
+        "_handle",
+        "_packer",
+        "_sig",
+        "_unknown_reason",
+        "module",
+        "name",
+        "symbol",
+    )
 
     def __init__(
-        self, module: Module, name: str, symbol: str, handle: Any, sig: Signature | None
+        self,
+        module: Module,
+        name: str,
+        symbol: str,
+        handle: Any,
+        sig: Signature | None,
+        *,
+        unknown_reason: str = "",
     ) -> None:
         self.module = module
         self.name = name
         self.symbol = symbol
         self._handle = handle
         self._sig = sig
+        self._unknown_reason = unknown_reason
         self._packer = ArgPacker(sig, name) if sig is not None else None
         self._funcs: dict[int, tuple[Context, Any]] = {}
 
@@ -133,10 +151,11 @@ class Kernel:
 
     def _require_packer(self) -> ArgPacker:
         if self._packer is None:
+            why = self._unknown_reason or "the driver did not report it"
             raise LaunchArgumentError(
                 f"the parameter list of kernel {self.name!r} is unknown: the module has no "
-                "PTX and this driver cannot report parameter layouts (CUDA 12.4+ can); "
-                "load ck.compile output (it keeps the PTX) or PTX text"
+                f"PTX and the driver's layout query failed ({why}); load ck.compile output "
+                "(it keeps the PTX) or PTX text"
             )
         return self._packer
 
@@ -181,6 +200,7 @@ class Kernel:
         )
 
     def _current(self, what: str) -> Context:
+        self.module._check_open()
         bound = self.module.context
         if bound is not None:
             return guard(bound, what)
@@ -217,7 +237,11 @@ class Kernel:
             The calling thread has no current context.
         ContextPoisonedError
             An earlier kernel faulted in this context.
+        CudaError
+            The kernel's module is closed.
         """
+        if self.module.closed:
+            self.module._check_open()
         ctx = thread_state().top
         if ctx is None:
             ctx = require_current(f"launching kernel {self.name!r}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 from . import _driver, _params
@@ -34,9 +35,9 @@ from ._image import (
 )
 from ._kernel import Kernel, PreparedLaunch
 from ._params import Signature
-from .context import Context, finalizer
-from .errors import STICKY_CODES, CompileError, CudaError
-from .registry import guard, registry
+from .context import Context, current_handle, finalizer
+from .errors import STICKY_CODES, CompileError, CudaError, describe
+from .registry import bind, guard, registry
 
 __all__ = [
     "Graph",
@@ -169,15 +170,20 @@ class Module:
     def function(self, name: str) -> Kernel:
         """The kernel *name* (an ``extern "C"`` name or a name expression).
 
+        A module without PTX (a bare cubin) asks the driver for the parameter layout,
+        in the current context or else the registry's context of device 0.
+
         Raises
         ------
         KernelNotFoundError
             No such kernel; the message lists the kernels present.
+        CudaError
+            The module is closed.
         """
+        self._check_open()
         k = self._kernels.get(name)
         if k is not None:
             return k
-        self._check_open()
         symbol = self.lowered_names.get(name, name)
         if self.context is None:
             err, handle = drv.cuLibraryGetKernel(self._handle, symbol.encode())
@@ -195,19 +201,23 @@ class Module:
             if int(err) in JIT_CODES:
                 raise self._jit_error(int(err), what)
             raise _driver.from_result(int(err), what)
-        k = Kernel(self, name, symbol, handle, self._signature_for(symbol, handle))
+        sig, why = self._signature_for(symbol, handle)
+        k = Kernel(self, name, symbol, handle, sig, unknown_reason=why)
         self._kernels[name] = k
         return k
 
-    def _signature_for(self, symbol: str, handle: Any) -> Signature | None:
+    def _signature_for(self, symbol: str, handle: Any) -> tuple[Signature | None, str]:
+        """The PTX signature, else the driver's layout; with the reason when neither."""
         if self._signatures is not None and symbol in self._signatures:
-            return self._signatures[symbol]
+            return self._signatures[symbol], ""
         if self.context is None:
-            layout = _driver_layout(getattr(drv, "cuKernelGetParamInfo", None), handle)
+            layout, why = library_layout(handle)
         else:
-            with guard(self.context, f"Module.function({symbol!r})"):
-                layout = _driver_layout(getattr(drv, "cuFuncGetParamInfo", None), handle)
-        return None if layout is None else _params.signature_from_layout(symbol, layout)
+            with self.context:
+                layout, why = driver_layout(drv, "cuFuncGetParamInfo", handle)
+        if layout is None:
+            return None, why
+        return _params.signature_from_layout(symbol, layout), ""
 
     def _jit_error(self, code: int, what: str) -> CompileError:
         return jit_error(code, what, self._image, decode_log(self._logs[1]))
@@ -253,21 +263,51 @@ def _load_error(
     return _driver.from_result(code, call_text)
 
 
-def _driver_layout(fn: Callable[..., Any] | None, handle: Any) -> list[tuple[int, int]] | None:
-    """``(offset, size)`` of each parameter from the driver (CUDA 12.4+), or None."""
+Layout = list[tuple[int, int]]
+
+
+def driver_layout(d: Any, fn_name: str, handle: Any) -> tuple[Layout | None, str]:
+    """``(offset, size)`` of each parameter from ``d.<fn_name>`` (CUDA 12.4+).
+
+    Returns ``(layout, "")``, or ``(None, reason)`` naming the call and its ``CUresult``.
+    """
+    fn: Callable[..., Any] | None = getattr(d, fn_name, None)
     if fn is None:
-        return None
-    layout: list[tuple[int, int]] = []
+        return None, f"cuda-bindings {_driver.BINDINGS_VERSION} has no {fn_name} (CUDA 12.4+)"
+    layout: Layout = []
     while True:
         try:
             res = fn(handle, len(layout))
-        except Exception:  # an old driver without the entry point
-            return None
+        except Exception as exc:  # a driver without the entry point
+            return None, f"{fn_name} is not available in this driver (CUDA 12.4+): {exc}"
         if res[0] == _INVALID_VALUE:
-            return layout
+            return layout, ""
         if res[0]:
-            return None
+            return None, f"{fn_name}(param {len(layout)}) returned {describe(int(res[0]))[0]}"
         layout.append((int(res[1]), int(res[2])))
+
+
+def library_layout(kernel: Any) -> tuple[Layout | None, str]:
+    """Parameter layout of a library kernel, queried under a current context.
+
+    The driver answers layout queries only in a context: the current one is used, else
+    the registry's context of device 0 is bound for the query. When
+    ``cuKernelGetParamInfo`` fails, the kernel's ``CUfunction`` in that context is asked
+    (``cuFuncGetParamInfo``). The reason names every failed call and its ``CUresult``.
+    """
+    try:
+        ctx = None if current_handle() else bind(0)
+        with ctx if ctx is not None else nullcontext():
+            layout, why = driver_layout(drv, "cuKernelGetParamInfo", kernel)
+            if layout is not None:
+                return layout, ""
+            err, func = drv.cuKernelGetFunction(kernel)
+            if err:
+                return None, f"{why}; cuKernelGetFunction returned {describe(int(err))[0]}"
+            layout, why2 = driver_layout(drv, "cuFuncGetParamInfo", func)
+    except CudaError as exc:
+        return None, f"no usable context to query it in: {exc}"
+    return layout, "" if layout is not None else f"{why}; {why2}"
 
 
 def _enumerate_kernels(handle: Any, ctx: Context | None) -> list[str] | None:

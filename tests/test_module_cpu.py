@@ -74,6 +74,8 @@ class ModuleDriver:
         self.graph_nodes: dict[int, int] = {}
         self.exec_destroyed: list[tuple[int, int]] = []
         self.graph_launches: list[tuple[int, int, int]] = []
+        self.graph_uploads: list[tuple[int, int, int]] = []
+        self.param_info_contexts: list[int] = []
         self.attrs = {"MAX_THREADS_PER_BLOCK": 1024, "MAX_DYNAMIC_SHARED_SIZE_BYTES": 49152}
         base.cuDeviceGetAttribute = lambda attr, dev: (0, 1024)
 
@@ -97,15 +99,33 @@ class ModuleDriver:
         return (0, h)
 
     param_info = True
+    param_info_error = 0  # a CUresult cuKernelGetParamInfo returns even in a context
+    func_param_info = True
+
+    def _layout(self, name: str, index: int) -> tuple[int, int, int]:
+        params = next(lib[name] for lib in self.libraries.values() if name in lib).params
+        if index >= len(params):
+            return (1, 0, 0)
+        return (0, params[index].offset, params[index].size)
 
     def cuKernelGetParamInfo(self, kernel, index):
         if not self.param_info:
             raise RuntimeError("Function cuKernelGetParamInfo not found")
-        lib, name = self.kernels[int(kernel)]
-        params = self.libraries[lib][name].params
-        if index >= len(params):
-            return (1, 0, 0)
-        return (0, params[index].offset, params[index].size)
+        cur = self.base.current()
+        self.param_info_contexts.append(cur)
+        if not cur:
+            return (201, 0, 0)  # library-kernel queries need a current context
+        if self.param_info_error:
+            return (self.param_info_error, 0, 0)
+        return self._layout(self.kernels[int(kernel)][1], index)
+
+    def cuFuncGetParamInfo(self, func, index):
+        if not self.func_param_info:
+            raise RuntimeError("Function cuFuncGetParamInfo not found")
+        name, ctx = self.functions[int(func)]
+        if ctx != self.base.current():
+            return (400, 0, 0)
+        return self._layout(name, index)
 
     def cuLibraryGetKernelCount(self, lib):
         return (0, len(self.libraries[int(lib)]))
@@ -232,6 +252,10 @@ class ModuleDriver:
 
     def cuGraphLaunch(self, exe, hs):
         self.graph_launches.append((int(exe), int(hs), self.base.current()))
+        return (0,)
+
+    def cuGraphUpload(self, exe, hs):
+        self.graph_uploads.append((int(exe), int(hs), self.base.current()))
         return (0,)
 
     def cuGraphExecDestroy(self, exe):
@@ -587,6 +611,35 @@ def test_prepared_launch_binds_its_context_or_needs_one(fake):
             k.prepare(1, 1, 0, 0, 0, 0, shared_mem=-1)
 
 
+def test_every_use_of_a_closed_module_says_it_is_closed(fake):
+    mod = load()
+    k = mod.function("vector_add")
+    c0 = ck.registry.context(0)
+    with c0:
+        k.launch(1, 1, 0, 0, 0, 0)
+    mod.close()
+    with pytest.raises(ck.CudaError, match="is closed"):
+        mod.function("vector_add")  # cached kernels are refused too
+    with pytest.raises(ck.CudaError, match="is closed"):
+        k.launch(1, 1, 0, 0, 0, 0)  # no context at all: still the closed module first
+    fake.base.cuCtxPushCurrent(c0._cu)  # a raw push ctxkit does not know about
+    try:
+        with pytest.raises(ck.CudaError, match="is closed"):
+            k.launch(1, 1, 0, 0, 0, 0)
+    finally:
+        fake.base.cuCtxPopCurrent()
+    with c0:
+        for use in (
+            lambda: k.launch(1, 1, 0, 0, 0, 0),
+            lambda: k.prepare(1, 1, 0, 0, 0, 0),
+            lambda: k.attributes,
+            lambda: k.max_block_size(),
+        ):
+            with pytest.raises(ck.CudaError, match="is closed"):
+                use()
+    assert len(fake.launches) == 1
+
+
 def test_prepared_launch_of_a_closed_module_fails_clearly(fake):
     mod = load()
     k = mod.function("vector_add")
@@ -620,13 +673,29 @@ def test_capture_records_launches_and_replays(fake):
         g.launch(s)
     with ck.registry.context(1):
         g.launch()  # binds the graph's own context
+        g.upload(s)
     assert [(h, c) for _e, h, c in fake.graph_launches] == [(0x123, ctx.handle), (0, ctx.handle)]
+    assert [(h, c) for _e, h, c in fake.graph_uploads] == [(0x123, ctx.handle)]
+    errors: list[BaseException] = []
+    t = threading.Thread(target=lambda: _catch(errors, g.upload))
+    t.start()
+    t.join()
+    assert isinstance(errors[0], ck.NoCurrentContextError) and "Graph.upload" in str(errors[0])
     g.close()
     g.close()
     assert fake.exec_destroyed and fake.exec_destroyed[0][1] == ctx.handle
     with pytest.raises(ck.CudaError, match="graph is empty"):
         g.launch()
+    with pytest.raises(ck.CudaError, match="graph is empty"):
+        g.upload()
     assert "Graph 4 nodes" in repr(g)
+
+
+def _catch(errors: list[BaseException], fn: Any) -> None:
+    try:
+        fn()
+    except BaseException as exc:
+        errors.append(exc)
 
 
 def test_capture_ends_cleanly_when_the_block_raises(fake):
@@ -655,11 +724,17 @@ def test_jit_log_is_recovered_in_the_current_context(fake):
     )
 
 
+CUBIN = b"\x7fELF" + bytes(60)
+
+
 def test_cubin_without_ptx_uses_the_driver_layout(fake):
-    mod = load(b"\x7fELF" + bytes(60))
+    mod = load(CUBIN)
     assert (mod.format, mod.ptx) == ("cubin", None)
     assert mod.entries == ["vector_add", "saxpy", "_Z4axpyIfEvT_PKS0_PS0_m"]
-    k = mod.function("saxpy")
+    k = mod.function("saxpy")  # no context current: device 0's is bound for the query
+    c0 = ck.registry.context(0)
+    assert set(fake.param_info_contexts) == {c0.handle}
+    assert fake.base.current() == 0 and ck.current_context() is None
     assert [(p.kind, p.offset, p.size) for p in k.params] == [
         ("bits", 0, 4),
         ("bits", 8, 8),
@@ -676,12 +751,58 @@ def test_cubin_without_ptx_uses_the_driver_layout(fake):
     assert [as_u64(v) for v in vals[1:]] == [8, 16, 4]
 
 
+def test_layout_query_uses_the_current_context(fake):
+    c1 = ck.registry.context(1)
+    with c1:
+        k = load(CUBIN).function("vector_add")
+    assert set(fake.param_info_contexts) == {c1.handle}
+    assert [p.size for p in k.params] == [8, 8, 8, 8]
+    raw = fake.base.primary[0]
+    fake.base.cuCtxPushCurrent(raw)  # current through a raw driver call, unknown to ctxkit
+    try:
+        load(CUBIN).function("saxpy")
+    finally:
+        fake.base.cuCtxPopCurrent()
+    assert fake.param_info_contexts[-1] == int(raw)
+
+
+def test_layout_falls_back_to_the_function_in_the_context(fake):
+    fake.param_info_error = 801
+    k = load(CUBIN).function("saxpy")
+    assert [(p.offset, p.size) for p in k.params] == [(0, 4), (8, 8), (16, 8), (24, 8)]
+    assert fake.base.current() == 0
+
+
 def test_unknown_layout_is_refused_with_the_reason(fake):
     fake.param_info = False
-    k = load(b"\x7fELF" + bytes(60)).function("vector_add")
+    fake.func_param_info = False
+    k = load(CUBIN).function("vector_add")
     assert k.signature is None
-    with pytest.raises(ck.LaunchArgumentError, match="parameter list of kernel 'vector_add'"):
+    with pytest.raises(ck.LaunchArgumentError, match="parameter list of kernel 'vector_") as info:
         _ = k.params
+    assert "cuKernelGetParamInfo is not available in this driver" in str(info.value)
     with ck.registry.context(0), pytest.raises(ck.LaunchArgumentError, match="unknown"):
         k.launch(1, 1, 0, 0, 0, 0)
     assert fake.launches == []
+
+
+def test_failed_layout_query_names_each_call_and_its_cuda_error(fake):
+    fake.param_info_error = 801
+    fake.func_param_info = False
+    k = load(CUBIN).function("saxpy")
+    with pytest.raises(ck.LaunchArgumentError) as info:
+        _ = k.params
+    msg = str(info.value)
+    assert "cuKernelGetParamInfo(param 0) returned CUDA_ERROR_NOT_SUPPORTED" in msg
+    assert "cuFuncGetParamInfo is not available" in msg
+
+
+def test_layout_query_without_a_usable_context_says_so(fake):
+    k = load().function("vector_add")
+    c0 = ck.registry.context(0)
+    fake.fail_next = 700
+    with c0, pytest.raises(ck.ContextPoisonedError):
+        k.launch(1, 1, 0, 0, 0, 0)
+    k2 = load(CUBIN).function("saxpy")
+    with pytest.raises(ck.LaunchArgumentError, match="no usable context to query it in.*poisoned"):
+        _ = k2.params

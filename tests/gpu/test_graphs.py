@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -104,5 +106,34 @@ def test_graph_launch_binds_its_context(ctx0, saxpy):
             assert (y.to_host() == 3.0).all()
     finally:
         other.close()
-    with pytest.raises(ck.NoCurrentContextError):
-        g.launch()
+    errors: list[BaseException] = []
+
+    def worker() -> None:  # a fresh thread truly has no current context
+        try:
+            g.launch()
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=worker, name="graph-no-ctx")
+    t.start()
+    t.join()
+    assert len(errors) == 1 and isinstance(errors[0], ck.NoCurrentContextError), errors
+    assert "Graph.launch" in str(errors[0]) and "graph-no-ctx" in str(errors[0])
+
+
+def test_upload_before_the_first_launch(ctx0, saxpy):
+    with ctx0:
+        s = ck.Stream()
+        x = to_device(np.ones(N, np.float32))
+        y = to_device(np.zeros(N, np.float32))
+        with capture(s) as g:
+            saxpy.launch(16, 256, 2.0, x, y, N, stream=s)
+        g.upload(s)
+        s.synchronize()
+        assert not y.to_host().any(), "an upload must not execute the graph"
+        g.launch(s)
+        g.launch(s)
+        s.synchronize()
+        assert (y.to_host() == 4.0).all()
+        g.upload()  # the default stream
+        ctx0.synchronize()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import warnings
 from pathlib import Path
 
@@ -159,19 +160,45 @@ def test_cubin_without_ptx_uses_the_driver_layout(ctx0):
         np.testing.assert_allclose(dy.to_host(), np.float32(2) * x + y, rtol=1e-6)
 
 
+def test_cubin_without_ptx_in_a_thread_without_a_context(ctx0):
+    """The layout query binds device 0's context when the thread has none."""
+    code = _obj(SAXPY, "cubin", ctx0).code
+    out: list[object] = []
+
+    def worker() -> None:
+        try:
+            k = Module.load(code).function("saxpy")
+            out.append([(p.offset, p.size) for p in k.params])
+            out.append(ck.current_context())
+        except BaseException as exc:
+            out.append(exc)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert out[0] == [(0, 4), (8, 8), (16, 8), (24, 8)], out
+    assert out[1] is None, "the query must not leave a context current"
+
+
 def test_parsed_layout_matches_the_driver(ctx0):
     """Offsets and sizes from our PTX parser equal cuKernelGetParamInfo's."""
-    for name in ("vector_add.cu", "saxpy.cu", "scale.cu", "fill.cu", "spin.cu", "empty.cu"):
-        mod = Module.load(_obj(C.kernel_source(name), "cubin", ctx0))
-        for entry in mod.entries or []:
-            k = mod.function(entry)
-            driver = []
-            while True:
-                res = drv.cuKernelGetParamInfo(k._handle, len(driver))
-                if res[0]:
-                    break
-                driver.append((int(res[1]), int(res[2])))
-            assert [(p.offset, p.size) for p in k.params] == driver, entry
+    invalid_value = drv.CUresult.CUDA_ERROR_INVALID_VALUE
+    with ctx0:
+        for name in ("vector_add.cu", "saxpy.cu", "scale.cu", "fill.cu", "spin.cu", "empty.cu"):
+            mod = Module.load(_obj(C.kernel_source(name), "cubin", ctx0))
+            for entry in mod.entries or []:
+                k = mod.function(entry)
+                driver = []
+                while True:
+                    res = drv.cuKernelGetParamInfo(k._handle, len(driver))
+                    if res[0]:
+                        break
+                    driver.append((int(res[1]), int(res[2])))
+                assert res[0] == invalid_value, f"{entry}: {res[0]!r} at {len(driver)}"
+                assert driver, f"{entry}: the driver reported no parameters"
+                assert [(p.offset, p.size) for p in k.params] == driver, entry
+                raw = Module.load(_obj(C.kernel_source(name), "cubin", ctx0).code)
+                assert [(p.offset, p.size) for p in raw.function(entry).params] == driver
 
 
 @pytest.mark.multigpu
@@ -229,8 +256,26 @@ def test_attributes_and_occupancy(ctx0):
 def test_close_unloads(ctx0):
     mod = Module.load(_obj(VECTOR_ADD, "cubin", ctx0))
     k = mod.function("vector_add")
+    with ctx0:
+        pl = k.prepare(1, 1, 0, 0, 0, 0)
     mod.close()
     with ctx0, pytest.raises(ck.CudaError, match="is closed"):
         k.launch(1, 1, 0, 0, 0, 0)
+    with ctx0, pytest.raises(ck.CudaError, match="is closed"):
+        pl()
     with pytest.raises(ck.CudaError, match="is closed"):
-        mod.function("vector_add")
+        mod.function("vector_add")  # it was looked up (cached) before the close
+    with pytest.raises(ck.CudaError, match="is closed"):
+        k.launch(1, 1, 0, 0, 0, 0)  # outside ctxkit: whatever the driver has current
+    errors: list[BaseException] = []
+
+    def worker() -> None:  # a thread with no context at all
+        try:
+            k.launch(1, 1, 0, 0, 0, 0)
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert len(errors) == 1 and "is closed" in str(errors[0]), errors
