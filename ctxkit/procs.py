@@ -838,14 +838,12 @@ class DevicePool:
                     _procwire.discard(task.blocks)
                     continue
                 task.started = True
+            slot.current, slot.state = task, "busy"  # before the send: the reply may be quick
             try:
                 slot.task_w.send((task.id, task.data, task.blocks))
             except (OSError, ValueError):
                 slot.pending.appendleft(task)
-                slot.state = "restarting"
-                return
-            slot.current = task
-            slot.state = "busy"
+                slot.current, slot.state = None, "restarting"
             return
         if self._shutdown:
             self._stop_worker(slot)
@@ -946,35 +944,35 @@ class DevicePool:
             self._complete(slot, msg[1], msg[2], msg[3])
 
     def _complete(self, slot: _Slot, task_id: int, out: Any, restart: bool) -> None:
-        task = slot.current
-        if task is None or task.id != task_id:  # terminated under it
+        with self._lock:
+            task = slot.current
+            if task is None or task.id != task_id:  # terminated under it
+                task = None
+            else:
+                slot.current = None
+                if restart:
+                    slot.state = "restarting"
+                elif slot.state == "busy":
+                    slot.state = "idle"
+                    self._dispatch(slot)
+        if task is None:
             if out[0] == "ok":
                 _procwire.discard(out[2])
             return
         pid = slot.proc.pid
         head = f"task {task.label} on device {slot.ordinal}"
-        error: DeviceTaskError | None = None
         if out[0] == "ok":
             try:
                 value = _procwire.decode(out[1], out[2])
             except Exception as exc:
                 desc = _procwire.describe_exception(exc)
-                error = _error_from(
-                    desc, slot.ordinal, pid, None, 1, f"{head}: result not loadable"
+                task.future.set_exception(
+                    _error_from(desc, slot.ordinal, pid, None, 1, head + ": result not loadable")
                 )
+            else:
+                task.future.set_result(value)
         else:
-            error = _error_from(out[1], slot.ordinal, pid, None, 1, head)
-        with self._lock:
-            slot.current = None
-            if restart:
-                slot.state = "restarting"
-            elif slot.state == "busy":
-                slot.state = "idle"
-                self._dispatch(slot)
-        if error is None:
-            task.future.set_result(value)
-        else:
-            task.future.set_exception(error)
+            task.future.set_exception(_error_from(out[1], slot.ordinal, pid, None, 1, head))
 
     def _exited(self, slot: _Slot) -> None:
         slot.proc.join()
