@@ -36,23 +36,31 @@ _PRIMARY = "primary"
 _FOREIGN = "foreign"
 
 
-class _Local(threading.local):
-    """Per-thread record of what ctxkit pushed.
+class _ThreadState:
+    """What ctxkit pushed in one thread.
 
     ``top`` is the context ctxkit believes current (``None``: unknown or none);
     ``stack`` holds one entry per open ``with``/push: ``(ctx, previous top)`` for a real
     push, or the context itself for a re-entry that cost no driver call.
     """
 
-    top: Context | None
-    stack: list[Any]
+    __slots__ = ("stack", "top")
+
+    def __init__(self) -> None:
+        self.top: Context | None = None
+        self.stack: list[Any] = []
+
+
+class _Local(threading.local):
+    """Holds one :class:`_ThreadState` per thread (one thread-local lookup per operation)."""
+
+    s: _ThreadState
 
     def __init__(self) -> None:
         t = threading.current_thread()
-        self.top = None
-        self.stack = []
+        self.s = _ThreadState()
         with _all_lock:
-            _all_threads[threading.get_ident()] = (weakref.ref(t), t.name, self.stack)
+            _all_threads[threading.get_ident()] = (weakref.ref(t), t.name, self.s.stack)
             for ident in [i for i, v in _all_threads.items() if v[0]() is None]:
                 del _all_threads[ident]
 
@@ -72,9 +80,9 @@ def begin_shutdown() -> None:
 atexit.register(begin_shutdown)
 
 
-def thread_state() -> _Local:
+def thread_state() -> _ThreadState:
     """This thread's ctxkit context bookkeeping (internal)."""
-    return _tls
+    return _tls.s
 
 
 def entry_context(entry: Any) -> Context:
@@ -105,7 +113,7 @@ def thread_bindings() -> dict[str, list[Context]]:
 
 def current_handle() -> int:
     """Handle of this thread's current context according to the driver (0 when none)."""
-    top = _tls.top
+    top = _tls.s.top
     if top is not None:
         return top.handle
     _driver.init()
@@ -257,7 +265,7 @@ class Context:
     # --- push / pop ----------------------------------------------------------------
 
     def __enter__(self) -> Context:
-        st = _tls
+        st = _tls.s
         top = st.top
         if top is self:
             st.stack.append(self)
@@ -272,7 +280,7 @@ class Context:
         return self
 
     def __exit__(self, et: object, ev: object, tb: object) -> None:
-        st = _tls
+        st = _tls.s
         stack = st.stack
         entry = stack[-1] if stack else None
         if entry is self:
@@ -319,7 +327,7 @@ class Context:
         return ContextStackError(msg)
 
     def _restore_foreign(
-        self, st: _Local, entry: tuple[Context, Context | None], popped: Any, got: int
+        self, st: _ThreadState, entry: tuple[Context, Context | None], popped: Any, got: int
     ) -> None:
         """Put back a context ctxkit did not push, then report the foreign change.
 
@@ -463,7 +471,7 @@ class Context:
         """
         if self.closed or self._poison is not None or _shutting_down:
             return
-        if _tls.top is self:
+        if _tls.s.top is self:
             _check_free(fn(*args), fn)
             return
         with self:
@@ -497,7 +505,7 @@ def require_current(what: str) -> Context:
     Called before operations that the driver would otherwise refuse with
     ``CUDA_ERROR_INVALID_CONTEXT``.
     """
-    top = _tls.top
+    top = _tls.s.top
     if top is not None:
         return top
     ctx = current_context()
