@@ -516,6 +516,12 @@ def test_pool_runs_tasks_on_the_requested_device(pool):
     assert "DevicePool devices=[0, 1] running" in repr(pool)
 
 
+def test_pool_many_quick_round_trips(pool):
+    # a worker may answer before submit() returns: the reply must never be lost
+    for i in range(300):
+        assert pool.submit(add, i, 1).result(10) == i + 1
+
+
 def test_pool_spreads_work_over_devices(pool):
     futures = [pool.submit(device_and_pid, 0.2) for _ in range(6)]
     devices = [f.result(30)[0] for f in futures]
