@@ -377,6 +377,7 @@ class _Runner:
         self.retries = retries
         self.bind = bind
         self.running: dict[int, _Child] = {}
+        self.started: list[Any] = []  # every Process, registered before its start()
         self.results: list[Any] = [None] * len(ordinals)
         self.failures: dict[int, DeviceTaskError] = {}
 
@@ -387,7 +388,7 @@ class _Runner:
             while self.running:
                 self._step()
         except BaseException:
-            _procwire.stop_processes([c.proc for c in self.running.values()], TERM_GRACE_S)
+            _procwire.stop_processes(self.started, TERM_GRACE_S)
             raise
         finally:
             for c in self.running.values():
@@ -413,6 +414,7 @@ class _Runner:
                 ),
                 name=f"ctxkit-device-{ordinal}",
             )
+            self.started.append(proc)
             proc.start()
         except BaseException:
             reader.close()
@@ -649,8 +651,9 @@ class DevicePool:
     Notes
     -----
     Use as a context manager: a normal exit waits for queued work (``shutdown()``); an
-    exception (including ``KeyboardInterrupt``) stops the workers at once. Workers also
-    exit when the parent process dies. Inside a task, :func:`worker_device` gives the
+    exception (including ``KeyboardInterrupt``) stops the workers at once
+    (:meth:`terminate`), and so does interpreter exit for a pool still running. Workers
+    also die with the parent process. Inside a task, :func:`worker_device` gives the
     logical ordinal.
     """
 
@@ -893,7 +896,8 @@ class DevicePool:
         try:
             with self._lock:
                 for s in self._slots:
-                    self._spawn(s)
+                    if not self._terminating:
+                        self._spawn(s)
             while True:
                 with self._lock:
                     live = [s for s in self._slots if s.proc is not None]
