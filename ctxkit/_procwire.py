@@ -1,6 +1,5 @@
-"""Plumbing of :mod:`ctxkit.procs`: messages, shared-memory transport, child set-up, reaping.
-
-Nothing here touches CUDA; the public API and the binding of contexts live in ``procs``.
+"""Plumbing shared by :mod:`ctxkit.procs` and its ``DevicePool``: the error type, checks
+done before spawning, messages, shared-memory transport, child set-up, reaping.
 
 Transport: objects are pickled with protocol 5. Out-of-band buffers (contiguous numpy
 arrays, bytearrays) of at least ``threshold`` bytes go into a POSIX shared-memory block
@@ -16,18 +15,30 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import mmap
+import multiprocessing
 import os
 import pickle
 import signal
 import sys
 import time
 import traceback
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
+from .device import Device, device_count
+from .errors import CudaError
+
 #: Buffers at least this large travel through shared memory (see ``procs`` for numbers).
 SHM_THRESHOLD = 1 << 20
+
+#: Seconds between SIGTERM and SIGKILL when a child must be stopped.
+TERM_GRACE_S = 2.0
+#: Seconds a child may take to exit after it sent its result (e.g. teardown after a fault).
+EXIT_GRACE_S = 10.0
+
+#: The logical device ordinal a ctxkit child process serves (``procs.worker_device``).
+current_device: int | None = None
 
 _SHM_DIR = "/dev/shm"
 _PR_SET_PDEATHSIG = 1
@@ -148,8 +159,6 @@ def describe_exception(exc: BaseException) -> dict[str, Any]:
 
 
 def _is_cuda_error(exc: BaseException) -> bool:
-    from .errors import CudaError
-
     return isinstance(exc, CudaError)
 
 
@@ -245,3 +254,209 @@ def stop_processes(procs: Iterable[Any], grace: float) -> None:
             with contextlib.suppress(Exception):
                 p.kill()
             p.join()
+
+
+# --- the error ----------------------------------------------------------------------
+
+
+class DeviceTaskError(CudaError):
+    """Work for one device failed in its child process.
+
+    A subclass of :class:`~ctxkit.errors.CudaError` (itself a ``RuntimeError``) so that
+    ``except ctxkit.CudaError`` around multi-GPU work also sees a failed device; when the
+    child's exception was a ``CudaError`` its ``code`` and ``name`` are carried over
+    (e.g. ``CUDA_ERROR_ILLEGAL_ADDRESS``).
+
+    Attributes
+    ----------
+    device : int
+        Logical device ordinal (as the parent numbers devices).
+    kind : str
+        ``"exception"`` (the function raised), ``"crash"`` (the process died without a
+        result: signal, ``os._exit``, native crash), ``"timeout"``, ``"init"`` (a pool
+        worker could not start) or ``"terminated"`` (the pool was stopped under the task).
+    pid, exitcode : int or None
+        The child process and how it ended (negative exit code: killed by that signal).
+    traceback : str
+        The child's formatted traceback (empty when the child sent none).
+    exception_type : str
+        Qualified name of the child's exception class (empty when there was none).
+    child_exception : BaseException or None
+        The child's exception object, when it could be pickled.
+    attempts : int
+        Processes started for this device's work (``retries + 1`` when all failed).
+    results : list
+        ``run_per_device`` only: every device's result in device order, ``None`` for the
+        devices that failed.
+    failures : dict[int, DeviceTaskError]
+        ``run_per_device`` only: the error of every failed device, by ordinal.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        device: int,
+        kind: str,
+        pid: int | None = None,
+        exitcode: int | None = None,
+        traceback: str = "",
+        exception_type: str = "",
+        child_exception: BaseException | None = None,
+        attempts: int = 1,
+        code: int = 0,
+        name: str = "",
+    ) -> None:
+        super().__init__(message, code, name)
+        self.device = device
+        self.kind = kind
+        self.pid = pid
+        self.exitcode = exitcode
+        self.traceback = traceback
+        self.exception_type = exception_type
+        self.child_exception = child_exception
+        self.attempts = attempts
+        self.results: list[Any] = []
+        self.failures: dict[int, DeviceTaskError] = {}
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_task_error, (str(self),), dict(self.__dict__))
+
+
+def _rebuild_task_error(message: str) -> DeviceTaskError:
+    err = DeviceTaskError.__new__(DeviceTaskError)
+    Exception.__init__(err, message)
+    return err
+
+
+DeviceTaskError.__module__ = "ctxkit.procs"
+
+
+# --- shared by run_per_device and DevicePool ------------------------------------------
+
+
+def spawn_context(mp_context: Any) -> Any:
+    if mp_context is None:
+        return multiprocessing.get_context("spawn")
+    method = mp_context.get_start_method()
+    if method != "spawn":
+        raise ValueError(
+            f"ctxkit.procs needs the 'spawn' start method, got a {method!r} context: a "
+            "process forked after CUDA was initialised cannot use CUDA (every driver call "
+            "fails), and forking a multithreaded process can deadlock. Pass "
+            "multiprocessing.get_context('spawn') or leave mp_context=None"
+        )
+    return mp_context
+
+
+def check_shippable(what: str, fn: Any) -> None:
+    """Refuse, before any process starts, a function a spawned child cannot import."""
+    if not callable(fn):
+        raise TypeError(f"{what}: expected a callable, got {type(fn).__name__}")
+    qual = getattr(fn, "__qualname__", "")
+    if "<lambda>" in qual or "<locals>" in qual:
+        raise TypeError(
+            f"{what}: {fn!r} is a lambda or a nested function, which a spawned process "
+            "cannot import; define it at module level (def name(...): at the top of a "
+            "module) and pass that"
+        )
+    if getattr(fn, "__module__", None) == "__main__":
+        main = sys.modules.get("__main__")
+        if getattr(main, "__file__", None) is None and getattr(main, "__spec__", None) is None:
+            raise TypeError(
+                f"{what}: {fn!r} was defined in an interactive session (python -c, REPL, "
+                "notebook) and a spawned process cannot import it; put it in a module "
+                "file and import it from there"
+            )
+
+
+def pickled(what: str, obj: Any, threshold: int | None) -> tuple[bytes, Blocks]:
+    try:
+        return encode(obj, threshold)
+    except Exception as exc:
+        raise TypeError(
+            f"{what}: the function and its arguments must be picklable to reach a spawned "
+            f"process, but pickling failed: {exc}"
+        ) from exc
+
+
+def resolve_ordinals(devices: Sequence[Device | int] | None, bind: bool) -> list[int]:
+    if devices is None:
+        if not bind:
+            raise ValueError("_bind=False needs an explicit list of device ordinals")
+        n = device_count()
+        if n == 0:
+            Device(0)  # raises the precise reason (no driver / no device)
+        ordinals = list(range(n))
+    else:
+        ordinals = [ordinal_of(d, bind) for d in devices]
+    if not ordinals:
+        raise ValueError("devices is empty: give at least one device")
+    dupes = sorted({o for o in ordinals if ordinals.count(o) > 1})
+    if dupes:
+        raise ValueError(f"device(s) {dupes} listed more than once: one process per device")
+    return ordinals
+
+
+def ordinal_of(d: Device | int, bind: bool) -> int:
+    if bind:
+        return Device(d).ordinal
+    if isinstance(d, bool) or not isinstance(d, (int, Device)):
+        raise TypeError(f"device must be an int ordinal or a ctxkit.Device, got {d!r}")
+    return int(d)
+
+
+def visible_for(ordinals: list[int], isolate: bool) -> list[str | None]:
+    if not isolate:
+        return [None] * len(ordinals)
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return [visible_entry(o, env) for o in ordinals]
+
+
+@contextlib.contextmanager
+def bound_context(ordinal: int, bind: bool) -> Iterator[Any]:
+    if not bind:
+        yield None
+        return
+    from .registry import registry
+
+    ctx = registry.context(ordinal)
+    with ctx:
+        yield ctx
+
+
+def error_from(
+    desc: dict[str, Any],
+    device: int,
+    pid: int | None,
+    exitcode: int | None,
+    attempts: int,
+    head: str,
+    kind: str = "exception",
+) -> DeviceTaskError:
+    tb = desc["traceback"]
+    return DeviceTaskError(
+        f"{head}: {desc['type']}: {desc['message']}\n--- traceback in child process {pid} ---\n"
+        f"{tb.rstrip()}",
+        device=device,
+        kind=kind,
+        pid=pid,
+        exitcode=exitcode,
+        traceback=tb,
+        exception_type=desc["type"],
+        child_exception=unpickle_exception(desc),
+        attempts=attempts,
+        code=desc["code"],
+        name=desc["name"],
+    )
+
+
+def result_bytes(fn: Any, ordinal: int, value: Any, threshold: int | None = SHM_THRESHOLD) -> Any:
+    try:
+        return encode(value, threshold)
+    except Exception as exc:
+        raise TypeError(
+            f"the result of {getattr(fn, '__qualname__', fn)!r} on device {ordinal} cannot be "
+            f"pickled back to the parent ({exc}); return host data (numpy arrays, numbers), "
+            "not device objects"
+        ) from exc

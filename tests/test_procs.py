@@ -271,7 +271,7 @@ def test_timeout_stops_the_child(tmp_path):
 
 
 def test_timeout_kills_a_child_that_ignores_sigterm(tmp_path, monkeypatch):
-    monkeypatch.setattr(procs, "TERM_GRACE_S", 0.5)
+    monkeypatch.setattr(_procwire, "TERM_GRACE_S", 0.5)
     with pytest.raises(DeviceTaskError) as info:
         run_per_device(ignore_term_and_sleep, [0], args=(str(tmp_path),), timeout=1.5, _bind=False)
     assert info.value.kind == "timeout" and info.value.exitcode == -signal.SIGKILL
