@@ -147,6 +147,25 @@ def add(a, b):
     return a + b
 
 
+def exit_at_start(code):
+    os._exit(code)
+
+
+def _refuse_outside_children():
+    if procs.worker_device() is None:
+        raise RuntimeError("this object only loads inside a ctxkit child")
+    return "loaded"
+
+
+class ChildOnly:
+    def __reduce__(self):
+        return (_refuse_outside_children, ())
+
+
+def child_only_result(*_args):
+    return ChildOnly()
+
+
 # --- helpers --------------------------------------------------------------------------
 
 
@@ -311,6 +330,13 @@ def test_unpicklable_result_is_explained():
         run_per_device(return_unpicklable, [0], _bind=False)
     assert info.value.exception_type == "builtins.TypeError"
     assert "cannot be pickled back to the parent" in str(info.value)
+
+
+def test_result_that_does_not_load_in_the_parent():
+    with pytest.raises(DeviceTaskError) as info:
+        run_per_device(child_only_result, [0], _bind=False)
+    assert "device 0: result not loadable" in str(info.value)
+    assert "only loads inside a ctxkit child" in str(info.value)
 
 
 def test_large_result_travels_through_shared_memory():
@@ -637,6 +663,19 @@ def test_pool_initializer_failure_breaks_that_device():
             p.submit(add, 1, 2, device=0)
     with pytest.raises(TypeError, match="nested function"):
         DevicePool([0], initializer=lambda: None, _bind=False)
+
+
+def test_pool_worker_dying_during_start_breaks_that_device():
+    with DevicePool([0, 1], initializer=exit_at_start, initargs=(9,), _bind=False) as p:
+        err = p.submit(add, 1, 2, device=1).exception(30)
+        assert isinstance(err, DeviceTaskError) and err.kind == "init" and err.exitcode == 9
+        assert "exited with code 9 while starting" in str(err)
+
+
+def test_pool_result_that_does_not_load_in_the_parent(pool):
+    err = pool.submit(child_only_result).exception(30)
+    assert isinstance(err, DeviceTaskError) and "result not loadable" in str(err)
+    assert pool.submit(add, 2, 2).result(30) == 4
 
 
 def test_pool_context_manager_terminates_on_exception(tmp_path):
