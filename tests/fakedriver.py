@@ -45,6 +45,7 @@ class FakeDriver:
     def __init__(self, ndev: int = 2) -> None:
         self.ndev = ndev
         self.calls: Counter[str] = Counter()
+        self.pushes_by_thread: Counter[str] = Counter()
         self._local = threading.local()
         self._lock = threading.Lock()
         self._ids = itertools.count(0x1000, 0x100)
@@ -106,6 +107,7 @@ class FakeDriver:
 
     def cuCtxPushCurrent(self, ctx: FakeHandle) -> tuple[int]:
         self.calls["cuCtxPushCurrent"] += 1
+        self.pushes_by_thread[threading.current_thread().name] += 1
         if int(ctx) in self.destroyed:
             return (CONTEXT_IS_DESTROYED,)
         self.stack().append(ctx)

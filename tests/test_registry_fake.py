@@ -144,13 +144,16 @@ def test_auto_bind_env(monkeypatch, fake_driver):
 def test_executor_runs_every_task_with_context_current(fake_driver):
     ctx = _reg().context(1)
     before = fake_driver.current()
-    with ContextExecutor(ctx, max_workers=16) as ex:
+    with ContextExecutor(ctx, max_workers=16, thread_name_prefix="exec-1000") as ex:
         currents = list(ex.map(lambda _: fake_driver.current(), range(1000)))
     assert set(currents) == {ctx.handle}
     assert fake_driver.current() == before
     assert all(not st for st in fake_driver.stacks.values())  # workers popped on exit
     # one push per worker, not per task
-    assert fake_driver.calls["cuCtxPushCurrent"] <= 16
+    worker_pushes = {
+        k: v for k, v in fake_driver.pushes_by_thread.items() if k.startswith("exec-1000")
+    }
+    assert 1 <= len(worker_pushes) <= 16 and set(worker_pushes.values()) == {1}
 
 
 def test_executor_repairs_task_that_leaks_a_push(fake_driver):
