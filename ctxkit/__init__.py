@@ -65,6 +65,8 @@ _EXPORTS: dict[str, str] = {
     "Event": "stream",
     # multi-device
     "Pipeline": "pipeline",
+    "DevicePool": "procs",
+    "DeviceTaskError": "procs",
     "PipelineError": "pipeline",
     "StageHandle": "pipeline",
     "Timeline": "trace",
@@ -133,5 +135,6 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from .module import Graph, Kernel, KernelNotFoundError, Module, PreparedLaunch, capture
     from .pipeline import Pipeline, PipelineError, StageHandle
+    from .procs import DevicePool, DeviceTaskError
     from .stream import Event, Stream
     from .trace import Timeline
