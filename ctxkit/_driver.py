@@ -14,6 +14,7 @@ Hot paths elsewhere call ``drv.cuXxx`` directly and pass a non-zero status to
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from collections.abc import Callable
@@ -283,3 +284,42 @@ def mem_advise(ptr: int, nbytes: int, advice: Any, target: int | str) -> None:
     else:
         dev = CPU_DEVICE_ID if isinstance(target, str) else int(target)
         call(drv.cuMemAdvise, ptr, nbytes, advice, dev)
+
+
+POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9  # CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL (cuda.h)
+
+#: libcuda's own ``cuPointerGetAttribute`` through ctypes: None until first use, False
+#: where libcuda cannot be loaded this way (the bindings are used then)
+_raw_pointer_get_attribute: Any = None
+
+
+def _load_raw_pointer_get_attribute() -> Any:
+    name = "nvcuda.dll" if os.name == "nt" else "libcuda.so.1"
+    try:
+        fn = ctypes.CDLL(name).cuPointerGetAttribute
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_uint64]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def pointer_device_ordinal(ptr: int) -> tuple[int, int]:
+    """``(CUresult, ordinal)``: the device that memory at *ptr* was allocated on.
+
+    Read from libcuda directly: cuda-bindings releases that store this attribute in a
+    signed slot but read it back from an unsigned one (13.3 among them,
+    NVIDIA/cuda-python#2928) report device 0 for every pointer.
+    """
+    global _raw_pointer_get_attribute
+    fn = _raw_pointer_get_attribute
+    if fn is None:
+        fn = _raw_pointer_get_attribute = _load_raw_pointer_get_attribute()
+    if fn is False:
+        err, value = drv.cuPointerGetAttribute(
+            drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr
+        )
+        return int(err), int(value or 0)
+    out = ctypes.c_int(-1)
+    err = fn(ctypes.pointer(out), POINTER_ATTRIBUTE_DEVICE_ORDINAL, int(ptr))
+    return int(err), int(out.value)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import ctxkit as ck
-from ctxkit import memory
+from ctxkit import _driver, memory
 from ctxkit._driver import drv
 from ctxkit.errors import ContextClosedError, NoCurrentContextError, OutOfMemoryError
 from ctxkit.memory import DeviceBuffer, ManagedBuffer, PageableCopyError, PageableCopyWarning
@@ -174,12 +174,30 @@ def test_allocation_in_the_given_context(ctx0):
 
 @pytest.mark.multigpu
 def test_allocation_on_the_other_device(ctx0, ctx1):
+    """Every constructor given another device's context creates the resource there,
+    whatever is current. (The first GPU run read CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+    through cuda-bindings 13.3, which reports 0 for every pointer, NVIDIA/cuda-python#2928:
+    the allocation was right, the probe was wrong. The CONTEXT attribute is exact, and
+    ctxkit's pointer_device_ordinal reads the ordinal from libcuda directly.)"""
     with ctx0:
         b = DeviceBuffer(256, context=ctx1)
         m = ManagedBuffer(256, context=1)
-    err, ordinal = pointer_attr("DEVICE_ORDINAL", b.ptr)
-    assert not err and int(ordinal) == 1
-    assert b.device.ordinal == 1 and m.context is ctx1
+        a = ck.device_array((8, 8), np.float32, context=ctx1)
+        h = ck.pinned_empty(64, np.uint8, context=ctx1)
+        s = ck.Stream(context=ctx1)
+        e = ck.Event(context=ctx1)
+        assert ck.current_context() is ctx0
+        for ptr in (b.ptr, m.ptr, a.ptr, h.ctypes.data):
+            err, cu = pointer_attr("CONTEXT", ptr)
+            assert not err and int(cu) == ctx1.handle, hex(ptr)
+        for ptr in (b.ptr, a.ptr):
+            assert _driver.pointer_device_ordinal(ptr) == (0, 1), hex(ptr)
+        assert _driver.pointer_device_ordinal(DeviceBuffer(64).ptr) == (0, 0)
+        err, cu = drv.cuStreamGetCtx(s.handle)
+        assert not err and int(cu) == ctx1.handle
+        e.record(s)  # the driver refuses an event of another device's context here
+        e.synchronize()
+    assert b.device.ordinal == 1 and m.context is ctx1 and a.context is ctx1
 
 
 def test_out_of_memory_names_requested_and_free(ctx0):
@@ -269,6 +287,58 @@ def test_memset_sync_and_async(ctx0):
         s.synchronize()
         out = b.copy_to_host()
     assert (out[:7] == 0x11).all() and (out[7:4000] == 0xEE).all() and (out[4000:] == 0x11).all()
+
+
+SPIN = 100_000_000  # clock64 ticks: ~50 ms at H200 clocks
+
+
+@pytest.fixture(scope="module")
+def spin_kernel() -> Any:
+    from ctxkit.compiler import kernel_source
+
+    with ck.registry.context(0):
+        return ck.Module.load(ck.compile(kernel_source("spin.cu"))).function("spin")
+
+
+@pytest.mark.parametrize(
+    "op", ["memset", "htod_pageable", "htod_pinned", "dtod", "dtod_array", "peer"]
+)
+def test_default_stream_work_is_done_when_the_call_returns(ctx0, spin_kernel, op):
+    """stream=None work queued behind a long kernel on the legacy default stream has
+    completed when the call returns, so a memset on a non-blocking stream issued right
+    after it lands last. Without ctxkit's wait the non-blocking memset runs during the
+    kernel and the default-stream work overwrites it afterwards (the first GPU run's
+    memset failure)."""
+    n = 1 << 20
+    if op == "peer":
+        if ck.device_count() < 2:
+            pytest.skip("needs at least two CUDA devices")
+        src = DeviceBuffer(n, context=ck.registry.context(1))
+        with ck.registry.context(1):
+            src.memset(0x22)
+    with ctx0:
+        s = ck.Stream()
+        dst = DeviceBuffer(n)
+        if op in ("dtod", "dtod_array"):
+            src = DeviceBuffer(n)
+            src.memset(0x22)
+        host = ck.pinned_empty(n, np.uint8) if op == "htod_pinned" else np.empty(n, np.uint8)
+        host[:] = 0x22
+        ops = {
+            "memset": lambda: dst.memset(0x22),
+            "htod_pageable": lambda: dst.copy_from_host(host),
+            "htod_pinned": lambda: dst.copy_from_host(host),
+            "dtod": lambda: dst.copy_from(src),
+            "dtod_array": lambda: dst.view().copy_from(src.view()),
+            "peer": lambda: dst.copy_from(src),
+        }
+        spin_kernel.launch(1, 1, SPIN, 0)  # the legacy default stream of ctx0
+        ops[op]()
+        dst.memset(0x33, stream=s)
+        s.synchronize()
+        ctx0.synchronize()
+        out = dst.copy_to_host()
+    assert (out == 0x33).all(), np.unique(out)
 
 
 # --- pinned / registered / honest async ------------------------------------------------
