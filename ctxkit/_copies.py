@@ -134,7 +134,7 @@ def context_of_pointer(ptr: int, what: str) -> Context:
     err, cu = drv.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_CONTEXT, ptr)
     if not err and cu is not None and int(cu):
         return _context_of_cu(cu)
-    err, ordinal = drv.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr)
+    err, ordinal = _driver.pointer_device_ordinal(ptr)
     if err:
         raise ValueError(
             f"{what}: {ptr:#x} is not device memory known to CUDA "
@@ -163,6 +163,20 @@ def sync_foreign_stream(ctx: Context, value: int, what: str) -> None:
 # --- copies -----------------------------------------------------------------------------
 
 
+def finish_default_stream(ctx: Context, what: str) -> None:
+    """Wait for the default stream of the bound context *ctx* (call inside its guard).
+
+    ``stream=None`` operations complete before they return. The driver runs device-side
+    ones (memset, device-to-device and peer copies, the DMA of a copy from pageable
+    memory) asynchronously to the host, on the legacy default stream, which is not
+    ordered with non-blocking streams (``ctxkit.Stream()``'s default): without this wait,
+    work enqueued next on such a stream could overtake them.
+    """
+    (err,) = drv.cuStreamSynchronize(stream_handle(None))
+    if err:
+        raise ctx.note_error(err, f"{what}: cuStreamSynchronize(default stream)")
+
+
 def htod(ctx: Context, dst: int, src: np.ndarray, stream: Any, what: str) -> None:
     n = src.nbytes
     if n == 0:
@@ -171,6 +185,8 @@ def htod(ctx: Context, dst: int, src: np.ndarray, stream: Any, what: str) -> Non
     if stream is None:
         with guard(ctx, what):
             (err,) = drv.cuMemcpyHtoD(dst, host, n)
+            if not err:
+                finish_default_stream(ctx, what)
     else:
         sh = stream_for(ctx, stream, what)
         check_async_host(src, what)
@@ -212,6 +228,8 @@ def copy_device(dst: Mem, src: Mem, n: int, stream: Any, what: str) -> bool:
     if stream is None:
         with guard(dctx, what):
             (err,) = drv.cuMemcpyDtoD(dst.ptr, src.ptr, n)
+            if not err:
+                finish_default_stream(dctx, what)
     else:
         sh = stream_for(dctx, stream, what)
         with guard(dctx, what):
@@ -302,7 +320,9 @@ def copy_peer(dst: Any, src: Any, nbytes: int | None = None, stream: Any = None)
 
     Uses ``cuMemcpyPeer`` (``cuMemcpyPeerAsync`` on *stream*): the driver copies
     directly over NVLink/PCIe when peer access is enabled between the two contexts and
-    stages through host memory otherwise.
+    stages through host memory otherwise. Without *stream* the copy has completed when
+    the call returns; with *stream* it is enqueued there, and neither side may be freed
+    before that stream is synchronized.
 
     Returns
     -------
@@ -341,6 +361,8 @@ def memcpy_peer(
         bind = dctx
         with guard(bind, what):
             (err,) = drv.cuMemcpyPeer(dptr, dctx._cu, sptr, sctx._cu, n)
+            if not err:
+                finish_default_stream(bind, what)
     else:
         if isinstance(stream, Stream):
             bind, sh = stream.context, stream._open_handle(what)

@@ -5,6 +5,18 @@ one), remembers it in ``.context`` and is freed inside it from whatever thread d
 last reference, or by ``close()``. Copies check sizes, dtypes and contiguity before the
 driver is called and raise ``ValueError`` on a mismatch; zero-size copies do nothing.
 
+Synchronous unless a stream is given
+------------------------------------
+Without ``stream=`` a copy, memset or peer copy has completed when the call returns,
+so the next operation may use the memory from any stream or context. (The driver runs
+memsets, device-to-device and peer copies asynchronously to the host on the context's
+legacy default stream, which ``ctxkit.Stream()``, non-blocking by default, does not wait
+for; ctxkit waits for that stream before returning.) With ``stream=`` the operation is
+enqueued on that stream and the call returns at once; order it against other streams
+with events (``Stream.wait``), and keep the memory alive until the stream has reached
+it: memory freed while a copy into it is still queued in *another* context (a peer copy
+on a stream) faults that context.
+
 Honest async
 ------------
 An asynchronous copy (``stream=`` given) from or to *pageable* host memory is not
@@ -44,6 +56,7 @@ from ._copies import (
     device_mem,
     dtoh,
     enable_peer_access,
+    finish_default_stream,
     gib,
     htod,
     nbytes_arg,
@@ -288,7 +301,11 @@ class DeviceBuffer:
         copy_device(d, src, self.nbytes, stream, what)
 
     def memset(self, value: int, stream: Any = None) -> None:
-        """Set every byte to *value* (0..255) (``cuMemsetD8``)."""
+        """Set every byte to *value* (0..255) (``cuMemsetD8``).
+
+        Without *stream* the bytes are set when the call returns; with *stream* the
+        memset is enqueued there.
+        """
         what = f"{type(self).__name__}.memset"
         ptr = self.ptr
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -301,6 +318,8 @@ class DeviceBuffer:
         if stream is None:
             with guard(ctx, what):
                 (err,) = drv.cuMemsetD8(ptr, int(value), self.nbytes)
+                if not err:
+                    finish_default_stream(ctx, what)
         else:
             sh = stream_for(ctx, stream, what)
             with guard(ctx, what):

@@ -76,7 +76,12 @@ _HostFn = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 class FakeMemDriver:
     """Memory, streams, events and peer access; everything else goes to the context fake.
 
-    "Device" memory is host memory from ctypes, so copies really move bytes.
+    "Device" memory is host memory from ctypes, so copies really move bytes. Like the
+    real driver, memsets, device-to-device/peer copies and host-to-device copies without
+    a stream are only *queued* on the context's legacy default stream: they take effect
+    when that stream is synchronized (``cuStreamSynchronize(0)``, ``cuCtxSynchronize``,
+    a device-to-host copy, a free). Work on a ctxkit (non-blocking) stream runs at once,
+    so it overtakes queued legacy work exactly as it may on a GPU.
     """
 
     CUstream = real.CUstream
@@ -105,6 +110,7 @@ class FakeMemDriver:
         self.concurrent_managed = 1
         self.sticky: dict[int, int] = {}  # ctx -> error code
         self.host_oom = False
+        self.legacy: dict[int, list[Any]] = {}  # ctx -> queued legacy-stream work
         self._ids = itertools.count(0x5000, 0x10)
 
     def __getattr__(self, name: str) -> Any:
@@ -135,6 +141,14 @@ class FakeMemDriver:
     def _err(self) -> int:
         return self.sticky.get(self.cur(), OK)
 
+    def _queue(self, work: Any) -> None:
+        self.legacy.setdefault(self.cur(), []).append(work)
+
+    def flush(self, ctx: int) -> None:
+        """Run the legacy-stream work queued in *ctx* (the stream reached it)."""
+        for work in self.legacy.pop(ctx, []):
+            work()
+
     # device memory ----------------------------------------------------------------
     def _alloc(self, n: int, kind: str) -> tuple[int, int]:
         if not self.cur():
@@ -162,6 +176,7 @@ class FakeMemDriver:
             return (INVALID_VALUE,)
         if self.cur() != entry[2]:
             return (INVALID_CONTEXT,)
+        self.flush(self.cur())
         del self.allocs[p]
         self.used -= entry[1]
         self.note("free", p)
@@ -172,7 +187,9 @@ class FakeMemDriver:
             return (INVALID_CONTEXT, 0, 0)
         return (OK, self.total - self.used, self.total)
 
-    def _copy(self, name: str, dst: int, src: int, n: int, stream: Any = None) -> tuple[int]:
+    def _copy(
+        self, name: str, dst: int, src: int, n: int, stream: Any = None, queued: bool = False
+    ) -> tuple[int]:
         if not self.cur():
             return (INVALID_CONTEXT,)
         if self._err():
@@ -180,12 +197,16 @@ class FakeMemDriver:
         if stream is not None and self._stream_ok(stream):
             return (INVALID_HANDLE,)
         self.note(name, (n, None if stream is None else int(stream)))
-        ctypes.memmove(int(dst), int(src), n)
+        if queued:
+            staged = ctypes.create_string_buffer(ctypes.string_at(int(src), n), n)
+            self._queue(lambda: ctypes.memmove(int(dst), staged, n))
+        else:
+            ctypes.memmove(int(dst), int(src), n)
         return (OK,)
 
     def cuMemcpyHtoD(self, dst: int, src: int, n: int) -> tuple[int]:
         assert self._dev_range(dst, n)
-        return self._copy("HtoD", dst, src, n)
+        return self._copy("HtoD", dst, src, n, queued=True)
 
     def cuMemcpyHtoDAsync(self, dst: int, src: int, n: int, s: Any) -> tuple[int]:
         assert self._dev_range(dst, n)
@@ -193,6 +214,7 @@ class FakeMemDriver:
 
     def cuMemcpyDtoH(self, dst: int, src: int, n: int) -> tuple[int]:
         assert self._dev_range(src, n)
+        self.flush(self.cur())
         return self._copy("DtoH", dst, src, n)
 
     def cuMemcpyDtoHAsync(self, dst: int, src: int, n: int, s: Any) -> tuple[int]:
@@ -201,14 +223,14 @@ class FakeMemDriver:
 
     def cuMemcpyDtoD(self, dst: int, src: int, n: int) -> tuple[int]:
         assert self._dev_range(src, n) and self._dev_range(dst, n)
-        return self._copy("DtoD", dst, src, n)
+        return self._copy("DtoD", dst, src, n, queued=True)
 
     def cuMemcpyDtoDAsync(self, dst: int, src: int, n: int, s: Any) -> tuple[int]:
         return self._copy("DtoDAsync", dst, src, n, s)
 
     def cuMemcpyPeer(self, dst: int, dctx: Any, src: int, sctx: Any, n: int) -> tuple[int]:
         self.note("Peer", (int(dctx), int(sctx)))
-        return self._copy("PeerCopy", dst, src, n)
+        return self._copy("PeerCopy", dst, src, n, queued=True)
 
     def cuMemcpyPeerAsync(
         self, dst: int, dctx: Any, src: int, sctx: Any, n: int, s: Any
@@ -219,7 +241,7 @@ class FakeMemDriver:
     def cuMemsetD8(self, ptr: int, value: int, n: int) -> tuple[int]:
         assert self._dev_range(ptr, n)
         self.note("memset", (value, n))
-        ctypes.memset(ptr, value, n)
+        self._queue(lambda: ctypes.memset(ptr, value, n))
         return (OK,)
 
     def cuMemsetD8Async(self, ptr: int, value: int, n: int, s: Any) -> tuple[int]:
@@ -323,6 +345,8 @@ class FakeMemDriver:
         if self._stream_ok(h):
             return (INVALID_HANDLE,)
         self.note("streamsync", int(h))
+        if int(h) == 0:
+            self.flush(self.cur())
         funcs = self.host_funcs.pop(int(h), [])
         if funcs:  # the driver runs host functions on its own thread
             t = threading.Thread(target=lambda: [_HostFn(f)(u) for f, u in funcs])
@@ -347,6 +371,7 @@ class FakeMemDriver:
         if not self.cur():
             return (INVALID_CONTEXT,)
         self.note("ctxsync")
+        self.flush(self.cur())
         return (self._err(),)
 
     def cuEventCreate(self, flags: int) -> tuple[int, Any]:
@@ -417,6 +442,7 @@ def fake(fake_driver, monkeypatch):
     monkeypatch.setattr(memory, "_concurrent_managed", {})
     monkeypatch.setattr(_copies, "_peer_pairs", {})
     monkeypatch.setattr(_hostmem, "_strict", False)
+    monkeypatch.setattr(_driver, "_raw_pointer_get_attribute", False)
     yield f
     gc.collect()
 
@@ -900,6 +926,62 @@ def test_memset_sync_and_async(fake, ctx0):
     assert fake.calls("memsetAsync")[0][2] == (9, 2, int(s.handle))
 
 
+def test_memset_without_stream_is_done_before_a_stream_memset_runs(fake, ctx0):
+    """The first GPU run's failure: the legacy-stream memset landed after the slice's
+    memset on a non-blocking stream, overwriting it. The fake queues legacy work."""
+    with ctx0:
+        s = Stream()
+        b = DeviceBuffer(4099)
+        b.memset(0x11)
+        assert not fake.legacy.get(ctx0.handle)
+        b[7:4000].memset(0xEE, stream=s)
+        s.synchronize()
+        out = b.copy_to_host()
+    assert (out[:7] == 0x11).all() and (out[7:4000] == 0xEE).all() and (out[4000:] == 0x11).all()
+    assert fake.calls("memsetAsync")[0][2] == (0xEE, 3993, int(s.handle))
+
+
+def test_default_stream_operations_complete_before_returning(fake, ctx0, ctx1):
+    """stream=None: H2D, D2D, peer copies and memsets wait for the default stream of the
+    context they ran in; stream=s: nothing waits."""
+    data = np.arange(16, dtype=np.uint8)
+    a = DeviceBuffer(16, context=ctx0)
+    b = DeviceBuffer(16, context=ctx0)
+    c = DeviceBuffer(16, context=ctx1)
+    steps = [
+        (lambda: a.copy_from_host(data), ctx0),
+        (lambda: b.copy_from(a), ctx0),
+        (lambda: a.view().copy_to(b.view()), ctx0),
+        (lambda: ck.copy_peer(c, a), ctx1),
+        (lambda: c.copy_from(b), ctx1),
+        (lambda: c.memset(5), ctx1),
+        (lambda: ck.memory.to_device(data, context=ctx1), ctx1),
+    ]
+    with ctx0:
+        for step, where in steps:
+            fake.log.clear()
+            step()
+            assert not any(fake.legacy.values()), step
+            assert ("streamsync", where.handle, 0) in fake.log, step
+        s = Stream()
+        fake.log.clear()
+        a.copy_from_host(ck.pinned_empty(16, np.uint8), stream=s)
+        b.copy_from(a, stream=s)
+        b.memset(1, stream=s)
+        assert not fake.calls("streamsync")
+    with ctx1:
+        np.testing.assert_array_equal(c.copy_to_host(), np.full(16, 5, np.uint8))
+
+
+def test_default_stream_wait_reports_a_fault(fake, ctx0):
+    with ctx0:
+        buf = DeviceBuffer(8)
+        fake.sticky[ctx0.handle] = ILLEGAL_ADDRESS
+        with pytest.raises(ContextPoisonedError, match="cuStreamSynchronize"):
+            buf.memset(0)
+    assert ctx0.poisoned
+
+
 def test_stream_of_another_context_is_refused(fake, ctx0, ctx1):
     s1 = Stream(ctx1)
     with ctx0:
@@ -1087,7 +1169,8 @@ def test_foreign_source_stream_is_synchronized_v3(fake, ctx0):
         theirs = ForeignArray(DeviceBuffer(16), (4,), "<f4", stream=int(s.handle))
         mine = ck.device_array((4,), np.float32)
         mine.copy_from(theirs)
-        assert fake.calls("streamsync")[-1][2] == int(s.handle)
+        # the producer's stream first, then the default stream the copy ran on
+        assert [c[2] for c in fake.calls("streamsync")][-2:] == [int(s.handle), 0]
         n = len(fake.calls("streamsync"))
         mine.copy_from(theirs, stream=s)  # same stream: stream order suffices
         assert len(fake.calls("streamsync")) == n
@@ -1102,6 +1185,75 @@ def test_foreign_memory_of_another_context_goes_peer(fake, ctx0, ctx1):
     assert fake.calls("Peer")[-1][2] == (ctx1.handle, ctx0.handle)
     with ctx1:
         np.testing.assert_array_equal(theirs.buf.view((4,), np.float32).to_host(), np.arange(4))
+
+
+def test_memory_without_a_context_attribute_is_placed_by_device_ordinal(
+    fake, ctx0, ctx1, monkeypatch
+):
+    """Pool/VMM allocations report no context: the device ordinal picks the primary one."""
+    with ctx1:
+        theirs = DeviceBuffer(16)
+    plain = fake.cuPointerGetAttribute
+
+    def no_context(attr: Any, ptr: int) -> tuple[int, Any]:
+        if attr == real.CUpointer_attribute.CU_POINTER_ATTRIBUTE_CONTEXT:
+            return (OK, FakeHandle(0))
+        return plain(attr, ptr)
+
+    monkeypatch.setattr(fake, "cuPointerGetAttribute", no_context)
+    from ctxkit import _copies
+
+    with ctx0:
+        assert _copies.context_of_pointer(theirs.ptr, "t") is ck.Context.primary(1)
+        with pytest.raises(ValueError, match="not device memory known to CUDA"):
+            _copies.context_of_pointer(12345, "t")
+
+
+def test_pointer_device_ordinal_reads_libcuda_directly(monkeypatch):
+    from ctxkit import _driver
+
+    seen: list[tuple[int, int]] = []
+
+    def raw(out: Any, attr: int, ptr: int) -> int:
+        seen.append((attr, ptr))
+        if ptr == 0xBAD:
+            return INVALID_VALUE
+        out.contents.value = 3
+        return OK
+
+    monkeypatch.setattr(_driver, "_raw_pointer_get_attribute", raw)
+    assert _driver.pointer_device_ordinal(0x7000) == (OK, 3)
+    assert _driver.pointer_device_ordinal(0xBAD)[0] == INVALID_VALUE
+    assert seen == [(9, 0x7000), (9, 0xBAD)]
+    assert int(real.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL) == 9
+
+
+def test_pointer_device_ordinal_loader(monkeypatch):
+    from ctxkit import _driver
+
+    class Lib:
+        def __init__(self, name: str) -> None:
+            if name == "missing":
+                raise OSError(name)
+            self.cuPointerGetAttribute = ctypes.CFUNCTYPE(ctypes.c_int)(lambda: 0)
+
+    monkeypatch.setattr(_driver.ctypes, "CDLL", lambda name: Lib(name))
+    fn = _driver._load_raw_pointer_get_attribute()
+    assert fn.restype is ctypes.c_int and fn.argtypes[2] is ctypes.c_uint64
+    monkeypatch.setattr(_driver.ctypes, "CDLL", lambda name: Lib("missing"))
+    assert _driver._load_raw_pointer_get_attribute() is False
+    monkeypatch.setattr(_driver, "_raw_pointer_get_attribute", None)
+    monkeypatch.setattr(_driver, "drv", FakeOrdinalBindings())
+    assert _driver.pointer_device_ordinal(0x10) == (OK, 1)  # falls back to the bindings
+    assert _driver._raw_pointer_get_attribute is False
+
+
+class FakeOrdinalBindings:
+    CUpointer_attribute = real.CUpointer_attribute
+
+    def cuPointerGetAttribute(self, attr: Any, ptr: int) -> tuple[int, int]:
+        assert attr == real.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+        return (OK, 1)
 
 
 def test_dlpack_export(fake, ctx0, ctx1):
@@ -1640,6 +1792,38 @@ def test_sticky_error_from_a_copy_inside_the_context(fake, ctx0):
         with pytest.raises(ContextPoisonedError):
             buf.copy_to_host()
     assert ctx0.poisoned
+
+
+def test_bench_memory_peer_section_waits_and_syncs_before_freeing(fake, monkeypatch, capsys):
+    """benchmarks/bench_memory.py's peer section (the first GPU run faulted device 0 after
+    it): every copy is awaited, both contexts are synchronized before peer access is
+    enabled and before the buffers are freed, and the bytes arrive."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_memory.py"
+    spec = importlib.util.spec_from_file_location("bench_memory_under_test", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench, "PEER_SIZE", 64 << 10)
+    c0, c1 = ck.registry.context(0), ck.registry.context(1)
+    bench.bench_peer(2, 2)
+    out = capsys.readouterr().out
+    assert "SUMMARY memory.peer_data_ok 1.00 (target 1 (bytes arrived)) PASS" in out
+    for key in ("staged", "p2p"):
+        assert f"SUMMARY memory.peer_{key}_vs_raw" in out
+        assert f"SUMMARY memory.peer_{key}_gbps" in out
+    log = [(call, ctx) for call, ctx, _ in fake.log]
+    frees = [i for i, (call, _) in enumerate(log) if call == "free"]
+    assert len(frees) == 2
+    for ctx in (c0, c1):
+        assert ("ctxsync", ctx.handle) in log[: frees[0]]
+    first_enable = next(i for i, (call, _) in enumerate(log) if call == "enablepeer")
+    assert {("ctxsync", c0.handle), ("ctxsync", c1.handle)} <= set(log[:first_enable])
+    assert not any(fake.legacy.values())
+    peer_calls = fake.calls("Peer") + fake.calls("PeerAsync")
+    assert peer_calls and all(c[1] == c1.handle for c in peer_calls)
 
 
 def test_public_names_are_exported():
