@@ -4,6 +4,7 @@ leaves no pending error, and a kernel on device 0 reading device 1's memory dire
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -89,6 +90,40 @@ def test_copies_without_then_with_peer_access(pair):
             assert drv.cuCtxSynchronize()[0] == 0
             assert drv.cuMemGetInfo()[0] == 0
     check_both_directions(p, expect_direct=True, seed=2)
+
+
+def test_copy_peer_without_a_stream_returns_after_the_copy(pair):
+    """copy_peer(stream=None) has completed when it returns, with and without peer
+    access: 512 MiB cannot cross in less than n / 2 TB/s (no NVLink/PCIe path of one
+    direction is that fast), while a call that only enqueued returns in microseconds
+    (the first GPU run's benchmark timed 9529 GB/s that way)."""
+    p = pair
+    n = 512 << 20
+    src = ck.DeviceBuffer(n, context=p.a)
+    dst = ck.DeviceBuffer(n, context=p.b)
+    try:
+        with p.a:
+            src.memset(9)
+        for enable in (False, True):
+            if enable:
+                if not p.p2p:
+                    break
+                ck.enable_peer_access(p.a, p.b)
+                ck.enable_peer_access(p.b, p.a)
+            with p.a:
+                ck.copy_peer(dst, src)  # warm-up
+                t0 = time.perf_counter()
+                ck.copy_peer(dst, src)
+                took = time.perf_counter() - t0
+            assert took >= n / 2e12, f"returned after {took * 1e6:.1f} us (peer access {enable})"
+        with p.b:
+            assert (dst[: 1 << 20].copy_to_host() == 9).all()
+            assert (dst[n - (1 << 20) :].copy_to_host() == 9).all()
+    finally:
+        p.a.synchronize()
+        p.b.synchronize()
+        dst.close()
+        src.close()
 
 
 def test_device_to_device_copy_across_devices(pair):
