@@ -78,7 +78,17 @@ class CompileError(CudaError):
 
 
 class ContextPoisonedError(CudaError):
-    """A sticky error (illegal address, trap, ...) left the context unusable."""
+    """A sticky error (illegal address, trap, ...) left the context unusable.
+
+    Every later use of that context raises this error at once. How far the damage
+    reaches is up to the driver: CUDA documents these errors as leaving the process in an
+    inconsistent state, and with a CUDA 13.0 driver a fault in device 0's *primary*
+    context made ``cuDevicePrimaryCtxRetain`` of device 1 fail with the same error.
+    To keep other devices usable when a kernel may fault, run it in an owned context
+    (``ContextRegistry(kind="owned")`` or ``Context.create``) or in its own process
+    (:mod:`ctxkit.procs`); tests/gpu/test_sticky.py checks both primary and owned
+    contexts on the real driver.
+    """
 
 
 class ForkError(CudaError):
