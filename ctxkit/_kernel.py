@@ -25,7 +25,7 @@ from .registry import guard
 if TYPE_CHECKING:
     from .module import Module
 
-__all__ = ["Kernel", "PreparedLaunch", "stream_for"]
+__all__ = ["Kernel", "PreparedLaunch", "load_function", "stream_for"]
 
 _INVALID_VALUE = 1
 _OUT_OF_RESOURCES = 701
@@ -48,6 +48,22 @@ def _host_array_pointer(arr: np.ndarray) -> int | None:
 
 
 _params.set_host_pointer_resolver(_host_array_pointer)
+
+
+def load_function(func: Any) -> int:
+    """``cuFuncLoad(func)``: finish loading a lazily loaded function now; the CUresult.
+
+    ``0`` also where the driver or the bindings predate ``cuFuncLoad`` (CUDA 12.4):
+    there the function loads at its first launch, as before.
+    """
+    fn = getattr(drv, "cuFuncLoad", None)
+    if fn is None:
+        return 0
+    try:
+        (err,) = fn(func)
+    except RuntimeError:  # bindings newer than the driver: the symbol is missing
+        return 0
+    return int(err)
 
 
 # --- streams --------------------------------------------------------------------------
@@ -178,15 +194,45 @@ class Kernel:
         else:
             err, func = drv.cuKernelGetFunction(self._handle)
             if err:
-                raise self._function_error(int(err), ctx)
+                raise self._function_error(int(err), ctx, "cuKernelGetFunction")
+        err = load_function(func)
+        if err:
+            raise self._function_error(err, ctx, "cuFuncLoad")
         self._funcs[ctx.handle] = (ctx, func)
         return func
 
-    def _function_error(self, code: int, ctx: Context) -> CudaError:
-        what = f"cuKernelGetFunction({self.name!r}) in {ctx!r}"
+    def _function_error(self, code: int, ctx: Context, call: str) -> CudaError:
+        what = f"{call}({self.name!r}) in {ctx!r}"
         if code in JIT_CODES:
             return self.module._jit_error(code, what)
         return ctx.note_error(code, what)
+
+    def preload(self, context: Context | None = None) -> None:
+        """Load the kernel into *context* now rather than at its first launch.
+
+        Under CUDA's lazy loading (the default since CUDA 12.2) a kernel is loaded into
+        a context at its first launch, and loading may wait until the context is idle:
+        the first launch of a kernel while another kernel runs can block the host until
+        that kernel finishes. Preloading (``cuKernelGetFunction`` + ``cuFuncLoad``, once
+        per context) moves that cost to a moment of your choice. ``Pipeline.map`` does
+        it on every device before the first chunk.
+
+        Parameters
+        ----------
+        context : Context, optional
+            Default: the calling thread's current context (the module's own context for
+            a module loaded with ``context=``).
+
+        Raises
+        ------
+        NoCurrentContextError
+            No *context* was given and the thread has none.
+        CompileError
+            The driver could not load the kernel's code for the device.
+        """
+        ctx = context if context is not None else self._current(f"{self.name}.preload")
+        with ctx:
+            self._function(ctx)
 
     def _wrong_context(self, ctx: Context) -> CudaError:
         return CudaError(
