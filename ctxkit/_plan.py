@@ -3,6 +3,7 @@ checking the arrays and options of a map. No driver calls: tested on any machine
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -13,10 +14,15 @@ from .context import Context
 from .device import Device
 
 __all__ = [
+    "HOST_PATHS",
     "Chunk",
+    "HostPieces",
     "Plan",
+    "check_host_path",
+    "choose_host_path",
     "default_chunk_bytes",
     "grid_size",
+    "host_pieces",
     "make_plan",
     "prepare_io",
     "split_rows",
@@ -27,6 +33,10 @@ DEFAULT_CHUNK_BYTES = 32 * MiB
 MIN_CHUNK_BYTES = 1 * MiB
 MIN_CHUNKS_PER_DEVICE = 4
 SCHEDULES = ("static", "dynamic")
+HOST_PATHS = ("auto", "staged", "register")
+PAGE = mmap.PAGESIZE
+AUTO_HOST_PATH = "register"
+AUTO_REGISTER_MIN_BYTES = 4 * MiB
 
 
 def split_rows(n_rows: int, n_parts: int) -> list[tuple[int, int]]:
@@ -219,3 +229,71 @@ def check_device_specs(
             raise ValueError(f"device {key} is listed twice in devices={specs!r}")
         seen.add(key)
     return specs
+
+
+def check_host_path(host_path: Any) -> tuple[str, str]:
+    """``(input, output)`` host paths from ``"auto"``/``"staged"``/``"register"`` or a pair."""
+    pair = (host_path, host_path) if isinstance(host_path, str) else host_path
+    if (
+        not isinstance(pair, tuple)
+        or len(pair) != 2
+        or any(not isinstance(p, str) or p not in HOST_PATHS for p in pair)
+    ):
+        raise ValueError(
+            f"host_path must be one of {HOST_PATHS} or an (input, output) pair of them, "
+            f"not {host_path!r}"
+        )
+    return pair[0], pair[1]
+
+
+def choose_host_path(requested: str, nbytes: int) -> str:
+    """How a pageable side of *nbytes* moves: *requested*, or for ``"auto"``
+    :data:`AUTO_HOST_PATH` from :data:`AUTO_REGISTER_MIN_BYTES` up and staging below
+    (registering costs a few driver calls per chunk that a small array does not repay).
+    """
+    if requested != "auto":
+        return requested
+    return AUTO_HOST_PATH if nbytes >= AUTO_REGISTER_MIN_BYTES else "staged"
+
+
+@dataclass(frozen=True)
+class HostPieces:
+    """How the bytes of one chunk of a pageable array move when its pages are registered.
+
+    The chunk's bytes are ``head`` bytes copied through a small pinned bounce buffer,
+    then ``direct`` bytes DMAed straight from/to the registered pages
+    ``[seg_ptr, seg_ptr + seg_len)``, then ``tail`` bounced bytes. Only whole pages are
+    registered and each page by at most one chunk: a chunk owns the pages that start
+    inside it, so the partial page at its start belongs to the chunk before (and its
+    bytes are bounced), as do the partial pages at both ends of the array.
+    """
+
+    head: int
+    direct: int
+    tail: int
+    seg_ptr: int
+    seg_len: int
+
+    @property
+    def bounced(self) -> int:
+        """Bytes that go through the bounce buffer (``head + tail``)."""
+        return self.head + self.tail
+
+
+def host_pieces(base: int, total: int, b0: int, b1: int, page: int = PAGE) -> HostPieces:
+    """Split bytes ``[b0, b1)`` of the array at address *base* (*total* bytes long).
+
+    ``head`` and ``tail`` are each shorter than a page; a chunk that owns no whole page
+    (it lies within one page, or in the partial page at the end) is all ``head``
+    (shorter than two pages).
+    """
+    if not 0 <= b0 <= b1 <= total:
+        raise ValueError(f"bytes [{b0}, {b1}) are not inside an array of {total} bytes")
+    a0, a1 = base + b0, base + b1
+    last = (base + total) // page * page
+    s0 = -(-a0 // page) * page
+    s1 = min(-(-a1 // page) * page, last)
+    if s1 <= s0:
+        return HostPieces(b1 - b0, 0, 0, 0, 0)
+    end = min(a1, s1)
+    return HostPieces(s0 - a0, end - s0, a1 - end, s0, s1 - s0)

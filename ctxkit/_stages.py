@@ -5,19 +5,21 @@ Re-exported by :mod:`ctxkit.pipeline`.
 
 from __future__ import annotations
 
+import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any
 
-from ._pipework import PipelineError
+from ._pipetypes import PipelineError
 from ._staging import DeviceState, calibrate
 from .context import Context
+from .device import Device
 from .errors import ContextPoisonedError, CudaError
 from .stream import Event, Stream
 from .trace import Recorder
 
-__all__ = ["StageHandle", "run_stage", "stage_error"]
+__all__ = ["StageHandle", "StageMixin", "run_stage", "stage_error"]
 
 
 class StageHandle:
@@ -125,3 +127,87 @@ def run_stage(
     if rec is not None:
         rec.mark(f"stage:{handle.name}", dev.ordinal, "stage", None, s0, end)
     return result
+
+
+class StageMixin:
+    """The cross-device stage API of :class:`~ctxkit.pipeline.Pipeline`."""
+
+    _lock: threading.RLock
+    _recorder: Recorder | None
+    _stages: list[StageHandle]
+    tracing: bool
+
+    def _check_usable(self) -> None:
+        raise NotImplementedError
+
+    def _device_for(self, device: int | Device | Context) -> DeviceState:
+        raise NotImplementedError
+
+    def stream(self, device: int | Device | Context) -> Stream:
+        """The stream :meth:`submit` stages of *device* run on."""
+        return self._device_for(device).stage_stream
+
+    def submit(
+        self,
+        device: int | Device | Context,
+        fn: Callable[[Context, Stream], Any],
+        after: Iterable[StageHandle | Event] = (),
+        *,
+        name: str | None = None,
+    ) -> StageHandle:
+        """Enqueue ``fn(ctx, stream)`` on *device* after the stages in *after* completed.
+
+        ``fn`` runs on the device's worker thread with its context current and enqueues
+        work on ``stream`` (:meth:`stream`); an event recorded after it completes the
+        returned handle. The device's stream waits for every handle (or Event) in
+        *after* on the GPU (``cuStreamWaitEvent``, across devices), without blocking
+        the host. Stages on one device run in submission order.
+
+        Load the kernels ``fn`` launches beforehand (:meth:`Kernel.preload`): under
+        lazy loading the first launch of a kernel may wait until the context is idle,
+        which delays the stage's event and with it every stage waiting for it.
+        """
+        self._check_usable()
+        dev = self._device_for(device)
+        if not callable(fn):
+            raise TypeError(f"fn must be callable as fn(ctx, stream), got {type(fn).__name__}")
+        deps = list(after)
+        for h in deps:
+            if isinstance(h, StageHandle):
+                if h._owner() is not self:
+                    raise ValueError(f"{h!r} was not submitted to this pipeline")
+            elif not isinstance(h, Event):
+                raise TypeError(
+                    f"after= takes StageHandles or ctxkit Events, got {type(h).__name__}"
+                )
+        label = str(name or getattr(fn, "__name__", "stage"))
+        handle = StageHandle(dev.ordinal, label, dev.ctx, self)
+        with self._lock:
+            if self._recorder is None and self.tracing:
+                self._recorder = Recorder()
+            rec = self._recorder
+            self._stages.append(handle)
+        handle._future = dev.worker.submit(run_stage, dev, fn, deps, handle, rec)
+        return handle
+
+    def wait(self, handles: Iterable[StageHandle] | None = None) -> None:
+        """Wait for the GPU work of *handles* (default: every stage submitted so far).
+
+        Raises
+        ------
+        PipelineError
+            A stage failed; the message names its device and name.
+        """
+        todo = list(self._stages if handles is None else handles)
+        first: BaseException | None = None
+        for h in todo:
+            try:
+                h.synchronize()
+            except BaseException as exc:
+                if first is None:
+                    first = exc
+        if handles is None:
+            with self._lock:
+                self._stages = [h for h in self._stages if h not in todo]
+        if first is not None:
+            raise first

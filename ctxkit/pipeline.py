@@ -6,11 +6,12 @@ busy at once:
 
 * each device is driven by its own worker thread (a ``ContextExecutor`` bound to the
   device's shared context), so a call that blocks on one device never stalls another;
-* pageable input and output go through pinned staging buffers (``staging_buffers`` per
-  device, allocated once and reused), filled and drained by a pool of host copy threads
-  (``np.copyto`` releases the GIL), overlapped with the transfers and kernels of
-  neighbouring chunks through events: a staging buffer is refilled only after the H2D
-  that read it completed, and drained only after the D2H that wrote it;
+* pageable input and output are never copied synchronously: by default (``host_path=
+  "auto"``) the pages of each chunk are registered just in time by a pool of host
+  threads and DMAed directly (only the partial pages at the ends are bounced through a
+  tiny pinned buffer); ``host_path="staged"`` copies them through pinned staging
+  buffers instead (``staging_buffers`` per device, filled and drained by the host
+  threads, overlapped with the transfers and kernels of neighbouring chunks);
 * pinned input/output (``ctxkit.pinned_empty``, ``register_host``) is copied directly,
   fully asynchronously (the zero-copy path).
 
@@ -28,7 +29,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from typing import Any
@@ -37,36 +38,33 @@ import numpy as np
 
 from . import _driver
 from ._hostmem import host_pointer_kind
-from ._pipework import (
-    ChunkView,
-    DeviceStats,
-    PipelineError,
-    Run,
-    RunStats,
-    drain,
-    feed,
-    make_launcher,
-    run_stats,
-    unblock_if_not_run,
-)
+from ._hostreg import Registrar
+from ._maplaunch import make_launcher, unblock_if_not_run
+from ._pipetypes import ChunkView, DeviceStats, PipelineError, RunStats
+from ._pipework import Run, drain, feed, run_stats
 from ._plan import (
     Chunk,
+    HostPieces,
     Plan,
     addr,
     check_block,
     check_device_specs,
+    check_host_path,
     check_options,
+    choose_host_path,
     default_chunk_bytes,
     grid_size,
+    host_pieces,
     make_plan,
     prepare_io,
     row_bytes,
     split_rows,
 )
-from ._stages import StageHandle, run_stage
+from ._stages import StageHandle, StageMixin
 from ._staging import (
-    CopyPool,
     DeviceState,
+    HostPool,
+    Progress,
     default_host_threads,
     quiet_sync,
     shutdown_all,
@@ -75,16 +73,16 @@ from .compiler import ObjectCode
 from .context import Context
 from .device import Device, device_count
 from .errors import ContextPoisonedError, CudaError
-from .memory import ManagedBuffer
+from .memory import ManagedBuffer, is_pinned
 from .module import Kernel, Module
 from .registry import registry
-from .stream import Event, Stream
 from .trace import Recorder, Timeline
 
 __all__ = [
     "Chunk",
     "ChunkView",
     "DeviceStats",
+    "HostPieces",
     "Pipeline",
     "PipelineError",
     "Plan",
@@ -92,6 +90,7 @@ __all__ = [
     "StageHandle",
     "default_chunk_bytes",
     "grid_size",
+    "host_pieces",
     "make_plan",
     "prepare_io",
     "split_rows",
@@ -100,7 +99,7 @@ __all__ = [
 _NO_DEVICE = 100
 
 
-class Pipeline:
+class Pipeline(StageMixin):
     """Copy -> kernel -> copy over every GPU at once, from host numpy arrays.
 
     Parameters
@@ -113,12 +112,23 @@ class Pipeline:
         when a device would get fewer than 4 chunks.
     staging_buffers : int
         Slots per device (3 = triple buffering): each has a stream, an input and an
-        output device buffer and, for pageable data, pinned staging buffers. Allocated
-        at the first :meth:`map` that needs them, reused, grown when a later call needs
-        bigger chunks, freed by :meth:`close`.
+        output device buffer and, for pageable data, pinned staging (or small bounce)
+        buffers. Allocated at the first :meth:`map` that needs them, reused, grown when
+        a later call needs bigger chunks, freed by :meth:`close`. A device keeps at most
+        this many chunks in flight (twice as many when they use no slot buffer), which
+        also bounds what an interrupted :meth:`map` waits for.
     host_threads : int, optional
-        Threads of the host copy pool (pageable <-> pinned). Default:
-        ``min(usable CPUs - 1, 8 * len(devices))``, at least 2.
+        Threads of the host pool (staging copies, page registration). Default: 12 per
+        device, at most the usable CPUs minus two per device minus one, at least 2.
+    host_path : {"auto", "staged", "register"} or (input, output) pair of them
+        How pageable arrays reach the devices (pinned arrays are always copied
+        directly): ``"staged"`` copies each chunk through pinned staging buffers (two
+        host memory copies per byte); ``"register"`` page-locks the chunk's own pages
+        just in time (``cuMemHostRegister``, in parallel on the host pool, a few chunks
+        ahead) and DMAs straight from/to them, bouncing only the partial pages at the
+        array's ends and chunk boundaries; the pages are unregistered once the chunk's
+        D2H completed, before :meth:`map` returns. ``"auto"``: registration for arrays
+        of 4 MiB and more, staging below. Per-call override: ``map(host_path=...)``.
     schedule : {"static", "dynamic"}
         ``"static"``: an even contiguous share of rows per device. ``"dynamic"``: devices
         take chunks from a shared queue (work stealing; helps unequal devices).
@@ -138,6 +148,16 @@ class Pipeline:
     device pointers to the chunk's input and output and ``n`` (``size_t``) the element
     count of the input chunk; launched with ``grid = min(ceil(n / block), device
     capacity)`` blocks, so kernels must use a grid-stride loop.
+
+    Why ``"auto"`` registers: on 2x H200 with 32 CPUs (2 GiB float32, pageable in and
+    out) the staged path reached 15.8 GB/s on 1 GPU and 19.8 GB/s on 2. It copies every
+    byte twice on the host (fill and drain) and ``np.copyto`` peaks at 48.6 GB/s with 32
+    threads, so staging is capped near 24 GB/s of input. Registered pages are touched
+    only by the DMA; that path is bounded by the page-locking rate instead
+    (``cuMemHostRegister`` ~38 ms/GiB on one thread, run in parallel on the host pool).
+    ``benchmarks/bench_pipeline.py`` measures both paths and the locking rate with 1-16
+    threads in one run (SUMMARY ``pipeline.1gpu_auto_vs_fastest_path``); the choice is
+    ``ctxkit._plan.AUTO_HOST_PATH``.
     """
 
     def __init__(
@@ -149,8 +169,10 @@ class Pipeline:
         *,
         schedule: str = "static",
         trace: bool = True,
+        host_path: str | tuple[str, str] = "auto",
     ) -> None:
         check_options(chunk_bytes, staging_buffers, host_threads, schedule)
+        self.host_path = check_host_path(host_path)
         specs = check_device_specs(devices)
         self.chunk_bytes = chunk_bytes
         self.staging_buffers = staging_buffers
@@ -159,7 +181,7 @@ class Pipeline:
         contexts = _resolve_contexts(specs)
         self._devices = [DeviceState(i, ctx, staging_buffers) for i, ctx in enumerate(contexts)]
         self.host_threads = host_threads or default_host_threads(len(contexts))
-        self._pool: list[CopyPool] = []
+        self._pool: list[HostPool] = []
         self._lock = threading.RLock()
         self._inflight: list[Future[Any]] = []
         self._run: Run | None = None
@@ -197,10 +219,6 @@ class Pipeline:
         """Bytes, seconds and per-device breakdown of the last :meth:`map`."""
         return self._stats
 
-    def stream(self, device: int | Device | Context) -> Stream:
-        """The stream :meth:`submit` stages of *device* run on."""
-        return self._device_for(device).stage_stream
-
     def __repr__(self) -> str:
         state = " closed" if self._closed else (" poisoned" if self.poisoned else "")
         return f"<Pipeline devices={[d.ordinal for d in self._devices]}{state}>"
@@ -224,6 +242,7 @@ class Pipeline:
         *,
         mode: str = "auto",
         schedule: str | None = None,
+        host_path: str | tuple[str, str] | None = None,
     ) -> np.ndarray:
         """Run ``kernel`` over *x* chunk by chunk on every device; return *out*.
 
@@ -236,7 +255,7 @@ class Pipeline:
             ``stream`` (``d_in``/``d_out`` are :class:`ChunkView`).
         x : numpy.ndarray
             Input; split along the first axis. Pinned (``ctxkit.pinned_empty``) input is
-            copied directly, pageable input is staged through pinned buffers.
+            copied directly; pageable input takes the pipeline's ``host_path``.
         out : numpy.ndarray, optional
             Output, ``np.empty_like(x)`` by default. It may differ from *x* in dtype and
             row shape (same number of rows); each chunk's kernel writes the matching
@@ -251,6 +270,8 @@ class Pipeline:
             ``"managed"`` runs :meth:`map_managed` (x must be unified memory).
         schedule : {"static", "dynamic"}, optional
             Override the pipeline's schedule for this call.
+        host_path : {"auto", "staged", "register"} or (input, output) pair, optional
+            Override the pipeline's ``host_path`` for this call.
 
         Raises
         ------
@@ -258,13 +279,23 @@ class Pipeline:
             A chunk failed: the message names the device, chunk, rows and step.
         ContextPoisonedError
             The pipeline is unusable after an earlier fault.
+        CompileError
+            A Kernel could not be loaded on one of the devices.
+
+        Notes
+        -----
+        A Kernel is loaded into every device's context before the first chunk is
+        enqueued (:meth:`Kernel.preload`), so no launch waits for lazy loading.
         """
         if mode == "managed":
             return self.map_managed(kernel, x, out, args, chunk_bytes, block, schedule=schedule)
         if mode != "auto":
             raise ValueError(f"mode must be 'auto' or 'managed', not {mode!r}")
+        paths = self.host_path if host_path is None else check_host_path(host_path)
         x, out = prepare_io(x, out)
-        return self._map(kernel, x, out, args, chunk_bytes, block, schedule, managed=False)
+        return self._map(
+            kernel, x, out, args, chunk_bytes, block, schedule, managed=False, paths=paths
+        )
 
     def map_managed(
         self,
@@ -337,6 +368,7 @@ class Pipeline:
         managed: bool,
         prefetch: bool = True,
         to_host: bool = True,
+        paths: tuple[str, str] = ("auto", "auto"),
     ) -> np.ndarray:
         self._check_usable()
         if not isinstance(args, (tuple, list)):
@@ -350,31 +382,39 @@ class Pipeline:
             launch = make_launcher(kernel, x, out, tuple(args), block)
             self._settle()
             self._check_usable()
+            if isinstance(kernel, Kernel):
+                for dev in self._devices:
+                    kernel.preload(dev.ctx)
             self._new_recording()
             row = max(row_bytes(x), row_bytes(out))
             plan = make_plan(
                 x.shape[0], row, len(self._devices), chunk_bytes, schedule or self.schedule
             )
             t0 = time.perf_counter()
-            run = Run(x, out, plan, launch, self._recorder, managed, prefetch, to_host)
+            modes = ("pinned", "pinned") if managed else _host_modes(x, out, paths)
+            run = Run(x, out, plan, launch, self._recorder, managed, prefetch, to_host, modes)
             if plan.chunks and x.nbytes + out.nbytes:
                 self._execute(run)
             self._stats = run_stats(run, time.perf_counter() - t0, x.nbytes)
         return out
 
     def _execute(self, run: Run) -> None:
-        if run.stage_in or run.stage_out:
-            self._ensure_pool()
-            run.pool = self._pool[0]
         active = [
             d for d in self._devices if run.plan.schedule == "dynamic" or run.plan.for_part(d.part)
         ]
+        if run.needs_pool:
+            self._ensure_pool()
+            run.pool = self._pool[0]
+        if "register" in (run.in_mode, run.out_mode) and run.pool is not None:
+            run.registrar = Registrar(run.pool, run.stop, run.rec)
+            run.ahead = max(self.staging_buffers, -(-self.host_threads // len(active)))
         self._run = run
         futures: list[Future[Any]] = []
         for dev in active:
             q: queue.SimpleQueue[Any] = queue.SimpleQueue()
             run.stats[dev.ordinal] = DeviceStats(dev.ordinal)
             run.taken[dev.ordinal] = []
+            run.progress[dev.ordinal] = Progress()
             feeder = dev.worker.submit(feed, run, dev, q)
             feeder.add_done_callback(functools.partial(unblock_if_not_run, q))
             futures.append(feeder)
@@ -429,69 +469,6 @@ class Pipeline:
         self._kernels[key] = (obj, mod, kern)
         return kern
 
-    # --- cross-device stages -------------------------------------------------------
-
-    def submit(
-        self,
-        device: int | Device | Context,
-        fn: Callable[[Context, Stream], Any],
-        after: Iterable[StageHandle | Event] = (),
-        *,
-        name: str | None = None,
-    ) -> StageHandle:
-        """Enqueue ``fn(ctx, stream)`` on *device* after the stages in *after* completed.
-
-        ``fn`` runs on the device's worker thread with its context current and enqueues
-        work on ``stream`` (:meth:`stream`); an event recorded after it completes the
-        returned handle. The device's stream waits for every handle (or Event) in
-        *after* on the GPU (``cuStreamWaitEvent``, across devices), without blocking
-        the host. Stages on one device run in submission order.
-        """
-        self._check_usable()
-        dev = self._device_for(device)
-        if not callable(fn):
-            raise TypeError(f"fn must be callable as fn(ctx, stream), got {type(fn).__name__}")
-        deps = list(after)
-        for h in deps:
-            if isinstance(h, StageHandle):
-                if h._owner() is not self:
-                    raise ValueError(f"{h!r} was not submitted to this pipeline")
-            elif not isinstance(h, Event):
-                raise TypeError(
-                    f"after= takes StageHandles or ctxkit Events, got {type(h).__name__}"
-                )
-        label = str(name or getattr(fn, "__name__", "stage"))
-        handle = StageHandle(dev.ordinal, label, dev.ctx, self)
-        with self._lock:
-            if self._recorder is None and self.tracing:
-                self._recorder = Recorder()
-            rec = self._recorder
-            self._stages.append(handle)
-        handle._future = dev.worker.submit(run_stage, dev, fn, deps, handle, rec)
-        return handle
-
-    def wait(self, handles: Iterable[StageHandle] | None = None) -> None:
-        """Wait for the GPU work of *handles* (default: every stage submitted so far).
-
-        Raises
-        ------
-        PipelineError
-            A stage failed; the message names its device and name.
-        """
-        todo = list(self._stages if handles is None else handles)
-        first: BaseException | None = None
-        for h in todo:
-            try:
-                h.synchronize()
-            except BaseException as exc:
-                if first is None:
-                    first = exc
-        if handles is None:
-            with self._lock:
-                self._stages = [h for h in self._stages if h not in todo]
-        if first is not None:
-            raise first
-
     # --- trace ---------------------------------------------------------------------
 
     def trace(self) -> Timeline:
@@ -499,8 +476,9 @@ class Pipeline:
         available after :meth:`close`.
 
         Intervals: ``h2d``/``kernel``/``d2h`` per chunk on ``"stream <slot>"``,
-        ``fill``/``drain`` host copies on ``"host <thread>"``, ``prefetch`` in managed
-        mode, and ``wait``/``stage:<name>`` on ``"stage"``. Empty when tracing is off.
+        ``fill``/``drain`` staging copies and ``register``/``unregister`` page locking
+        on ``"host <thread>"``, ``prefetch`` in managed mode, and
+        ``wait``/``stage:<name>`` on ``"stage"``. Empty when tracing is off.
         """
         rec = self._recorder
         if rec is None:
@@ -594,7 +572,7 @@ class Pipeline:
 
     def _ensure_pool(self) -> None:
         if not self._pool:
-            self._pool.append(CopyPool(self.host_threads))
+            self._pool.append(HostPool(self.host_threads))
 
 
 def _ordinal(device: object) -> int | None:
@@ -621,6 +599,14 @@ def _resolve_contexts(specs: list[int | Device | Context] | None) -> list[Contex
     for ctx in contexts:
         ctx.check_usable()
     return contexts
+
+
+def _host_modes(x: np.ndarray, out: np.ndarray, paths: tuple[str, str]) -> tuple[str, str]:
+    """``(input, output)`` modes: ``"pinned"`` for page-locked arrays, else the path."""
+    return (
+        "pinned" if x.nbytes and is_pinned(x) else choose_host_path(paths[0], x.nbytes),
+        "pinned" if out.nbytes and is_pinned(out) else choose_host_path(paths[1], out.nbytes),
+    )
 
 
 def _managed_array(obj: Any, dtype: Any, shape: Sequence[int] | None, what: str) -> np.ndarray:

@@ -9,7 +9,12 @@ uses, modelled on CUDA's semantics:
 * events carry generations (re-recording captures the new point of the stream);
   ``cuStreamWaitEvent`` blocks a stream until the captured generation completed;
 * "device" memory is host memory (so copies are ``memmove``); pinned and managed
-  allocations are known to ``cuPointerGetAttribute``, anything else is pageable;
+  allocations and registered ranges are known to ``cuPointerGetAttribute``, anything
+  else is pageable;
+* ``cuMemHostRegister`` is strict: page-aligned ranges only, never a page twice
+  (``CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED``); ``register_error`` can make it fail.
+  Every async copy whose host side is pageable - when enqueued or when it runs (an
+  unregister before the DMA finished) - is recorded in ``pageable_dma``;
 * a kernel is a Python function enqueued with :meth:`FakeGPU.launch`; raising
   :class:`Fault` in it poisons the context the way an illegal address does: later
   operations there are skipped and synchronization returns error 700.
@@ -19,15 +24,20 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import mmap
 import queue
 import random
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
+import pytest
 from cuda.bindings import driver as _real
+
+from ctxkit.context import thread_state
 
 from .fakedriver import FakeDriver, FakeHandle
 
@@ -36,6 +46,8 @@ NOT_READY = 600
 INVALID_HANDLE = 400
 INVALID_VALUE = 1
 INVALID_CONTEXT = 201
+ALREADY_REGISTERED = 712
+NOT_REGISTERED = 713
 EVENT_DISABLE_TIMING = 2
 MEMORYTYPE_HOST, MEMORYTYPE_DEVICE = 1, 2
 
@@ -129,6 +141,11 @@ class FakeGPU(FakeDriver):
         self.events: dict[int, _Event] = {}
         self.mem: dict[int, tuple[np.ndarray, str]] = {}
         self.prefetches: list[tuple[int, int, Any]] = []
+        self.registered: dict[int, tuple[int, int]] = {}  # ptr -> (nbytes, flags)
+        self.register_calls: list[tuple[int, int, int]] = []
+        self.max_registered = 0
+        self.register_error: Callable[[int, int, int], int] | None = None
+        self.pageable_dma: list[str] = []
         self.attrs = {
             "CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT": 4,
             "CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR": 2048,
@@ -161,6 +178,15 @@ class FakeGPU(FakeDriver):
     def shutdown(self) -> None:
         for s in [*self.streams.values(), *self.default_streams.values()]:
             s.q.put(None)
+
+    def page_locked(self, ptr: int, n: int) -> bool:
+        """True when host bytes ``[ptr, ptr + n)`` are pinned or registered."""
+        hit = self.allocation(ptr)
+        if hit is not None:
+            base, arr, kind = hit
+            return kind == "host" and ptr + n <= base + arr.nbytes
+        with self._mlock:
+            return any(b <= ptr and ptr + n <= b + m for b, (m, _) in self.registered.items())
 
     def allocation(self, ptr: int) -> tuple[int, np.ndarray, str] | None:
         with self._mlock:
@@ -297,9 +323,39 @@ class FakeGPU(FakeDriver):
     def cuMemFreeHost(self, ptr: Any) -> tuple[int]:
         return self._free(ptr)
 
+    def cuMemHostRegister(self, ptr: Any, n: int, flags: int) -> tuple[int]:
+        p = int(ptr)
+        if not self.current():
+            return (INVALID_CONTEXT,)
+        if p % mmap.PAGESIZE or n % mmap.PAGESIZE or n <= 0:
+            return (INVALID_VALUE,)
+        self.register_calls.append((p, n, int(flags)))
+        err = self.register_error(p, n, int(flags)) if self.register_error else 0
+        if err:
+            return (err,)
+        with self._mlock:
+            if any(b < p + n and p < b + m for b, (m, _) in self.registered.items()):
+                return (ALREADY_REGISTERED,)
+            self.registered[p] = (n, int(flags))
+            total = sum(m for m, _ in self.registered.values())
+            self.max_registered = max(self.max_registered, total)
+        return (0,)
+
+    def cuMemHostUnregister(self, ptr: Any) -> tuple[int]:
+        if not self.current():
+            return (INVALID_CONTEXT,)
+        with self._mlock:
+            if self.registered.pop(int(ptr), None) is None:
+                return (NOT_REGISTERED,)
+        return (0,)
+
     def cuPointerGetAttribute(self, attr: Any, ptr: Any) -> tuple[int, int]:
         hit = self.allocation(int(ptr))
         if hit is None:
+            if self.page_locked(int(ptr), 1):
+                if attr == _real.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMORY_TYPE:
+                    return (0, MEMORYTYPE_HOST)
+                return (0, 0)
             return (INVALID_VALUE, 0)
         kind = hit[2]
         if attr == _real.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMORY_TYPE:
@@ -308,19 +364,27 @@ class FakeGPU(FakeDriver):
             return (0, int(kind == "managed"))
         return (INVALID_VALUE, 0)
 
-    def _copy(self, dst: Any, src: Any, n: int, h: Any) -> tuple[int]:
+    def _copy(self, dst: Any, src: Any, n: int, h: Any, host: int) -> tuple[int]:
         s = self._stream(h)
         if self._sticky(s.ctx):
             return (ILLEGAL_ADDRESS,)
         d, sr = int(dst), int(src)
-        s.put(lambda: ctypes.memmove(d, sr, n))
+        if not self.page_locked(host, n):
+            self.pageable_dma.append(f"enqueued {host:#x}+{n}")
+
+        def run() -> None:
+            if not self.page_locked(host, n):
+                self.pageable_dma.append(f"ran {host:#x}+{n}")
+            ctypes.memmove(d, sr, n)
+
+        s.put(run)
         return (0,)
 
     def cuMemcpyHtoDAsync(self, dst: Any, src: Any, n: int, h: Any) -> tuple[int]:
-        return self._copy(dst, src, n, h)
+        return self._copy(dst, src, n, h, int(src))
 
     def cuMemcpyDtoHAsync(self, dst: Any, src: Any, n: int, h: Any) -> tuple[int]:
-        return self._copy(dst, src, n, h)
+        return self._copy(dst, src, n, h, int(dst))
 
     def cuMemPrefetchAsync(self, ptr: Any, n: int, loc: Any, flags: int, h: Any) -> tuple[int]:
         s = self._stream(h)
@@ -352,3 +416,36 @@ def scale_body(gpu: FakeGPU, alpha: Any, delay: float = 0.0) -> Callable[..., No
         gpu.launch(stream, kernel)
 
     return body
+
+
+@pytest.fixture(name="gpu")
+def gpu_fixture(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeGPU]:
+    """Fixture ``gpu``: swap the driver for a 2-device FakeGPU in every ctxkit module for
+    one test (import ``gpu_fixture`` into a test module to use it)."""
+    from ctxkit import _demo, _driver, context, device, errors, memory  # noqa: F401
+    from ctxkit.registry import ContextRegistry
+
+    fake = FakeGPU(ndev=2)
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("ctxkit") and getattr(mod, "drv", None) is not None:
+            monkeypatch.setattr(mod, "drv", fake)
+    monkeypatch.setattr(errors, "_name_lookup", errors._name_lookup)
+    monkeypatch.setattr(_driver, "_init_pid", None)
+    monkeypatch.setattr(_driver, "_no_device", False)
+    monkeypatch.setattr(_driver, "_parent_initialized_pid", None)
+    monkeypatch.setattr(device.Device, "_instances", {})
+    monkeypatch.setattr(context.Context, "_primaries", {})
+    monkeypatch.setattr(memory, "_concurrent_managed", {}, raising=False)
+    reg = ContextRegistry()
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("ctxkit") and isinstance(
+            getattr(mod, "registry", None), ContextRegistry
+        ):
+            monkeypatch.setattr(mod, "registry", reg)
+    st = thread_state()
+    saved = (st.top, list(st.stack))
+    st.top, st.stack[:] = None, []
+    yield fake
+    assert not st.stack, f"the test left contexts pushed in the main thread: {st.stack}"
+    st.top, st.stack[:] = saved[0], saved[1]
+    fake.shutdown()

@@ -40,7 +40,7 @@ from ctxkit.pipeline import (
     split_rows,
 )
 
-from .pipeline_fakegpu import FakeGPU, Fault, host_view, scale_body
+from .pipeline_fakegpu import Fault, gpu_fixture, host_view, scale_body  # noqa: F401
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parent.parent
@@ -259,38 +259,6 @@ def test_benchmark_exits_2_without_gpu():
 
 
 # --- whole runs on the simulated GPU ---------------------------------------------------------
-
-
-@pytest.fixture
-def gpu(monkeypatch):
-    """Swap the driver for a 2-device FakeGPU in every ctxkit module for one test."""
-    from ctxkit import _demo, _driver, context, device, errors, memory  # noqa: F401
-    from ctxkit.registry import ContextRegistry
-
-    fake = FakeGPU(ndev=2)
-    for name, mod in list(sys.modules.items()):
-        if name.startswith("ctxkit") and getattr(mod, "drv", None) is not None:
-            monkeypatch.setattr(mod, "drv", fake)
-    monkeypatch.setattr(errors, "_name_lookup", errors._name_lookup)
-    monkeypatch.setattr(_driver, "_init_pid", None)
-    monkeypatch.setattr(_driver, "_no_device", False)
-    monkeypatch.setattr(_driver, "_parent_initialized_pid", None)
-    monkeypatch.setattr(device.Device, "_instances", {})
-    monkeypatch.setattr(context.Context, "_primaries", {})
-    monkeypatch.setattr(memory, "_concurrent_managed", {}, raising=False)
-    reg = ContextRegistry()
-    for name, mod in list(sys.modules.items()):
-        if name.startswith("ctxkit") and isinstance(
-            getattr(mod, "registry", None), ContextRegistry
-        ):
-            monkeypatch.setattr(mod, "registry", reg)
-    st = thread_state()
-    saved = (st.top, list(st.stack))
-    st.top, st.stack[:] = None, []
-    yield fake
-    assert not st.stack, f"the test left contexts pushed in the main thread: {st.stack}"
-    st.top, st.stack[:] = saved[0], saved[1]
-    fake.shutdown()
 
 
 def _pinned(arr: np.ndarray) -> np.ndarray:
@@ -801,3 +769,15 @@ def test_demo_rejects_a_bad_device_count(gpu, monkeypatch, tmp_path, capsys):
     _fake_kernel(monkeypatch, gpu)
     assert run_demo(_demo_args(tmp_path, devices=3)) == 1
     assert "--devices must be 1..2" in capsys.readouterr().err
+
+
+def test_demo_times_the_registered_default_and_staging(gpu, monkeypatch, tmp_path, capsys):
+    from ctxkit._demo import run_demo
+
+    _fake_kernel(monkeypatch, gpu)
+    assert run_demo(_demo_args(tmp_path, size_mb=8.0, devices=2, trace=None, quick=True)) == 0
+    text = capsys.readouterr().out
+    assert "ctxkit pageable (in=registered, out=registered)" in text
+    assert "ctxkit pageable (host_path='staged')" in text
+    assert "per device (ctxkit pageable, in=registered, out=registered)" in text
+    assert "register" in text and not gpu.registered
