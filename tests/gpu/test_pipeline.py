@@ -3,6 +3,7 @@ stages, unified memory, errors (in a child process where a fault poisons a conte
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -15,11 +16,14 @@ import pytest
 
 import ctxkit as ck
 from ctxkit import compiler as C
+from ctxkit._hostmem import host_pointer_kind
 from ctxkit.module import Module
 from ctxkit.pipeline import Pipeline, PipelineError
 
 SCALE = {np.float32: ("scale_f32", 2.0), np.float64: ("scale_f64", 2.0), np.int32: ("scale_i32", 3)}
 SPIN_CYCLES = 4_000_000  # ~2 ms per kernel at H200 clocks
+PATH_NAMES = {"staged": "in=staged, out=staged", "register": "in=registered, out=registered"}
+PAGE = 4096
 
 
 def _load(file: str, arch: str) -> dict[str, ck.Kernel]:
@@ -66,19 +70,31 @@ def _spin_copy_body(kern: dict[str, ck.Kernel], cycles: int = SPIN_CYCLES):
 # --- exact results --------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("host_path", ["staged", "register"])
 @pytest.mark.parametrize("ndev", [1, pytest.param(2, marks=pytest.mark.multigpu)])
 @pytest.mark.parametrize("n", [0, 1, 7, 1_000_003])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32])
-def test_map_pageable_bit_exact(kern, ndev, n, dtype):
+def test_map_pageable_bit_exact(kern, ndev, n, dtype, host_path):
     entry, alpha = SCALE[dtype]
     x = _random(n, dtype, n)
-    with Pipeline(_devices(ndev)) as p:
-        out = p.map(kern[entry], x, args=(alpha,))
+    with Pipeline(_devices(ndev), chunk_bytes=1 << 20) as p:
+        out = p.map(kern[entry], x, args=(alpha,), host_path=host_path)
         assert out.dtype == x.dtype and out.shape == x.shape
         np.testing.assert_array_equal(out, _expected(x, alpha))
         if n:
-            assert p.last_stats.path == "in=staged, out=staged"
+            assert p.last_stats.path == PATH_NAMES[host_path]
+            assert p.last_stats.fallbacks == 0
             assert len(p.last_stats.devices) == min(ndev, n)
+    _assert_unregistered(x, out)
+
+
+def _assert_unregistered(*arrays: np.ndarray) -> None:
+    """No page of the arrays is still page-locked (the registered path undid its work)."""
+    for a in arrays:
+        base = int(a.ctypes.data)
+        for ptr in {base, base + a.nbytes // 2, base + max(a.nbytes - 1, 0)}:
+            if a.nbytes:
+                assert host_pointer_kind(ptr) == "pageable", (hex(ptr), a.nbytes)
 
 
 @pytest.mark.parametrize("ndev", [1, pytest.param(2, marks=pytest.mark.multigpu)])
@@ -101,11 +117,82 @@ def test_map_pinned_zero_copy_and_small_chunks(kern, ndev):
 def test_map_one_gib_float32_bit_exact(kern, ndev):
     n = (1 << 30) // 4 + 3
     x = _random(n, np.float32, 11)
-    out = np.empty_like(x)
+    out = np.empty_like(x)  # never touched: registering it faults its pages in
     with Pipeline(_devices(ndev)) as p:
         p.map(kern["scale_f32"], x, out, args=(2.0,))
         assert sum(d.nbytes for d in p.last_stats.devices) == x.nbytes
+        assert p.last_stats.path == PATH_NAMES["register"]  # the default for large arrays
+        assert p.last_stats.fallbacks == 0
     assert np.array_equal(out, x * np.float32(2))
+    _assert_unregistered(x, out)
+
+
+@pytest.mark.parametrize("offset", [16, 4000])
+def test_register_path_unaligned_in_place_and_wider_output_rows(kern, offset):
+    n = 3_000_001
+    raw = np.empty(n * 4 + 2 * PAGE, np.uint8)
+    start = (-raw.ctypes.data) % PAGE + offset
+    x = raw[start : start + n * 4].view(np.float32)
+    x[...] = _random(n, np.float32, 13)
+    orig = x.copy()
+    with Pipeline([0], chunk_bytes=(1 << 20) + 12) as p:  # chunk ends fall mid-page
+        p.map(kern["scale_f32"], x, out=x, args=(2.0,), host_path="register")
+        assert p.last_stats.fallbacks == 0
+        np.testing.assert_array_equal(x, orig * np.float32(2))
+        # Output rows of 2 floats (8 bytes) from input rows of 1 float: each chunk's
+        # output holds 2 * x of its rows, then 3 * x.
+        wide = np.zeros((n, 2), np.float32)
+
+        def two_scales(ctx, stream, d_in, d_out, rows):
+            k = kern["scale_f32"]
+            k.launch(64, 256, d_in.ptr, d_out.ptr, rows, 2.0, stream=stream)
+            k.launch(64, 256, d_in.ptr, d_out.ptr + 4 * rows, rows, 3.0, stream=stream)
+
+        p.map(two_scales, orig, wide, host_path="register")
+        assert p.last_stats.fallbacks == 0
+        chunks = p._run.plan.chunks
+    assert len(chunks) > 2
+    for c in chunks:
+        flat = wide[c.row0 : c.row1].reshape(-1)
+        part = orig[c.row0 : c.row1]
+        np.testing.assert_array_equal(flat[: c.rows], part * np.float32(2))
+        np.testing.assert_array_equal(flat[c.rows :], part * np.float32(3))
+    _assert_unregistered(x, wide)
+
+
+def test_register_path_reads_a_read_only_file_mapping(kern, tmp_path):
+    """Pages of a read-only np.memmap cannot be locked for writing: the input is
+    registered read-only (where the device supports it) or staged; the result is exact."""
+    n = 4_000_003
+    src = _random(n, np.float32, 14)
+    path = tmp_path / "x.f32"
+    src.tofile(path)
+    x = np.memmap(path, np.float32, mode="r", shape=(n,))
+    with Pipeline([0], chunk_bytes=1 << 20) as p:
+        out = p.map(kern["scale_f32"], x, args=(2.0,), host_path="register")
+        print("read-only input: fallbacks", p.last_stats.fallbacks)
+    np.testing.assert_array_equal(out, src * np.float32(2))
+    _assert_unregistered(out)
+    del x
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # fork() with threads running
+def test_register_path_leaves_the_arrays_readable_in_a_forked_child(kern):
+    """Registration may mark pages MADV_DONTFORK; after map they must be ordinary again,
+    or a child process would lose the arrays."""
+    x = _random(8 << 20, np.float32, 15)
+    with Pipeline([0], chunk_bytes=4 << 20) as p:
+        out = p.map(kern["scale_f32"], x, args=(2.0,), host_path="register")
+    expected = float(np.float64(out.astype(np.float64).sum()))
+    pid = os.fork()
+    if pid == 0:  # the child touches every page of both arrays, no CUDA
+        try:
+            same = float(np.float64(out.astype(np.float64).sum())) == expected
+            os._exit(0 if same and np.array_equal(out, x * np.float32(2)) else 1)
+        except BaseException:
+            os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
 
 
 @pytest.mark.multigpu
@@ -137,11 +224,12 @@ def test_map_forgotten_args_is_a_clear_error(kern):
 # --- overlap, from the trace ----------------------------------------------------------------
 
 
+@pytest.mark.parametrize("host_path", ["staged", "register"])
 @pytest.mark.parametrize("ndev", [1, pytest.param(2, marks=pytest.mark.multigpu)])
-def test_trace_shows_h2d_overlapping_the_previous_kernel(kern, ndev, tmp_path):
+def test_trace_shows_h2d_overlapping_the_previous_kernel(kern, ndev, host_path, tmp_path):
     x = _random(16 << 20, np.float32, 4)  # 64 MiB, 16 chunks of 4 MiB
     with Pipeline(_devices(ndev), chunk_bytes=4 << 20) as p:
-        out = p.map(_spin_copy_body(kern), x)
+        out = p.map(_spin_copy_body(kern), x, host_path=host_path)
         tl = p.trace()
     np.testing.assert_array_equal(out, x)
     assert tl.dropped == 0
@@ -154,7 +242,8 @@ def test_trace_shows_h2d_overlapping_the_previous_kernel(kern, ndev, tmp_path):
     assert pairs, tl.summary()
     # Stronger: some H2D of chunk c+1 finished while the kernel of chunk c still ran.
     assert any(k.start_ms < h.end_ms < k.end_ms for h, k in pairs), tl.summary()
-    assert tl.select(name="fill") and tl.select(name="drain")
+    host_steps = ("fill", "drain") if host_path == "staged" else ("register", "unregister")
+    assert all(tl.select(name=step) for step in host_steps), tl.summary()
     if ndev == 2:
         both = tl.overlaps(
             {"device": 0, "name": "kernel"}, {"device": 1, "name": "kernel"}, min_overlap_ms=1.0
@@ -162,6 +251,35 @@ def test_trace_shows_h2d_overlapping_the_previous_kernel(kern, ndev, tmp_path):
         assert both, tl.summary()
     data = tl.to_chrome_trace(tmp_path / "trace.json")
     assert {e["pid"] for e in data["traceEvents"] if e["ph"] == "X"} == set(range(ndev))
+
+
+# --- lazy loading ----------------------------------------------------------------------------
+
+
+def test_preloaded_kernel_launches_without_waiting_for_a_running_kernel(kern):
+    """With lazy loading, the first launch of a kernel may wait until the context is
+    idle; Kernel.preload moves that load to a moment of our choice."""
+    ctx = ck.registry.context(0)
+    fresh = Module.load(
+        ck.compile(C.kernel_source("fill.cu"), name="fill.cu", arch=ctx.device.arch)
+    )
+    fill = fresh.function("fill_f32")  # a new library: never loaded in ctx
+    buf = ck.DeviceBuffer(4 << 20, context=ctx)
+    with ctx:
+        kern["spin"].preload()
+        fill.preload()
+        s1, s2 = ck.Stream(), ck.Stream()
+        kern["spin"].launch(1, 1, 100_000_000, 0, stream=s1)  # ~50 ms
+        t0 = time.perf_counter()
+        fill.launch(256, 256, buf, 1.0, 1 << 20, stream=s2)
+        launch_s = time.perf_counter() - t0
+        s2.synchronize()
+        s1.synchronize()
+        got = buf.copy_to_host().view(np.float32)
+    assert launch_s < 0.02, f"the launch blocked {launch_s * 1e3:.1f} ms"
+    assert (got == 1.0).all()
+    buf.close()
+    fresh.close()
 
 
 # --- cross-device stages -------------------------------------------------------------------
@@ -176,6 +294,10 @@ def test_submit_device1_consumes_device0_output_after_waiting(kern, ctx0, ctx1):
     c = ck.DeviceBuffer(nbytes, context=ctx1)
     with ctx0:
         a.memset(0)
+        kern["spin"].preload()  # lazily loaded here, fill_f32 would wait for spin to end
+        kern["fill_f32"].preload()
+    with ctx1:
+        kern["scale_f32"].preload()
     with Pipeline([0, 1]) as p:
 
         def produce(ctx, stream):
@@ -272,6 +394,7 @@ def test_kernel_fault_in_a_chunk_poisons_the_pipeline_clearly():
         """
         import numpy as np, ctxkit as ck
         from ctxkit import compiler as C
+from ctxkit._hostmem import host_pointer_kind
         from ctxkit.pipeline import Pipeline, PipelineError
         arch = ck.Device(0).arch
         fault = ck.Module.load(ck.compile(C.kernel_source("fault.cu"), arch=arch)).function("fault")
@@ -312,20 +435,42 @@ def test_kernel_fault_in_a_chunk_poisons_the_pipeline_clearly():
     assert "CLOSED" in out, (out, proc.stderr)
 
 
-def test_ctrl_c_during_map_stops_workers_and_leaves_the_pipeline_usable(kern):
-    x = _random(16 << 20, np.float32, 6)  # 64 chunks of 1 MiB, ~10 ms kernels: >= 200 ms
+@pytest.mark.parametrize("host_path", ["staged", "register"])
+def test_ctrl_c_during_map_stops_workers_and_leaves_the_pipeline_usable(kern, host_path):
+    x = _random(16 << 20, np.float32, 6)  # 64 chunks of 1 MiB, ~10 ms kernels
+    body = _spin_copy_body(kern, 20_000_000)
     main = threading.main_thread().ident
     assert main is not None
     with Pipeline([0], chunk_bytes=1 << 20) as p:
-        timer = threading.Timer(0.03, signal.pthread_kill, (main, signal.SIGINT))
-        t0 = time.perf_counter()
+        one = x[: 1 << 18]  # exactly one chunk; the first run also sets everything up
+        chunk_s = min(_seconds(lambda: p.map(body, one, host_path=host_path)) for _ in range(3))
+        limit = (p.staging_buffers + 2) * chunk_s + 0.1
+        fired: list[float] = []
+
+        def interrupt() -> None:
+            fired.append(time.perf_counter())
+            signal.pthread_kill(main, signal.SIGINT)
+
+        timer = threading.Timer(0.03, interrupt)
         timer.start()
         try:
             with pytest.raises(KeyboardInterrupt):
-                p.map(_spin_copy_body(kern, 20_000_000), x)
+                p.map(body, x, host_path=host_path)
         finally:
             timer.cancel()
-        assert time.perf_counter() - t0 < 0.15  # stopped after the chunks in flight
+        stopped_s = time.perf_counter() - fired[0]
+        assert stopped_s < limit, (
+            f"map stopped {stopped_s * 1e3:.0f} ms after Ctrl-C; limit {limit * 1e3:.0f} ms "
+            f"= (staging_buffers + 2) x one chunk ({chunk_s * 1e3:.1f} ms) + 100 ms\n"
+            + p.trace().summary()
+        )
         assert p._inflight == []
-        out = p.map(kern["scale_f32"], x, args=(2.0,))
+        out = p.map(kern["scale_f32"], x, args=(2.0,), host_path=host_path)
     np.testing.assert_array_equal(out, x * np.float32(2))
+    _assert_unregistered(x, out)
+
+
+def _seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
