@@ -136,12 +136,8 @@ class StageMixin:
     _recorder: Recorder | None
     _stages: list[StageHandle]
     tracing: bool
-
-    def _check_usable(self) -> None:
-        raise NotImplementedError
-
-    def _device_for(self, device: int | Device | Context) -> DeviceState:
-        raise NotImplementedError
+    _check_usable: Callable[[], None]
+    _device_for: Callable[[int | Device | Context], DeviceState]
 
     def stream(self, device: int | Device | Context) -> Stream:
         """The stream :meth:`submit` stages of *device* run on."""
