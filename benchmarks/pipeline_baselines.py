@@ -158,8 +158,11 @@ def _in_threads(ctx: Any, jobs: list[tuple[int, int]], threads: int, register: b
     start = threading.Barrier(threads + 1)
 
     def work(mine: list[tuple[int, int]]) -> None:
-        ok(drv.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
+        (pushed,) = drv.cuCtxPushCurrent(ctx)
         start.wait()
+        if pushed:
+            errors.append(f"cuCtxPushCurrent: {pushed!r}")
+            return
         for ptr, n in mine:
             if register:
                 (err,) = drv.cuMemHostRegister(ptr, n, REGISTER_PORTABLE)
