@@ -181,6 +181,11 @@ def _in_threads(ctx: Any, jobs: list[tuple[int, int]], threads: int, register: b
         w.join()
     seconds = time.perf_counter() - t0
     if errors:
+        if register:  # undo the registrations that worked: nothing may stay locked
+            ok(drv.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
+            for ptr, _ in jobs:
+                drv.cuMemHostUnregister(ptr)
+            drv.cuCtxPopCurrent()
         raise RuntimeError(errors[0])
     return seconds
 

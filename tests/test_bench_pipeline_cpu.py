@@ -100,3 +100,17 @@ def test_benchmark_sweep_runs(bench, gpu, capsys):
     text = capsys.readouterr().out
     assert "best staged" in text and "best register" in text
     assert any(k.startswith("sweep_register_chunk8_") for k in results)
+
+
+def test_registration_timing_undoes_a_partial_registration(bench, gpu):
+    import pipeline_baselines
+
+    ctx = pipeline_baselines.drv.primary[0]
+    arr = np.ones(64 * 4096 + 100, np.uint8)
+    n, r, u = pipeline_baselines.time_registration(ctx, arr, 8 * 4096, 2, 2)
+    assert n % (8 * 4096) == 0 and 0 < n <= arr.nbytes
+    assert r > 0 and u > 0 and not gpu.registered
+    gpu.register_error = lambda ptr, size, flags: 2 if len(gpu.registered) >= 3 else 0
+    with pytest.raises(RuntimeError, match="cuMemHostRegister"):
+        pipeline_baselines.time_registration(ctx, arr, 8 * 4096, 2, 1)
+    assert not gpu.registered
