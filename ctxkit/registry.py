@@ -400,17 +400,17 @@ _live_executors: weakref.WeakSet[ContextExecutor] = weakref.WeakSet()
 
 
 def _at_exit() -> None:
-    """Finish live executors' queued work, then release what the registry created.
+    """Interpreter exit: stop freeing, and release the registry's contexts when that is safe.
 
-    Contexts still current in some thread are left to the process teardown; nothing here
-    may raise or print.
+    Executor workers are daemon threads: a task still running at exit (a busy pipeline, a
+    blocked request) must neither hang the exit nor see its executor shut down under it,
+    so ctxkit does not join them; call ``shutdown()`` to wait for queued work. Contexts are
+    released only when no ctxkit worker is alive and they are current nowhere; otherwise the
+    process teardown releases them. Nothing here may raise or print.
     """
-    for ex in list(_live_executors):
-        try:
-            ex.shutdown(wait=True)
-        except Exception:
-            pass
     _context.begin_shutdown()
+    if any(t.is_alive() for ex in list(_live_executors) for t in list(ex._threads)):
+        return
     with registry._lock:
         created, registry._created = registry._created, []
     for ctx in reversed(created):

@@ -257,24 +257,46 @@ def test_stress_random_nested_binds_match_driver(fake_driver):
     assert mismatches == []
 
 
-def test_at_exit_finishes_executors_and_releases_registry_contexts(fake_driver, monkeypatch):
+def test_at_exit_releases_registry_contexts_when_no_worker_is_alive(fake_driver, monkeypatch):
     import sys
 
     from ctxkit import context as context_mod
-    from ctxkit import registry as _unused  # noqa: F401
 
     reg_mod = sys.modules["ctxkit.registry"]
     monkeypatch.setattr(context_mod, "_shutting_down", False)
     monkeypatch.setattr(reg_mod, "_live_executors", reg_mod.weakref.WeakSet())
     reg = _reg()
     c0, c1 = reg.context(0), reg.context(1)
-    ex = ContextExecutor(c0, max_workers=2)
-    done = []
-    ex.submit(done.append, 1)
+    with ContextExecutor(c0, max_workers=2) as ex:
+        ex.submit(int).result()
     c1.push()  # still current in this thread at exit: left to the process teardown
     reg_mod._at_exit()
-    assert done == [1]
-    assert ex._shutdown
     assert c0.closed and not c1.closed
     assert context_mod._shutting_down
     c1.pop()
+
+
+def test_at_exit_leaves_busy_executors_and_contexts_alone(fake_driver, monkeypatch):
+    import sys
+
+    from ctxkit import context as context_mod
+
+    reg_mod = sys.modules["ctxkit.registry"]
+    monkeypatch.setattr(context_mod, "_shutting_down", False)
+    monkeypatch.setattr(reg_mod, "_live_executors", reg_mod.weakref.WeakSet())
+    c0 = _reg().context(0)
+    ex = ContextExecutor(c0, max_workers=1)
+    started, release = threading.Event(), threading.Event()
+
+    def busy() -> int:
+        started.set()
+        release.wait(5)
+        return 7
+
+    fut = ex.submit(busy)
+    started.wait(5)
+    reg_mod._at_exit()  # must not wait for the busy task nor shut its executor down
+    assert not c0.closed and not ex._shutdown
+    release.set()
+    assert fut.result(5) == 7
+    ex.shutdown()
