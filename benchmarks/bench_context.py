@@ -208,6 +208,9 @@ def bench_thread_throughput(per_thread: int) -> None:
         print(f"thread throughput skipped: {exc!r}")
         return
     ctx = ck.registry.context(0)
+    with ctx:  # warm both paths: lazy kernel loading must not land inside a timed region
+        _ctxkit_task(kernel, 100)
+    _raw_thread_launches(ctx, cubin, 100)
     print("threads | raw launches/s | ctxkit ContextExecutor launches/s | ratio")
     worst = float("inf")
     for nthreads in (1, 4, 8):
