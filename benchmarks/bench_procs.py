@@ -163,6 +163,8 @@ def mpi_result(n_dev: int, mb: float, repeat: int) -> dict[str, Any] | str:
     cmd = [mpiexec, "-n", str(n_dev), sys.executable, str(REPO / "examples/mpi_pipeline.py")]
     cmd += ["--mb", str(mb), "--repeat", str(repeat), "--json"]
     env = {
+        "OMPI_ALLOW_RUN_AS_ROOT": "1",  # Open MPI refuses to run as root without both
+        "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }

@@ -14,8 +14,11 @@ array back to rank 0's array) in GB/s of input + output bytes, best of ``--repea
 
     mpiexec -n 2 python examples/mpi_pipeline.py [--mb 256] [--repeat 5] [--quick] [--json]
 
-Needs mpi4py and an MPI runtime (``pip install 'ctxkit[mpi]' mpich``). On a machine
-without a GPU it exits 2 with one line (printed by rank 0 only).
+Needs mpi4py and an MPI runtime (``pip install 'ctxkit[mpi]' mpich``). Open MPI's
+``mpiexec`` refuses to run as root (containers often do) unless started with
+``--allow-run-as-root`` or with ``OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1``
+in the environment, and refuses more ranks than cores without ``--oversubscribe``. On a
+machine without a GPU it exits 2 with one line (printed by rank 0 only).
 """
 
 from __future__ import annotations

@@ -10,7 +10,6 @@ reason when no MPI launcher is installed); ``local_device_for`` is pure and test
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -21,8 +20,9 @@ import pytest
 from ctxkit import procs
 from ctxkit.errors import CudaError
 
+from .mpi_launch import MPIEXEC, child_env, is_open_mpi, mpiexec_cmd, physical_cores
+
 REPO = Path(__file__).resolve().parents[1]
-MPIEXEC = shutil.which("mpiexec")
 needs_mpi = pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec on PATH (pip install mpich)")
 
 
@@ -69,6 +69,52 @@ def test_missing_mpi4py_names_the_extra(monkeypatch):
         assert "ctxkit[mpi]" in str(info.value) and "mpi4py" in str(info.value)
 
 
+LAUNCHER_VERSIONS = {
+    "openmpi4": "mpiexec (OpenRTE) 4.1.2\n\nReport bugs to http://www.open-mpi.org/community/help/",
+    "openmpi5": "mpiexec (Open MPI) 5.0.3\n\nReport bugs to https://www.open-mpi.org/community/help/",
+    "mpich": "HYDRA build details:\n    Version:                                 4.1.2",
+}
+
+
+@pytest.mark.parametrize("name", sorted(LAUNCHER_VERSIONS))
+def test_mpiexec_cmd_oversubscribes_only_open_mpi_beyond_the_cores(tmp_path, name):
+    fake = tmp_path / f"mpiexec-{name}"
+    env_file = tmp_path / "env"
+    fake.write_text(
+        "#!/bin/sh\n"
+        f'echo "$OMPI_ALLOW_RUN_AS_ROOT $OMPI_ALLOW_RUN_AS_ROOT_CONFIRM" > {env_file}\n'
+        f"cat <<'EOF'\n{LAUNCHER_VERSIONS[name]}\nEOF\n"
+    )
+    fake.chmod(0o755)
+    open_mpi = name.startswith("openmpi")
+    assert is_open_mpi(str(fake)) is open_mpi
+    assert env_file.read_text().split() == ["1", "1"]  # --version ran with the consent set
+    many = physical_cores() + 1
+    assert mpiexec_cmd(1, "prog", mpiexec=str(fake)) == [str(fake), "-n", "1", "prog"]
+    over = ["--oversubscribe"] if open_mpi else []
+    assert mpiexec_cmd(many, "prog", mpiexec=str(fake)) == [
+        str(fake),
+        "-n",
+        str(many),
+        *over,
+        "prog",
+    ]
+
+
+def test_is_open_mpi_is_false_for_a_launcher_that_cannot_run(tmp_path):
+    assert not is_open_mpi(str(tmp_path / "no-such-mpiexec"))
+
+
+def test_child_env_consents_to_root_and_puts_the_repo_first(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    monkeypatch.setenv("OMPI_ALLOW_RUN_AS_ROOT", "0")
+    env = child_env()
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(REPO), "/elsewhere"]
+    assert env["OMPI_ALLOW_RUN_AS_ROOT"] == "0"  # the caller's choice wins
+    assert env["OMPI_ALLOW_RUN_AS_ROOT_CONFIRM"] == "1"
+    assert 1 <= physical_cores() <= len(os.sched_getaffinity(0))
+
+
 def test_importing_ctxkit_does_not_import_mpi4py():
     code = "import sys, ctxkit, ctxkit.procs; print('mpi4py' in sys.modules)"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -105,14 +151,12 @@ if rank == 0:
 def run_mpi(tmp_path: Path, n: int, script: str) -> subprocess.CompletedProcess[str]:
     path = tmp_path / "ranks.py"
     path.write_text(textwrap.dedent(script))
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    assert MPIEXEC is not None
     return subprocess.run(
-        [MPIEXEC, "-n", str(n), sys.executable, str(path)],
+        mpiexec_cmd(n, sys.executable, str(path)),
         capture_output=True,
         text=True,
         timeout=120,
-        env=env,
+        env=child_env(),
     )
 
 
@@ -166,14 +210,12 @@ def test_mpi_example_exits_2_with_one_line_without_gpu():
 
     if ctxkit.device_count() > 0:
         pytest.skip("checks the no-GPU exit")
-    assert MPIEXEC is not None
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
     res = subprocess.run(
-        [MPIEXEC, "-n", "2", sys.executable, str(REPO / "examples/mpi_pipeline.py"), "--quick"],
+        mpiexec_cmd(2, sys.executable, str(REPO / "examples/mpi_pipeline.py"), "--quick"),
         capture_output=True,
         text=True,
         timeout=120,
-        env=env,
+        env=child_env(),
     )
     assert res.returncode != 0
     lines = [line for line in res.stderr.splitlines() if line.strip()]

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from ..mpi_launch import MPIEXEC, child_env, mpiexec_cmd
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted(p for p in (REPO / "examples").glob("*.py") if not p.name.startswith("_"))
@@ -24,12 +24,7 @@ ARGS = {
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    env["PYTHONUNBUFFERED"] = "1"
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")  # Open MPI refuses root without these
-    env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
-    return env
+    return {**child_env(), "PYTHONUNBUFFERED": "1"}
 
 
 def _check(proc: subprocess.CompletedProcess[str], name: str) -> None:
@@ -58,13 +53,10 @@ def test_example(path: Path) -> None:
 
 @pytest.mark.parametrize("path", [p for p in EXAMPLES if p.name in MPI], ids=lambda p: p.name)
 def test_mpi_example(path: Path) -> None:
-    mpiexec = shutil.which("mpiexec") or (
-        "/usr/bin/mpiexec" if Path("/usr/bin/mpiexec").exists() else None
-    )
-    if mpiexec is None:
+    if MPIEXEC is None:
         pytest.skip("no mpiexec on this machine")
     proc = subprocess.run(
-        [mpiexec, "-n", "2", sys.executable, str(path), *ARGS.get(path.name, [])],
+        mpiexec_cmd(2, sys.executable, str(path), *ARGS.get(path.name, [])),
         cwd=REPO,
         env=_env(),
         capture_output=True,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,6 +20,8 @@ import pytest
 
 import ctxkit as ck
 from ctxkit.procs import DevicePool, DeviceTaskError, run_per_device
+
+from ..mpi_launch import MPIEXEC, child_env, mpiexec_cmd
 
 REPO = Path(__file__).resolve().parents[2]
 N = 1 << 20
@@ -238,9 +239,9 @@ def test_pool_runs_kernels_and_replaces_a_faulted_worker():
 
 
 def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "PYTHONPATH": path}
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_process_per_gpu_example():
@@ -252,7 +253,7 @@ def test_process_per_gpu_example():
 
 
 def _mpi_ready() -> str:
-    if shutil.which("mpiexec") is None:
+    if MPIEXEC is None:
         return "no mpiexec on PATH (pip install mpich)"
     try:
         import mpi4py  # noqa: F401
@@ -266,7 +267,7 @@ def test_mpi_example_two_ranks_two_gpus():
     reason = _mpi_ready()
     if reason:
         pytest.skip(reason)
-    res = _run(["mpiexec", "-n", "2", sys.executable, "examples/mpi_pipeline.py", "--quick"])
+    res = _run(mpiexec_cmd(2, sys.executable, "examples/mpi_pipeline.py", "--quick"))
     assert res.returncode == 0, res.stdout + res.stderr
     assert "check gathered result: ok" in res.stdout
     assert res.stdout.strip().splitlines()[-1].startswith("OK")
@@ -310,7 +311,7 @@ def test_mpi_local_device_binds_node_local_gpus(tmp_path, ranks):
     n_dev = ck.device_count()
     script = tmp_path / "bind.py"
     script.write_text(MPI_BIND_SCRIPT)
-    res = _run(["mpiexec", "-n", str(ranks), sys.executable, str(script)])
+    res = _run(mpiexec_cmd(ranks, sys.executable, str(script)))
     assert res.returncode == 0, res.stdout + res.stderr
     rows = sorted(line.split()[1:] for line in res.stdout.splitlines() if line.startswith("BIND"))
     assert len(rows) == ranks, res.stdout
