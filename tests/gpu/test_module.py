@@ -249,8 +249,19 @@ def test_attributes_and_occupancy(ctx0):
         assert k.occupancy(block) >= 1
         grid, b = k.launch_config(1_000_000)
         assert b == block and grid * b >= 1_000_000
-    with pytest.raises(ck.NoCurrentContextError):
-        k.max_block_size()
+    errors: list[BaseException] = []
+
+    def worker() -> None:  # a fresh thread truly has no current context
+        try:
+            k.max_block_size()
+        except BaseException as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=worker, name="occupancy-no-ctx")
+    t.start()
+    t.join()
+    assert len(errors) == 1 and isinstance(errors[0], ck.NoCurrentContextError), errors
+    assert "max_block_size" in str(errors[0]) and "occupancy-no-ctx" in str(errors[0])
 
 
 def test_close_unloads(ctx0):
