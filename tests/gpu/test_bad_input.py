@@ -311,10 +311,11 @@ def managed_close_with_live_views(env: Env) -> None:
     del view
 
 
-@case(ValueError, "shares a page")
-def register_host_page_already_registered(env: Env) -> None:
-    host = np.zeros(4 * 4096, np.uint8)
-    with ck.register_host(host[100:200]), ck.register_host(host[300:400]):
+@case(ValueError, "register_host", "not C-contiguous", "ascontiguousarray")
+def register_host_non_contiguous(env: Env) -> None:
+    # Two arrays sharing a page may or may not be refused by the driver (CUDA 13.0 accepts
+    # them): both outcomes are checked in test_memory.py::test_register_host_neighbours_in_one_page.
+    with ck.register_host(np.zeros(4 * 4096, np.uint8)[::2]):
         pass
 
 
