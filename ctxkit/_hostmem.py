@@ -325,9 +325,10 @@ def register_host(arr: Any, *, context: Any = None) -> Iterator[np.ndarray]:
     and memory CUDA already manages (a ``ManagedBuffer.as_numpy()`` view) are yielded
     unchanged and left alone on exit.
 
-    Page rules: the driver locks whole pages, so an array that shares a page with memory
-    already registered elsewhere cannot be registered; that case raises ``ValueError``
-    (give each array its own pages, e.g. register one big array and use slices of it).
+    Page rules: the driver locks whole pages. Where it refuses an array that shares a page
+    with memory already registered elsewhere, ctxkit raises ``ValueError`` (the CUDA 13.0
+    driver accepts such arrays); to be portable, give each array its own pages, e.g.
+    register one big array and use slices of it.
 
     Parameters
     ----------
