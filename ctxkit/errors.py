@@ -80,14 +80,14 @@ class CompileError(CudaError):
 class ContextPoisonedError(CudaError):
     """A sticky error (illegal address, trap, ...) left the context unusable.
 
-    Every later use of that context raises this error at once. How far the damage
-    reaches is up to the driver: CUDA documents these errors as leaving the process in an
-    inconsistent state, and with a CUDA 13.0 driver a fault in device 0's *primary*
-    context made ``cuDevicePrimaryCtxRetain`` of device 1 fail with the same error.
-    To keep other devices usable when a kernel may fault, run it in an owned context
-    (``ContextRegistry(kind="owned")`` or ``Context.create``) or in its own process
-    (:mod:`ctxkit.procs`); tests/gpu/test_sticky.py checks both primary and owned
-    contexts on the real driver.
+    Every later use of the faulting context raises this error at once. The damage is not
+    confined to that context: on current drivers (observed: 580 / CUDA 13.0) every later
+    CUDA call in the process fails with the same error, in every context on every device,
+    primary or owned, even with no context current. An owned context does not isolate a
+    fault; a process does. To keep other devices working, run device work in separate
+    processes (:func:`ctxkit.procs.run_per_device`, or :class:`ctxkit.procs.DevicePool`,
+    which replaces a faulted worker) and restart the process (or the worker) after a
+    fault. tests/gpu/test_sticky.py checks this behaviour on the real driver.
     """
 
 
@@ -187,9 +187,11 @@ _HINTS: dict[int, str] = {
     _DEINITIALIZED: "the driver is shutting down (interpreter exit)",
 }
 _STICKY_HINT = (
-    "a kernel faulted and the context is poisoned: every later call in it fails; "
-    "destroy it (or reset the primary context / restart the process) and rebuild its "
-    "resources. Run under compute-sanitizer to find the faulting access"
+    "a kernel faulted and poisoned the context; on current drivers (observed: 580 / "
+    "CUDA 13.0) every other context in the process, on every device, fails too. Restart "
+    "the process (or the ctxkit.procs worker); to keep other devices working, run device "
+    "work in separate processes (ctxkit.procs.run_per_device / DevicePool). Find the "
+    "faulting access with compute-sanitizer"
 )
 
 _name_lookup: Callable[[int], tuple[str, str]] | None = None
