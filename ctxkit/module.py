@@ -62,11 +62,12 @@ class KernelNotFoundError(CudaError, LookupError):
 # --- Module ---------------------------------------------------------------------------
 
 
-def _unload_library(lib: Any) -> None:
+def _unload_library(unload: Any, lib: Any) -> None:
+    """Finalizer: *unload* is the driver function captured when the library was loaded."""
     if _context._shutting_down:
         return
     try:
-        drv.cuLibraryUnload(lib)
+        unload(lib)
     except Exception:
         pass
 
@@ -106,7 +107,7 @@ class Module:
         self._kernels: dict[str, Kernel] = {}
         self._signatures = self._parse_signatures()
         if context is None:
-            self._fin = weakref.finalize(self, _unload_library, handle)
+            self._fin = weakref.finalize(self, _unload_library, drv.cuLibraryUnload, handle)
             self._fin.atexit = False
         else:
             self._fin = finalizer(self, context, drv.cuModuleUnload, handle)
