@@ -7,11 +7,12 @@ busy at once:
 * each device is driven by its own worker thread (a ``ContextExecutor`` bound to the
   device's shared context), so a call that blocks on one device never stalls another;
 * pageable input and output are never copied synchronously: by default (``host_path=
-  "auto"``) the pages of each chunk are registered just in time by a pool of host
-  threads and DMAed directly (only the partial pages at the ends are bounced through a
-  tiny pinned buffer); ``host_path="staged"`` copies them through pinned staging
-  buffers instead (``staging_buffers`` per device, filled and drained by the host
-  threads, overlapped with the transfers and kernels of neighbouring chunks);
+  "auto"``, i.e. ``"staged"``) they go through pinned staging buffers
+  (``staging_buffers`` per device, filled and drained by a pool of host threads,
+  overlapped with the transfers and kernels of neighbouring chunks);
+  ``host_path="register"`` instead registers the pages of each chunk just in time and
+  DMAs them directly (only the partial pages at the ends are bounced through a tiny
+  pinned buffer);
 * pinned input/output (``ctxkit.pinned_empty``, ``register_host``) is copied directly,
   fully asynchronously (the zero-copy path).
 
@@ -118,8 +119,9 @@ class Pipeline(StageMixin):
         this many chunks in flight (twice as many when they use no slot buffer), which
         also bounds what an interrupted :meth:`map` waits for.
     host_threads : int, optional
-        Threads of the host pool (staging copies, page registration). Default: 12 per
-        device, at most the usable CPUs minus two per device minus one, at least 2.
+        Threads of the host pool (staging copies, page registration). Default: 12 for
+        one device, 8 per device for several, at most the usable CPUs minus two per
+        device minus one, at least 2.
     host_path : {"auto", "staged", "register"} or (input, output) pair of them
         How pageable arrays reach the devices (pinned arrays are always copied
         directly): ``"staged"`` copies each chunk through pinned staging buffers (two
@@ -127,8 +129,8 @@ class Pipeline(StageMixin):
         just in time (``cuMemHostRegister``, in parallel on the host pool, a few chunks
         ahead) and DMAs straight from/to them, bouncing only the partial pages at the
         array's ends and chunk boundaries; the pages are unregistered once the chunk's
-        D2H completed, before :meth:`map` returns. ``"auto"``: registration for arrays
-        of 4 MiB and more, staging below. Per-call override: ``map(host_path=...)``.
+        D2H completed, before :meth:`map` returns. ``"auto"``: staging (see Notes).
+        Per-call override: ``map(host_path=...)``.
     schedule : {"static", "dynamic"}
         ``"static"``: an even contiguous share of rows per device. ``"dynamic"``: devices
         take chunks from a shared queue (work stealing; helps unequal devices).
@@ -149,15 +151,17 @@ class Pipeline(StageMixin):
     count of the input chunk; launched with ``grid = min(ceil(n / block), device
     capacity)`` blocks, so kernels must use a grid-stride loop.
 
-    Why ``"auto"`` registers: on 2x H200 with 32 CPUs (2 GiB float32, pageable in and
-    out) the staged path reached 15.8 GB/s on 1 GPU and 19.8 GB/s on 2. It copies every
-    byte twice on the host (fill and drain) and ``np.copyto`` peaks at 48.6 GB/s with 32
-    threads, so staging is capped near 24 GB/s of input. Registered pages are touched
-    only by the DMA; that path is bounded by the page-locking rate instead
-    (``cuMemHostRegister`` ~38 ms/GiB on one thread, run in parallel on the host pool).
-    ``benchmarks/bench_pipeline.py`` measures both paths and the locking rate with 1-16
-    threads in one run (SUMMARY ``pipeline.1gpu_auto_vs_fastest_path``); the choice is
-    ``ctxkit._plan.AUTO_HOST_PATH``.
+    Why ``"auto"`` stages: on 2x H200 with 32 CPUs (``python -m ctxkit demo``, 512 MiB
+    float32 pageable in and out, 2 GPUs, 8 chunks of 32 MiB per device) the staged path
+    reached 20.6 GB/s (per device 25 ms; fill 16.9 ms, drain 15.4 ms, H2D 7.4 ms, D2H
+    5.0 ms busy) and the registered path 5.9 GB/s (per device 90 ms; register 71.5 ms,
+    unregister 49.8 ms busy: page-locking and unlocking ran at ~3.6 GB/s per device and
+    concurrent registrations did not scale). Staging copies every byte twice on the host
+    (``np.copyto`` peaks at 48.6 GB/s with 32 threads there, so staging is capped near
+    24 GB/s of input); registration is worth trying with ``host_path="register"`` where
+    page-locking is fast. ``benchmarks/bench_pipeline.py`` measures both paths and the
+    locking rate in one run (SUMMARY ``pipeline.1gpu_auto_vs_fastest_path``); the choice
+    is ``ctxkit._plan.AUTO_HOST_PATH``.
     """
 
     def __init__(

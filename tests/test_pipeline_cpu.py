@@ -771,13 +771,13 @@ def test_demo_rejects_a_bad_device_count(gpu, monkeypatch, tmp_path, capsys):
     assert "--devices must be 1..2" in capsys.readouterr().err
 
 
-def test_demo_times_the_registered_default_and_staging(gpu, monkeypatch, tmp_path, capsys):
+def test_demo_times_the_staged_default_then_registration(gpu, monkeypatch, tmp_path, capsys):
     from ctxkit._demo import run_demo
 
     _fake_kernel(monkeypatch, gpu)
     assert run_demo(_demo_args(tmp_path, size_mb=8.0, devices=2, trace=None, quick=True)) == 0
     text = capsys.readouterr().out
-    assert "ctxkit pageable (in=registered, out=registered)" in text
-    assert "ctxkit pageable (host_path='staged')" in text
-    assert "per device (ctxkit pageable, in=registered, out=registered)" in text
-    assert "register" in text and not gpu.registered
+    staged = text.index("ctxkit pageable (in=staged, out=staged)")
+    assert text.index("ctxkit pageable (host_path='register')") > staged
+    assert "per device (ctxkit pageable, in=staged, out=staged)" in text
+    assert gpu.register_calls and not gpu.registered

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import ctxkit as ck
-from ctxkit import _staging
+from ctxkit import _plan, _staging
 from ctxkit._hostreg import REGISTER_READ_ONLY, Registrar, Segment
 from ctxkit._plan import (
     AUTO_HOST_PATH,
@@ -114,7 +114,9 @@ def test_host_path_options():
 def test_default_host_threads(monkeypatch):
     monkeypatch.setattr(_staging.os, "sched_getaffinity", lambda pid: set(range(32)))
     assert default_host_threads(1) == 12
-    assert default_host_threads(2) == 24
+    assert default_host_threads(2) == 16
+    assert default_host_threads(3) == 24
+    assert default_host_threads(4) == 23
     monkeypatch.setattr(_staging.os, "sched_getaffinity", lambda pid: set(range(8)))
     assert default_host_threads(2) == 3
     monkeypatch.setattr(_staging.os, "sched_getaffinity", lambda pid: {0})
@@ -239,15 +241,21 @@ def test_pinned_input_with_registered_output(gpu):
     assert_clean(gpu)
 
 
-def test_auto_registers_large_arrays_and_stages_small_ones(gpu):
+def test_auto_stages_and_registration_is_explicit(gpu, monkeypatch):
+    assert AUTO_HOST_PATH == "staged"
     big = np.arange(AUTO_REGISTER_MIN_BYTES // 4, dtype=np.float32)
     small = np.arange(1000, dtype=np.float32)
     with Pipeline([0, 1], chunk_bytes=1 << 20, host_threads=3) as p:
         np.testing.assert_array_equal(p.map(scale_body(gpu, 2.0), big), big * 2)
+        assert p.last_stats.path == "in=staged, out=staged" and not gpu.register_calls
+        np.testing.assert_array_equal(
+            p.map(scale_body(gpu, 2.0), big, host_path="register"), big * 2
+        )
+        assert p.last_stats.path == "in=registered, out=registered"
+        monkeypatch.setattr(_plan, "AUTO_HOST_PATH", "register")
+        np.testing.assert_array_equal(p.map(scale_body(gpu, 2.0), big), big * 2)
         assert p.last_stats.path == "in=registered, out=registered"
         np.testing.assert_array_equal(p.map(scale_body(gpu, 2.0), small), small * 2)
-        assert p.last_stats.path == "in=staged, out=staged"
-        p.map(scale_body(gpu, 2.0), big, host_path="staged")
         assert p.last_stats.path == "in=staged, out=staged"
     assert_clean(gpu)
 
