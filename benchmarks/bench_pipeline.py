@@ -11,9 +11,11 @@ All in one run, on the same float32 arrays (out = 2 * x, every result checked ex
   input byte), and whether page-locking scales with threads;
 * the source document's naive pattern (one host thread, per-device streams, pageable
   memory, literal async calls) with 1 and 8 chunks per device;
-* ctxkit ``Pipeline.map`` on pageable arrays, 1 and 2 GPUs: the default (``"auto"``),
-  ``host_path="staged"``, ``"register"`` and the two mixed paths, plus a sweep of chunk
-  size x host threads for both paths;
+* ctxkit ``Pipeline.map`` on pageable arrays, 1 and 2 GPUs: the default (``"auto"``,
+  staging), ``host_path="staged"``, then ``"register"`` and the two mixed paths (every
+  registering run after every staged one), staging again after registration, host
+  threads per GPU on 2 GPUs (staged), plus a sweep of chunk size x host threads for
+  both paths on 1 GPU;
 * ctxkit on pinned arrays vs a hand-written raw cuda.bindings pinned pipeline (same
   chunking, plain driver calls, one host thread), interleaved run by run; also raw with
   ctxkit's four trace events per chunk and ctxkit without tracing, to show what differs;
@@ -41,7 +43,7 @@ from pipeline_baselines import RawPinned, parallel_copy, time_registration
 
 import ctxkit as ck
 from ctxkit._demo import NaivePattern, best_seconds, load_scale_kernel
-from ctxkit._plan import PAGE, make_plan
+from ctxkit._plan import PAGE, choose_host_path, make_plan
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -207,40 +209,91 @@ def bench_ctxkit(
     repeats: int,
     results: dict[str, float],
 ) -> None:
+    """Every path on every device count; the paths that register pages run after all
+    the others, so page-locking cannot affect the staged timings. ``..._staged_after_
+    register`` times staging again after them (does registration leave the pages slower
+    to copy?)."""
     print("ctxkit Pipeline.map, pageable in and out (default options but host_path):", flush=True)
-    for nd in counts:
-        with ck.Pipeline(list(range(nd))) as p:
-            names = list(PATHS) if nd == 1 else ["auto", "staged", "register"]
-            for label in names:
-                path = PATHS[label]
-                out.fill(0)
-                p.map(kernel, x, out, args=(ALPHA,), host_path=path)
-                verify(f"ctxkit {label} on {nd} GPU(s)", out, x)
+    for registering in (False, True):
+        for nd in counts:
+            labels = list(PATHS) if nd == 1 else ["auto", "staged", "register"]
+            mine = [lb for lb in labels if _registers(PATHS[lb]) == registering]
+            with ck.Pipeline(list(range(nd))) as p:
+                for label in mine:
+                    _time_path(p, kernel, x, out, nd, label, PATHS[label], repeats, results)
+                if not registering:
+                    if nd > 1:
+                        _thread_sweep(kernel, x, out, nd, repeats, results)
+                    continue
+                _time_path(
+                    p, kernel, x, out, nd, "staged_after_register", "staged", repeats, results
+                )
                 timed(
-                    f"ctxkit_{nd}gpu_pageable_{label}",
-                    functools.partial(p.map, kernel, x, out, args=(ALPHA,), host_path=path),
+                    f"ctxkit_{nd}gpu_pageable_register_dynamic",
+                    functools.partial(
+                        p.map,
+                        kernel,
+                        x,
+                        out,
+                        args=(ALPHA,),
+                        host_path="register",
+                        schedule="dynamic",
+                    ),
                     x.nbytes,
                     repeats,
                     results,
                 )
-                if label == "auto":
-                    _breakdown(p)
-            timed(
-                f"ctxkit_{nd}gpu_pageable_register_dynamic",
-                functools.partial(
-                    p.map, kernel, x, out, args=(ALPHA,), host_path="register", schedule="dynamic"
-                ),
-                x.nbytes,
-                repeats,
-                results,
-            )
-            timed(
-                f"ctxkit_{nd}gpu_pageable_auto_new_out",
-                functools.partial(p.map, kernel, x, args=(ALPHA,)),
-                x.nbytes,
-                repeats,
-                results,
-            )
+                timed(
+                    f"ctxkit_{nd}gpu_pageable_auto_new_out",
+                    functools.partial(p.map, kernel, x, args=(ALPHA,)),
+                    x.nbytes,
+                    repeats,
+                    results,
+                )
+
+
+def _thread_sweep(
+    kernel: Any, x: np.ndarray, out: np.ndarray, nd: int, repeats: int, results: dict[str, float]
+) -> None:
+    """Staged on *nd* GPUs with 4..12 host threads per GPU (the default is 8 per GPU)."""
+    for per_gpu in (4, 6, 8, 12):
+        t = per_gpu * nd
+        if t > cpus() - 1:
+            continue
+        with ck.Pipeline(list(range(nd)), host_threads=t) as p:
+            run = functools.partial(p.map, kernel, x, out, args=(ALPHA,), host_path="staged")
+            run()
+            timed(f"threads_{nd}gpu_staged_threads{t}", run, x.nbytes, repeats, results)
+
+
+def _registers(path: Any) -> bool:
+    sides = (path, path) if isinstance(path, str) else path
+    return any(choose_host_path(side, MiB << 10) == "register" for side in sides)
+
+
+def _time_path(
+    p: ck.Pipeline,
+    kernel: Any,
+    x: np.ndarray,
+    out: np.ndarray,
+    nd: int,
+    label: str,
+    path: Any,
+    repeats: int,
+    results: dict[str, float],
+) -> None:
+    out.fill(0)
+    p.map(kernel, x, out, args=(ALPHA,), host_path=path)
+    verify(f"ctxkit {label} on {nd} GPU(s)", out, x)
+    timed(
+        f"ctxkit_{nd}gpu_pageable_{label}",
+        functools.partial(p.map, kernel, x, out, args=(ALPHA,), host_path=path),
+        x.nbytes,
+        repeats,
+        results,
+    )
+    if label in ("auto", "staged_after_register"):
+        _breakdown(p)
 
 
 def _breakdown(p: ck.Pipeline) -> None:

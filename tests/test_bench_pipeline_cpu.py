@@ -102,6 +102,21 @@ def test_benchmark_sweep_runs(bench, gpu, capsys):
     assert any(k.startswith("sweep_register_chunk8_") for k in results)
 
 
+def test_staged_timings_run_before_any_registration(bench, gpu, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "cpus", lambda: 32)
+    x = np.random.default_rng(0).random(1 << 16, dtype=np.float32)
+    results: dict[str, float] = {}
+    bench.bench_ctxkit(FakeScaleKernel(gpu), x, np.zeros_like(x), [1, 2], 1, results)
+    names = list(results)
+    first_reg = min(i for i, k in enumerate(names) if "register" in k)
+    staged = [k for k in names if "register" not in k and "new_out" not in k]
+    assert all(names.index(k) < first_reg for k in staged), names
+    for k in ("ctxkit_2gpu_pageable_auto", "threads_2gpu_staged_threads16",
+              "ctxkit_1gpu_pageable_staged_after_register"):  # fmt: skip
+        assert k in names, k
+    assert not gpu.registered
+
+
 def test_registration_timing_undoes_a_partial_registration(bench, gpu):
     import pipeline_baselines
 
