@@ -509,6 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size-gb", type=float, default=2.0, help="input size in GiB")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--quick", action="store_true", help="256 MiB, fewer repeats, no sweep")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the chunk/thread sweeps")
     args = ap.parse_args(argv)
     if ck.device_count() == 0:
         print("bench_pipeline: no GPU: no CUDA device/driver on this machine", file=sys.stderr)
@@ -538,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
     out.fill(0)
     bench_naive(kernel, x, out, counts, repeats, results)
     bench_ctxkit(kernel, x, out, counts, repeats, results)
-    if not args.quick:
+    if not (args.quick or args.no_sweep):
         bench_sweep(kernel, x, out, max(1, repeats - 1), results)
     pinned = bench_pinned(obj, kernel, x, counts, 3 if args.quick else 7, results)
     um = bench_managed(kernel, x[: min(x.shape[0], 4 * GiB // 4)], counts[-1], repeats, results)
