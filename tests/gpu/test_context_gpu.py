@@ -11,12 +11,7 @@ import pytest
 import ctxkit as ck
 from ctxkit._driver import drv
 from ctxkit.context import Context, thread_state
-
-
-def raw_current() -> int:
-    err, cu = drv.cuCtxGetCurrent()
-    assert not err
-    return int(cu)
+from tests.helpers import raw_current
 
 
 def test_devices_and_properties():

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import gc
 import sys
-import threading
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,6 +19,7 @@ from ctxkit import _driver, memory
 from ctxkit._driver import drv
 from ctxkit.errors import ContextClosedError, NoCurrentContextError, OutOfMemoryError
 from ctxkit.memory import DeviceBuffer, ManagedBuffer, PageableCopyError, PageableCopyWarning
+from tests.helpers import in_thread
 
 SIZES = [0, 1, 3, 5, 1023, 4097, (1 << 20) + 3]
 MiB = 1 << 20
@@ -33,23 +33,6 @@ def rand(n: int, seed: int = 0) -> np.ndarray:
 def pointer_attr(name: str, ptr: int) -> tuple[int, Any]:
     err, value = drv.cuPointerGetAttribute(getattr(ATTR, "CU_POINTER_ATTRIBUTE_" + name), ptr)
     return int(err), value
-
-
-def in_thread(fn: Any) -> Any:
-    out: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            out["value"] = fn()
-        except BaseException as exc:
-            out["error"] = exc
-
-    t = threading.Thread(target=run)
-    t.start()
-    t.join()
-    if "error" in out:
-        raise out["error"]
-    return out.get("value")
 
 
 @contextmanager

@@ -33,9 +33,9 @@ import numpy as np
 import pytest
 
 import ctxkit as ck
-from ctxkit._driver import drv
 from ctxkit.compiler import kernel_source
 from ctxkit.context import Context, thread_state
+from tests.helpers import raw_current
 
 REPO = Path(__file__).resolve().parents[2]
 THREADS = int(os.environ.get("CTXKIT_STRESS_THREADS", "64"))
@@ -46,12 +46,6 @@ SCRATCH = 2048  # float32 elements per thread and context
 MEMORY_TOLERANCE = 8 << 20
 #: Operation mix: binds dominate (the point of the test), device work is sized for ~2 min.
 WEIGHTS = {"push": 30, "pop": 30, "alloc": 8, "free": 6, "launch": 14, "sync": 8, "verify": 4}
-
-
-def raw_current() -> int:
-    err, cu = drv.cuCtxGetCurrent()
-    assert not err, err
-    return int(cu)
 
 
 @pytest.fixture(scope="module")

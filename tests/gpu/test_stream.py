@@ -19,6 +19,7 @@ from ctxkit import stream as stream_mod
 from ctxkit._driver import drv
 from ctxkit.errors import ContextClosedError, NoCurrentContextError
 from ctxkit.stream import Event, Stream, stream_handle
+from tests.helpers import in_thread
 
 SPIN = 400_000_000  # clock64 ticks: ~0.2 s at H200 clocks
 
@@ -41,23 +42,6 @@ def stream_ctx(s: Stream) -> int:
     err, cu = drv.cuStreamGetCtx(s.handle)
     assert not err
     return int(cu)
-
-
-def in_thread(fn: Any) -> Any:
-    out: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            out["value"] = fn()
-        except BaseException as exc:
-            out["error"] = exc
-
-    t = threading.Thread(target=run)
-    t.start()
-    t.join()
-    if "error" in out:
-        raise out["error"]
-    return out.get("value")
 
 
 # --- creation ------------------------------------------------------------------------

@@ -1,0 +1,34 @@
+"""Small helpers shared by the CPU and GPU tests."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+
+def in_thread(fn: Callable[[], Any], name: str | None = None) -> Any:
+    """Run ``fn()`` in a fresh thread (no context current there); return or raise its result."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as exc:
+            out["error"] = exc
+
+    t = threading.Thread(target=run, name=name)
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
+
+
+def raw_current() -> int:
+    """The calling thread's current context handle as the driver reports it (0: none)."""
+    from ctxkit._driver import drv
+
+    err, cu = drv.cuCtxGetCurrent()
+    assert not err
+    return int(cu)
