@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import atexit
 import threading
+import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 from . import _driver
 from ._driver import call, drv
@@ -29,7 +30,14 @@ from .errors import (
     CudaError,
 )
 
-__all__ = ["Context", "current_context", "current_handle", "thread_bindings"]
+__all__ = [
+    "Context",
+    "FailedFree",
+    "current_context",
+    "current_handle",
+    "failed_frees",
+    "thread_bindings",
+]
 
 _OWNED = "owned"
 _PRIMARY = "primary"
@@ -484,10 +492,55 @@ def _check_free(res: Any, fn: Callable[..., Any]) -> None:
         raise _driver.from_result(int(err), getattr(fn, "__name__", "free"))
 
 
+class FailedFree(NamedTuple):
+    """A free run by a finalizer that the driver refused (the resource is still held)."""
+
+    function: str
+    context: int
+    thread: str
+    error: str
+
+
+_failed_frees: list[FailedFree] = []
+_MAX_FAILED_FREES = 100
+_warned_failed_free = False
+
+
+def failed_frees() -> list[FailedFree]:
+    """Frees made by finalizers (garbage collection, ``weakref.finalize``) that failed.
+
+    A finalizer must not raise, so a driver error there would otherwise be invisible
+    and the memory would stay allocated until the process ends. Oldest first, at most
+    100 (the first ones are kept); the first failure also emits one ``ResourceWarning``.
+    """
+    return list(_failed_frees)
+
+
 def free_quietly(ctx: Context, fn: Callable[..., Any], *args: Any) -> None:
-    """:meth:`Context.free` for finalizers: never raises (GC must not see exceptions)."""
+    """:meth:`Context.free` for finalizers: never raises (GC must not see exceptions);
+    a failure is recorded in :func:`failed_frees`."""
     try:
         ctx.free(fn, *args)
+    except Exception as exc:
+        _note_failed_free(ctx, getattr(fn, "__name__", "free"), str(exc))
+
+
+def _note_failed_free(ctx: Context, name: str, error: str) -> None:
+    global _warned_failed_free
+    entry = FailedFree(name, ctx.handle, threading.current_thread().name, error)
+    if len(_failed_frees) < _MAX_FAILED_FREES:
+        _failed_frees.append(entry)
+    if _warned_failed_free:
+        return
+    _warned_failed_free = True
+    try:
+        warnings.warn(
+            f"ctxkit: {name} in {ctx!r} failed while a finalizer freed a resource, which "
+            f"stays allocated: {error}. Later failures are listed by "
+            "ctxkit.context.failed_frees() without further warnings",
+            ResourceWarning,
+            stacklevel=2,
+        )
     except Exception:
         pass
 
