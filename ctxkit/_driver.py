@@ -15,6 +15,7 @@ Hot paths elsewhere call ``drv.cuXxx`` directly and pass a non-zero status to
 from __future__ import annotations
 
 import ctypes
+import difflib
 import os
 import threading
 from collections.abc import Callable
@@ -210,6 +211,32 @@ def call(fn: Callable[..., Any], *args: Any, what: str = "") -> Any:
 
 def _default_what(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__name__", "CUDA call")
+
+
+def enum_member(enum: Any, prefix: str, name: str | Any, what: str) -> Any:
+    """Resolve a readable name (``"max_threads_per_block"``, any case, prefix optional) to
+    the member ``prefix + NAME`` of a cuda-bindings enum; members pass through.
+
+    Raises ``ValueError`` naming *what* and the closest known names.
+    """
+    if not isinstance(name, str):
+        return name
+    key = name.upper()
+    if not key.startswith(prefix):
+        key = prefix + key
+    try:
+        return getattr(enum, key)
+    except AttributeError:
+        known = sorted(
+            m[len(prefix) :].lower()
+            for m in dir(enum)
+            if m.startswith(prefix) and m[len(prefix) :] != "MAX"
+        )
+        short = key[len(prefix) :].lower()
+        close = difflib.get_close_matches(short, known, n=5, cutoff=0.5)
+        close += [k for k in known if short in k and k not in close]
+        hint = f"did you mean one of {close[:5]}?" if close else f"known: {known}"
+        raise ValueError(f"unknown {what} {name!r}; {hint}") from None
 
 
 def driver_version() -> tuple[int, int] | None:

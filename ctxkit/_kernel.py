@@ -94,17 +94,9 @@ def stream_for(stream: Any, ctx: Context) -> Any:
 
 
 def _function_attribute(name: str | Any) -> Any:
-    if not isinstance(name, str):
-        return name
-    key = name.upper()
-    if not key.startswith("CU_FUNC_ATTRIBUTE_"):
-        key = "CU_FUNC_ATTRIBUTE_" + key
-    try:
-        return getattr(drv.CUfunction_attribute, key)
-    except AttributeError:
-        cut = len("CU_FUNC_ATTRIBUTE_")
-        known = [m.name[cut:].lower() for m in drv.CUfunction_attribute if m.name[cut:] != "MAX"]
-        raise ValueError(f"unknown kernel attribute {name!r}; known: {known}") from None
+    return _driver.enum_member(
+        drv.CUfunction_attribute, "CU_FUNC_ATTRIBUTE_", name, "kernel attribute"
+    )
 
 
 class Kernel:

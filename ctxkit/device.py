@@ -35,22 +35,9 @@ def devices() -> list[Device]:
 
 def _attribute_enum(name: str | Any) -> Any:
     """Resolve ``"max_threads_per_block"`` (any case, with or without prefix) to the enum."""
-    if not isinstance(name, str):
-        return name
-    key = name.upper()
-    if not key.startswith("CU_DEVICE_ATTRIBUTE_"):
-        key = "CU_DEVICE_ATTRIBUTE_" + key
-    try:
-        return getattr(drv.CUdevice_attribute, key)
-    except AttributeError:
-        known = sorted(
-            m[len("CU_DEVICE_ATTRIBUTE_") :].lower()
-            for m in dir(drv.CUdevice_attribute)
-            if m.startswith("CU_DEVICE_ATTRIBUTE_")
-        )
-        close = [k for k in known if name.lower().replace("cu_device_attribute_", "") in k]
-        suggestion = f" Did you mean one of {close[:5]}?" if close else ""
-        raise ValueError(f"unknown device attribute {name!r}.{suggestion}") from None
+    return _driver.enum_member(
+        drv.CUdevice_attribute, "CU_DEVICE_ATTRIBUTE_", name, "device attribute"
+    )
 
 
 class Device:

@@ -211,3 +211,22 @@ def test_info_with_fake_driver(fake_driver, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "Fake GPU 1" in out and "peer access" in out and "yes" in out
     assert "devices       : 2" in out
+
+
+def test_enum_member_resolves_readable_names_and_suggests():
+    d = _driver.drv
+    dev_attr = d.CUdevice_attribute
+    assert (
+        _driver.enum_member(dev_attr, "CU_DEVICE_ATTRIBUTE_", "warp_size", "device attribute")
+        == dev_attr.CU_DEVICE_ATTRIBUTE_WARP_SIZE
+    )
+    assert (
+        _driver.enum_member(dev_attr, "CU_DEVICE_ATTRIBUTE_", "CU_DEVICE_ATTRIBUTE_WARP_SIZE", "x")
+        == dev_attr.CU_DEVICE_ATTRIBUTE_WARP_SIZE
+    )
+    member = dev_attr.CU_DEVICE_ATTRIBUTE_WARP_SIZE
+    assert _driver.enum_member(dev_attr, "CU_DEVICE_ATTRIBUTE_", member, "x") is member
+    with pytest.raises(ValueError, match=r"attribute 'warp'; did you mean .*warp_size"):
+        _driver.enum_member(dev_attr, "CU_DEVICE_ATTRIBUTE_", "warp", "device attribute")
+    with pytest.raises(ValueError, match="known: "):
+        _driver.enum_member(dev_attr, "CU_DEVICE_ATTRIBUTE_", "zzzz", "device attribute")
