@@ -32,3 +32,21 @@ def raw_current() -> int:
     err, cu = drv.cuCtxGetCurrent()
     assert not err
     return int(cu)
+
+
+def load_file_module(path: Any, name: str, register: bool = False) -> Any:
+    """Import a script (``scripts/*.py``, ``benchmarks/*.py``, ``examples/*.py``) as a module.
+
+    ``register`` puts it in ``sys.modules`` first (needed when it defines dataclasses or
+    pickles its own objects).
+    """
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    if register:
+        sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod

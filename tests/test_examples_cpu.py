@@ -6,7 +6,6 @@ the shell scripts' syntax.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -18,6 +17,8 @@ from types import ModuleType
 
 import numpy as np
 import pytest
+
+from tests.helpers import load_file_module
 
 from .conftest import GPU_COUNT
 
@@ -165,11 +166,7 @@ def test_sanitizer_script_exits_2_without_gpu(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def common() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("examples_common", REPO / "examples/_common.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_file_module(REPO / "examples/_common.py", "examples_common")
 
 
 def test_check_passes_on_equal_arrays(common: ModuleType, capsys: pytest.CaptureFixture) -> None:

@@ -7,9 +7,7 @@ relies on it instead of device-wide free memory."""
 from __future__ import annotations
 
 import gc
-import importlib.util
 import itertools
-import sys
 import threading
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -22,6 +20,7 @@ import ctxkit as ck
 from ctxkit import _driver
 from ctxkit.memory import DeviceBuffer, ManagedBuffer
 from ctxkit.stream import Event, Stream
+from tests.helpers import load_file_module
 
 from .fakedriver import FakeHandle
 from .test_memory_cpu import ctx0, ctx1, fake, in_thread  # noqa: F401
@@ -32,12 +31,7 @@ MADE = {"cuMemAlloc", "cuStreamCreateWithPriority", "cuEventCreate"}
 
 @pytest.fixture(scope="module")
 def es() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("exit_safety_under_test", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_file_module(SCRIPT, "exit_safety_under_test", register=True)
 
 
 class ModuleAndGraphCalls:

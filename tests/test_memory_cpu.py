@@ -1798,14 +1798,12 @@ def test_bench_memory_peer_section_waits_and_syncs_before_freeing(fake, monkeypa
     """benchmarks/bench_memory.py's peer section (the first GPU run faulted device 0 after
     it): every copy is awaited, both contexts are synchronized before peer access is
     enabled and before the buffers are freed, and the bytes arrive."""
-    import importlib.util
     from pathlib import Path
 
+    from tests.helpers import load_file_module
+
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_memory.py"
-    spec = importlib.util.spec_from_file_location("bench_memory_under_test", path)
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_file_module(path, "bench_memory_under_test")
     monkeypatch.setattr(bench, "PEER_SIZE", 64 << 10)
     c0, c1 = ck.registry.context(0), ck.registry.context(1)
     bench.bench_peer(2, 2)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import importlib.util
 import struct
 import threading
 import warnings
@@ -30,6 +29,7 @@ from cuda.bindings import driver as _real
 
 import ctxkit as ck
 from ctxkit import _hostmem, context
+from tests.helpers import load_file_module
 
 from . import pipeline_fakegpu
 from .fakedriver import FakeHandle
@@ -255,13 +255,7 @@ def wgpu(_workload_gpu: None, gpu: WorkloadGPU) -> Iterator[WorkloadGPU]:
 
 
 def _workload_module() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "sanitizer_workload_cpu", ROOT / "scripts" / "sanitizer_workload.py"
-    )
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_file_module(ROOT / "scripts" / "sanitizer_workload.py", "sanitizer_workload_cpu")
 
 
 @pytest.fixture

@@ -38,31 +38,19 @@ def _check(proc: subprocess.CompletedProcess[str], name: str) -> None:
 
 @pytest.mark.parametrize("path", [p for p in EXAMPLES if p.name not in MPI], ids=lambda p: p.name)
 def test_example(path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(path), *ARGS.get(path.name, [])],
-        cwd=REPO,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    print(proc.stdout)
-    _check(proc, path.name)
+    _run_and_check([sys.executable, str(path), *ARGS.get(path.name, [])], path.name)
 
 
 @pytest.mark.parametrize("path", [p for p in EXAMPLES if p.name in MPI], ids=lambda p: p.name)
 def test_mpi_example(path: Path) -> None:
     if MPIEXEC is None:
         pytest.skip("no mpiexec on this machine")
+    _run_and_check(mpiexec_cmd(2, sys.executable, str(path), *ARGS.get(path.name, [])), path.name)
+
+
+def _run_and_check(cmd: list[str], name: str) -> None:
     proc = subprocess.run(
-        mpiexec_cmd(2, sys.executable, str(path), *ARGS.get(path.name, [])),
-        cwd=REPO,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
+        cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600, check=False
     )
     print(proc.stdout)
-    _check(proc, path.name)
+    _check(proc, name)

@@ -11,7 +11,6 @@ or neither but the driver still knowing the pointer.
 from __future__ import annotations
 
 import gc
-import importlib.util
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -23,19 +22,14 @@ import pytest
 import ctxkit as ck
 from ctxkit import _hostmem, context
 from ctxkit._driver import drv
+from tests.helpers import load_file_module
 
 ROOT = Path(__file__).resolve().parents[2]
 INVALID_VALUE = 1
 
 
 def _workload() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "sanitizer_workload_gpu", ROOT / "scripts" / "sanitizer_workload.py"
-    )
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_file_module(ROOT / "scripts" / "sanitizer_workload.py", "sanitizer_workload_gpu")
 
 
 @pytest.fixture
