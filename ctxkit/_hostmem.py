@@ -185,13 +185,18 @@ def is_pinned(arr: Any) -> bool:
     """True when the array's memory is page-locked (``pinned_empty``/``register_host``
     or another library's pinned allocator); False for ordinary pageable memory.
 
+    Both its first and its last byte are checked: an array that merely shares its first
+    page with a neighbour's registration is not pinned.
+
     Async copies need pinned memory: from pageable memory the driver blocks the host for
     the whole copy.
     """
     a = host_array(arr, "is_pinned") if not isinstance(arr, np.ndarray) else arr
     if a.size == 0:
         return False
-    return host_pointer_kind(_address(a)) == "pinned"
+    first = _address(a)
+    last = first + a.nbytes - 1
+    return host_pointer_kind(first) == "pinned" and host_pointer_kind(last) == "pinned"
 
 
 def check_async_host(arr: np.ndarray, what: str) -> None:

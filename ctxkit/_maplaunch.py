@@ -37,6 +37,7 @@ def make_launcher(
     if callable(kernel):
         body = kernel
         in_tail, out_tail = x.shape[1:], out.shape[1:]
+        in_dtype, out_dtype = x.dtype, out.dtype  # not the arrays: keep them collectable
 
         def launch_body(
             dev: DeviceState, s: Stream, d_in: int, d_out: int, n: int, c: Chunk
@@ -44,8 +45,8 @@ def make_launcher(
             body(
                 dev.ctx,
                 s,
-                ChunkView(d_in, (c.rows, *in_tail), x.dtype),
-                ChunkView(d_out, (c.rows, *out_tail), out.dtype),
+                ChunkView(d_in, (c.rows, *in_tail), in_dtype),
+                ChunkView(d_out, (c.rows, *out_tail), out_dtype),
                 n,
                 *args,
             )

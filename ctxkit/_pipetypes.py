@@ -90,7 +90,8 @@ class RunStats:
     """Totals of the last run: input bytes, wall seconds and the per-device breakdown.
 
     ``path`` says how host data moved: ``"pinned"``, ``"managed"``, or per side
-    ``"in=<how>, out=<how>"`` with ``staged``, ``registered`` or ``pinned``.
+    ``"in=<how>, out=<how>"`` with ``staged``, ``registered``, ``pinned`` or ``held``
+    (kept page-locked between calls by pin on reuse).
     ``fallbacks`` counts chunk sides of a registered path that were staged instead
     because the driver refused to register their pages.
     """

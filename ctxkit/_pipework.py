@@ -7,6 +7,8 @@ unregisters its pages. Both run with the device's context current.
 Host data of a side (input or output) moves one of three ways:
 
 * ``pinned``: the user's array is page-locked already; copies use it directly;
+* ``held``: the same, the pages kept locked by the pipeline's pin on reuse
+  (:mod:`ctxkit._pincache`);
 * ``staged``: through a pinned staging buffer of the slot, filled (input) or drained
   (output) by the host copy pool;
 * ``register``: the chunk's whole pages are registered ahead of time by the host pool
@@ -51,7 +53,8 @@ from .trace import Recorder
 
 __all__ = ["ChunkJob", "Run", "drain", "feed", "run_stats"]
 
-MODE_NAMES = {"pinned": "pinned", "staged": "staged", "register": "registered"}
+MODE_NAMES = {"pinned": "pinned", "held": "held", "staged": "staged", "register": "registered"}
+DIRECT = ("pinned", "held")
 
 
 class ChunkJob:
@@ -75,7 +78,7 @@ class ChunkJob:
 class Run:
     """The state shared by the worker threads of one map call.
 
-    ``in_mode``/``out_mode`` are ``"pinned"``, ``"staged"`` or ``"register"`` (ignored
+    ``in_mode``/``out_mode`` are ``"pinned"``, ``"held"``, ``"staged"`` or ``"register"`` (ignored
     for a managed run); ``ahead`` is how many chunks a feeder claims (and registers)
     ahead of the one it enqueues.
     """
@@ -121,6 +124,11 @@ class Run:
         self.started: dict[int, float] = {}
         self.fallbacks = 0
         self._queue = iter(plan.chunks)
+
+    def drop_arrays(self) -> None:
+        """The run is over: stop referencing the user's arrays (the pipeline keeps the
+        finished run for its trace events)."""
+        self.x = self.out = self.x_bytes = self.out_bytes = np.empty(0, np.uint8)
 
     @property
     def stage_in(self) -> bool:
@@ -318,7 +326,7 @@ def _input(run: Run, dev: DeviceState, slot: Slot, job: ChunkJob) -> list[tuple[
     """Prepare the chunk's input on the host; the H2D copies ``(d_in offset, src, n)``."""
     c = job.chunk
     nb, b0 = c.rows * run.in_row, c.row0 * run.in_row
-    if run.in_mode == "pinned":
+    if run.in_mode in DIRECT:
         return [(0, run.x_ptr + b0, nb)]
     pc = job.in_pieces
     if run.in_mode == "register" and pc is not None and _registered(run, job.in_seg):
@@ -359,7 +367,7 @@ def _output(
         except BaseException as exc:
             exc._ctxkit_step = "d2h"  # type: ignore[attr-defined]
             raise
-    if mode == "pinned":
+    if mode in DIRECT:
         return mode, [(run.out_ptr + b0, 0, nb)]
     if mode == "staged":
         assert slot.pin_out is not None

@@ -51,6 +51,7 @@ class HostPool:
             if job is None:
                 return
             job()
+            del job  # an idle thread must not keep the last job's arrays alive
 
     def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
         """Run ``fn(*args)`` on a pool thread; its result or exception lands in the Future."""
@@ -240,13 +241,16 @@ class DeviceState:
             pool.clear()
 
 
-def shutdown_all(devices: list[DeviceState], pool: list[HostPool]) -> None:
-    """Finalizer of a Pipeline that was never closed: stop its threads."""
+def shutdown_all(devices: list[DeviceState], pool: list[HostPool], pins: Any = None) -> None:
+    """Finalizer of a Pipeline that was never closed: stop its threads, unlock the
+    memory it kept page-locked (a :class:`ctxkit._pincache.PinCache`)."""
     for dev in devices:
         dev.worker.shutdown(wait=False)
         dev.drainer.shutdown(wait=False)
     for p in pool:
         p.close()
+    if pins is not None:
+        pins.clear()
 
 
 def sync_event(dev: DeviceState, ev: Event, what: str) -> None:
@@ -313,17 +317,17 @@ def grow_pinned(arr: np.ndarray | None, need: int, ctx: Context) -> np.ndarray:
 
 
 def default_host_threads(n_devices: int) -> int:
-    """Host threads: 12 for one device, 8 per device for several, leaving one CPU per
-    device worker thread (feeder, drainer) and one for the caller; at least 2.
+    """Host threads: 16, leaving one CPU per device worker thread (feeder, drainer) and one
+    for the caller; at least 2.
 
-    Measured on 2x H200 with 32 CPUs (pageable, staged, 32 MiB chunks): on 1 GPU, 8
-    threads reached 14.9 GB/s, 12 threads 16.8-17.4 GB/s, 31 threads 10.2 GB/s
-    (over-subscribed next to the spinning event waits of feeder and drainer). On 2 GPUs
-    the devices share the CPUs and the host memory bandwidth: 16 threads reached
-    20.6 GB/s (512 MiB), while 24 threads (12 per GPU) gave 8.8 GB/s in the same demo.
+    The staging copies are bound by host memory bandwidth, which every device shares, so
+    the count does not grow with the devices. Measured on 2x H200 with 32 CPUs (2 GiB
+    float32 pageable in and out, staged, 32 MiB chunks): 1 GPU 17.5 GB/s with 12 threads,
+    21.1 GB/s with 16, 15.0 GB/s with 24; 2 GPUs 22.2-23.0 GB/s with 16 and 16.0 GB/s with
+    24 (over-subscribed next to the spinning event waits of feeders and drainers).
     """
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cpus = os.cpu_count() or 2
-    return max(2, min(cpus - 2 * n_devices - 1, max(12, 8 * n_devices)))
+    return max(2, min(cpus - 2 * n_devices - 1, 16))

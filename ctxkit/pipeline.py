@@ -41,6 +41,7 @@ from . import _driver
 from ._hostmem import host_pointer_kind
 from ._hostreg import Registrar
 from ._maplaunch import make_launcher, unblock_if_not_run
+from ._pincache import PinCache, default_budget
 from ._pipetypes import ChunkView, DeviceStats, PipelineError, RunStats
 from ._pipework import Run, drain, feed, run_stats
 from ._plan import (
@@ -129,8 +130,15 @@ class Pipeline(StageMixin):
         just in time (``cuMemHostRegister``, in parallel on the host pool, a few chunks
         ahead) and DMAs straight from/to them, bouncing only the partial pages at the
         array's ends and chunk boundaries; the pages are unregistered once the chunk's
-        D2H completed, before :meth:`map` returns. ``"auto"``: staging (see Notes).
-        Per-call override: ``map(host_path=...)``.
+        D2H completed, before :meth:`map` returns. ``"auto"``: staging, and pin on
+        reuse (see *pin_cache_bytes*). Per-call override: ``map(host_path=...)``.
+    pin_cache_bytes : int, optional
+        Pin on reuse, for ``host_path="auto"``: a pageable array (16 MiB or more) that a
+        later :meth:`map` call sees again is page-locked once (``cuMemHostRegister``)
+        and kept locked while its memory lives, so every further call DMAs it directly,
+        as if it were pinned. This bounds the bytes kept locked (least recently used
+        arrays are released first); 0 turns it off. Default: a quarter of physical
+        memory, at least 4 GiB. See :meth:`release_pinned`.
     schedule : {"static", "dynamic"}
         ``"static"``: an even contiguous share of rows per device. ``"dynamic"``: devices
         take chunks from a shared queue (work stealing; helps unequal devices).
@@ -174,8 +182,10 @@ class Pipeline(StageMixin):
         schedule: str = "static",
         trace: bool = True,
         host_path: str | tuple[str, str] = "auto",
+        pin_cache_bytes: int | None = None,
     ) -> None:
         check_options(chunk_bytes, staging_buffers, host_threads, schedule)
+        budget = _pin_budget(pin_cache_bytes)
         self.host_path = check_host_path(host_path)
         specs = check_device_specs(devices)
         self.chunk_bytes = chunk_bytes
@@ -194,7 +204,8 @@ class Pipeline(StageMixin):
         self._kernels: dict[tuple[int, str], tuple[Any, Module, Kernel]] = {}
         self._stats = RunStats()
         self._closed = False
-        self._fin = weakref.finalize(self, shutdown_all, self._devices, self._pool)
+        self._pins = PinCache(budget)
+        self._fin = weakref.finalize(self, shutdown_all, self._devices, self._pool, self._pins)
 
     # --- properties ----------------------------------------------------------------
 
@@ -217,6 +228,20 @@ class Pipeline(StageMixin):
     def closed(self) -> bool:
         """True after :meth:`close`."""
         return self._closed
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of the user's pageable arrays kept page-locked by pin on reuse."""
+        return self._pins.nbytes
+
+    def release_pinned(self) -> int:
+        """Unregister every array kept page-locked by pin on reuse; return the bytes.
+
+        Later calls start over (an array is staged, then locked when seen again).
+        """
+        with self._lock:
+            self._settle()
+            return self._pins.clear()
 
     @property
     def last_stats(self) -> RunStats:
@@ -395,10 +420,13 @@ class Pipeline(StageMixin):
                 x.shape[0], row, len(self._devices), chunk_bytes, schedule or self.schedule
             )
             t0 = time.perf_counter()
-            modes = ("pinned", "pinned") if managed else _host_modes(x, out, paths)
+            modes = ("pinned", "pinned") if managed else self._host_modes(x, out, paths)
             run = Run(x, out, plan, launch, self._recorder, managed, prefetch, to_host, modes)
-            if plan.chunks and x.nbytes + out.nbytes:
-                self._execute(run)
+            try:
+                if plan.chunks and x.nbytes + out.nbytes:
+                    self._execute(run)
+            finally:
+                self._pins.release_users()
             self._stats = run_stats(run, time.perf_counter() - t0, x.nbytes)
         return out
 
@@ -430,8 +458,10 @@ class Pipeline(StageMixin):
         except BaseException:
             run.stop.set()
             self._settle()
+            run.drop_arrays()
             raise
         self._inflight = []
+        run.drop_arrays()
         if not self.tracing:
             self._recycle(run)
         if run.errors:
@@ -541,6 +571,7 @@ class Pipeline(StageMixin):
             for dev in self._devices:
                 quiet_sync(dev)
                 dev.release()
+            self._pins.clear()
             for p in self._pool:
                 p.close()
             self._pool.clear()
@@ -574,6 +605,22 @@ class Pipeline(StageMixin):
             f"{device!r} is not one of this pipeline's devices {[d.ordinal for d in self._devices]}"
         )
 
+    def _host_modes(
+        self, x: np.ndarray, out: np.ndarray, paths: tuple[str, str]
+    ) -> tuple[str, str]:
+        """``(input, output)`` modes: ``"pinned"`` for page-locked arrays, ``"held"`` for
+        arrays kept locked by pin on reuse, else the side's host path."""
+        ctx = self._devices[0].ctx
+        if x.nbytes and x.nbytes == out.nbytes and addr(x) == addr(out):
+            held_in = held_out = "auto" in paths and self._pins.acquire(x, ctx, read_only=False)
+        else:
+            held_in = paths[0] == "auto" and self._pins.acquire(x, ctx, read_only=True)
+            held_out = paths[1] == "auto" and self._pins.acquire(out, ctx, read_only=False)
+        return (
+            "held" if held_in else _side_mode(x, paths[0]),
+            "held" if held_out else _side_mode(out, paths[1]),
+        )
+
     def _ensure_pool(self) -> None:
         if not self._pool:
             self._pool.append(HostPool(self.host_threads))
@@ -605,12 +652,18 @@ def _resolve_contexts(specs: list[int | Device | Context] | None) -> list[Contex
     return contexts
 
 
-def _host_modes(x: np.ndarray, out: np.ndarray, paths: tuple[str, str]) -> tuple[str, str]:
-    """``(input, output)`` modes: ``"pinned"`` for page-locked arrays, else the path."""
-    return (
-        "pinned" if x.nbytes and is_pinned(x) else choose_host_path(paths[0], x.nbytes),
-        "pinned" if out.nbytes and is_pinned(out) else choose_host_path(paths[1], out.nbytes),
-    )
+def _side_mode(a: np.ndarray, path: str) -> str:
+    return "pinned" if a.nbytes and is_pinned(a) else choose_host_path(path, a.nbytes)
+
+
+def _pin_budget(value: int | None) -> int:
+    if value is None:
+        return default_budget()
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"pin_cache_bytes must be a byte count >= 0 (0 turns pin on reuse off), not {value!r}"
+        )
+    return value
 
 
 def _managed_array(obj: Any, dtype: Any, shape: Sequence[int] | None, what: str) -> np.ndarray:

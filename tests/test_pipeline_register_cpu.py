@@ -113,10 +113,9 @@ def test_host_path_options():
 
 def test_default_host_threads(monkeypatch):
     monkeypatch.setattr(_staging.os, "sched_getaffinity", lambda pid: set(range(32)))
-    assert default_host_threads(1) == 12
+    assert default_host_threads(1) == 16
     assert default_host_threads(2) == 16
-    assert default_host_threads(3) == 24
-    assert default_host_threads(4) == 23
+    assert default_host_threads(8) == 15
     monkeypatch.setattr(_staging.os, "sched_getaffinity", lambda pid: set(range(8)))
     assert default_host_threads(2) == 3
     monkeypatch.setattr(_staging.os, "sched_getaffinity", lambda pid: {0})
