@@ -439,7 +439,11 @@ class Pipeline(StageMixin):
             run.pool = self._pool[0]
         if "register" in (run.in_mode, run.out_mode) and run.pool is not None:
             run.registrar = Registrar(run.pool, run.stop, run.rec)
-            run.ahead = max(self.staging_buffers, -(-self.host_threads // len(active)))
+            # A few chunks ahead keep the registrations off the critical path; more only
+            # lengthen a stop (each registered chunk is unregistered before map returns,
+            # and cuMemHostUnregister waits for the device).
+            per_device = -(-self.host_threads // len(active))
+            run.ahead = max(self.staging_buffers, min(per_device, 2 * self.staging_buffers))
         self._run = run
         futures: list[Future[Any]] = []
         for dev in active:

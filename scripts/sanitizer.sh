@@ -4,6 +4,7 @@
 #     bash scripts/sanitizer.sh                          # the core workload (scripts/sanitizer_workload.py)
 #     TESTS="tests/gpu/test_context_gpu.py" bash scripts/sanitizer.sh   # ... and these pytest targets
 #     TOOLS="memcheck" bash scripts/sanitizer.sh          # one tool only
+#     BACKTRACE=yes TOOLS=memcheck bash scripts/sanitizer.sh   # host backtraces (see run_tool)
 #
 # Run from anywhere on the GPU machine; PYTHONPATH is set to the repo root. One log per tool and
 # target goes to $OUT (or /tmp/ctxkit-sanitizer); the last lines are each run's SUMMARY lines.
@@ -36,7 +37,10 @@ run_tool() {  # run_tool TOOL NAME COMMAND...
     local tool=$1 name=$2
     shift 2
     local log="$OUT/sanitizer-$tool-$name.log" extra=()
-    [ "$tool" = memcheck ] && extra=(--leak-check full)
+    # Host backtraces off for memcheck: to print them, compute-sanitizer keeps a reference to
+    # the Python frames of every allocation call, so their locals (pinned arrays among them)
+    # can never be freed and are then reported as leaked. BACKTRACE=yes shows them anyway.
+    [ "$tool" = memcheck ] && extra=(--leak-check full --show-backtrace "${BACKTRACE:-device}")
     echo "== compute-sanitizer --tool $tool: $name"
     "$SAN" --tool "$tool" ${extra[@]+"${extra[@]}"} --target-processes all --report-api-errors no \
         --print-limit 100 --error-exitcode 99 "$@" >"$log" 2>&1

@@ -3,6 +3,7 @@ stages, unified memory, errors (in a child process where a fault poisons a conte
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -95,6 +96,35 @@ def _assert_unregistered(*arrays: np.ndarray) -> None:
         for ptr in {base, base + a.nbytes // 2, base + max(a.nbytes - 1, 0)}:
             if a.nbytes:
                 assert host_pointer_kind(ptr) == "pageable", (hex(ptr), a.nbytes)
+
+
+@pytest.mark.parametrize("ndev", [1, pytest.param(2, marks=pytest.mark.multigpu)])
+def test_pin_on_reuse_holds_reused_arrays_and_releases_them(kern, ndev):
+    n = (64 << 20) // 4 + 5
+    x = _random(n, np.float32, 21)
+    out = np.zeros_like(x)
+    with Pipeline(_devices(ndev)) as p:
+        paths = []
+        for _ in range(3):
+            out[:] = 0
+            p.map(kern["scale_f32"], x, out, args=(2.0,))
+            np.testing.assert_array_equal(out, x * np.float32(2))
+            paths.append(p.last_stats.path)
+        assert paths == [PATH_NAMES["staged"]] + ["in=held, out=held"] * 2
+        assert ck.is_pinned(x) and ck.is_pinned(out)
+        assert p.pinned_bytes >= x.nbytes + out.nbytes
+        ptr = int(x.ctypes.data)
+        del x
+        gc.collect()
+        assert host_pointer_kind(ptr) == "pageable"  # unlocked before numpy freed it
+        assert p.release_pinned() >= out.nbytes and p.pinned_bytes == 0
+        _assert_unregistered(out)
+        y = _random(n, np.float32, 22)
+        p.map(kern["scale_f32"], y, out, args=(3.0,))
+        p.map(kern["scale_f32"], y, out, args=(3.0,))
+        assert p.last_stats.path == "in=held, out=held"
+        np.testing.assert_array_equal(out, y * np.float32(3))
+    _assert_unregistered(y, out)  # close() unlocked them
 
 
 @pytest.mark.parametrize("ndev", [1, pytest.param(2, marks=pytest.mark.multigpu)])
@@ -228,8 +258,11 @@ def test_map_forgotten_args_is_a_clear_error(kern):
 @pytest.mark.parametrize("ndev", [1, pytest.param(2, marks=pytest.mark.multigpu)])
 def test_trace_shows_h2d_overlapping_the_previous_kernel(kern, ndev, host_path, tmp_path):
     x = _random(16 << 20, np.float32, 4)  # 64 MiB, 16 chunks of 4 MiB
+    # Registering a chunk's pages takes longer than staging them: a longer kernel keeps
+    # the device the bottleneck, so that the next chunk's H2D can land during it.
+    cycles = SPIN_CYCLES * (4 if host_path == "register" else 1)
     with Pipeline(_devices(ndev), chunk_bytes=4 << 20) as p:
-        out = p.map(_spin_copy_body(kern), x, host_path=host_path)
+        out = p.map(_spin_copy_body(kern, cycles), x, host_path=host_path)
         tl = p.trace()
     np.testing.assert_array_equal(out, x)
     assert tl.dropped == 0
