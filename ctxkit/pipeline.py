@@ -120,9 +120,8 @@ class Pipeline(StageMixin):
         this many chunks in flight (twice as many when they use no slot buffer), which
         also bounds what an interrupted :meth:`map` waits for.
     host_threads : int, optional
-        Threads of the host pool (staging copies, page registration). Default: 12 for
-        one device, 8 per device for several, at most the usable CPUs minus two per
-        device minus one, at least 2.
+        Threads of the host pool (staging copies, page registration). Default: 16, at
+        most the usable CPUs minus two per device minus one, at least 2.
     host_path : {"auto", "staged", "register"} or (input, output) pair of them
         How pageable arrays reach the devices (pinned arrays are always copied
         directly): ``"staged"`` copies each chunk through pinned staging buffers (two
@@ -159,17 +158,14 @@ class Pipeline(StageMixin):
     count of the input chunk; launched with ``grid = min(ceil(n / block), device
     capacity)`` blocks, so kernels must use a grid-stride loop.
 
-    Why ``"auto"`` stages: on 2x H200 with 32 CPUs (``python -m ctxkit demo``, 512 MiB
-    float32 pageable in and out, 2 GPUs, 8 chunks of 32 MiB per device) the staged path
-    reached 20.6 GB/s (per device 25 ms; fill 16.9 ms, drain 15.4 ms, H2D 7.4 ms, D2H
-    5.0 ms busy) and the registered path 5.9 GB/s (per device 90 ms; register 71.5 ms,
-    unregister 49.8 ms busy: page-locking and unlocking ran at ~3.6 GB/s per device and
-    concurrent registrations did not scale). Staging copies every byte twice on the host
-    (``np.copyto`` peaks at 48.6 GB/s with 32 threads there, so staging is capped near
-    24 GB/s of input); registration is worth trying with ``host_path="register"`` where
-    page-locking is fast. ``benchmarks/bench_pipeline.py`` measures both paths and the
-    locking rate in one run (SUMMARY ``pipeline.1gpu_auto_vs_fastest_path``); the choice
-    is ``ctxkit._plan.AUTO_HOST_PATH``.
+    What ``"auto"`` does and why, measured on 2x H200 with 32 CPUs
+    (``benchmarks/bench_pipeline.py``, 2 GiB float32 pageable in and out): arrays seen
+    for the first time are staged (14.5-21 GB/s on 1 GPU; two host copies per byte, and
+    ``np.copyto`` peaks near 50 GB/s there, so staging is capped near 25 GB/s of input);
+    registering each chunk just in time reached only 6.9 GB/s (page-locking plus
+    unlocking runs at ~26 GB/s, for input and output). Arrays seen again are locked once
+    (the registering call ran at ~9.5 GB/s) and then DMAed directly: 46.7 GB/s on 1 GPU
+    and 64.5 GB/s on 2, 0.97x and 0.96x a hand-written pinned pipeline in the same run.
     """
 
     def __init__(
@@ -458,7 +454,7 @@ class Pipeline(StageMixin):
         self._inflight = futures
         try:
             for f in futures:
-                f.result()
+                _result_interruptibly(f)
         except BaseException:
             run.stop.set()
             self._settle()
@@ -654,6 +650,22 @@ def _resolve_contexts(specs: list[int | Device | Context] | None) -> list[Contex
     for ctx in contexts:
         ctx.check_usable()
     return contexts
+
+
+INTERRUPT_POLL_S = 0.05
+
+
+def _result_interruptibly(f: Future[Any]) -> Any:
+    """``f.result()``, with Ctrl-C handled within :data:`INTERRUPT_POLL_S`.
+
+    A signal that arrives just before a thread blocks on a lock without a timeout is only
+    handled once the lock is released (CPython checks pending signals between bytecodes,
+    not before the wait): ``map`` would run to its end before raising KeyboardInterrupt.
+    Short timed waits bound that delay.
+    """
+    while not f.done():
+        wait_futures([f], timeout=INTERRUPT_POLL_S)
+    return f.result()
 
 
 def _side_mode(a: np.ndarray, path: str) -> str:

@@ -178,8 +178,13 @@ TESTS="${TESTS:-tests/gpu}"
 if [ -n "${PYTEST_ARGS:-}" ]; then
     # shellcheck disable=SC2206
     args=($PYTEST_ARGS)
-else
+elif [ "$CONFIG" = installed ]; then
     args=(-m "not slow")
+else
+    # The preloaded NVRTC serves every library in the process: CuPy (built for CUDA 13) then
+    # compiles its own kernels against CUDA 13 headers with this NVRTC and fails. That
+    # combination is not one a user can have, so the tests of CuPy interop stay out here.
+    args=(-m "not slow" -k "not cupy")
 fi
 echo "== pytest $TESTS ${args[*]} (configuration $CONFIG)"
 # shellcheck disable=SC2086

@@ -781,3 +781,32 @@ def test_demo_times_the_staged_default_then_registration(gpu, monkeypatch, tmp_p
     assert text.index("ctxkit pageable (host_path='register')") > staged
     assert "per device (ctxkit pageable, in=staged, out=staged)" in text
     assert gpu.register_calls and not gpu.registered
+
+
+def test_waiting_for_a_run_handles_a_pending_ctrl_c_promptly():
+    """A KeyboardInterrupt that is pending but interrupts no system call (here
+    ``_thread.interrupt_main``, or a signal landing just before the wait starts) must not
+    wait for the whole run."""
+    import _thread
+    from concurrent.futures import Future
+
+    from ctxkit.pipeline import _result_interruptibly
+
+    fut: Future[int] = Future()
+    done_later = threading.Timer(3.0, fut.set_result, (1,))
+    done_later.start()
+    threading.Timer(0.1, _thread.interrupt_main).start()
+    t0 = time.perf_counter()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _result_interruptibly(fut)
+        assert time.perf_counter() - t0 < 1.0
+    finally:
+        done_later.cancel()
+    done: Future[int] = Future()
+    done.set_result(7)
+    assert _result_interruptibly(done) == 7
+    failed: Future[int] = Future()
+    failed.set_exception(TimeoutError("from the task"))
+    with pytest.raises(TimeoutError, match="from the task"):
+        _result_interruptibly(failed)
