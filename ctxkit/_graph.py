@@ -10,7 +10,14 @@ from typing import Any
 from . import _driver
 from ._driver import call, drv
 from ._kernel import stream_for
-from .context import Context, finalizer, require_current, thread_state
+from .context import (
+    Context,
+    capture_begins,
+    capture_ends,
+    finalizer,
+    require_current,
+    thread_state,
+)
 from .errors import CudaError
 from .registry import guard
 
@@ -102,7 +109,9 @@ def capture(stream: Any, *, mode: str = "thread_local") -> Iterator[Graph]:
 
     ``with capture(s) as g: k.launch(..., stream=s)`` -- after the block ``g.launch()``
     replays it. The stream's context is bound for the block. Work inside must be
-    asynchronous and on *stream* (no synchronize, no pageable copies).
+    asynchronous and on *stream* (no synchronize, no pageable copies). ctxkit objects
+    collected inside the block (garbage collection can run at any allocation) are freed
+    after it: a ``cuMemFree`` there would invalidate the capture.
 
     Parameters
     ----------
@@ -125,18 +134,25 @@ def capture(stream: Any, *, mode: str = "thread_local") -> Iterator[Graph]:
     if int(hs) in _SPECIAL_STREAMS:
         raise ValueError("the default stream cannot be captured; capture a ck.Stream()")
     graph = Graph(ctx)
+    tracked, global_mode = mode != "relaxed", mode == "global"
     with guard(ctx, "graph capture"):
         (err,) = drv.cuStreamBeginCapture(hs, mode_enum)
         if err:
             raise _driver.from_result(int(err), "cuStreamBeginCapture")
+        if tracked:
+            capture_begins(global_mode)
         try:
             yield graph
         except BaseException:
             res = drv.cuStreamEndCapture(hs)
+            if tracked:
+                capture_ends(global_mode)
             if not res[0] and res[1] is not None and int(res[1]):
                 drv.cuGraphDestroy(res[1])
             raise
         err, cu_graph = drv.cuStreamEndCapture(hs)
+        if tracked:
+            capture_ends(global_mode)
         if err:
             raise _driver.from_result(
                 int(err),

@@ -518,11 +518,59 @@ def failed_frees() -> list[FailedFree]:
 
 def free_quietly(ctx: Context, fn: Callable[..., Any], *args: Any) -> None:
     """:meth:`Context.free` for finalizers: never raises (GC must not see exceptions);
-    a failure is recorded in :func:`failed_frees`."""
+    a failure is recorded in :func:`failed_frees`. While a stream capture that such a
+    free would invalidate is open, the free waits for its end (:func:`capture_begins`)."""
+    if (_capturing_threads or _global_captures) and _defer_free(ctx, fn, args):
+        return
     try:
         ctx.free(fn, *args)
     except Exception as exc:
         _note_failed_free(ctx, getattr(fn, "__name__", "free"), str(exc))
+
+
+# --- frees during stream capture ------------------------------------------------------
+# cuMemFree & co. are "unsafe" during a capture: in the capturing thread (thread_local and
+# global modes) or in any thread (global mode) they invalidate it. Garbage collection and
+# dropped references run finalizers at arbitrary points, so those frees wait until the
+# capture ends.
+
+_capture_lock = threading.Lock()
+_capturing_threads: dict[int, int] = {}
+_global_captures = 0
+_deferred_frees: list[tuple[Context, Callable[..., Any], tuple[Any, ...]]] = []
+
+
+def capture_begins(global_mode: bool) -> None:
+    """A stream capture starts in this thread (``thread_local`` or ``global`` mode)."""
+    global _global_captures
+    with _capture_lock:
+        tid = threading.get_ident()
+        _capturing_threads[tid] = _capturing_threads.get(tid, 0) + 1
+        _global_captures += int(global_mode)
+
+
+def capture_ends(global_mode: bool) -> None:
+    """The capture started by :func:`capture_begins` in this thread ended: run the frees
+    it held back that nothing forbids any more."""
+    global _global_captures
+    with _capture_lock:
+        tid = threading.get_ident()
+        depth = _capturing_threads.pop(tid, 1) - 1
+        if depth:
+            _capturing_threads[tid] = depth
+        _global_captures -= int(global_mode)
+        pending = list(_deferred_frees)
+        _deferred_frees.clear()
+    for ctx, fn, args in pending:
+        free_quietly(ctx, fn, *args)
+
+
+def _defer_free(ctx: Context, fn: Callable[..., Any], args: tuple[Any, ...]) -> bool:
+    with _capture_lock:
+        if not (_global_captures or threading.get_ident() in _capturing_threads):
+            return False
+        _deferred_frees.append((ctx, fn, args))
+        return True
 
 
 def _note_failed_free(ctx: Context, name: str, error: str) -> None:

@@ -292,3 +292,49 @@ def test_require_current(fake_driver):
     fake_driver.stack().append(ctx._cu)
     assert context_mod.require_current("x") is ctx
     fake_driver.stack().pop()
+
+
+class _Recorder:
+    """Stands in for a Context in free_quietly: records the frees that ran."""
+
+    def __init__(self) -> None:
+        self.freed: list[tuple[str, int]] = []
+        self.handle = 0
+
+    def free(self, fn, *args) -> None:
+        self.freed.append((threading.current_thread().name, *args))
+
+
+def _free_in_thread(rec: _Recorder, value: int) -> None:
+    t = threading.Thread(target=context_mod.free_quietly, args=(rec, None, value), name="other")
+    t.start()
+    t.join()
+
+
+@pytest.mark.parametrize("global_mode", [False, True])
+def test_frees_wait_for_the_end_of_a_capture_they_would_invalidate(global_mode):
+    rec = _Recorder()
+    context_mod.capture_begins(global_mode)
+    try:
+        context_mod.free_quietly(rec, None, 1)  # e.g. garbage collected inside the block
+        _free_in_thread(rec, 2)
+        assert rec.freed == ([] if global_mode else [("other", 2)])
+    finally:
+        context_mod.capture_ends(global_mode)
+    main = threading.current_thread().name
+    # Held-back frees run in the thread that ends the capture.
+    assert sorted(v for _t, v in rec.freed) == [1, 2]
+    assert (main, 1) in rec.freed
+    context_mod.free_quietly(rec, None, 3)  # no capture: at once
+    assert rec.freed[-1] == (main, 3)
+
+
+def test_nested_captures_in_one_thread_release_frees_at_the_outer_end():
+    rec = _Recorder()
+    context_mod.capture_begins(False)
+    context_mod.capture_begins(False)
+    context_mod.free_quietly(rec, None, 1)
+    context_mod.capture_ends(False)
+    assert rec.freed == []
+    context_mod.capture_ends(False)
+    assert [v for _t, v in rec.freed] == [1]

@@ -771,16 +771,18 @@ def test_demo_rejects_a_bad_device_count(gpu, monkeypatch, tmp_path, capsys):
     assert "--devices must be 1..2" in capsys.readouterr().err
 
 
-def test_demo_times_the_staged_default_then_registration(gpu, monkeypatch, tmp_path, capsys):
+def test_demo_times_arrays_seen_once_then_reused(gpu, monkeypatch, tmp_path, capsys):
+    from ctxkit import _pincache
     from ctxkit._demo import run_demo
 
+    monkeypatch.setattr(_pincache, "MIN_HOLD_BYTES", 1 << 20)
     _fake_kernel(monkeypatch, gpu)
     assert run_demo(_demo_args(tmp_path, size_mb=8.0, devices=2, trace=None, quick=True)) == 0
     text = capsys.readouterr().out
-    staged = text.index("ctxkit pageable (in=staged, out=staged)")
-    assert text.index("ctxkit pageable (host_path='register')") > staged
-    assert "per device (ctxkit pageable, in=staged, out=staged)" in text
-    assert gpu.register_calls and not gpu.registered
+    once = text.index("ctxkit pageable, arrays seen once (staged)")
+    assert text.index("ctxkit pageable, reused arrays (in=held, out=held)") > once
+    assert "per device (ctxkit pageable, in=held, out=held)" in text
+    assert gpu.register_calls and not gpu.registered  # locked by pin on reuse, then released
 
 
 def test_waiting_for_a_run_handles_a_pending_ctrl_c_promptly():

@@ -137,3 +137,28 @@ def test_upload_before_the_first_launch(ctx0, saxpy):
         assert (y.to_host() == 4.0).all()
         g.upload()  # the default stream
         ctx0.synchronize()
+
+
+@pytest.mark.parametrize("mode", ["thread_local", "global"])
+def test_garbage_collected_inside_a_capture_is_freed_after_it(ctx0, saxpy, mode):
+    """A cuMemFree inside the block would invalidate the capture; the finalizers of
+    buffers collected there (cyclic garbage here, as gc can run at any allocation) wait."""
+    import gc
+    import weakref
+
+    with ctx0:
+        s = ck.Stream()
+        x = to_device(np.ones(N, np.float32))
+        y = to_device(np.zeros(N, np.float32))
+        junk = [ck.DeviceBuffer(1 << 20) for _ in range(4)]
+        junk.append(junk)  # a reference cycle: only the collector frees it
+        ref = weakref.ref(junk[0])
+        del junk
+        with capture(s, mode=mode) as g:
+            saxpy.launch(16, 256, 2.0, x, y, N, stream=s)
+            gc.collect()
+            assert ref() is None
+        g.launch(s)
+        s.synchronize()
+        assert (y.to_host() == 2.0).all()
+    assert ck.context.failed_frees() == []
