@@ -19,6 +19,11 @@ or keeps the object that does alive, and numpy refuses to ``resize`` an array th
 weak references, so the held pages stay the array's own. Ranges that share a page with a
 range held already, and pages the driver refuses (registered elsewhere, locked-memory
 limit), are never held: those arrays keep the pipeline's other host path.
+
+``cuMemHostUnregister`` waits until the device is idle (measured on H200: a call made
+while a 200 ms kernel ran returned with it), so dropping the last reference to a held
+array can block that thread until the running work ends; ``Pipeline.release_pinned``
+picks the moment instead.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -75,7 +80,7 @@ class _Held:
     ref: weakref.ref[Any] | None = None
     registered: bool = True
     last_use: int = 0
-    users: int = field(default=0)
+    users: int = 0
 
     @property
     def nbytes(self) -> int:
@@ -83,13 +88,6 @@ class _Held:
 
     def covers(self, start: int, end: int) -> bool:
         return self.start <= start and end <= self.end
-
-
-@dataclass(eq=False)
-class _Sighting:
-    start: int
-    end: int
-    ref: weakref.ref[Any]
 
 
 class PinCache:
@@ -105,25 +103,15 @@ class PinCache:
         self.budget = int(budget)
         self._lock = threading.RLock()
         self._held: dict[int, list[_Held]] = {}
-        self._seen: dict[tuple[int, int, int], _Sighting] = {}
+        self._seen: dict[tuple[int, int, int], weakref.ref[Any]] = {}
         self._refused: set[tuple[int, int]] = set()
         self._clock = 0
-        self.registrations = 0
 
     @property
     def nbytes(self) -> int:
         """Bytes page-locked now."""
         with self._lock:
             return sum(h.nbytes for hs in self._held.values() for h in hs if h.registered)
-
-    def holds(self, arr: np.ndarray) -> bool:
-        """True when *arr*'s pages are registered by this cache."""
-        if not arr.nbytes:
-            return False
-        start, end = _page_range(addr(arr), arr.nbytes)
-        owner = memory_owner(arr)
-        with self._lock:
-            return self._find(owner, start, end) is not None
 
     def acquire(self, arr: np.ndarray, ctx: Context, read_only: bool) -> bool:
         """Use *arr* for one map call: True when its pages are (now) held page-locked.
@@ -179,9 +167,9 @@ class PinCache:
         """Record the sighting; True when the same range of the same owner was seen."""
         key = (id(owner), start, end)
         prev = self._seen.pop(key, None)
-        if prev is not None and prev.ref() is owner:
+        if prev is not None and prev() is owner:
             return True
-        self._seen[key] = _Sighting(start, end, weakref.ref(owner, self._forget_sighting(key)))
+        self._seen[key] = weakref.ref(owner, self._forget_sighting(key))
         while len(self._seen) > MAX_SIGHTINGS:
             self._seen.pop(next(iter(self._seen)))
         return False
@@ -194,8 +182,7 @@ class PinCache:
             if cache is None:
                 return
             with cache._lock:
-                s = cache._seen.get(key)
-                if s is not None and s.ref is ref:
+                if cache._seen.get(key) is ref:
                     del cache._seen[key]
 
         return forget
@@ -215,7 +202,6 @@ class PinCache:
         if err:
             self._refused.add((start, end))
             return None
-        self.registrations += 1
         held = _Held(start, end, ctx)
         key = id(owner)
         held.ref = weakref.ref(owner, self._on_owner_death(key, held))
