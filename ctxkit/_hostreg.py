@@ -20,11 +20,21 @@ from .context import Context
 from .errors import describe
 from .trace import Recorder
 
-__all__ = ["REGISTER_PORTABLE", "REGISTER_READ_ONLY", "Registrar", "Segment"]
+__all__ = ["REGISTER_PORTABLE", "REGISTER_READ_ONLY", "Registrar", "Segment", "register_pages"]
 
 REGISTER_PORTABLE = 1  # CU_MEMHOSTREGISTER_PORTABLE: usable by every context
 REGISTER_READ_ONLY = 8  # CU_MEMHOSTREGISTER_READ_ONLY: the device only reads it
 _ALREADY_REGISTERED = 712
+
+
+def register_pages(ptr: int, nbytes: int, read_only: bool) -> int:
+    """``cuMemHostRegister(PORTABLE)`` of whole pages in the current context; memory the
+    device only reads is retried ``READ_ONLY`` (read-only mappings refuse the first).
+    Returns the CUresult as an int."""
+    (err,) = drv.cuMemHostRegister(ptr, nbytes, REGISTER_PORTABLE)
+    if err and read_only and int(err) != _ALREADY_REGISTERED:
+        (err,) = drv.cuMemHostRegister(ptr, nbytes, REGISTER_PORTABLE | REGISTER_READ_ONLY)
+    return int(err)
 
 
 class Segment:
@@ -109,10 +119,7 @@ class Registrar:
         t0 = time.perf_counter()
         try:
             with seg.ctx:
-                (err,) = drv.cuMemHostRegister(seg.ptr, seg.nbytes, REGISTER_PORTABLE)
-                if err and seg.read_only and int(err) != _ALREADY_REGISTERED:
-                    flags = REGISTER_PORTABLE | REGISTER_READ_ONLY
-                    (err,) = drv.cuMemHostRegister(seg.ptr, seg.nbytes, flags)
+                err = register_pages(seg.ptr, seg.nbytes, seg.read_only)
         except Exception as exc:
             seg.error = f"{type(exc).__name__}: {exc}"
             return False

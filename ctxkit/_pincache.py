@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from ._driver import drv
-from ._hostreg import REGISTER_PORTABLE, REGISTER_READ_ONLY
+from ._hostreg import register_pages
 from ._plan import PAGE, MiB, addr
 from .context import Context, free_quietly
 
@@ -45,7 +45,6 @@ __all__ = ["MIN_HOLD_BYTES", "PinCache", "default_budget", "memory_owner"]
 
 MIN_HOLD_BYTES = 16 * MiB
 MAX_SIGHTINGS = 64
-_ALREADY_REGISTERED = 712
 
 
 def default_budget() -> int:
@@ -195,10 +194,7 @@ class PinCache:
         if any(h.start < end and start < h.end for hs in self._held.values() for h in hs):
             return None
         with ctx:
-            (err,) = drv.cuMemHostRegister(start, end - start, REGISTER_PORTABLE)
-            if err and read_only and int(err) != _ALREADY_REGISTERED:
-                flags = REGISTER_PORTABLE | REGISTER_READ_ONLY
-                (err,) = drv.cuMemHostRegister(start, end - start, flags)
+            err = register_pages(start, end - start, read_only)
         if err:
             self._refused.add((start, end))
             return None
