@@ -43,8 +43,8 @@ import numpy as np
 from pipeline_baselines import RawPinned, parallel_copy, time_registration
 
 import ctxkit as ck
-from ctxkit._demo import NaivePattern, best_seconds, load_scale_kernel
-from ctxkit._plan import PAGE, choose_host_path, make_plan
+from ctxkit.cli.demo import NaivePattern, best_seconds, load_scale_kernel
+from ctxkit.pipeline.plan import PAGE, choose_host_path, make_plan
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ctxkit._driver import drv
-from ctxkit._plan import grid_size, make_plan
+from ctxkit.pipeline.plan import grid_size, make_plan
 
 REGISTER_PORTABLE = 1
 

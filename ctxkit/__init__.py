@@ -24,6 +24,12 @@ _EXPORTS: dict[str, str] = {
     "ContextPoisonedError": "errors",
     "ForkError": "errors",
     "LaunchArgumentError": "errors",
+    "KernelNotFoundError": "errors",
+    "PageableCopyWarning": "errors",
+    "PageableCopyError": "errors",
+    "PipelineError": "errors",
+    "DeviceTaskError": "errors",
+    "PtxVersionWarning": "errors",
     # devices and contexts
     "Device": "device",
     "device_count": "device",
@@ -32,10 +38,9 @@ _EXPORTS: dict[str, str] = {
     "current_context": "context",
     # registry
     "ContextRegistry": "registry",
-    "registry": "registry",
     "bind": "registry",
     "bound": "registry",
-    "ContextExecutor": "registry",
+    "ContextExecutor": "executor",
     # compiler and modules
     "Program": "compiler",
     "ObjectCode": "compiler",
@@ -43,9 +48,8 @@ _EXPORTS: dict[str, str] = {
     "Module": "module",
     "Kernel": "module",
     "PreparedLaunch": "module",
-    "KernelNotFoundError": "module",
-    "Graph": "module",
-    "capture": "module",
+    "Graph": "graph",
+    "capture": "graph",
     "kernel_source": "compiler",
     # memory, streams
     "DeviceBuffer": "memory",
@@ -59,26 +63,34 @@ _EXPORTS: dict[str, str] = {
     "enable_peer_access": "memory",
     "copy_peer": "memory",
     "to_device": "memory",
-    "PageableCopyWarning": "memory",
-    "PageableCopyError": "memory",
     "Stream": "stream",
     "Event": "stream",
     # multi-device
     "Pipeline": "pipeline",
     "DevicePool": "procs",
-    "DeviceTaskError": "procs",
-    "PipelineError": "pipeline",
     "StageHandle": "pipeline",
     "Timeline": "trace",
 }
 
-_SUBMODULES = {"procs", "trace", "errors", "compiler", "module", "memory", "stream", "pipeline"}
+_SUBMODULES = {
+    "procs",
+    "trace",
+    "errors",
+    "compiler",
+    "module",
+    "memory",
+    "stream",
+    "pipeline",
+    "graph",
+    "lifetime",
+    "cli",
+}
 
-__all__ = sorted([*_EXPORTS, "procs", "__version__"])
+__all__ = sorted([*_EXPORTS, "procs", "registry", "__version__"])
 
-# The core is imported eagerly (it needs no driver to import). ``registry`` must be
-# rebound after its submodule loads: importing ``ctxkit.registry`` sets the package
-# attribute to the module, but ``ctxkit.registry`` is the ContextRegistry instance.
+# The core is imported eagerly (it needs no driver to import). ``ctxkit.registry`` is the
+# registry module; it reads and writes the process-wide registry ``ctxkit.registry.default``.
+from . import registry  # noqa: E402
 from .context import Context, current_context  # noqa: E402
 from .device import Device, device_count, devices  # noqa: E402
 from .errors import (  # noqa: E402
@@ -88,16 +100,20 @@ from .errors import (  # noqa: E402
     ContextPoisonedError,
     ContextStackError,
     CudaError,
+    DeviceTaskError,
     DriverNotFoundError,
     ForkError,
+    KernelNotFoundError,
     LaunchArgumentError,
     NoCurrentContextError,
     OutOfMemoryError,
+    PageableCopyError,
+    PageableCopyWarning,
+    PipelineError,
+    PtxVersionWarning,
 )
-from .registry import ContextExecutor, ContextRegistry, bind, bound  # noqa: E402
-from .registry import registry as _the_registry  # noqa: E402
-
-registry = _the_registry
+from .executor import ContextExecutor  # noqa: E402
+from .registry import ContextRegistry, bind, bound  # noqa: E402
 
 
 def __getattr__(name: str) -> Any:
@@ -118,12 +134,11 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # pragma: no cover
     from . import procs as procs
     from .compiler import ObjectCode, Program, compile, kernel_source
+    from .graph import Graph, capture
     from .memory import (
         DeviceArray,
         DeviceBuffer,
         ManagedBuffer,
-        PageableCopyError,
-        PageableCopyWarning,
         copy_peer,
         device_array,
         enable_peer_access,
@@ -133,8 +148,8 @@ if TYPE_CHECKING:  # pragma: no cover
         register_host,
         to_device,
     )
-    from .module import Graph, Kernel, KernelNotFoundError, Module, PreparedLaunch, capture
-    from .pipeline import Pipeline, PipelineError, StageHandle
-    from .procs import DevicePool, DeviceTaskError
+    from .module import Kernel, Module, PreparedLaunch
+    from .pipeline import Pipeline, StageHandle
+    from .procs import DevicePool
     from .stream import Event, Stream
     from .trace import Timeline

@@ -140,7 +140,6 @@ def _init_slow() -> None:
             _no_device = True
         elif err:
             raise from_result(int(err), "cuInit(0)")
-        _install_name_lookup()
         _init_pid = os.getpid()
 
 
@@ -149,42 +148,36 @@ def no_device() -> bool:
     return _no_device
 
 
-def _install_name_lookup() -> None:
-    d = drv
+def describe(code: int) -> tuple[str, str]:
+    """``(name, explanation)`` of a ``CUresult`` code.
 
-    def lookup(code: int) -> tuple[str, str]:
-        try:
-            name = d.CUresult(code).name
-        except Exception:
-            name = f"CUresult {code}"
-        text = ""
+    The name comes from cuda-bindings' enum; the explanation from ``cuGetErrorString``
+    once the driver is initialised (before that, and without a driver, it is empty).
+    """
+    d = drv
+    if d is None:
+        return f"CUresult {code}", ""
+    try:
+        name = d.CUresult(code).name
+    except Exception:
+        return f"CUresult {code}", ""
+    text = ""
+    if _init_pid is not None:
         try:
             err, s = d.cuGetErrorString(d.CUresult(code))
             if not err and s:
                 text = s.decode() if isinstance(s, bytes) else str(s)
         except Exception:
             pass
-        return name, text
-
-    errors.set_name_lookup(lookup)
-
-
-def _enum_only_lookup(code: int) -> tuple[str, str]:
-    try:
-        return drv.CUresult(code).name, ""
-    except Exception:
-        return f"CUresult {code}", ""
-
-
-if drv is not None:
-    errors.set_name_lookup(_enum_only_lookup)
+    return name, text
 
 
 def from_result(code: int, what: str = "", detail: str = "") -> CudaError:
     """Exception for a failed driver call, with fork detection."""
     if code == CUDA_ERROR_NOT_INITIALIZED and _parent_initialized_pid is not None:
         return _fork_error(what)
-    return errors.from_result(code, what, detail)
+    name, text = describe(code)
+    return errors.from_result(code, what, detail, name=name, text=text)
 
 
 def raise_for(err: Any, what: str = "", detail: str = "") -> None:

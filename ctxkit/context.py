@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import atexit
 import threading
-import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 from . import _driver
 from ._driver import call, drv
@@ -28,19 +27,18 @@ from .errors import (
     ContextPoisonedError,
     ContextStackError,
     CudaError,
+    NoCurrentContextError,
 )
 
-__all__ = [
-    "Context",
-    "FailedFree",
-    "current_context",
-    "current_handle",
-    "failed_frees",
-    "thread_bindings",
-]
+__all__ = ["Context", "current_context", "current_handle", "thread_bindings"]
+
 
 _OWNED = "owned"
+
+
 _PRIMARY = "primary"
+
+
 _FOREIGN = "foreign"
 
 
@@ -74,8 +72,14 @@ class _Local(threading.local):
 
 
 _all_threads: dict[int, tuple[weakref.ref[threading.Thread], str, list[Any]]] = {}
+
+
 _all_lock = threading.Lock()
+
+
 _tls = _Local()
+
+
 _shutting_down = False
 
 
@@ -492,112 +496,22 @@ def _check_free(res: Any, fn: Callable[..., Any]) -> None:
         raise _driver.from_result(int(err), getattr(fn, "__name__", "free"))
 
 
-class FailedFree(NamedTuple):
-    """A free run by a finalizer that the driver refused (the resource is still held)."""
-
-    function: str
-    context: int
-    thread: str
-    error: str
-
-
-_failed_frees: list[FailedFree] = []
-_MAX_FAILED_FREES = 100
-_warned_failed_free = False
-
-
-def failed_frees() -> list[FailedFree]:
-    """Frees made by finalizers (garbage collection, ``weakref.finalize``) that failed.
-
-    A finalizer must not raise, so a driver error there would otherwise be invisible
-    and the memory would stay allocated until the process ends. Oldest first, at most
-    100 (the first ones are kept); the first failure also emits one ``ResourceWarning``.
-    """
-    return list(_failed_frees)
-
-
-def free_quietly(ctx: Context, fn: Callable[..., Any], *args: Any) -> None:
-    """:meth:`Context.free` for finalizers: never raises (GC must not see exceptions);
-    a failure is recorded in :func:`failed_frees`. While a stream capture that such a
-    free would invalidate is open, the free waits for its end (:func:`capture_begins`)."""
-    if (_capturing_threads or _global_captures) and _defer_free(ctx, fn, args):
-        return
-    try:
-        ctx.free(fn, *args)
-    except Exception as exc:
-        _note_failed_free(ctx, getattr(fn, "__name__", "free"), str(exc))
-
-
-# --- frees during stream capture ------------------------------------------------------
-# cuMemFree & co. are "unsafe" during a capture: in the capturing thread (thread_local and
-# global modes) or in any thread (global mode) they invalidate it. Garbage collection and
-# dropped references run finalizers at arbitrary points, so those frees wait until the
-# capture ends.
-
-_capture_lock = threading.Lock()
-_capturing_threads: dict[int, int] = {}
-_global_captures = 0
-_deferred_frees: list[tuple[Context, Callable[..., Any], tuple[Any, ...]]] = []
-
-
-def capture_begins(global_mode: bool) -> None:
-    """A stream capture starts in this thread (``thread_local`` or ``global`` mode)."""
-    global _global_captures
-    with _capture_lock:
-        tid = threading.get_ident()
-        _capturing_threads[tid] = _capturing_threads.get(tid, 0) + 1
-        _global_captures += int(global_mode)
-
-
-def capture_ends(global_mode: bool) -> None:
-    """The capture started by :func:`capture_begins` in this thread ended: run the frees
-    it held back that nothing forbids any more."""
-    global _global_captures
-    with _capture_lock:
-        tid = threading.get_ident()
-        depth = _capturing_threads.pop(tid, 1) - 1
-        if depth:
-            _capturing_threads[tid] = depth
-        _global_captures -= int(global_mode)
-        pending = list(_deferred_frees)
-        _deferred_frees.clear()
-    for ctx, fn, args in pending:
-        free_quietly(ctx, fn, *args)
-
-
-def _defer_free(ctx: Context, fn: Callable[..., Any], args: tuple[Any, ...]) -> bool:
-    with _capture_lock:
-        if not (_global_captures or threading.get_ident() in _capturing_threads):
-            return False
-        _deferred_frees.append((ctx, fn, args))
-        return True
-
-
-def _note_failed_free(ctx: Context, name: str, error: str) -> None:
-    global _warned_failed_free
-    entry = FailedFree(name, ctx.handle, threading.current_thread().name, error)
-    if len(_failed_frees) < _MAX_FAILED_FREES:
-        _failed_frees.append(entry)
-    if _warned_failed_free:
-        return
-    _warned_failed_free = True
-    try:
-        warnings.warn(
-            f"ctxkit: {name} in {ctx!r} failed while a finalizer freed a resource, which "
-            f"stays allocated: {error}. Later failures are listed by "
-            "ctxkit.context.failed_frees() without further warnings",
-            ResourceWarning,
-            stacklevel=2,
-        )
-    except Exception:
-        pass
-
-
-def finalizer(owner: object, ctx: Context, fn: Callable[..., Any], *args: Any) -> weakref.finalize:
-    """Free ``fn(*args)`` in *ctx* when *owner* is collected or the finalizer is called."""
-    fin = weakref.finalize(owner, free_quietly, ctx, fn, *args)
-    fin.atexit = False
-    return fin
+def no_context_error(what: str) -> NoCurrentContextError:
+    """The error for an operation that needs a context in a thread that has none."""
+    t = threading.current_thread()
+    known = sorted(
+        (c for c in list(Context._known.values()) if not c.closed), key=lambda c: c.device.ordinal
+    )
+    listing = ", ".join(f"device {c.device.ordinal}: {c!r}" for c in known) or "none yet"
+    return NoCurrentContextError(
+        f"{what} needs a current CUDA context, but thread {t.name!r} (ident {t.ident}) "
+        f"has none (the driver would answer CUDA_ERROR_INVALID_CONTEXT: contexts are "
+        f"current per thread). Contexts ctxkit knows: {listing}. Fix: wrap the work in "
+        "`with ctxkit.bind(device_or_ctx):`, decorate the function with "
+        "`@ctxkit.bound(device)`, or run it on a `ctxkit.ContextExecutor`.",
+        201,
+        "CUDA_ERROR_INVALID_CONTEXT",
+    )
 
 
 def require_current(what: str) -> Context:
@@ -611,7 +525,5 @@ def require_current(what: str) -> Context:
         return top
     ctx = current_context()
     if ctx is None:
-        from .registry import no_context_error
-
         raise no_context_error(what)
     return ctx

@@ -153,10 +153,3 @@ class Device:
         return bool(
             call(drv.cuDeviceCanAccessPeer, self.handle, peer.handle, what="cuDeviceCanAccessPeer")
         )
-
-    @property
-    def primary_context(self) -> Any:
-        """The retained primary context of this device (see ``Context.primary``)."""
-        from .context import Context
-
-        return Context.primary(self)

@@ -7,8 +7,7 @@ for the errors people meet most, what to do about it.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
+from typing import Any
 
 __all__ = [
     "CompileError",
@@ -93,6 +92,10 @@ class ContextPoisonedError(CudaError):
 
 class ForkError(CudaError):
     """CUDA was used in a process forked after its parent initialised CUDA."""
+
+
+class WrongContextError(CudaError, ValueError):
+    """An object of one context (a stream, buffer, event) was used with another context."""
 
 
 class LaunchArgumentError(CudaError, TypeError):
@@ -194,31 +197,6 @@ _STICKY_HINT = (
     "faulting access with compute-sanitizer"
 )
 
-_name_lookup: Callable[[int], tuple[str, str]] | None = None
-_lookup_lock = threading.Lock()
-
-
-def set_name_lookup(lookup: Callable[[int], tuple[str, str]] | None) -> None:
-    """Install the function that turns a code into (name, description).
-
-    ``_driver`` installs one backed by ``cuGetErrorName``/``cuGetErrorString``; without
-    it (no driver) the enum name from cuda-bindings, or a generic name, is used.
-    """
-    global _name_lookup
-    with _lookup_lock:
-        _name_lookup = lookup
-
-
-def describe(code: int) -> tuple[str, str]:
-    """Return ``(name, explanation)`` for a ``CUresult`` code."""
-    lookup = _name_lookup
-    if lookup is not None:
-        try:
-            return lookup(code)
-        except Exception:
-            pass
-    return f"CUresult {code}", ""
-
 
 def hint_for(code: int) -> str:
     """Return the "what to do" sentence for *code* (empty when there is none)."""
@@ -232,8 +210,10 @@ def error_class_for(code: int) -> type[CudaError]:
     return _CLASS_FOR_CODE.get(int(code), CudaError)
 
 
-def from_result(code: int, what: str = "", detail: str = "") -> CudaError:
-    """Build the exception for a failed call.
+def from_result(
+    code: int, what: str = "", detail: str = "", *, name: str = "", text: str = ""
+) -> CudaError:
+    """Build the exception for a failed call (pure: no driver call).
 
     Parameters
     ----------
@@ -243,9 +223,12 @@ def from_result(code: int, what: str = "", detail: str = "") -> CudaError:
         The call that failed, with the arguments worth showing.
     detail : str
         Extra context (JIT log, thread, device), appended as is.
+    name, text : str
+        The code's CUDA name and explanation (``ctxkit._driver.describe`` asks the
+        driver); without a name, ``"CUresult <code>"``.
     """
     code = int(code)
-    name, text = describe(code)
+    name = name or f"CUresult {code}"
     parts = [f"{what} failed: {name}" if what else name]
     if text:
         parts[0] += f" ({text})"
@@ -255,3 +238,127 @@ def from_result(code: int, what: str = "", detail: str = "") -> CudaError:
     if detail:
         parts.append(detail)
     return error_class_for(code)("\n".join(parts), code, name)
+
+
+class PtxVersionWarning(UserWarning):
+    """PTX was produced by an NVRTC newer than the driver, which will refuse to load it."""
+
+
+class PageableCopyWarning(UserWarning):
+    """An asynchronous copy was asked for with pageable host memory (it will block)."""
+
+
+class PageableCopyError(ValueError):
+    """Strict async mode: an asynchronous copy with pageable host memory was refused."""
+
+
+class KernelNotFoundError(CudaError, LookupError):
+    """The module has no kernel of that name (the message lists those it has)."""
+
+
+class PipelineError(CudaError):
+    """A failure inside a pipeline run, naming the device, chunk (or stage) and step.
+
+    Attributes
+    ----------
+    device : int
+        Ordinal of the device the failing work ran on.
+    chunk : int or None
+        Index of the chunk (``None`` for a :meth:`Pipeline.submit` stage).
+    step : str
+        ``"h2d"``, ``"kernel"``, ``"d2h"``, ``"fill"``, ``"drain"``, ``"setup"``, ``"stage"``...
+    poisoned : bool
+        True when the device's context is poisoned (a kernel faulted): the pipeline
+        cannot be used again and says so.
+
+    The original exception is ``__cause__``; ``code``/``name`` are copied from it.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        device: int = -1,
+        chunk: int | None = None,
+        step: str = "",
+        cause: BaseException | None = None,
+        poisoned: bool = False,
+    ) -> None:
+        code = getattr(cause, "code", 0) if isinstance(cause, CudaError) else 0
+        name = getattr(cause, "name", "") if isinstance(cause, CudaError) else ""
+        super().__init__(message, code, name)
+        self.device = device
+        self.chunk = chunk
+        self.step = step
+        self.poisoned = poisoned
+        if cause is not None:
+            self.__cause__ = cause
+
+
+class DeviceTaskError(CudaError):
+    """Work for one device failed in its child process.
+
+    A subclass of :class:`~ctxkit.errors.CudaError` (itself a ``RuntimeError``) so that
+    ``except ctxkit.CudaError`` around multi-GPU work also sees a failed device; when the
+    child's exception was a ``CudaError`` its ``code`` and ``name`` are carried over
+    (e.g. ``CUDA_ERROR_ILLEGAL_ADDRESS``).
+
+    Attributes
+    ----------
+    device : int
+        Logical device ordinal (as the parent numbers devices).
+    kind : str
+        ``"exception"`` (the function raised), ``"crash"`` (the process died without a
+        result: signal, ``os._exit``, native crash), ``"timeout"``, ``"init"`` (a pool
+        worker could not start) or ``"terminated"`` (the pool was stopped under the task).
+    pid, exitcode : int or None
+        The child process and how it ended (negative exit code: killed by that signal).
+    traceback : str
+        The child's formatted traceback (empty when the child sent none).
+    exception_type : str
+        Qualified name of the child's exception class (empty when there was none).
+    child_exception : BaseException or None
+        The child's exception object, when it could be pickled.
+    attempts : int
+        Processes started for this device's work (``retries + 1`` when all failed).
+    results : list
+        ``run_per_device`` only: every device's result in device order, ``None`` for the
+        devices that failed.
+    failures : dict[int, DeviceTaskError]
+        ``run_per_device`` only: the error of every failed device, by ordinal.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        device: int,
+        kind: str,
+        pid: int | None = None,
+        exitcode: int | None = None,
+        traceback: str = "",
+        exception_type: str = "",
+        child_exception: BaseException | None = None,
+        attempts: int = 1,
+        code: int = 0,
+        name: str = "",
+    ) -> None:
+        super().__init__(message, code, name)
+        self.device = device
+        self.kind = kind
+        self.pid = pid
+        self.exitcode = exitcode
+        self.traceback = traceback
+        self.exception_type = exception_type
+        self.child_exception = child_exception
+        self.attempts = attempts
+        self.results: list[Any] = []
+        self.failures: dict[int, DeviceTaskError] = {}
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_task_error, (str(self),), dict(self.__dict__))
+
+
+def _rebuild_task_error(message: str) -> DeviceTaskError:
+    err = DeviceTaskError.__new__(DeviceTaskError)
+    Exception.__init__(err, message)
+    return err

@@ -15,21 +15,21 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ._driver import drv, from_result
-from .context import Context, finalizer, require_current
+from .context import Context, require_current
 from .device import Device
-from .errors import ContextClosedError
-from .registry import bind, guard
+from .errors import ContextClosedError, WrongContextError
+from .lifetime import finalizer
+from .registry import ContextLike, guard, resolve_context
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .module import Graph
+    pass
 
-__all__ = ["Event", "Stream", "context_for", "stream_handle"]
+__all__ = ["Event", "Stream", "stream_for", "stream_handle"]
 
 log = logging.getLogger("ctxkit.stream")
 
@@ -37,24 +37,7 @@ STREAM_NON_BLOCKING = 1
 EVENT_BLOCKING_SYNC = 1
 EVENT_DISABLE_TIMING = 2
 _NOT_READY = 600
-
-CtxArg = Context | Device | int | None
-
-
-def context_for(context: CtxArg, what: str) -> Context:
-    """The context a new resource goes into: the one given, or the caller's current one.
-
-    ``None`` means the calling thread's current context (``NoCurrentContextError`` when it
-    has none); a Device or ordinal means the registry's context of that device.
-    """
-    if context is None:
-        ctx = require_current(what)
-    elif isinstance(context, Context):
-        ctx = context
-    else:
-        ctx = bind(context)
-    ctx.check_usable()
-    return ctx
+_INVALID_HANDLE = 400
 
 
 def stream_handle(obj: Any) -> Any:
@@ -75,6 +58,28 @@ def stream_handle(obj: Any) -> Any:
     if isinstance(obj, Stream):
         return obj._open_handle("using the stream")
     return drv.CUstream(_foreign_stream_int(obj))
+
+
+def stream_for(stream: Any, ctx: Context, what: str) -> Any:
+    """The driver handle of *stream* for an operation in *ctx*.
+
+    The one stream resolver: like :func:`stream_handle`, and a ctxkit stream (or any stream
+    object with a ``context``) of another context is refused with
+    :class:`~ctxkit.errors.WrongContextError` instead of reaching the driver.
+    """
+    if stream is None:
+        return _NULL_STREAM
+    sc = getattr(stream, "context", None)
+    if isinstance(sc, Context) and sc.handle != ctx.handle:
+        raise WrongContextError(
+            f"{what}: stream {stream!r} belongs to {sc!r}, but the operation runs in {ctx!r}; "
+            "use a stream of that context, or run it inside `with stream.context:`",
+            _INVALID_HANDLE,
+            "CUDA_ERROR_INVALID_HANDLE",
+        )
+    if isinstance(stream, Stream):
+        return stream._open_handle(what)
+    return drv.CUstream(_foreign_stream_int(stream))
 
 
 def _foreign_stream_int(obj: Any) -> int:
@@ -183,8 +188,10 @@ class Stream:
     context: Context
     _fin: weakref.finalize | None
 
-    def __init__(self, context: CtxArg = None, nonblocking: bool = True, priority: int = 0) -> None:
-        ctx = context_for(context, "Stream()")
+    def __init__(
+        self, context: ContextLike | None = None, nonblocking: bool = True, priority: int = 0
+    ) -> None:
+        ctx = resolve_context(context, "Stream()")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         flags = STREAM_NON_BLOCKING if nonblocking else 0
@@ -211,7 +218,7 @@ class Stream:
         self._callback_errors: list[BaseException] = []
 
     @classmethod
-    def from_handle(cls, stream: Any, context: CtxArg = None) -> Stream:
+    def from_handle(cls, stream: Any, context: ContextLike | None = None) -> Stream:
         """Wrap an existing stream without owning it (it is never destroyed by ctxkit).
 
         *stream* is anything :func:`stream_handle` accepts (a CuPy or PyTorch stream, an
@@ -225,7 +232,7 @@ class Stream:
         value = _foreign_stream_int(stream)
         handle = drv.CUstream(value)
         if context is not None:
-            ctx = context_for(context, "Stream.from_handle")
+            ctx = resolve_context(context, "Stream.from_handle")
         elif value in (0, 1, 2):
             ctx = require_current("Stream.from_handle(default stream)")
         else:
@@ -371,13 +378,6 @@ class Stream:
             _pending.pop(key, None)
             raise ctx.note_error(err, "cuLaunchHostFunc")
 
-    def capture(self, mode: str = "thread_local") -> AbstractContextManager[Graph]:
-        """``with stream.capture() as g:`` records the work enqueued on this stream in the
-        block into a CUDA graph; ``g.launch(stream)`` replays it (:func:`ctxkit.module.capture`)."""
-        from .module import capture
-
-        return capture(self, mode=mode)
-
     def close(self) -> None:
         """Destroy an owned stream now (in its context); idempotent. Borrowed: forget it."""
         fin = self._fin
@@ -433,8 +433,10 @@ class Event:
 
     __slots__ = ("__weakref__", "_fin", "_recorded", "context", "handle", "timing")
 
-    def __init__(self, timing: bool = True, context: CtxArg = None, *, blocking: bool = False):
-        ctx = context_for(context, "Event()")
+    def __init__(
+        self, timing: bool = True, context: ContextLike | None = None, *, blocking: bool = False
+    ):
+        ctx = resolve_context(context, "Event()")
         flags = (0 if timing else EVENT_DISABLE_TIMING) | (EVENT_BLOCKING_SYNC if blocking else 0)
         with ctx:
             err, handle = drv.cuEventCreate(flags)

@@ -96,7 +96,7 @@ def resources_in(ctx: ck.Context, k: dict[str, Any]) -> list[Any]:
         k["fill_f32"].launch(4, 256, arr, 1.0, arr.size, stream=s)
         prepared = k["fill_f32"].prepare(4, 256, arr, 2.0, arr.size, stream=s)
         prepared()
-        with s.capture() as graph:
+        with ck.capture(s) as graph:
             bound_fill.launch(4, 256, arr, 3.0, arr.size, stream=s)
         graph.launch(s)
         arr.copy_to_host(pinned, stream=s)

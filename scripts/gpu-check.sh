@@ -3,7 +3,7 @@
 #
 #     bash scripts/gpu-check.sh            # full GPU suite, demo, all benchmarks
 #     QUICK=1 bash scripts/gpu-check.sh    # shorter benchmarks and demo
-#     ONLY="tests/gpu/test_context_gpu.py" BENCH="context" bash scripts/gpu-check.sh
+#     ONLY="tests/core/test_context_gpu.py" BENCH="context" bash scripts/gpu-check.sh
 #     ONLY=none BENCH="pipeline" BENCH_ARGS_pipeline="--no-sweep" bash scripts/gpu-check.sh
 #
 # ONLY=none skips the tests; BENCH_ARGS_<name> adds arguments to benchmarks/bench_<name>.py.
@@ -21,7 +21,7 @@ QUICK_FLAG=""
 [ -n "${QUICK:-}" ] && QUICK_FLAG="--quick"
 # The GPU suite only: the CPU tests run in CI, and some of them swap in a fake driver, which
 # must never share a process with the real one.
-TESTS="${ONLY:-tests/gpu}"
+TESTS="${ONLY:-tests -m gpu}"
 
 echo "== ctxkit info"
 python3 -m ctxkit info 2>&1 | tee "$OUT/info.log"

@@ -2,7 +2,7 @@
 # ctxkit under compute-sanitizer: memcheck (with leak check) and racecheck.
 #
 #     bash scripts/sanitizer.sh                          # the core workload (scripts/sanitizer_workload.py)
-#     TESTS="tests/gpu/test_context_gpu.py" bash scripts/sanitizer.sh   # ... and these pytest targets
+#     TESTS="tests/core/test_context_gpu.py" bash scripts/sanitizer.sh   # ... and these pytest targets
 #     TOOLS="memcheck" bash scripts/sanitizer.sh          # one tool only
 #     BACKTRACE=yes TOOLS=memcheck bash scripts/sanitizer.sh   # host backtraces (see run_tool)
 #

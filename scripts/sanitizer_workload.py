@@ -87,7 +87,7 @@ def per_device(ctx: ck.Context, k: dict[str, Any], rng: np.random.Generator) -> 
         prepared.set_arg(1, 4.0)
         prepared()
         k["scale_f32"].launch(grid, BLOCK, arr, dc, N, np.float32(1.0), stream=s)  # loaded here
-        with s.capture() as graph:
+        with ck.capture(s) as graph:
             k["scale_f32"].launch(grid, BLOCK, arr, dc, N, np.float32(0.5), stream=s)
         graph.launch(s)
         s.synchronize()

@@ -174,7 +174,7 @@ PY
 check_rc=${PIPESTATUS[0]}
 [ "$check_rc" = 0 ] || exit "$check_rc"
 
-TESTS="${TESTS:-tests/gpu}"
+TESTS="${TESTS:-tests -m gpu}"
 if [ -n "${PYTEST_ARGS:-}" ]; then
     # shellcheck disable=SC2206
     args=($PYTEST_ARGS)

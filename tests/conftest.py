@@ -1,61 +1,160 @@
-"""Shared test configuration: GPU tests skip with a reason where no device is visible."""
+"""Shared test configuration.
+
+* GPU tests (files ``test_*_gpu.py``, marker ``gpu``) skip with a reason only where this
+  machine has no NVIDIA driver or GPU at all. On a machine that has one (``/dev/nvidia0``
+  or ``nvidia-smi``), a broken binding or a failing ``cuInit`` is a test error, and
+  ``-m gpu`` that runs no GPU test fails the session.
+* Fake-driver tests (files ``test_*_fake.py`` and tests using the ``fake_driver`` /
+  ``gpu`` fixtures, marker ``fake``) never share a process with a real driver: where a
+  real GPU is visible they are skipped here and run by ``tests/test_fake_isolation.py`` in
+  a child process that sees no device.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
+FAKE_FIXTURES = frozenset({"fake_driver", "gpu"})
 
-def _gpu_count() -> tuple[int, str]:
+
+def _machine_has_nvidia() -> bool:
+    return os.path.exists("/dev/nvidia0") or shutil.which("nvidia-smi") is not None
+
+
+def _gpu_count() -> tuple[int, str, str]:
+    """``(count, skip reason, error)``: an error only where a GPU should be usable."""
     try:
         import ctxkit
 
         n = ctxkit.device_count()
-    except Exception as exc:  # a broken install must not hide the CPU tests
-        return 0, f"ctxkit.device_count() failed: {exc!r}"
+    except Exception as exc:
+        if _machine_has_nvidia():
+            return (
+                0,
+                "",
+                f"this machine has an NVIDIA GPU but ctxkit.device_count() failed: {exc!r}",
+            )
+        return 0, f"no CUDA driver on this machine ({exc!r})", ""
     if n == 0:
-        return 0, "no CUDA device/driver on this machine (GPU tests run on the device machine)"
-    return n, ""
+        if _machine_has_nvidia() and os.environ.get("CUDA_VISIBLE_DEVICES", None) != "":
+            return 0, "", "this machine has an NVIDIA GPU but the driver reports no CUDA device"
+        return 0, "no CUDA device/driver on this machine (GPU tests run on a GPU machine)", ""
+    return n, "", ""
 
 
-GPU_COUNT, NO_GPU_REASON = _gpu_count()
+GPU_COUNT, NO_GPU_REASON, GPU_ERROR = _gpu_count()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "fake: uses a fake CUDA driver (never beside the real one)")
+
+
+def _is_fake(item: pytest.Item) -> bool:
+    name = os.path.basename(str(item.fspath))
+    return name.endswith("_fake.py") or bool(FAKE_FIXTURES & set(getattr(item, "fixturenames", ())))
+
+
+def _is_gpu(item: pytest.Item) -> bool:
+    name = os.path.basename(str(item.fspath))
+    return name.endswith("_gpu.py") or item.get_closest_marker("gpu") is not None
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if "tests/gpu/" in str(item.fspath).replace(os.sep, "/") or item.get_closest_marker("gpu"):
+        if _is_gpu(item):
             item.add_marker(pytest.mark.gpu)
-            if GPU_COUNT == 0:
+            if GPU_COUNT == 0 and not GPU_ERROR:
                 item.add_marker(pytest.mark.skip(reason=NO_GPU_REASON))
+        elif _is_fake(item):
+            item.add_marker(pytest.mark.fake)
+            if GPU_COUNT > 0:
+                item.add_marker(
+                    pytest.mark.skip(
+                        reason="fake-driver test: a real GPU is visible here, so it runs in a "
+                        "child process that sees none (tests/test_fake_isolation.py)"
+                    )
+                )
         if item.get_closest_marker("multigpu") and 0 < GPU_COUNT < 2:
             item.add_marker(pytest.mark.skip(reason="needs at least two CUDA devices"))
 
 
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    markexpr = session.config.getoption("markexpr", "") or ""
+    if "gpu" not in markexpr or "not gpu" in markexpr or exitstatus != 0:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    ran = 0
+    if reporter is not None:
+        ran = sum(
+            1
+            for key in ("passed", "failed", "error")
+            for rep in reporter.stats.get(key, [])
+            if getattr(rep, "when", "call") == "call" and "gpu" in getattr(rep, "keywords", {})
+        )
+    if ran == 0:
+        if reporter is not None:
+            reporter.write_line(
+                f"-m {markexpr!r} ran no GPU test ({NO_GPU_REASON or GPU_ERROR}): failing",
+                red=True,
+            )
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture(autouse=True)
+def _gpu_test_guard(request: pytest.FixtureRequest):
+    """GPU tests: fail (not skip) when a present GPU is unusable, and leave this thread's
+    context stack as they found it."""
+    if request.node.get_closest_marker("gpu") is None:
+        yield
+        return
+    if GPU_ERROR:
+        pytest.fail(GPU_ERROR)
+    from ctxkit.context import thread_state
+
+    st = thread_state()
+    before = len(st.stack)
+    yield
+    assert len(st.stack) == before, f"test leaked ctxkit pushes: {st.stack[before:]}"
+
+
+@pytest.fixture
+def ctx0():
+    import ctxkit as ck
+
+    return ck.registry.context(0)
+
+
+@pytest.fixture
+def ctx1():
+    import ctxkit as ck
+
+    if ck.device_count() < 2:
+        pytest.skip("needs at least two CUDA devices")
+    return ck.registry.context(1)
+
+
 @pytest.fixture
 def fake_driver(monkeypatch: pytest.MonkeyPatch):
-    """Replace the driver with tests/fakedriver.FakeDriver (2 fake devices) for one test."""
+    """Replace the driver with tests/support/fakedriver.FakeDriver (2 fake devices) for one
+    test, in every ctxkit module."""
+    import ctxkit.registry as registry_mod
     from ctxkit import _driver, context, device
     from ctxkit.registry import ContextRegistry
 
-    from .fakedriver import FakeDriver
+    from .support.fakedriver import FakeDriver, swap_driver
 
     fake = FakeDriver(ndev=2)
-    for mod in (_driver, context, device):
-        monkeypatch.setattr(mod, "drv", fake)
+    swap_driver(monkeypatch, fake)
     monkeypatch.setattr(_driver, "_init_pid", None)
     monkeypatch.setattr(_driver, "_no_device", False)
     monkeypatch.setattr(_driver, "_parent_initialized_pid", None)
     monkeypatch.setattr(device.Device, "_instances", {})
     monkeypatch.setattr(context.Context, "_primaries", {})
-    reg = ContextRegistry()
-    import sys
-
-    import ctxkit
-    import ctxkit.registry as registry_mod  # noqa: F401  (module object via sys.modules)
-
-    monkeypatch.setattr(sys.modules["ctxkit.registry"], "registry", reg)
-    monkeypatch.setattr(ctxkit, "registry", reg)
+    monkeypatch.setattr(context.Context, "_known", type(context.Context._known)())
+    monkeypatch.setattr(registry_mod, "default", ContextRegistry())
     st = context.thread_state()
     saved = (st.top, list(st.stack))
     st.top, st.stack[:] = None, []

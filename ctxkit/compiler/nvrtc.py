@@ -1,0 +1,397 @@
+"""The compiler toolchain behind :mod:`ctxkit.compiler`: NVRTC, nvJitLink and nvFatbin.
+
+Only ``compiler.py`` uses this module. The libraries are loaded lazily, on the first
+compile that actually needs them, so a warm cache hit never loads NVRTC (~10 ms).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from types import ModuleType
+from typing import Any
+
+from .. import _driver
+from ..errors import CompileError
+
+__all__ = [
+    "Plan",
+    "cuda_include_dirs",
+    "link_ptx",
+    "load_nvrtc",
+    "make_fatbin",
+    "normalize_arch",
+    "nvrtc_version",
+    "plan",
+    "run_nvrtc",
+    "supported_archs",
+]
+
+
+INSTALL_HINT = "install it with `pip install ctxkit[cu13]` (or [cu12] for a CUDA 12 driver)"
+
+
+def load_nvrtc() -> ModuleType:
+    try:
+        nvrtc = importlib.import_module("cuda.bindings.nvrtc")
+    except Exception as exc:
+        raise CompileError(f"NVRTC bindings are not available ({exc!r}); {INSTALL_HINT}") from None
+    return nvrtc
+
+
+@lru_cache(maxsize=1)
+def nvrtc_version() -> tuple[int, int]:
+    """The NVRTC version as ``(major, minor)`` (loads the NVRTC library).
+
+    Raises
+    ------
+    CompileError
+        NVRTC is not installed.
+    """
+    nvrtc = load_nvrtc()
+    try:
+        err, major, minor = nvrtc.nvrtcVersion()
+    except Exception as exc:
+        raise CompileError(
+            f"the NVRTC library could not be loaded ({exc}); {INSTALL_HINT}"
+        ) from None
+    check(err, "nvrtcVersion")
+    return int(major), int(minor)
+
+
+@lru_cache(maxsize=1)
+def supported_archs() -> tuple[int, ...]:
+    """The real architectures this NVRTC compiles for, e.g. ``(75, 80, ..., 90, 100, 120)``."""
+    nvrtc = load_nvrtc()
+    nvrtc_version()
+    err, archs = nvrtc.nvrtcGetSupportedArchs()
+    check(err, "nvrtcGetSupportedArchs")
+    return tuple(sorted(int(a) for a in archs))
+
+
+def result_name(err: Any) -> str:
+    return getattr(err, "name", None) or f"nvrtcResult {int(err)}"
+
+
+def check(err: Any, what: str) -> None:
+    if err:
+        raise CompileError(
+            f"{what} failed: {result_name(err)}", code=int(err), name=result_name(err)
+        )
+
+
+def versions_line() -> str:
+    drv = _driver.driver_version()
+    drv_text = f"driver CUDA {drv[0]}.{drv[1]}" if drv else "no driver"
+    try:
+        nv = nvrtc_version()
+        nv_text = f"NVRTC {nv[0]}.{nv[1]}"
+    except CompileError:
+        nv_text = "NVRTC unavailable"
+    return f"{nv_text}, {drv_text}, cuda-bindings {'.'.join(map(str, _driver.BINDINGS_VERSION))}"
+
+
+_ARCH_RE = re.compile(r"^(?:sm_|compute_|lto_)?(\d{2,3})([af]?)$")
+
+
+def normalize_arch(arch: Any) -> str:
+    """``"sm_XY"`` for an arch given as ``"sm_90"``, ``"compute_90"``, ``"90"``, ``"9.0"``,
+    ``(9, 0)``, ``90`` or a :class:`~ctxkit.Device`; arch-specific suffixes stay (``"sm_90a"``).
+
+    Raises
+    ------
+    ValueError
+        The value does not name an architecture.
+    """
+    if hasattr(arch, "compute_capability"):
+        arch = arch.compute_capability
+    if isinstance(arch, tuple) and len(arch) == 2 and all(isinstance(v, int) for v in arch):
+        return f"sm_{arch[0]}{arch[1]}"
+    if isinstance(arch, int) and not isinstance(arch, bool) and arch > 0:
+        return f"sm_{arch}"
+    if isinstance(arch, str):
+        text = arch.strip().lower()
+        if re.fullmatch(r"\d+\.\d", text):
+            text = text.replace(".", "")
+        m = _ARCH_RE.match(text)
+        if m:
+            return f"sm_{m.group(1)}{m.group(2)}"
+    raise ValueError(
+        f"cannot understand arch={arch!r}; use a string like 'sm_90', a (major, minor) tuple "
+        "or a ctxkit.Device"
+    )
+
+
+def arch_number(arch: str) -> int:
+    """``90`` for ``"sm_90"`` / ``"sm_90a"`` (a normalised arch)."""
+    m = _ARCH_RE.match(arch)
+    assert m is not None
+    return int(m.group(1))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What NVRTC is asked for once arch and target are resolved."""
+
+    arch: str  # the arch asked for, normalised
+    build_arch: str  # what NVRTC compiles for (capped to what it supports)
+    target: str  # "ptx" | "cubin" | "fatbin"
+    note: str  # explains a capped arch / a PTX fallback (goes into the log)
+
+
+def plan(arch: str, target: str) -> Plan:
+    """Resolve ``target="auto"`` and cap *arch* to what this NVRTC supports.
+
+    Raises
+    ------
+    ValueError
+        The arch is older than NVRTC supports, or a cubin/fatbin was asked for an arch
+        this NVRTC can only reach through PTX.
+    """
+    supported = supported_archs()
+    num = arch_number(arch)
+    if num in supported:
+        return Plan(arch, arch, "cubin" if target == "auto" else target, "")
+    lower = [a for a in supported if a < num]
+    nv = "{}.{}".format(*nvrtc_version())
+    span = f"sm_{supported[0]}..sm_{supported[-1]}"
+    if not lower:
+        raise ValueError(
+            f"NVRTC {nv} cannot compile for {arch} (it supports {span}); use an NVRTC that "
+            "still supports this GPU (e.g. the cu12 extra of ctxkit)"
+        )
+    capped = f"sm_{lower[-1]}"
+    same_major = lower[-1] // 10 == num // 10
+    if target == "auto":
+        target = "cubin" if same_major else "ptx"
+    elif target in ("cubin", "fatbin") and not same_major:
+        raise ValueError(
+            f"NVRTC {nv} cannot make a {target} for {arch} (it supports {span}), and a "
+            f"{capped} cubin does not run on {arch}; use target='ptx' or 'auto' (PTX for "
+            f"{capped.replace('sm_', 'compute_')}, JIT-compiled by the driver)"
+        )
+    built = capped if target != "ptx" else capped.replace("sm_", "compute_")
+    note = (
+        f"ctxkit: {arch} is newer than NVRTC {nv} supports ({span}); compiled "
+        f"{target} for {built} instead"
+        + (" (the driver JIT-compiles the PTX for the device)" if target == "ptx" else "")
+    )
+    return Plan(arch, capped, target, note)
+
+
+@lru_cache(maxsize=1)
+def cuda_include_dirs() -> tuple[str, ...]:
+    """Directories holding the CUDA headers (``cuda_fp16.h``, ``cuda/std/...``).
+
+    Found with cuda-pathfinder: the ``nvidia-cuda-runtime`` and ``nvidia-cuda-cccl``
+    wheels (installed by ``ctxkit[cu13]``), conda, or a CUDA toolkit (``CUDA_HOME``).
+    Added to every compile whose source includes anything.
+    """
+    dirs: list[str] = []
+    try:
+        from cuda.pathfinder import find_nvidia_header_directory
+    except Exception:
+        find_nvidia_header_directory = None
+    for lib in ("cudart", "cccl"):
+        found = None
+        if find_nvidia_header_directory is not None:
+            try:
+                found = find_nvidia_header_directory(lib)
+            except Exception:
+                found = None
+        if found and found not in dirs:
+            dirs.append(found)
+    if not dirs:
+        for var in ("CUDA_PATH", "CUDA_HOME"):
+            root = os.environ.get(var)
+            if root and os.path.isdir(os.path.join(root, "include")):
+                dirs.append(os.path.join(root, "include"))
+                break
+    return tuple(dirs)
+
+
+def cuda_dirs_fingerprint(dirs: Sequence[str]) -> list[Any]:
+    """``[dir, size, mtime]`` of a canary header per CUDA include dir (for cache keys)."""
+    out = []
+    for d in dirs:
+        canary = next(
+            (
+                os.path.join(d, f)
+                for f in ("cuda_runtime.h", "cuda/std/version")
+                if os.path.isfile(os.path.join(d, f))
+            ),
+            d,
+        )
+        st = os.stat(canary)
+        out.append([d, st.st_size, st.st_mtime_ns])
+    return out
+
+
+def _program_log(nvrtc: ModuleType, prog: Any) -> str:
+    err, size = nvrtc.nvrtcGetProgramLogSize(prog)
+    if err or size <= 1:
+        return ""
+    buf = b" " * size
+    (err,) = nvrtc.nvrtcGetProgramLog(prog, buf)
+    return "" if err else buf.rstrip(b"\0").decode("utf-8", "replace").strip()
+
+
+def _get_blob(nvrtc: ModuleType, prog: Any, size_fn: str, get_fn: str) -> bytes:
+    err, size = getattr(nvrtc, size_fn)(prog)
+    check(err, size_fn)
+    if size <= 1:
+        return b""
+    buf = b" " * size
+    (err,) = getattr(nvrtc, get_fn)(prog, buf)
+    check(err, get_fn)
+    return buf
+
+
+def run_nvrtc(
+    source: str,
+    name: str,
+    headers: Mapping[str, str],
+    name_expressions: Sequence[str],
+    options: Sequence[str],
+    want_cubin: bool,
+) -> tuple[str, bytes, str, dict[str, str]]:
+    """Compile; return (PTX text, cubin or b"", log, lowered names).
+
+    Raises
+    ------
+    CompileError
+        NVRTC rejected the program (full log, options and versions in the message).
+    """
+    nvrtc = load_nvrtc()
+    nvrtc_version()
+    names = list(headers)
+    err, prog = nvrtc.nvrtcCreateProgram(
+        source.encode(),
+        name.encode(),
+        len(names),
+        [headers[n].encode() for n in names],
+        [n.encode() for n in names],
+    )
+    check(err, "nvrtcCreateProgram")
+    try:
+        for expr in name_expressions:
+            check(nvrtc.nvrtcAddNameExpression(prog, expr.encode())[0], "nvrtcAddNameExpression")
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(options), [o.encode() for o in options])
+        log = _program_log(nvrtc, prog)
+        if err:
+            raise compile_error(name, options, err, log)
+        ptx = _get_blob(nvrtc, prog, "nvrtcGetPTXSize", "nvrtcGetPTX")
+        cubin = _get_blob(nvrtc, prog, "nvrtcGetCUBINSize", "nvrtcGetCUBIN") if want_cubin else b""
+        if want_cubin and not cubin:
+            raise CompileError(f"NVRTC produced no cubin for {name!r} ({list(options)})")
+        lowered = {}
+        for expr in name_expressions:
+            err, mangled = nvrtc.nvrtcGetLoweredName(prog, expr.encode())
+            check(err, f"nvrtcGetLoweredName({expr!r})")
+            lowered[expr] = mangled.decode() if isinstance(mangled, bytes) else str(mangled)
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    return ptx.rstrip(b"\0").decode("utf-8", "replace"), bytes(cubin), log, lowered
+
+
+_ERROR_LINE_RE = re.compile(r"^(.+?)\((\d+)\): (?:catastrophic )?error: (.*)$", re.MULTILINE)
+
+
+_MISSING_HEADER_RE = re.compile(r"(?:cannot|could not) open source file \"([^\"]+)\"")
+
+
+def compile_error(name: str, options: Sequence[str], err: Any, log: str) -> CompileError:
+    """The :class:`CompileError` for a failed ``nvrtcCompileProgram``."""
+    m = _ERROR_LINE_RE.search(log)
+    first = f" (first error: {m.group(1)} line {m.group(2)}: {m.group(3)})" if m else ""
+    message = (
+        f"NVRTC failed to compile {name!r}: {result_name(err)}{first}\n"
+        f"--- NVRTC log ---\n{log or '(empty)'}\n--- end of log ---\n"
+        f"options: {' '.join(options)}\n"
+        f"versions: {versions_line()}"
+    )
+    missing = _MISSING_HEADER_RE.search(log)
+    if missing:
+        found = ", ".join(cuda_include_dirs()) or "none"
+        message += (
+            f"\nHint: {missing.group(1)!r} was not found. CUDA headers come from the "
+            "nvidia-cuda-runtime and nvidia-cuda-cccl wheels (pip install ctxkit[cu13]) or a "
+            f"CUDA toolkit (CUDA_HOME); CUDA include dirs found: {found}. Your own headers: "
+            "pass include_dirs= or headers={name: source}."
+        )
+    return CompileError(message, log=log, code=int(err), name=result_name(err))
+
+
+def link_ptx(ptx: str | bytes, arch: Any = "sm_90", *, name: str = "input.ptx") -> bytes:
+    """Assemble/link PTX into a cubin for *arch* with nvJitLink (verifies hand-written PTX).
+
+    Raises
+    ------
+    CompileError
+        nvJitLink rejected the PTX (``.log`` has ptxas' messages) or is not installed.
+    """
+    try:
+        nvjitlink = importlib.import_module("cuda.bindings.nvjitlink")
+    except Exception as exc:
+        raise CompileError(
+            f"nvJitLink bindings are not available ({exc!r}); {INSTALL_HINT}"
+        ) from None
+    data = ptx.encode() if isinstance(ptx, str) else bytes(ptx)
+    target = normalize_arch(arch)
+    try:
+        handle = nvjitlink.create(1, [f"-arch={target}"])
+    except Exception as exc:
+        raise CompileError(f"nvJitLink cannot link for {target}: {exc}") from None
+    try:
+        try:
+            nvjitlink.add_data(handle, nvjitlink.InputType.PTX, data, len(data), name)
+            nvjitlink.complete(handle)
+        except nvjitlink.nvJitLinkError as exc:
+            log = _jitlink_log(nvjitlink, handle)
+            raise CompileError(
+                f"nvJitLink failed to link {name!r} for {target}: {exc}\n{log}", log=log
+            ) from None
+        size = nvjitlink.get_linked_cubin_size(handle)
+        buf = bytearray(size)
+        nvjitlink.get_linked_cubin(handle, buf)
+    finally:
+        nvjitlink.destroy(handle)
+    return bytes(buf)
+
+
+def _jitlink_log(nvjitlink: ModuleType, handle: int) -> str:
+    size = nvjitlink.get_error_log_size(handle)
+    if size <= 1:
+        return ""
+    buf = bytearray(size)
+    nvjitlink.get_error_log(handle, buf)
+    return bytes(buf).rstrip(b"\0").decode("utf-8", "replace").strip()
+
+
+def make_fatbin(cubin: bytes, ptx: str, arch: str, name: str) -> bytes:
+    """Pack a cubin and its PTX into a fatbin with nvFatbin."""
+    try:
+        nvfatbin = importlib.import_module("cuda.bindings.nvfatbin")
+        handle = nvfatbin.create([], 0)
+    except Exception as exc:
+        raise CompileError(
+            f"target='fatbin' needs the nvFatbin library ({exc}); install it with "
+            "`pip install nvidia-nvfatbin` (cu12: nvidia-nvfatbin-cu12), or use target='cubin'"
+        ) from None
+    digits = arch.removeprefix("sm_")
+    try:
+        nvfatbin.add_cubin(handle, cubin, len(cubin), digits, name)
+        if ptx:
+            data = ptx.encode() + b"\0"
+            nvfatbin.add_ptx(handle, data, len(data), digits, name, "")
+        buf = bytearray(nvfatbin.size(handle))
+        nvfatbin.get(handle, buf)
+    except Exception as exc:
+        raise CompileError(f"nvFatbin failed to build a fatbin for {name!r}: {exc}") from None
+    finally:
+        nvfatbin.destroy(handle)
+    return bytes(buf)

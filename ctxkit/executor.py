@@ -1,0 +1,250 @@
+"""A :class:`concurrent.futures.Executor` whose worker threads keep one context current.
+
+Each worker binds the context once for its whole life, so tasks never pay a push/pop
+and never meet ``CUDA_ERROR_INVALID_CONTEXT``. ``blas_threads`` caps the BLAS thread
+pools (threadpoolctl) while the executor runs, so N workers doing host math do not
+oversubscribe the cores. At interpreter exit the registry's contexts are released once
+no ctxkit worker is alive (:func:`_at_exit`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import queue
+import threading
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from typing import Any, TypeVar
+
+from . import context as _context
+from . import registry
+from .context import entry_context, thread_state
+from .registry import ContextLike
+
+__all__ = ["ContextExecutor"]
+
+R = TypeVar("R")
+
+
+_blas_lock = threading.Lock()
+
+
+_blas_users = 0
+
+
+_blas_limiter: Any = None
+
+
+def _blas_acquire(limit: int) -> None:
+    global _blas_users, _blas_limiter
+    with _blas_lock:
+        if _blas_users == 0:
+            from threadpoolctl import threadpool_limits
+
+            _blas_limiter = threadpool_limits(limits=limit, user_api="blas")
+        _blas_users += 1
+
+
+def _blas_release() -> None:
+    global _blas_users, _blas_limiter
+    with _blas_lock:
+        _blas_users -= 1
+        if _blas_users == 0 and _blas_limiter is not None:
+            _blas_limiter.restore_original_limits()
+            _blas_limiter = None
+
+
+class _WorkItem:
+    __slots__ = ("args", "fn", "future", "kwargs")
+
+    def __init__(self, future: Future[Any], fn: Callable[..., Any], args: Any, kwargs: Any):
+        self.future = future
+        self.fn = fn
+        self.args = args
+        self.kwargs = kwargs
+
+    def run(self) -> None:
+        if not self.future.set_running_or_notify_cancel():
+            return
+        try:
+            result = self.fn(*self.args, **self.kwargs)
+        except BaseException as exc:
+            self.future.set_exception(exc)
+        else:
+            self.future.set_result(result)
+
+
+class ContextExecutor(Executor):
+    """A thread pool whose workers always run with one context current.
+
+    Each worker binds the context once when it starts and pops it when it exits, so a
+    task pays nothing for the binding; tasks may nest other binds freely.
+
+    Parameters
+    ----------
+    target : Context, Device or int
+        The context (or the registry's context of that device).
+    max_workers : int
+        Number of worker threads (default: ``min(32, os.cpu_count() + 4)``).
+    blas_threads : int, "auto" or None
+        Limit BLAS (OpenBLAS/MKL) to this many threads while the executor is alive, so
+        N workers doing numpy linear algebra do not start N x cores threads. ``"auto"``
+        means ``max(1, cpu_count // max_workers)``. Default ``None`` leaves BLAS alone:
+        the limit is process-wide (OpenBLAS has one thread count per process), so
+        changing it must be the caller's explicit choice.
+    thread_name_prefix : str
+        Prefix of the worker thread names.
+    """
+
+    def __init__(
+        self,
+        target: ContextLike,
+        max_workers: int | None = None,
+        blas_threads: int | str | None = None,
+        thread_name_prefix: str = "ctxkit-worker",
+    ) -> None:
+        self.context = registry.default.resolve(target)
+        self.context.check_usable()
+        if max_workers is None:
+            max_workers = min(32, (os.cpu_count() or 1) + 4)
+        if max_workers <= 0:
+            raise ValueError("max_workers must be at least 1")
+        if blas_threads == "auto":
+            blas_threads = max(1, (os.cpu_count() or 1) // max_workers)
+        if blas_threads is not None and (not isinstance(blas_threads, int) or blas_threads < 1):
+            raise ValueError(
+                f"blas_threads must be a positive int, 'auto' or None, not {blas_threads!r}"
+            )
+        self.max_workers = max_workers
+        self.blas_threads = blas_threads
+        self._prefix = thread_name_prefix
+        self._queue: queue.SimpleQueue[_WorkItem | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._shutdown = False
+        self._idle = threading.Semaphore(0)
+        if blas_threads is not None:
+            _blas_acquire(blas_threads)
+        self._blas_held = blas_threads is not None
+        _live_executors.add(self)
+
+    def submit(self, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> Future[R]:
+        """Schedule ``fn(*args, **kwargs)`` on a worker with the context current."""
+        with self._lock:
+            if self._shutdown:
+                raise RuntimeError("cannot submit to a ContextExecutor after shutdown()")
+            future: Future[R] = Future()
+            self._queue.put(_WorkItem(future, fn, args, kwargs))
+            self._maybe_start_worker()
+        return future
+
+    def _maybe_start_worker(self) -> None:
+        if self._idle.acquire(blocking=False):
+            return
+        if len(self._threads) < self.max_workers:
+            t = threading.Thread(
+                target=self._worker,
+                name=f"{self._prefix}-{len(self._threads)}",
+                daemon=True,
+            )
+            t.start()
+            self._threads.append(t)
+
+    def _worker(self) -> None:
+        ctx = self.context
+        try:
+            ctx.push()
+        except BaseException as exc:
+            self._drain_with(exc)
+            return
+        st = thread_state()
+        depth = len(st.stack)
+        try:
+            while True:
+                item = self._queue.get()
+                if item is None:
+                    break
+                item.run()
+                del item
+                if len(st.stack) != depth or st.top is not ctx:
+                    self._repair(st, depth)
+                self._idle.release()
+        finally:
+            self._repair(st, depth)
+            ctx.pop()
+
+    @staticmethod
+    def _repair(st: Any, depth: int) -> None:
+        """A task left contexts pushed: pop them so the next task starts clean."""
+        while len(st.stack) > depth:
+            entry_context(st.stack[-1]).pop()
+
+    def _drain_with(self, exc: BaseException) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is None:
+                self._queue.put(None)
+                return
+            if item.future.set_running_or_notify_cancel():
+                item.future.set_exception(exc)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Stop accepting work; workers finish queued tasks, pop the context and exit."""
+        with self._lock:
+            if self._shutdown and not self._threads:
+                return
+            self._shutdown = True
+            if cancel_futures:
+                while True:
+                    try:
+                        item = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if item is not None:
+                        item.future.cancel()
+            threads = list(self._threads)
+            for _ in threads:
+                self._queue.put(None)
+        if wait:
+            for t in threads:
+                t.join()
+            with self._lock:
+                self._threads = []
+        if self._blas_held:
+            self._blas_held = False
+            _blas_release()
+
+    def __repr__(self) -> str:
+        return f"<ContextExecutor {self.context!r} workers={self.max_workers}>"
+
+
+_live_executors: weakref.WeakSet[ContextExecutor] = weakref.WeakSet()
+
+
+def _at_exit() -> None:
+    """Interpreter exit: stop freeing, and release the registry's contexts when that is safe.
+
+    Executor workers are daemon threads: a task still running at exit (a busy pipeline, a
+    blocked request) must neither hang the exit nor see its executor shut down under it,
+    so ctxkit does not join them; call ``shutdown()`` to wait for queued work. Contexts are
+    released only when no ctxkit worker is alive and they are current nowhere; otherwise the
+    process teardown releases them. Nothing here may raise or print.
+    """
+    _context.begin_shutdown()
+    if any(t.is_alive() for ex in list(_live_executors) for t in list(ex._threads)):
+        return
+    with registry.default._lock:
+        created, registry.default._created = registry.default._created, []
+    for ctx in reversed(created):
+        try:
+            ctx.close()
+        except Exception:
+            pass
+
+
+atexit.register(_at_exit)

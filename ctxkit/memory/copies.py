@@ -1,0 +1,275 @@
+"""Copy machinery shared by :mod:`ctxkit.memory`: validation, host/device/peer copies,
+foreign (``__cuda_array_interface__``) memory, and peer access."""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .. import _driver
+from .._driver import drv
+from ..context import Context, require_current
+from ..registry import guard
+from ..stream import Stream, _context_of_cu, stream_for, stream_handle
+from .host import check_async_host
+
+__all__ = ["Mem", "copy_device", "device_mem", "dtoh", "htod"]
+
+
+def nbytes_arg(nbytes: Any, what: str) -> int:
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)):
+        raise TypeError(f"{what}: nbytes must be an int, got {type(nbytes).__name__}")
+    if nbytes < 0:
+        raise ValueError(f"{what}: nbytes must be >= 0, got {nbytes}")
+    return int(nbytes)
+
+
+def shape_arg(shape: Any) -> tuple[int, ...]:
+    shp = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    for s in shp:
+        if isinstance(s, bool) or not isinstance(s, (int, np.integer)):
+            raise TypeError(f"shape entries must be ints, got {shape!r}")
+        if s < 0:
+            raise ValueError(f"negative dimension in shape {shape!r}")
+    return tuple(int(s) for s in shp)
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+class Mem(NamedTuple):
+    """Device memory taking part in a copy."""
+
+    ptr: int
+    nbytes: int
+    context: Context | None
+    stream: int | None
+    dtype: np.dtype[Any] | None
+    shape: tuple[int, ...] | None
+
+
+def device_mem(obj: Any, what: str, *, write: bool = False) -> Mem:
+    """The device memory of a ctxkit buffer/array or a ``__cuda_array_interface__`` object."""
+    own = getattr(obj, "_ctxkit_mem", None)
+    if own is not None:
+        return own()  # type: ignore[no-any-return]
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if not isinstance(cai, dict):
+        raise TypeError(
+            f"{what}: expected a ctxkit DeviceBuffer/DeviceArray or an object with "
+            f"__cuda_array_interface__ (CuPy, PyTorch, Numba), got {type(obj).__name__}"
+        )
+    return from_cai(cai, what, write)
+
+
+def from_cai(cai: dict[str, Any], what: str, write: bool) -> Mem:
+    shape = tuple(int(s) for s in cai["shape"])
+    dtype = np.dtype(cai["typestr"])
+    ptr, readonly = cai["data"]
+    strides = cai.get("strides")
+    if strides is not None and not is_c_contiguous(shape, tuple(strides), dtype.itemsize):
+        raise ValueError(
+            f"{what}: the device array is not C-contiguous (strides {tuple(strides)}); "
+            "make it contiguous first (e.g. .copy() / .contiguous())"
+        )
+    if write and readonly:
+        raise ValueError(f"{what}: the destination device array is read-only")
+    stream = cai.get("stream")
+    nbytes = math.prod(shape) * dtype.itemsize
+    return Mem(int(ptr or 0), nbytes, None, stream, dtype, shape)
+
+
+def is_c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
+    if 0 in shape:
+        return True
+    expected = itemsize
+    for dim, stride in zip(reversed(shape), reversed(strides)):
+        if dim != 1 and stride != expected:
+            return False
+        expected *= dim
+    return True
+
+
+def c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    out, acc = [], itemsize
+    for s in reversed(shape):
+        out.append(acc)
+        acc *= s
+    return tuple(reversed(out))
+
+
+def context_of_pointer(ptr: int, what: str) -> Context:
+    """The context owning foreign device memory (its device's primary one for pool/VMM
+    allocations, which report no context)."""
+    attr = drv.CUpointer_attribute
+    err, cu = drv.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_CONTEXT, ptr)
+    if not err and cu is not None and int(cu):
+        return _context_of_cu(cu)
+    err, ordinal = _driver.pointer_device_ordinal(ptr)
+    if err:
+        raise ValueError(
+            f"{what}: {ptr:#x} is not device memory known to CUDA "
+            f"({_driver.from_result(int(err), 'cuPointerGetAttribute').name})"
+        )
+    return Context.primary(int(ordinal))
+
+
+def stream_value(stream: Any) -> int:
+    """*stream* as a CUDA Array Interface stream value (1 for the legacy default)."""
+    if stream is None:
+        return 1
+    if isinstance(stream, Stream) and stream.handle is None:
+        return 0
+    return int(stream_handle(stream)) or 1
+
+
+def sync_foreign_stream(ctx: Context, value: int, what: str) -> None:
+    """CUDA Array Interface v3: the consumer synchronizes the producer's stream."""
+    with guard(ctx, what):
+        (err,) = drv.cuStreamSynchronize(drv.CUstream(int(value)))
+    if err:
+        raise ctx.note_error(err, f"cuStreamSynchronize({int(value):#x}) for {what}")
+
+
+def finish_default_stream(ctx: Context, what: str) -> None:
+    """Wait for the default stream of the bound context *ctx* (call inside its guard).
+
+    ``stream=None`` operations complete before they return. The driver runs device-side
+    ones (memset, device-to-device and peer copies, the DMA of a copy from pageable
+    memory) asynchronously to the host, on the legacy default stream, which is not
+    ordered with non-blocking streams (``ctxkit.Stream()``'s default): without this wait,
+    work enqueued next on such a stream could overtake them.
+    """
+    (err,) = drv.cuStreamSynchronize(stream_handle(None))
+    if err:
+        raise ctx.note_error(err, f"{what}: cuStreamSynchronize(default stream)")
+
+
+def htod(ctx: Context, dst: int, src: np.ndarray, stream: Any, what: str) -> None:
+    n = src.nbytes
+    if n == 0:
+        return
+    host = src.__array_interface__["data"][0]
+    if stream is None:
+        with guard(ctx, what):
+            (err,) = drv.cuMemcpyHtoD(dst, host, n)
+            if not err:
+                finish_default_stream(ctx, what)
+    else:
+        sh = stream_for(stream, ctx, what)
+        check_async_host(src, what)
+        with guard(ctx, what):
+            (err,) = drv.cuMemcpyHtoDAsync(dst, host, n, sh)
+    if err:
+        raise ctx.note_error(err, f"{what}: cuMemcpyHtoD ({n} bytes)")
+
+
+def dtoh(ctx: Context, dst: np.ndarray, src: int, stream: Any, what: str) -> None:
+    n = dst.nbytes
+    if n == 0:
+        return
+    host = dst.__array_interface__["data"][0]
+    if stream is None:
+        with guard(ctx, what):
+            (err,) = drv.cuMemcpyDtoH(host, src, n)
+    else:
+        sh = stream_for(stream, ctx, what)
+        check_async_host(dst, what)
+        with guard(ctx, what):
+            (err,) = drv.cuMemcpyDtoHAsync(host, src, n, sh)
+    if err:
+        raise ctx.note_error(err, f"{what}: cuMemcpyDtoH ({n} bytes)")
+
+
+def copy_device(dst: Mem, src: Mem, n: int, stream: Any, what: str) -> bool:
+    """Device-to-device copy of *n* bytes; peer copy across contexts. Returns the
+    :func:`copy_peer` flag (False for same-context copies)."""
+    if n == 0:
+        return False
+    dctx, sctx = resolve_contexts(dst, src, stream, what)
+    ours = stream_value(stream)
+    for m, c in ((src, sctx), (dst, dctx)):
+        if m.stream is not None and int(m.stream) != ours:
+            sync_foreign_stream(c, m.stream, what)
+    if dctx != sctx:
+        return memcpy_peer(dst.ptr, dctx, src.ptr, sctx, n, stream, what)
+    if stream is None:
+        with guard(dctx, what):
+            (err,) = drv.cuMemcpyDtoD(dst.ptr, src.ptr, n)
+            if not err:
+                finish_default_stream(dctx, what)
+    else:
+        sh = stream_for(stream, dctx, what)
+        with guard(dctx, what):
+            (err,) = drv.cuMemcpyDtoDAsync(dst.ptr, src.ptr, n, sh)
+    if err:
+        raise dctx.note_error(err, f"{what}: cuMemcpyDtoD ({n} bytes)")
+    return False
+
+
+def resolve_contexts(dst: Mem, src: Mem, stream: Any, what: str) -> tuple[Context, Context]:
+    """The contexts of both sides; foreign memory is looked up by pointer."""
+    if dst.context is not None and src.context is not None:
+        return dst.context, src.context
+    anchor = dst.context or src.context
+    if anchor is None:
+        anchor = stream.context if isinstance(stream, Stream) else require_current(what)
+    with guard(anchor, what):
+        dctx = dst.context or context_of_pointer(dst.ptr, what)
+        sctx = src.context or context_of_pointer(src.ptr, what)
+    return dctx, sctx
+
+
+def check_same_size(got: int, want: int, what: str, name: str) -> None:
+    if got != want:
+        raise ValueError(
+            f"{what}: the {name} has {got} bytes but the device memory has {want}; sizes "
+            "must match (copy into a slice buf[off:off+n] for a partial copy)"
+        )
+
+
+#: (from, to) context handles -> the Context objects, so that a handle reused by a new
+#: context after the old one was closed is not mistaken for an enabled pair
+_peer_pairs: dict[tuple[int, int], tuple[weakref.ref[Context], weakref.ref[Context]]] = {}
+
+
+def record_peer_access(a: Context, b: Context) -> None:
+    """Remember that *a* may access *b*'s memory (``cuCtxEnablePeerAccess`` succeeded)."""
+    _peer_pairs[(a.handle, b.handle)] = (weakref.ref(a), weakref.ref(b))
+
+
+def _enabled(a: Context, b: Context) -> bool:
+    refs = _peer_pairs.get((a.handle, b.handle))
+    return refs is not None and refs[0]() is a and refs[1]() is b and not (a.closed or b.closed)
+
+
+def memcpy_peer(
+    dptr: int, dctx: Context, sptr: int, sctx: Context, n: int, stream: Any, what: str
+) -> bool:
+    direct = _direct(dctx, sctx)
+    if stream is None:
+        bind = dctx
+        with guard(bind, what):
+            (err,) = drv.cuMemcpyPeer(dptr, dctx._cu, sptr, sctx._cu, n)
+            if not err:
+                finish_default_stream(bind, what)
+    else:
+        if isinstance(stream, Stream):
+            bind, sh = stream.context, stream._open_handle(what)
+        else:
+            bind, sh = dctx, stream_handle(stream)
+        with guard(bind, what):
+            (err,) = drv.cuMemcpyPeerAsync(dptr, dctx._cu, sptr, sctx._cu, n, sh)
+    if err:
+        raise bind.note_error(
+            err, f"{what}: cuMemcpyPeer{'Async' if stream is not None else ''} ({n} bytes)"
+        )
+    return direct
+
+
+def _direct(a: Context, b: Context) -> bool:
+    return _enabled(a, b) or _enabled(b, a)

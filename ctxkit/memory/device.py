@@ -1,0 +1,617 @@
+"""Device, managed and page-locked host memory; copies; peer access.
+
+Every allocation is made inside its context (the one passed in, or the caller's current
+one), remembers it in ``.context`` and is freed inside it from whatever thread drops the
+last reference, or by ``close()``. Copies check sizes, dtypes and contiguity before the
+driver is called and raise ``ValueError`` on a mismatch; zero-size copies do nothing.
+
+Synchronous unless a stream is given
+------------------------------------
+Without ``stream=`` a copy, memset or peer copy has completed when the call returns,
+so the next operation may use the memory from any stream or context. (The driver runs
+memsets, device-to-device and peer copies asynchronously to the host on the context's
+legacy default stream, which ``ctxkit.Stream()``, non-blocking by default, does not wait
+for; ctxkit waits for that stream before returning.) With ``stream=`` the operation is
+enqueued on that stream and the call returns at once; order it against other streams
+with events (``Stream.wait``), and keep the memory alive until the stream has reached
+it: memory freed while a copy into it is still queued in *another* context (a peer copy
+on a stream) faults that context.
+
+Honest async
+------------
+An asynchronous copy (``stream=`` given) from or to *pageable* host memory is not
+asynchronous: the driver blocks the calling thread for the whole copy (measured on an
+H200: 1 GiB pageable ``cuMemcpyHtoDAsync`` blocked the host for the whole copy at
+~7.8 GB/s; from pinned memory it returned at once and ran at ~55 GB/s). ctxkit therefore
+emits a :class:`PageableCopyWarning` (once per call site) for such a copy, or raises
+:class:`PageableCopyError` in strict mode (:func:`set_strict_async` or the environment
+variable ``CTXKIT_STRICT_ASYNC=1``). Use :func:`pinned_empty` or :func:`register_host`;
+:func:`is_pinned` tells which memory you have.
+
+Interoperability
+----------------
+:class:`DeviceArray` (and :class:`DeviceBuffer`, as bytes) export
+``__cuda_array_interface__`` v3 and DLPack, so CuPy, PyTorch and Numba use ctxkit memory
+without a copy; copies accept their arrays (anything with ``__cuda_array_interface__``)
+as sources and targets. ``DeviceArray.stream`` names the stream with pending writes
+(set by ctxkit's async copies, or by you after launching a kernel); it is exported as the
+interface's ``"stream"`` entry and honoured by ``__dlpack__(stream=...)``.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .._driver import drv
+from ..context import Context
+from ..device import Device
+from ..errors import (
+    ContextClosedError,
+    CudaError,
+    OutOfMemoryError,
+)
+from ..lifetime import finalizer
+from ..registry import guard, resolve_context
+from ..stream import Event, Stream, stream_handle
+from .copies import (
+    Mem,
+    c_strides,
+    check_same_size,
+    copy_device,
+    device_mem,
+    dtoh,
+    finish_default_stream,
+    gib,
+    htod,
+    nbytes_arg,
+    shape_arg,
+    stream_for,
+)
+from .dlpack import KDL_CUDA, to_capsule
+from .host import (
+    host_array,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    pass
+
+__all__ = ["DeviceArray", "DeviceBuffer", "cai_stream", "device_array", "to_device"]
+
+
+_OUT_OF_MEMORY = 2
+
+
+class DeviceBuffer:
+    """Linear device memory (``cuMemAlloc``) in one context.
+
+    Parameters
+    ----------
+    nbytes : int
+        Size in bytes (0 allocates nothing).
+    context : Context, Device, int or None
+        Where to allocate. ``None``: the calling thread's current context
+        (``NoCurrentContextError`` when it has none); a Context is bound for the
+        allocation, whatever else is current.
+
+    Raises
+    ------
+    OutOfMemoryError
+        The allocation does not fit; the message (and ``.requested``/``.free``) give
+        the requested and the free bytes (``cuMemGetInfo``).
+
+    Notes
+    -----
+    ``buf[a:b]`` is a view of bytes ``a..b`` (no copy; it keeps the buffer alive): use it
+    for copies at an offset. After :meth:`close` every use of the buffer or its views
+    raises :class:`ContextClosedError`. Operations from a thread with no current context
+    raise ``NoCurrentContextError``; with another context current, the buffer's own
+    context is bound for the call.
+    """
+
+    __slots__ = ("__weakref__", "_base", "_fin", "_ptr", "context", "nbytes")
+
+    _ptr: int | None
+    _base: DeviceBuffer | None
+    _fin: weakref.finalize | None
+    context: Context
+    nbytes: int
+
+    def __init__(self, nbytes: int, context: Any = None) -> None:
+        what = f"{type(self).__name__}({nbytes})"
+        n = nbytes_arg(nbytes, what)
+        ctx = resolve_context(context, what)
+        self.context = ctx
+        self.nbytes = n
+        self._base = None
+        self._fin = None
+        self._ptr = 0
+        if n == 0:
+            return
+        with ctx:
+            err, ptr = self._alloc(n)
+        if err:
+            raise _alloc_error(ctx, err, n, what)
+        self._ptr = int(ptr)
+        self._fin = finalizer(self, ctx, drv.cuMemFree, ptr)
+
+    @staticmethod
+    def _alloc(n: int) -> tuple[Any, Any]:
+        return drv.cuMemAlloc(n)  # type: ignore[no-any-return]
+
+    @classmethod
+    def from_pointer(
+        cls, ptr: int, nbytes: int, context: Any = None, owner: Any = None
+    ) -> DeviceBuffer:
+        """Wrap device memory allocated elsewhere (not freed by ctxkit).
+
+        *owner* is kept alive as long as the wrapper (and its views) live.
+        """
+        n = nbytes_arg(nbytes, "DeviceBuffer.from_pointer")
+        ctx = resolve_context(context, "DeviceBuffer.from_pointer")
+        buf = cls.__new__(cls)
+        buf._setup_view(int(ptr), n, ctx, None)
+        buf._fin = weakref.finalize(buf, _keep, owner) if owner is not None else None
+        return buf
+
+    def _setup_view(self, ptr: int, n: int, ctx: Context, base: DeviceBuffer | None) -> None:
+        self._ptr = ptr
+        self.nbytes = n
+        self.context = ctx
+        self._base = base
+        self._fin = None
+
+    def _ctxkit_mem(self) -> Mem:
+        return Mem(self.ptr, self.nbytes, self.context, None, None, None)
+
+    # --- state -----------------------------------------------------------------------
+
+    @property
+    def ptr(self) -> int:
+        """The device address (raises ``ContextClosedError`` after :meth:`close`)."""
+        p = self._ptr
+        if p is None or (self._base is not None and self._base._ptr is None):
+            raise self._closed_error("ptr")
+        return p
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close` (of this buffer or, for a view, of its parent)."""
+        return self._ptr is None or (self._base is not None and self._base._ptr is None)
+
+    @property
+    def device(self) -> Device:
+        """The device the memory is on."""
+        return self.context.device
+
+    def _closed_error(self, what: str) -> ContextClosedError:
+        return ContextClosedError(
+            f"{type(self).__name__}.{what}: the buffer was closed (its memory is freed); "
+            "allocate a new one"
+        )
+
+    def __repr__(self) -> str:
+        if self.closed:
+            return f"<{type(self).__name__} closed nbytes={self.nbytes}>"
+        view = " view" if self._base is not None else ""
+        return (
+            f"<{type(self).__name__}{view} {self._ptr:#x} nbytes={self.nbytes} "
+            f"device={self.context.device.ordinal}>"
+        )
+
+    def __enter__(self) -> DeviceBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Free the memory now (inside its context, from any thread). Idempotent.
+
+        Closing a slice view only invalidates the view.
+        """
+        if self._base is None and self._fin is not None:
+            self._fin()
+        self._ptr = None
+
+    def __getitem__(self, key: slice) -> DeviceBuffer:
+        """``buf[a:b]``: a view of bytes ``a..b`` (step 1 only)."""
+        if not isinstance(key, slice):
+            raise TypeError("index a DeviceBuffer with a byte slice, e.g. buf[16:32]")
+        start, stop, step = key.indices(self.nbytes)
+        if step != 1:
+            raise ValueError("DeviceBuffer slices must be contiguous (step 1)")
+        base = self._base if self._base is not None else self
+        view = type(self).__new__(type(self))
+        view._setup_view(self.ptr + start, max(0, stop - start), self.context, base)
+        return view
+
+    # --- copies ----------------------------------------------------------------------
+
+    def copy_from_host(self, arr: Any, stream: Any = None) -> None:
+        """Copy a host array (C-contiguous, exactly ``nbytes`` bytes) into the buffer.
+
+        With *stream* the copy is enqueued there and the call returns at once, provided
+        the host memory is pinned (see the module notes on pageable memory); keep *arr*
+        alive and unchanged until the stream has reached the copy.
+        """
+        what = f"{type(self).__name__}.copy_from_host"
+        dst = self.ptr
+        a = host_array(arr, what)
+        check_same_size(a.nbytes, self.nbytes, what, "host array")
+        htod(self.context, dst, a, stream, what)
+
+    def copy_to_host(self, arr: Any = None, stream: Any = None) -> np.ndarray:
+        """Copy the buffer into *arr* (a new uint8 array when ``None``) and return it."""
+        what = f"{type(self).__name__}.copy_to_host"
+        src = self.ptr
+        if arr is None:
+            out = np.empty(self.nbytes, np.uint8)
+        else:
+            out = host_array(arr, what, writable=True)
+            check_same_size(out.nbytes, self.nbytes, what, "host array")
+        dtoh(self.context, out, src, stream, what)
+        return out if arr is None or isinstance(arr, np.ndarray) else arr
+
+    def copy_from(self, src: Any, stream: Any = None) -> None:
+        """Device-to-device copy from a buffer, array, or any ``__cuda_array_interface__``
+        object of the same size; other contexts/devices go through :func:`copy_peer`."""
+        what = f"{type(self).__name__}.copy_from"
+        dst = self._ctxkit_mem()
+        s = device_mem(src, what)
+        check_same_size(s.nbytes, self.nbytes, what, "source")
+        copy_device(dst, s, self.nbytes, stream, what)
+
+    def copy_to(self, dst: Any, stream: Any = None) -> None:
+        """Device-to-device copy into a buffer, array or ``__cuda_array_interface__``
+        object of the same size (e.g. a CuPy array or a PyTorch tensor)."""
+        what = f"{type(self).__name__}.copy_to"
+        src = self._ctxkit_mem()
+        d = device_mem(dst, what, write=True)
+        check_same_size(d.nbytes, self.nbytes, what, "destination")
+        copy_device(d, src, self.nbytes, stream, what)
+
+    def memset(self, value: int, stream: Any = None) -> None:
+        """Set every byte to *value* (0..255) (``cuMemsetD8``).
+
+        Without *stream* the bytes are set when the call returns; with *stream* the
+        memset is enqueued there.
+        """
+        what = f"{type(self).__name__}.memset"
+        ptr = self.ptr
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{what}: value must be an int byte, got {type(value).__name__}")
+        if not 0 <= value <= 255:
+            raise ValueError(f"{what}: value must be in 0..255, got {value}")
+        if self.nbytes == 0:
+            return
+        ctx = self.context
+        if stream is None:
+            with guard(ctx, what):
+                (err,) = drv.cuMemsetD8(ptr, int(value), self.nbytes)
+                if not err:
+                    finish_default_stream(ctx, what)
+        else:
+            sh = stream_for(stream, ctx, what)
+            with guard(ctx, what):
+                (err,) = drv.cuMemsetD8Async(ptr, int(value), self.nbytes, sh)
+        if err:
+            raise ctx.note_error(err, f"{what}: cuMemsetD8 ({self.nbytes} bytes)")
+
+    # --- typed views and interop -----------------------------------------------------
+
+    def view(self, shape: Any = None, dtype: Any = np.uint8) -> DeviceArray:
+        """A typed, C-contiguous :class:`DeviceArray` over the whole buffer (no copy).
+
+        ``shape=None`` means 1-D; the shape must cover exactly ``nbytes`` bytes.
+        """
+        dt = np.dtype(dtype)
+        if shape is None:
+            if self.nbytes % dt.itemsize:
+                raise ValueError(
+                    f"view: {self.nbytes} bytes is not a multiple of {dt} ({dt.itemsize} B)"
+                )
+            shape = (self.nbytes // dt.itemsize,)
+        return DeviceArray(self, shape, dt)
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        """The buffer as a 1-D uint8 array (CUDA Array Interface v3)."""
+        return self.view().__cuda_array_interface__
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        """The buffer as a 1-D uint8 DLPack tensor (see ``DeviceArray.__dlpack__``)."""
+        return self.view().__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (KDL_CUDA, self.context.device.ordinal)
+
+
+def _keep(owner: Any) -> None:
+    """Finalizer target that only holds *owner* until the wrapper dies."""
+
+
+def _alloc_error(ctx: Context, err: Any, n: int, what: str) -> Exception:
+    if int(err) != _OUT_OF_MEMORY:
+        return ctx.note_error(err, what)
+    try:
+        free, total = ctx.memory_info()
+    except CudaError:
+        free, total = -1, -1
+    dev = ctx.device.ordinal
+    exc = OutOfMemoryError(
+        f"{what}: cannot allocate {n} bytes ({gib(n)}) on device {dev}: only {free} bytes "
+        f"({gib(free)}) of {total} ({gib(total)}) are free (cuMemGetInfo). Fix: close() "
+        "buffers you no longer need, use smaller chunks, or pick a device with more free "
+        "memory",
+        _OUT_OF_MEMORY,
+        "CUDA_ERROR_OUT_OF_MEMORY",
+    )
+    exc.requested = n  # type: ignore[attr-defined]
+    exc.free = free  # type: ignore[attr-defined]
+    return exc
+
+
+def device_array(shape: Any, dtype: Any = np.float64, context: Any = None) -> DeviceArray:
+    """An uninitialised :class:`DeviceArray` (``DeviceBuffer(nbytes, context).view``)."""
+    dt = np.dtype(dtype)
+    shp = shape_arg(shape)
+    return DeviceBuffer(math.prod(shp) * dt.itemsize, context).view(shp, dt)
+
+
+def to_device(arr: Any, context: Any = None, stream: Any = None) -> DeviceArray:
+    """Copy a host array to a new :class:`DeviceArray` of the same shape and dtype."""
+    a = np.ascontiguousarray(arr) if stream is None else host_array(arr, "to_device")
+    out = device_array(a.shape, a.dtype, context)
+    out.copy_from_host(a, stream)
+    return out
+
+
+class DeviceArray:
+    """A typed, C-contiguous view of device memory (no copy).
+
+    Exposes ``__cuda_array_interface__`` (v3) and DLPack (``__dlpack__`` /
+    ``__dlpack_device__`` = ``(kDLCUDA, ordinal)``), so ``cupy.asarray(a)``,
+    ``torch.from_dlpack(a)`` and ``numba.cuda.as_cuda_array(a)`` share its memory.
+
+    Attributes
+    ----------
+    buffer : DeviceBuffer
+        The memory (kept alive by the array).
+    shape : tuple of int
+    dtype : numpy.dtype
+    stream : Stream, stream-like or None
+        The stream with pending writes to the array, exported for consumers to
+        synchronize with (``None``: nothing pending). ctxkit's async copies into the
+        array set it; set it yourself after launching a kernel that writes it.
+    """
+
+    __slots__ = ("__weakref__", "buffer", "dtype", "shape", "stream")
+
+    def __init__(self, buffer: DeviceBuffer, shape: Any, dtype: Any, stream: Any = None):
+        pass
+
+        if not isinstance(buffer, DeviceBuffer):
+            raise TypeError(f"buffer must be a DeviceBuffer, got {type(buffer).__name__}")
+        dt = np.dtype(dtype)
+        if dt.hasobject:
+            raise TypeError("a DeviceArray cannot hold Python objects")
+        shp = shape_arg(shape)
+        need = math.prod(shp) * dt.itemsize
+        if need != buffer.nbytes:
+            raise ValueError(
+                f"shape {shp} of {dt} needs {need} bytes but the buffer has {buffer.nbytes}"
+            )
+        if buffer.ptr % dt.alignment:
+            raise ValueError(
+                f"device address {buffer.ptr:#x} is not aligned for {dt} "
+                f"({dt.alignment} bytes); slice the buffer at a multiple of {dt.alignment}"
+            )
+        self.buffer = buffer
+        self.shape = shp
+        self.dtype = dt
+        self.stream = stream
+
+    def _ctxkit_mem(self) -> Mem:
+        return Mem(self.ptr, self.nbytes, self.buffer.context, None, self.dtype, self.shape)
+
+    # --- numpy-like attributes -------------------------------------------------------
+
+    @property
+    def ptr(self) -> int:
+        """Device address of the first element."""
+        return self.buffer.ptr
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Size in bytes."""
+        return self.buffer.nbytes
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        """C-contiguous strides in bytes."""
+        return c_strides(self.shape, self.dtype.itemsize)
+
+    @property
+    def context(self) -> Context:
+        return self.buffer.context
+
+    @property
+    def device(self) -> Device:
+        return self.buffer.context.device
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d DeviceArray")
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        return f"<DeviceArray shape={self.shape} dtype={self.dtype} device={self.device.ordinal}>"
+
+    def reshape(self, *shape: Any) -> DeviceArray:
+        """The same memory with another shape of the same size (``-1`` allowed once)."""
+        shp = shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape
+        target = _resolve_reshape(tuple(shp), self.size)
+        return DeviceArray(self.buffer, target, self.dtype, self.stream)
+
+    # --- copies ----------------------------------------------------------------------
+
+    def _check_host(self, arr: np.ndarray, what: str) -> None:
+        if arr.dtype != self.dtype:
+            raise ValueError(f"{what}: dtype {arr.dtype} does not match the array's {self.dtype}")
+        if arr.shape != self.shape:
+            raise ValueError(f"{what}: shape {arr.shape} does not match the array's {self.shape}")
+
+    def copy_from_host(self, arr: Any, stream: Any = None) -> None:
+        """Copy a numpy array of the same shape and dtype into the device array."""
+        what = "DeviceArray.copy_from_host"
+        dst = self.ptr
+        a = host_array(arr, what)
+        self._check_host(a, what)
+        htod(self.context, dst, a, stream, what)
+        self.stream = stream
+
+    def copy_to_host(self, out: Any = None, stream: Any = None) -> np.ndarray:
+        """Copy into *out* (same shape and dtype; a new array when ``None``); return it."""
+        what = "DeviceArray.copy_to_host"
+        src = self.ptr
+        if out is None:
+            dst = np.empty(self.shape, self.dtype)
+        else:
+            dst = host_array(out, what, writable=True)
+            self._check_host(dst, what)
+        dtoh(self.context, dst, src, stream, what)
+        return dst
+
+    def to_host(self, stream: Any = None) -> np.ndarray:
+        """A new numpy array with the contents (synchronous unless *stream* is given)."""
+        return self.copy_to_host(None, stream)
+
+    def copy_from(self, src: Any, stream: Any = None) -> None:
+        """Device-to-device copy from another device array (ctxkit, CuPy, PyTorch, ...)
+        of the same shape and dtype, or a buffer of the same size."""
+        what = "DeviceArray.copy_from"
+        dst = self._ctxkit_mem()
+        s = device_mem(src, what)
+        _check_typed(s, self, what, "source")
+        copy_device(dst, s, self.nbytes, stream, what)
+        self.stream = stream
+
+    def copy_to(self, dst: Any, stream: Any = None) -> None:
+        """Device-to-device copy into another device array of the same shape and dtype."""
+        what = "DeviceArray.copy_to"
+        src = self._ctxkit_mem()
+        d = device_mem(dst, what, write=True)
+        _check_typed(d, self, what, "destination")
+        copy_device(d, src, self.nbytes, stream, what)
+
+    # --- interop ---------------------------------------------------------------------
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        """CUDA Array Interface v3; ``"stream"`` is the pending-writes stream or None."""
+        return {
+            "shape": self.shape,
+            "typestr": self.dtype.str,
+            "data": (self.ptr if self.nbytes else 0, False),
+            "version": 3,
+            "strides": None,
+            "stream": cai_stream(self.stream),
+        }
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """``(kDLCUDA, device ordinal)``."""
+        return (KDL_CUDA, self.buffer.context.device.ordinal)
+
+    def __dlpack__(
+        self,
+        *,
+        stream: int | None = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> Any:
+        """A DLPack capsule sharing the memory (no copy).
+
+        *stream* is the consumer's stream (``None``: the legacy default stream; ``-1``:
+        no synchronization). When :attr:`stream` has pending writes on another stream,
+        the consumer's stream is made to wait for them (an event, no host block).
+        A DLPack 1.x versioned capsule is returned when *max_version* allows it.
+        """
+        if copy:
+            raise BufferError("ctxkit exports device memory without copying; copy=True")
+        device = self.__dlpack_device__()
+        if dl_device is not None and tuple(dl_device) != device:
+            raise BufferError(f"the array is on {device}, not on the requested {dl_device}")
+        ptr = self.ptr
+        self._order_for_consumer(stream)
+        versioned = max_version is not None and int(max_version[0]) >= 1
+        return to_capsule(ptr, self.shape, self.dtype, device, self, versioned=versioned)
+
+    def _order_for_consumer(self, consumer: int | None) -> None:
+        producer = self.stream
+        if producer is None or consumer == -1:
+            return
+        if consumer == 0:
+            raise BufferError("__dlpack__(stream=0) is ambiguous for CUDA; pass 1 (legacy)")
+        consumer = 1 if consumer is None else int(consumer)
+        value = cai_stream(producer)
+        if value is None or value == consumer:
+            return
+        ctx = self.context
+        event = Event(timing=False, context=ctx)
+        event.record(producer)
+        with guard(ctx, "DeviceArray.__dlpack__"):
+            (err,) = drv.cuStreamWaitEvent(drv.CUstream(consumer), event.handle, 0)
+        if err:
+            raise ctx.note_error(err, "cuStreamWaitEvent for the DLPack consumer")
+
+
+def _resolve_reshape(shape: tuple[int, ...], size: int) -> tuple[int, ...]:
+    dims = [int(s) for s in shape]
+    unknown = [i for i, s in enumerate(dims) if s == -1]
+    if len(unknown) > 1:
+        raise ValueError("reshape: only one dimension may be -1")
+    if unknown:
+        rest = math.prod(d for d in dims if d != -1)
+        if rest == 0 or size % rest:
+            raise ValueError(f"reshape: cannot reshape {size} elements into {shape}")
+        dims[unknown[0]] = size // rest
+    if math.prod(dims) != size or any(d < 0 for d in dims):
+        raise ValueError(f"reshape: cannot reshape {size} elements into {shape}")
+    return tuple(dims)
+
+
+def _check_typed(m: Mem, arr: DeviceArray, what: str, name: str) -> None:
+    if m.dtype is None:
+        check_same_size(m.nbytes, arr.nbytes, what, name)
+        return
+    if m.dtype != arr.dtype:
+        raise ValueError(f"{what}: the {name} has dtype {m.dtype}, the array {arr.dtype}")
+    if m.shape != arr.shape:
+        raise ValueError(f"{what}: the {name} has shape {m.shape}, the array {arr.shape}")
+
+
+def cai_stream(stream: Any) -> int | None:
+    if stream is None:
+        return None
+    if isinstance(stream, Stream) and stream.closed:
+        return None
+    value = int(stream_handle(stream))
+    return value or 1  # CAI v3: 1 is the legacy default stream (0 is disallowed)

@@ -1,0 +1,171 @@
+"""Unified (managed) memory: :class:`ManagedBuffer` (``cuMemAllocManaged``), visible to
+the host as a numpy array and to every device, with prefetch and advice.
+
+On devices without concurrent managed access the host must not touch the memory while
+kernels run: host views synchronize first (:func:`concurrent_managed_access`).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any
+
+import numpy as np
+
+from .. import _driver
+from .._driver import drv
+from ..context import Context
+from ..device import Device
+from ..registry import guard
+from ..stream import Stream
+from .copies import (
+    shape_arg,
+    stream_for,
+)
+from .device import DeviceBuffer
+from .host import (
+    HostMemory,
+    device_of,
+)
+
+__all__ = ["ManagedBuffer"]
+
+
+MEM_ATTACH_GLOBAL = 1
+
+
+_concurrent_managed: dict[int, bool] = {}
+
+
+_ADVICE = {
+    "read_mostly": "SET_READ_MOSTLY",
+    "preferred_location": "SET_PREFERRED_LOCATION",
+    "accessed_by": "SET_ACCESSED_BY",
+}
+
+
+def _advice(advice: Any) -> Any:
+    if not isinstance(advice, str):
+        return advice
+    key = advice.lower().removeprefix("cu_mem_advise_")
+    if key in _ADVICE:
+        key = _ADVICE[key]
+    name = "CU_MEM_ADVISE_" + key.upper()
+    try:
+        return getattr(drv.CUmem_advise, name)
+    except AttributeError:
+        valid = sorted([*_ADVICE, *(f"{p}_{k}" for k in _ADVICE for p in ("set", "unset"))])
+        raise ValueError(f"unknown memory advice {advice!r}; use one of {valid}") from None
+
+
+def concurrent_managed_access(device: Device) -> bool:
+    """Whether the host may touch managed memory while kernels run on *device*."""
+    v = _concurrent_managed.get(device.ordinal)
+    if v is None:
+        v = bool(device.attribute("concurrent_managed_access"))
+        _concurrent_managed[device.ordinal] = v
+    return v
+
+
+class ManagedBuffer(DeviceBuffer):
+    """Unified (managed) memory (``cuMemAllocManaged(CU_MEM_ATTACH_GLOBAL)``).
+
+    A :class:`DeviceBuffer` (copies, views, interop) that the host can also read and
+    write through :meth:`as_numpy`.
+
+    Host-access safety: on a device without ``concurrentManagedAccess`` (Windows,
+    some embedded GPUs) the host must not touch managed memory while any kernel runs in
+    the context, or the process gets a segmentation fault. :meth:`as_numpy`
+    synchronizes the context before returning the view on such devices; launching work
+    while you still use the view stays your responsibility there. Devices with
+    concurrent access (Linux, Pascal and newer, e.g. H200) need no synchronization, but
+    reading data a running kernel writes is still a race: synchronize its stream first.
+    """
+
+    __slots__ = ("_views",)
+
+    _views: weakref.WeakSet[HostMemory]
+
+    def __init__(self, nbytes: int, context: Any = None) -> None:
+        self._views = weakref.WeakSet()
+        super().__init__(nbytes, context)
+
+    @staticmethod
+    def _alloc(n: int) -> tuple[Any, Any]:
+        return drv.cuMemAllocManaged(n, MEM_ATTACH_GLOBAL)  # type: ignore[no-any-return]
+
+    def _setup_view(self, ptr: int, n: int, ctx: Context, base: DeviceBuffer | None) -> None:
+        super()._setup_view(ptr, n, ctx, base)
+        self._views = weakref.WeakSet()
+
+    def _root(self) -> ManagedBuffer:
+        base = self._base
+        return base if isinstance(base, ManagedBuffer) else self
+
+    def as_numpy(self, dtype: Any = np.uint8, shape: Any = None) -> np.ndarray:
+        """A numpy array over the managed memory (no copy); keeps the buffer alive.
+
+        Synchronizes the context first on devices without ``concurrentManagedAccess``.
+        """
+        ptr = self.ptr
+        dt = np.dtype(dtype)
+        if shape is None:
+            if self.nbytes % dt.itemsize:
+                raise ValueError(f"as_numpy: {self.nbytes} bytes is not a multiple of {dt}")
+            shape = (self.nbytes // dt.itemsize,)
+        shp = shape_arg(shape)
+        if math.prod(shp) * dt.itemsize != self.nbytes:
+            raise ValueError(f"as_numpy: shape {shp} of {dt} does not cover {self.nbytes} bytes")
+        if self.nbytes == 0:
+            return np.empty(shp, dt)
+        if not concurrent_managed_access(self.context.device):
+            self.context.synchronize()
+        mem = HostMemory(ptr, self.nbytes, owner=self)
+        self._root()._views.add(mem)
+        return np.asarray(mem).view(dt).reshape(shp)
+
+    def close(self) -> None:
+        """Free the memory now; refused while numpy views from :meth:`as_numpy` live.
+
+        Raises
+        ------
+        ValueError
+            Host views are still alive (freeing would leave them dangling).
+        """
+        if self._base is None and not self.closed and len(self._views):
+            raise ValueError(
+                f"cannot close {self!r}: {len(self._views)} numpy view(s) from as_numpy() "
+                "are still alive; delete them first (the memory is freed with the last one)"
+            )
+        super().close()
+
+    def prefetch(self, target: Any = None, stream: Any = None) -> None:
+        """Migrate the pages to a device (Device/ordinal/Context; default: its own) or to
+        the host (``"cpu"``), enqueued on *stream* (needs ``concurrentManagedAccess``).
+
+        Managed memory is shared by every context, so *stream* may be a ctxkit Stream of
+        any context, e.g. the stream of the device that will use the pages next (the
+        prefetch is enqueued there, in that stream's context)."""
+        what = "ManagedBuffer.prefetch"
+        ptr = self.ptr
+        tgt = device_of(target) if target is not None else self.context.device.ordinal
+        if self.nbytes == 0:
+            return
+        ctx = stream.context if isinstance(stream, Stream) else self.context
+        sh = stream_for(stream, ctx, what)
+        with guard(ctx, what):
+            _driver.mem_prefetch(ptr, self.nbytes, tgt, sh)
+
+    def advise(self, advice: Any, target: Any = None) -> None:
+        """``cuMemAdvise``: *advice* is ``"read_mostly"``, ``"preferred_location"``,
+        ``"accessed_by"`` (optionally prefixed ``"set_"``/``"unset_"``) or a
+        ``CUmem_advise`` member; *target* a device (default: its own) or ``"cpu"``."""
+        what = "ManagedBuffer.advise"
+        ptr = self.ptr
+        adv = _advice(advice)
+        tgt = device_of(target) if target is not None else self.context.device.ordinal
+        if self.nbytes == 0:
+            return
+        with guard(self.context, what):
+            _driver.mem_advise(ptr, self.nbytes, adv, tgt)

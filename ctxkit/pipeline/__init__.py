@@ -1,0 +1,59 @@
+"""Multi-device copy -> kernel -> copy pipelines over host numpy arrays.
+
+``Pipeline.map`` splits the first axis of a host array over devices and chunks. Per chunk
+it runs H2D copy -> ``kernel(d_in, d_out, n, *args)`` -> D2H copy, and keeps every device
+busy at once:
+
+* each device is driven by its own worker thread (a ``ContextExecutor`` bound to the
+  device's shared context), so a call that blocks on one device never stalls another;
+* pageable input and output are never copied synchronously: by default (``host_path=
+  "auto"``, i.e. ``"staged"``) they go through pinned staging buffers
+  (``staging_buffers`` per device, filled and drained by a pool of host threads,
+  overlapped with the transfers and kernels of neighbouring chunks);
+  ``host_path="register"`` instead registers the pages of each chunk just in time and
+  DMAs them directly (only the partial pages at the ends are bounced through a tiny
+  pinned buffer);
+* pinned input/output (``ctxkit.pinned_empty``, ``register_host``) is copied directly,
+  fully asynchronously (the zero-copy path).
+
+``Pipeline.submit`` enqueues cross-device stages ordered by events
+(``cuStreamWaitEvent``); ``Pipeline.map_managed`` runs the same map over unified memory
+with per-device prefetch. ``Pipeline.trace`` returns the :class:`~ctxkit.trace.Timeline`
+of the last run.
+"""
+
+from __future__ import annotations
+
+from ..errors import PipelineError
+from .pipeline import Pipeline
+from .plan import (
+    Chunk,
+    HostPieces,
+    Plan,
+    default_chunk_bytes,
+    grid_size,
+    host_pieces,
+    make_plan,
+    prepare_io,
+    split_rows,
+)
+from .stages import StageHandle
+from .types import ChunkView, DeviceStats, RunStats
+
+__all__ = [
+    "Chunk",
+    "ChunkView",
+    "DeviceStats",
+    "HostPieces",
+    "Pipeline",
+    "PipelineError",
+    "Plan",
+    "RunStats",
+    "StageHandle",
+    "default_chunk_bytes",
+    "grid_size",
+    "host_pieces",
+    "make_plan",
+    "prepare_io",
+    "split_rows",
+]

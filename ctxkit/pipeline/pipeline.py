@@ -1,0 +1,668 @@
+"""Multi-device copy -> kernel -> copy pipelines over host numpy arrays.
+
+``Pipeline.map`` splits the first axis of a host array over devices and chunks. Per chunk
+it runs H2D copy -> ``kernel(d_in, d_out, n, *args)`` -> D2H copy, and keeps every device
+busy at once:
+
+* each device is driven by its own worker thread (a ``ContextExecutor`` bound to the
+  device's shared context), so a call that blocks on one device never stalls another;
+* pageable input and output are never copied synchronously: by default (``host_path=
+  "auto"``, i.e. ``"staged"``) they go through pinned staging buffers
+  (``staging_buffers`` per device, filled and drained by a pool of host threads,
+  overlapped with the transfers and kernels of neighbouring chunks);
+  ``host_path="register"`` instead registers the pages of each chunk just in time and
+  DMAs them directly (only the partial pages at the ends are bounced through a tiny
+  pinned buffer);
+* pinned input/output (``ctxkit.pinned_empty``, ``register_host``) is copied directly,
+  fully asynchronously (the zero-copy path).
+
+``Pipeline.submit`` enqueues cross-device stages ordered by events
+(``cuStreamWaitEvent``); ``Pipeline.map_managed`` runs the same map over unified memory
+with per-device prefetch. ``Pipeline.trace`` returns the :class:`~ctxkit.trace.Timeline`
+of the last run.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
+from typing import Any
+
+import numpy as np
+
+from .. import _driver, registry
+from ..compiler.objectcode import ObjectCode
+from ..context import Context
+from ..device import Device, device_count
+from ..errors import ContextPoisonedError, CudaError, PipelineError
+from ..memory.host import host_pointer_kind, is_pinned
+from ..memory.managed import ManagedBuffer
+from ..module.kernel import Kernel
+from ..module.module import Module
+from ..trace import Recorder, Timeline
+from .hostreg import Registrar
+from .launch import make_launcher, unblock_if_not_run
+from .pincache import PinCache, default_budget
+from .plan import (
+    addr,
+    check_block,
+    check_device_specs,
+    check_host_path,
+    check_options,
+    choose_host_path,
+    make_plan,
+    prepare_io,
+    row_bytes,
+)
+from .run import Run, drain, feed, run_stats
+from .stages import StageHandle, StageMixin
+from .staging import DeviceState, HostPool, Progress, default_host_threads, quiet_sync, shutdown_all
+from .types import DeviceStats, RunStats
+
+__all__ = ["Pipeline"]
+
+
+_NO_DEVICE = 100
+
+
+class Pipeline(StageMixin):
+    """Copy -> kernel -> copy over every GPU at once, from host numpy arrays.
+
+    Parameters
+    ----------
+    devices : sequence of int, Device or Context, optional
+        The devices to use (default: all visible). Ints and Devices use the registry's
+        shared context of the device; a Context is used as given.
+    chunk_bytes : int, optional
+        Default chunk size in bytes (per :meth:`map` overridable). Default: 32 MiB, less
+        when a device would get fewer than 4 chunks.
+    staging_buffers : int
+        Slots per device (3 = triple buffering): each has a stream, an input and an
+        output device buffer and, for pageable data, pinned staging (or small bounce)
+        buffers. Allocated at the first :meth:`map` that needs them, reused, grown when
+        a later call needs bigger chunks, freed by :meth:`close`. A device keeps at most
+        this many chunks in flight (twice as many when they use no slot buffer), which
+        also bounds what an interrupted :meth:`map` waits for.
+    host_threads : int, optional
+        Threads of the host pool (staging copies, page registration). Default: 16, at
+        most the usable CPUs minus two per device minus one, at least 2.
+    host_path : {"auto", "staged", "register"} or (input, output) pair of them
+        How pageable arrays reach the devices (pinned arrays are always copied
+        directly): ``"staged"`` copies each chunk through pinned staging buffers (two
+        host memory copies per byte); ``"register"`` page-locks the chunk's own pages
+        just in time (``cuMemHostRegister``, in parallel on the host pool, a few chunks
+        ahead) and DMAs straight from/to them, bouncing only the partial pages at the
+        array's ends and chunk boundaries; the pages are unregistered once the chunk's
+        D2H completed, before :meth:`map` returns. ``"auto"``: staging, and pin on
+        reuse (see *pin_cache_bytes*). Per-call override: ``map(host_path=...)``.
+    pin_cache_bytes : int, optional
+        Pin on reuse, for ``host_path="auto"``: a pageable array (16 MiB or more) that a
+        later :meth:`map` call sees again is page-locked once (``cuMemHostRegister``)
+        and kept locked while its memory lives, so every further call DMAs it directly,
+        as if it were pinned. This bounds the bytes kept locked (least recently used
+        arrays are released first); 0 turns it off. Default: a quarter of physical
+        memory, at least 4 GiB. See :meth:`release_pinned`.
+    schedule : {"static", "dynamic"}
+        ``"static"``: an even contiguous share of rows per device. ``"dynamic"``: devices
+        take chunks from a shared queue (work stealing; helps unequal devices).
+    trace : bool
+        Record events around every stage so that :meth:`trace` can show the timeline.
+
+    Raises
+    ------
+    ValueError
+        ``devices=[]``, duplicate devices, or an invalid option.
+    DriverNotFoundError, CudaError
+        No driver, or no CUDA device (with ``devices=None``).
+
+    Notes
+    -----
+    Kernel calling convention of :meth:`map`: ``kernel(d_in, d_out, n, *args)`` with
+    device pointers to the chunk's input and output and ``n`` (``size_t``) the element
+    count of the input chunk; launched with ``grid = min(ceil(n / block), device
+    capacity)`` blocks, so kernels must use a grid-stride loop.
+
+    What ``"auto"`` does and why, measured on 2x H200 with 32 CPUs
+    (``benchmarks/bench_pipeline.py``, 2 GiB float32 pageable in and out): arrays seen
+    for the first time are staged (14.5-21 GB/s on 1 GPU; two host copies per byte, and
+    ``np.copyto`` peaks near 50 GB/s there, so staging is capped near 25 GB/s of input);
+    registering each chunk just in time reached only 6.9 GB/s (page-locking plus
+    unlocking runs at ~26 GB/s, for input and output). Arrays seen again are locked once
+    (the registering call ran at ~9.5 GB/s) and then DMAed directly: 46.7 GB/s on 1 GPU
+    and 64.5 GB/s on 2, 0.97x and 0.96x a hand-written pinned pipeline in the same run.
+    """
+
+    def __init__(
+        self,
+        devices: Sequence[int | Device | Context] | None = None,
+        chunk_bytes: int | None = None,
+        staging_buffers: int = 3,
+        host_threads: int | None = None,
+        *,
+        schedule: str = "static",
+        trace: bool = True,
+        host_path: str | tuple[str, str] = "auto",
+        pin_cache_bytes: int | None = None,
+    ) -> None:
+        check_options(chunk_bytes, staging_buffers, host_threads, schedule)
+        budget = _pin_budget(pin_cache_bytes)
+        self.host_path = check_host_path(host_path)
+        specs = check_device_specs(devices)
+        self.chunk_bytes = chunk_bytes
+        self.staging_buffers = staging_buffers
+        self.schedule = schedule
+        self.tracing = bool(trace)
+        contexts = _resolve_contexts(specs)
+        self._devices = [DeviceState(i, ctx, staging_buffers) for i, ctx in enumerate(contexts)]
+        self.host_threads = host_threads or default_host_threads(len(contexts))
+        self._pool: list[HostPool] = []
+        self._lock = threading.RLock()
+        self._inflight: list[Future[Any]] = []
+        self._run: Run | None = None
+        self._recorder: Recorder | None = None
+        self._stages: list[StageHandle] = []
+        self._kernels: dict[tuple[int, str], tuple[Any, Module, Kernel]] = {}
+        self._stats = RunStats()
+        self._closed = False
+        self._pins = PinCache(budget)
+        self._fin = weakref.finalize(self, shutdown_all, self._devices, self._pool, self._pins)
+
+    # --- properties ----------------------------------------------------------------
+
+    @property
+    def devices(self) -> list[Device]:
+        """The devices, in the order work is split over them."""
+        return [d.ctx.device for d in self._devices]
+
+    @property
+    def contexts(self) -> list[Context]:
+        """The context used on each device."""
+        return [d.ctx for d in self._devices]
+
+    @property
+    def poisoned(self) -> bool:
+        """True when a device's context was poisoned by a fault (the pipeline is unusable)."""
+        return any(d.ctx.poisoned for d in self._devices)
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self._closed
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of the user's pageable arrays kept page-locked by pin on reuse."""
+        return self._pins.nbytes
+
+    def release_pinned(self) -> int:
+        """Unregister every array kept page-locked by pin on reuse; return the bytes.
+
+        Later calls start over (an array is staged, then locked when seen again).
+        """
+        with self._lock:
+            self._settle()
+            return self._pins.clear()
+
+    @property
+    def last_stats(self) -> RunStats:
+        """Bytes, seconds and per-device breakdown of the last :meth:`map`."""
+        return self._stats
+
+    def __repr__(self) -> str:
+        state = " closed" if self._closed else (" poisoned" if self.poisoned else "")
+        return f"<Pipeline devices={[d.ordinal for d in self._devices]}{state}>"
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- map -----------------------------------------------------------------------
+
+    def map(
+        self,
+        kernel: Any,
+        x: Any,
+        out: np.ndarray | None = None,
+        args: Sequence[Any] = (),
+        chunk_bytes: int | None = None,
+        block: int = 256,
+        *,
+        mode: str = "auto",
+        schedule: str | None = None,
+        host_path: str | tuple[str, str] | None = None,
+    ) -> np.ndarray:
+        """Run ``kernel`` over *x* chunk by chunk on every device; return *out*.
+
+        Parameters
+        ----------
+        kernel : Kernel, (ObjectCode, entry name) or callable
+            A :class:`~ctxkit.module.Kernel` (loaded in any context: it runs on every
+            device), a compiled object and the entry to load from it, or a callable
+            ``body(ctx, stream, d_in, d_out, n, *args)`` that enqueues arbitrary work on
+            ``stream`` (``d_in``/``d_out`` are :class:`ChunkView`).
+        x : numpy.ndarray
+            Input; split along the first axis. Pinned (``ctxkit.pinned_empty``) input is
+            copied directly; pageable input takes the pipeline's ``host_path``.
+        out : numpy.ndarray, optional
+            Output, ``np.empty_like(x)`` by default. It may differ from *x* in dtype and
+            row shape (same number of rows); each chunk's kernel writes the matching
+            rows. ``out=x`` works in place.
+        args : sequence
+            Extra kernel (or body) arguments after ``(d_in, d_out, n)``.
+        chunk_bytes : int, optional
+            Chunk size for this call (default: the pipeline's).
+        block : int
+            Threads per block.
+        mode : {"auto", "managed"}
+            ``"managed"`` runs :meth:`map_managed` (x must be unified memory).
+        schedule : {"static", "dynamic"}, optional
+            Override the pipeline's schedule for this call.
+        host_path : {"auto", "staged", "register"} or (input, output) pair, optional
+            Override the pipeline's ``host_path`` for this call.
+
+        Raises
+        ------
+        PipelineError
+            A chunk failed: the message names the device, chunk, rows and step.
+        ContextPoisonedError
+            The pipeline is unusable after an earlier fault.
+        CompileError
+            A Kernel could not be loaded on one of the devices.
+
+        Notes
+        -----
+        A Kernel is loaded into every device's context before the first chunk is
+        enqueued (:meth:`Kernel.preload`), so no launch waits for lazy loading.
+        """
+        if mode == "managed":
+            return self.map_managed(kernel, x, out, args, chunk_bytes, block, schedule=schedule)
+        if mode != "auto":
+            raise ValueError(f"mode must be 'auto' or 'managed', not {mode!r}")
+        paths = self.host_path if host_path is None else check_host_path(host_path)
+        x, out = prepare_io(x, out)
+        return self._map(
+            kernel, x, out, args, chunk_bytes, block, schedule, managed=False, paths=paths
+        )
+
+    def map_managed(
+        self,
+        kernel: Any,
+        x: Any,
+        out: Any = None,
+        args: Sequence[Any] = (),
+        chunk_bytes: int | None = None,
+        block: int = 256,
+        *,
+        dtype: Any = None,
+        shape: Sequence[int] | None = None,
+        schedule: str | None = None,
+        prefetch: bool = True,
+        to_host: bool = True,
+    ) -> np.ndarray:
+        """The map of :meth:`map` over unified (managed) memory: no staging, no copies.
+
+        Each device prefetches its chunks of *x* and *out* (``cuMemPrefetchAsync``),
+        runs the kernel on them in place, and (``to_host``) prefetches the results back
+        to host memory.
+
+        Parameters
+        ----------
+        x : ManagedBuffer or numpy.ndarray
+            Managed memory: a :class:`~ctxkit.memory.ManagedBuffer` (give ``dtype`` and
+            optionally ``shape``) or a numpy view of one (``buf.as_numpy(dtype)``).
+        out : ManagedBuffer, numpy.ndarray or None
+            Managed output; default: a new ManagedBuffer shaped like *x*. ``out=x``
+            works in place.
+        prefetch, to_host : bool
+            Prefetch chunks to the device before the kernel / back to the host after.
+
+        Returns
+        -------
+        numpy.ndarray
+            The output as a numpy view of managed memory (it keeps the buffer alive).
+        """
+        self._check_usable()
+        xa = _managed_array(x, dtype, shape, "x")
+        if out is None:
+            buf = ManagedBuffer(xa.nbytes, context=self._devices[0].ctx)
+            oa = buf.as_numpy(xa.dtype, xa.shape)
+        else:
+            oa = _managed_array(out, dtype or xa.dtype, shape or xa.shape, "out")
+        xa, oa = prepare_io(xa, oa)
+        with self._devices[0].ctx:
+            for arr, what in ((xa, "x"), (oa, "out")):
+                if arr.nbytes and host_pointer_kind(addr(arr)) != "managed":
+                    raise ValueError(
+                        f"map_managed: {what} is not unified (managed) memory; allocate it "
+                        "with ctxkit.ManagedBuffer (or use Pipeline.map for host arrays)"
+                    )
+        self._map(
+            kernel, xa, oa, args, chunk_bytes, block, schedule, managed=True,
+            prefetch=prefetch, to_host=to_host,
+        )  # fmt: skip
+        return oa
+
+    def _map(
+        self,
+        kernel: Any,
+        x: np.ndarray,
+        out: np.ndarray,
+        args: Sequence[Any],
+        chunk_bytes: int | None,
+        block: int,
+        schedule: str | None,
+        *,
+        managed: bool,
+        prefetch: bool = True,
+        to_host: bool = True,
+        paths: tuple[str, str] = ("auto", "auto"),
+    ) -> np.ndarray:
+        self._check_usable()
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(f"args must be a tuple of extra kernel arguments, not {type(args)}")
+        check_block(block)
+        chunk_bytes = self.chunk_bytes if chunk_bytes is None else chunk_bytes
+        check_options(chunk_bytes, self.staging_buffers, self.host_threads, schedule or "static")
+        with self._lock:
+            if isinstance(kernel, tuple):
+                kernel = self._load(kernel)
+            launch = make_launcher(kernel, x, out, tuple(args), block)
+            self._settle()
+            self._check_usable()
+            if isinstance(kernel, Kernel):
+                for dev in self._devices:
+                    kernel.preload(dev.ctx)
+            self._new_recording()
+            row = max(row_bytes(x), row_bytes(out))
+            plan = make_plan(
+                x.shape[0], row, len(self._devices), chunk_bytes, schedule or self.schedule
+            )
+            t0 = time.perf_counter()
+            modes = ("pinned", "pinned") if managed else self._host_modes(x, out, paths)
+            run = Run(x, out, plan, launch, self._recorder, managed, prefetch, to_host, modes)
+            try:
+                if plan.chunks and x.nbytes + out.nbytes:
+                    self._execute(run)
+            finally:
+                self._pins.release_users()
+            self._stats = run_stats(run, time.perf_counter() - t0, x.nbytes)
+        return out
+
+    def _execute(self, run: Run) -> None:
+        active = [
+            d for d in self._devices if run.plan.schedule == "dynamic" or run.plan.for_part(d.part)
+        ]
+        if run.needs_pool:
+            self._ensure_pool()
+            run.pool = self._pool[0]
+        if "register" in (run.in_mode, run.out_mode) and run.pool is not None:
+            run.registrar = Registrar(run.pool, run.stop, run.rec)
+            # A few chunks ahead keep the registrations off the critical path; more only
+            # lengthen a stop (each registered chunk is unregistered before map returns,
+            # and cuMemHostUnregister waits for the device).
+            per_device = -(-self.host_threads // len(active))
+            run.ahead = max(self.staging_buffers, min(per_device, 2 * self.staging_buffers))
+        self._run = run
+        futures: list[Future[Any]] = []
+        for dev in active:
+            q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+            run.stats[dev.ordinal] = DeviceStats(dev.ordinal)
+            run.taken[dev.ordinal] = []
+            run.progress[dev.ordinal] = Progress()
+            feeder = dev.worker.submit(feed, run, dev, q)
+            feeder.add_done_callback(functools.partial(unblock_if_not_run, q))
+            futures.append(feeder)
+            futures.append(dev.drainer.submit(drain, run, dev, q))
+        self._inflight = futures
+        try:
+            for f in futures:
+                _result_interruptibly(f)
+        except BaseException:
+            run.stop.set()
+            self._settle()
+            run.drop_arrays()
+            raise
+        self._inflight = []
+        run.drop_arrays()
+        if not self.tracing:
+            self._recycle(run)
+        if run.errors:
+            first = run.errors[0]
+            if isinstance(first, PipelineError) and len(run.errors) > 1:
+                first.args = (f"{first} (+{len(run.errors) - 1} more errors in this run)",)
+            raise first
+
+    def _settle(self) -> None:
+        """Wait until the workers of an interrupted run have stopped (no-op otherwise)."""
+        if not self._inflight:
+            return
+        if self._run is not None:
+            self._run.stop.set()
+        wait_futures(self._inflight)
+        self._inflight = []
+
+    # --- kernels -------------------------------------------------------------------
+
+    def _load(self, pair: tuple[Any, ...]) -> Kernel:
+        if len(pair) != 2 or not isinstance(pair[1], str):
+            raise TypeError(
+                "a kernel given as a tuple must be (ObjectCode, 'entry_name'), got "
+                f"{tuple(type(p).__name__ for p in pair)}"
+            )
+        obj, name = pair
+        if not isinstance(obj, (ObjectCode, bytes, str, os.PathLike)):
+            raise TypeError(
+                f"the first element of a kernel pair must be an ObjectCode (or bytes/path), "
+                f"got {type(obj).__name__}"
+            )
+        key = (id(obj), name)
+        hit = self._kernels.get(key)
+        if hit is not None and hit[0] is obj:
+            return hit[2]
+        with self._devices[0].ctx:
+            mod = Module.load(obj)
+            kern = mod.function(name)
+        self._kernels[key] = (obj, mod, kern)
+        return kern
+
+    # --- trace ---------------------------------------------------------------------
+
+    def trace(self) -> Timeline:
+        """The timeline of the last :meth:`map` (and the stages submitted since); still
+        available after :meth:`close`.
+
+        Intervals: ``h2d``/``kernel``/``d2h`` per chunk on ``"stream <slot>"``,
+        ``fill``/``drain`` staging copies and ``register``/``unregister`` page locking
+        on ``"host <thread>"``, ``prefetch`` in managed mode, and
+        ``wait``/``stage:<name>`` on ``"stage"``. Empty when tracing is off.
+        """
+        rec = self._recorder
+        if rec is None:
+            return Timeline()
+        if self._closed:
+            return rec.timeline()  # resolved by close() while the events existed
+        with self._lock:
+            for h in list(self._stages):
+                try:
+                    h.synchronize()
+                except BaseException:
+                    pass
+            with self._devices[0].ctx:
+                return rec.timeline()
+
+    def _new_recording(self) -> None:
+        old = self._run
+        if old is not None:
+            self._recycle(old)
+            self._run = None
+        self._recorder = Recorder() if self.tracing else None
+
+    def _recycle(self, run: Run) -> None:
+        by_ordinal = {d.ordinal: d for d in self._devices}
+        for ordinal, events in run.taken.items():
+            by_ordinal[ordinal].give_back(events)
+        run.taken = {}
+
+    # --- lifetime ------------------------------------------------------------------
+
+    def synchronize(self) -> None:
+        """Wait for all work the pipeline enqueued, on every device."""
+        for dev in self._devices:
+            for s in [*(slot.stream for slot in dev.slots), dev.stage_stream]:
+                with dev.ctx:
+                    s.synchronize()
+
+    def close(self) -> None:
+        """Stop the worker threads and free every buffer, stream and event. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._settle()
+            for h in self._stages:
+                try:
+                    h._future.exception()
+                except BaseException:
+                    pass
+            if self._recorder is not None and not self.poisoned:
+                try:
+                    self.trace()
+                except Exception:  # the timeline is a diagnostic: never block close()
+                    pass
+            self._closed = True
+            self._fin.detach()
+            for dev in self._devices:
+                quiet_sync(dev)
+                dev.release()
+            self._pins.clear()
+            for p in self._pool:
+                p.close()
+            self._pool.clear()
+            self._kernels.clear()
+            self._stages.clear()
+            self._run = None
+
+    # --- helpers -------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise ValueError("this Pipeline is closed; create a new one")
+        for dev in self._devices:
+            if dev.ctx.poisoned:
+                try:
+                    dev.ctx.check_usable()
+                except ContextPoisonedError as exc:
+                    raise ContextPoisonedError(
+                        f"this Pipeline is unusable: the context of device {dev.ordinal} was "
+                        f"poisoned by an earlier fault ({exc}); close() it and restart the "
+                        "process (or reset the device) to use the GPU again",
+                        exc.code,
+                        exc.name,
+                    ) from exc
+
+    def _device_for(self, device: int | Device | Context) -> DeviceState:
+        for dev in self._devices:
+            if dev.ctx == device or dev.ordinal == _ordinal(device):
+                return dev
+        raise ValueError(
+            f"{device!r} is not one of this pipeline's devices {[d.ordinal for d in self._devices]}"
+        )
+
+    def _host_modes(
+        self, x: np.ndarray, out: np.ndarray, paths: tuple[str, str]
+    ) -> tuple[str, str]:
+        """``(input, output)`` modes: ``"pinned"`` for page-locked arrays, ``"held"`` for
+        arrays kept locked by pin on reuse, else the side's host path."""
+        ctx = self._devices[0].ctx
+        if x.nbytes and x.nbytes == out.nbytes and addr(x) == addr(out):
+            held_in = held_out = "auto" in paths and self._pins.acquire(x, ctx, read_only=False)
+        else:
+            held_in = paths[0] == "auto" and self._pins.acquire(x, ctx, read_only=True)
+            held_out = paths[1] == "auto" and self._pins.acquire(out, ctx, read_only=False)
+        return (
+            "held" if held_in else _side_mode(x, paths[0]),
+            "held" if held_out else _side_mode(out, paths[1]),
+        )
+
+    def _ensure_pool(self) -> None:
+        if not self._pool:
+            self._pool.append(HostPool(self.host_threads))
+
+
+def _ordinal(device: object) -> int | None:
+    if isinstance(device, Device):
+        return device.ordinal
+    if isinstance(device, int) and not isinstance(device, bool):
+        return device
+    return None
+
+
+def _resolve_contexts(specs: list[int | Device | Context] | None) -> list[Context]:
+    if specs is None:
+        n = device_count()
+        if n == 0:
+            _driver.init()
+            raise CudaError(
+                "Pipeline(devices=None): no CUDA device is visible (the driver reports "
+                "none); check nvidia-smi and CUDA_VISIBLE_DEVICES",
+                _NO_DEVICE,
+                "CUDA_ERROR_NO_DEVICE",
+            )
+        specs = list(range(n))
+    contexts = [registry.default.resolve(d) for d in specs]
+    for ctx in contexts:
+        ctx.check_usable()
+    return contexts
+
+
+INTERRUPT_POLL_S = 0.05
+
+
+def _result_interruptibly(f: Future[Any]) -> Any:
+    """``f.result()``, with Ctrl-C handled within :data:`INTERRUPT_POLL_S`.
+
+    A signal that arrives just before a thread blocks on a lock without a timeout is only
+    handled once the lock is released (CPython checks pending signals between bytecodes,
+    not before the wait): ``map`` would run to its end before raising KeyboardInterrupt.
+    Short timed waits bound that delay.
+    """
+    while not f.done():
+        wait_futures([f], timeout=INTERRUPT_POLL_S)
+    return f.result()
+
+
+def _side_mode(a: np.ndarray, path: str) -> str:
+    return "pinned" if a.nbytes and is_pinned(a) else choose_host_path(path, a.nbytes)
+
+
+def _pin_budget(value: int | None) -> int:
+    if value is None:
+        return default_budget()
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(
+            f"pin_cache_bytes must be a byte count >= 0 (0 turns pin on reuse off), not {value!r}"
+        )
+    return value
+
+
+def _managed_array(obj: Any, dtype: Any, shape: Sequence[int] | None, what: str) -> np.ndarray:
+    if isinstance(obj, np.ndarray):
+        return obj
+    if isinstance(obj, ManagedBuffer):
+        if dtype is None:
+            raise TypeError(f"map_managed: pass dtype= to view the ManagedBuffer {what} as")
+        if shape is None:
+            return obj.as_numpy(dtype)
+        return obj.as_numpy(dtype, tuple(shape))
+    raise TypeError(
+        f"map_managed: {what} must be a ManagedBuffer or a numpy view of one, "
+        f"got {type(obj).__name__}"
+    )

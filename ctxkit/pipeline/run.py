@@ -1,0 +1,497 @@
+"""The worker side of a ``Pipeline.map`` run (re-exported by :mod:`ctxkit.pipeline`).
+
+Per device, a feeder thread enqueues every chunk (host input -> H2D -> kernel -> D2H)
+and a drain thread waits for each chunk's last event, finishes its host output and
+unregisters its pages. Both run with the device's context current.
+
+Host data of a side (input or output) moves one of three ways:
+
+* ``pinned``: the user's array is page-locked already; copies use it directly;
+* ``held``: the same, the pages kept locked by the pipeline's pin on reuse
+  (:mod:`ctxkit.pipeline.pincache`);
+* ``staged``: through a pinned staging buffer of the slot, filled (input) or drained
+  (output) by the host copy pool;
+* ``register``: the chunk's whole pages are registered ahead of time by the host pool
+  and DMAed directly; the partial pages at the chunk's ends go through the slot's small
+  bounce buffer. A chunk whose pages the driver refuses to register is staged instead.
+
+A device never has more than ``staging_buffers`` chunks (twice that when nothing is
+staged) past their D2H enqueue and not yet drained, so stopping a run waits for at most
+those chunks.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from .. import _driver
+from .._driver import drv
+from ..errors import PipelineError
+from ..stream import Event
+from ..trace import Recorder
+from .hostreg import Registrar, Segment
+from .launch import Stopped, tagged
+from .plan import PAGE, Chunk, HostPieces, Plan, addr, host_pieces, row_bytes
+from .staging import (
+    DeviceState,
+    HostPool,
+    Progress,
+    Slot,
+    calibrate,
+    ensure_buffers,
+    grow_pinned,
+    sync_event,
+)
+from .types import DeviceStats, RunStats, chunk_error
+
+__all__ = ["ChunkJob", "Run", "drain", "feed", "run_stats"]
+
+
+MODE_NAMES = {"pinned": "pinned", "held": "held", "staged": "staged", "register": "registered"}
+
+
+DIRECT = ("pinned", "held")
+
+
+class ChunkJob:
+    """One chunk as its device processes it: pieces and segments of registered sides."""
+
+    __slots__ = ("chunk", "in_pieces", "in_seg", "out_pieces", "out_seg")
+
+    def __init__(self, chunk: Chunk) -> None:
+        self.chunk = chunk
+        self.in_pieces: HostPieces | None = None
+        self.out_pieces: HostPieces | None = None
+        self.in_seg: Segment | None = None
+        self.out_seg: Segment | None = None
+
+    def segments(self) -> list[Segment]:
+        """The distinct segments of the chunk (one when input and output share pages)."""
+        segs = [s for s in (self.in_seg, self.out_seg) if s is not None]
+        return segs[:1] if len(segs) == 2 and segs[0] is segs[1] else segs
+
+
+class Run:
+    """The state shared by the worker threads of one map call.
+
+    ``in_mode``/``out_mode`` are ``"pinned"``, ``"held"``, ``"staged"`` or ``"register"`` (ignored
+    for a managed run); ``ahead`` is how many chunks a feeder claims (and registers)
+    ahead of the one it enqueues.
+    """
+
+    def __init__(
+        self,
+        x: np.ndarray,
+        out: np.ndarray,
+        plan: Plan,
+        launch: Callable[..., None],
+        recorder: Recorder | None,
+        managed: bool,
+        prefetch: bool = True,
+        to_host: bool = True,
+        modes: tuple[str, str] = ("staged", "staged"),
+    ) -> None:
+        self.pool: HostPool | None = None
+        self.registrar: Registrar | None = None
+        self.x = x
+        self.out = out
+        self.x_bytes = x.reshape(-1).view(np.uint8)
+        self.out_bytes = out.reshape(-1).view(np.uint8)
+        self.x_ptr = addr(x)
+        self.out_ptr = addr(out)
+        self.in_place = self.x_ptr == self.out_ptr and x.nbytes == out.nbytes
+        self.in_row = row_bytes(x)
+        self.out_row = row_bytes(out)
+        self.row_elems = math.prod(x.shape[1:])
+        self.plan = plan
+        self.launch = launch
+        self.rec = recorder
+        self.managed = managed
+        self.prefetch = prefetch
+        self.to_host = to_host
+        self.in_mode, self.out_mode = modes
+        self.ahead = 1
+        self.stop = threading.Event()
+        self.errors: list[BaseException] = []
+        self.lock = threading.Lock()
+        self.taken: dict[int, list[Event]] = {}
+        self.stats: dict[int, DeviceStats] = {}
+        self.progress: dict[int, Progress] = {}
+        self.started: dict[int, float] = {}
+        self.fallbacks = 0
+        self._queue = iter(plan.chunks)
+
+    def drop_arrays(self) -> None:
+        """The run is over: stop referencing the user's arrays (the pipeline keeps the
+        finished run for its trace events)."""
+        self.x = self.out = self.x_bytes = self.out_bytes = np.empty(0, np.uint8)
+
+    @property
+    def stage_in(self) -> bool:
+        """True when input chunks go through pinned staging buffers."""
+        return not self.managed and self.in_mode == "staged"
+
+    @property
+    def stage_out(self) -> bool:
+        """True when output chunks go through pinned staging buffers."""
+        return not self.managed and self.out_mode == "staged"
+
+    @property
+    def needs_pool(self) -> bool:
+        """True when host threads copy or register for this run."""
+        return not self.managed and bool({"staged", "register"} & {self.in_mode, self.out_mode})
+
+    def copy(self, dst: np.ndarray, src: np.ndarray, trace: tuple[Any, ...] | None) -> None:
+        """A staging copy through the host pool."""
+        assert self.pool is not None
+        self.pool.copy(dst, src, trace)
+
+    @property
+    def path(self) -> str:
+        """How the data moved: ``"pinned"``, ``"managed"`` or ``"in=<how>, out=<how>"``."""
+        if self.managed:
+            return "managed"
+        if (self.in_mode, self.out_mode) == ("pinned", "pinned"):
+            return "pinned"
+        return f"in={MODE_NAMES[self.in_mode]}, out={MODE_NAMES[self.out_mode]}"
+
+    def chunks_for(self, part: int) -> Iterator[Chunk]:
+        """The chunks device slot *part* processes (taken from a shared queue if dynamic)."""
+        if self.plan.schedule == "static":
+            yield from self.plan.for_part(part)
+            return
+        while not self.stop.is_set():
+            with self.lock:
+                chunk = next(self._queue, None)
+            if chunk is None:
+                return
+            yield chunk
+
+    def note_fallback(self) -> None:
+        """A registered side of a chunk is staged instead."""
+        with self.lock:
+            self.fallbacks += 1
+
+    def fail(self, dev: DeviceState, chunk: Chunk | None, step: str, exc: BaseException) -> None:
+        """Record a failure (as a PipelineError naming device and chunk) and stop the run."""
+        self.stop.set()
+        if not isinstance(exc, Exception) or isinstance(exc, PipelineError):
+            err: BaseException = exc
+        else:
+            err = chunk_error(dev.ordinal, dev.ctx.poisoned, chunk, step, exc)
+        with self.lock:
+            self.errors.append(err)
+
+
+def _check_copy(dev: DeviceState, err: Any, what: str, step: str) -> None:
+    if err:
+        exc = dev.ctx.note_error(err, what)
+        exc._ctxkit_step = step  # type: ignore[attr-defined]
+        raise exc
+
+
+def feed(run: Run, dev: DeviceState, q: queue.SimpleQueue[Any]) -> None:
+    """Worker thread of *dev*: enqueue every chunk (runs with dev's context current)."""
+    chunk: Chunk | None = None
+    stats = run.stats[dev.ordinal]
+    run.started[dev.ordinal] = time.perf_counter()
+    try:
+        _prepare_device(run, dev)
+        claimed = run.chunks_for(dev.part)
+        ahead: collections.deque[ChunkJob] = collections.deque()
+        k = 0
+        while not run.stop.is_set():
+            while len(ahead) < run.ahead:
+                nxt = next(claimed, None)
+                if nxt is None:
+                    break
+                ahead.append(_claim(run, dev, nxt))
+            if not ahead:
+                break
+            job = ahead.popleft()
+            chunk = job.chunk
+            slot = dev.slots[k % len(dev.slots)]
+            if run.managed:
+                _enqueue_managed(run, dev, slot, chunk, q, k)
+            else:
+                _enqueue(run, dev, slot, job, q, k)
+            k += 1
+            stats.chunks += 1
+            stats.rows += chunk.rows
+            stats.nbytes += chunk.rows * run.in_row
+        chunk = None
+    except Stopped:
+        pass
+    except BaseException as exc:
+        run.fail(dev, chunk, getattr(exc, "_ctxkit_step", "enqueue"), exc)
+    finally:
+        q.put(None)
+
+
+def _prepare_device(run: Run, dev: DeviceState) -> None:
+    try:
+        for slot in dev.slots:
+            slot.h2d_done = None
+        if not run.managed:
+            rows = run.plan.rows_per_chunk
+            bounce = "register" in (run.in_mode, run.out_mode)
+            ensure_buffers(
+                dev, rows * run.in_row, rows * run.out_row, run.stage_in, run.stage_out, bounce
+            )
+        if run.rec is not None and not run.rec.calibrated(dev.ordinal):
+            calibrate(dev, run.rec)
+    except BaseException as exc:
+        exc._ctxkit_step = "setup"  # type: ignore[attr-defined]
+        raise
+
+
+def _claim(run: Run, dev: DeviceState, c: Chunk) -> ChunkJob:
+    """A job for chunk *c*; the pages of its registered sides start registering now."""
+    job = ChunkJob(c)
+    if run.managed:
+        return job
+    if run.in_mode == "register":
+        job.in_pieces, job.in_seg = _side(run, dev, c, run.x_ptr, run.x.nbytes, run.in_row, True)
+    if run.out_mode == "register":
+        if run.in_place and run.in_mode == "register":
+            job.out_pieces, job.out_seg = job.in_pieces, job.in_seg
+        else:
+            job.out_pieces, job.out_seg = _side(
+                run, dev, c, run.out_ptr, run.out.nbytes, run.out_row, False
+            )
+    return job
+
+
+def _side(
+    run: Run, dev: DeviceState, c: Chunk, base: int, total: int, row: int, is_input: bool
+) -> tuple[HostPieces, Segment | None]:
+    pieces = host_pieces(base, total, c.row0 * row, c.row1 * row)
+    if not pieces.seg_len:
+        return pieces, None
+    read_only = is_input and not run.in_place
+    seg = Segment(dev.ctx, dev.ordinal, c.index, pieces.seg_ptr, pieces.seg_len, read_only)
+    assert run.registrar is not None
+    run.registrar.register(seg)
+    return pieces, seg
+
+
+def _registered(run: Run, seg: Segment | None) -> bool:
+    if seg is None:
+        return True
+    assert run.registrar is not None
+    if run.registrar.wait(seg):
+        return True
+    run.note_fallback()
+    return False
+
+
+def _enqueue(
+    run: Run, dev: DeviceState, slot: Slot, job: ChunkJob, q: queue.SimpleQueue[Any], k: int
+) -> None:
+    c = job.chunk
+    s = slot.stream
+    sh = s.handle
+    rec, taken, timing = run.rec, run.taken[dev.ordinal], run.rec is not None
+    assert slot.d_in is not None and slot.d_out is not None
+    h2d = _input(run, dev, slot, job)
+    e0 = dev.take_event(True, taken).record(s) if timing else None
+    for off, src, n in h2d:
+        (err,) = drv.cuMemcpyHtoDAsync(slot.d_in.ptr + off, src, n, sh)
+        _check_copy(dev, err, "cuMemcpyHtoDAsync", "h2d")
+    e1 = dev.take_event(timing, taken).record(s)
+    slot.h2d_done = e1
+    n_elems = c.rows * run.row_elems
+    tagged(run.launch, "kernel", dev, s, slot.d_in.ptr, slot.d_out.ptr, n_elems, c)
+    e2 = dev.take_event(True, taken).record(s) if timing else None
+    out_mode, d2h = _output(run, dev, slot, job, k)
+    for dst, off, n in d2h:
+        (err,) = drv.cuMemcpyDtoHAsync(dst, slot.d_out.ptr + off, n, sh)
+        _check_copy(dev, err, "cuMemcpyDtoHAsync", "d2h")
+    e3 = dev.take_event(timing, taken).record(s)
+    q.put((job, slot, e3, out_mode))
+    if rec is not None:
+        rec.mark("h2d", dev.ordinal, slot.label, c.index, e0, e1)
+        rec.mark("kernel", dev.ordinal, slot.label, c.index, e1, e2)
+        rec.mark("d2h", dev.ordinal, slot.label, c.index, e2, e3)
+
+
+def _input(run: Run, dev: DeviceState, slot: Slot, job: ChunkJob) -> list[tuple[int, int, int]]:
+    """Prepare the chunk's input on the host; the H2D copies ``(d_in offset, src, n)``."""
+    c = job.chunk
+    nb, b0 = c.rows * run.in_row, c.row0 * run.in_row
+    if run.in_mode in DIRECT:
+        return [(0, run.x_ptr + b0, nb)]
+    pc = job.in_pieces
+    if run.in_mode == "register" and pc is not None and _registered(run, job.in_seg):
+        if pc.bounced:
+            _wait_h2d(dev, slot, c)
+            bounce = slot.bounce_in
+            src = run.x_bytes[b0 : b0 + nb]
+            bounce[: pc.head] = src[: pc.head]
+            bounce[PAGE : PAGE + pc.tail] = src[nb - pc.tail :]
+        return _pieces(pc, addr(slot.bounce_in) if pc.bounced else 0, run.x_ptr + b0)
+    try:
+        _wait_h2d(dev, slot, c)
+        slot.pin_in = grow_pinned(slot.pin_in, nb, dev.ctx)
+    except BaseException as exc:
+        exc._ctxkit_step = "fill"  # type: ignore[attr-defined]
+        raise
+    trace = (run.rec, "fill", dev.ordinal, c.index) if run.rec is not None else None
+    tagged(run.copy, "fill", slot.pin_in[:nb], run.x_bytes[b0 : b0 + nb], trace)
+    return [(0, addr(slot.pin_in), nb)]
+
+
+def _output(
+    run: Run, dev: DeviceState, slot: Slot, job: ChunkJob, k: int
+) -> tuple[str, list[tuple[int, int, int]]]:
+    """Wait until the chunk may write its host output; the mode used and the D2H copies
+    ``(dst, d_out offset, n)``."""
+    c = job.chunk
+    nb, b0 = c.rows * run.out_row, c.row0 * run.out_row
+    mode = run.out_mode
+    pc = job.out_pieces
+    if mode == "register" and (pc is None or not _registered(run, job.out_seg)):
+        mode = "staged"
+    into_slot = mode == "staged" or (mode == "register" and pc is not None and pc.bounced > 0)
+    _wait_window(run, dev, k, into_slot)
+    if mode == "staged":
+        try:
+            slot.pin_out = grow_pinned(slot.pin_out, nb, dev.ctx)
+        except BaseException as exc:
+            exc._ctxkit_step = "d2h"  # type: ignore[attr-defined]
+            raise
+    if mode in DIRECT:
+        return mode, [(run.out_ptr + b0, 0, nb)]
+    if mode == "staged":
+        assert slot.pin_out is not None
+        return mode, [(addr(slot.pin_out), 0, nb)]
+    assert pc is not None
+    bounce = addr(slot.bounce_out) if pc.bounced else 0
+    return mode, [(dst, off, n) for off, dst, n in _pieces(pc, bounce, run.out_ptr + b0)]
+
+
+def _wait_window(run: Run, dev: DeviceState, k: int, into_slot: bool) -> None:
+    """Before the D2H of the device's chunk *k*: wait until chunk ``k - staging_buffers``
+    (whose slot buffers chunk *k* reuses) is drained, or ``k - 2 * staging_buffers``
+    when chunk *k* writes no slot buffer; this bounds the work in flight."""
+    window = len(dev.slots) * (1 if into_slot else 2)
+    if not run.progress[dev.ordinal].wait_for(k - window + 1, run.stop):
+        raise Stopped
+
+
+def _pieces(pc: HostPieces, bounce: int, host: int) -> list[tuple[int, int, int]]:
+    """``(device offset, host address, n)`` of the head, direct and tail pieces."""
+    out = []
+    if pc.head:
+        out.append((0, bounce, pc.head))
+    if pc.direct:
+        out.append((pc.head, host + pc.head, pc.direct))
+    if pc.tail:
+        out.append((pc.head + pc.direct, bounce + PAGE, pc.tail))
+    return out
+
+
+def _wait_h2d(dev: DeviceState, slot: Slot, c: Chunk) -> None:
+    """Wait until the slot's previous H2D has read its host buffers."""
+    if slot.h2d_done is not None:
+        sync_event(dev, slot.h2d_done, f"waiting for the H2D copy before chunk {c.index}")
+
+
+def _enqueue_managed(
+    run: Run, dev: DeviceState, slot: Slot, c: Chunk, q: queue.SimpleQueue[Any], k: int
+) -> None:
+    _wait_window(run, dev, k, False)
+    s = slot.stream
+    rec, taken, timing = run.rec, run.taken[dev.ordinal], run.rec is not None
+    nb_in, nb_out = c.rows * run.in_row, c.rows * run.out_row
+    p_in, p_out = run.x_ptr + c.row0 * run.in_row, run.out_ptr + c.row0 * run.out_row
+    prefetch = dev.prefetch_ok and run.prefetch
+    to_host = dev.prefetch_ok and run.to_host
+    e0 = dev.take_event(True, taken).record(s) if timing else None
+    if prefetch:
+        tagged(_driver.mem_prefetch, "prefetch", p_in, nb_in, dev.ordinal, s.handle)
+        if p_out != p_in:
+            tagged(_driver.mem_prefetch, "prefetch", p_out, nb_out, dev.ordinal, s.handle)
+    e1 = dev.take_event(True, taken).record(s) if timing else None
+    tagged(run.launch, "kernel", dev, s, p_in, p_out, c.rows * run.row_elems, c)
+    e2 = dev.take_event(True, taken).record(s) if timing else None
+    if to_host:
+        tagged(_driver.mem_prefetch, "prefetch", p_out, nb_out, "cpu", s.handle)
+    e3 = dev.take_event(timing, taken).record(s)
+    q.put((ChunkJob(c), slot, e3, "managed"))
+    if rec is not None:
+        rec.mark("prefetch", dev.ordinal, slot.label, c.index, e0, e1)
+        rec.mark("kernel", dev.ordinal, slot.label, c.index, e1, e2)
+        rec.mark("prefetch_back", dev.ordinal, slot.label, c.index, e2, e3)
+
+
+def drain(run: Run, dev: DeviceState, q: queue.SimpleQueue[Any]) -> None:
+    """Drain thread of *dev*: wait for each chunk, finish its host output, unregister its
+    pages (runs with dev's context current)."""
+    progress = run.progress[dev.ordinal]
+    try:
+        while True:
+            item = q.get()
+            if item is None:
+                break
+            job, slot, ev, mode = item
+            try:
+                if run.stop.is_set():
+                    continue
+                sync_event(dev, ev, f"cuEventSynchronize after chunk {job.chunk.index}")
+                _finish_output(run, dev, slot, job, mode)
+                if run.registrar is not None:
+                    for seg in job.segments():
+                        run.registrar.release(seg)
+            except BaseException as exc:
+                step = "drain" if mode in ("staged", "register") else "kernel"
+                run.fail(dev, job.chunk, step, exc)
+            finally:
+                progress.advance()
+    finally:
+        _finish_device(run, dev)
+
+
+def _finish_output(run: Run, dev: DeviceState, slot: Slot, job: ChunkJob, mode: str) -> None:
+    c = job.chunk
+    nb, b0 = c.rows * run.out_row, c.row0 * run.out_row
+    dst = run.out_bytes[b0 : b0 + nb]
+    if mode == "staged":
+        assert slot.pin_out is not None
+        trace = (run.rec, "drain", dev.ordinal, c.index) if run.rec is not None else None
+        run.copy(dst, slot.pin_out[:nb], trace)
+    elif mode == "register":
+        pc = job.out_pieces
+        if pc is not None and pc.bounced:
+            bounce = slot.bounce_out
+            dst[: pc.head] = bounce[: pc.head]
+            dst[nb - pc.tail :] = bounce[PAGE : PAGE + pc.tail]
+
+
+def _finish_device(run: Run, dev: DeviceState) -> None:
+    try:
+        for slot in dev.slots:
+            (err,) = drv.cuStreamSynchronize(slot.stream.handle)
+            if err:
+                raise dev.ctx.note_error(err, "cuStreamSynchronize")
+    except BaseException as exc:
+        if not any(getattr(e, "device", None) == dev.ordinal for e in run.errors):
+            run.fail(dev, None, "synchronize", exc)
+    if run.registrar is not None:
+        for failure in run.registrar.finish(dev.ordinal):
+            run.fail(dev, None, "unregister", failure)
+    run.stats[dev.ordinal].seconds = time.perf_counter() - run.started[dev.ordinal]
+
+
+def run_stats(run: Run, seconds: float, nbytes: int) -> RunStats:
+    """The :class:`RunStats` of a finished run."""
+    devices = [run.stats[k] for k in sorted(run.stats)]
+    return RunStats(nbytes, seconds, run.path, devices, run.fallbacks)

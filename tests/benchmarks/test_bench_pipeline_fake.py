@@ -1,0 +1,131 @@
+"""benchmarks/bench_pipeline.py end to end on the simulated GPU (tiny sizes): every
+section runs, every result is verified and the SUMMARY lines come out, so a slip in the
+benchmark shows up here rather than on the GPU machine. The numbers mean nothing."""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from tests.pipeline.test_pipeline_fake import FakeScaleKernel
+from tests.support.fakedriver import FakeHandle
+from tests.support.fakegpu import FakeGPU, gpu_fixture  # noqa: F401
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+class ModuleCalls:
+    """The module and launch calls of the raw pipeline baseline, on the fake GPU."""
+
+    def __init__(self, gpu: FakeGPU) -> None:
+        self.gpu = gpu
+
+    def cuModuleLoadData(self, image):
+        return (0, FakeHandle(0x7000))
+
+    def cuModuleGetFunction(self, mod, name):
+        return (0, FakeHandle(0x7100))
+
+    def cuModuleUnload(self, mod):
+        return (0,)
+
+    def cuStreamCreate(self, flags):
+        return self.gpu.cuStreamCreateWithPriority(flags, 0)
+
+    def cuLaunchKernel(self, f, gx, gy, gz, bx, by, bz, shm, stream, params, extra):
+        ptrs = (ctypes.c_uint64 * 4).from_address(params)
+        d_in, d_out, n = (ctypes.c_uint64.from_address(ptrs[i]).value for i in range(3))
+        alpha = ctypes.c_float.from_address(ptrs[3]).value
+
+        def kernel():
+            src = np.frombuffer((ctypes.c_char * (n * 4)).from_address(d_in), np.float32)
+            dst = np.frombuffer((ctypes.c_char * (n * 4)).from_address(d_out), np.float32)
+            dst[:] = src * np.float32(alpha)
+
+        self.gpu.launch(stream, kernel)
+        return (0,)
+
+
+@pytest.fixture
+def bench(gpu, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_pipeline
+    import pipeline_baselines
+
+    calls = ModuleCalls(gpu)
+    for name in ("cuModuleLoadData", "cuModuleGetFunction", "cuModuleUnload", "cuStreamCreate",
+                 "cuLaunchKernel"):  # fmt: skip
+        monkeypatch.setattr(gpu, name, getattr(calls, name), raising=False)
+    monkeypatch.setattr(pipeline_baselines, "drv", gpu)
+    obj = SimpleNamespace(code=b"fake cubin", target="cubin", arch="sm_90", from_cache=True)
+    kernel = FakeScaleKernel(gpu)
+    monkeypatch.setattr(bench_pipeline, "load_scale_kernel", lambda: (obj, kernel, 0.0))
+    yield bench_pipeline
+    sys.modules.pop("bench_pipeline", None)
+    sys.modules.pop("pipeline_baselines", None)
+
+
+def test_benchmark_runs_every_section_on_the_simulated_gpu(bench, gpu, capsys):
+    gpu.jitter = 0.0
+    assert bench.main(["--quick", "--size-gb", "0.004", "--repeats", "1"]) == 0
+    text = capsys.readouterr().out
+    for needle in (
+        "host memcpy", "cuMemHostRegister", "naive_1gpu_8chunk", "ctxkit_1gpu_pageable_auto",
+        "ctxkit_1gpu_pageable_in-register-out-staged", "ctxkit_2gpu_pageable_register_dynamic",
+        "raw_2gpu_pinned_4events", "ctxkit_1gpu_pinned_notrace", "managed_2gpu",
+    ):  # fmt: skip
+        assert needle in text, needle
+    names = {line.split()[1] for line in text.splitlines() if line.startswith("SUMMARY ")}
+    assert {
+        "pipeline.1gpu_pageable_gbps", "pipeline.1gpu_vs_naive_chunked",
+        "pipeline.1gpu_auto_vs_fastest_path", "pipeline.1gpu_ceiling_gbps",
+        "pipeline.1gpu_vs_ceiling", "pipeline.2gpu_scaling", "pipeline.2gpu_ceiling_gbps",
+        "pipeline.2gpu_vs_ceiling", "pipeline.pinned_vs_raw_1gpu", "pipeline.pinned_vs_raw_2gpu",
+        "pipeline.register_unregister_gbps_best", "pipeline.register_thread_scaling",
+        "pipeline.host_memcpy_best", "pipeline.um_vs_explicit_pinned_2gpu",
+    } <= names  # fmt: skip
+    assert not gpu.registered
+
+
+def test_benchmark_sweep_runs(bench, gpu, capsys):
+    x = np.random.default_rng(0).random(1 << 16, dtype=np.float32)
+    out = np.zeros_like(x)
+    results: dict[str, float] = {}
+    bench.bench_sweep(FakeScaleKernel(gpu), x, out, 1, results)
+    text = capsys.readouterr().out
+    assert "best staged" in text and "best register" in text
+    assert any(k.startswith("sweep_register_chunk8_") for k in results)
+
+
+def test_staged_timings_run_before_any_registration(bench, gpu, monkeypatch, capsys):
+    monkeypatch.setattr(bench, "cpus", lambda: 32)
+    x = np.random.default_rng(0).random(1 << 16, dtype=np.float32)
+    results: dict[str, float] = {}
+    bench.bench_ctxkit(FakeScaleKernel(gpu), x, np.zeros_like(x), [1, 2], 1, results)
+    names = list(results)
+    first_reg = min(i for i, k in enumerate(names) if "register" in k)
+    staged = [k for k in names if "register" not in k and "new_out" not in k]
+    assert all(names.index(k) < first_reg for k in staged), names
+    for k in ("ctxkit_2gpu_pageable_auto", "threads_2gpu_staged_threads16",
+              "ctxkit_1gpu_pageable_staged_after_register"):  # fmt: skip
+        assert k in names, k
+    assert not gpu.registered
+
+
+def test_registration_timing_undoes_a_partial_registration(bench, gpu):
+    import pipeline_baselines
+
+    ctx = pipeline_baselines.drv.primary[0]
+    arr = np.ones(64 * 4096 + 100, np.uint8)
+    n, r, u = pipeline_baselines.time_registration(ctx, arr, 8 * 4096, 2, 2)
+    assert n % (8 * 4096) == 0 and 0 < n <= arr.nbytes
+    assert r > 0 and u > 0 and not gpu.registered
+    gpu.register_error = lambda ptr, size, flags: 2 if len(gpu.registered) >= 3 else 0
+    with pytest.raises(RuntimeError, match="cuMemHostRegister"):
+        pipeline_baselines.time_registration(ctx, arr, 8 * 4096, 2, 1)
+    assert not gpu.registered

@@ -1,0 +1,225 @@
+"""Contexts on real devices: nesting, per-thread stacks, foreign changes, close, fork."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+import time
+
+import pytest
+
+import ctxkit as ck
+from ctxkit._driver import drv
+from ctxkit.context import Context, thread_state
+from tests.support.helpers import raw_current
+
+
+def test_devices_and_properties():
+    devs = ck.devices()
+    assert len(devs) == ck.device_count() >= 1
+    d = devs[0]
+    assert d is ck.Device(0)
+    assert d.name and d.compute_capability >= (3, 5)
+    assert d.total_memory > 1 << 30
+    assert d.pci_bus_id.count(":") == 2
+    assert d.attribute("max_threads_per_block") >= 512
+    assert d.attribute("CU_DEVICE_ATTRIBUTE_WARP_SIZE") == 32
+    with pytest.raises(ValueError, match="unknown device attribute"):
+        d.attribute("warp_sizes_please")
+    with pytest.raises(ValueError, match="out of range"):
+        ck.Device(ck.device_count())
+    assert d.can_access_peer(d) is False
+    assert "Device 0" in repr(d)
+
+
+@pytest.mark.multigpu
+def test_peer_query():
+    a, b = ck.Device(0), ck.Device(1)
+    assert isinstance(a.can_access_peer(b), bool)
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("depth", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("fail", [False, True])
+def test_nesting_mixed_owned_and_primary_two_devices(depth, fail):
+    owned0, owned1 = Context.create(0), Context.create(1)
+    try:
+        chain = [
+            Context.primary(0),
+            owned1,
+            Context.primary(1),
+            owned0,
+            Context.primary(0),
+        ][:depth]
+        before = raw_current()
+
+        def enter(i: int) -> None:
+            if i == len(chain):
+                if fail:
+                    raise LookupError("inner failure")
+                return
+            with chain[i]:
+                assert raw_current() == chain[i].handle
+                enter(i + 1)
+                assert raw_current() == chain[i].handle
+
+        if fail:
+            with pytest.raises(LookupError, match="inner failure"):
+                enter(0)
+        else:
+            enter(0)
+        assert raw_current() == before
+    finally:
+        owned0.close()
+        owned1.close()
+
+
+def test_create_is_not_left_current():
+    before = raw_current()
+    ctx = Context.create(0)
+    try:
+        assert raw_current() == before
+        with ctx:
+            assert ck.current_context() is ctx
+    finally:
+        ctx.close()
+
+
+def test_primary_is_shared_and_identity(ctx0):
+    assert Context.primary(0) is ctx0 is ck.registry.context(0)
+    err, raw = drv.cuDevicePrimaryCtxRetain(ck.Device(0).handle)
+    assert not err and int(raw) == ctx0.handle
+    drv.cuDevicePrimaryCtxRelease(ck.Device(0).handle)
+    assert hash(ctx0) == hash(ctx0.handle) and ctx0 == Context.primary(0)
+
+
+def test_worker_thread_invalid_context_bug_and_fix(ctx0):
+    """003 section 3.3: a context current in the main thread is not current in a worker."""
+    results: dict[str, int] = {}
+
+    def worker() -> None:
+        results["current"] = raw_current()
+        err, ptr = drv.cuMemAlloc(1024)
+        results["raw_alloc"] = int(err)
+        with ctx0:  # the fix: bind the shared context in the worker
+            err, ptr = drv.cuMemAlloc(1024)
+            results["bound_alloc"] = int(err)
+            drv.cuMemFree(ptr)
+
+    with ctx0:
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join()
+        assert raw_current() == ctx0.handle
+    assert results["current"] == 0
+    assert results["raw_alloc"] == 201  # CUDA_ERROR_INVALID_CONTEXT
+    assert results["bound_alloc"] == 0
+
+
+def test_foreign_push_inside_block_is_reported_and_recoverable(ctx0):
+    other = Context.create(0)
+    try:
+        with pytest.raises(ck.ContextStackError, match="did not pop it"):
+            with ctx0:
+                (err,) = drv.cuCtxPushCurrent(other._cu)  # raw push, never popped
+                assert not err
+        assert raw_current() == other.handle  # ctxkit did not pop it
+        err, _ = drv.cuCtxPopCurrent()  # the foreign code balances its push
+        assert not err
+        assert raw_current() == ctx0.handle
+        ctx0.pop()  # ctxkit's record completes
+        assert thread_state().stack == []
+    finally:
+        other.close()
+
+
+def test_foreign_pop_inside_block_is_reported(ctx0):
+    outer = Context.create(0)
+    try:
+        with outer:
+            with pytest.raises(ck.ContextStackError, match="popped this context"):
+                with ctx0:
+                    drv.cuCtxPopCurrent()
+            assert raw_current() == outer.handle
+    finally:
+        outer.close()
+
+
+def test_close_rules_on_device():
+    ctx = Context.create(0)
+    with ctx, pytest.raises(ck.ContextInUseError):
+        ctx.close()
+    ctx.close()
+    ctx.close()
+    with pytest.raises(ck.ContextClosedError):
+        ctx.push()
+    with pytest.raises(ck.ContextClosedError):
+        ctx.synchronize()
+
+
+def test_primary_close_releases_and_reretains():
+    p = Context.primary(0)
+    assert p.is_primary
+    q = ck.registry.context(0)
+    assert q is p
+
+
+def test_synchronize_and_memory_info(ctx0):
+    free, total = ctx0.memory_info()
+    assert 0 < free <= total
+    ctx0.synchronize()
+
+
+def test_current_context_sees_torch_primary():
+    torch = pytest.importorskip("torch")
+    out: dict[str, object] = {}
+
+    def worker() -> None:
+        torch.cuda.set_device(0)
+        torch.zeros(1, device="cuda:0")  # torch makes device 0's primary context current
+        out["ctx"] = ck.current_context()
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert out["ctx"] is Context.primary(0)
+
+
+def _child_after_fork(q) -> None:
+    t0 = time.perf_counter()
+    try:
+        ck.device_count()
+        with ck.Context.primary(0):
+            pass
+        q.put(("no error", 0.0))
+    except ck.ForkError as exc:
+        q.put((f"ForkError: {exc}", time.perf_counter() - t0))
+    except BaseException as exc:
+        q.put((repr(exc), time.perf_counter() - t0))
+
+
+def _child_spawned(q) -> None:
+    import ctxkit
+
+    with ctxkit.registry.context(0) as ctx:
+        q.put(("ok", ctx.device.ordinal))
+
+
+def test_fork_guard_and_spawn(ctx0):
+    ctx0.synchronize()  # CUDA is initialised in this (parent) process
+    fctx = mp.get_context("fork")
+    q = fctx.Queue()
+    p = fctx.Process(target=_child_after_fork, args=(q,))
+    p.start()
+    msg, took = q.get(timeout=30)
+    p.join(30)
+    assert msg.startswith("ForkError") and "spawn" in msg, msg
+    assert took < 1.0
+
+    sctx = mp.get_context("spawn")
+    q2 = sctx.Queue()
+    p2 = sctx.Process(target=_child_spawned, args=(q2,))
+    p2.start()
+    assert q2.get(timeout=120) == ("ok", 0)
+    p2.join(30)
+    assert p2.exitcode == 0

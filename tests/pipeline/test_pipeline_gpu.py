@@ -1,0 +1,508 @@
+"""Pipeline on real GPUs: bit-exact results, real overlap in the trace, cross-device
+stages, unified memory, errors (in a child process where a fault poisons a context)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import ctxkit as ck
+import ctxkit.compiler as C
+from ctxkit.memory.host import host_pointer_kind
+from ctxkit.module import Module
+from ctxkit.pipeline import Pipeline, PipelineError
+
+SCALE = {np.float32: ("scale_f32", 2.0), np.float64: ("scale_f64", 2.0), np.int32: ("scale_i32", 3)}
+SPIN_CYCLES = 4_000_000  # ~2 ms per kernel at H200 clocks
+PATH_NAMES = {"staged": "in=staged, out=staged", "register": "in=registered, out=registered"}
+PAGE = 4096
+
+
+def _load(file: str, arch: str) -> dict[str, ck.Kernel]:
+    mod = Module.load(ck.compile(C.kernel_source(file), name=file, arch=arch))
+    return {name: mod.function(name) for name in mod.entries or []}
+
+
+@pytest.fixture(scope="module")
+def kern() -> dict[str, ck.Kernel]:
+    arch = ck.Device(0).arch
+    out: dict[str, ck.Kernel] = {}
+    for f in ("scale.cu", "spin.cu", "fill.cu"):
+        out.update(_load(f, arch))
+    return out
+
+
+def _devices(n: int) -> list[int]:
+    if ck.device_count() < n:
+        pytest.skip(f"needs {n} CUDA devices")
+    return list(range(n))
+
+
+def _random(n: int, dtype: type, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if dtype is np.int32:
+        return rng.integers(-1_000_000, 1_000_000, n, dtype=np.int32)
+    return rng.standard_normal(n).astype(dtype)
+
+
+def _expected(x: np.ndarray, alpha: float) -> np.ndarray:
+    return x * x.dtype.type(alpha)
+
+
+def _spin_copy_body(kern: dict[str, ck.Kernel], cycles: int = SPIN_CYCLES):
+    """A map body whose kernel busy-waits *cycles*, then copies its chunk (out = in)."""
+
+    def body(ctx, stream, d_in, d_out, n):
+        sms = ctx.device.multiprocessor_count
+        kern["spin_then_copy"].launch(sms, 256, cycles, d_in.ptr, d_out.ptr, n, stream=stream)
+
+    return body
+
+
+# --- exact results --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("host_path", ["staged", "register"])
+@pytest.mark.parametrize("ndev", [1, pytest.param(2, marks=pytest.mark.multigpu)])
+@pytest.mark.parametrize("n", [0, 1, 7, 1_000_003])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32])
+def test_map_pageable_bit_exact(kern, ndev, n, dtype, host_path):
+    entry, alpha = SCALE[dtype]
+    x = _random(n, dtype, n)
+    with Pipeline(_devices(ndev), chunk_bytes=1 << 20) as p:
+        out = p.map(kern[entry], x, args=(alpha,), host_path=host_path)
+        assert out.dtype == x.dtype and out.shape == x.shape
+        np.testing.assert_array_equal(out, _expected(x, alpha))
+        if n:
+            assert p.last_stats.path == PATH_NAMES[host_path]
+            assert p.last_stats.fallbacks == 0
+            assert len(p.last_stats.devices) == min(ndev, n)
+    _assert_unregistered(x, out)
+
+
+def _assert_unregistered(*arrays: np.ndarray) -> None:
+    """No page of the arrays is still page-locked (the registered path undid its work)."""
+    for a in arrays:
+        base = int(a.ctypes.data)
+        for ptr in {base, base + a.nbytes // 2, base + max(a.nbytes - 1, 0)}:
+            if a.nbytes:
+                assert host_pointer_kind(ptr) == "pageable", (hex(ptr), a.nbytes)
+
+
+@pytest.mark.parametrize("ndev", [1, pytest.param(2, marks=pytest.mark.multigpu)])
+def test_pin_on_reuse_holds_reused_arrays_and_releases_them(kern, ndev):
+    n = (64 << 20) // 4 + 5
+    x = _random(n, np.float32, 21)
+    out = np.zeros_like(x)
+    with Pipeline(_devices(ndev)) as p:
+        paths = []
+        for _ in range(3):
+            out[:] = 0
+            p.map(kern["scale_f32"], x, out, args=(2.0,))
+            np.testing.assert_array_equal(out, x * np.float32(2))
+            paths.append(p.last_stats.path)
+        assert paths == [PATH_NAMES["staged"]] + ["in=held, out=held"] * 2
+        assert ck.is_pinned(x) and ck.is_pinned(out)
+        assert p.pinned_bytes >= x.nbytes + out.nbytes
+        ptr = int(x.ctypes.data)
+        del x
+        gc.collect()
+        assert host_pointer_kind(ptr) == "pageable"  # unlocked before numpy freed it
+        assert p.release_pinned() >= out.nbytes and p.pinned_bytes == 0
+        _assert_unregistered(out)
+        y = _random(n, np.float32, 22)
+        p.map(kern["scale_f32"], y, out, args=(3.0,))
+        p.map(kern["scale_f32"], y, out, args=(3.0,))
+        assert p.last_stats.path == "in=held, out=held"
+        np.testing.assert_array_equal(out, y * np.float32(3))
+    _assert_unregistered(y, out)  # close() unlocked them
+
+
+@pytest.mark.parametrize("ndev", [1, pytest.param(2, marks=pytest.mark.multigpu)])
+def test_map_pinned_zero_copy_and_small_chunks(kern, ndev):
+    n = 1_000_003
+    ctx = ck.registry.context(0)
+    x = ck.pinned_empty(n, np.float32, context=ctx)
+    x[...] = _random(n, np.float32, 5)
+    out = ck.pinned_empty(n, np.float32, context=ctx)
+    with Pipeline(_devices(ndev)) as p:
+        assert p.map(kern["scale_f32"], x, out, args=(2.0,), chunk_bytes=300_000) is out
+        assert p.last_stats.path == "pinned"
+        np.testing.assert_array_equal(out, x * np.float32(2))
+        # The pipeline needed no staging buffers and no host copy threads.
+        assert all(s.pin_in is None and s.pin_out is None for d in p._devices for s in d.slots)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ndev", [1, pytest.param(2, marks=pytest.mark.multigpu)])
+def test_map_one_gib_float32_bit_exact(kern, ndev):
+    n = (1 << 30) // 4 + 3
+    x = _random(n, np.float32, 11)
+    out = np.empty_like(x)  # never touched: registering it faults its pages in
+    with Pipeline(_devices(ndev)) as p:
+        p.map(kern["scale_f32"], x, out, args=(2.0,))
+        assert sum(d.nbytes for d in p.last_stats.devices) == x.nbytes
+        assert p.last_stats.path == PATH_NAMES["staged"]  # the default (measured faster)
+        assert p.last_stats.fallbacks == 0
+    assert np.array_equal(out, x * np.float32(2))
+    _assert_unregistered(x, out)
+
+
+@pytest.mark.parametrize("offset", [16, 4000])
+def test_register_path_unaligned_in_place_and_wider_output_rows(kern, offset):
+    n = 3_000_001
+    raw = np.empty(n * 4 + 2 * PAGE, np.uint8)
+    start = (-raw.ctypes.data) % PAGE + offset
+    x = raw[start : start + n * 4].view(np.float32)
+    x[...] = _random(n, np.float32, 13)
+    orig = x.copy()
+    with Pipeline([0], chunk_bytes=(1 << 20) + 12) as p:  # chunk ends fall mid-page
+        p.map(kern["scale_f32"], x, out=x, args=(2.0,), host_path="register")
+        assert p.last_stats.fallbacks == 0
+        np.testing.assert_array_equal(x, orig * np.float32(2))
+        # Output rows of 2 floats (8 bytes) from input rows of 1 float: each chunk's
+        # output holds 2 * x of its rows, then 3 * x.
+        wide = np.zeros((n, 2), np.float32)
+
+        def two_scales(ctx, stream, d_in, d_out, rows):
+            k = kern["scale_f32"]
+            k.launch(64, 256, d_in.ptr, d_out.ptr, rows, 2.0, stream=stream)
+            k.launch(64, 256, d_in.ptr, d_out.ptr + 4 * rows, rows, 3.0, stream=stream)
+
+        p.map(two_scales, orig, wide, host_path="register")
+        assert p.last_stats.fallbacks == 0
+        chunks = p._run.plan.chunks
+    assert len(chunks) > 2
+    for c in chunks:
+        flat = wide[c.row0 : c.row1].reshape(-1)
+        part = orig[c.row0 : c.row1]
+        np.testing.assert_array_equal(flat[: c.rows], part * np.float32(2))
+        np.testing.assert_array_equal(flat[c.rows :], part * np.float32(3))
+    _assert_unregistered(x, wide)
+
+
+def test_register_path_reads_a_read_only_file_mapping(kern, tmp_path):
+    """Pages of a read-only np.memmap cannot be locked for writing: the input is
+    registered read-only (where the device supports it) or staged; the result is exact."""
+    n = 4_000_003
+    src = _random(n, np.float32, 14)
+    path = tmp_path / "x.f32"
+    src.tofile(path)
+    x = np.memmap(path, np.float32, mode="r", shape=(n,))
+    with Pipeline([0], chunk_bytes=1 << 20) as p:
+        out = p.map(kern["scale_f32"], x, args=(2.0,), host_path="register")
+        print("read-only input: fallbacks", p.last_stats.fallbacks)
+    np.testing.assert_array_equal(out, src * np.float32(2))
+    _assert_unregistered(out)
+    del x
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # fork() with threads running
+def test_register_path_leaves_the_arrays_readable_in_a_forked_child(kern):
+    """Registration may mark pages MADV_DONTFORK; after map they must be ordinary again,
+    or a child process would lose the arrays."""
+    x = _random(8 << 20, np.float32, 15)
+    with Pipeline([0], chunk_bytes=4 << 20) as p:
+        out = p.map(kern["scale_f32"], x, args=(2.0,), host_path="register")
+    expected = float(np.float64(out.astype(np.float64).sum()))
+    pid = os.fork()
+    if pid == 0:  # the child touches every page of both arrays, no CUDA
+        try:
+            same = float(np.float64(out.astype(np.float64).sum())) == expected
+            os._exit(0 if same and np.array_equal(out, x * np.float32(2)) else 1)
+        except BaseException:
+            os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+
+
+@pytest.mark.multigpu
+def test_map_dynamic_schedule_and_2d_rows(kern):
+    x = _random(3 * 400_001, np.float64, 3).reshape(400_001, 3)
+    with Pipeline(_devices(2), schedule="dynamic", chunk_bytes=1 << 20) as p:
+        out = p.map(kern["scale_f64"], x, args=(2.0,))
+        assert sum(d.rows for d in p.last_stats.devices) == 400_001
+    np.testing.assert_array_equal(out, x * 2.0)
+
+
+def test_map_object_code_pair_and_reuse(kern):
+    obj = ck.compile(C.kernel_source("scale.cu"), name="scale.cu", arch=ck.Device(0).arch)
+    x = _random(500_000, np.float32, 9)
+    with Pipeline([0]) as p:
+        first = p.map((obj, "scale_f32"), x, args=(2.0,))
+        slots = [s.d_in for d in p._devices for s in d.slots]
+        second = p.map((obj, "scale_f32"), x, args=(2.0,))
+        assert [s.d_in for d in p._devices for s in d.slots] == slots  # buffers reused
+    np.testing.assert_array_equal(first, x * np.float32(2))
+    np.testing.assert_array_equal(second, first)
+
+
+def test_map_forgotten_args_is_a_clear_error(kern):
+    with Pipeline([0]) as p, pytest.raises(ck.LaunchArgumentError, match=r"args=\(\.\.\.\)"):
+        p.map(kern["scale_f32"], np.ones(10, np.float32))
+
+
+# --- overlap, from the trace ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("host_path", ["staged", "register"])
+@pytest.mark.parametrize("ndev", [1, pytest.param(2, marks=pytest.mark.multigpu)])
+def test_trace_shows_h2d_overlapping_the_previous_kernel(kern, ndev, host_path, tmp_path):
+    x = _random(16 << 20, np.float32, 4)  # 64 MiB, 16 chunks of 4 MiB
+    # Registering a chunk's pages takes longer than staging them: a longer kernel keeps
+    # the device the bottleneck, so that the next chunk's H2D can land during it.
+    cycles = SPIN_CYCLES * (4 if host_path == "register" else 1)
+    with Pipeline(_devices(ndev), chunk_bytes=4 << 20) as p:
+        out = p.map(_spin_copy_body(kern, cycles), x, host_path=host_path)
+        tl = p.trace()
+    np.testing.assert_array_equal(out, x)
+    assert tl.dropped == 0
+    assert len(tl.select(name="kernel")) == 16
+    pairs = [
+        (h, k)
+        for h, k in tl.overlaps({"name": "h2d"}, {"name": "kernel"})
+        if h.device == k.device and h.chunk == k.chunk + 1
+    ]
+    assert pairs, tl.summary()
+    # Stronger: some H2D of chunk c+1 finished while the kernel of chunk c still ran.
+    assert any(k.start_ms < h.end_ms < k.end_ms for h, k in pairs), tl.summary()
+    host_steps = ("fill", "drain") if host_path == "staged" else ("register", "unregister")
+    assert all(tl.select(name=step) for step in host_steps), tl.summary()
+    if ndev == 2:
+        both = tl.overlaps(
+            {"device": 0, "name": "kernel"}, {"device": 1, "name": "kernel"}, min_overlap_ms=1.0
+        )
+        assert both, tl.summary()
+    data = tl.to_chrome_trace(tmp_path / "trace.json")
+    assert {e["pid"] for e in data["traceEvents"] if e["ph"] == "X"} == set(range(ndev))
+
+
+# --- lazy loading ----------------------------------------------------------------------------
+
+
+def test_preloaded_kernel_launches_without_waiting_for_a_running_kernel(kern):
+    """With lazy loading, the first launch of a kernel may wait until the context is
+    idle; Kernel.preload moves that load to a moment of our choice."""
+    ctx = ck.registry.context(0)
+    fresh = Module.load(
+        ck.compile(C.kernel_source("fill.cu"), name="fill.cu", arch=ctx.device.arch)
+    )
+    fill = fresh.function("fill_f32")  # a new library: never loaded in ctx
+    buf = ck.DeviceBuffer(4 << 20, context=ctx)
+    with ctx:
+        kern["spin"].preload()
+        fill.preload()
+        s1, s2 = ck.Stream(), ck.Stream()
+        kern["spin"].launch(1, 1, 100_000_000, 0, stream=s1)  # ~50 ms
+        t0 = time.perf_counter()
+        fill.launch(256, 256, buf, 1.0, 1 << 20, stream=s2)
+        launch_s = time.perf_counter() - t0
+        s2.synchronize()
+        s1.synchronize()
+        got = buf.copy_to_host().view(np.float32)
+    assert launch_s < 0.02, f"the launch blocked {launch_s * 1e3:.1f} ms"
+    assert (got == 1.0).all()
+    buf.close()
+    fresh.close()
+
+
+# --- cross-device stages -------------------------------------------------------------------
+
+
+@pytest.mark.multigpu
+def test_submit_device1_consumes_device0_output_after_waiting(kern, ctx0, ctx1):
+    n = 1 << 20
+    nbytes = n * 4
+    a = ck.DeviceBuffer(nbytes, context=ctx0)
+    b = ck.DeviceBuffer(nbytes, context=ctx1)
+    c = ck.DeviceBuffer(nbytes, context=ctx1)
+    with ctx0:
+        a.memset(0)
+        kern["spin"].preload()  # lazily loaded here, fill_f32 would wait for spin to end
+        kern["fill_f32"].preload()
+    with ctx1:
+        kern["scale_f32"].preload()
+    with Pipeline([0, 1]) as p:
+
+        def produce(ctx, stream):
+            kern["spin"].launch(1, 1, 40_000_000, 0, stream=stream)  # ~20 ms
+            kern["fill_f32"].launch(256, 256, a.ptr, 3.0, n, stream=stream)
+
+        def consume(ctx, stream):
+            ck.copy_peer(b, a, nbytes, stream=stream)
+            kern["scale_f32"].launch(256, 256, b.ptr, c.ptr, n, 2.0, stream=stream)
+
+        h0 = p.submit(0, produce)
+        h1 = p.submit(1, consume, after=[h0])
+        p.wait([h1])
+        assert h1.done() and h0.done()
+        with ctx1:
+            got = c.copy_to_host().view(np.float32)
+        assert (got == 6.0).all()  # without the wait, device 1 would copy zeros
+        tl = p.trace()
+    (wait,) = tl.select(name="wait", device=1).intervals
+    (made,) = tl.select(name="stage:produce", device=0).intervals
+    (used,) = tl.select(name="stage:consume", device=1).intervals
+    assert wait.duration_ms > 5, tl.summary()
+    assert wait.end_ms >= made.end_ms - 1.0, tl.summary()
+    assert used.start_ms >= made.end_ms - 1.0, tl.summary()
+    for buf in (a, b, c):
+        buf.close()
+
+
+def test_submit_failure_names_device_and_stage(kern):
+    with Pipeline([0]) as p:
+
+        def bad(ctx, stream):
+            kern["scale_f32"].launch(1, 256, 0, 0, 1, stream=stream)  # missing alpha
+
+        h = p.submit(0, bad, name="bad-stage")
+        with pytest.raises(PipelineError, match="'bad-stage' on device 0") as info:
+            h.synchronize()
+        assert isinstance(info.value.__cause__, ck.LaunchArgumentError)
+
+
+# --- unified memory -------------------------------------------------------------------
+
+
+@pytest.mark.multigpu
+def test_map_managed_on_two_devices(kern, ctx0):
+    n = 4 << 20  # 16 MiB: keep managed allocations small on the shared machine
+    buf = ck.ManagedBuffer(n * 4, context=ctx0)
+    xm = buf.as_numpy(np.float32)
+    xm[...] = _random(n, np.float32, 21)
+    expected = xm * np.float32(2)
+    with Pipeline(_devices(2), chunk_bytes=1 << 20) as p:
+        out = p.map_managed(kern["scale_f32"], buf, dtype=np.float32, args=(2.0,))
+        np.testing.assert_array_equal(out, expected)
+        assert {d.device for d in p.last_stats.devices} == {0, 1}
+        assert {"prefetch", "kernel"} <= set(p.trace().names())
+        p.map(kern["scale_f32"], xm, xm, args=(2.0,), mode="managed")  # in place
+        np.testing.assert_array_equal(xm, expected)
+        with pytest.raises(ValueError, match="not unified"):
+            p.map_managed(kern["scale_f32"], np.ones(4, np.float32), args=(2.0,))
+    del xm, out
+
+
+# --- errors ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ndev", [1, pytest.param(2, marks=pytest.mark.multigpu)])
+def test_error_in_one_chunk_names_device_and_chunk(kern, ndev):
+    x = _random(4 << 20, np.float32, 8)  # 16 MiB, 1 MiB chunks
+    bad_device = ndev - 1
+    seen = {}
+
+    def body(ctx, stream, d_in, d_out, n):
+        d = ctx.device.ordinal
+        seen[d] = seen.get(d, 0) + 1
+        if d == bad_device and seen[d] == 3:
+            raise RuntimeError("refusing this chunk")
+        kern["scale_f32"].launch(64, 256, d_in.ptr, d_out.ptr, n, 2.0, stream=stream)
+
+    with Pipeline(_devices(ndev), chunk_bytes=1 << 20) as p:
+        with pytest.raises(PipelineError) as info:
+            p.map(body, x)
+        err = info.value
+        assert err.device == bad_device and err.step == "kernel" and not err.poisoned
+        first = min(c.index for c in p._run.plan.chunks if c.part == bad_device)
+        assert err.chunk == first + 2
+        assert f"device {bad_device}" in str(err) and f"chunk {err.chunk}" in str(err)
+        assert isinstance(err.__cause__, RuntimeError)
+        out = p.map(kern["scale_f32"], x, args=(2.0,))  # reusable afterwards
+    np.testing.assert_array_equal(out, x * np.float32(2))
+
+
+def test_kernel_fault_in_a_chunk_poisons_the_pipeline_clearly():
+    script = textwrap.dedent(
+        """
+        import numpy as np, ctxkit as ck
+        from ctxkit import compiler as C
+        from ctxkit.pipeline import Pipeline, PipelineError
+        arch = ck.Device(0).arch
+        fault = ck.Module.load(ck.compile(C.kernel_source("fault.cu"), arch=arch)).function("fault")
+        scale = ck.Module.load(ck.compile(C.kernel_source("scale.cu"), arch=arch)).function(
+            "scale_f32")
+        calls = []
+        def body(ctx, stream, d_in, d_out, n):
+            calls.append(n)
+            if len(calls) == 3:
+                fault.launch(1, 1, d_out.ptr, stream=stream)
+            else:
+                scale.launch(64, 256, d_in.ptr, d_out.ptr, n, 2.0, stream=stream)
+        p = Pipeline([0], chunk_bytes=1 << 20)
+        x = np.ones(4 << 20, np.float32)
+        try:
+            p.map(body, x)
+        except PipelineError as e:
+            print("ERR", e.device, e.chunk is not None and e.chunk >= 2, e.poisoned, e.name,
+                  flush=True)
+            print("MSG", "device 0" in str(e), "chunk" in str(e), "poisoned" in str(e),
+                  flush=True)
+        print("POISONED_FLAG", p.poisoned, flush=True)
+        try:
+            p.map(body, x)
+        except ck.ContextPoisonedError as e:
+            print("POISONED_AGAIN", "device 0 was poisoned" in str(e), flush=True)
+        p.close()
+        print("CLOSED", flush=True)
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=240
+    )
+    out = proc.stdout
+    assert "ERR 0 True True CUDA_ERROR_ILLEGAL_ADDRESS" in out, (out, proc.stderr)
+    assert "MSG True True True" in out, out
+    assert "POISONED_FLAG True" in out and "POISONED_AGAIN True" in out, out
+    assert "CLOSED" in out, (out, proc.stderr)
+
+
+@pytest.mark.parametrize("host_path", ["staged", "register"])
+def test_ctrl_c_during_map_stops_workers_and_leaves_the_pipeline_usable(kern, host_path):
+    x = _random(16 << 20, np.float32, 6)  # 64 chunks of 1 MiB, ~10 ms kernels
+    body = _spin_copy_body(kern, 20_000_000)
+    main = threading.main_thread().ident
+    assert main is not None
+    with Pipeline([0], chunk_bytes=1 << 20) as p:
+        one = x[: 1 << 18]  # exactly one chunk; the first run also sets everything up
+        chunk_s = min(_seconds(lambda: p.map(body, one, host_path=host_path)) for _ in range(3))
+        # Stopping must not run the remaining chunks: the whole map takes ~64 chunk times.
+        limit = 0.6 * (x.nbytes // one.nbytes) * chunk_s
+        fired: list[float] = []
+
+        def interrupt() -> None:
+            fired.append(time.perf_counter())
+            signal.pthread_kill(main, signal.SIGINT)
+
+        timer = threading.Timer(0.03, interrupt)
+        timer.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                p.map(body, x, host_path=host_path)
+        finally:
+            timer.cancel()
+        stopped_s = time.perf_counter() - fired[0]
+        assert stopped_s < limit, (
+            f"map stopped {stopped_s * 1e3:.0f} ms after Ctrl-C; limit {limit * 1e3:.0f} ms "
+            f"= 0.6 x the whole map ({chunk_s * 1e3:.1f} ms per chunk)\n" + p.trace().summary()
+        )
+        assert p._inflight == []
+        out = p.map(kern["scale_f32"], x, args=(2.0,), host_path=host_path)
+    np.testing.assert_array_equal(out, x * np.float32(2))
+    _assert_unregistered(x, out)
+
+
+def _seconds(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
