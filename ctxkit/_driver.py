@@ -112,13 +112,26 @@ def init() -> None:
     Raises
     ------
     DriverNotFoundError
-        cuda-bindings or the driver library is missing.
+        cuda-bindings or the driver library is missing, or the driver reports no device.
     ForkError
         This process was forked after its parent initialised CUDA.
     """
     if _init_pid is not None:
         return
+    if _no_device:
+        raise _no_device_error()
     _init_slow()
+
+
+def _no_device_error() -> DriverNotFoundError:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    hint = f" (CUDA_VISIBLE_DEVICES={visible!r} hides them)" if visible is not None else ""
+    return DriverNotFoundError(
+        f"the NVIDIA driver loaded but reports no CUDA device{hint}; check nvidia-smi "
+        "and CUDA_VISIBLE_DEVICES",
+        CUDA_ERROR_NO_DEVICE,
+        "CUDA_ERROR_NO_DEVICE",
+    )
 
 
 def _init_slow() -> None:
@@ -138,7 +151,8 @@ def _init_slow() -> None:
             ) from None
         if err == CUDA_ERROR_NO_DEVICE:
             _no_device = True
-        elif err:
+            raise _no_device_error()
+        if err:
             raise from_result(int(err), "cuInit(0)")
         _init_pid = os.getpid()
 

@@ -39,6 +39,7 @@ def test_fake_driver_tests_pass_in_their_own_process(tmp_path):
         text=True,
         timeout=1500,
     )
-    tail = (proc.stdout + proc.stderr)[-6000:]
+    out = proc.stdout + proc.stderr
+    tail = out[-12000:]
     assert proc.returncode == 0, f"fake-driver tests failed in their own process:\n{tail}"
     assert " passed" in proc.stdout, tail

@@ -55,7 +55,7 @@ def test_stream_capture_method_with_a_memset_node(ctx0, saxpy):
         s = ck.Stream()
         x = to_device(np.full(N, 2, np.float32))
         y = to_device(np.full(N, 7, np.float32))
-        with s.capture() as g:
+        with ck.capture(s) as g:
             y.buffer.memset(0, stream=s)
             for _ in range(10):
                 saxpy.launch(16, 256, 0.5, x, y, N, stream=s)

@@ -462,4 +462,4 @@ def test_managed_close_refused_while_numpy_views_live(ctx0):
 def test_concurrent_managed_access_reported(ctx0):
     dev = ck.Device(0)
     expect = bool(dev.attribute("concurrent_managed_access"))
-    assert memory.concurrent_managed_access(dev) is expect
+    assert memory.managed.concurrent_managed_access(dev) is expect
