@@ -50,6 +50,23 @@ GPU_COUNT, NO_GPU_REASON, GPU_ERROR = _gpu_count()
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "fake: uses a fake CUDA driver (never beside the real one)")
+    # Tests never write into the user's kernel cache: one private directory per session,
+    # inherited by every child process the tests start (unless the caller chose one).
+    if not os.environ.get("CTXKIT_CACHE_DIR"):
+        import tempfile
+
+        os.environ["CTXKIT_CACHE_DIR"] = _SESSION_CACHE[0] = tempfile.mkdtemp(
+            prefix="ctxkit-test-cache-"
+        )
+
+
+_SESSION_CACHE: list[str] = [""]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _SESSION_CACHE[0]:
+        shutil.rmtree(_SESSION_CACHE[0], ignore_errors=True)
+        os.environ.pop("CTXKIT_CACHE_DIR", None)
 
 
 def _is_fake(item: pytest.Item) -> bool:
