@@ -1,4 +1,4 @@
-"""scripts/exit_safety.py's Ledger on the fake driver of tests/memory/test_memory_fake.py:
+"""scripts/exit_safety.py's Ledger on the fake driver of tests/support/fakemem.py:
 it sees every
 allocation and free ctxkit makes (also frees from a thread with no context and from a
 thread's teardown), and reports handles never freed, failed frees, frees in the wrong
@@ -21,7 +21,7 @@ import ctxkit as ck
 from ctxkit import _driver
 from ctxkit.memory import DeviceBuffer, ManagedBuffer
 from ctxkit.stream import Event, Stream
-from tests.memory.test_memory_fake import ctx0, ctx1, fake, in_thread  # noqa: F401
+from tests.support.fakemem import ctx0, ctx1, fake, in_thread  # noqa: F401
 from tests.support.fakedriver import FakeHandle
 from tests.support.helpers import load_file_module
 

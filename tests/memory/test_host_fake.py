@@ -1,0 +1,218 @@
+"""Host memory: the pageable-copy warning, strict mode, host-array validation, errors
+without a driver, pinned and registered memory (fake driver)."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+
+import ctxkit as ck
+import ctxkit.memory as memory
+from ctxkit.errors import (
+    DriverNotFoundError,
+    OutOfMemoryError,
+)
+from ctxkit.memory import (
+    DeviceBuffer,
+    ManagedBuffer,
+    PageableCopyError,
+    PageableCopyWarning,
+)
+from ctxkit.memory import host as _hostmem
+from ctxkit.stream import Stream
+from tests.conftest import GPU_COUNT
+from tests.support.fakemem import (  # noqa: F401
+    HOST_ALREADY_REGISTERED,
+    HOST_NOT_REGISTERED,
+    ILLEGAL_ADDRESS,
+    INVALID_CONTEXT,
+    INVALID_HANDLE,
+    INVALID_VALUE,
+    NOT_READY,
+    OK,
+    OUT_OF_MEMORY,
+    PAGE,
+    PEER_ALREADY,
+    ctx0,
+    ctx1,
+    fake,
+    in_thread,
+    rand_bytes,
+)
+
+
+def test_pageable_warning_points_at_the_caller_once_per_call_site():
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("default")
+        for _ in range(3):
+            _hostmem.pageable_async("DeviceBuffer.copy_from_host")  # one call site
+        _hostmem.pageable_async("DeviceBuffer.copy_to_host")  # another one
+    assert [w.category for w in got] == [PageableCopyWarning, PageableCopyWarning]
+    assert all(w.filename == __file__ for w in got)
+    msg = str(got[0].message)
+    assert "7.8 GB/s" in msg and "pinned_empty" in msg and "register_host" in msg
+    assert issubclass(PageableCopyWarning, UserWarning)
+
+
+def test_strict_async_raises(monkeypatch):
+    monkeypatch.setattr(_hostmem, "_strict", False)
+    memory.set_strict_async(True)
+    assert memory.strict_async()
+    with pytest.raises(PageableCopyError, match="strict async mode"):
+        _hostmem.pageable_async("copy")
+    memory.set_strict_async(False)
+    assert not memory.strict_async()
+    assert issubclass(PageableCopyError, ValueError)
+
+
+@pytest.mark.parametrize(("value", "expected"), [("1", "True"), ("0", "False"), ("", "False")])
+def test_strict_async_from_environment(value, expected):
+    code = "import ctxkit.memory as m; print(m.strict_async())"
+    env = {"CTXKIT_STRICT_ASYNC": value, "PATH": "", "PYTHONPATH": ":".join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == expected, out.stderr
+
+
+def test_host_array_validation():
+    assert _hostmem.host_array(b"abc", "w").tolist() == [97, 98, 99]
+    with pytest.raises(TypeError, match="numpy array or a buffer"):
+        _hostmem.host_array([1, 2, 3], "w")
+    with pytest.raises(ValueError, match="C-contiguous"):
+        _hostmem.host_array(np.zeros((4, 4))[:, 1], "w")
+    ro = np.zeros(4)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        _hostmem.host_array(ro, "w", writable=True)
+
+
+@pytest.mark.skipif(GPU_COUNT > 0, reason="checks the behaviour without a driver")
+def test_without_a_driver_the_errors_say_so():
+    with pytest.raises(DriverNotFoundError):
+        DeviceBuffer(16)
+    with pytest.raises(DriverNotFoundError):
+        ck.pinned_empty(4, np.float32)
+    with pytest.raises(DriverNotFoundError):
+        Stream()
+
+
+def test_validation_happens_before_the_driver_is_needed():
+    with pytest.raises(ValueError, match="negative"):
+        ck.pinned_empty((2, -1))
+    with pytest.raises(TypeError, match="ints"):
+        ck.pinned_empty((2.5,))
+    with pytest.raises(TypeError, match="nbytes must be an int"):
+        DeviceBuffer(1.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=">= 0"):
+        DeviceBuffer(-1)
+    with pytest.raises(ValueError, match="C-contiguous"), ck.register_host(np.zeros((4, 4)).T):
+        pass
+
+
+# ======================================================================================
+# pinned and registered host memory
+# ======================================================================================
+
+
+def test_pinned_empty_and_is_pinned(fake, ctx0):
+    with ctx0:
+        a = ck.pinned_empty((3, 5), np.float32)
+        z = ck.pinned_zeros(7, np.int64)
+    assert a.shape == (3, 5) and a.dtype == np.float32 and a.flags.c_contiguous
+    assert (z == 0).all() and z.dtype == np.int64
+    assert ck.is_pinned(a) and ck.is_pinned(a[1:]) and ck.is_pinned(z)
+    with ctx0:
+        assert not ck.is_pinned(np.zeros(10))
+        assert not ck.is_pinned(np.zeros(0))
+        assert not ck.is_pinned(bytearray(8))
+    assert fake.calls("hostalloc")[0][2] == (60, 1)  # PORTABLE
+    assert ck.pinned_empty(0, np.float32).size == 0
+
+
+def test_pinned_memory_freed_with_the_last_view_without_a_context(fake, ctx0, ctx1):
+    with ctx1:
+        a = ck.pinned_empty(1000, np.uint8)
+    view = a[10:20].reshape(2, 5)
+    del a
+    gc.collect()
+    assert len(fake.host_allocs) == 1  # the view keeps it alive
+
+    def drop() -> None:
+        nonlocal view
+        assert fake.cur() == 0
+        view = None
+        gc.collect()
+
+    in_thread(drop)
+    assert not fake.host_allocs
+    assert fake.calls("freehost")[0][1] == ctx1.handle
+
+
+def test_pinned_without_current_context_uses_device_0(fake):
+    arr = in_thread(lambda: ck.pinned_empty(4, np.float32))
+    assert fake.calls("hostalloc")[0][1] == ck.registry.context(0).handle
+    assert ck.is_pinned(arr)
+    arr2 = ck.pinned_empty(4, np.float32, context=1)
+    assert fake.calls("hostalloc")[1][1] == ck.registry.context(1).handle and arr2.size == 4
+
+
+def test_pinned_out_of_memory(fake, ctx0):
+    fake.host_oom = True
+    with ctx0, pytest.raises(OutOfMemoryError, match="page-lock"):
+        ck.pinned_empty(1 << 20, np.uint8)
+
+
+def test_register_host_pins_in_place_and_unregisters(fake, ctx0):
+    arr = np.zeros(3 * PAGE, np.uint8)
+    with ctx0:
+        assert not ck.is_pinned(arr)
+        with ck.register_host(arr) as same:
+            assert same is arr and ck.is_pinned(arr)
+            with ck.register_host(arr[10:]):  # already pinned: left alone
+                pass
+            assert ck.is_pinned(arr)
+            with pytest.raises(ValueError, match="shares a page"):
+                neighbour = np.frombuffer(
+                    (ctypes.c_uint8 * 16).from_address(arr.ctypes.data + arr.nbytes), np.uint8
+                )
+                with ck.register_host(neighbour):
+                    pass
+        assert not ck.is_pinned(arr)
+    assert len(fake.calls("register")) == 1 and len(fake.calls("unregister")) == 1
+    assert fake.calls("register")[0][2][2] == 1  # PORTABLE
+
+
+def test_register_host_unregisters_on_error_and_accepts_pinned(fake, ctx0):
+    arr = np.zeros(100, np.float64)
+    with ctx0:
+        with pytest.raises(KeyError), ck.register_host(arr):
+            raise KeyError("x")
+        assert not fake.registered
+        pinned = ck.pinned_empty(8, np.float64)
+        with ck.register_host(pinned):
+            pass
+        with ck.register_host(np.zeros(0)):
+            pass
+        managed_view = ManagedBuffer(64).as_numpy()
+        with ck.register_host(managed_view) as same:
+            assert same is managed_view
+    assert len(fake.calls("register")) == 1
+
+
+def test_async_copy_inside_register_host_does_not_warn(fake, ctx0):
+    arr = np.ones(256, np.uint8)
+    with ctx0:
+        s = Stream()
+        buf = DeviceBuffer(256)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with ck.register_host(arr):
+                buf.copy_from_host(arr, stream=s)
+
+
+# ======================================================================================
