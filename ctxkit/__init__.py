@@ -24,6 +24,7 @@ _EXPORTS: dict[str, str] = {
     "ContextPoisonedError": "errors",
     "ForkError": "errors",
     "LaunchArgumentError": "errors",
+    "WrongContextError": "errors",
     "KernelNotFoundError": "errors",
     "PageableCopyWarning": "errors",
     "PageableCopyError": "errors",
@@ -64,6 +65,8 @@ _EXPORTS: dict[str, str] = {
     "copy_peer": "memory",
     "to_device": "memory",
     "Stream": "stream",
+    "current_stream": "stream",
+    "MemoryPool": "memory",
     "Event": "stream",
     # multi-device
     "Pipeline": "pipeline",
@@ -111,6 +114,7 @@ from .errors import (  # noqa: E402
     PageableCopyWarning,
     PipelineError,
     PtxVersionWarning,
+    WrongContextError,
 )
 from .executor import ContextExecutor  # noqa: E402
 from .registry import ContextRegistry, bind, bound  # noqa: E402
@@ -139,6 +143,7 @@ if TYPE_CHECKING:  # pragma: no cover
         DeviceArray,
         DeviceBuffer,
         ManagedBuffer,
+        MemoryPool,
         copy_peer,
         device_array,
         enable_peer_access,
@@ -151,5 +156,5 @@ if TYPE_CHECKING:  # pragma: no cover
     from .module import Kernel, Module, PreparedLaunch
     from .pipeline import Pipeline, StageHandle
     from .procs import DevicePool
-    from .stream import Event, Stream
+    from .stream import Event, Stream, current_stream
     from .trace import Timeline

@@ -14,13 +14,13 @@ context is per thread. ctxkit's answer:
 from __future__ import annotations
 
 import functools
-import os
 import sys
 import threading
 import types
 from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec, TypeVar
 
+from ._env import env_flag, env_off
 from .context import (
     Context,
     current_handle,
@@ -43,8 +43,8 @@ R = TypeVar("R")
 ContextLike = Context | Device | int
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+def _strict_from_environment() -> bool:
+    return env_flag("CTXKIT_STRICT_CONTEXT") or env_off("CTXKIT_AUTO_BIND")
 
 
 class ContextRegistry:
@@ -57,23 +57,43 @@ class ContextRegistry:
         and Numba; ``"owned"`` creates a private context per device with ``flags``.
     flags : int
         ``CUctx_flags`` for owned contexts.
+    strict : bool, optional
+        Objects that know their context (buffers, streams, events, modules, kernels) bind
+        it for each operation, from any thread, as CuPy, Numba and PyTorch do. With
+        ``strict`` an operation in a thread with *no* current context raises
+        :class:`NoCurrentContextError` instead, for framework authors who want every
+        implicit bind to be an error. Default: the ``CTXKIT_STRICT_CONTEXT`` environment
+        variable (off); ``CTXKIT_AUTO_BIND=0`` also turns it on.
     auto_bind : bool, optional
-        When true, an operation on a ctxkit object in a thread with *no* current context
-        binds the object's context for that operation instead of raising
-        :class:`NoCurrentContextError`. Default: the ``CTXKIT_AUTO_BIND`` environment
-        variable (off). Off by default because silently binding hides the per-thread
-        nature of contexts, which is exactly what breaks code that mixes raw calls in.
+        The opposite of *strict* (kept for code written for ctxkit 0.1).
     """
 
-    def __init__(self, kind: str = "primary", flags: int = 0, auto_bind: bool | None = None):
+    def __init__(
+        self,
+        kind: str = "primary",
+        flags: int = 0,
+        auto_bind: bool | None = None,
+        strict: bool | None = None,
+    ):
         if kind not in ("primary", "owned"):
             raise ValueError(f"kind must be 'primary' or 'owned', not {kind!r}")
         self.kind = kind
         self.flags = flags
-        self.auto_bind = _env_flag("CTXKIT_AUTO_BIND") if auto_bind is None else auto_bind
+        if strict is None:
+            strict = (not auto_bind) if auto_bind is not None else _strict_from_environment()
+        self.strict = bool(strict)
         self._contexts: dict[int, Context] = {}
         self._created: list[Context] = []
         self._lock = threading.Lock()
+
+    @property
+    def auto_bind(self) -> bool:
+        """``not strict``: objects bind their own context in any thread."""
+        return not self.strict
+
+    @auto_bind.setter
+    def auto_bind(self, value: bool) -> None:
+        self.strict = not value
 
     def context(self, device: ContextLike = 0) -> Context:
         """The shared context of *device* (created once; later calls take no lock)."""
@@ -147,7 +167,7 @@ class ContextRegistry:
 #: ``ck.registry.auto_bind = True`` act on this instance.
 default = ContextRegistry()
 
-_FORWARDED = frozenset({"kind", "flags", "auto_bind"})
+_FORWARDED = frozenset({"kind", "flags", "auto_bind", "strict"})
 
 
 class _RegistryModule(types.ModuleType):
@@ -221,7 +241,11 @@ def bind(target: ContextLike) -> Context:
     binds itself. Already current -> no driver call. Nestable, exception-safe; the
     previous context is restored on exit.
     """
-    if isinstance(target, Context):
+    if type(target) is int:
+        ctx = default._contexts.get(target)
+        if ctx is not None and ctx._poison is None and not ctx.closed:
+            return ctx
+    elif isinstance(target, Context):
         return target
     return default.resolve(target)
 
@@ -243,12 +267,12 @@ def bound(target: ContextLike) -> Callable[[Callable[P, R]], Callable[P, R]]:
 def guard(owner: Context, what: str) -> Context:
     """The context to bind for an operation on an object owned by *owner*.
 
-    Returns *owner* (use it as ``with guard(owner, "..."):``). A thread with no current
-    context at all gets :class:`NoCurrentContextError` unless the registry's
-    ``auto_bind`` is on; a thread with another context current binds *owner* for the
-    operation, so objects always act in their own context.
+    Returns *owner* (use it as ``with guard(owner, "..."):``): objects always act in their
+    own context, whatever the thread has current. In strict mode
+    (``ck.registry.strict = True``) a thread with no current context at all gets
+    :class:`NoCurrentContextError` instead of an implicit bind.
     """
-    if thread_state().top is not None or default.auto_bind:
+    if not default.strict or thread_state().top is not None:
         return owner
     if current_handle():
         return owner

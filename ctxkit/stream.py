@@ -29,7 +29,7 @@ from .registry import ContextLike, guard, resolve_context
 if TYPE_CHECKING:  # pragma: no cover
     pass
 
-__all__ = ["Event", "Stream", "stream_for", "stream_handle"]
+__all__ = ["Event", "Stream", "current_stream", "implicit_stream", "stream_for", "stream_handle"]
 
 log = logging.getLogger("ctxkit.stream")
 
@@ -65,10 +65,13 @@ def stream_for(stream: Any, ctx: Context, what: str) -> Any:
 
     The one stream resolver: like :func:`stream_handle`, and a ctxkit stream (or any stream
     object with a ``context``) of another context is refused with
-    :class:`~ctxkit.errors.WrongContextError` instead of reaching the driver.
+    :class:`~ctxkit.errors.WrongContextError` instead of reaching the driver. ``None`` means
+    the calling thread's current stream of *ctx* (:func:`current_stream`), the legacy
+    default stream when none was made current.
     """
     if stream is None:
-        return _NULL_STREAM
+        cur = _current.by_context.get(ctx.handle) if _current.by_context else None
+        return _NULL_STREAM if cur is None else cur._open_handle(what)
     sc = getattr(stream, "context", None)
     if isinstance(sc, Context) and sc.handle != ctx.handle:
         raise WrongContextError(
@@ -80,6 +83,43 @@ def stream_for(stream: Any, ctx: Context, what: str) -> Any:
     if isinstance(stream, Stream):
         return stream._open_handle(what)
     return drv.CUstream(_foreign_stream_int(stream))
+
+
+class _CurrentStreams(threading.local):
+    """This thread's current stream per context (``with stream:``), and what to restore."""
+
+    def __init__(self) -> None:
+        self.by_context: dict[int, Stream] = {}
+        self.saved: list[tuple[int, Stream | None]] = []
+
+
+_current = _CurrentStreams()
+
+
+def implicit_stream(ctx: Context) -> Stream | None:
+    """The stream ``stream=None`` means in this thread for *ctx*; ``None``: the legacy
+    default stream (no ``with stream:`` of that context is open)."""
+    by_context = _current.by_context
+    return by_context.get(ctx.handle) if by_context else None
+
+
+def current_stream(context: ContextLike | None = None) -> Stream:
+    """The stream that ``stream=None`` means in the calling thread.
+
+    ``with stream:`` makes a stream current for its context in this thread (nestable,
+    restored on exit, invisible to other threads); every ctxkit operation given
+    ``stream=None`` (launches, copies, memsets, stream-ordered allocations, pipeline
+    bodies) then runs on it. Without one, it is the legacy default stream (handle 0),
+    as in the CUDA Driver API.
+
+    Parameters
+    ----------
+    context : Context, Device, int or None
+        Whose current stream; ``None``: the calling thread's current context.
+    """
+    ctx = resolve_context(context, "current_stream()")
+    cur = implicit_stream(ctx)
+    return cur if cur is not None else Stream.from_handle(0, ctx)
 
 
 def _foreign_stream_int(obj: Any) -> int:
@@ -242,6 +282,38 @@ class Stream:
         nonblocking, priority = _stream_properties(handle, value)
         obj._setup(ctx, handle, nonblocking, priority, owned=False, owner=owner)
         return obj
+
+    @classmethod
+    def wrap(cls, stream: Any, context: ContextLike | None = None) -> Stream:
+        """A ctxkit view of another library's stream (anything with ``__cuda_stream__``, a
+        PyTorch, CuPy, cuda.core or Numba stream, a handle); see :meth:`from_handle`.
+
+        ``with ck.Stream.wrap(torch.cuda.current_stream()):`` runs ctxkit work in torch's
+        stream order.
+        """
+        return cls.from_handle(stream, context)
+
+    # --- current stream --------------------------------------------------------------
+
+    def __enter__(self) -> Stream:
+        """Make this stream (and its context) current in the calling thread."""
+        self._open_handle("with stream")
+        ctx = self.context
+        ctx.__enter__()
+        cur = _current
+        key = ctx.handle
+        cur.saved.append((key, cur.by_context.get(key)))
+        cur.by_context[key] = self
+        return self
+
+    def __exit__(self, et: object, ev: object, tb: object) -> None:
+        cur = _current
+        key, prev = cur.saved.pop()
+        if prev is None:
+            cur.by_context.pop(key, None)
+        else:
+            cur.by_context[key] = prev
+        self.context.__exit__(et, ev, tb)
 
     # --- protocol / identity ---------------------------------------------------------
 

@@ -52,11 +52,13 @@ from .host import (
 )
 from .managed import ManagedBuffer
 from .peer import copy_peer, enable_peer_access, peer_access_enabled
+from .pool import MemoryPool
 
 __all__ = [
     "DeviceArray",
     "DeviceBuffer",
     "ManagedBuffer",
+    "MemoryPool",
     "PageableCopyError",
     "PageableCopyWarning",
     "copy_peer",

@@ -13,8 +13,9 @@ from .. import _driver
 from .._driver import drv
 from ..context import Context, require_current
 from ..registry import guard
-from ..stream import Stream, _context_of_cu, stream_for, stream_handle
+from ..stream import Stream, _context_of_cu, implicit_stream, stream_for, stream_handle
 from .host import check_async_host
+from .interop import producer_stream
 
 __all__ = ["Mem", "copy_device", "device_mem", "dtoh", "htod"]
 
@@ -63,7 +64,12 @@ def device_mem(obj: Any, what: str, *, write: bool = False) -> Mem:
             f"{what}: expected a ctxkit DeviceBuffer/DeviceArray or an object with "
             f"__cuda_array_interface__ (CuPy, PyTorch, Numba), got {type(obj).__name__}"
         )
-    return from_cai(cai, what, write)
+    mem = from_cai(cai, what, write)
+    if mem.stream is None:
+        producer = producer_stream(obj)  # PyTorch/CuPy: their current stream
+        if producer is not None:
+            mem = mem._replace(stream=producer or 1)
+    return mem
 
 
 def from_cai(cai: dict[str, Any], what: str, write: bool) -> Mem:
@@ -149,11 +155,33 @@ def finish_default_stream(ctx: Context, what: str) -> None:
         raise ctx.note_error(err, f"{what}: cuStreamSynchronize(default stream)")
 
 
+def implicit(ctx: Context, stream: Any) -> tuple[Any, bool]:
+    """``(stream, wait)`` for an operation given *stream* on memory of *ctx*.
+
+    ``stream=None`` means the thread's current stream of *ctx* (``with stream:``); the
+    operation then runs there and, as a ``stream=None`` operation, has completed when it
+    returns (``wait``). Without a current stream: ``(None, False)``, the legacy default
+    stream, synchronous as before.
+    """
+    if stream is not None:
+        return stream, False
+    cur = implicit_stream(ctx)
+    return (None, False) if cur is None else (cur, True)
+
+
+def wait_for(ctx: Context, stream: Any, what: str) -> None:
+    """Block until *stream* (a stream of the bound context *ctx*) has finished."""
+    (err,) = drv.cuStreamSynchronize(stream_for(stream, ctx, what))
+    if err:
+        raise ctx.note_error(err, f"{what}: cuStreamSynchronize(current stream)")
+
+
 def htod(ctx: Context, dst: int, src: np.ndarray, stream: Any, what: str) -> None:
     n = src.nbytes
     if n == 0:
         return
     host = src.__array_interface__["data"][0]
+    stream, wait = implicit(ctx, stream)
     if stream is None:
         with guard(ctx, what):
             (err,) = drv.cuMemcpyHtoD(dst, host, n)
@@ -161,9 +189,12 @@ def htod(ctx: Context, dst: int, src: np.ndarray, stream: Any, what: str) -> Non
                 finish_default_stream(ctx, what)
     else:
         sh = stream_for(stream, ctx, what)
-        check_async_host(src, what)
+        if not wait:
+            check_async_host(src, what)
         with guard(ctx, what):
             (err,) = drv.cuMemcpyHtoDAsync(dst, host, n, sh)
+            if not err and wait:
+                wait_for(ctx, stream, what)
     if err:
         raise ctx.note_error(err, f"{what}: cuMemcpyHtoD ({n} bytes)")
 
@@ -173,14 +204,18 @@ def dtoh(ctx: Context, dst: np.ndarray, src: int, stream: Any, what: str) -> Non
     if n == 0:
         return
     host = dst.__array_interface__["data"][0]
+    stream, wait = implicit(ctx, stream)
     if stream is None:
         with guard(ctx, what):
             (err,) = drv.cuMemcpyDtoH(host, src, n)
     else:
         sh = stream_for(stream, ctx, what)
-        check_async_host(dst, what)
+        if not wait:
+            check_async_host(dst, what)
         with guard(ctx, what):
             (err,) = drv.cuMemcpyDtoHAsync(host, src, n, sh)
+            if not err and wait:
+                wait_for(ctx, stream, what)
     if err:
         raise ctx.note_error(err, f"{what}: cuMemcpyDtoH ({n} bytes)")
 
@@ -191,12 +226,17 @@ def copy_device(dst: Mem, src: Mem, n: int, stream: Any, what: str) -> bool:
     if n == 0:
         return False
     dctx, sctx = resolve_contexts(dst, src, stream, what)
+    stream, wait = implicit(dctx, stream)
     ours = stream_value(stream)
     for m, c in ((src, sctx), (dst, dctx)):
         if m.stream is not None and int(m.stream) != ours:
             sync_foreign_stream(c, m.stream, what)
     if dctx != sctx:
-        return memcpy_peer(dst.ptr, dctx, src.ptr, sctx, n, stream, what)
+        direct = memcpy_peer(dst.ptr, dctx, src.ptr, sctx, n, stream, what)
+        if wait:
+            with guard(dctx, what):
+                wait_for(dctx, stream, what)
+        return direct
     if stream is None:
         with guard(dctx, what):
             (err,) = drv.cuMemcpyDtoD(dst.ptr, src.ptr, n)
@@ -206,6 +246,8 @@ def copy_device(dst: Mem, src: Mem, n: int, stream: Any, what: str) -> bool:
         sh = stream_for(stream, dctx, what)
         with guard(dctx, what):
             (err,) = drv.cuMemcpyDtoDAsync(dst.ptr, src.ptr, n, sh)
+            if not err and wait:
+                wait_for(dctx, stream, what)
     if err:
         raise dctx.note_error(err, f"{what}: cuMemcpyDtoD ({n} bytes)")
     return False

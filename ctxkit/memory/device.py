@@ -54,9 +54,9 @@ from ..errors import (
     CudaError,
     OutOfMemoryError,
 )
-from ..lifetime import finalizer
+from ..lifetime import finalizer, free_quietly
 from ..registry import guard, resolve_context
-from ..stream import Event, Stream, stream_handle
+from ..stream import Event, Stream, implicit_stream, stream_handle
 from .copies import (
     Mem,
     c_strides,
@@ -67,9 +67,11 @@ from .copies import (
     finish_default_stream,
     gib,
     htod,
+    implicit,
     nbytes_arg,
     shape_arg,
     stream_for,
+    wait_for,
 )
 from .dlpack import KDL_CUDA, to_capsule
 from .host import (
@@ -86,16 +88,25 @@ _OUT_OF_MEMORY = 2
 
 
 class DeviceBuffer:
-    """Linear device memory (``cuMemAlloc``) in one context.
+    """Linear device memory in one context: ``cuMemAlloc``, or stream-ordered from a pool.
 
     Parameters
     ----------
     nbytes : int
         Size in bytes (0 allocates nothing).
     context : Context, Device, int or None
-        Where to allocate. ``None``: the calling thread's current context
-        (``NoCurrentContextError`` when it has none); a Context is bound for the
-        allocation, whatever else is current.
+        Where to allocate. ``None``: the stream's context, else the calling thread's
+        current context (``NoCurrentContextError`` when it has none); a Context is bound
+        for the allocation, whatever else is current.
+    stream : Stream or stream-like, optional
+        Allocate stream-ordered on *stream* (``cuMemAllocAsync``) from the device's
+        default pool or *pool*; the memory is usable by work enqueued on that stream
+        after this call, and :meth:`close` frees it with ``cuMemFreeAsync`` on the same
+        stream (or ``close(stream=)``). Inside ``with stream:`` a ``DeviceBuffer(n)``
+        without *stream* is stream-ordered on the current stream.
+    pool : MemoryPool, optional
+        The pool to allocate from (``cuMemAllocFromPoolAsync``); implies stream-ordered
+        allocation (on the current stream when *stream* is not given).
 
     Raises
     ------
@@ -112,31 +123,63 @@ class DeviceBuffer:
     context is bound for the call.
     """
 
-    __slots__ = ("__weakref__", "_base", "_fin", "_ptr", "context", "nbytes")
+    __slots__ = ("__weakref__", "_base", "_fin", "_ptr", "_stream", "context", "nbytes")
+
+    #: False for subclasses whose memory cannot come from a stream-ordered pool.
+    _pooled_ok = True
 
     _ptr: int | None
     _base: DeviceBuffer | None
+    _stream: Stream | None
     _fin: weakref.finalize | None
     context: Context
     nbytes: int
 
-    def __init__(self, nbytes: int, context: Any = None) -> None:
+    def __init__(
+        self, nbytes: int, context: Any = None, *, stream: Any = None, pool: Any = None
+    ) -> None:
         what = f"{type(self).__name__}({nbytes})"
         n = nbytes_arg(nbytes, what)
+        if context is None and isinstance(stream, Stream):
+            context = stream.context
         ctx = resolve_context(context, what)
         self.context = ctx
         self.nbytes = n
         self._base = None
         self._fin = None
+        self._stream = None
         self._ptr = 0
+        if (stream is not None or pool is not None) and not self._pooled_ok:
+            raise TypeError(f"{what}: {type(self).__name__} cannot be stream-ordered")
+        if stream is None and self._pooled_ok:
+            stream = implicit_stream(ctx)
         if n == 0:
             return
+        if stream is None and pool is None:
+            with ctx:
+                err, ptr = self._alloc(n)
+            if err:
+                raise _alloc_error(ctx, err, n, what)
+            self._ptr = int(ptr)
+            self._fin = finalizer(self, ctx, drv.cuMemFree, ptr)
+            return
+        self._alloc_ordered(ctx, n, stream, pool, what)
+
+    def _alloc_ordered(self, ctx: Context, n: int, stream: Any, pool: Any, what: str) -> None:
+        s = stream if isinstance(stream, Stream) else Stream.from_handle(stream or 0, ctx)
+        sh = stream_for(s, ctx, what)
         with ctx:
-            err, ptr = self._alloc(n)
+            if pool is None:
+                err, ptr = drv.cuMemAllocAsync(n, sh)
+            else:
+                err, ptr = drv.cuMemAllocFromPoolAsync(n, pool.handle, sh)
         if err:
-            raise _alloc_error(ctx, err, n, what)
+            raise _alloc_error(ctx, err, n, f"{what} (stream-ordered)")
         self._ptr = int(ptr)
-        self._fin = finalizer(self, ctx, drv.cuMemFree, ptr)
+        self._stream = s
+        # The finalizer holds the stream: it outlives the buffer, so the free is ordered
+        # after every use enqueued on it.
+        self._fin = finalizer(self, ctx, _free_async, ptr, s)
 
     @staticmethod
     def _alloc(n: int) -> tuple[Any, Any]:
@@ -162,6 +205,7 @@ class DeviceBuffer:
         self.nbytes = n
         self.context = ctx
         self._base = base
+        self._stream = None if base is None else base._stream
         self._fin = None
 
     def _ctxkit_mem(self) -> Mem:
@@ -208,14 +252,33 @@ class DeviceBuffer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def close(self) -> None:
+    def close(self, stream: Any = None) -> None:
         """Free the memory now (inside its context, from any thread). Idempotent.
 
-        Closing a slice view only invalidates the view.
+        Stream-ordered memory is freed with ``cuMemFreeAsync`` on its allocation stream,
+        or on *stream* when given (the free is then ordered after the work on *stream*
+        only: make sure nothing else still uses the memory). Closing a slice view only
+        invalidates the view.
         """
-        if self._base is None and self._fin is not None:
-            self._fin()
+        fin = self._fin
+        if self._base is None and fin is not None:
+            if stream is not None and self._stream is not None and fin.alive:
+                fin.detach()
+                ptr = self._ptr
+                s = (
+                    stream
+                    if isinstance(stream, Stream)
+                    else Stream.from_handle(stream, self.context)
+                )
+                free_quietly(self.context, _free_async, ptr, s)
+            else:
+                fin()
         self._ptr = None
+
+    @property
+    def stream(self) -> Stream | None:
+        """The allocation stream of stream-ordered memory (``None`` for ``cuMemAlloc``)."""
+        return self._stream
 
     def __getitem__(self, key: slice) -> DeviceBuffer:
         """``buf[a:b]``: a view of bytes ``a..b`` (step 1 only)."""
@@ -289,6 +352,7 @@ class DeviceBuffer:
         if self.nbytes == 0:
             return
         ctx = self.context
+        stream, wait = implicit(ctx, stream)
         if stream is None:
             with guard(ctx, what):
                 (err,) = drv.cuMemsetD8(ptr, int(value), self.nbytes)
@@ -298,6 +362,8 @@ class DeviceBuffer:
             sh = stream_for(stream, ctx, what)
             with guard(ctx, what):
                 (err,) = drv.cuMemsetD8Async(ptr, int(value), self.nbytes, sh)
+                if not err and wait:
+                    wait_for(ctx, stream, what)
         if err:
             raise ctx.note_error(err, f"{what}: cuMemsetD8 ({self.nbytes} bytes)")
 
@@ -328,6 +394,17 @@ class DeviceBuffer:
 
     def __dlpack_device__(self) -> tuple[int, int]:
         return (KDL_CUDA, self.context.device.ordinal)
+
+
+def _free_async(ptr: Any, stream: Stream) -> Any:
+    """Free stream-ordered memory on *stream* (call with its context bound)."""
+    handle = stream.handle
+    if handle is None:  # the stream was closed: wait for everything, then free
+        (err,) = drv.cuCtxSynchronize()
+        if err:
+            return (err,)
+        handle = drv.CUstream(0)
+    return drv.cuMemFreeAsync(ptr, handle)
 
 
 def _keep(owner: Any) -> None:

@@ -83,6 +83,8 @@ class ManagedBuffer(DeviceBuffer):
     reading data a running kernel writes is still a race: synchronize its stream first.
     """
 
+    _pooled_ok = False
+
     __slots__ = ("_views",)
 
     _views: weakref.WeakSet[HostMemory]
@@ -125,7 +127,7 @@ class ManagedBuffer(DeviceBuffer):
         self._root()._views.add(mem)
         return np.asarray(mem).view(dt).reshape(shp)
 
-    def close(self) -> None:
+    def close(self, stream: Any = None) -> None:
         """Free the memory now; refused while numpy views from :meth:`as_numpy` live.
 
         Raises

@@ -324,8 +324,51 @@ def test_operations_bind_the_buffer_context(fake, ctx0, ctx1):
         buf.memset(1)
         assert fake.cur() == ctx0.handle
     assert fake.calls("memset")[-1][1] == ctx1.handle
-    with pytest.raises(NoCurrentContextError):
-        in_thread(lambda: buf.memset(2))
+    in_thread(lambda: buf.memset(2))  # a thread with no context: the buffer binds its own
+    assert fake.calls("memset")[-1][1] == ctx1.handle
+
+
+def test_strict_mode_refuses_implicit_binds(fake, ctx0, ctx1, monkeypatch):
+    import ctxkit.registry as registry_mod
+
+    with ctx1:
+        buf = DeviceBuffer(8)
+        s = Stream()
+    monkeypatch.setattr(registry_mod.default, "strict", True)
+    for op in (lambda: buf.memset(2), s.synchronize, lambda: buf.copy_to_host()):
+        with pytest.raises(NoCurrentContextError, match="ctxkit.bind"):
+            in_thread(op)
+    with ctx0:  # another context current: the object still binds its own
+        buf.memset(3)
+    assert fake.calls("memset")[-1][1] == ctx1.handle
+
+
+def test_strict_mode_from_the_environment(monkeypatch):
+    from ctxkit.registry import ContextRegistry
+
+    monkeypatch.delenv("CTXKIT_AUTO_BIND", raising=False)
+    monkeypatch.setenv("CTXKIT_STRICT_CONTEXT", "1")
+    assert ContextRegistry().strict is True and ContextRegistry().auto_bind is False
+    monkeypatch.setenv("CTXKIT_STRICT_CONTEXT", "0")
+    assert ContextRegistry().strict is False
+    monkeypatch.setenv("CTXKIT_AUTO_BIND", "0")
+    assert ContextRegistry().strict is True
+    assert ContextRegistry(strict=False).strict is False
+    reg = ContextRegistry(strict=False)
+    reg.auto_bind = False
+    assert reg.strict is True
+
+
+def test_registry_module_forwards_strict(monkeypatch):
+    import ctxkit.registry as registry_mod
+
+    monkeypatch.setattr(registry_mod.default, "strict", False)
+    ck.registry.strict = True
+    try:
+        assert registry_mod.default.strict is True and ck.registry.strict is True
+        assert ck.registry.auto_bind is False
+    finally:
+        ck.registry.strict = False
 
 
 def test_pageable_async_copy_warns_and_pinned_does_not(fake, ctx0):

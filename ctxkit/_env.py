@@ -1,0 +1,28 @@
+"""The ``CTXKIT_*`` environment variables, read in one place.
+
+=========================  ==============================================================
+``CTXKIT_CACHE_DIR``       compiled-kernel cache directory (``off`` disables it)
+``CTXKIT_STRICT_CONTEXT``  ``1``: an operation in a thread with no current context raises
+``CTXKIT_AUTO_BIND``       ``0``: the same as ``CTXKIT_STRICT_CONTEXT=1`` (ctxkit 0.1 name)
+``CTXKIT_STRICT_ASYNC``    ``1``: an async copy from pageable host memory raises
+=========================  ==============================================================
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["env_flag", "env_off"]
+
+_ON = frozenset({"1", "true", "yes", "on"})
+_OFF = frozenset({"0", "false", "no", "off"})
+
+
+def env_flag(name: str) -> bool:
+    """True when the variable *name* is set to 1/true/yes/on (any case)."""
+    return os.environ.get(name, "").strip().lower() in _ON
+
+
+def env_off(name: str) -> bool:
+    """True when the variable *name* is explicitly set to 0/false/no/off (any case)."""
+    return os.environ.get(name, "").strip().lower() in _OFF

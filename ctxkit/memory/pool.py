@@ -1,0 +1,204 @@
+"""Stream-ordered memory pools (``cuMemAllocAsync`` / ``cuMemFreeAsync``).
+
+A :class:`MemoryPool` is a device's default pool (``cuDeviceGetDefaultMemPool``, what
+``DeviceBuffer(n, stream=s)`` draws from), a pool ctxkit creates (``cuMemPoolCreate``),
+or one another library made (:meth:`MemoryPool.from_handle`, e.g. a pool CuPy or PyTorch
+uses). Freed memory returns to the pool in stream order and is reused without a driver
+allocation, which is what makes allocating per iteration cheap; the release threshold
+says how much unused memory the pool keeps across synchronizations.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from .._driver import drv
+from ..context import Context
+from ..device import Device
+from ..errors import ContextClosedError
+from ..lifetime import finalizer
+from ..registry import ContextLike, resolve_context
+from .device import DeviceBuffer
+
+__all__ = ["MemoryPool"]
+
+_UINT64_MAX = (1 << 64) - 1
+
+
+def _pool_attr(name: str) -> Any:
+    return getattr(drv.CUmemPool_attribute, f"CU_MEMPOOL_ATTR_{name}")
+
+
+class MemoryPool:
+    """A device memory pool for stream-ordered allocations.
+
+    Parameters
+    ----------
+    device : Context, Device, int or None
+        The device (its registry context is used for driver calls); ``None``: the
+        calling thread's current context.
+    release_threshold : int, optional
+        Bytes of unused memory the pool keeps reserved across synchronizations (default
+        0: everything unused is released at the next synchronization). ``None`` keeps
+        the driver's value.
+    max_size : int, optional
+        Upper bound of the pool's reserved memory (0: no bound; new pools only).
+
+    Notes
+    -----
+    ``MemoryPool(0)`` creates a new, private pool; ``MemoryPool.default(0)`` is the
+    device's default pool, shared with every ``cuMemAllocAsync`` user of the process.
+    """
+
+    __slots__ = ("__weakref__", "_fin", "context", "handle", "owned")
+
+    _fin: weakref.finalize | None
+
+    def __init__(
+        self,
+        device: ContextLike | None = 0,
+        *,
+        release_threshold: int | None = 0,
+        max_size: int = 0,
+    ) -> None:
+        ctx = resolve_context(device, "MemoryPool()")
+        props = drv.CUmemPoolProps()
+        props.allocType = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        props.handleTypes = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
+        props.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        props.location.id = ctx.device.ordinal
+        if max_size:
+            props.maxSize = _nonnegative(max_size, "max_size")
+        with ctx:
+            err, handle = drv.cuMemPoolCreate(props)
+        if err:
+            raise ctx.note_error(err, f"cuMemPoolCreate(device {ctx.device.ordinal})")
+        self._setup(ctx, handle, owned=True)
+        self._fin = finalizer(self, ctx, drv.cuMemPoolDestroy, handle)
+        if release_threshold is not None:
+            self.release_threshold = release_threshold
+
+    def _setup(self, ctx: Context, handle: Any, owned: bool) -> None:
+        self.context = ctx
+        self.handle = handle
+        self.owned = owned
+        self._fin = None
+
+    @classmethod
+    def default(cls, device: ContextLike | None = 0) -> MemoryPool:
+        """The device's default pool (``cuDeviceGetDefaultMemPool``); never destroyed."""
+        ctx = resolve_context(device, "MemoryPool.default()")
+        with ctx:
+            err, handle = drv.cuDeviceGetDefaultMemPool(ctx.device.handle)
+        if err:
+            raise ctx.note_error(err, f"cuDeviceGetDefaultMemPool(device {ctx.device.ordinal})")
+        return cls._wrap(ctx, handle)
+
+    @classmethod
+    def from_handle(cls, handle: Any, device: ContextLike | None = None) -> MemoryPool:
+        """Wrap a pool made elsewhere (a ``CUmemoryPool`` or its int value); not owned."""
+        ctx = resolve_context(device, "MemoryPool.from_handle()")
+        value = handle if isinstance(handle, drv.CUmemoryPool) else drv.CUmemoryPool(int(handle))
+        return cls._wrap(ctx, value)
+
+    @classmethod
+    def _wrap(cls, ctx: Context, handle: Any) -> MemoryPool:
+        pool = cls.__new__(cls)
+        pool._setup(ctx, handle, owned=False)
+        return pool
+
+    # --- attributes ------------------------------------------------------------------
+
+    def _get(self, name: str) -> int:
+        self._check_open()
+        err, value = drv.cuMemPoolGetAttribute(self.handle, _pool_attr(name))
+        if err:
+            raise self.context.note_error(err, f"cuMemPoolGetAttribute({name})")
+        return int(value)
+
+    def _set(self, name: str, value: int) -> None:
+        self._check_open()
+        (err,) = drv.cuMemPoolSetAttribute(self.handle, _pool_attr(name), drv.cuuint64_t(value))
+        if err:
+            raise self.context.note_error(err, f"cuMemPoolSetAttribute({name}, {value})")
+
+    @property
+    def release_threshold(self) -> int:
+        """Unused bytes the pool keeps reserved across synchronizations."""
+        return self._get("RELEASE_THRESHOLD")
+
+    @release_threshold.setter
+    def release_threshold(self, nbytes: int) -> None:
+        self._set("RELEASE_THRESHOLD", min(_nonnegative(nbytes, "release_threshold"), _UINT64_MAX))
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Device memory the pool holds now (in use or cached)."""
+        return self._get("RESERVED_MEM_CURRENT")
+
+    @property
+    def used_bytes(self) -> int:
+        """Memory handed out to allocations that are not freed yet."""
+        return self._get("USED_MEM_CURRENT")
+
+    @property
+    def reserved_high(self) -> int:
+        """High-water mark of :attr:`reserved_bytes`."""
+        return self._get("RESERVED_MEM_HIGH")
+
+    @property
+    def used_high(self) -> int:
+        """High-water mark of :attr:`used_bytes`."""
+        return self._get("USED_MEM_HIGH")
+
+    @property
+    def device(self) -> Device:
+        """The device whose memory the pool holds."""
+        return self.context.device
+
+    # --- operations ------------------------------------------------------------------
+
+    def trim(self, keep: int = 0) -> None:
+        """Release unused memory, keeping at least *keep* bytes reserved (``cuMemPoolTrimTo``).
+
+        Memory freed in stream order counts as in use until that free has completed:
+        synchronize the freeing stream first to release it.
+        """
+        self._check_open()
+        (err,) = drv.cuMemPoolTrimTo(self.handle, _nonnegative(keep, "keep"))
+        if err:
+            raise self.context.note_error(err, f"cuMemPoolTrimTo({keep})")
+
+    def allocate(self, nbytes: int, stream: Any = None) -> DeviceBuffer:
+        """A :class:`~ctxkit.DeviceBuffer` from this pool, ordered on *stream*."""
+        return DeviceBuffer(nbytes, context=self.context, stream=stream, pool=self)
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self.handle is None
+
+    def _check_open(self) -> None:
+        if self.handle is None:
+            raise ContextClosedError("the memory pool was closed")
+
+    def close(self) -> None:
+        """Destroy an owned pool (its allocations must be freed first); idempotent.
+        A borrowed or default pool is only forgotten."""
+        fin = self._fin
+        if fin is not None:
+            fin()
+        self.handle = None
+
+    def __repr__(self) -> str:
+        if self.handle is None:
+            return "<MemoryPool closed>"
+        kind = "owned" if self.owned else "borrowed"
+        return f"<MemoryPool {int(self.handle):#x} {kind} device={self.device.ordinal}>"
+
+
+def _nonnegative(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what} must be a non-negative int (bytes), got {value!r}")
+    return int(value)
