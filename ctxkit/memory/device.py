@@ -127,6 +127,8 @@ class DeviceBuffer:
 
     #: False for subclasses whose memory cannot come from a stream-ordered pool.
     _pooled_ok = True
+    #: DLPack device type of the memory (kDLCUDA; managed memory overrides it).
+    _dlpack_device_type = KDL_CUDA
 
     _ptr: int | None
     _base: DeviceBuffer | None
@@ -393,7 +395,8 @@ class DeviceBuffer:
         return self.view().__dlpack__(**kwargs)
 
     def __dlpack_device__(self) -> tuple[int, int]:
-        return (KDL_CUDA, self.context.device.ordinal)
+        """``(kDLCUDA, ordinal)``; ``(kDLCUDAManaged, ordinal)`` for managed memory."""
+        return (self._dlpack_device_type, self.context.device.ordinal)
 
 
 def _free_async(ptr: Any, stream: Stream) -> Any:
@@ -613,8 +616,8 @@ class DeviceArray:
         }
 
     def __dlpack_device__(self) -> tuple[int, int]:
-        """``(kDLCUDA, device ordinal)``."""
-        return (KDL_CUDA, self.buffer.context.device.ordinal)
+        """``(kDLCUDA, device ordinal)``; ``kDLCUDAManaged`` for managed memory."""
+        return self.buffer.__dlpack_device__()
 
     def __dlpack__(
         self,

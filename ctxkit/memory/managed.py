@@ -24,6 +24,7 @@ from .copies import (
     stream_for,
 )
 from .device import DeviceBuffer
+from .dlpack import KDL_CUDA_MANAGED
 from .host import (
     HostMemory,
     device_of,
@@ -84,6 +85,7 @@ class ManagedBuffer(DeviceBuffer):
     """
 
     _pooled_ok = False
+    _dlpack_device_type = KDL_CUDA_MANAGED
 
     __slots__ = ("_views",)
 
