@@ -83,8 +83,9 @@ def _require_bindings() -> ModuleType:
     if drv is None:
         raise DriverNotFoundError(
             "cuda-bindings is not installed or failed to import "
-            f"({_IMPORT_ERROR!r}); install it with `pip install ctxkit[cu13]` "
-            "(or [cu12] for a CUDA 12 driver)"
+            f'({_IMPORT_ERROR!r}); install it with `pip install -e ".[cu13]"` in a ctxkit '
+            'checkout (".[cu12]" for a CUDA 12 driver), or `pip install "ctxkit-cuda[cu13]"` '
+            "from the package index"
         )
     return drv
 

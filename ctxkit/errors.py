@@ -86,7 +86,7 @@ class ContextPoisonedError(CudaError):
     fault; a process does. To keep other devices working, run device work in separate
     processes (:func:`ctxkit.procs.run_per_device`, or :class:`ctxkit.procs.DevicePool`,
     which replaces a faulted worker) and restart the process (or the worker) after a
-    fault. tests/gpu/test_sticky.py checks this behaviour on the real driver.
+    fault. tests/core/test_sticky_gpu.py checks this behaviour on the real driver.
     """
 
 

@@ -9,7 +9,8 @@ device's event times onto the host clock through one reference event per device.
 Export: :meth:`Timeline.to_chrome_trace` writes Chrome-trace JSON (open it in
 https://ui.perfetto.dev or ``chrome://tracing``; one process per device, one thread
 per stream or host thread); :meth:`Timeline.to_png` draws a Gantt chart when
-matplotlib is installed (``pip install 'ctxkit[plot]'``).
+matplotlib is installed (in a checkout ``pip install -e ".[plot]"``, from the package
+index ``pip install "ctxkit-cuda[plot]"``).
 """
 
 from __future__ import annotations
@@ -347,8 +348,8 @@ class Timeline:
             from matplotlib.figure import Figure
         except ImportError as exc:
             raise ImportError(
-                "Timeline.to_png needs matplotlib: pip install 'ctxkit[plot]' (or "
-                "pip install matplotlib). Timeline.to_chrome_trace(path) needs nothing "
+                'Timeline.to_png needs matplotlib (pip install -e ".[plot]" in a checkout, '
+                "or pip install matplotlib). Timeline.to_chrome_trace(path) needs nothing "
                 "and opens in https://ui.perfetto.dev"
             ) from exc
         rows = [(d, s) for d in self.devices() for s in self.streams(d)]

@@ -1,36 +1,40 @@
-"""Helpers shared by the examples: the no-GPU exit, kernels from ``ptx/``, result checks.
+"""Helpers shared by the examples: the argument parser, the no-GPU exit, result checks.
 
-Every example calls :func:`require_gpus` before it touches CUDA, so on a machine without a
-GPU it prints one line on stderr and exits with code 2 (no traceback). Results are checked
-against numpy with :func:`check`; a wrong result exits with code 1. The last line an
-example prints on success starts with ``OK``.
+Each example parses its arguments first (so ``--help`` works on any machine), then calls
+:func:`require_gpus` before it touches CUDA: on a machine without a GPU it prints one line
+on stderr and exits with code 2 (no traceback). Results are checked against numpy with
+:func:`check`; a wrong result exits with code 1. The last line an example prints on
+success starts with ``OK``. The examples import ctxkit themselves; nothing here wraps it.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parent.parent
-
-try:
-    import ctxkit as ck
-except ImportError:  # running from a source checkout without `pip install -e .`
-    sys.path.insert(0, str(REPO))
-    import ctxkit as ck
+import ctxkit
 
 EXIT_NO_GPU = 2
 
 
+def example_parser(doc: str | None) -> argparse.ArgumentParser:
+    """An argument parser whose help is the example's summary line and what it needs."""
+    return argparse.ArgumentParser(
+        description=(doc or "").strip().splitlines()[0],
+        epilog="Needs an NVIDIA GPU: without one it says so and exits 2. Every result is "
+        "checked against numpy; the last line printed on success starts with OK.",
+    )
+
+
 def require_gpus(example: str, minimum: int = 1) -> int:
     """Return the number of visible devices; exit 2 with a one-line note when too few."""
-    n = ck.device_count()
+    n = ctxkit.device_count()
     if n == 0:
         print(
             f"no GPU: {example} needs an NVIDIA GPU and driver "
@@ -44,19 +48,8 @@ def require_gpus(example: str, minimum: int = 1) -> int:
     return n
 
 
-def kernel(file: str, name: str) -> Any:
-    """Compile ``ptx/<file>`` (cached on disk) and return its kernel *name*.
-
-    The module is loaded context-independently, so the one ``Kernel`` launches in
-    whichever context is current, on any device.
-    """
-    source = (REPO / "ptx" / file).read_text(encoding="utf-8")
-    with ck.bind(0):
-        return ck.Module.load(ck.compile(source, name=file)).function(name)
-
-
 def blocks_for(n: int, block: int = 256, cap: int = 65535) -> int:
-    """Grid size for the grid-stride kernels of ``ptx/``: enough blocks, at most *cap*."""
+    """Grid size for the kernel library's grid-stride kernels: enough blocks, at most *cap*."""
     return max(1, min(cap, (n + block - 1) // block))
 
 

@@ -1,6 +1,6 @@
 """Cross-device dependency: device 1 waits on an event of device 0, then consumes its output.
 
-Pattern: 000_baec4c9b4cae01ce.txt section 3 ("event dependency control"). Device 0 records
+Pattern: "event dependency control", as multi-GPU CUDA tutorials write it. Device 0 records
 an event on its stream after producing ``b0 = 2 * x``; device 1's stream waits on that event
 (``cudaStreamWaitEvent``), copies ``b0`` over with a peer copy and computes
 ``y = 3 * b0``. The host never blocks in between: the ordering happens on the GPUs. Device 0
@@ -22,7 +22,9 @@ module loads (one per context) and hand-packed launch arguments.
 from __future__ import annotations
 
 import numpy as np
-from _common import blocks_for, check, ck, kernel, ok, require_gpus
+from _common import blocks_for, check, example_parser, ok, require_gpus
+
+import ctxkit as ck
 
 COUNT = 1 << 22
 SPIN_CYCLES = 50_000_000  # ~25 ms on an H200: device 0 is slow on purpose
@@ -30,6 +32,7 @@ TWO, THREE = np.float32(2.0), np.float32(3.0)
 
 
 def main() -> None:
+    example_parser(__doc__).parse_args()
     n = require_gpus("cross_device_dependency.py")
     with ck.bind(0):  # the main thread works with device 0's context current
         run(n)
@@ -42,8 +45,10 @@ def run(n: int) -> None:
     else:
         print("one GPU: a second context on device 0 plays device 1")
         ctx1 = ck.Context.create(0)
-    scale = kernel("scale.cu", "scale_f32")
-    spin = kernel("spin.cu", "spin")
+    # Kernels from ctxkit's library, compiled once (cached on disk) and loaded for every
+    # context: one Kernel launches on whichever context is current.
+    scale = ck.Module.load(ck.compile(ck.kernel_source("scale.cu"))).function("scale_f32")
+    spin = ck.Module.load(ck.compile(ck.kernel_source("spin.cu"))).function("spin")
     nbytes = COUNT * 4
     x = ck.pinned_empty(COUNT, np.float32)
     x[:] = np.random.default_rng(1).random(COUNT, dtype=np.float32)

@@ -1,6 +1,6 @@
 """Explicit contexts: create / push / pop / destroy, and the worker-thread INVALID_CONTEXT bug.
 
-Pattern: 003_06465f0f39171761.txt section 3.3 ("CUDA Context and Device management"). With
+Pattern: "CUDA context and device management", as Driver-API tutorials write it. With
 the Driver API you own contexts: ``cuCtxCreate``, ``cuCtxPushCurrent``, ``cuCtxPopCurrent``,
 ``cuCtxDestroy``. The classic bug: the main thread creates a context, a worker thread uses
 it and gets ``CUDA_ERROR_INVALID_CONTEXT``, because the current context is per thread; the
@@ -27,7 +27,9 @@ import threading
 from typing import Any
 
 import numpy as np
-from _common import blocks_for, check, ck, expect, kernel, ok, require_gpus
+from _common import blocks_for, check, example_parser, expect, ok, require_gpus
+
+import ctxkit as ck
 
 N = 1 << 16
 
@@ -136,8 +138,10 @@ def ctxkit_fix(ctx: ck.Context, fill: ck.Kernel) -> None:
 
 
 def main() -> None:
+    example_parser(__doc__).parse_args()
     require_gpus("explicit_contexts.py")
-    fill = kernel("fill.cu", "fill_f32")
+    # A context-independent library: the one Kernel runs in whichever context is current.
+    fill = ck.Module.load(ck.compile(ck.kernel_source("fill.cu"))).function("fill_f32")
     explicit_lifecycle(fill)
     shared = ck.Context.create(0)  # "the main thread created the context"
     try:

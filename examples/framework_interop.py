@@ -1,8 +1,8 @@
 """ctxkit kernels on PyTorch tensors and CuPy arrays, and ctxkit memory seen by both.
 
-Pattern: embedding (issue 8, pattern 8). PyTorch and CuPy use each device's *primary*
-context, which is also what ``ctxkit.registry`` hands out by default, so all three share
-memory and streams with no copies:
+Pattern: embedding ctxkit in a program that already uses a framework. PyTorch and CuPy use
+each device's *primary* context, which is also what ``ctxkit.registry`` hands out by
+default, so all three share memory and streams with no copies:
 
 * a ctxkit kernel takes a torch tensor / CuPy array directly as an argument (through
   ``__cuda_array_interface__``) and runs on the framework's current stream;
@@ -25,7 +25,9 @@ import importlib
 from types import ModuleType
 
 import numpy as np
-from _common import blocks_for, check, ck, expect, kernel, ok, require_gpus
+from _common import blocks_for, check, example_parser, expect, ok, require_gpus
+
+import ctxkit as ck
 
 N = 1 << 20
 TWO = np.float32(2.0)
@@ -88,9 +90,10 @@ def with_cupy(cp: ModuleType, scale: ck.Kernel, fill: ck.Kernel) -> None:
 
 
 def main() -> None:
+    example_parser(__doc__).parse_args()
     require_gpus("framework_interop.py")
-    scale = kernel("scale.cu", "scale_f32")
-    fill = kernel("fill.cu", "fill_f32")
+    scale = ck.Module.load(ck.compile(ck.kernel_source("scale.cu"))).function("scale_f32")
+    fill = ck.Module.load(ck.compile(ck.kernel_source("fill.cu"))).function("fill_f32")
     done = []
     torch = optional("torch")
     if torch is not None and not torch.cuda.is_available():

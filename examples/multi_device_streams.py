@@ -1,10 +1,10 @@
 """One host thread, one stream per device: H2D -> kernel -> D2H on every GPU, then sync all.
 
-Pattern: 000_baec4c9b4cae01ce.txt section 1 ("single thread + CUDA streams + device context
-switching"). The host thread enqueues, for each device in turn, an async H2D copy, a kernel
+Pattern: "single thread + CUDA streams + device context switching", as multi-GPU CUDA
+tutorials write it. The host thread enqueues, for each device in turn, an async H2D copy, a kernel
 and an async D2H copy on that device's stream, then synchronizes every stream.
 
-The document's version copies from *pageable* host memory. The driver cannot copy pageable
+The tutorials' version copies from *pageable* host memory. The driver cannot copy pageable
 memory asynchronously: ``cuMemcpyHtoDAsync`` blocks the host thread for the whole copy, so
 the devices run one after the other. This program runs the literal pattern first, then the
 same code with page-locked (pinned) staging arrays, where every enqueue returns at once and
@@ -13,8 +13,8 @@ the devices overlap; it prints GB/s for both and checks every result against num
 With one GPU it runs the same loop over that one device.
 
 The raw Driver-API version needs, per device: ``cuDeviceGet``, ``cuDevicePrimaryCtxRetain``,
-``cuCtxPushCurrent``/``cuCtxPopCurrent`` around every call (the ``cudaSetDevice`` of the
-document), ``cuStreamCreate``, ``cuMemAlloc``, ``cuMemHostAlloc`` for pinned staging,
+``cuCtxPushCurrent``/``cuCtxPopCurrent`` around every call (the tutorials'
+``cudaSetDevice``), ``cuStreamCreate``, ``cuMemAlloc``, ``cuMemHostAlloc`` for pinned staging,
 ``cuModuleLoadData`` + ``cuModuleGetFunction``, a hand-packed ``void**`` argument array for
 ``cuLaunchKernel``, ``cuMemcpyHtoDAsync``/``cuMemcpyDtoHAsync``, ``cuStreamSynchronize``,
 then every free and destroy in the right context, each call's ``CUresult`` checked.
@@ -24,12 +24,13 @@ then every free and destroy in the right context, each call's ``CUresult`` check
 
 from __future__ import annotations
 
-import argparse
 import warnings
 from dataclasses import dataclass
 
 import numpy as np
-from _common import blocks_for, check, ck, gbps, kernel, ok, require_gpus, timed
+from _common import blocks_for, check, example_parser, gbps, ok, require_gpus, timed
+
+import ctxkit as ck
 
 ALPHA = np.float32(3.0)
 
@@ -59,7 +60,7 @@ def enqueue_and_wait(
     """The pattern itself; returns the seconds the host spent enqueueing."""
     with timed() as enqueue:
         for lane, x, y in zip(lanes, xs, ys):
-            with lane.ctx:  # the document's cudaSetDevice(i)
+            with lane.ctx:  # the tutorials' cudaSetDevice(i)
                 lane.d_in.copy_from_host(x, stream=lane.stream)
                 scale.launch(
                     blocks_for(x.size),
@@ -96,14 +97,14 @@ def run(
 
 
 def main() -> None:
-    n = require_gpus("multi_device_streams.py")
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = example_parser(__doc__)
     parser.add_argument("--mb", type=int, default=256, help="MiB of float32 input per device")
     args = parser.parse_args()
+    n = require_gpus("multi_device_streams.py")
     count = (args.mb << 20) // 4
     print(f"{n} device(s): {', '.join(d.name for d in ck.devices())}; {args.mb} MiB per device")
 
-    scale = kernel("scale.cu", "scale_f32")
+    scale = ck.Module.load(ck.compile(ck.kernel_source("scale.cu"))).function("scale_f32")
     lanes = make_lanes(n, count * 4)
     rng = np.random.default_rng(0)
     pageable_in = [rng.random(count, dtype=np.float32) for _ in range(n)]
@@ -113,7 +114,7 @@ def main() -> None:
         # ctxkit warns that these async copies from pageable memory block the host: that
         # blocking is exactly what this first run shows.
         warnings.simplefilter("ignore")
-        slow = run("pageable (document as is)", lanes, scale, pageable_in, pageable_out)
+        slow = run("pageable (tutorial as is)", lanes, scale, pageable_in, pageable_out)
 
     pinned_in = [ck.pinned_empty(count, np.float32) for _ in range(n)]
     pinned_out = [ck.pinned_empty(count, np.float32) for _ in range(n)]

@@ -1,8 +1,8 @@
 """A thread pool serving requests on one shared context: a small HTTP-less inference server.
 
-Pattern: the multithreaded host application of 003_06465f0f39171761.txt section 3.3 done
-right. Client threads put requests on a queue; a ``ContextExecutor`` runs one serving loop
-per worker thread, each with the shared context of device 0 current for its whole life (no
+Pattern: the multithreaded host application of Driver-API tutorials, done right. Client
+threads put requests on a queue; a ``ContextExecutor`` runs one serving loop per worker
+thread, each with the shared context of device 0 current for its whole life (no
 ``CUDA_ERROR_INVALID_CONTEXT``, no per-request binding cost). Each worker owns a stream and
 pinned staging buffers; a request is H2D copy -> kernel -> D2H copy on the worker's stream.
 Every response is checked against numpy; latency percentiles and throughput are printed.
@@ -17,14 +17,15 @@ the pool shuts down.
 
 from __future__ import annotations
 
-import argparse
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
-from _common import blocks_for, ck, expect, kernel, ok, require_gpus
+from _common import blocks_for, example_parser, expect, ok, require_gpus
+
+import ctxkit as ck
 
 MAX_ELEMENTS = 1 << 18
 
@@ -104,14 +105,14 @@ def client(
 
 
 def main() -> None:
-    require_gpus("thread_pool_server.py")
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = example_parser(__doc__)
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--requests", type=int, default=50, help="per client")
     args = parser.parse_args()
+    require_gpus("thread_pool_server.py")
 
-    scale = kernel("scale.cu", "scale_f32")
+    scale = ck.Module.load(ck.compile(ck.kernel_source("scale.cu"))).function("scale_f32")
     ctx = ck.registry.context(0)
     requests: queue.Queue[Request | None] = queue.Queue()
     done: list[Request] = []

@@ -1,6 +1,6 @@
 """Unified (managed) memory over every GPU: one allocation, one launch per device, one sync.
 
-Pattern: 000_baec4c9b4cae01ce.txt section 2 ("unified memory simplified implementation").
+Pattern: "unified memory simplified implementation", as multi-GPU CUDA tutorials write it.
 One managed allocation holds the whole input and one the output; the host writes the input
 straight into it (no copy calls), each device prefetches its slice and runs the kernel on
 it, every device is synchronized once, and the host reads the results in place.
@@ -20,25 +20,25 @@ then ``cuCtxSynchronize`` per device and ``cuMemFree`` in the allocating context
 
 from __future__ import annotations
 
-import argparse
-
 import numpy as np
-from _common import blocks_for, check, ck, kernel, ok, require_gpus, timed
+from _common import blocks_for, check, example_parser, ok, require_gpus, timed
+
+import ctxkit as ck
 
 ALPHA = np.float32(0.5)
 MAX_MB = 32  # per buffer: input + output stay <= 64 MiB of managed memory
 
 
 def main() -> None:
-    n = require_gpus("unified_memory.py")
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = example_parser(__doc__)
     parser.add_argument("--mb", type=int, default=16, help=f"MiB per buffer (max {MAX_MB})")
     args = parser.parse_args()
+    n = require_gpus("unified_memory.py")
     mb = max(1, min(args.mb, MAX_MB))
     count = (mb << 20) // 4
 
     ctxs = [ck.registry.context(i) for i in range(n)]
-    scale = kernel("scale.cu", "scale_f32")
+    scale = ck.Module.load(ck.compile(ck.kernel_source("scale.cu"))).function("scale_f32")
     x = ck.ManagedBuffer(count * 4, context=ctxs[0])  # cudaMallocManaged
     y = ck.ManagedBuffer(count * 4, context=ctxs[0])
     xs = x.as_numpy(np.float32)
@@ -59,7 +59,7 @@ def main() -> None:
                 )
                 if ctx.device.attribute("concurrent_managed_access"):
                     part_y.prefetch("cpu", stream=stream)
-        for ctx in ctxs:  # the document's cudaDeviceSynchronize, once per device
+        for ctx in ctxs:  # the tutorials' cudaDeviceSynchronize, once per device
             ctx.synchronize()
     for i, (lo, hi) in enumerate(bounds):
         print(f"device {i}: elements {lo}..{hi} ({(hi - lo) * 4 / 2**20:.1f} MiB in, same out)")

@@ -1,12 +1,34 @@
-"""Command line: ``python -m ctxkit {info, compile, demo, bench}``."""
+"""The ``ctxkit`` command (also ``python -m ctxkit``): info, compile, demo, bench."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
 EXIT_NO_GPU = 2
+
+DESCRIPTION = """\
+ctxkit: explicit CUDA contexts, run-time compiled kernels and multi-GPU pipelines.
+
+  ctxkit info                       what this machine offers (works without a GPU)
+  ctxkit compile k.cu --arch sm_90  compile CUDA C++ with NVRTC (no GPU needed)
+  ctxkit demo                       the multi-GPU copy -> kernel -> copy demo
+  ctxkit bench [names]              the benchmarks of a source checkout
+"""
+
+
+def prog_name(argv0: str | None = None) -> str:
+    """The program name for usage lines: the script's name, ``ctxkit`` for ``python -m``.
+
+    ``python -m ctxkit`` runs ``ctxkit/__main__.py``; its name says nothing to a user, and
+    ``ctxkit`` is the command the package installs.
+    """
+    name = os.path.basename(sys.argv[0] if argv0 is None else argv0)
+    if not name or name in ("-c", "-m") or name.endswith(".py"):
+        return "ctxkit"
+    return name
 
 
 def _no_gpu_message() -> str | None:
@@ -56,11 +78,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_benchmarks(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ctxkit", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser of the ``ctxkit`` command."""
+    from .. import __version__
 
-    sub.add_parser("info", help="driver, bindings, NVRTC, devices and peer access")
+    p = argparse.ArgumentParser(
+        prog=prog or prog_name(),
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--version", action="version", version=f"ctxkit {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    sub.add_parser(
+        "info",
+        help="versions, supported GPU architectures, devices and peer access (no GPU needed)",
+        description="Print the ctxkit, cuda-bindings, NVRTC and driver versions, the GPU "
+        "architectures NVRTC compiles for, the kernel cache, the devices and their peer "
+        "access. Without a GPU it prints what it can and says so; it exits 0.",
+    )
 
     c = sub.add_parser("compile", help="compile a .cu file with NVRTC (no GPU needed)")
     c.add_argument("file", help="CUDA C++ source file")
@@ -85,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``ctxkit`` command with *argv* (default: ``sys.argv[1:]``); return its exit code."""
     args = build_parser().parse_args(argv)
     handler = {
         "info": cmd_info,

@@ -3,7 +3,7 @@
 Prints the devices, compiles ``ptx/scale.cu`` (cached), runs ``out = 2 * x`` over a large
 pageable float32 array three ways and verifies each against numpy:
 
-1. the naive pattern of the source document (one host thread, one stream per device,
+1. the naive multi-GPU pattern as tutorials write it (one host thread, one stream per device,
    literal async calls on pageable memory: each copy blocks the host, so the devices
    take turns);
 2. :class:`ctxkit.Pipeline` on the same pageable arrays (one worker thread per device):
@@ -84,9 +84,9 @@ def best_seconds(
 
 
 class NaivePattern:
-    """The source document's pattern, literally: one host thread; for each device, make
-    its context current and enqueue H2D -> kernel -> D2H on its stream (in *chunks*
-    pieces); then synchronize every stream.
+    """The naive multi-GPU pattern as tutorials write it, literally: one host thread;
+    for each device, make its context current and enqueue H2D -> kernel -> D2H on its
+    stream (in *chunks* pieces); then synchronize every stream.
 
     With pageable host memory every "async" copy blocks the calling thread for the whole
     copy, so nothing overlaps across devices. Device buffers and streams are allocated
@@ -191,7 +191,7 @@ def _write_trace(tl: Timeline, path: str) -> None:
         tl.to_png(png, title="ctxkit demo: pageable map")
         say(f"trace chart: {png}")
     except ImportError:
-        say("trace chart: skipped (pip install 'ctxkit[plot]' for a PNG Gantt chart)")
+        say('trace chart: skipped (for a PNG chart: pip install -e ".[plot]" in a checkout)')
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -223,7 +223,7 @@ def run_demo(args: argparse.Namespace) -> int:
     results: list[tuple[str, float]] = []
     progress = n * 4 >= 1024 * MiB
 
-    say("[1/3] the document's naive pattern (one thread, per-device streams, pageable)")
+    say("[1/3] the naive pattern (one thread, per-device streams, pageable)")
     naive = NaivePattern(kernel, contexts, -(-n // use), 4)
     try:
         naive.run(x, out, (ALPHA,))

@@ -1,14 +1,33 @@
-"""``python -m ctxkit info``: what this machine offers and whether it fits together."""
+"""``ctxkit info``: what this machine offers and whether it fits together.
+
+It prints what it can find on any machine: without cuda-bindings it says that; without a
+driver or GPU it still reports the bindings, NVRTC and the architectures NVRTC compiles
+for, then a line starting ``no GPU``. It exits 0 in every case: it reports, it does not
+judge (``ctxkit demo`` exits 2 without a GPU).
+"""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import TextIO
 
-from .. import _driver
-from ..errors import DriverNotFoundError
+from .. import __version__, _driver
+from ..errors import CudaError, DriverNotFoundError
 
-EXIT_NO_GPU = 2
+__all__ = ["DISTRIBUTION", "compatibility_line", "install_hint", "print_info"]
+
+#: The name of ctxkit's distribution on the package index (the import name is ``ctxkit``).
+DISTRIBUTION = "ctxkit-cuda"
+
+
+def install_hint(extra: str = "cu13") -> str:
+    """The install command for *extra*, from a checkout and from the package index."""
+    alt = ' (".[cu12]" for a CUDA 12 driver)' if extra == "cu13" else ""
+    return (
+        f'pip install -e ".[{extra}]" in a ctxkit checkout{alt}, '
+        f'or pip install "{DISTRIBUTION}[{extra}]"'
+    )
 
 
 def _fmt(v: tuple[int, int] | None) -> str:
@@ -18,7 +37,7 @@ def _fmt(v: tuple[int, int] | None) -> str:
 def compatibility_line(nvrtc: tuple[int, int] | None, drv_ver: tuple[int, int] | None) -> str:
     """One sentence on whether code from this NVRTC loads on this driver."""
     if nvrtc is None:
-        return "NVRTC not found: install ctxkit[cu13] (or [cu12]) to compile kernels"
+        return f"NVRTC not found: to compile kernels, {install_hint()}"
     if drv_ver is None:
         return (
             f"NVRTC {_fmt(nvrtc)}; no driver here: compile with --arch "
@@ -38,28 +57,44 @@ def compatibility_line(nvrtc: tuple[int, int] | None, drv_ver: tuple[int, int] |
     return f"NVRTC {_fmt(nvrtc)} matches the driver's CUDA {_fmt(drv_ver)}: PTX and cubin both load"
 
 
-def print_info(out: TextIO | None = None) -> int:
-    """Print versions, devices and the peer matrix; return the CLI exit code."""
-    from ..compiler.nvrtc import nvrtc_version
+def _bindings_line() -> str:
+    if _driver.bindings_available():
+        return _fmt(_driver.BINDINGS_VERSION)
+    return f"not installed ({_driver._IMPORT_ERROR!r}); {install_hint()}"
+
+
+def _nvrtc() -> tuple[tuple[int, int] | None, tuple[int, ...]]:
+    """NVRTC's version and real architectures, ``(None, ())`` where NVRTC is missing."""
+    from ..compiler.nvrtc import nvrtc_version, supported_archs
+
+    try:
+        return nvrtc_version(), supported_archs()
+    except CudaError:
+        return None, ()
+
+
+def _archs_line(archs: tuple[int, ...]) -> str:
+    return " ".join(f"sm_{a}" for a in archs) if archs else "not available (no NVRTC)"
+
+
+def _cache_line() -> str:
+    from ..compiler.cache import cache_dir, max_bytes
+
+    where = cache_dir()
+    if where is None:
+        return "off (CTXKIT_CACHE_DIR=off)"
+    files = [p for p in Path(where).glob("**/*") if p.is_file()] if where.is_dir() else []
+    size = sum(p.stat().st_size for p in files)
+    try:
+        cap = f"at most {max_bytes() / 2**20:.0f} MiB"
+    except ValueError as exc:
+        cap = str(exc)
+    return f"{where} ({len(files)} files, {size / 2**20:.1f} MiB; {cap})"
+
+
+def _print_devices(w: TextIO) -> int:
     from ..device import Device, device_count
 
-    w = out or sys.stdout
-    bv = _driver.BINDINGS_VERSION if _driver.bindings_available() else None
-    try:
-        nvrtc = nvrtc_version()
-    except Exception:
-        nvrtc = None
-    print(f"cuda-bindings : {_fmt(bv)}", file=w)
-    print(f"NVRTC         : {_fmt(nvrtc)}", file=w)
-    try:
-        _driver.init()
-    except DriverNotFoundError as exc:
-        print(f"driver        : {exc}", file=w)
-        print(f"compatibility : {compatibility_line(nvrtc, None)}", file=w)
-        print("ctxkit: no GPU: no NVIDIA driver on this machine", file=sys.stderr)
-        return EXIT_NO_GPU
-    drv_ver = _driver.driver_version()
-    print(f"driver (CUDA) : {_fmt(drv_ver)}", file=w)
     n = device_count()
     print(f"devices       : {n}", file=w)
     devs = [Device(i) for i in range(n)]
@@ -78,8 +113,36 @@ def print_info(out: TextIO | None = None) -> int:
                 "  -" if a is b else ("yes" if a.can_access_peer(b) else " no") for b in devs
             )
             print(f"  {a.ordinal:>3} {cells}", file=w)
+    return n
+
+
+def print_info(out: TextIO | None = None) -> int:
+    """Print versions, NVRTC's architectures, the cache, devices and peer access; return 0."""
+    w = out or sys.stdout
+    nvrtc, archs = _nvrtc() if _driver.bindings_available() else (None, ())
+    print(f"ctxkit        : {__version__} (distribution {DISTRIBUTION})", file=w)
+    print(f"cuda-bindings : {_bindings_line()}", file=w)
+    print(f"NVRTC         : {_fmt(nvrtc)}", file=w)
+    print(f"NVRTC targets : {_archs_line(archs)}", file=w)
+    print(f"kernel cache  : {_cache_line()}", file=w)
+    if not _driver.bindings_available():
+        print("driver        : not checked (it is reached through cuda-bindings)", file=w)
+        print("no GPU        : cuda-bindings is not installed (see above)", file=w)
+        return 0
+    try:
+        _driver.init()
+    except DriverNotFoundError as exc:
+        print(f"driver        : {exc}", file=w)
+        print(f"compatibility : {compatibility_line(nvrtc, None)}", file=w)
+        print(
+            "no GPU        : kernels can be compiled here (ctxkit compile --arch sm_90), not run",
+            file=w,
+        )
+        return 0
+    drv_ver = _driver.driver_version()
+    print(f"driver (CUDA) : {_fmt(drv_ver)}", file=w)
+    n = _print_devices(w)
     print(f"compatibility : {compatibility_line(nvrtc, drv_ver)}", file=w)
     if n == 0:
-        print("ctxkit: no GPU: the driver reports no CUDA device", file=sys.stderr)
-        return EXIT_NO_GPU
+        print("no GPU        : the driver reports no CUDA device", file=w)
     return 0

@@ -517,10 +517,12 @@ class DeviceArray:
 
     @property
     def ndim(self) -> int:
+        """Number of dimensions, ``len(self.shape)`` (as ``numpy.ndarray.ndim``)."""
         return len(self.shape)
 
     @property
     def itemsize(self) -> int:
+        """Bytes per element, ``self.dtype.itemsize``."""
         return self.dtype.itemsize
 
     @property
@@ -530,10 +532,12 @@ class DeviceArray:
 
     @property
     def context(self) -> Context:
+        """The context the memory was allocated in (its buffer's)."""
         return self.buffer.context
 
     @property
     def device(self) -> Device:
+        """The device the memory is on."""
         return self.buffer.context.device
 
     def __len__(self) -> int:

@@ -1,11 +1,14 @@
 """Examples and reliability scripts on a machine without a GPU: exit 2, one line, no traceback.
 
-Also the helpers of ``examples/_common.py`` (result checks exit 1 on a wrong result) and
-the shell scripts' syntax.
+Also: every example answers ``--help`` anywhere, imports ctxkit itself and uses public names
+only; the helpers of ``examples/_common.py`` (result checks exit 1 on a wrong result); the
+shell scripts' syntax.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib
 import os
 import shutil
 import subprocess
@@ -74,6 +77,128 @@ def test_example_has_a_pattern_header(path: Path) -> None:
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_example_exits_2_without_gpu(path: Path) -> None:
     _assert_no_gpu_exit(_run([sys.executable, str(path)]), path.name)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_answers_help_on_any_machine(path: Path) -> None:
+    proc = _run([sys.executable, str(path), "--help"])
+    assert proc.returncode == 0, f"{path.name} --help: exit {proc.returncode}\n{proc.stderr}"
+    assert proc.stdout.startswith("usage: "), proc.stdout
+    assert "no GPU" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_imports_ctxkit_itself(path: Path) -> None:
+    tree = _tree(path)
+    direct = [
+        a.asname or a.name
+        for node in tree.body
+        if isinstance(node, ast.Import)
+        for a in node.names
+        if a.name == "ctxkit"
+    ]
+    assert direct, f"{path.name}: no top-level `import ctxkit as ck`"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "_common":
+            got = {a.name for a in node.names} & {"ck", "ctxkit"}
+            assert not got, f"{path.name} takes ctxkit from _common ({got}): import it itself"
+
+
+def _chain(node: ast.Attribute) -> list[str] | None:
+    """``ck.a.b`` -> ``["ck", "a", "b"]``; ``None`` when it does not start at a name."""
+    parts: list[str] = []
+    cur: ast.expr = node
+    while isinstance(cur, ast.Attribute):
+        parts.append(cur.attr)
+        cur = cur.value
+    if not isinstance(cur, ast.Name):
+        return None
+    return [cur.id, *reversed(parts)]
+
+
+def _private_uses(path: Path) -> list[str]:
+    """Private or roundabout ctxkit names *path* uses, each as a short explanation."""
+    import ctxkit
+
+    tree = _tree(path)
+    alias = {
+        a.asname or a.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for a in node.names
+        if a.name == "ctxkit"
+    }
+    bad: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            module = node.module if isinstance(node, ast.ImportFrom) else None
+            mods = [module] if module else [a.name for a in node.names]
+            for mod in mods:
+                if mod.split(".")[0] == "ctxkit" and any(p.startswith("_") for p in mod.split(".")):
+                    bad.append(f"imports the private module {mod}")
+            if module and module.split(".")[0] == "ctxkit":
+                public = set(getattr(importlib.import_module(module), "__all__", ()))
+                bad += [
+                    f"from {module} import {a.name} (not in {module}.__all__)"
+                    for a in node.names
+                    if a.name not in public
+                ]
+        elif isinstance(node, ast.Attribute) and not isinstance(node.ctx, ast.Store):
+            chain = _chain(node)
+            if chain is None or chain[0] not in alias:
+                continue
+            obj: object = ctxkit
+            for i, attr in enumerate(chain[1:], 1):
+                spelled = ".".join(["ck", *chain[1 : i + 1]])
+                if attr.startswith("_") and attr != "__version__":
+                    bad.append(f"{spelled} is private")
+                    break
+                if not hasattr(obj, attr):
+                    bad.append(f"{spelled} does not exist")
+                    break
+                value = getattr(obj, attr)
+                top = getattr(ctxkit, attr, None) if attr in ctxkit.__all__ else None
+                if obj is not ctxkit and top is value and not isinstance(value, type(ctxkit)):
+                    bad.append(f"{spelled}: write ck.{attr}")
+                obj = value
+                if not isinstance(obj, type(ctxkit)):
+                    break
+        elif isinstance(node, ast.Constant) and node.value in ("ptx", "ptx/"):
+            bad.append("reads the ptx/ folder: use ck.kernel_source(name)")
+    return sorted(set(bad))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_uses_public_names_only(path: Path) -> None:
+    bad = _private_uses(path)
+    assert not bad, f"{path.name}: " + "; ".join(bad)
+
+
+def test_public_name_check_catches_what_it_should(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import ctxkit as ck\n"
+        "from ctxkit._driver import drv\n"
+        "from ctxkit.memory import c_strides\n"
+        "ck._driver.init()\n"
+        "ck.compiler.kernel_source('x.cu')\n"
+        "ck.no_such_name\n"
+        "ck.memory.peer_access_enabled\n"
+        "ck.registry.context(0)\n"
+        "REPO / 'ptx' / 'x.cu'\n"
+    )
+    bad = _private_uses(probe)
+    assert "imports the private module ctxkit._driver" in bad
+    assert "from ctxkit.memory import c_strides (not in ctxkit.memory.__all__)" in bad
+    assert "ck._driver is private" in bad
+    assert "ck.compiler.kernel_source: write ck.kernel_source" in bad
+    assert "ck.no_such_name does not exist" in bad
+    assert "reads the ptx/ folder: use ck.kernel_source(name)" in bad
+    assert not [b for b in bad if "peer_access_enabled" in b or "registry" in b], bad
 
 
 @no_gpu_only
@@ -224,6 +349,18 @@ def test_gbps_and_timed(common: ModuleType) -> None:
     assert 0.0 <= t[0] < 1.0
 
 
+def test_example_parser(common: ModuleType, capsys: pytest.CaptureFixture) -> None:
+    parser = common.example_parser("Scale an array on every GPU.\n\nMore text.")
+    parser.add_argument("--mb", type=int, default=4)
+    assert parser.parse_args(["--mb", "8"]).mb == 8
+    with pytest.raises(SystemExit) as info:
+        parser.parse_args(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "Scale an array on every GPU." in out and "More text" not in out
+    assert "exits 2" in out and "OK" in out
+
+
 def test_ok_line(common: ModuleType, capsys: pytest.CaptureFixture) -> None:
     common.ok("done")
     assert capsys.readouterr().out == "OK done\n"
@@ -236,3 +373,69 @@ def test_require_gpus_exits_2(common: ModuleType, capsys: pytest.CaptureFixture)
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("no GPU: x.py")
+
+
+# --- examples/notebooks/ ------------------------------------------------------------------
+
+NOTEBOOKS = sorted((REPO / "examples" / "notebooks").glob("*.ipynb"))
+
+
+def _code_cells(path: Path) -> list[str]:
+    import json
+
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    return ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code"]
+
+
+def test_the_tour_notebook_exists() -> None:
+    assert [p.name for p in NOTEBOOKS] == ["tour.ipynb"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_is_clean_nbformat4(path: Path) -> None:
+    import json
+
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    assert nb["nbformat"] == 4 and nb["metadata"]["kernelspec"]["language"] == "python"
+    kinds = [c["cell_type"] for c in nb["cells"]]
+    assert kinds[0] == "markdown" and kinds.count("code") >= 5
+    for cell in nb["cells"]:
+        assert isinstance(cell["source"], list) and cell.get("id"), cell
+        if cell["cell_type"] == "code":
+            assert cell["outputs"] == [] and cell["execution_count"] is None, (
+                "commit notebooks without outputs"
+            )
+    headings = [c["source"][0] for c in nb["cells"] if c["cell_type"] == "markdown"]
+    for topic in ("## Contexts", "## Threads", "## The pipeline"):
+        assert any(h.startswith(topic) for h in headings), f"no {topic!r} section"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_code_is_plain_python_with_public_names(path: Path, tmp_path: Path) -> None:
+    cells = _code_cells(path)
+    for i, source in enumerate(cells):
+        ast.parse(source, filename=f"{path.name} code cell {i}")
+        magics = [ln for ln in source.splitlines() if ln.lstrip().startswith(("%", "!"))]
+        assert not magics, f"code cell {i} uses IPython syntax, plain exec cannot run it"
+    script = tmp_path / "cells.py"
+    script.write_text("\n\n".join(cells), encoding="utf-8")
+    bad = _private_uses(script)
+    assert not bad, f"{path.name}: " + "; ".join(bad)
+    assert any(ln.strip() == "import ctxkit as ck" for ln in cells[0].splitlines())
+
+
+@no_gpu_only
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_says_it_needs_a_gpu(path: Path, tmp_path: Path) -> None:
+    first = _code_cells(path)[0]
+    proc = subprocess.run(
+        [sys.executable, "-c", first],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 1
+    assert "AssertionError: this notebook needs an NVIDIA GPU" in proc.stderr

@@ -1,6 +1,6 @@
 """How the tests start ``mpiexec``: one environment and command line for MPICH and Open MPI.
 
-Open MPI refuses to run as root (the device machine runs everything as root) unless
+Open MPI refuses to run as root (GPU containers often run as root) unless
 ``OMPI_ALLOW_RUN_AS_ROOT=1`` and ``OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1`` are set, and refuses
 more ranks than the node has cores unless given ``--oversubscribe``. MPICH needs neither
 and ignores the variables.
