@@ -1,11 +1,11 @@
 """The ``CTXKIT_*`` environment variables, read in one place.
 
-=========================  ==============================================================
-``CTXKIT_CACHE_DIR``       compiled-kernel cache directory (``off`` disables it)
-``CTXKIT_STRICT_CONTEXT``  ``1``: an operation in a thread with no current context raises
-``CTXKIT_AUTO_BIND``       ``0``: the same as ``CTXKIT_STRICT_CONTEXT=1`` (ctxkit 0.1 name)
-``CTXKIT_STRICT_ASYNC``    ``1``: an async copy from pageable host memory raises
-=========================  ==============================================================
+- ``CTXKIT_CACHE_DIR``: compiled-kernel cache directory (``off`` disables it).
+- ``CTXKIT_STRICT_CONTEXT``: ``1``: an operation in a thread with no current context raises.
+- ``CTXKIT_AUTO_BIND``: ``0``: the same as ``CTXKIT_STRICT_CONTEXT=1`` (the ctxkit 0.1 name).
+- ``CTXKIT_STRICT_ASYNC``: ``1``: an async copy from pageable host memory raises.
+- ``CTXKIT_PAGEABLE_KERNEL_ARGS``: ``1``: pageable numpy arrays as kernel arguments on
+  devices that access pageable memory (HMM/ATS).
 """
 
 from __future__ import annotations

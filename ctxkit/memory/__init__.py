@@ -43,31 +43,74 @@ from __future__ import annotations
 from ..errors import PageableCopyError, PageableCopyWarning
 from .device import DeviceArray, DeviceBuffer, device_array, to_device
 from .host import (
+    allow_pageable_kernel_args,
     is_pinned,
+    pageable_kernel_args_allowed,
+    pageable_memory_access,
     pinned_empty,
     pinned_zeros,
     register_host,
     set_strict_async,
     strict_async,
 )
+from .hostaccess import (
+    HostMemoryFlags,
+    PageableArg,
+    device_pointer,
+    host_memory_flags,
+    pageable_arg,
+)
+from .interop import producer_stream
+from .ipc import (
+    ImportedBuffer,
+    IpcBufferHandle,
+    IpcEventHandle,
+    IpcVirtualBufferHandle,
+    export_buffer,
+    export_event,
+    import_buffer,
+    import_event,
+    ipc_event,
+)
 from .managed import ManagedBuffer
-from .peer import copy_peer, enable_peer_access, peer_access_enabled
+from .peer import copy_peer, disable_peer_access, enable_peer_access, peer_access_enabled
 from .pool import MemoryPool
+from .vmm import VirtualBuffer
 
 __all__ = [
     "DeviceArray",
     "DeviceBuffer",
+    "HostMemoryFlags",
+    "ImportedBuffer",
+    "IpcBufferHandle",
+    "IpcEventHandle",
+    "IpcVirtualBufferHandle",
     "ManagedBuffer",
     "MemoryPool",
+    "PageableArg",
     "PageableCopyError",
     "PageableCopyWarning",
+    "VirtualBuffer",
+    "allow_pageable_kernel_args",
     "copy_peer",
     "device_array",
+    "device_pointer",
+    "disable_peer_access",
     "enable_peer_access",
+    "export_buffer",
+    "export_event",
+    "host_memory_flags",
+    "import_buffer",
+    "import_event",
+    "ipc_event",
     "is_pinned",
+    "pageable_arg",
+    "pageable_kernel_args_allowed",
+    "pageable_memory_access",
     "peer_access_enabled",
     "pinned_empty",
     "pinned_zeros",
+    "producer_stream",
     "register_host",
     "set_strict_async",
     "strict_async",

@@ -284,6 +284,11 @@ def record_peer_access(a: Context, b: Context) -> None:
     _peer_pairs[(a.handle, b.handle)] = (weakref.ref(a), weakref.ref(b))
 
 
+def forget_peer_access(a: Context, b: Context) -> None:
+    """Drop the record that *a* may access *b*'s memory (``cuCtxDisablePeerAccess`` succeeded)."""
+    _peer_pairs.pop((a.handle, b.handle), None)
+
+
 def _enabled(a: Context, b: Context) -> bool:
     refs = _peer_pairs.get((a.handle, b.handle))
     return refs is not None and refs[0]() is a and refs[1]() is b and not (a.closed or b.closed)

@@ -6,8 +6,8 @@ Re-exported by :mod:`ctxkit.memory`; documented there.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
+import threading
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -16,18 +16,27 @@ import numpy as np
 
 from .. import _driver
 from .._driver import drv
-from ..context import Context, current_context, thread_state
+from .._env import env_flag
+from ..context import Context, current_context, require_current, thread_state
 from ..device import Device
-from ..errors import OutOfMemoryError, PageableCopyError, PageableCopyWarning
+from ..errors import (
+    CudaError,
+    OutOfMemoryError,
+    PageableCopyError,
+    PageableCopyWarning,
+)
 from ..lifetime import finalizer
 from ..registry import bind, resolve_context
 
 __all__ = [
     "HostMemory",
+    "allow_pageable_kernel_args",
     "host_array",
     "host_device_pointer",
     "host_pointer_kind",
     "is_pinned",
+    "pageable_kernel_args_allowed",
+    "pageable_memory_access",
     "pinned_empty",
     "pinned_zeros",
     "register_host",
@@ -36,7 +45,19 @@ __all__ = [
 ]
 
 
-MEMHOST_PORTABLE = 1
+MEMHOST_PORTABLE = 1  # CU_MEMHOSTALLOC_PORTABLE (= CU_MEMHOSTREGISTER_PORTABLE)
+
+
+MEMHOST_DEVICEMAP = 2  # CU_MEMHOSTALLOC_DEVICEMAP (= CU_MEMHOSTREGISTER_DEVICEMAP)
+
+
+MEMHOST_WRITECOMBINED = 4  # CU_MEMHOSTALLOC_WRITECOMBINED
+
+
+MEMHOST_REGISTER_READ_ONLY = 8  # CU_MEMHOSTREGISTER_READ_ONLY
+
+
+_NOT_SUPPORTED = 801
 
 
 _INVALID_VALUE = 1
@@ -61,11 +82,7 @@ PAGEABLE_NOTE = (
 )
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
-
-
-_strict = _env_flag("CTXKIT_STRICT_ASYNC")
+_strict = env_flag("CTXKIT_STRICT_ASYNC")
 
 
 def set_strict_async(enabled: bool = True) -> None:
@@ -189,7 +206,8 @@ def is_pinned(arr: Any) -> bool:
     page with a neighbour's registration is not pinned.
 
     Async copies need pinned memory: from pageable memory the driver blocks the host for
-    the whole copy.
+    the whole copy. :func:`ctxkit.memory.hostaccess.host_memory_flags` tells how it is
+    pinned.
     """
     a = host_array(arr, "is_pinned") if not isinstance(arr, np.ndarray) else arr
     if a.size == 0:
@@ -197,6 +215,14 @@ def is_pinned(arr: Any) -> bool:
     first = _address(a)
     last = first + a.nbytes - 1
     return host_pointer_kind(first) == "pinned" and host_pointer_kind(last) == "pinned"
+
+
+#: ctxkit's live register_host blocks, start address -> (end address, flags passed); read
+#: by hostaccess.host_memory_flags
+_registered: dict[int, tuple[int, int]] = {}
+
+
+_registered_lock = threading.Lock()
 
 
 def check_async_host(arr: np.ndarray, what: str) -> None:
@@ -257,8 +283,16 @@ def host_context(context: Any, what: str) -> Context:
     return ctx
 
 
-def pinned_empty(shape: Any, dtype: Any = np.float64, *, context: Any = None) -> np.ndarray:
-    """A numpy array in page-locked, portable host memory (``cuMemHostAlloc(PORTABLE)``).
+def pinned_empty(
+    shape: Any,
+    dtype: Any = np.float64,
+    *,
+    context: Any = None,
+    mapped: bool = False,
+    write_combined: bool = False,
+    portable: bool = True,
+) -> np.ndarray:
+    """A numpy array in page-locked host memory (``cuMemHostAlloc``).
 
     Copies from/to it are truly asynchronous and run at full bus speed. The memory is
     freed (``cuMemFreeHost``, inside the allocating context, from any thread) when the
@@ -270,8 +304,18 @@ def pinned_empty(shape: Any, dtype: Any = np.float64, *, context: Any = None) ->
     dtype : numpy dtype
     context : Context, Device or int, optional
         The context to allocate in. Default: the calling thread's current context, or,
-        when the thread has none, the registry's context of device 0 (the memory is
-        portable: every context can use it for async copies).
+        when the thread has none, the registry's context of device 0.
+    mapped : bool
+        ``CU_MEMHOSTALLOC_DEVICEMAP``: map it into the device address space, so kernels
+        read and write it in place (zero-copy); the address is
+        :func:`~ctxkit.memory.hostaccess.device_pointer`.
+    write_combined : bool
+        ``CU_MEMHOSTALLOC_WRITECOMBINED``: not cached by the CPU, so transfers to the
+        device can be faster, but CPU *reads* from it are very slow: for buffers the host
+        only writes.
+    portable : bool
+        ``CU_MEMHOSTALLOC_PORTABLE`` (default): pinned for every context, not only the
+        allocating one.
 
     Raises
     ------
@@ -285,19 +329,48 @@ def pinned_empty(shape: Any, dtype: Any = np.float64, *, context: Any = None) ->
     dt = np.dtype(dtype)
     shp = _shape_of(shape)
     nbytes = int(np.prod(shp, dtype=np.int64)) * dt.itemsize
+    flags = _bits(portable=portable, mapped=mapped, write_combined=write_combined)
     if nbytes == 0:
         return np.empty(shp, dt)
     ctx = host_context(context, "pinned_empty")
     with ctx:
-        err, ptr = drv.cuMemHostAlloc(nbytes, MEMHOST_PORTABLE)
+        err, ptr = drv.cuMemHostAlloc(nbytes, flags)
     if err:
-        raise _host_alloc_error(ctx, err, nbytes)
+        raise _host_alloc_error(ctx, err, nbytes, flags)
     mem = HostMemory(ptr, nbytes, context=ctx)
     mem._fin = finalizer(mem, ctx, drv.cuMemFreeHost, ptr)
     return np.asarray(mem).view(dt).reshape(shp)
 
 
-def _host_alloc_error(ctx: Context, err: Any, nbytes: int) -> Exception:
+def _bits(**flags: bool) -> int:
+    """``CU_MEMHOST*`` bits of boolean options (refusing non-bools, e.g. a stray int)."""
+    bits = {
+        "portable": MEMHOST_PORTABLE,
+        "mapped": MEMHOST_DEVICEMAP,
+        "write_combined": MEMHOST_WRITECOMBINED,
+        "read_only": MEMHOST_REGISTER_READ_ONLY,
+    }
+    out = 0
+    for name, value in flags.items():
+        if not isinstance(value, (bool, np.bool_)):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+        out |= bits[name] if value else 0
+    return out
+
+
+def _flag_names(flags: int, register: bool = False) -> str:
+    names = [
+        (MEMHOST_PORTABLE, "PORTABLE"),
+        (MEMHOST_DEVICEMAP, "DEVICEMAP"),
+        (
+            MEMHOST_REGISTER_READ_ONLY if register else MEMHOST_WRITECOMBINED,
+            "READ_ONLY" if register else "WRITECOMBINED",
+        ),
+    ]
+    return "|".join(n for bit, n in names if flags & bit) or "0"
+
+
+def _host_alloc_error(ctx: Context, err: Any, nbytes: int, flags: int) -> Exception:
     if int(err) == _OUT_OF_MEMORY:
         return OutOfMemoryError(
             f"pinned_empty: cannot page-lock {nbytes} bytes ({nbytes / 2**30:.2f} GiB) of host "
@@ -307,25 +380,34 @@ def _host_alloc_error(ctx: Context, err: Any, nbytes: int) -> Exception:
             _OUT_OF_MEMORY,
             "CUDA_ERROR_OUT_OF_MEMORY",
         )
-    return ctx.note_error(err, f"cuMemHostAlloc({nbytes}, PORTABLE)")
+    return ctx.note_error(err, f"cuMemHostAlloc({nbytes}, {_flag_names(flags)})")
 
 
-def pinned_zeros(shape: Any, dtype: Any = np.float64, *, context: Any = None) -> np.ndarray:
-    """:func:`pinned_empty` filled with zeros."""
-    arr = pinned_empty(shape, dtype, context=context)
+def pinned_zeros(
+    shape: Any, dtype: Any = np.float64, *, context: Any = None, **flags: bool
+) -> np.ndarray:
+    """:func:`pinned_empty` (same options) filled with zeros."""
+    arr = pinned_empty(shape, dtype, context=context, **flags)
     arr[...] = 0
     return arr
 
 
 @contextlib.contextmanager
-def register_host(arr: Any, *, context: Any = None) -> Iterator[np.ndarray]:
+def register_host(
+    arr: Any,
+    *,
+    context: Any = None,
+    mapped: bool = False,
+    read_only: bool = False,
+    portable: bool = True,
+) -> Iterator[np.ndarray]:
     """Page-lock an existing array in place for the ``with`` block (``cuMemHostRegister``).
 
     Yields the array (as numpy). Async copies from/to it are truly asynchronous inside
     the block; it is unregistered on exit (inside the registering context). Memory that
     is already page-locked (a :func:`pinned_empty` array, an enclosing ``register_host``)
     and memory CUDA already manages (a ``ManagedBuffer.as_numpy()`` view) are yielded
-    unchanged and left alone on exit.
+    unchanged (the flags do not apply) and left alone on exit.
 
     Page rules: the driver locks whole pages. Where it refuses an array that shares a page
     with memory already registered elsewhere, ctxkit raises ``ValueError`` (the CUDA 13.0
@@ -338,15 +420,32 @@ def register_host(arr: Any, *, context: Any = None) -> Iterator[np.ndarray]:
         Must be C-contiguous; it must stay alive (it does: the block holds it).
     context : Context, Device or int, optional
         As for :func:`pinned_empty`.
+    mapped : bool
+        ``CU_MEMHOSTREGISTER_DEVICEMAP``: kernels may access it in place
+        (:func:`~ctxkit.memory.hostaccess.device_pointer`).
+    read_only : bool
+        ``CU_MEMHOSTREGISTER_READ_ONLY``: the device only reads it; needed for memory the
+        OS maps read-only (a read-only ``mmap``). Needs a device with
+        ``read_only_host_register_supported``.
+    portable : bool
+        ``CU_MEMHOSTREGISTER_PORTABLE`` (default): pinned for every context.
+
+    Raises
+    ------
+    CudaError
+        ``CUDA_ERROR_NOT_SUPPORTED``: ``read_only=True`` on a device that cannot do it.
     """
+    flags = _bits(portable=portable, mapped=mapped, read_only=read_only)
     a = host_array(arr, "register_host")
     ptr, nbytes = _address(a), a.nbytes
     if nbytes == 0 or host_pointer_kind(ptr) != "pageable":
         yield a
         return
     ctx = host_context(context, "register_host")
+    if read_only:
+        _check_read_only_register(ctx)
     with ctx:
-        (err,) = drv.cuMemHostRegister(ptr, nbytes, MEMHOST_PORTABLE)
+        (err,) = drv.cuMemHostRegister(ptr, nbytes, flags)
     if err == _HOST_ALREADY_REGISTERED:
         raise ValueError(
             f"register_host: the array at {ptr:#x} ({nbytes} bytes) shares a page with host "
@@ -354,11 +453,29 @@ def register_host(arr: Any, *, context: Any = None) -> Iterator[np.ndarray]:
             "enclosing array instead, or allocate with ctxkit.pinned_empty()"
         )
     if err:
-        raise ctx.note_error(err, f"cuMemHostRegister({ptr:#x}, {nbytes}, PORTABLE)")
+        what = f"cuMemHostRegister({ptr:#x}, {nbytes}, {_flag_names(flags, register=True)})"
+        if not a.flags.writeable and not read_only:
+            what += " of a read-only array (pass read_only=True for read-only pages)"
+        raise ctx.note_error(err, what)
+    with _registered_lock:
+        _registered[ptr] = (ptr + nbytes, flags)
     try:
         yield a
     finally:
+        with _registered_lock:
+            _registered.pop(ptr, None)
         ctx.free(drv.cuMemHostUnregister, ptr)
+
+
+def _check_read_only_register(ctx: Context) -> None:
+    if not ctx.device.attribute("read_only_host_register_supported"):
+        raise CudaError(
+            f"register_host(read_only=True): device {ctx.device.ordinal} cannot register "
+            "host memory read-only (read_only_host_register_supported is 0); register it "
+            "without read_only=True, or copy it into a pinned_empty() array",
+            _NOT_SUPPORTED,
+            "CUDA_ERROR_NOT_SUPPORTED",
+        )
 
 
 def device_of(target: Any) -> int | str:
@@ -373,7 +490,12 @@ def device_of(target: Any) -> int | str:
 
 
 def host_device_pointer(arr: np.ndarray) -> int | None:
-    """Device address of a page-locked or managed host array (``None`` when pageable)."""
+    """Device address of a page-locked or managed host array for a kernel argument.
+
+    ``None`` for pageable memory, except where pageable kernel arguments are allowed
+    (:func:`allow_pageable_kernel_args`) and the current context's device accesses
+    pageable memory directly (:func:`pageable_memory_access`): then the host address.
+    """
     ptr = int(arr.__array_interface__["data"][0] or 0)
     if not ptr or drv is None:
         return None
@@ -382,4 +504,49 @@ def host_device_pointer(arr: np.ndarray) -> int | None:
         err, dptr = drv.cuPointerGetAttribute(attr, ptr)
     except Exception:
         return None
-    return None if err else int(dptr)
+    if not err:
+        return int(dptr)
+    if _pageable_kernel_args and int(err) == _INVALID_VALUE:
+        ctx = thread_state().top or current_context()
+        if ctx is not None and pageable_memory_access(ctx.device):
+            return ptr
+    return None
+
+
+# --- pageable host memory as kernel arguments (HMM / ATS) ------------------------------
+
+_pageable_kernel_args = env_flag("CTXKIT_PAGEABLE_KERNEL_ARGS")
+
+
+_pageable_access: dict[int, bool] = {}
+
+
+def allow_pageable_kernel_args(enabled: bool = True) -> None:
+    """Let kernels take pageable numpy arrays on devices that access pageable memory.
+
+    Process-wide; the default comes from ``CTXKIT_PAGEABLE_KERNEL_ARGS=1``. On such a
+    device (HMM or ATS: :func:`pageable_memory_access`) the array's host address is passed
+    and the kernel reads and writes the array in place; elsewhere such arrays are refused
+    as before (``LaunchArgumentError``). For one argument of one launch, wrap it with
+    :func:`~ctxkit.memory.hostaccess.pageable_arg` instead.
+    """
+    global _pageable_kernel_args
+    _pageable_kernel_args = bool(enabled)
+
+
+def pageable_kernel_args_allowed() -> bool:
+    """True when :func:`allow_pageable_kernel_args` is on."""
+    return _pageable_kernel_args
+
+
+def pageable_memory_access(device: Any = None) -> bool:
+    """True when *device* (default: the current context's) accesses pageable host memory
+    coherently (``CU_DEVICE_ATTRIBUTE_PAGEABLE_MEMORY_ACCESS``: HMM or ATS)."""
+    if device is None:
+        dev = require_current("pageable_memory_access").device
+    else:
+        dev = device.device if isinstance(device, Context) else Device(device)
+    known = _pageable_access.get(dev.ordinal)
+    if known is None:
+        known = _pageable_access[dev.ordinal] = bool(dev.attribute("pageable_memory_access"))
+    return known

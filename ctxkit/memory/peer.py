@@ -1,10 +1,11 @@
 """Peer access between contexts of different devices.
 
-:func:`enable_peer_access` (``cuCtxEnablePeerAccess``, idempotent, one direction per
-call) and :func:`peer_access_enabled` keep ctxkit's record of enabled pairs, keyed by
-the Context objects so a handle reused by a new context is not mistaken for an enabled
-pair; :func:`copy_peer` copies between two contexts' memory, directly when access is
-enabled and staged by the driver otherwise.
+:func:`enable_peer_access` (``cuCtxEnablePeerAccess``), :func:`disable_peer_access`
+(``cuCtxDisablePeerAccess``; both idempotent, one direction per call) and
+:func:`peer_access_enabled` keep ctxkit's record of enabled pairs, keyed by the Context
+objects so a handle reused by a new context is not mistaken for an enabled pair;
+:func:`copy_peer` copies between two contexts' memory, directly when access is enabled
+and staged by the driver otherwise.
 """
 
 from __future__ import annotations
@@ -19,19 +20,23 @@ from .copies import (
     _direct,
     _enabled,
     device_mem,
+    forget_peer_access,
     memcpy_peer,
     nbytes_arg,
     record_peer_access,
     resolve_contexts,
 )
 
-__all__ = ["copy_peer", "enable_peer_access", "peer_access_enabled"]
+__all__ = ["copy_peer", "disable_peer_access", "enable_peer_access", "peer_access_enabled"]
 
 
 _PEER_ACCESS_UNSUPPORTED = 217
 
 
 _PEER_ACCESS_ALREADY_ENABLED = 704
+
+
+_PEER_ACCESS_NOT_ENABLED = 705
 
 
 def _peer_ctx(x: Any) -> Context:
@@ -77,8 +82,29 @@ def enable_peer_access(a: Any, b: Any) -> None:
     record_peer_access(ca, cb)
 
 
+def disable_peer_access(a: Any, b: Any) -> None:
+    """Stop context *a* from accessing memory of context *b* (``cuCtxDisablePeerAccess``).
+
+    The reverse of :func:`enable_peer_access`, one direction per call; idempotent (access
+    that is not enabled, contexts on the same device and devices without a peer path need
+    nothing). Afterwards :func:`peer_access_enabled` is False and :func:`copy_peer` takes
+    the staged path. Finish kernels and copies of *a* that use *b*'s memory first: their
+    accesses fault once the mapping is gone.
+    """
+    ca, cb = _peer_ctx(a), _peer_ctx(b)
+    if ca.device.ordinal == cb.device.ordinal:
+        return
+    if ca.device.can_access_peer(cb.device):
+        with ca:
+            (err,) = drv.cuCtxDisablePeerAccess(cb._cu)
+        if err and int(err) != _PEER_ACCESS_NOT_ENABLED:
+            raise ca.note_error(err, f"cuCtxDisablePeerAccess({ca!r} -> {cb!r})")
+    forget_peer_access(ca, cb)
+
+
 def peer_access_enabled(a: Any, b: Any) -> bool:
-    """True when :func:`enable_peer_access` (a, b) has succeeded in this process."""
+    """True when :func:`enable_peer_access` (a, b) has succeeded in this process and
+    :func:`disable_peer_access` (a, b) has not been called since."""
     return _enabled(_peer_ctx(a), _peer_ctx(b))
 
 

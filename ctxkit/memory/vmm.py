@@ -1,0 +1,587 @@
+"""Virtual memory management: one contiguous device address range backed by physical
+chunks on one or several devices (``cuMemAddressReserve`` / ``cuMemCreate`` /
+``cuMemMap`` / ``cuMemSetAccess``).
+
+A :class:`VirtualBuffer` looks like a :class:`~ctxkit.memory.DeviceBuffer` (``ptr``,
+``nbytes``, copies, views, ``__cuda_array_interface__``, DLPack, kernel argument) but its
+bytes may live on several GPUs (striped round-robin, as in NVIDIA's ``vectorAddMMAP``
+sample) and it can :meth:`~VirtualBuffer.grow` without copying: new physical chunks are
+mapped after the old ones, in place when the address space there is free, otherwise the
+existing chunks are remapped into a larger range (the data stays where it is physically).
+It is freed in order (unmap, release, free the address range) by :meth:`close`, garbage
+collection in any thread, or interpreter exit.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .. import _driver
+from .. import context as _context
+from .._driver import drv
+from ..context import Context
+from ..device import Device
+from ..errors import ContextClosedError, CudaError, OutOfMemoryError
+from ..lifetime import free_quietly
+from ..registry import check_devices, resolve_context
+from .copies import Mem, check_same_size, copy_device, device_mem, dtoh, gib, htod, nbytes_arg
+from .device import DeviceArray, DeviceBuffer
+from .dlpack import KDL_CUDA
+from .host import host_array
+
+__all__ = ["Chunk", "VirtualBuffer", "allocation_granularity"]
+
+
+_OUT_OF_MEMORY = 2
+
+
+_NOT_SUPPORTED = 801
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One physical allocation mapped into a :class:`VirtualBuffer`.
+
+    Attributes
+    ----------
+    offset, nbytes : int
+        Where it sits in the buffer's address range.
+    device : int
+        The device whose memory backs it.
+    """
+
+    offset: int
+    nbytes: int
+    device: int
+    handle: Any = field(default=None, repr=False, compare=False)
+
+
+class _Space:
+    """Everything a VirtualBuffer holds in the driver, shared with its finalizer."""
+
+    __slots__ = ("access", "chunks", "reservations")
+
+    def __init__(self, access: tuple[int, ...]) -> None:
+        self.access = access
+        self.reservations: list[tuple[int, int]] = []  # (address, size), contiguous
+        self.chunks: list[Chunk] = []
+
+    @property
+    def base(self) -> int:
+        return self.reservations[0][0] if self.reservations else 0
+
+    @property
+    def reserved(self) -> int:
+        return sum(n for _p, n in self.reservations)
+
+
+def _prop(device: int, shareable: bool) -> Any:
+    prop = drv.CUmemAllocationProp()
+    prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = int(device)
+    if shareable:
+        prop.requestedHandleTypes = (
+            drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        )
+    return prop
+
+
+def allocation_granularity(device: Any = 0, *, shareable: bool = False) -> int:
+    """The size and alignment unit of physical chunks on *device*
+    (``cuMemGetAllocationGranularity``, minimum)."""
+    dev = Device(device.device if isinstance(device, Context) else device)
+    _driver.init()
+    flag = drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+    err, gran = drv.cuMemGetAllocationGranularity(_prop(dev.ordinal, shareable), flag)
+    _driver.raise_for(err, f"cuMemGetAllocationGranularity(device {dev.ordinal})")
+    return int(gran)
+
+
+def _round_up(n: int, unit: int) -> int:
+    return -(-n // unit) * unit
+
+
+def _access_desc(device: int) -> Any:
+    desc = drv.CUmemAccessDesc()
+    desc.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    desc.location.id = int(device)
+    desc.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    return desc
+
+
+def _check(err: Any, what: str) -> None:
+    if err:
+        raise _driver.from_result(int(err), what)
+
+
+def _map(space: _Space, chunk: Chunk, base: int, what: str) -> None:
+    """Map *chunk* at ``base + offset`` and give every accessing device read/write."""
+    ptr = base + chunk.offset
+    (err,) = drv.cuMemMap(ptr, chunk.nbytes, 0, chunk.handle, 0)
+    _check(err, f"{what}: cuMemMap({ptr:#x}, {chunk.nbytes})")
+    descs = [_access_desc(d) for d in space.access]
+    (err,) = drv.cuMemSetAccess(ptr, chunk.nbytes, descs, len(descs))
+    if err:
+        drv.cuMemUnmap(ptr, chunk.nbytes)
+        _check(err, f"{what}: cuMemSetAccess({ptr:#x}, {chunk.nbytes}, devices {space.access})")
+
+
+def _unmap(chunks: Sequence[Chunk], base: int) -> int:
+    first = 0
+    for c in reversed(chunks):
+        (err,) = drv.cuMemUnmap(base + c.offset, c.nbytes)
+        first = first or int(err)
+    return first
+
+
+def _release_all(space: _Space) -> tuple[int]:
+    """Unmap every chunk, release its memory, free the address range; first error."""
+    first = _unmap(space.chunks, space.base)
+    for c in reversed(space.chunks):
+        (err,) = drv.cuMemRelease(c.handle)
+        first = first or int(err)
+    for ptr, size in reversed(space.reservations):
+        (err,) = drv.cuMemAddressFree(ptr, size)
+        first = first or int(err)
+    space.chunks.clear()
+    space.reservations.clear()
+    return (first,)
+
+
+def _finalize(ctx: Context, space: _Space) -> None:
+    if not space.reservations or _context._shutting_down:
+        return
+    if ctx.closed or ctx.poisoned:  # VMM memory belongs to no context: free it anyway
+        try:
+            _release_all(space)
+        except Exception:
+            pass
+        return
+    free_quietly(ctx, _release_all, space)
+
+
+def _devices(spec: Any, what: str, name: str) -> tuple[int, ...]:
+    if spec is None:
+        return ()
+    checked = check_devices(spec, f"{what} {name}=")
+    assert checked is not None
+    return tuple(c.device.ordinal if isinstance(c, Context) else Device(c).ordinal for c in checked)
+
+
+class VirtualBuffer:
+    """Device memory in a reserved virtual address range, backed by physical chunks on one
+    or several devices (CUDA virtual memory management).
+
+    Parameters
+    ----------
+    nbytes : int
+        Size in bytes; the mapped size is rounded up to whole chunks.
+    devices : sequence of ints/Devices/Contexts, optional
+        Where the physical chunks live, round-robin (default: the context's device).
+    context : Context, Device, int or None
+        The context that copies and memsets run in, as for ``DeviceBuffer``.
+    access : sequence, optional
+        Devices that may read and write the whole range (default: ``devices`` and the
+        context's device). Each needs a peer path (``can_access_peer``) to every other
+        device in ``devices``; no ``enable_peer_access`` is needed.
+    stripe : int, optional
+        Bytes per chunk (rounded up to the allocation granularity). Default: the size
+        split evenly over ``devices``, one chunk each, as in ``vectorAddMMAP``.
+    reserve : int
+        Address space to reserve up front, so that :meth:`grow` up to it never moves.
+    shareable : bool
+        Create the chunks exportable as POSIX file descriptors
+        (:func:`ctxkit.memory.ipc.export_buffer`).
+
+    Raises
+    ------
+    CudaError
+        ``CUDA_ERROR_NOT_SUPPORTED``: a device lacks virtual memory management (or, with
+        *shareable*, POSIX file-descriptor handles).
+    OutOfMemoryError
+        A device has too little free memory for its chunks.
+    ValueError
+        An accessing device has no peer path to a device holding chunks.
+
+    Notes
+    -----
+    :meth:`grow` may move the buffer: views, arrays and ``ptr`` values taken before are
+    invalid then (ctxkit's own views raise ``ContextClosedError``; pointers given to other
+    libraries are not tracked). Reserve enough address space to avoid it.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_closed",
+        "_fin",
+        "_lock",
+        "_reserve",
+        "_views",
+        "context",
+        "devices",
+        "granularity",
+        "nbytes",
+        "shareable",
+        "space",
+        "stripe",
+    )
+
+    context: Context
+    nbytes: int
+
+    def __init__(
+        self,
+        nbytes: int,
+        devices: Sequence[Any] | None = None,
+        *,
+        context: Any = None,
+        access: Sequence[Any] | None = None,
+        stripe: int | None = None,
+        reserve: int = 0,
+        shareable: bool = False,
+    ) -> None:
+        what = f"VirtualBuffer({nbytes})"
+        n = nbytes_arg(nbytes, what)
+        ctx = resolve_context(context, what)
+        devs = _devices(devices, what, "devices") or (ctx.device.ordinal,)
+        acc = _devices(access, what, "access") or tuple(dict.fromkeys((*devs, ctx.device.ordinal)))
+        _check_support(devs, acc, shareable, what)
+        gran = max(allocation_granularity(d, shareable=shareable) for d in (*devs, *acc))
+        want = stripe if stripe is not None else -(-max(n, 1) // len(devs))
+        self.stripe = _round_up(nbytes_arg(want, what) or gran, gran)
+        self.context = ctx
+        self.devices = tuple(Device(d) for d in devs)
+        self.granularity = gran
+        self.shareable = bool(shareable)
+        self.space = _Space(acc)
+        self.nbytes = 0
+        self._reserve = _round_up(nbytes_arg(reserve, what), self.stripe)
+        self._closed = False
+        self._lock = threading.RLock()
+        self._views: weakref.WeakSet[DeviceBuffer] = weakref.WeakSet()
+        self._fin = weakref.finalize(self, _finalize, ctx, self.space)
+        self._fin.atexit = False
+        if n:
+            try:
+                self.grow(n)
+            except BaseException:
+                self._fin()  # now: the traceback keeps this half-made object alive
+                raise
+
+    @classmethod
+    def _adopt(
+        cls, handles: Sequence[Chunk], nbytes: int, stripe: int, context: Context
+    ) -> VirtualBuffer:
+        """A VirtualBuffer over chunks this process did not create (IPC import): mapped for
+        *context*'s device; it cannot grow; closing releases only this process's handles."""
+        vb = cls.__new__(cls)
+        vb.context = context
+        vb.devices = tuple(dict.fromkeys(Device(c.device) for c in handles if c.device >= 0))
+        vb.granularity = stripe
+        vb.stripe = stripe
+        vb.shareable = False
+        vb.space = _Space((context.device.ordinal,))
+        vb.nbytes = 0
+        vb._reserve = -1
+        vb._closed = False
+        vb._lock = threading.RLock()
+        vb._views = weakref.WeakSet()
+        vb._fin = weakref.finalize(vb, _finalize, context, vb.space)
+        vb._fin.atexit = False
+        total = sum(c.nbytes for c in handles)
+        what = "import of a VirtualBuffer"
+        with context:
+            try:
+                _reserve_range(vb.space, total, what)
+                for c in handles:
+                    _map(vb.space, c, vb.space.base, what)
+                    vb.space.chunks.append(c)
+            except BaseException:
+                mapped = {id(c) for c in vb.space.chunks}
+                for c in handles:
+                    if id(c) not in mapped:
+                        drv.cuMemRelease(c.handle)
+                _release_all(vb.space)
+                raise
+        vb.nbytes = int(nbytes)
+        return vb
+
+    # --- state -----------------------------------------------------------------------
+
+    @property
+    def ptr(self) -> int:
+        """The start of the address range (raises ``ContextClosedError`` after close)."""
+        if self._closed:
+            raise ContextClosedError(
+                "VirtualBuffer.ptr: the buffer was closed (its memory is freed); allocate a new one"
+            )
+        return self.space.base
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def device(self) -> Device:
+        """The context's device (where copies run)."""
+        return self.context.device
+
+    @property
+    def access(self) -> tuple[Device, ...]:
+        """The devices that may read and write the buffer."""
+        return tuple(Device(d) for d in self.space.access)
+
+    @property
+    def chunks(self) -> tuple[Chunk, ...]:
+        """The physical chunks, in address order."""
+        return tuple(self.space.chunks)
+
+    @property
+    def mapped(self) -> int:
+        """Bytes of physical memory mapped (``nbytes`` rounded up to whole chunks)."""
+        return sum(c.nbytes for c in self.space.chunks)
+
+    @property
+    def reserved(self) -> int:
+        """Bytes of address space reserved."""
+        return self.space.reserved
+
+    def __repr__(self) -> str:
+        if self._closed:
+            return f"<VirtualBuffer closed nbytes={self.nbytes}>"
+        devs = ",".join(str(d.ordinal) for d in self.devices)
+        return (
+            f"<VirtualBuffer {self.space.base:#x} nbytes={self.nbytes} chunks="
+            f"{len(self.space.chunks)}x{self.stripe} devices=[{devs}]>"
+        )
+
+    def __enter__(self) -> VirtualBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Unmap and free the memory now (from any thread). Idempotent; views made by
+        :meth:`as_buffer`, :meth:`view` and slicing become unusable."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._invalidate_views()
+            self._fin()
+
+    def _invalidate_views(self) -> None:
+        for v in list(self._views):
+            v.close()
+        self._views = weakref.WeakSet()
+
+    # --- growing ---------------------------------------------------------------------
+
+    def grow(self, nbytes: int) -> bool:
+        """Grow the buffer to *nbytes*, keeping its contents; never shrinks.
+
+        New chunks continue the round-robin over ``devices``. Returns True when the buffer
+        moved to another address (see the class notes), False when it grew in place.
+        """
+        what = "VirtualBuffer.grow"
+        n = nbytes_arg(nbytes, what)
+        with self._lock:
+            self.ptr  # noqa: B018 - raises once closed
+            if self._reserve < 0:
+                raise ValueError(f"{what}: an imported VirtualBuffer cannot grow")
+            if n < self.nbytes:
+                raise ValueError(f"{what}: {n} bytes is smaller than the {self.nbytes} it has")
+            need = _round_up(n, self.stripe)
+            if need <= self.mapped:
+                self.nbytes = n
+                return False
+            with self.context:
+                moved = self._make_room(need, what)
+                self._add_chunks(need, what)
+            self.nbytes = n
+            return moved
+
+    def _make_room(self, need: int, what: str) -> bool:
+        space = self.space
+        if need <= space.reserved:
+            return False
+        if not space.reservations:
+            _reserve_range(space, max(need, self._reserve), what)
+            return False
+        extra = need - space.reserved
+        hint = space.base + space.reserved
+        err, ptr = drv.cuMemAddressReserve(extra, 0, hint, 0)
+        if not err and int(ptr) == hint:
+            space.reservations.append((hint, extra))
+            return False
+        if not err:
+            drv.cuMemAddressFree(ptr, extra)
+        self._relocate(_round_up(max(need, 2 * space.reserved), self.stripe), what)
+        return True
+
+    def _relocate(self, size: int, what: str) -> None:
+        """Map every chunk into a new range of *size* bytes, then drop the old range."""
+        space = self.space
+        new = _Space(space.access)
+        _reserve_range(new, size, what)
+        try:
+            for c in space.chunks:
+                _map(new, c, new.base, what)
+                new.chunks.append(c)
+        except BaseException:
+            _unmap(new.chunks, new.base)
+            drv.cuMemAddressFree(new.base, size)
+            raise
+        _unmap(space.chunks, space.base)
+        for ptr, n in space.reservations:
+            drv.cuMemAddressFree(ptr, n)
+        space.reservations[:] = new.reservations
+        self._invalidate_views()
+
+    def _add_chunks(self, need: int, what: str) -> None:
+        space = self.space
+        while self.mapped < need:
+            device = self.devices[len(space.chunks) % len(self.devices)].ordinal
+            chunk = Chunk(self.mapped, self.stripe, device, self._create(device, what))
+            try:
+                _map(space, chunk, space.base, what)
+            except BaseException:
+                drv.cuMemRelease(chunk.handle)
+                raise
+            space.chunks.append(chunk)
+
+    def _create(self, device: int, what: str) -> Any:
+        err, handle = drv.cuMemCreate(self.stripe, _prop(device, self.shareable), 0)
+        if not err:
+            return handle
+        if int(err) != _OUT_OF_MEMORY:
+            _check(err, f"{what}: cuMemCreate({self.stripe}, device {device})")
+        try:
+            free, total = resolve_context(device, what).memory_info()
+        except CudaError:
+            free, total = -1, -1
+        raise OutOfMemoryError(
+            f"{what}: cannot create a {self.stripe}-byte ({gib(self.stripe)}) chunk on device "
+            f"{device}: only {free} bytes ({gib(free)}) of {total} are free. Fix: close "
+            "buffers you no longer need, or stripe over more devices",
+            _OUT_OF_MEMORY,
+            "CUDA_ERROR_OUT_OF_MEMORY",
+        )
+
+    # --- views and interop ------------------------------------------------------------
+
+    def as_buffer(self) -> DeviceBuffer:
+        """A :class:`~ctxkit.memory.DeviceBuffer` view of the whole buffer (no copy); it
+        keeps the buffer alive and becomes unusable when the buffer moves or closes."""
+        view = DeviceBuffer.from_pointer(self.ptr, self.nbytes, self.context, owner=self)
+        self._views.add(view)
+        return view
+
+    def __getitem__(self, key: slice) -> DeviceBuffer:
+        """``vb[a:b]``: a DeviceBuffer view of bytes ``a..b`` (see :meth:`as_buffer`)."""
+        return self.as_buffer()[key]
+
+    def view(self, shape: Any = None, dtype: Any = np.uint8) -> DeviceArray:
+        """A typed :class:`~ctxkit.memory.DeviceArray` over the whole buffer (no copy)."""
+        return self.as_buffer().view(shape, dtype)
+
+    def _ctxkit_mem(self) -> Mem:
+        return Mem(self.ptr, self.nbytes, self.context, None, None, None)
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        """The buffer as a 1-D uint8 array (CUDA Array Interface v3)."""
+        return {
+            "shape": (self.nbytes,),
+            "typestr": "|u1",
+            "data": (self.ptr if self.nbytes else 0, False),
+            "version": 3,
+            "strides": None,
+            "stream": None,
+        }
+
+    def __dlpack__(self, **kwargs: Any) -> Any:
+        return self.view().__dlpack__(**kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (KDL_CUDA, self.context.device.ordinal)
+
+    # --- copies ----------------------------------------------------------------------
+
+    def copy_from_host(self, arr: Any, stream: Any = None) -> None:
+        """Copy a host array of exactly ``nbytes`` bytes into the buffer."""
+        what = "VirtualBuffer.copy_from_host"
+        a = host_array(arr, what)
+        check_same_size(a.nbytes, self.nbytes, what, "host array")
+        htod(self.context, self.ptr, a, stream, what)
+
+    def copy_to_host(self, arr: Any = None, stream: Any = None) -> np.ndarray:
+        """Copy the buffer into *arr* (a new uint8 array when ``None``) and return it."""
+        what = "VirtualBuffer.copy_to_host"
+        if arr is None:
+            out = np.empty(self.nbytes, np.uint8)
+        else:
+            out = host_array(arr, what, writable=True)
+            check_same_size(out.nbytes, self.nbytes, what, "host array")
+        dtoh(self.context, out, self.ptr, stream, what)
+        return out if arr is None or isinstance(arr, np.ndarray) else arr
+
+    def copy_from(self, src: Any, stream: Any = None) -> None:
+        """Device-to-device copy from memory of the same size (any context/device)."""
+        what = "VirtualBuffer.copy_from"
+        s = device_mem(src, what)
+        check_same_size(s.nbytes, self.nbytes, what, "source")
+        copy_device(self._ctxkit_mem(), s, self.nbytes, stream, what)
+
+    def copy_to(self, dst: Any, stream: Any = None) -> None:
+        """Device-to-device copy into memory of the same size (any context/device)."""
+        what = "VirtualBuffer.copy_to"
+        d = device_mem(dst, what, write=True)
+        check_same_size(d.nbytes, self.nbytes, what, "destination")
+        copy_device(d, self._ctxkit_mem(), self.nbytes, stream, what)
+
+    def memset(self, value: int, stream: Any = None) -> None:
+        """Set every byte to *value* (0..255), as ``DeviceBuffer.memset``."""
+        DeviceBuffer.from_pointer(self.ptr, self.nbytes, self.context).memset(value, stream)
+
+
+def _reserve_range(space: _Space, size: int, what: str) -> None:
+    err, ptr = drv.cuMemAddressReserve(size, 0, 0, 0)
+    _check(err, f"{what}: cuMemAddressReserve({size})")
+    space.reservations.append((int(ptr), size))
+
+
+def _check_support(devs: tuple[int, ...], acc: tuple[int, ...], shareable: bool, what: str) -> None:
+    for d in dict.fromkeys((*devs, *acc)):
+        dev = Device(d)
+        if not dev.attribute("virtual_memory_management_supported"):
+            raise CudaError(
+                f"{what}: device {d} does not support virtual memory management "
+                "(virtual_memory_management_supported is 0); use DeviceBuffer",
+                _NOT_SUPPORTED,
+                "CUDA_ERROR_NOT_SUPPORTED",
+            )
+        if shareable and not dev.attribute("handle_type_posix_file_descriptor_supported"):
+            raise CudaError(
+                f"{what}: device {d} cannot export memory as POSIX file descriptors "
+                "(handle_type_posix_file_descriptor_supported is 0); create it without "
+                "shareable=True and share a DeviceBuffer through ctxkit.memory.ipc instead",
+                _NOT_SUPPORTED,
+                "CUDA_ERROR_NOT_SUPPORTED",
+            )
+    for a in acc:
+        for d in devs:
+            if a != d and not Device(a).can_access_peer(d):
+                raise ValueError(
+                    f"{what}: device {a} cannot access memory of device {d} "
+                    "(cuDeviceCanAccessPeer is 0), so it cannot be given access to chunks "
+                    f"there; pass access= without device {a}, or devices= without device {d}"
+                )
