@@ -79,6 +79,7 @@ _EXPORTS: dict[str, str] = {
     # multi-device
     "Pipeline": "pipeline",
     "DevicePool": "procs",
+    "TaskOptions": "procs",
     "StageHandle": "pipeline",
     "Timeline": "trace",
 }
@@ -171,6 +172,6 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from .module import Kernel, Module, PreparedLaunch
     from .pipeline import Pipeline, StageHandle
-    from .procs import DevicePool
+    from .procs import DevicePool, TaskOptions
     from .stream import Event, Stream, current_stream
     from .trace import Timeline

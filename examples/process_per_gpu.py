@@ -1,7 +1,8 @@
 """One spawned process per GPU: split an array, scale it on every GPU, check the result.
 
-Pattern: 003_06465f0f39171761.txt section 3.2 ("multi-process: fork + set device"), done
-safely: ``ctxkit.procs.run_per_device`` *spawns* (a child forked after CUDA was
+Pattern: "one process per GPU" (fork, then ``cudaSetDevice`` in each child, as multi-GPU
+CUDA tutorials write it), done safely: ``ctxkit.procs.run_per_device`` *spawns* (a child
+forked after CUDA was
 initialised cannot use CUDA) one process per GPU, makes the registry's context of that
 GPU current in it, and calls ``scale_slice(ordinal, ...)`` there. The input and output
 arrays live in POSIX shared memory, so every child reads its slice and writes its result
@@ -20,14 +21,14 @@ reruns the failed device in a fresh process).
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from multiprocessing import shared_memory
 
 import numpy as np
-from _common import blocks_for, check, ck, expect, gbps, ok, require_gpus
+from _common import blocks_for, check, example_parser, expect, gbps, ok, require_gpus
 
+import ctxkit as ck
 from ctxkit.procs import run_per_device
 
 ALPHA = np.float32(2.5)
@@ -57,7 +58,7 @@ def scale_slice(
 
 def device_phase(h_in: np.ndarray, h_out: np.ndarray, repeat: int) -> float:
     """H2D -> scale_f32 -> D2H from pinned memory; best of *repeat* timed runs."""
-    mod = ck.Module.load(ck.compile(ck.compiler.kernel_source("scale.cu"), name="scale.cu"))
+    mod = ck.Module.load(ck.compile(ck.kernel_source("scale.cu"), name="scale.cu"))
     kernel = mod.function("scale_f32")
     d_in, d_out = ck.DeviceBuffer(h_in.nbytes), ck.DeviceBuffer(h_out.nbytes)
     best = float("inf")
@@ -92,8 +93,7 @@ def run_children(x: np.ndarray, devices: list[int], repeat: int) -> tuple[np.nda
 
 
 def main() -> None:
-    n_dev = require_gpus("process_per_gpu.py")
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = example_parser(__doc__)
     parser.add_argument("--mb", type=float, default=256, help="MiB of float32 input in total")
     parser.add_argument("--repeat", type=int, default=5, help="timed runs (best is reported)")
     parser.add_argument("--quick", action="store_true", help="16 MiB, 2 runs")
@@ -101,6 +101,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.mb, args.repeat = 16, 2
+    n_dev = require_gpus("process_per_gpu.py")
 
     devices = list(range(n_dev))
     n = int(args.mb * (1 << 20)) // 4

@@ -10,9 +10,13 @@ state that the driver cannot use (``cuInit`` in the parent makes every CUDA call
 forked child fail), and forking a multithreaded parent can deadlock on locks held by
 other threads. ``spawn`` starts a fresh interpreter that initialises CUDA itself. The
 cost is start-up time (interpreter + imports + context), which is why :class:`DevicePool`
-exists for repeated work. Functions and arguments are pickled, so ``fn`` must be defined
-at module level (not a lambda or nested function) and programs that use these APIs need
-the usual ``if __name__ == "__main__":`` guard.
+exists for repeated work. Programs that use these APIs need the usual
+``if __name__ == "__main__":`` guard.
+
+Functions and arguments are pickled. A module-level function travels by name; a lambda,
+a closure or a function defined in a notebook, a REPL or ``python -c`` travels by value
+with cloudpickle when it is installed (``pip install cloudpickle``, the ``cloudpickle``
+extra), and is refused with a clear error otherwise.
 
 Large numpy arrays (arguments and results) travel through POSIX shared memory instead
 of the pipe when they reach ``shm_threshold`` bytes (default 1 MiB). Measured on a
@@ -20,7 +24,9 @@ of the pipe when they reach ``shm_threshold`` bytes (default 1 MiB). Measured on
 shared memory): 64 KiB 0.28 vs 0.56 ms, 512 KiB 0.74 vs 1.5 ms, 1 MiB 3.4 vs 2.6 ms,
 16 MiB 58 vs 34 ms, 256 MiB 2.9 s vs 0.49 s. Below ~1 MiB the fixed cost of creating,
 mapping and unlinking a block outweighs the copies it saves; ``benchmarks/bench_procs.py``
-measures the crossover on the machine at hand.
+measures the crossover on the machine at hand. Every block is reserved before it is
+written (a write that a full ``/dev/shm`` cannot back would kill the writer with
+SIGBUS); an array for which there is no room goes through the pipe instead.
 """
 
 from __future__ import annotations
@@ -29,12 +35,14 @@ from ..errors import DeviceTaskError
 from .mpi import local_device_for, mpi_local_device, mpi_local_rank
 from .pool import DevicePool
 from .spawn import run_per_device, worker_device
+from .tasks import TaskOptions
 from .wire import SHM_THRESHOLD
 
 __all__ = [
     "SHM_THRESHOLD",
     "DevicePool",
     "DeviceTaskError",
+    "TaskOptions",
     "local_device_for",
     "mpi_local_device",
     "mpi_local_rank",

@@ -23,8 +23,9 @@ def _import_mpi(what: str) -> Any:
     except ImportError as exc:
         raise ImportError(
             f"ctxkit.procs.{what} needs mpi4py, which is not installed ({exc}). Install the "
-            "`mpi` extra: pip install 'ctxkit[mpi]', plus an MPI runtime (your cluster's MPI, "
-            "or `pip install mpich` on a workstation)"
+            '`mpi` extra (in a ctxkit checkout: pip install -e ".[mpi]"; from the package '
+            'index: pip install "ctxkit-cuda[mpi]") or `pip install mpi4py`, plus an MPI '
+            "runtime (your cluster's MPI, or `pip install mpich` on a workstation)"
         ) from exc
     return MPI
 

@@ -1,4 +1,4 @@
-"""``DevicePool``: one long-lived worker process per GPU (re-exported by ``ctxkit.procs``)."""
+"""``DevicePool``: one long-lived worker process per GPU, a ``concurrent.futures.Executor``."""
 
 from __future__ import annotations
 
@@ -8,18 +8,29 @@ import itertools
 import multiprocessing.connection
 import multiprocessing.util  # its atexit hook must be registered before ours
 import os
-import pickle
 import threading
+import time
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Executor, Future
 from typing import Any
 
 from ..device import Device
-from ..errors import CudaError, DeviceTaskError
-from . import wire
+from ..errors import DeviceTaskError
+from . import child, shm, wire
+from .tasks import (
+    Slot,
+    Task,
+    TaskOptions,
+    check_timeout,
+    lost_error,
+    takes_keyword,
+    terminated_error,
+)
 from .wire import SHM_THRESHOLD
+from .worker import worker_main
 
 __all__ = ["DevicePool"]
 
@@ -27,63 +38,19 @@ __all__ = ["DevicePool"]
 _live_pools: weakref.WeakSet[DevicePool] = weakref.WeakSet()
 
 
-class _Task:
-    __slots__ = ("blocks", "data", "future", "id", "label", "started")
-
-    def __init__(self, tid: int, label: str, data: bytes, blocks: wire.Blocks):
-        self.id = tid
-        self.label = label
-        self.data = data
-        self.blocks = blocks
-        self.future: Future[Any] = Future()
-        self.started = False
-
-
-class _Slot:
-    """One device's worker: its process, pipes and queue.
-
-    ``state``: starting -> idle <-> busy; restarting (worker exits after a sticky fault);
-    stopping (told to exit); dead (exited, not replaced); broken (cannot start).
-    """
-
-    __slots__ = (
-        "bind_ordinal",
-        "broken",
-        "current",
-        "ordinal",
-        "pending",
-        "proc",
-        "result_r",
-        "state",
-        "task_w",
-        "visible",
-    )
-
-    def __init__(self, ordinal: int, bind_ordinal: int, visible: str | None) -> None:
-        self.ordinal = ordinal
-        self.bind_ordinal = bind_ordinal
-        self.visible = visible
-        self.proc: Any = None
-        self.task_w: Any = None
-        self.result_r: Any = None
-        self.state = "dead"
-        self.pending: deque[_Task] = deque()
-        self.current: _Task | None = None
-        self.broken: DeviceTaskError | None = None
-
-    @property
-    def load(self) -> int:
-        return len(self.pending) + (self.current is not None) + (self.state == "starting")
-
-
-class DevicePool:
-    """One long-lived worker process per device; ``submit`` returns a ``Future``.
+class DevicePool(Executor):
+    """One long-lived worker process per device: a ``concurrent.futures.Executor``.
 
     Each worker binds the registry's context of its device once, when it starts, and
     runs tasks one at a time with it current. A worker whose task crashed the process,
-    or raised a sticky CUDA error (the context is poisoned), is replaced by a fresh one;
-    that task's future gets a :class:`DeviceTaskError`, queued tasks run on the
-    replacement. Arrays of ``shm_threshold`` bytes or more travel through shared memory.
+    raised a sticky CUDA error (the context is poisoned) or ran past its timeout is
+    replaced by a fresh one; that task's future gets a :class:`DeviceTaskError`, queued
+    tasks run on the replacement.
+
+    ``submit(fn, *args, **kwargs)`` passes every argument to ``fn`` and picks the
+    least-loaded device; ``submit_to(device, fn, ...)`` chooses the device, and
+    ``submit_to(TaskOptions(device=..., timeout=...), fn, ...)`` a timeout too. ``map``
+    is ``Executor.map``.
 
     Parameters
     ----------
@@ -92,21 +59,36 @@ class DevicePool:
     isolate : bool
         As in :func:`run_per_device`: each worker sees only its device.
     initializer : callable, optional
-        Module-level function called as ``initializer(*initargs)`` in each worker after
-        its context is bound (e.g. to compile and load kernels once). If it fails, that
-        device is marked broken: its queued futures fail and ``submit`` to it raises.
+        Called as ``initializer(*initargs)`` in each worker after its context is bound
+        (e.g. to compile and load kernels once). If it fails, that device is marked
+        broken: its queued futures fail and ``submit`` to it raises.
     shm_threshold : int or None
         Byte size from which an array goes through shared memory (``None``: never).
+    shm_limit : int, optional
+        Most bytes of the pool's arguments in ``/dev/shm`` at once (tasks being sent or
+        running); an array beyond it goes through the pipe. Default: half the size of
+        ``/dev/shm``. Whatever the limit, an array for which ``/dev/shm`` has no room
+        goes through the pipe.
+    task_timeout : float, optional
+        Default timeout of every task, in seconds (see :class:`TaskOptions`).
     mp_context : multiprocessing context, optional
         Must be a ``spawn`` context.
 
     Notes
     -----
+    Functions are sent as in :func:`run_per_device`: by name, or by value with cloudpickle
+    (lambdas, closures, functions of a notebook). Arguments are pickled by ``submit``;
+    large arrays are copied into shared memory when the task is sent to its worker, and
+    an array ``submit`` cannot send at once is copied first, so changing an array after
+    ``submit`` returns never changes what the task sees.
+
     Use as a context manager: a normal exit waits for queued work (``shutdown()``); an
     exception (including ``KeyboardInterrupt``) stops the workers at once
     (:meth:`terminate`), and so does interpreter exit for a pool still running. Workers
-    also die with the parent process. Inside a task, :func:`worker_device` gives the
-    logical ordinal.
+    also die with the parent process. Only the process that created the pool can use or
+    stop it: in a process forked from it, ``submit`` raises and ``shutdown``,
+    ``terminate`` and exit leave the workers alone. Inside a task,
+    :func:`worker_device` gives the logical ordinal.
     """
 
     def __init__(
@@ -117,21 +99,35 @@ class DevicePool:
         initializer: Callable[..., Any] | None = None,
         initargs: Sequence[Any] = (),
         shm_threshold: int | None = SHM_THRESHOLD,
+        shm_limit: int | None = None,
+        task_timeout: float | None = None,
         mp_context: Any = None,
         _bind: bool = True,
     ) -> None:
-        self._ctx = wire.spawn_context(mp_context)
+        self._ctx = child.spawn_context(mp_context)
+        by_value = False
         if initializer is not None:
-            wire.check_shippable("DevicePool(initializer=)", initializer)
-        self._init_payload, _ = wire.pickled("DevicePool", (initializer, tuple(initargs)), None)
-        ordinals = wire.resolve_ordinals(devices, _bind)
-        visible = wire.visible_for(ordinals, isolate)
+            by_value = wire.check_shippable("DevicePool(initializer=)", initializer)
+        wire.check_main("DevicePool")
+        check_timeout(task_timeout, "task_timeout")
+        if shm_limit is not None and (isinstance(shm_limit, bool) or shm_limit < 0):
+            raise ValueError(f"shm_limit must be a byte count >= 0 or None, not {shm_limit!r}")
+        self._init_payload = wire.dumps(
+            "DevicePool(initializer=)", (initializer, tuple(initargs)), by_value
+        )
+        ordinals = child.resolve_ordinals(devices, _bind)
+        visible = child.visible_for(ordinals, isolate)
         self._slots = [
-            _Slot(o, 0 if isolate else o, v) for o, v in zip(ordinals, visible, strict=True)
+            Slot(o, 0 if isolate else o, v) for o, v in zip(ordinals, visible, strict=True)
         ]
         self._by_ordinal = {s.ordinal: s for s in self._slots}
         self._threshold = shm_threshold
+        self._shm_limit = _default_shm_limit() if shm_limit is None else shm_limit
+        self._shm_used = 0
+        self._shm_lock = threading.Lock()
+        self._task_timeout = task_timeout
         self._bind = _bind
+        self._owner = os.getpid()
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._rr = 0
@@ -155,56 +151,71 @@ class DevicePool:
         with self._lock:
             return {s.ordinal: s.proc.pid if s.proc is not None else None for s in self._slots}
 
-    def submit(
-        self,
-        fn: Callable[..., Any],
-        /,
-        *args: Any,
-        device: Device | int | None = None,
-        **kwargs: Any,
-    ) -> Future[Any]:
-        """Run ``fn(*args, **kwargs)`` on a worker; returns its ``Future``.
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        """Run ``fn(*args, **kwargs)`` on the least-loaded device; returns its ``Future``.
 
-        ``device=None`` picks the least-loaded device (queued + running tasks; ties go
-        round-robin). A failure in the worker sets a :class:`DeviceTaskError` on the
-        future.
+        Every keyword argument goes to ``fn``, as with any ``Executor``. (Compatibility:
+        ``device=`` chooses the device, with a ``DeprecationWarning``, only when ``fn``
+        takes no ``device`` keyword; use :meth:`submit_to`.) Ties in load go round robin.
+        A failure in the worker sets a :class:`DeviceTaskError` on the future.
 
         Raises
         ------
         RuntimeError
-            The pool was shut down.
+            The pool was shut down, or this process did not create it (a fork).
         DeviceTaskError
-            The chosen device's worker could not start (``kind == "init"``).
+            Every device's worker failed to start (``kind == "init"``).
         TypeError
             ``fn`` or the arguments cannot be pickled.
-        ValueError
-            *device* is not one of the pool's devices.
         """
-        wire.check_shippable("DevicePool.submit", fn)
-        if self._shutdown:
-            raise RuntimeError("cannot submit to a DevicePool after shutdown()")
-        data, blocks = wire.pickled("DevicePool.submit", (fn, args, kwargs), self._threshold)
-        task = _Task(next(self._ids), getattr(fn, "__qualname__", repr(fn)), data, blocks)
-        try:
-            with self._lock:
-                if self._shutdown:
-                    raise RuntimeError("cannot submit to a DevicePool after shutdown()")
-                slot = self._pick(device)
-                slot.pending.append(task)
-                if slot.state == "idle":
-                    self._dispatch(slot)
-        except BaseException:
-            wire.discard(blocks)
-            raise
-        return task.future
+        target: Device | int | None = None
+        if "device" in kwargs and not takes_keyword(fn, "device"):
+            warnings.warn(
+                "DevicePool.submit(fn, ..., device=N) as a device choice is deprecated: "
+                "submit() passes every keyword argument to fn, as concurrent.futures "
+                "executors do. Use pool.submit_to(N, fn, ...)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            target = kwargs.pop("device")
+        return self._submit(TaskOptions(device=target), fn, args, kwargs)
+
+    def submit_to(
+        self,
+        target: Device | int | TaskOptions | None,
+        fn: Callable[..., Any],
+        /,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Future[Any]:
+        """Run ``fn(*args, **kwargs)`` on a chosen device; returns its ``Future``.
+
+        *target* is a device (ordinal or ``Device``; ``None``: least loaded) or a
+        :class:`TaskOptions` with a device and a timeout. Every keyword argument goes
+        to ``fn``.
+
+        Raises
+        ------
+        ValueError
+            The device is not one of the pool's devices.
+        DeviceTaskError
+            The chosen device's worker could not start (``kind == "init"``).
+        RuntimeError, TypeError
+            As for :meth:`submit`.
+        """
+        options = target if isinstance(target, TaskOptions) else TaskOptions(device=target)
+        return self._submit(options, fn, args, kwargs)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stop accepting work; workers finish their queues and exit.
 
         ``cancel_futures=True`` cancels queued (not yet running) tasks first. With
-        ``wait=True`` returns once every worker has exited.
+        ``wait=True`` returns once every worker has exited. Does nothing in a process
+        forked from the one that created the pool.
         """
-        cancelled: list[_Task] = []
+        if not self._owned():
+            return
+        cancelled: list[Task] = []
         with self._lock:
             self._shutdown = True
             if cancel_futures:
@@ -215,7 +226,7 @@ class DevicePool:
                 if s.state == "idle" and not s.pending:
                     self._stop_worker(s)
         for t in cancelled:
-            wire.discard(t.blocks)
+            self._drop(t)
             t.future.cancel()
         self._wake()
         if wait and threading.current_thread() is not self._manager:
@@ -225,29 +236,34 @@ class DevicePool:
         """Stop every worker now (SIGTERM, then SIGKILL); unfinished futures fail.
 
         Running tasks get a :class:`DeviceTaskError` with ``kind == "terminated"``, queued
-        ones are cancelled. Returns once the workers are gone.
+        ones are cancelled. Returns once the workers are gone. Does nothing in a process
+        forked from the one that created the pool.
         """
+        if not self._owned():
+            return
         with self._lock:
             self._shutdown = True
             self._terminating = True
             tasks = [t for s in self._slots for t in s.pending]
             running = [(s, s.current) for s in self._slots if s.current is not None]
+            kill_at = time.monotonic() + child.TERM_GRACE_S
             for s in self._slots:
                 s.pending.clear()
                 s.current = None
                 if s.proc is not None:
                     s.state = "stopping"
+                    s.kill_at = kill_at
                     with contextlib.suppress(Exception):
                         s.proc.terminate()
         for t in tasks:
-            wire.discard(t.blocks)
+            self._drop(t)
             if t.started:
-                t.future.set_exception(self._terminated_error(None, t))
+                t.future.set_exception(terminated_error(None, t))
             else:
                 t.future.cancel()
         for s, t in running:
-            wire.discard(t.blocks)
-            t.future.set_exception(self._terminated_error(s, t))
+            self._drop(t)
+            t.future.set_exception(terminated_error(s, t))
         self._wake()
         if threading.current_thread() is not self._manager:
             self._manager.join()
@@ -265,11 +281,62 @@ class DevicePool:
         state = "shut down" if self._shutdown else "running"
         return f"<DevicePool devices={self.devices} {state}>"
 
-    # --- scheduling (lock held) ----------------------------------------------------
+    # --- submitting ----------------------------------------------------------------
 
-    def _pick(self, device: Device | int | None) -> _Slot:
+    def _owned(self) -> bool:
+        return os.getpid() == self._owner
+
+    def _submit(
+        self, options: TaskOptions, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: Any
+    ) -> Future[Any]:
+        if not self._owned():
+            raise RuntimeError(
+                f"this DevicePool belongs to process {self._owner}; a process forked from it "
+                "cannot submit work (its workers serve the parent). Create a pool in this "
+                "process"
+            )
+        by_value = wire.check_shippable("DevicePool.submit", fn)
+        if self._shutdown:
+            raise RuntimeError("cannot submit to a DevicePool after shutdown()")
+        payload = wire.Payload.build(
+            "DevicePool.submit", (fn, args, kwargs), self._threshold, by_value
+        )
+        timeout = options.timeout if options.timeout is not None else self._task_timeout
+        task = Task(next(self._ids), getattr(fn, "__qualname__", repr(fn)), payload, timeout)
+        with self._lock:
+            if self._shutdown:
+                raise RuntimeError("cannot submit to a DevicePool after shutdown()")
+            slot = self._pick(options.device)
+            # sent before submit() returns, or copied first: the caller may reuse its arrays
+            task.ready = (slot.state == "idle" and not slot.pending) or not payload.buffers
+            slot.pending.append(task)
+            nxt = self._take(slot) if slot.state == "idle" else None
+        if nxt is not None:
+            self._send(slot, nxt)
+        if not task.ready:
+            try:
+                payload.snapshot()
+            except BaseException:  # e.g. MemoryError: the task never was
+                with self._lock:
+                    with contextlib.suppress(ValueError):
+                        slot.pending.remove(task)
+                    nxt = self._take(slot) if slot.state == "idle" else None
+                if nxt is not None:
+                    self._send(slot, nxt)
+                task.future.cancel()
+                raise
+            with self._lock:
+                task.ready = True
+                nxt = self._take(slot) if slot.state == "idle" else None
+            if nxt is not None:
+                self._send(slot, nxt)
+        return task.future
+
+    # --- scheduling ----------------------------------------------------------------
+
+    def _pick(self, device: Device | int | None) -> Slot:
         if device is not None:
-            ordinal = wire.ordinal_of(device, False)
+            ordinal = child.ordinal_of(device, False)
             slot = self._by_ordinal.get(ordinal)
             if slot is None:
                 raise ValueError(f"device {ordinal} is not in this pool (devices {self.devices})")
@@ -285,34 +352,96 @@ class DevicePool:
         self._rr = (self._slots.index(slot) + 1) % n
         return slot
 
-    def _dispatch(self, slot: _Slot) -> None:
+    def _take(self, slot: Slot) -> Task | None:
+        """The next task for an idle worker, now its current one (lock held); the caller
+        sends it with :meth:`_send` after releasing the lock."""
         while slot.pending:
-            task = slot.pending.popleft()
+            task = slot.pending[0]
+            if not task.ready:
+                return None
+            slot.pending.popleft()
             if not task.started:
                 if not task.future.set_running_or_notify_cancel():
-                    wire.discard(task.blocks)
+                    self._drop(task)
                     continue
                 task.started = True
             slot.current, slot.state = task, "busy"  # before the send: the reply may be quick
-            try:
-                slot.task_w.send((task.id, task.data, task.blocks))
-            except (OSError, ValueError):
-                slot.pending.appendleft(task)
-                slot.current, slot.state = None, "restarting"
-            return
+            return task
         if self._shutdown:
             self._stop_worker(slot)
+        return None
 
-    def _stop_worker(self, slot: _Slot) -> None:
+    def _send(self, slot: Slot, task: Task) -> None:
+        """Put *task*'s buffers in shared memory (within the budget) and send it (no lock)."""
+        try:
+            parts, used = task.payload.parts(self._reserve, self._unreserve)
+        except BaseException as exc:
+            with self._lock:
+                mine = slot.current is task
+                if mine:
+                    slot.current = None
+                    if slot.state == "busy":
+                        slot.state = "idle"
+                nxt = self._take(slot) if mine and slot.state == "idle" else None
+            task.future.set_exception(exc)
+            if nxt is not None:
+                self._send(slot, nxt)
+            return
+        with self._lock, self._shm_lock:
+            mine = slot.current is task
+            task.parts, task.shm_bytes = parts, used
+            conn = slot.task_w
+            if mine and task.timeout is not None:
+                slot.deadline = time.monotonic() + task.timeout
+        if not mine:  # terminated or failed while its buffers were copied
+            self._drop(task)
+            return
+        if task.timeout is not None and threading.current_thread() is not self._manager:
+            self._wake()
+        try:
+            with slot.send_lock:
+                conn.send((task.id, task.payload.data, parts))
+        except (OSError, ValueError):  # the worker is gone: run it on the replacement
+            self._drop(task, keep_payload=True)
+            task.payload.snapshot()  # submit() may have returned by the time it is resent
+            with self._lock:
+                if slot.current is task:
+                    slot.pending.appendleft(task)
+                    slot.current, slot.deadline, slot.state = None, None, "restarting"
+
+    def _reserve(self, nbytes: int) -> bool:
+        with self._shm_lock:
+            if self._shm_used + nbytes > self._shm_limit:
+                return False
+            self._shm_used += nbytes
+            return True
+
+    def _unreserve(self, nbytes: int) -> None:
+        with self._shm_lock:
+            self._shm_used -= nbytes
+
+    def _drop(self, task: Task, keep_payload: bool = False) -> None:
+        """Release what a finished or abandoned task holds: its blocks and budget (and,
+        unless *keep_payload*, its pickled arguments)."""
+        with self._shm_lock:
+            parts, task.parts = task.parts, []
+            nbytes, task.shm_bytes = task.shm_bytes, 0
+            self._shm_used -= nbytes
+        shm.discard(parts)
+        if not keep_payload:
+            task.payload.release()
+
+    def _stop_worker(self, slot: Slot) -> None:
         slot.state = "stopping"
-        with contextlib.suppress(OSError, ValueError):
+        with slot.send_lock, contextlib.suppress(OSError, ValueError):
             slot.task_w.send(None)
 
-    def _spawn(self, slot: _Slot) -> None:
+    def _spawn(self, slot: Slot) -> None:
         result_r, result_w = self._ctx.Pipe(duplex=False)
         task_r, task_w = self._ctx.Pipe(duplex=False)
+        prefix = shm.child_prefix()
         proc = self._ctx.Process(
-            target=_worker_main,
+            target=worker_main,
             args=(
                 task_r,
                 result_w,
@@ -323,6 +452,7 @@ class DevicePool:
                 os.getpid(),
                 self._threshold,
                 self._init_payload,
+                prefix,
             ),
             name=f"ctxkit-pool-device-{slot.ordinal}",
         )
@@ -335,8 +465,9 @@ class DevicePool:
         finally:
             result_w.close()
             task_r.close()
-        slot.proc, slot.result_r, slot.task_w = proc, result_r, task_w
+        slot.proc, slot.result_r, slot.task_w, slot.prefix = proc, result_r, task_w, prefix
         slot.state = "starting"
+        slot.deadline = slot.kill_at = slot.timed_out = None
 
     # --- the manager thread --------------------------------------------------------
 
@@ -355,18 +486,14 @@ class DevicePool:
                     live = [s for s in self._slots if s.proc is not None]
                     if self._shutdown and not live:
                         return
+                    wait_s = self._enforce_deadlines(live, time.monotonic())
                     waits: list[Any] = [self._wake_r]
                     waits += [s.result_r for s in live if not s.result_r.closed]
                     waits += [s.proc.sentinel for s in live]
-                wait_s = wire.TERM_GRACE_S if self._terminating else None
                 ready = multiprocessing.connection.wait(waits, wait_s)
                 if self._wake_r in ready:
                     while self._wake_r.poll():
                         self._wake_r.recv_bytes()
-                if self._terminating and not ready:
-                    for s in live:
-                        with contextlib.suppress(Exception):
-                            s.proc.kill()
                 for s in live:
                     if not s.result_r.closed and s.result_r in ready:
                         self._receive(s)
@@ -379,7 +506,24 @@ class DevicePool:
             for conn in (self._wake_r, self._wake_w):
                 conn.close()
 
-    def _receive(self, slot: _Slot) -> None:
+    def _enforce_deadlines(self, live: list[Slot], now: float) -> float | None:
+        """Stop workers past their task's timeout, SIGKILL those past their grace (lock
+        held); returns the seconds until the next such moment (``None``: none)."""
+        moments = []
+        for s in live:
+            if s.deadline is not None and now >= s.deadline and s.current is not None:
+                s.timed_out, s.deadline, s.state = s.current, None, "restarting"
+                s.kill_at = now + child.TERM_GRACE_S
+                with contextlib.suppress(Exception):
+                    s.proc.terminate()
+            if s.kill_at is not None and now >= s.kill_at:
+                s.kill_at = None
+                with contextlib.suppress(Exception):
+                    s.proc.kill()
+            moments += [t for t in (s.deadline, s.kill_at) if t is not None]
+        return max(0.0, min(moments) - now) if moments else None
+
+    def _receive(self, slot: Slot) -> None:
         try:
             msg = slot.result_r.recv()
         except (EOFError, OSError):
@@ -388,9 +532,12 @@ class DevicePool:
         kind = msg[0]
         if kind == "ready":
             with self._lock:
+                nxt = None
                 if slot.state == "starting":
                     slot.state = "idle"
-                    self._dispatch(slot)
+                    nxt = self._take(slot)
+            if nxt is not None:
+                self._send(slot, nxt)
         elif kind == "init_error":
             head = f"DevicePool worker for device {slot.ordinal} failed to start"
             err = wire.error_from(msg[1], slot.ordinal, slot.proc.pid, None, 1, head, "init")
@@ -399,21 +546,26 @@ class DevicePool:
         elif kind == "result":
             self._complete(slot, msg[1], msg[2], msg[3])
 
-    def _complete(self, slot: _Slot, task_id: int, out: Any, restart: bool) -> None:
+    def _complete(self, slot: Slot, task_id: int, out: Any, restart: bool) -> None:
+        nxt = None
         with self._lock:
             task = slot.current
             if task is None or task.id != task_id:  # terminated under it
                 task = None
             else:
-                slot.current = None
+                slot.current, slot.deadline = None, None
                 if restart:
                     slot.state = "restarting"
                 elif slot.state == "busy":
                     slot.state = "idle"
-                    self._dispatch(slot)
+                    nxt = self._take(slot)
+        if task is not None:
+            self._drop(task)  # the worker has let go of the arguments' blocks
+        if nxt is not None:
+            self._send(slot, nxt)
         if task is None:
             if out[0] == "ok":
-                wire.discard(out[2])
+                shm.discard(out[2])
             return
         pid = slot.proc.pid
         head = f"task {task.label} on device {slot.ordinal}"
@@ -432,21 +584,24 @@ class DevicePool:
         else:
             task.future.set_exception(wire.error_from(out[1], slot.ordinal, pid, None, 1, head))
 
-    def _exited(self, slot: _Slot) -> None:
+    def _exited(self, slot: Slot) -> None:
         slot.proc.join()
         while not slot.result_r.closed and slot.result_r.poll():
             self._receive(slot)
+        shm.sweep(slot.prefix)  # blocks of a worker killed while sending a result
         code = slot.proc.exitcode
         pid = slot.proc.pid
         with self._lock:
             task, slot.current = slot.current, None
+            timed_out = task is not None and slot.timed_out is task
             was = slot.state
             slot.result_r.close()
-            slot.task_w.close()
+            old_w = slot.task_w
             slot.proc = None
+            slot.deadline = slot.kill_at = slot.timed_out = None
             slot.state = "dead" if was != "broken" else "broken"
             if was == "starting" and not self._terminating:
-                reason = wire.exit_reason(code)
+                reason = child.exit_reason(code)
                 broken = DeviceTaskError(
                     f"DevicePool worker for device {slot.ordinal} (pid {pid}) {reason} "
                     "while starting (importing ctxkit, binding the context or running the "
@@ -460,24 +615,15 @@ class DevicePool:
                 broken = None
                 if was not in ("stopping", "broken") and not (self._shutdown and not slot.pending):
                     self._spawn(slot)
+        with slot.send_lock:
+            old_w.close()
         if broken is not None:
             self._mark_broken(slot, broken)
         if task is not None:
-            wire.discard(task.blocks)
-            task.future.set_exception(
-                DeviceTaskError(
-                    f"task {task.label} on device {slot.ordinal}: worker process {pid} "
-                    f"{wire.exit_reason(code)} while running it; the worker was replaced. "
-                    "A native crash, os._exit(), the OOM killer or a fatal GPU fault look "
-                    "like this",
-                    device=slot.ordinal,
-                    kind="crash",
-                    pid=pid,
-                    exitcode=code,
-                )
-            )
+            self._drop(task)
+            task.future.set_exception(lost_error(slot, task, pid, code, timed_out))
 
-    def _mark_broken(self, slot: _Slot, err: DeviceTaskError) -> None:
+    def _mark_broken(self, slot: Slot, err: DeviceTaskError) -> None:
         with self._lock:
             slot.broken = err
             if slot.proc is not None:
@@ -485,17 +631,9 @@ class DevicePool:
             tasks = list(slot.pending)
             slot.pending.clear()
         for t in tasks:
-            wire.discard(t.blocks)
+            self._drop(t)
             if t.started or t.future.set_running_or_notify_cancel():
                 t.future.set_exception(err)
-
-    def _terminated_error(self, slot: _Slot | None, task: _Task) -> DeviceTaskError:
-        where = f" on device {slot.ordinal}" if slot is not None else ""
-        return DeviceTaskError(
-            f"task {task.label}{where}: the DevicePool was terminated before it finished",
-            device=slot.ordinal if slot is not None else -1,
-            kind="terminated",
-        )
 
     def _fail_all(self, exc: BaseException) -> None:  # pragma: no cover - see _manage
         with self._lock:
@@ -510,70 +648,15 @@ class DevicePool:
                 t.future.set_exception(exc)
 
 
-def _worker_main(
-    task_r: Any,
-    result_w: Any,
-    ordinal: int,
-    bind_ordinal: int,
-    visible: str | None,
-    bind: bool,
-    parent_pid: int,
-    threshold: int | None,
-    init_payload: bytes,
-) -> None:
-    """Entry point of a ``DevicePool`` worker (spawned)."""
-    wire.current_device = ordinal
-    with contextlib.ExitStack() as stack:
-        try:
-            wire.child_setup(parent_pid, visible)
-            ctx = stack.enter_context(wire.bound_context(bind_ordinal, bind))
-            initializer, initargs = pickle.loads(init_payload)
-            if initializer is not None:
-                initializer(*initargs)
-        except BaseException as exc:
-            with contextlib.suppress(Exception):
-                result_w.send(("init_error", wire.describe_exception(exc)))
-            return
-        result_w.send(("ready", os.getpid()))
-        _serve(task_r, result_w, ordinal, ctx, threshold)
-
-
-def _serve(task_r: Any, result_w: Any, ordinal: int, ctx: Any, threshold: int | None) -> None:
-    from ..errors import STICKY_CODES, ContextPoisonedError
-
-    while True:
-        try:
-            msg = task_r.recv()
-        except (EOFError, OSError):
-            return
-        if msg is None:
-            return
-        task_id, data, blocks = msg
-        restart = False
-        try:
-            fn, args, kwargs = wire.decode(data, blocks)
-            value = fn(*args, **kwargs)
-            out: tuple[Any, ...] = ("ok", *wire.result_bytes(fn, ordinal, value, threshold))
-        except BaseException as exc:
-            out = ("error", wire.describe_exception(exc))
-            restart = isinstance(exc, ContextPoisonedError) or (
-                isinstance(exc, CudaError) and exc.code in STICKY_CODES
-            )
-        fn = args = kwargs = value = None
-        if ctx is not None and ctx.poisoned:
-            restart = True
-        try:
-            result_w.send(("result", task_id, out, restart))
-        except (OSError, ValueError):
-            if out[0] == "ok":
-                wire.discard(out[2])
-            return
-        if restart:
-            return
+def _default_shm_limit() -> int:
+    """Half of ``/dev/shm``; no limit where there is no ``/dev/shm`` to measure."""
+    total = shm.space()[1]
+    return total // 2 if total else 1 << 62
 
 
 @atexit.register
 def _terminate_live_pools() -> None:
     for pool in list(_live_pools):
-        with contextlib.suppress(Exception):
-            pool.terminate()
+        if pool._owned():  # a forked child must not stop its parent's workers
+            with contextlib.suppress(Exception):
+                pool.terminate()

@@ -35,7 +35,7 @@ from typing import Any
 
 from ..device import Device
 from ..errors import DeviceTaskError
-from . import wire as _procwire
+from . import child, shm, wire
 
 __all__ = ["run_per_device", "worker_device"]
 
@@ -43,7 +43,7 @@ __all__ = ["run_per_device", "worker_device"]
 def worker_device() -> int | None:
     """The logical device ordinal this process serves, inside a ``run_per_device`` child
     or a ``DevicePool`` worker; ``None`` elsewhere."""
-    return _procwire.current_device
+    return child.current_device
 
 
 def run_per_device(
@@ -67,9 +67,12 @@ def run_per_device(
     Parameters
     ----------
     fn : callable
-        A module-level function (picklable; lambdas and nested functions are refused
-        before anything starts). Its return value must be picklable host data; numpy
-        arrays of ``SHM_THRESHOLD`` bytes or more come back through shared memory.
+        A module-level function, imported by name in each child. A lambda, a closure or
+        a function defined in a notebook, REPL or ``python -c`` is sent by value with
+        cloudpickle when it is installed (else refused before anything starts). Its
+        return value must be picklable host data; numpy arrays of ``SHM_THRESHOLD``
+        bytes or more come back through shared memory (through the pipe when
+        ``/dev/shm`` has no room for them).
     devices : sequence of int or Device, optional
         Default: every visible device. Each may appear once.
     args, kwargs
@@ -102,6 +105,8 @@ def run_per_device(
         failed) and ``.failures`` every failed device's error by ordinal.
     TypeError
         ``fn`` or the arguments cannot be sent to a spawned process.
+    RuntimeError
+        The main module cannot be re-run by a spawned process (read from ``python -``).
 
     Notes
     -----
@@ -111,28 +116,32 @@ def run_per_device(
     terminal is handled once, by the parent. ``_bind=False`` (internal, for tests of the
     process plumbing without a GPU) takes explicit ordinals and binds no context.
     """
-    ctx = _procwire.spawn_context(mp_context)
-    _procwire.check_shippable("run_per_device", fn)
+    ctx = child.spawn_context(mp_context)
+    by_value = wire.check_shippable("run_per_device", fn)
+    wire.check_main("run_per_device")
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds or None, not {timeout!r}")
     if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
         raise ValueError(f"retries must be an int >= 0, not {retries!r}")
-    ordinals = _procwire.resolve_ordinals(devices, _bind)
-    visible = _procwire.visible_for(ordinals, isolate)
-    payload, _ = _procwire.pickled("run_per_device", (fn, tuple(args), dict(kwargs or {})), None)
+    ordinals = child.resolve_ordinals(devices, _bind)
+    visible = child.visible_for(ordinals, isolate)
+    payload = wire.dumps("run_per_device", (fn, tuple(args), dict(kwargs or {})), by_value)
     runner = _Runner(ctx, payload, ordinals, visible, isolate, timeout, retries, _bind)
     return runner.run()
 
 
 class _Child:
-    __slots__ = ("attempt", "conn", "deadline", "index", "message", "proc")
+    __slots__ = ("attempt", "conn", "deadline", "index", "message", "prefix", "proc")
 
-    def __init__(self, index: int, attempt: int, proc: Any, conn: Any, deadline: float | None):
+    def __init__(
+        self, index: int, attempt: int, proc: Any, conn: Any, deadline: float | None, prefix: str
+    ):
         self.index = index
         self.attempt = attempt
         self.proc = proc
         self.conn = conn
         self.deadline = deadline
+        self.prefix = prefix
         self.message: Any = None
 
 
@@ -160,6 +169,7 @@ class _Runner:
         self.bind = bind
         self.running: dict[int, _Child] = {}
         self.started: list[Any] = []  # every Process, registered before its start()
+        self.prefixes: list[str] = []  # and the shared-memory prefix of each
         self.results: list[Any] = [None] * len(ordinals)
         self.failures: dict[int, DeviceTaskError] = {}
 
@@ -170,7 +180,9 @@ class _Runner:
             while self.running:
                 self._step()
         except BaseException:
-            _procwire.stop_processes(self.started, _procwire.TERM_GRACE_S)
+            child.stop_processes(self.started, child.TERM_GRACE_S)
+            for prefix in self.prefixes:
+                shm.sweep(prefix)
             raise
         finally:
             for c in self.running.values():
@@ -181,6 +193,7 @@ class _Runner:
 
     def _start(self, index: int, attempt: int) -> None:
         ordinal = self.ordinals[index]
+        prefix = shm.child_prefix()
         reader, writer = self.ctx.Pipe(duplex=False)
         try:
             proc = self.ctx.Process(
@@ -193,10 +206,12 @@ class _Runner:
                     self.visible[index],
                     self.bind,
                     os.getpid(),
+                    prefix,
                 ),
                 name=f"ctxkit-device-{ordinal}",
             )
             self.started.append(proc)
+            self.prefixes.append(prefix)
             proc.start()
         except BaseException:
             reader.close()
@@ -204,7 +219,7 @@ class _Runner:
         finally:
             writer.close()
         deadline = time.monotonic() + self.timeout if self.timeout is not None else None
-        self.running[index] = _Child(index, attempt, proc, reader, deadline)
+        self.running[index] = _Child(index, attempt, proc, reader, deadline, prefix)
 
     def _step(self) -> None:
         children = list(self.running.values())
@@ -224,7 +239,7 @@ class _Runner:
                     self._receive(c)
                 self._settle(c, timed_out=False)
             elif c.deadline is not None and now >= c.deadline:
-                _procwire.stop_processes([c.proc], _procwire.TERM_GRACE_S)
+                child.stop_processes([c.proc], child.TERM_GRACE_S)
                 self._settle(c, timed_out=c.message is None)
 
     def _receive(self, c: _Child) -> None:
@@ -233,13 +248,16 @@ class _Runner:
         except (EOFError, OSError):
             pass
         else:
-            c.deadline = time.monotonic() + _procwire.EXIT_GRACE_S
+            c.deadline = time.monotonic() + child.EXIT_GRACE_S
         c.conn.close()
 
     def _settle(self, c: _Child, timed_out: bool) -> None:
         del self.running[c.index]
         c.conn.close()
-        failure = self._outcome(c, timed_out)
+        try:
+            failure = self._outcome(c, timed_out)
+        finally:
+            shm.sweep(c.prefix)  # blocks of a child killed while sending its result
         if failure is None:
             return
         if c.attempt <= self.retries:
@@ -254,15 +272,15 @@ class _Runner:
         msg = c.message
         if msg is not None and msg[0] == "ok":
             try:
-                self.results[c.index] = _procwire.decode(msg[1], msg[2])
+                self.results[c.index] = wire.decode(msg[1], msg[2])
                 return None
             except Exception as exc:
-                desc = _procwire.describe_exception(exc)
-                return _procwire.error_from(
+                desc = wire.describe_exception(exc)
+                return wire.error_from(
                     desc, ordinal, pid, code, c.attempt, f"device {ordinal}: result not loadable"
                 )
         if msg is not None:
-            return _procwire.error_from(
+            return wire.error_from(
                 msg[1], ordinal, pid, code, c.attempt, f"device {ordinal} ({tries})"
             )
         if timed_out:
@@ -276,9 +294,8 @@ class _Runner:
                 attempts=c.attempt,
             )
         return DeviceTaskError(
-            f"device {ordinal}: child process {pid} {_procwire.exit_reason(code)} before "
-            f"sending a result ({tries}). A native crash, os._exit(), the OOM killer or "
-            "a fatal GPU fault look like this; check the child's stderr and `dmesg`",
+            f"device {ordinal}: child process {pid} {child.exit_reason(code)} before "
+            f"sending a result ({tries}): {child.death_hint(code)}",
             device=ordinal,
             kind="crash",
             pid=pid,
@@ -322,21 +339,22 @@ def _child_main(
     visible: str | None,
     bind: bool,
     parent_pid: int,
+    shm_prefix: str,
 ) -> None:
     """Entry point of a ``run_per_device`` child (spawned)."""
-    _procwire.current_device = ordinal
-    blocks: _procwire.Blocks = []
+    child.current_device = ordinal
+    parts: list[shm.Part] = []
     try:
-        _procwire.child_setup(parent_pid, visible)
+        child.child_setup(parent_pid, visible, shm_prefix)
         fn, args, kwargs = pickle.loads(payload)
-        with _procwire.bound_context(bind_ordinal, bind):
+        with child.bound_context(bind_ordinal, bind):
             value = fn(ordinal, *args, **kwargs)
-        data, blocks = _procwire.result_bytes(fn, ordinal, value)
-        msg: tuple[Any, ...] = ("ok", data, blocks)
+        data, parts = wire.result_bytes(fn, ordinal, value)
+        msg: tuple[Any, ...] = ("ok", data, parts)
     except BaseException as exc:
-        msg = ("error", _procwire.describe_exception(exc))
+        msg = ("error", wire.describe_exception(exc))
     try:
         conn.send(msg)
     except Exception:
-        _procwire.discard(blocks)
+        shm.discard(parts)
     conn.close()

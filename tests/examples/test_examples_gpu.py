@@ -43,9 +43,16 @@ def test_example(path: Path) -> None:
 
 @pytest.mark.parametrize("path", [p for p in EXAMPLES if p.name in MPI], ids=lambda p: p.name)
 def test_mpi_example(path: Path) -> None:
+    """One rank per GPU (at most 8); on one GPU, two ranks that share it (--share-gpus)."""
     if MPIEXEC is None:
         pytest.skip("no mpiexec on this machine")
-    _run_and_check(mpiexec_cmd(2, sys.executable, str(path), *ARGS.get(path.name, [])), path.name)
+    pytest.importorskip("mpi4py", reason="mpi4py is not installed")
+    from tests.conftest import GPU_COUNT
+
+    ranks = min(GPU_COUNT, 8) if GPU_COUNT >= 2 else 2
+    share = ["--share-gpus"] if GPU_COUNT < 2 else []
+    cmd = mpiexec_cmd(ranks, sys.executable, str(path), *ARGS.get(path.name, []), *share)
+    _run_and_check(cmd, path.name)
 
 
 def _run_and_check(cmd: list[str], name: str) -> None:

@@ -1,0 +1,52 @@
+"""Device work the GPU process tests run in their children (nothing here touches CUDA at
+import time: the spawned children import it before they bind a context)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import ctxkit as ck
+
+N = 1 << 20
+SPIN_FOREVER = 1 << 62  # clock64 ticks: far longer than any timeout here
+
+
+def kernel(file: str, name: str) -> ck.Kernel:
+    obj = ck.compile(ck.kernel_source(file), name=file)
+    return ck.Module.load(obj).function(name)
+
+
+def scale(n: int, alpha: float, offset: float) -> np.ndarray:
+    """``(arange(n) + offset) * alpha`` computed by the ``scale_f32`` kernel."""
+    x = np.arange(n, dtype=np.float32) + np.float32(offset)
+    d_in, d_out = ck.DeviceBuffer(x.nbytes), ck.DeviceBuffer(x.nbytes)
+    grid = max(1, min(65535, (n + 255) // 256))
+    d_in.copy_from_host(x)
+    kernel("scale.cu", "scale_f32").launch(grid, 256, d_in, d_out, n, np.float32(alpha))
+    return d_out.copy_to_host(np.empty_like(x))
+
+
+def expected(n: int, alpha: float, offset: int) -> np.ndarray:
+    return (np.arange(n, dtype=np.float32) + np.float32(offset)) * np.float32(alpha)
+
+
+def fault() -> None:
+    """An illegal address in the current context (raises ContextPoisonedError)."""
+    kernel("fault.cu", "fault").launch(1, 1, 0)
+    ctx = ck.current_context()
+    assert ctx is not None
+    ctx.synchronize()
+
+
+def spin_forever() -> None:
+    """A kernel that never ends, then wait for it (the process must be stopped)."""
+    kernel("spin.cu", "spin").launch(1, 1, SPIN_FOREVER, None)
+    ctx = ck.current_context()
+    assert ctx is not None
+    ctx.synchronize()
+
+
+def bound_ordinal() -> int:
+    ctx = ck.current_context()
+    assert ctx is not None, "no context is current in this worker"
+    return ctx.device.ordinal
