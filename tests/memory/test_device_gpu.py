@@ -211,11 +211,13 @@ def test_close_idempotent_and_use_after_close(ctx0):
     assert free1 >= free0 - 8 * MiB
 
 
-def test_no_current_context_is_a_clear_error(ctx0):
+def test_no_current_context_is_a_clear_error(ctx0, monkeypatch):
     with ctx0:
         b = DeviceBuffer(16)
     with pytest.raises(NoCurrentContextError, match=r"ctxkit\.bind"):
-        in_thread(lambda: DeviceBuffer(16))
+        in_thread(lambda: DeviceBuffer(16))  # nothing to infer the context from
+    assert in_thread(b.copy_to_host).size == 16  # the buffer binds its own context
+    monkeypatch.setattr(ck.registry.default, "strict", True)
     with pytest.raises(NoCurrentContextError):
         in_thread(b.copy_to_host)
 
