@@ -6,6 +6,9 @@
 - ``CTXKIT_STRICT_ASYNC``: ``1``: an async copy from pageable host memory raises.
 - ``CTXKIT_PAGEABLE_KERNEL_ARGS``: ``1``: pageable numpy arrays as kernel arguments on
   devices that access pageable memory (HMM/ATS).
+- ``CTXKIT_PINNED_POOL_BYTES``: the pinned host pool's budget in bytes (default: a quarter
+  of RAM, at most 64 GiB).
+- ``CTXKIT_NVTX``: ``0``: no NVTX ranges even when the nvtx package is installed.
 """
 
 from __future__ import annotations

@@ -69,13 +69,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    reason = _no_gpu_message()
-    if reason:
-        print(reason, file=sys.stderr)
-        return EXIT_NO_GPU
-    from .bench import run_benchmarks
+    from .bench import cli_bench
 
-    return run_benchmarks(args)
+    return cli_bench(args, _no_gpu_message)
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -109,14 +105,22 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     c.add_argument("--no-cache", action="store_true", help="bypass the on-disk cache")
 
     d = sub.add_parser("demo", help="the multi-GPU copy -> kernel -> copy pipeline demo")
-    d.add_argument("--size-mb", type=float, default=512.0, help="input size in MiB")
+    d.add_argument(
+        "--size-mb",
+        type=float,
+        default=None,
+        help="input size in MiB (default: 1024 where the GPUs and host have the memory, else 256)",
+    )
     d.add_argument("--devices", type=int, default=None, help="use the first N devices")
     d.add_argument("--trace", default="ctxkit-demo-trace.json", help="Chrome-trace output")
     d.add_argument("--quick", action="store_true", help="small sizes, fewer repeats")
 
     b = sub.add_parser("bench", help="run the benchmarks (ctxkit vs raw cuda.bindings vs CuPy)")
     b.add_argument("names", nargs="*", help="benchmark names (default: all)")
-    b.add_argument("--quick", action="store_true")
+    b.add_argument("--quick", action="store_true", help="shorter runs")
+    b.add_argument(
+        "--list", action="store_true", help="name the benchmarks and exit (no GPU needed)"
+    )
     return p
 
 

@@ -1,17 +1,27 @@
-"""``python -m ctxkit demo``: copy -> kernel -> copy on every GPU, end to end.
+"""``python -m ctxkit demo``: copy -> kernel -> copy, ctxkit beside its peers.
 
-Prints the devices, compiles ``ptx/scale.cu`` (cached), runs ``out = 2 * x`` over a large
-pageable float32 array three ways and verifies each against numpy:
+Prints the devices, compiles ``ptx/scale.cu`` (cached), and runs ``y = 2 * x`` over a
+large pageable float32 array (``--size-mb``; 1024 MiB where the GPUs and the host have
+the memory for it) in the ways users write it, every result checked against numpy:
 
-1. the naive multi-GPU pattern as tutorials write it (one host thread, one stream per device,
-   literal async calls on pageable memory: each copy blocks the host, so the devices
-   take turns);
-2. :class:`ctxkit.Pipeline` on the same pageable arrays (one worker thread per device):
-   as for arrays it sees once (copied through pinned staging buffers by host threads),
-   then as for arrays it sees again (pin on reuse: page-locked once, DMAed directly);
-3. :class:`ctxkit.Pipeline` on pinned arrays (direct asynchronous copies);
+* the naive multi-GPU pattern as tutorials write it (:class:`NaivePattern`: one host
+  thread, one stream per device, literal async calls on pageable memory, 8 chunks per
+  device; each copy blocks the host, so the devices take turns);
+* CuPy ``cp.asnumpy(cp.asarray(x) * 2)``, PyTorch ``(torch.from_numpy(x).to("cuda") *
+  2).cpu()`` and PyTorch's best path for numpy data (``pin_memory()`` + non-blocking
+  copies into a cached pinned output), on one GPU, when they are installed (skipped
+  with a line when not);
+* ctxkit's first call: a new :class:`~ctxkit.Pipeline` per call on an array it has never
+  seen, default ``out`` (``ck.Pipeline().map(k, x)``, the call a user writes first);
+* a long-lived Pipeline fed a fresh array every call (a stream of new batches);
+* the same arrays again (pin on reuse: page-locked once, then DMAed directly);
+* pinned arrays (``ctxkit.pinned_empty``: direct asynchronous copies);
 
-then prints the per-device breakdown and writes the timeline (Chrome-trace JSON).
+then prints the side-by-side table -- GB/s counting input and output bytes, each
+variant against PyTorch's pinned path (or the naive pattern without PyTorch) -- the
+per-device breakdown, and writes the timelines of the repeated and first calls
+(Chrome-trace JSON). It exits 1 when any result differs from numpy (2 without a GPU).
+The table is built by pure functions (:class:`Row`, :func:`format_table`).
 :class:`NaivePattern` and :func:`load_scale_kernel` are shared with
 ``benchmarks/bench_pipeline.py``.
 """
@@ -19,6 +29,7 @@ then prints the per-device breakdown and writes the timeline (Chrome-trace JSON)
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -36,14 +47,35 @@ from ..context import Context
 from ..device import Device, device_count
 from ..memory.device import DeviceBuffer
 from ..memory.host import pinned_empty
+from ..memory.hostpool import pinned_pool
 from ..module.kernel import Kernel
 from ..module.module import Module
 from ..pipeline.pipeline import Pipeline
 from ..pipeline.plan import grid_size, split_rows
 from ..stream import Stream
 from ..trace import Timeline
+from .demotable import (
+    LABELS,
+    Row,
+    baseline_row,
+    choose_size_mb,
+    format_table,
+    io_gbps,
+    trace_paths,
+)
 
-__all__ = ["NaivePattern", "best_seconds", "load_scale_kernel", "run_demo"]
+__all__ = [
+    "NaivePattern",
+    "Row",
+    "baseline_row",
+    "best_seconds",
+    "choose_size_mb",
+    "format_table",
+    "io_gbps",
+    "load_scale_kernel",
+    "run_demo",
+    "trace_paths",
+]
 
 
 MiB = 1 << 20
@@ -148,8 +180,14 @@ class NaivePattern:
         self.bufs = []
 
 
-def _gbps(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / 1e9 if seconds > 0 else 0.0
+# --- running -----------------------------------------------------------------------------
+
+
+def _host_memory() -> int | None:
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def _print_devices(ordinals: Sequence[int]) -> None:
@@ -170,42 +208,278 @@ def _print_devices(ordinals: Sequence[int]) -> None:
         )
 
 
-def _check(name: str, out: np.ndarray, expected: np.ndarray, failures: list[str]) -> None:
-    if np.array_equal(out, expected):
-        return
-    bad = int(np.count_nonzero(out != expected))
-    first = int(np.flatnonzero(out != expected)[0])
-    failures.append(name)
-    say(
-        f"  VERIFY FAILED ({name}): {bad} of {out.size} elements differ; first at {first}: "
-        f"got {out[first]!r}, expected {expected[first]!r}"
-    )
+def fresh_copy(base: np.ndarray) -> np.ndarray:
+    """A new array (new pages, populated) holding *base*: input ctxkit has never seen."""
+    x = np.empty_like(base)
+    np.copyto(x, base)
+    return x
 
 
-def _write_trace(tl: Timeline, path: str) -> None:
-    target = Path(path)
+def _write_trace(tl: Timeline, target: Path, title: str) -> None:
     tl.to_chrome_trace(target)
-    say(f"trace: {target} ({len(tl)} intervals; open it in https://ui.perfetto.dev)")
+    say(f"trace ({title}): {target} ({len(tl)} intervals; open it in https://ui.perfetto.dev)")
     try:
         png = target.with_suffix(".png")
-        tl.to_png(png, title="ctxkit demo: pageable map")
+        tl.to_png(png, title=f"ctxkit demo: {title}")
         say(f"trace chart: {png}")
     except ImportError:
         say('trace chart: skipped (for a PNG chart: pip install -e ".[plot]" in a checkout)')
 
 
+#: A peer's runner: ``run(x) -> y`` (a numpy array), and what it is.
+Peer = tuple[Callable[[np.ndarray], np.ndarray], str]
+
+
+def cupy_peer() -> tuple[Peer | None, str]:
+    """CuPy's ``asnumpy(asarray(x) * 2)`` on device 0, or ``(None, why not)``."""
+    try:
+        import cupy as cp
+    except Exception as exc:
+        return None, f"CuPy (not installed: {type(exc).__name__}; pip install cupy-cuda13x)"
+
+    def run(x: np.ndarray) -> np.ndarray:
+        with cp.cuda.Device(0):
+            return cp.asnumpy(cp.asarray(x) * 2)
+
+    return (run, f"CuPy {cp.__version__}"), ""
+
+
+def _torch() -> tuple[Any, str]:
+    try:
+        import torch
+    except Exception as exc:
+        return None, f"not installed: {type(exc).__name__}; pip install torch"
+    if not torch.cuda.is_available():
+        return None, "torch sees no CUDA device"
+    return torch, ""
+
+
+def torch_peers(template: np.ndarray) -> tuple[dict[str, Peer], str]:
+    """PyTorch's plain path and its pinned path (``pin_memory()``, non-blocking copies,
+    a cached pinned output shaped like *template*) on device 0, or ``({}, why not)``."""
+    torch, why = _torch()
+    if torch is None:
+        return {}, f"torch rows ({why})"
+    dev = torch.device("cuda", 0)
+    out_t = torch.empty(template.shape, dtype=torch.float32, pin_memory=True)
+
+    def plain(x: np.ndarray) -> np.ndarray:
+        return (torch.from_numpy(x).to(dev) * 2).cpu().numpy()
+
+    def pinned(x: np.ndarray) -> np.ndarray:
+        d = torch.from_numpy(x).pin_memory().to(dev, non_blocking=True)
+        d.mul_(ALPHA)
+        out_t.copy_(d, non_blocking=True)
+        torch.cuda.synchronize(dev)
+        return out_t.numpy()
+
+    note = f"torch {torch.__version__}"
+    return {"torch": (plain, note), "torch_pinned": (pinned, note)}, ""
+
+
+def _release_peers() -> None:
+    """Give back the device memory CuPy's and PyTorch's caching allocators kept."""
+    try:
+        import cupy as cp
+
+        cp.get_default_memory_pool().free_all_blocks()
+    except Exception:
+        pass
+    try:
+        import torch
+
+        torch.cuda.empty_cache()
+    except Exception:
+        pass
+
+
+class _Demo:
+    """The variants of one demo run and what they measured."""
+
+    def __init__(
+        self, kernel: Any, x: np.ndarray, ordinals: list[int], repeats: int, trace: bool
+    ) -> None:
+        self.kernel = kernel
+        self.x = x
+        self.expected = x * np.float32(ALPHA)
+        self.ordinals = ordinals
+        self.repeats = repeats
+        self.trace = trace
+        self.rows: list[Row] = []
+        self.skipped: list[str] = []
+        self.failures: list[str] = []
+        self.first_timeline: Timeline | None = None
+        self.repeated: tuple[Any, Timeline] | None = None
+        self.progress = x.nbytes >= 1024 * MiB
+        self._first_path = ""
+
+    def check(self, key: str, out: np.ndarray) -> None:
+        """Compare *out* with numpy's result; a mismatch is reported and remembered."""
+        expected = self.expected
+        if out.shape == expected.shape and np.array_equal(out, expected):
+            return
+        if key not in self.failures:
+            self.failures.append(key)
+        if out.shape != expected.shape:
+            say(f"  VERIFY FAILED ({key}): shape {out.shape}, expected {expected.shape}")
+            return
+        bad = out != expected
+        first = int(np.flatnonzero(bad)[0])
+        say(
+            f"  VERIFY FAILED ({key}): {int(np.count_nonzero(bad))} of {out.size} elements "
+            f"differ; first at {first}: got {out[first]!r}, expected {expected[first]!r}"
+        )
+
+    def timed(
+        self,
+        key: str,
+        gpus: int,
+        call: Callable[[np.ndarray], tuple[np.ndarray, float]],
+        fresh: bool,
+        warmup: int = 0,
+        note: str = "",
+    ) -> None:
+        """Time ``call(x) -> (out, seconds)`` *repeats* times after *warmup* untimed
+        calls, on a fresh copy of x each call when *fresh*; check every result."""
+        values = []
+        for i in range(warmup + self.repeats):
+            x = fresh_copy(self.x) if fresh else self.x
+            out, seconds = call(x)
+            self.check(key, out)
+            if i >= warmup:
+                values.append(io_gbps(x.nbytes, out.nbytes, seconds))
+                if self.progress:
+                    say(f"    {LABELS[key]}: call {i + 1 - warmup}: {values[-1]:.1f} GB/s")
+            del x, out
+        self.rows.append(Row(key, gpus, tuple(values), note))
+
+    def naive(self, contexts: list[Context]) -> None:
+        say("[1/6] the naive pattern (one thread, per-device streams, pageable, 8 chunks)")
+        nd = len(contexts)
+        naive = NaivePattern(self.kernel, contexts, -(-self.x.shape[0] // nd), 4)
+        out = np.empty_like(self.x)
+        try:
+
+            def run(x: np.ndarray) -> tuple[np.ndarray, float]:
+                t0 = time.perf_counter()
+                naive.run(x, out, (ALPHA,), 8)
+                return out, time.perf_counter() - t0
+
+            self.timed("naive", nd, run, fresh=False, warmup=1)
+        finally:
+            naive.close()
+
+    def peers(self) -> None:
+        say("[2/6] CuPy and PyTorch on one GPU (when installed)")
+        peers: dict[str, Peer] = {}
+        cupy, why = cupy_peer()
+        if cupy is None:
+            self.skipped.append(why)
+        else:
+            peers["cupy"] = cupy
+        try:
+            torch, why = torch_peers(self.x)
+        except Exception as exc:  # installed but unusable here (another CUDA, no memory)
+            torch, why = {}, f"torch rows (failed: {exc!r})"
+        peers.update(torch)
+        if why:
+            self.skipped.append(why)
+        for key, (fn, note) in peers.items():
+
+            def run(x: np.ndarray, fn: Any = fn) -> tuple[np.ndarray, float]:
+                t0 = time.perf_counter()
+                out = fn(x)
+                return out, time.perf_counter() - t0
+
+            try:
+                self.timed(key, 1, run, fresh=False, warmup=1, note=note)
+            except Exception as exc:
+                self.skipped.append(f"{LABELS[key]} (failed: {exc!r})")
+        _release_peers()
+
+    def first_call(self) -> None:
+        say("[3/6] ctxkit first call: a new Pipeline per call, arrays never seen, default out")
+        ordinals, kernel = self.ordinals, self.kernel
+
+        def run(x: np.ndarray) -> tuple[np.ndarray, float]:
+            t0 = time.perf_counter()
+            with Pipeline(ordinals) as p:
+                out = p.map(kernel, x, args=(ALPHA,))
+                t_map = time.perf_counter()
+                if self.trace:
+                    self.first_timeline = p.trace()
+                t_trace = time.perf_counter() - t_map
+                path = p.last_stats.path
+            self._first_path = path
+            return out, time.perf_counter() - t0 - t_trace
+
+        self.timed("first_call", len(ordinals), run, fresh=True)
+        self._retag("first_call", self._first_path)
+
+    def long_lived(self, p: Pipeline) -> None:
+        say("[4/6] ctxkit long-lived Pipeline, a fresh array every call, default out")
+
+        def run(x: np.ndarray) -> tuple[np.ndarray, float]:
+            t0 = time.perf_counter()
+            out = p.map(self.kernel, x, args=(ALPHA,))
+            return out, time.perf_counter() - t0
+
+        self.timed("fresh", len(self.ordinals), run, fresh=True, warmup=1)
+        self._retag("fresh", p.last_stats.path)
+
+    def same_arrays(self, p: Pipeline) -> None:
+        say("[5/6] ctxkit, the same arrays again (pin on reuse)")
+        out = np.empty_like(self.x)
+
+        def run(x: np.ndarray) -> tuple[np.ndarray, float]:
+            t0 = time.perf_counter()
+            p.map(self.kernel, x, out, args=(ALPHA,))
+            return out, time.perf_counter() - t0
+
+        self.timed("repeated", len(self.ordinals), run, fresh=False, warmup=2)
+        self._retag("repeated", p.last_stats.path)
+        self.repeated = (p.last_stats, p.trace())
+        p.release_pinned()
+
+    def pinned(self, p: Pipeline, ctx: Context) -> None:
+        say("[6/6] ctxkit, pinned arrays (ctxkit.pinned_empty: direct asynchronous copies)")
+        xp = pinned_empty(self.x.shape, self.x.dtype, context=ctx)
+        op = pinned_empty(self.x.shape, self.x.dtype, context=ctx)
+        xp[...] = self.x
+
+        def run(x: np.ndarray) -> tuple[np.ndarray, float]:
+            t0 = time.perf_counter()
+            p.map(self.kernel, xp, op, args=(ALPHA,))
+            return op, time.perf_counter() - t0
+
+        self.timed("pinned", len(self.ordinals), run, fresh=False, warmup=1)
+
+    def _retag(self, key: str, path: str) -> None:
+        """Note the host path the pipeline took on the row of *key*."""
+        if not path:
+            return
+        self.rows = [Row(r.key, r.gpus, r.gbps, path) if r.key == key else r for r in self.rows]
+
+
 def run_demo(args: argparse.Namespace) -> int:
     """Run the demo; 0 when every result matched numpy, 1 otherwise."""
     quick = bool(getattr(args, "quick", False))
-    size_mb = float(getattr(args, "size_mb", 512.0) or 512.0)
-    if quick:
-        size_mb = min(size_mb, 64.0)
     available = device_count()
-    use = available if args.devices is None else int(args.devices)
+    use = available if getattr(args, "devices", None) is None else int(args.devices)
     if not 1 <= use <= available:
         print(f"ctxkit demo: --devices must be 1..{available}, got {use}", file=sys.stderr)
         return 1
     ordinals = list(range(use))
+    try:
+        size_mb = choose_size_mb(
+            getattr(args, "size_mb", None),
+            quick,
+            [Device(i).total_memory for i in ordinals],
+            _host_memory(),
+        )
+    except ValueError as exc:
+        print(f"ctxkit demo: {exc}", file=sys.stderr)
+        return 1
     repeats = 1 if quick else 3
     _print_devices(ordinals)
 
@@ -214,79 +488,51 @@ def run_demo(args: argparse.Namespace) -> int:
     say(f"kernel: scale_f32 from ptx/scale.cu, {obj.target} {obj.arch}, {how} in {secs:.2f} s")
 
     n = int(size_mb * MiB) // 4
-    say(f"input: {n * 4 / MiB:.0f} MiB of pageable float32 on {use} GPU(s); out = 2 * x")
+    say(f"input: {n * 4 / MiB:.0f} MiB of pageable float32 on {use} GPU(s); y = 2 * x")
     x = np.random.default_rng(0).random(n, dtype=np.float32)
-    expected = x * np.float32(ALPHA)
-    out = np.empty_like(x)
+    trace_path = getattr(args, "trace", None)
+    demo = _Demo(kernel, x, ordinals, repeats, trace=bool(trace_path))
     contexts = [registry.default.context(i) for i in ordinals]
-    failures: list[str] = []
-    results: list[tuple[str, float]] = []
-    progress = n * 4 >= 1024 * MiB
 
-    say("[1/3] the naive pattern (one thread, per-device streams, pageable)")
-    naive = NaivePattern(kernel, contexts, -(-n // use), 4)
-    try:
-        naive.run(x, out, (ALPHA,))
-        _check("naive", out, expected, failures)
-        for chunks in (1, 8):
-
-            def run_naive(c: int = chunks) -> None:
-                naive.run(x, out, (ALPHA,), c)
-
-            t = best_seconds(run_naive, repeats, f"naive {chunks} chunk(s)", progress)
-            results.append((f"naive pattern, {chunks} chunk(s) per device", _gbps(x.nbytes, t)))
-    finally:
-        naive.close()
-
+    demo.naive(contexts)
+    demo.peers()
+    demo.first_call()
     with Pipeline(ordinals) as p:
-        say("[2/3] ctxkit Pipeline.map, pageable in and out")
-        out.fill(0)
-        p.map(kernel, x, out, args=(ALPHA,))
-        _check("ctxkit pageable", out, expected, failures)
-        t = best_seconds(
-            lambda: p.map(kernel, x, out, args=(ALPHA,), host_path="staged"),
-            repeats,
-            "pageable, staged",
-            progress,
-        )
-        results.append(("ctxkit pageable, arrays seen once (staged)", _gbps(x.nbytes, t)))
-        _check("ctxkit pageable staged", out, expected, failures)
-        out.fill(0)
-        t = best_seconds(
-            lambda: p.map(kernel, x, out, args=(ALPHA,)), repeats, "pageable, reused", progress
-        )
-        stats, timeline = p.last_stats, p.trace()
-        results.append((f"ctxkit pageable, reused arrays ({stats.path})", _gbps(x.nbytes, t)))
-        _check("ctxkit pageable (pin on reuse)", out, expected, failures)
-        p.release_pinned()
-
-        say("[3/3] ctxkit Pipeline.map, pinned in and out (zero-copy path)")
-        xp = pinned_empty(x.shape, x.dtype, context=contexts[0])
-        op = pinned_empty(x.shape, x.dtype, context=contexts[0])
-        xp[...] = x
-        p.map(kernel, xp, op, args=(ALPHA,))
-        _check("ctxkit pinned", op, expected, failures)
-        t = best_seconds(lambda: p.map(kernel, xp, op, args=(ALPHA,)), repeats, "pinned", progress)
-        results.append(("ctxkit pinned", _gbps(x.nbytes, t)))
+        demo.long_lived(p)
+        demo.same_arrays(p)
+        demo.pinned(p, contexts[0])
 
     say("")
-    say(f"results ({x.nbytes / MiB:.0f} MiB float32 in and out, {use} GPU(s), best of {repeats}):")
-    base = results[1][1]
-    for name, g in results:
-        say(f"  {name:48s} {g:7.1f} GB/s   {g / base if base else 0:5.1f}x the chunked naive")
-    say(f"per device (ctxkit pageable, {stats.path}):")
-    busy = timeline.breakdown()
-    for d in stats.devices:
-        parts = ", ".join(f"{k} {v:.1f} ms" for k, v in busy.get(d.device, {}).items())
+    title = (
+        f"results: {x.nbytes / MiB:.0f} MiB float32 in and out, y = 2 * x; GB/s count input "
+        f"+ output bytes; {repeats} call(s) per variant:"
+    )
+    for line in format_table(demo.rows, demo.skipped, title):
+        say(line)
+    pool = pinned_pool().stats()
+    if pool.requests:
         say(
-            f"  GPU {d.device}: {d.rows} rows, {d.nbytes / MiB:.0f} MiB in {d.chunks} chunks, "
-            f"{d.seconds * 1e3:.1f} ms, {d.gbps:.1f} GB/s; busy: {parts}"
+            f"pinned pool: {pool.hits} of {pool.requests} requests served from the cache, "
+            f"{pool.allocations} blocks page-locked, peak {pool.peak_bytes / MiB:.0f} MiB "
+            f"(budget {pool.budget / MiB:.0f} MiB)"
         )
-    trace_path = getattr(args, "trace", None)
-    if trace_path:
-        _write_trace(timeline, trace_path)
-    if failures:
-        say(f"FAILED: results differ from numpy for {', '.join(failures)}")
+    if demo.repeated is not None:
+        stats, timeline = demo.repeated
+        say(f"per device (ctxkit repeated, {stats.path}):")
+        busy = timeline.breakdown()
+        for d in stats.devices:
+            parts = ", ".join(f"{k} {v:.1f} ms" for k, v in busy.get(d.device, {}).items())
+            say(
+                f"  GPU {d.device}: {d.rows} rows, {d.nbytes / MiB:.0f} MiB in {d.chunks} chunks, "
+                f"{d.seconds * 1e3:.1f} ms, {d.gbps:.1f} GB/s; busy: {parts}"
+            )
+        if trace_path:
+            main_path, first_path = trace_paths(trace_path)
+            _write_trace(timeline, main_path, "repeated call")
+            if demo.first_timeline is not None:
+                _write_trace(demo.first_timeline, first_path, "first call")
+    if demo.failures:
+        say(f"FAILED: results differ from numpy for {', '.join(demo.failures)}")
         return 1
     say("OK: every result matches numpy exactly")
     return 0

@@ -60,6 +60,7 @@ from .hostaccess import (
     host_memory_flags,
     pageable_arg,
 )
+from .hostpool import PinnedPool, PinnedPoolStats, pinned_pool
 from .interop import producer_stream
 from .ipc import (
     ImportedBuffer,
@@ -90,6 +91,8 @@ __all__ = [
     "PageableArg",
     "PageableCopyError",
     "PageableCopyWarning",
+    "PinnedPool",
+    "PinnedPoolStats",
     "VirtualBuffer",
     "allow_pageable_kernel_args",
     "copy_peer",
@@ -109,6 +112,7 @@ __all__ = [
     "pageable_memory_access",
     "peer_access_enabled",
     "pinned_empty",
+    "pinned_pool",
     "pinned_zeros",
     "producer_stream",
     "register_host",

@@ -37,6 +37,7 @@ DOCUMENTED = (
     "ctxkit.pipeline",
     "ctxkit.procs",
     "ctxkit.trace",
+    "ctxkit.nvtx",
     "ctxkit.lifetime",
     "ctxkit.errors",
 )

@@ -1,0 +1,37 @@
+"""``python -m ctxkit demo --quick`` on a real GPU: every variant verified against numpy,
+the table printed (peers or a skip line for each), both traces written."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from ctxkit.cli.demotable import LABELS
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_quick_demo_prints_the_table_and_writes_both_traces(tmp_path):
+    trace = tmp_path / "demo.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    res = subprocess.run(
+        [sys.executable, "-m", "ctxkit", "demo", "--quick", "--devices", "1", "--trace",
+         str(trace)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=REPO,
+        check=False,
+    )  # fmt: skip
+    out = res.stdout
+    assert res.returncode == 0, out + res.stderr
+    assert "OK: every result matches numpy exactly" in out and "VERIFY FAILED" not in out
+    for key in ("naive", "first_call", "fresh", "repeated", "pinned"):
+        assert LABELS[key] in out, key
+    for key, skip in (("cupy", "skipped: CuPy"), ("torch_pinned", "skipped: torch rows")):
+        assert LABELS[key] in out or skip in out, key
+    assert trace.exists() and (tmp_path / "demo-first-call.json").exists()
+    print(out)
