@@ -315,21 +315,35 @@ def scenario_pipeline() -> None:
 
 
 def scenario_pipeline_busy() -> None:
-    """A Pipeline.map still running in a daemon thread when the main thread returns."""
+    """Pipeline.map calls still running in daemon threads when the main thread returns: a
+    long map, and a loop whose next call starts while the interpreter exits (neither may
+    print a traceback or hang the exit)."""
     k = kernels()
     p = ck.Pipeline()
+    q = ck.Pipeline(devices=[0])
     x = np.random.default_rng(1).random(1 << 25, dtype=np.float32)
+    small = x[: 1 << 21]
     started = threading.Event()
 
     def run() -> None:
         started.set()
         p.map(k["scale_f32"], x, args=(np.float32(2.0),), chunk_bytes=1 << 22)
 
-    t = threading.Thread(target=run, daemon=True, name="busy-map")
-    t.start()
+    def again() -> None:
+        while True:
+            out = q.map(k["scale_f32"], small, args=(np.float32(2.0),))
+            if not np.array_equal(out, small * np.float32(2.0)):
+                raise AssertionError("Pipeline.map computed a wrong result")
+
+    threads = [
+        threading.Thread(target=run, daemon=True, name="busy-map"),
+        threading.Thread(target=again, daemon=True, name="busy-map-loop"),
+    ]
+    for t in threads:
+        t.start()
     started.wait()
     time.sleep(0.05)
-    _KEEP.extend([p, x, t])
+    _KEEP.extend([p, q, x, threads])
 
 
 def scenario_wrong_thread_free() -> None:

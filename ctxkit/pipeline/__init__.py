@@ -16,6 +16,8 @@ busy at once:
 * pinned input/output (``ctxkit.pinned_empty``, ``register_host``) is copied directly,
   fully asynchronously (the zero-copy path).
 
+How a map runs (chunks, devices, host paths) is decided before it starts by
+:func:`plan_map` from its :class:`MapOptions`, into a :class:`MapPlan`.
 ``Pipeline.submit`` enqueues cross-device stages ordered by events
 (``cuStreamWaitEvent``); ``Pipeline.map_managed`` runs the same map over unified memory
 with per-device prefetch. ``Pipeline.trace`` returns the :class:`~ctxkit.trace.Timeline`
@@ -29,11 +31,12 @@ from .pipeline import Pipeline
 from .plan import (
     Chunk,
     HostPieces,
-    Plan,
+    MapOptions,
+    MapPlan,
     default_chunk_bytes,
     grid_size,
     host_pieces,
-    make_plan,
+    plan_map,
     prepare_io,
     split_rows,
 )
@@ -45,15 +48,16 @@ __all__ = [
     "ChunkView",
     "DeviceStats",
     "HostPieces",
+    "MapOptions",
+    "MapPlan",
     "Pipeline",
     "PipelineError",
-    "Plan",
     "RunStats",
     "StageHandle",
     "default_chunk_bytes",
     "grid_size",
     "host_pieces",
-    "make_plan",
+    "plan_map",
     "prepare_io",
     "split_rows",
 ]

@@ -12,14 +12,25 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 
 from .._driver import describe, drv
 from ..context import Context
 from ..trace import Recorder
 from .staging import HostPool, thread_label
 
-__all__ = ["REGISTER_PORTABLE", "REGISTER_READ_ONLY", "Registrar", "Segment", "register_pages"]
+__all__ = [
+    "NO_USABLE_CONTEXT",
+    "REGISTER_PORTABLE",
+    "REGISTER_READ_ONLY",
+    "Registrar",
+    "Segment",
+    "register_pages",
+    "relaxed_capture",
+    "unregister_pages",
+]
 
 
 REGISTER_PORTABLE = 1  # CU_MEMHOSTREGISTER_PORTABLE: usable by every context
@@ -31,6 +42,9 @@ REGISTER_READ_ONLY = 8  # CU_MEMHOSTREGISTER_READ_ONLY: the device only reads it
 _ALREADY_REGISTERED = 712
 
 
+NO_USABLE_CONTEXT = -1
+
+
 def register_pages(ptr: int, nbytes: int, read_only: bool) -> int:
     """``cuMemHostRegister(PORTABLE)`` of whole pages in the current context; memory the
     device only reads is retried ``READ_ONLY`` (read-only mappings refuse the first).
@@ -39,6 +53,42 @@ def register_pages(ptr: int, nbytes: int, read_only: bool) -> int:
     if err and read_only and int(err) != _ALREADY_REGISTERED:
         (err,) = drv.cuMemHostRegister(ptr, nbytes, REGISTER_PORTABLE | REGISTER_READ_ONLY)
     return int(err)
+
+
+@contextmanager
+def relaxed_capture() -> Iterator[None]:
+    """This thread's stream-capture mode relaxed for the block
+    (``cuThreadExchangeStreamCaptureMode``): an unsafe call such as
+    ``cuMemHostUnregister`` then neither fails nor invalidates a capture open in this
+    thread or, in global mode, in another one. A driver that cannot exchange the mode
+    leaves it as it was."""
+    try:
+        mode = drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+        err, previous = drv.cuThreadExchangeStreamCaptureMode(mode)
+    except Exception:
+        err, previous = 1, None
+    try:
+        yield
+    finally:
+        if not err:
+            drv.cuThreadExchangeStreamCaptureMode(previous)
+
+
+def unregister_pages(ptr: int, contexts: Iterable[Context]) -> int:
+    """``cuMemHostUnregister(ptr)`` now, in relaxed capture mode, in the first usable
+    context of *contexts* (a ``PORTABLE`` registration is known to every context, so a
+    closed or poisoned one can be stood in for). Returns the CUresult as an int, or
+    :data:`NO_USABLE_CONTEXT`."""
+    for ctx in contexts:
+        if ctx.closed or ctx.poisoned:
+            continue
+        try:
+            with ctx, relaxed_capture():
+                (err,) = drv.cuMemHostUnregister(ptr)
+        except Exception:
+            continue
+        return int(err)
+    return NO_USABLE_CONTEXT
 
 
 class Segment:
@@ -136,7 +186,7 @@ class Registrar:
     def _unregister(self, seg: Segment) -> None:
         t0 = time.perf_counter()
         with seg.ctx:
-            (err,) = drv.cuMemHostUnregister(seg.ptr)
+            err = unregister_pages(seg.ptr, (seg.ctx,))
         self._trace("unregister", seg, t0)
         if err:
             raise seg.ctx.note_error(

@@ -1,4 +1,4 @@
-"""Pin on reuse: keep the pages of pageable arrays that a pipeline sees again registered.
+"""Pin on reuse: keep the pages of pageable arrays that pipelines see again registered.
 
 Staging copies every byte twice on the host, registering a chunk just in time costs a
 ``cuMemHostRegister`` + ``cuMemHostUnregister`` per chunk per call. An application that
@@ -11,14 +11,25 @@ calls, the way MPI libraries keep a registration cache. :class:`PinCache` does t
   (``cuMemHostRegister(PORTABLE)``), and from then on its chunks are DMAed directly;
 * a registration is undone when the array's memory owner is collected (its weak
   reference fires before numpy frees the memory), when the cache needs room (least
-  recently used first), and by :meth:`PinCache.clear` (``Pipeline.release_pinned`` /
-  ``close``).
+  recently used first), and when no Pipeline keeps it any more
+  (``Pipeline.release_pinned`` / ``close``).
+
+There is one cache per process (:func:`process_pins`) with one budget, shared by every
+Pipeline: a registration made for one pipeline serves the others, and N pipelines never
+lock more than the budget together. Each Pipeline's claims (:class:`PinClaims`) are
+bounded by its ``pin_cache_bytes`` too.
 
 The memory owner is the last ndarray of the array's ``.base`` chain: it owns the memory
 or keeps the object that does alive, and numpy refuses to ``resize`` an array that has
 weak references, so the held pages stay the array's own. Ranges that share a page with a
 range held already, and pages the driver refuses (registered elsewhere, locked-memory
 limit), are never held: those arrays keep the pipeline's other host path.
+
+When the owner dies its pages are unregistered at once, never later: freed memory that
+stayed registered would make a new array numpy places there look pinned, and the device
+would DMA to pages that are no longer the array's. So the unregister does not wait for an
+open stream capture (it runs in relaxed capture mode, :func:`~.hostreg.relaxed_capture`),
+and when the registering context was closed or poisoned it runs in another usable one.
 
 ``cuMemHostUnregister`` waits until the device is idle (measured on H200: a call made
 while a 200 ms kernel ran returned with it), so dropping the last reference to a held
@@ -30,19 +41,27 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 import weakref
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from .._driver import drv
 from ..context import Context
-from ..lifetime import free_quietly
-from .hostreg import register_pages
+from .hostreg import NO_USABLE_CONTEXT, register_pages, unregister_pages
 from .plan import PAGE, MiB, addr
 
-__all__ = ["MIN_HOLD_BYTES", "PinCache", "default_budget", "memory_owner"]
+__all__ = [
+    "BUDGET_ENV",
+    "MIN_HOLD_BYTES",
+    "PinCache",
+    "PinClaims",
+    "default_budget",
+    "memory_owner",
+    "process_pins",
+]
 
 
 MIN_HOLD_BYTES = 16 * MiB
@@ -51,8 +70,32 @@ MIN_HOLD_BYTES = 16 * MiB
 MAX_SIGHTINGS = 64
 
 
+BUDGET_ENV = "CTXKIT_PIN_BUDGET_BYTES"
+
+
+_NOT_REGISTERED = 713
+
+
 def default_budget() -> int:
-    """A quarter of physical memory (at least 4 GiB, at most half of it)."""
+    """The process budget: :data:`BUDGET_ENV` when set, else a quarter of physical memory
+    (at least 4 GiB, at most half of it).
+
+    Each process has its own budget: with several ranks (processes) per node, set
+    ``CTXKIT_PIN_BUDGET_BYTES`` to about a quarter of the node's memory divided by the
+    ranks per node, so that together they leave the rest of the memory pageable.
+    """
+    value = os.environ.get(BUDGET_ENV, "").strip()
+    if value:
+        try:
+            budget = int(value)
+        except ValueError:
+            budget = -1
+        if budget < 0:
+            raise ValueError(
+                f"{BUDGET_ENV}={value!r}: give the most bytes pin on reuse may keep "
+                "page-locked in this process, as an integer >= 0 (0 turns it off)"
+            )
+        return budget
     try:
         phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, ValueError, OSError):
@@ -74,16 +117,24 @@ def _page_range(ptr: int, nbytes: int) -> tuple[int, int]:
 
 
 @dataclass(eq=False)
-class _Held:
-    """One registered range ``[start, end)`` whose memory *owner* keeps it valid."""
+class Held:
+    """One registered range ``[start, end)`` whose memory owner keeps it valid.
+
+    *contexts* may unregister it (the registering one first); *claims* are the
+    pipelines keeping it; *users* the map calls using it now (it is not released
+    while they run); a *stranded* range can no longer be unregistered (see
+    :meth:`PinCache.strand_poisoned`).
+    """
 
     start: int
     end: int
-    ctx: Context
+    contexts: list[Context]
     ref: weakref.ref[Any] | None = None
     registered: bool = True
     last_use: int = 0
     users: int = 0
+    claims: weakref.WeakSet[PinClaims] = field(default_factory=weakref.WeakSet)
+    stranded: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -94,7 +145,7 @@ class _Held:
 
 
 class PinCache:
-    """Registrations of reused pageable arrays, bounded by *budget* bytes.
+    """Registrations of reused pageable arrays, at most *budget* bytes at once.
 
     Parameters
     ----------
@@ -105,62 +156,102 @@ class PinCache:
     def __init__(self, budget: int) -> None:
         self.budget = int(budget)
         self._lock = threading.RLock()
-        self._held: dict[int, list[_Held]] = {}
+        self._held: dict[int, list[Held]] = {}
         self._seen: dict[tuple[int, int, int], weakref.ref[Any]] = {}
-        self._refused: set[tuple[int, int]] = set()
+        self._refused: dict[tuple[int, int, int], weakref.ref[Any]] = {}
+        self._stranded: list[tuple[Held, Any]] = []
         self._clock = 0
+        self._warned_stranded = False
 
     @property
     def nbytes(self) -> int:
         """Bytes page-locked now."""
-        with self._lock:
-            return sum(h.nbytes for hs in self._held.values() for h in hs if h.registered)
+        return sum(h.nbytes for h in self._entries() if h.registered)
 
-    def acquire(self, arr: np.ndarray, ctx: Context, read_only: bool) -> bool:
-        """Use *arr* for one map call: True when its pages are (now) held page-locked.
+    def claimed_bytes(self, claims: PinClaims) -> int:
+        """Bytes of the ranges *claims* keeps."""
+        return sum(h.nbytes for h in self._entries() if h.registered and claims in h.claims)
 
-        The first sighting of a memory range only records it; the next one registers it
-        (within the budget). A True answer also marks the range in use until
-        :meth:`release_users` (it cannot be evicted meanwhile).
-        """
-        if self.budget <= 0 or arr.nbytes < MIN_HOLD_BYTES:
-            return False
+    def acquire(
+        self, arr: np.ndarray, contexts: list[Context], read_only: bool, claims: PinClaims
+    ) -> Held | None:
+        """Use *arr* for one map call: its held range (now registered if this is its
+        second sighting and it fits), or None. Pair a range with :meth:`done`."""
+        limit = min(self.budget, claims.limit)
+        if limit <= 0 or arr.nbytes < MIN_HOLD_BYTES:
+            return None
         start, end = _page_range(addr(arr), arr.nbytes)
         owner = memory_owner(arr)
         with self._lock:
             self._clock += 1
             held = self._find(owner, start, end)
-            if held is None and self._seen_before(owner, start, end):
-                held = self._register(owner, start, end, ctx, read_only)
             if held is None:
-                return False
+                if not self._seen_before(owner, start, end):
+                    return None
+                held = self._register(owner, start, end, contexts, read_only, claims, limit)
+                if held is None:
+                    return None
+            elif claims not in held.claims and self._make_room(0, claims, held.nbytes, limit):
+                held.claims.add(claims)
+            held.contexts.extend(c for c in contexts if c not in held.contexts)
             held.last_use = self._clock
             held.users += 1
-            return True
+            return held
 
-    def release_users(self) -> None:
-        """The map call is over: every range may be evicted again."""
+    def done(self, held: Held) -> None:
+        """A map call stopped using *held*; nobody keeping it, it is released."""
         with self._lock:
-            for hs in self._held.values():
-                for h in hs:
-                    h.users = 0
+            held.users -= 1
+            if not held.users and not held.claims:
+                self._evict(held)
 
-    def clear(self) -> int:
-        """Unregister every held range; return the bytes released."""
-        with self._lock:
-            entries = [h for hs in self._held.values() for h in hs]
-            self._held.clear()
-            self._seen.clear()
-            self._refused.clear()
+    def drop(self, claims: PinClaims) -> int:
+        """*claims* keeps nothing any more; return the bytes it kept. Ranges nobody else
+        keeps (and no map uses) are unregistered."""
         released = 0
-        for h in entries:
-            released += h.nbytes if h.registered else 0
-            self._unregister(h)
+        with self._lock:
+            for h in self._entries():
+                if claims in h.claims:
+                    h.claims.discard(claims)
+                    released += h.nbytes if h.registered else 0
+                    if not h.claims and not h.users:
+                        self._evict(h)
         return released
+
+    def strand_poisoned(self) -> int:
+        """Keep the owners of ranges registered in a poisoned context alive until the
+        process exits; return their bytes.
+
+        No context can unregister those pages any more (on current drivers a fault
+        poisons every context of the process), so their memory must never be freed:
+        numpy would hand registered pages to a new array. Called when a pipeline sees a
+        poisoned context; warns once."""
+        kept = 0
+        with self._lock:
+            for h in self._entries():
+                if h.registered and any(c.poisoned for c in h.contexts):
+                    self._forget(h)
+                    h.stranded = True
+                    self._stranded.append((h, h.ref() if h.ref is not None else None))
+                    kept += h.nbytes
+        if kept and not self._warned_stranded:
+            self._warned_stranded = True
+            warnings.warn(
+                f"ctxkit: a fault poisoned the context of {kept} bytes of arrays kept "
+                "page-locked by pin on reuse; they can no longer be unregistered, so their "
+                "memory stays allocated (and locked) until the process exits",
+                ResourceWarning,
+                stacklevel=3,
+            )
+        return kept
 
     # --- internals -------------------------------------------------------------------
 
-    def _find(self, owner: Any, start: int, end: int) -> _Held | None:
+    def _entries(self) -> list[Held]:
+        with self._lock:
+            return [h for hs in list(self._held.values()) for h in hs]
+
+    def _find(self, owner: Any, start: int, end: int) -> Held | None:
         for h in self._held.get(id(owner), ()):
             if h.registered and h.ref is not None and h.ref() is owner and h.covers(start, end):
                 return h
@@ -172,12 +263,19 @@ class PinCache:
         prev = self._seen.pop(key, None)
         if prev is not None and prev() is owner:
             return True
-        self._seen[key] = weakref.ref(owner, self._forget_sighting(key))
+        self._seen[key] = self._note(self._seen, key, owner)
         while len(self._seen) > MAX_SIGHTINGS:
             self._seen.pop(next(iter(self._seen)))
         return False
 
-    def _forget_sighting(self, key: tuple[int, int, int]) -> Any:
+    def _was_refused(self, owner: Any, start: int, end: int) -> bool:
+        ref = self._refused.get((id(owner), start, end))
+        return ref is not None and ref() is owner
+
+    def _note(
+        self, table: dict[tuple[int, int, int], weakref.ref[Any]], key: Any, owner: Any
+    ) -> weakref.ref[Any]:
+        """A weak reference to *owner* that removes *key* from *table* when it dies."""
         me = weakref.ref(self)
 
         def forget(ref: weakref.ref[Any]) -> None:
@@ -185,71 +283,172 @@ class PinCache:
             if cache is None:
                 return
             with cache._lock:
-                if cache._seen.get(key) is ref:
-                    del cache._seen[key]
+                if table.get(key) is ref:
+                    del table[key]
 
-        return forget
+        return weakref.ref(owner, forget)
 
     def _register(
-        self, owner: Any, start: int, end: int, ctx: Context, read_only: bool
-    ) -> _Held | None:
-        if (start, end) in self._refused or not self._make_room(end - start):
+        self,
+        owner: Any,
+        start: int,
+        end: int,
+        contexts: list[Context],
+        read_only: bool,
+        claims: PinClaims,
+        limit: int,
+    ) -> Held | None:
+        nbytes = end - start
+        if self._was_refused(owner, start, end):
             return None
-        if any(h.start < end and start < h.end for hs in self._held.values() for h in hs):
+        if not self._make_room(nbytes, claims, nbytes, limit):
             return None
-        with ctx:
-            err = register_pages(start, end - start, read_only)
+        if any(h.start < end and start < h.end for h in self._entries()):
+            return None
+        with contexts[0]:
+            err = register_pages(start, nbytes, read_only)
         if err:
-            self._refused.add((start, end))
+            key = (id(owner), start, end)
+            self._refused[key] = self._note(self._refused, key, owner)
             return None
-        held = _Held(start, end, ctx)
-        key = id(owner)
-        held.ref = weakref.ref(owner, self._on_owner_death(key, held))
-        self._held.setdefault(key, []).append(held)
+        held = Held(start, end, list(contexts))
+        held.claims.add(claims)
+        held.ref = weakref.ref(owner, self._on_owner_death(held))
+        self._held.setdefault(id(owner), []).append(held)
         return held
 
-    def _on_owner_death(self, key: int, held: _Held) -> Any:
+    def _on_owner_death(self, held: Held) -> Any:
         """Weak-reference callback: numpy runs it before it frees the owner's memory."""
         me = weakref.ref(self)
 
         def dead(_ref: weakref.ref[Any]) -> None:
             cache = me()
-            if cache is not None:
-                with cache._lock:
-                    hs = cache._held.get(key, [])
-                    if held in hs:
-                        hs.remove(held)
-                    if not hs:
-                        cache._held.pop(key, None)
-            PinCache._unregister(held)
+            if cache is None:
+                _unregister(held)
+                return
+            with cache._lock:
+                cache._evict(held)
 
         return dead
 
-    def _make_room(self, nbytes: int) -> bool:
-        if nbytes > self.budget:
+    def _make_room(self, nbytes: int, claims: PinClaims, claim_bytes: int, limit: int) -> bool:
+        """Evict idle ranges (least recently used first) until *nbytes* more fit the
+        budget and *claim_bytes* more fit *claims*' *limit*."""
+        if nbytes > self.budget or claim_bytes > limit:
             return False
-        used = self.nbytes
         idle = sorted(
-            (h for hs in self._held.values() for h in hs if h.registered and not h.users),
+            (h for h in self._entries() if h.registered and not h.users),
             key=lambda h: h.last_use,
         )
+        used = self.nbytes
         for h in idle:
             if used + nbytes <= self.budget:
                 break
             self._evict(h)
             used -= h.nbytes
-        return used + nbytes <= self.budget
+        mine = self.claimed_bytes(claims)
+        for h in idle:
+            if mine + claim_bytes <= limit:
+                break
+            if h.registered and claims in h.claims:
+                h.claims.discard(claims)
+                mine -= h.nbytes
+                if not h.claims:
+                    self._evict(h)
+        return used + nbytes <= self.budget and mine + claim_bytes <= limit
 
-    def _evict(self, h: _Held) -> None:
+    def _forget(self, h: Held) -> None:
         for key, hs in list(self._held.items()):
             if h in hs:
                 hs.remove(h)
                 if not hs:
                     del self._held[key]
-        self._unregister(h)
 
-    @staticmethod
-    def _unregister(h: _Held) -> None:
-        if h.registered:
-            h.registered = False
-            free_quietly(h.ctx, drv.cuMemHostUnregister, h.start)
+    def _evict(self, h: Held) -> None:
+        self._forget(h)
+        _unregister(h)
+
+
+_warned_stale = False
+
+
+def _unregister(h: Held) -> None:
+    """Undo *h*'s registration now (see the module notes); never raises (a failure is
+    warned about once per process)."""
+    global _warned_stale
+    if not h.registered or h.stranded:
+        return
+    h.registered = False
+    try:
+        err = unregister_pages(h.start, h.contexts)
+    except Exception as exc:  # a finalizer must not raise
+        err, why = NO_USABLE_CONTEXT, repr(exc)
+    else:
+        why = "every context that could unregister them is closed or poisoned"
+    if err in (0, _NOT_REGISTERED) or _warned_stale:
+        return
+    if err != NO_USABLE_CONTEXT:
+        why = f"cuMemHostUnregister failed with CUresult {err}"
+    _warned_stale = True
+    try:
+        warnings.warn(
+            f"ctxkit: pin on reuse could not unregister {h.nbytes} bytes at {h.start:#x} "
+            f"({why}); those pages stay page-locked until the process exits",
+            ResourceWarning,
+            stacklevel=2,
+        )
+    except Exception:  # runs in finalizers: never raise
+        pass
+
+
+class PinClaims:
+    """One Pipeline's share of the process's :class:`PinCache`, at most *limit* bytes
+    (``None``: the cache's budget; 0: hold nothing)."""
+
+    def __init__(self, cache: PinCache, limit: int | None) -> None:
+        bad = isinstance(limit, bool) or not isinstance(limit, int) or limit < 0
+        if limit is not None and bad:
+            raise ValueError(
+                "pin_cache_bytes must be a byte count >= 0 (0 turns pin on reuse off), "
+                f"not {limit!r}"
+            )
+        self.cache = cache
+        self._limit = limit
+
+    @property
+    def limit(self) -> int:
+        """Most bytes this share may keep page-locked."""
+        return self.cache.budget if self._limit is None else self._limit
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes kept page-locked for this share."""
+        return self.cache.claimed_bytes(self)
+
+    def acquire(self, arr: np.ndarray, contexts: list[Context], read_only: bool) -> Held | None:
+        """See :meth:`PinCache.acquire`."""
+        return self.cache.acquire(arr, contexts, read_only, self)
+
+    def done(self, held: Iterable[Held]) -> None:
+        """The map call that acquired *held* is over."""
+        for h in held:
+            self.cache.done(h)
+
+    def release(self) -> int:
+        """Keep nothing page-locked any more; return the bytes released."""
+        return self.cache.drop(self)
+
+
+_process: PinCache | None = None
+
+
+_process_lock = threading.Lock()
+
+
+def process_pins() -> PinCache:
+    """The process's pin cache (created at first use, budget :func:`default_budget`)."""
+    global _process
+    with _process_lock:
+        if _process is None:
+            _process = PinCache(default_budget())
+        return _process

@@ -1,36 +1,15 @@
-"""Multi-device copy -> kernel -> copy pipelines over host numpy arrays.
-
-``Pipeline.map`` splits the first axis of a host array over devices and chunks. Per chunk
-it runs H2D copy -> ``kernel(d_in, d_out, n, *args)`` -> D2H copy, and keeps every device
-busy at once:
-
-* each device is driven by its own worker thread (a ``ContextExecutor`` bound to the
-  device's shared context), so a call that blocks on one device never stalls another;
-* pageable input and output are never copied synchronously: by default (``host_path=
-  "auto"``, i.e. ``"staged"``) they go through pinned staging buffers
-  (``staging_buffers`` per device, filled and drained by a pool of host threads,
-  overlapped with the transfers and kernels of neighbouring chunks);
-  ``host_path="register"`` instead registers the pages of each chunk just in time and
-  DMAs them directly (only the partial pages at the ends are bounced through a tiny
-  pinned buffer);
-* pinned input/output (``ctxkit.pinned_empty``, ``register_host``) is copied directly,
-  fully asynchronously (the zero-copy path).
-
-``Pipeline.submit`` enqueues cross-device stages ordered by events
-(``cuStreamWaitEvent``); ``Pipeline.map_managed`` runs the same map over unified memory
-with per-device prefetch. ``Pipeline.trace`` returns the :class:`~ctxkit.trace.Timeline`
-of the last run.
-"""
+"""The :class:`Pipeline` (described in :mod:`ctxkit.pipeline`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import queue
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from typing import Any
@@ -46,23 +25,15 @@ from ..memory.host import host_pointer_kind, is_pinned
 from ..memory.managed import ManagedBuffer
 from ..module.kernel import Kernel
 from ..module.module import Module
+from ..registry import check_devices
+from ..stream import Event, Stream
 from ..trace import Recorder, Timeline
 from .hostreg import Registrar
 from .launch import make_launcher, unblock_if_not_run
-from .pincache import PinCache, default_budget
-from .plan import (
-    addr,
-    check_block,
-    check_device_specs,
-    check_host_path,
-    check_options,
-    choose_host_path,
-    make_plan,
-    prepare_io,
-    row_bytes,
-)
+from .pincache import Held, PinClaims, process_pins
+from .plan import MapOptions, addr, check_host_path, plan_map, prepare_io, row_bytes
 from .run import Run, drain, feed, run_stats
-from .stages import StageHandle, StageMixin
+from .stages import StageHandle, Stages
 from .staging import DeviceState, HostPool, Progress, default_host_threads, quiet_sync, shutdown_all
 from .types import DeviceStats, RunStats
 
@@ -72,7 +43,7 @@ __all__ = ["Pipeline"]
 _NO_DEVICE = 100
 
 
-class Pipeline(StageMixin):
+class Pipeline:
     """Copy -> kernel -> copy over every GPU at once, from host numpy arrays.
 
     Parameters
@@ -106,9 +77,15 @@ class Pipeline(StageMixin):
         Pin on reuse, for ``host_path="auto"``: a pageable array (16 MiB or more) that a
         later :meth:`map` call sees again is page-locked once (``cuMemHostRegister``)
         and kept locked while its memory lives, so every further call DMAs it directly,
-        as if it were pinned. This bounds the bytes kept locked (least recently used
-        arrays are released first); 0 turns it off. Default: a quarter of physical
-        memory, at least 4 GiB. See :meth:`release_pinned`.
+        as if it were pinned. This bounds the bytes this pipeline keeps locked (least
+        recently used arrays are released first); 0 turns it off. Default: the process
+        budget. See :meth:`release_pinned`.
+
+        The budget is one per process, shared by every Pipeline (a registration serves
+        all of them): a quarter of physical memory, at least 4 GiB, or
+        ``CTXKIT_PIN_BUDGET_BYTES``. With several processes per node (MPI ranks,
+        ``run_per_device`` workers), each has its own: set ``CTXKIT_PIN_BUDGET_BYTES``
+        to about a quarter of the node's memory divided by the processes per node.
     schedule : {"static", "dynamic"}
         ``"static"``: an even contiguous share of rows per device. ``"dynamic"``: devices
         take chunks from a shared queue (work stealing; helps unequal devices).
@@ -151,28 +128,36 @@ class Pipeline(StageMixin):
         host_path: str | tuple[str, str] = "auto",
         pin_cache_bytes: int | None = None,
     ) -> None:
-        check_options(chunk_bytes, staging_buffers, host_threads, schedule)
-        budget = _pin_budget(pin_cache_bytes)
-        self.host_path = check_host_path(host_path)
-        specs = check_device_specs(devices)
-        self.chunk_bytes = chunk_bytes
-        self.staging_buffers = staging_buffers
-        self.schedule = schedule
+        options = MapOptions(
+            chunk_bytes,
+            schedule=schedule,
+            host_path=check_host_path(host_path),
+            staging_buffers=staging_buffers,
+            host_threads=1 if host_threads is None else host_threads,
+        )
+        pins = PinClaims(process_pins(), pin_cache_bytes)
+        contexts = _resolve_contexts(check_devices(devices, "Pipeline"))
+        threads = host_threads or default_host_threads(len(contexts))
+        self._options = dataclasses.replace(options, host_threads=threads)
         self.tracing = bool(trace)
-        contexts = _resolve_contexts(specs)
         self._devices = [DeviceState(i, ctx, staging_buffers) for i, ctx in enumerate(contexts)]
-        self.host_threads = host_threads or default_host_threads(len(contexts))
-        self._pool: list[HostPool] = []
+        self._host_pool: list[HostPool] = []  # a list: the finalizer sees it filled later
         self._lock = threading.RLock()
-        self._inflight: list[Future[Any]] = []
         self._run: Run | None = None
         self._recorder: Recorder | None = None
-        self._stages: list[StageHandle] = []
+        self._stages = Stages()
         self._kernels: dict[tuple[int, str], tuple[Any, Module, Kernel]] = {}
         self._stats = RunStats()
         self._closed = False
-        self._pins = PinCache(budget)
-        self._fin = weakref.finalize(self, shutdown_all, self._devices, self._pool, self._pins)
+        self._pins = pins
+        self._fin = weakref.finalize(self, shutdown_all, self._devices, self._host_pool, self._pins)
+        self._fin.atexit = False
+        try:
+            for dev in self._devices:
+                dev.start_threads()
+        except RuntimeError:
+            _park_if_exiting()
+            raise
 
     # --- properties ----------------------------------------------------------------
 
@@ -187,6 +172,31 @@ class Pipeline(StageMixin):
         return [d.ctx for d in self._devices]
 
     @property
+    def chunk_bytes(self) -> int | None:
+        """The default chunk size (``None``: :func:`~ctxkit.pipeline.default_chunk_bytes`)."""
+        return self._options.chunk_bytes
+
+    @property
+    def staging_buffers(self) -> int:
+        """Slots per device."""
+        return self._options.staging_buffers
+
+    @property
+    def host_threads(self) -> int:
+        """Threads of the host pool."""
+        return self._options.host_threads
+
+    @property
+    def schedule(self) -> str:
+        """The default schedule, ``"static"`` or ``"dynamic"``."""
+        return self._options.schedule
+
+    @property
+    def host_path(self) -> tuple[str, str]:
+        """The default ``(input, output)`` host paths."""
+        return self._options.host_path
+
+    @property
     def poisoned(self) -> bool:
         """True when a device's context was poisoned by a fault (the pipeline is unusable)."""
         return any(d.ctx.poisoned for d in self._devices)
@@ -198,17 +208,18 @@ class Pipeline(StageMixin):
 
     @property
     def pinned_bytes(self) -> int:
-        """Bytes of the user's pageable arrays kept page-locked by pin on reuse."""
+        """Bytes of the user's pageable arrays kept page-locked for this pipeline by pin
+        on reuse."""
         return self._pins.nbytes
 
     def release_pinned(self) -> int:
-        """Unregister every array kept page-locked by pin on reuse; return the bytes.
+        """Stop keeping arrays page-locked for this pipeline; return the bytes it kept.
 
-        Later calls start over (an array is staged, then locked when seen again).
+        Arrays no other Pipeline keeps are unregistered. Later calls start over (an
+        array is staged, then locked when seen again).
         """
         with self._lock:
-            self._settle()
-            return self._pins.clear()
+            return self._pins.release()
 
     @property
     def last_stats(self) -> RunStats:
@@ -287,11 +298,9 @@ class Pipeline(StageMixin):
             return self.map_managed(kernel, x, out, args, chunk_bytes, block, schedule=schedule)
         if mode != "auto":
             raise ValueError(f"mode must be 'auto' or 'managed', not {mode!r}")
-        paths = self.host_path if host_path is None else check_host_path(host_path)
+        options = self._options_for(chunk_bytes, block, schedule, host_path=host_path)
         x, out = prepare_io(x, out)
-        return self._map(
-            kernel, x, out, args, chunk_bytes, block, schedule, managed=False, paths=paths
-        )
+        return self._map(kernel, x, out, args, options)
 
     def map_managed(
         self,
@@ -331,6 +340,9 @@ class Pipeline(StageMixin):
             The output as a numpy view of managed memory (it keeps the buffer alive).
         """
         self._check_usable()
+        options = self._options_for(
+            chunk_bytes, block, schedule, managed=True, prefetch=prefetch, to_host=to_host
+        )
         xa = _managed_array(x, dtype, shape, "x")
         if out is None:
             buf = ManagedBuffer(xa.nbytes, context=self._devices[0].ctx)
@@ -345,110 +357,125 @@ class Pipeline(StageMixin):
                         f"map_managed: {what} is not unified (managed) memory; allocate it "
                         "with ctxkit.ManagedBuffer (or use Pipeline.map for host arrays)"
                     )
-        self._map(
-            kernel, xa, oa, args, chunk_bytes, block, schedule, managed=True,
-            prefetch=prefetch, to_host=to_host,
-        )  # fmt: skip
+        self._map(kernel, xa, oa, args, options)
         return oa
 
+    def _options_for(
+        self, chunk_bytes: int | None, block: int, schedule: str | None, **more: Any
+    ) -> MapOptions:
+        """The pipeline's options with one call's overrides (the same object when the
+        call overrides nothing, as most do)."""
+        base = self._options
+        if more.get("host_path") is None:
+            more.pop("host_path", None)
+        if chunk_bytes is not None:
+            more["chunk_bytes"] = chunk_bytes
+        if schedule is not None:
+            more["schedule"] = schedule
+        more["block"] = block
+        changes = {k: v for k, v in more.items() if getattr(base, k) != v}
+        return dataclasses.replace(base, **changes) if changes else base
+
     def _map(
-        self,
-        kernel: Any,
-        x: np.ndarray,
-        out: np.ndarray,
-        args: Sequence[Any],
-        chunk_bytes: int | None,
-        block: int,
-        schedule: str | None,
-        *,
-        managed: bool,
-        prefetch: bool = True,
-        to_host: bool = True,
-        paths: tuple[str, str] = ("auto", "auto"),
+        self, kernel: Any, x: np.ndarray, out: np.ndarray, args: Sequence[Any], opts: MapOptions
     ) -> np.ndarray:
         self._check_usable()
         if not isinstance(args, (tuple, list)):
             raise TypeError(f"args must be a tuple of extra kernel arguments, not {type(args)}")
-        check_block(block)
-        chunk_bytes = self.chunk_bytes if chunk_bytes is None else chunk_bytes
-        check_options(chunk_bytes, self.staging_buffers, self.host_threads, schedule or "static")
-        with self._lock:
-            if isinstance(kernel, tuple):
-                kernel = self._load(kernel)
-            launch = make_launcher(kernel, x, out, tuple(args), block)
-            self._settle()
-            self._check_usable()
-            if isinstance(kernel, Kernel):
-                for dev in self._devices:
-                    kernel.preload(dev.ctx)
-            self._new_recording()
-            row = max(row_bytes(x), row_bytes(out))
-            plan = make_plan(
-                x.shape[0], row, len(self._devices), chunk_bytes, schedule or self.schedule
-            )
-            t0 = time.perf_counter()
-            modes = ("pinned", "pinned") if managed else self._host_modes(x, out, paths)
-            run = Run(x, out, plan, launch, self._recorder, managed, prefetch, to_host, modes)
-            try:
-                if plan.chunks and x.nbytes + out.nbytes:
-                    self._execute(run)
-            finally:
-                self._pins.release_users()
-            self._stats = run_stats(run, time.perf_counter() - t0, x.nbytes)
+        try:
+            with self._lock:
+                if isinstance(kernel, tuple):
+                    kernel = self._load(kernel)
+                launch = make_launcher(kernel, x, out, tuple(args), opts.block)
+                self._check_usable()
+                if isinstance(kernel, Kernel):
+                    for dev in self._devices:
+                        kernel.preload(dev.ctx)
+                self._new_recording()
+                t0 = time.perf_counter()
+                held: list[Held] = []
+                try:
+                    host = ("pinned", "pinned")
+                    if not opts.managed:
+                        host = self._host_kinds(x, out, opts.host_path, held)
+                    rows = (row_bytes(x), row_bytes(out))
+                    plan = plan_map(x.shape[0], rows, len(self._devices), opts, host)
+                    run = Run(x, out, plan, launch, self._recorder)
+                    if not plan.empty:
+                        self._execute(run)
+                finally:
+                    self._pins.done(held)
+                self._stats = run_stats(run, time.perf_counter() - t0, x.nbytes)
+        except RuntimeError:
+            _park_if_exiting()
+            raise
         return out
 
     def _execute(self, run: Run) -> None:
-        active = [
-            d for d in self._devices if run.plan.schedule == "dynamic" or run.plan.for_part(d.part)
-        ]
-        if run.needs_pool:
-            self._ensure_pool()
-            run.pool = self._pool[0]
-        if "register" in (run.in_mode, run.out_mode) and run.pool is not None:
+        plan = run.plan
+        if plan.needs_pool:
+            run.pool = self._pool()
+        if plan.registers:
+            assert run.pool is not None
             run.registrar = Registrar(run.pool, run.stop, run.rec)
-            # A few chunks ahead keep the registrations off the critical path; more only
-            # lengthen a stop (each registered chunk is unregistered before map returns,
-            # and cuMemHostUnregister waits for the device).
-            per_device = -(-self.host_threads // len(active))
-            run.ahead = max(self.staging_buffers, min(per_device, 2 * self.staging_buffers))
         self._run = run
         futures: list[Future[Any]] = []
-        for dev in active:
-            q: queue.SimpleQueue[Any] = queue.SimpleQueue()
-            run.stats[dev.ordinal] = DeviceStats(dev.ordinal)
-            run.taken[dev.ordinal] = []
-            run.progress[dev.ordinal] = Progress()
-            feeder = dev.worker.submit(feed, run, dev, q)
-            feeder.add_done_callback(functools.partial(unblock_if_not_run, q))
-            futures.append(feeder)
-            futures.append(dev.drainer.submit(drain, run, dev, q))
-        self._inflight = futures
         try:
+            for dev in (self._devices[part] for part in plan.active):
+                q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+                run.stats[dev.ordinal] = DeviceStats(dev.ordinal)
+                run.taken[dev.ordinal] = []
+                run.progress[dev.ordinal] = Progress()
+                feeder = dev.worker.submit(feed, run, dev, q)
+                feeder.add_done_callback(functools.partial(unblock_if_not_run, q))
+                futures.append(feeder)
+                futures.append(dev.drainer.submit(drain, run, dev, q))
             for f in futures:
                 _result_interruptibly(f)
         except BaseException:
-            run.stop.set()
-            self._settle()
-            run.drop_arrays()
+            _stop_and_wait(run, futures)
             raise
-        self._inflight = []
-        run.drop_arrays()
+        finally:
+            run.drop_arrays()
         if not self.tracing:
             self._recycle(run)
         if run.errors:
+            if self.poisoned:
+                self._pins.cache.strand_poisoned()
             first = run.errors[0]
             if isinstance(first, PipelineError) and len(run.errors) > 1:
                 first.args = (f"{first} (+{len(run.errors) - 1} more errors in this run)",)
             raise first
 
-    def _settle(self) -> None:
-        """Wait until the workers of an interrupted run have stopped (no-op otherwise)."""
-        if not self._inflight:
-            return
-        if self._run is not None:
-            self._run.stop.set()
-        wait_futures(self._inflight)
-        self._inflight = []
+    def _pool(self) -> HostPool:
+        if not self._host_pool:
+            self._host_pool.append(HostPool(self.host_threads))
+        return self._host_pool[0]
+
+    def _host_kinds(
+        self, x: np.ndarray, out: np.ndarray, paths: tuple[str, str], held: list[Held]
+    ) -> tuple[str, str]:
+        """What the input's and the output's memory is for :func:`plan_map`:
+        ``"held"`` when pin on reuse keeps it locked (only asked for sides on the
+        ``"auto"`` path; the ranges it lends are added to *held*), ``"pinned"`` when
+        page-locked otherwise, else ``"pageable"``."""
+        ctxs = self.contexts
+
+        def hold(a: np.ndarray, read_only: bool) -> bool:
+            h = self._pins.acquire(a, ctxs, read_only)
+            if h is not None:
+                held.append(h)
+            return h is not None
+
+        if x.nbytes and x.nbytes == out.nbytes and addr(x) == addr(out):
+            held_in = held_out = "auto" in paths and hold(x, False)
+        else:
+            held_in = paths[0] == "auto" and hold(x, True)
+            held_out = paths[1] == "auto" and hold(out, False)
+        return (
+            "held" if held_in else _memory_kind(x),
+            "held" if held_out else _memory_kind(out),
+        )
 
     # --- kernels -------------------------------------------------------------------
 
@@ -474,6 +501,51 @@ class Pipeline(StageMixin):
         self._kernels[key] = (obj, mod, kern)
         return kern
 
+    # --- cross-device stages ----------------------------------------------------------
+
+    def stream(self, device: int | Device | Context) -> Stream:
+        """The stream :meth:`submit` stages of *device* run on."""
+        return self._device_for(device).stage_stream
+
+    def submit(
+        self,
+        device: int | Device | Context,
+        fn: Callable[[Context, Stream], Any],
+        after: Iterable[StageHandle | Event] = (),
+        *,
+        name: str | None = None,
+    ) -> StageHandle:
+        """Enqueue ``fn(ctx, stream)`` on *device* after the stages in *after* completed.
+
+        ``fn`` runs on the device's worker thread with its context current and enqueues
+        work on ``stream`` (:meth:`stream`); an event recorded after it completes the
+        returned handle. The device's stream waits for every handle (or Event) in
+        *after* on the GPU (``cuStreamWaitEvent``, across devices), without blocking
+        the host. Stages on one device run in submission order. The pipeline forgets a
+        stage once its work completed: keep the handle to use it later.
+
+        Load the kernels ``fn`` launches beforehand (:meth:`Kernel.preload`): under
+        lazy loading the first launch of a kernel may wait until the context is idle,
+        which delays the stage's event and with it every stage waiting for it.
+        """
+        self._check_usable()
+        dev = self._device_for(device)
+        with self._lock:
+            if self._recorder is None and self.tracing:
+                self._recorder = Recorder()
+            rec = self._recorder
+        return self._stages.submit(dev, fn, after, name, rec)
+
+    def wait(self, handles: Iterable[StageHandle] | None = None) -> None:
+        """Wait for the GPU work of *handles* (default: every stage submitted so far).
+
+        Raises
+        ------
+        PipelineError
+            A stage failed; the message names its device and name.
+        """
+        self._stages.wait(handles)
+
     # --- trace ---------------------------------------------------------------------
 
     def trace(self) -> Timeline:
@@ -491,11 +563,7 @@ class Pipeline(StageMixin):
         if self._closed:
             return rec.timeline()  # resolved by close() while the events existed
         with self._lock:
-            for h in list(self._stages):
-                try:
-                    h.synchronize()
-                except BaseException:
-                    pass
+            self._stages.settle()
             with self._devices[0].ctx:
                 return rec.timeline()
 
@@ -517,21 +585,15 @@ class Pipeline(StageMixin):
     def synchronize(self) -> None:
         """Wait for all work the pipeline enqueued, on every device."""
         for dev in self._devices:
-            for s in [*(slot.stream for slot in dev.slots), dev.stage_stream]:
-                with dev.ctx:
-                    s.synchronize()
+            for s in dev.streams():
+                s.synchronize()
 
     def close(self) -> None:
         """Stop the worker threads and free every buffer, stream and event. Idempotent."""
         with self._lock:
             if self._closed:
                 return
-            self._settle()
-            for h in self._stages:
-                try:
-                    h._future.exception()
-                except BaseException:
-                    pass
+            self._stages.join()
             if self._recorder is not None and not self.poisoned:
                 try:
                     self.trace()
@@ -542,10 +604,10 @@ class Pipeline(StageMixin):
             for dev in self._devices:
                 quiet_sync(dev)
                 dev.release()
-            self._pins.clear()
-            for p in self._pool:
+            self._pins.release()
+            for p in self._host_pool:
                 p.close()
-            self._pool.clear()
+            self._host_pool.clear()
             self._kernels.clear()
             self._stages.clear()
             self._run = None
@@ -557,6 +619,7 @@ class Pipeline(StageMixin):
             raise ValueError("this Pipeline is closed; create a new one")
         for dev in self._devices:
             if dev.ctx.poisoned:
+                self._pins.cache.strand_poisoned()
                 try:
                     dev.ctx.check_usable()
                 except ContextPoisonedError as exc:
@@ -575,26 +638,6 @@ class Pipeline(StageMixin):
         raise ValueError(
             f"{device!r} is not one of this pipeline's devices {[d.ordinal for d in self._devices]}"
         )
-
-    def _host_modes(
-        self, x: np.ndarray, out: np.ndarray, paths: tuple[str, str]
-    ) -> tuple[str, str]:
-        """``(input, output)`` modes: ``"pinned"`` for page-locked arrays, ``"held"`` for
-        arrays kept locked by pin on reuse, else the side's host path."""
-        ctx = self._devices[0].ctx
-        if x.nbytes and x.nbytes == out.nbytes and addr(x) == addr(out):
-            held_in = held_out = "auto" in paths and self._pins.acquire(x, ctx, read_only=False)
-        else:
-            held_in = paths[0] == "auto" and self._pins.acquire(x, ctx, read_only=True)
-            held_out = paths[1] == "auto" and self._pins.acquire(out, ctx, read_only=False)
-        return (
-            "held" if held_in else _side_mode(x, paths[0]),
-            "held" if held_out else _side_mode(out, paths[1]),
-        )
-
-    def _ensure_pool(self) -> None:
-        if not self._pool:
-            self._pool.append(HostPool(self.host_threads))
 
 
 def _ordinal(device: object) -> int | None:
@@ -639,18 +682,29 @@ def _result_interruptibly(f: Future[Any]) -> Any:
     return f.result()
 
 
-def _side_mode(a: np.ndarray, path: str) -> str:
-    return "pinned" if a.nbytes and is_pinned(a) else choose_host_path(path, a.nbytes)
+def _stop_and_wait(run: Run, futures: list[Future[Any]]) -> None:
+    """Stop *run* and wait until its feeders and drainers have finished, however many
+    more Ctrl-C arrive meanwhile (the first one is what ``map`` raises): the arrays must
+    not be touched once ``map`` is back in the caller's hands."""
+    while True:
+        try:
+            run.stop.set()
+            wait_futures(futures)
+            return
+        except BaseException:
+            continue
 
 
-def _pin_budget(value: int | None) -> int:
-    if value is None:
-        return default_budget()
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(
-            f"pin_cache_bytes must be a byte count >= 0 (0 turns pin on reuse off), not {value!r}"
-        )
-    return value
+def _park_if_exiting() -> None:
+    """A daemon thread that cannot start a thread or submit work because the interpreter
+    is exiting waits here for the exit instead of printing a traceback (the interpreter
+    stops daemon threads; non-daemon ones get the error)."""
+    if threading.current_thread().daemon and not threading.main_thread().is_alive():
+        threading.Event().wait()
+
+
+def _memory_kind(a: np.ndarray) -> str:
+    return "pinned" if a.nbytes and is_pinned(a) else "pageable"
 
 
 def _managed_array(obj: Any, dtype: Any, shape: Sequence[int] | None, what: str) -> np.ndarray:

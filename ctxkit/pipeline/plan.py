@@ -1,30 +1,27 @@
-"""Pure planning for ``ctxkit.pipeline``: splitting rows over devices and chunks, and
-checking the arrays and options of a map. No driver calls: tested on any machine."""
+"""How a ``Pipeline.map`` runs, decided before it starts: :func:`plan_map` splits the rows
+over devices and chunks and chooses how each side's host data moves; and the checks of a
+map's arrays and options. No driver calls: tested on any machine."""
 
 from __future__ import annotations
 
 import mmap
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ..context import Context
-from ..device import Device
-from ..registry import check_devices
-
 __all__ = [
     "HOST_PATHS",
     "Chunk",
     "HostPieces",
-    "Plan",
+    "MapOptions",
+    "MapPlan",
     "check_host_path",
     "choose_host_path",
     "default_chunk_bytes",
     "grid_size",
     "host_pieces",
-    "make_plan",
+    "plan_map",
     "prepare_io",
     "split_rows",
 ]
@@ -100,53 +97,204 @@ class Chunk:
         return self.row1 - self.row0
 
 
+HOST_KINDS = ("pageable", "pinned", "held")
+
+
+MODE_NAMES = {
+    "pinned": "pinned",
+    "held": "held",
+    "staged": "staged",
+    "register": "registered",
+    "managed": "managed",
+}
+
+
 @dataclass(frozen=True)
-class Plan:
-    """How rows are split over devices and chunks (see :func:`make_plan`)."""
+class MapOptions:
+    """The options of one map, checked when made (see :meth:`Pipeline.map`).
+
+    ``chunk_bytes=None`` means :func:`default_chunk_bytes`; ``host_path`` takes one of
+    :data:`HOST_PATHS` or an ``(input, output)`` pair and is stored as the pair;
+    ``managed`` runs over unified memory (``prefetch``/``to_host`` say which way it is
+    prefetched); ``staging_buffers`` and ``host_threads`` are the pipeline's slots per
+    device and host pool size.
+    """
+
+    chunk_bytes: int | None = None
+    block: int = 256
+    schedule: str = "static"
+    host_path: tuple[str, str] = ("auto", "auto")
+    managed: bool = False
+    prefetch: bool = True
+    to_host: bool = True
+    staging_buffers: int = 3
+    host_threads: int = 2
+
+    def __post_init__(self) -> None:
+        _check_count(self.chunk_bytes, "chunk_bytes", none_ok=True)
+        _check_count(self.staging_buffers, "staging_buffers")
+        _check_count(self.host_threads, "host_threads")
+        block = self.block
+        if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= 1024:
+            raise ValueError(f"block must be an int in 1..1024, got {block!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, not {self.schedule!r}")
+        object.__setattr__(self, "host_path", check_host_path(self.host_path))
+
+
+def _check_count(value: Any, label: str, none_ok: bool = False) -> None:
+    if value is None and none_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{label} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{label} must be >= 1, got {value}")
+
+
+@dataclass(frozen=True)
+class MapPlan:
+    """How one map runs, decided before it starts (see :func:`plan_map`).
+
+    The rows are cut into ``chunks`` of ``rows_per_chunk`` rows; under the static
+    schedule device slot ``i`` owns the rows ``parts[i]``, under the dynamic one every
+    device takes chunks from one queue. ``active`` lists the device slots that run.
+    ``in_mode``/``out_mode`` say how each side's host data moves: ``"pinned"`` (the
+    array is page-locked), ``"held"`` (kept page-locked by pin on reuse), ``"staged"``
+    (through pinned staging buffers), ``"register"`` (its pages locked just in time) or
+    ``"managed"`` (unified memory, prefetched). ``in_chunk_bytes``/``out_chunk_bytes``
+    size a slot's device buffers; a feeder claims ``ahead`` chunks ahead of the one it
+    enqueues.
+    """
 
     n_rows: int
     rows_per_chunk: int
     parts: tuple[tuple[int, int], ...]
     chunks: tuple[Chunk, ...]
     schedule: str
+    in_mode: str
+    out_mode: str
+    active: tuple[int, ...]
+    ahead: int
+    in_chunk_bytes: int
+    out_chunk_bytes: int
+    prefetch: bool = True
+    to_host: bool = True
 
     def for_part(self, part: int) -> list[Chunk]:
         """The chunks device slot *part* processes under the static schedule."""
         return [c for c in self.chunks if c.part == part]
 
+    @property
+    def empty(self) -> bool:
+        """True when there is nothing to move (no rows, or rows of zero bytes)."""
+        return not self.chunks or not (self.in_chunk_bytes or self.out_chunk_bytes)
 
-def make_plan(
+    @property
+    def managed(self) -> bool:
+        """True for a map over unified memory."""
+        return self.in_mode == "managed"
+
+    @property
+    def stage_in(self) -> bool:
+        """True when input chunks go through pinned staging buffers."""
+        return self.in_mode == "staged"
+
+    @property
+    def stage_out(self) -> bool:
+        """True when output chunks go through pinned staging buffers."""
+        return self.out_mode == "staged"
+
+    @property
+    def registers(self) -> bool:
+        """True when a side's pages are registered chunk by chunk."""
+        return "register" in (self.in_mode, self.out_mode)
+
+    @property
+    def needs_pool(self) -> bool:
+        """True when host threads copy or register for this map."""
+        return bool({"staged", "register"} & {self.in_mode, self.out_mode})
+
+    @property
+    def path(self) -> str:
+        """How the data moves: ``"pinned"``, ``"managed"`` or ``"in=<how>, out=<how>"``."""
+        if self.managed:
+            return "managed"
+        if (self.in_mode, self.out_mode) == ("pinned", "pinned"):
+            return "pinned"
+        return f"in={MODE_NAMES[self.in_mode]}, out={MODE_NAMES[self.out_mode]}"
+
+
+def plan_map(
     n_rows: int,
-    row_bytes: int,
+    row_bytes: tuple[int, int],
     n_devices: int,
-    chunk_bytes: int | None = None,
-    schedule: str = "static",
-) -> Plan:
-    """Plan a map over *n_rows* rows of *row_bytes* bytes on *n_devices* devices.
+    options: MapOptions | None = None,
+    host: tuple[str, str] = ("pageable", "pageable"),
+) -> MapPlan:
+    """Decide how a map over *n_rows* rows runs on *n_devices* devices.
 
-    Static: each device gets a contiguous, even share of the rows, cut into chunks of
-    ``max(1, chunk_bytes // row_bytes)`` rows. Dynamic: the same chunk size over all
-    rows; devices take chunks from a shared queue while they run (work stealing).
+    Parameters
+    ----------
+    n_rows : int
+        Rows of the first axis.
+    row_bytes : (int, int)
+        Bytes of one input row and of one output row; chunks are sized by the wider.
+    n_devices : int
+        Devices of the pipeline.
+    options : MapOptions, optional
+        The map's options (default: ``MapOptions()``).
+    host : (str, str)
+        What the input's and the output's host memory is: ``"pageable"``, ``"pinned"``
+        (page-locked) or ``"held"`` (kept page-locked by pin on reuse); ignored for a
+        managed map.
+
+    Static schedule: each device gets a contiguous, even share of the rows, cut into
+    chunks of ``max(1, chunk_bytes // row)`` rows. Dynamic: the same chunk size over
+    all rows, taken from a shared queue while the devices run (work stealing). A
+    pageable side moves by its ``host_path`` (:func:`choose_host_path`).
     """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, not {schedule!r}")
+    options = options or MapOptions()
     if n_devices < 1:
-        raise ValueError("a plan needs at least one device")
-    if row_bytes < 0:
-        raise ValueError(f"row_bytes must be >= 0, got {row_bytes}")
-    if chunk_bytes is None:
-        chunk_bytes = default_chunk_bytes(n_rows * row_bytes, n_devices)
-    if chunk_bytes < 1:
-        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
-    rpc = max(1, chunk_bytes // row_bytes) if row_bytes else max(1, n_rows)
+        raise ValueError("a map needs at least one device")
+    if n_rows < 0 or min(row_bytes) < 0:
+        raise ValueError(f"n_rows and row_bytes must be >= 0, got {n_rows} and {row_bytes}")
+    if any(k not in HOST_KINDS for k in host):
+        raise ValueError(f"host kinds must be in {HOST_KINDS}, not {host!r}")
+    row = max(row_bytes)
+    chunk_bytes = options.chunk_bytes or default_chunk_bytes(n_rows * row, n_devices)
+    rpc = max(1, chunk_bytes // row) if row else max(1, n_rows)
     parts = tuple(split_rows(n_rows, n_devices))
-    spans = parts if schedule == "static" else ((0, n_rows),)
+    static = options.schedule == "static"
     chunks: list[Chunk] = []
-    for part, (lo, hi) in enumerate(spans):
-        owner = part if schedule == "static" else -1
+    for part, (lo, hi) in enumerate(parts if static else ((0, n_rows),)):
         for r in range(lo, hi, rpc):
-            chunks.append(Chunk(len(chunks), owner, r, min(r + rpc, hi)))
-    return Plan(n_rows, rpc, parts, tuple(chunks), schedule)
+            chunks.append(Chunk(len(chunks), part if static else -1, r, min(r + rpc, hi)))
+    if options.managed:
+        modes = ("managed", "managed")
+    else:
+        modes = (
+            _side_mode(host[0], options.host_path[0], n_rows * row_bytes[0]),
+            _side_mode(host[1], options.host_path[1], n_rows * row_bytes[1]),
+        )
+    active = tuple(sorted({c.part for c in chunks})) if static else tuple(range(n_devices))
+    ahead = 1
+    if "register" in modes and active:
+        # A few chunks ahead keep the registrations off the critical path; more only
+        # lengthen a stop (each registered chunk is unregistered before map returns, and
+        # cuMemHostUnregister waits for the device).
+        per_device = -(-options.host_threads // len(active))
+        bufs = options.staging_buffers
+        ahead = max(bufs, min(per_device, 2 * bufs))
+    return MapPlan(
+        n_rows, rpc, parts, tuple(chunks), options.schedule, modes[0], modes[1], active,
+        ahead, rpc * row_bytes[0], rpc * row_bytes[1], options.prefetch, options.to_host,
+    )  # fmt: skip
+
+
+def _side_mode(kind: str, path: str, nbytes: int) -> str:
+    if kind != "pageable" and nbytes:
+        return kind
+    return choose_host_path(path, nbytes)
 
 
 def prepare_io(x: Any, out: Any = None) -> tuple[np.ndarray, np.ndarray]:
@@ -198,35 +346,6 @@ def row_bytes(a: np.ndarray) -> int:
 
 def round_up(n: int, to: int = MiB) -> int:
     return -(-n // to) * to
-
-
-def check_block(block: Any) -> None:
-    if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= 1024:
-        raise ValueError(f"block must be an int in 1..1024, got {block!r}")
-
-
-def check_options(
-    chunk_bytes: int | None, staging_buffers: int, host_threads: int | None, schedule: str
-) -> None:
-    for value, label, low in (
-        (chunk_bytes, "chunk_bytes", 1),
-        (staging_buffers, "staging_buffers", 1),
-        (host_threads, "host_threads", 1),
-    ):
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{label} must be an int, got {type(value).__name__}")
-        if value < low:
-            raise ValueError(f"{label} must be >= {low}, got {value}")
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, not {schedule!r}")
-
-
-def check_device_specs(
-    devices: Sequence[int | Device | Context] | None,
-) -> list[int | Device | Context] | None:
-    return check_devices(devices, "Pipeline")
 
 
 def check_host_path(host_path: Any) -> tuple[str, str]:

@@ -4,10 +4,11 @@ Per device, a feeder thread enqueues every chunk (host input -> H2D -> kernel ->
 and a drain thread waits for each chunk's last event, finishes its host output and
 unregisters its pages. Both run with the device's context current.
 
-Host data of a side (input or output) moves one of three ways:
+Host data of a side (input or output) moves one of four ways (the map's
+:class:`~ctxkit.pipeline.plan.MapPlan` says which):
 
 * ``pinned``: the user's array is page-locked already; copies use it directly;
-* ``held``: the same, the pages kept locked by the pipeline's pin on reuse
+* ``held``: the same, the pages kept locked by pin on reuse
   (:mod:`ctxkit.pipeline.pincache`);
 * ``staged``: through a pinned staging buffer of the slot, filled (input) or drained
   (output) by the host copy pool;
@@ -39,7 +40,7 @@ from ..stream import Event
 from ..trace import Recorder
 from .hostreg import Registrar, Segment
 from .launch import Stopped, tagged
-from .plan import PAGE, Chunk, HostPieces, Plan, addr, host_pieces, row_bytes
+from .plan import PAGE, Chunk, HostPieces, MapPlan, addr, host_pieces, row_bytes
 from .staging import (
     DeviceState,
     HostPool,
@@ -53,9 +54,6 @@ from .staging import (
 from .types import DeviceStats, RunStats, chunk_error
 
 __all__ = ["ChunkJob", "Run", "drain", "feed", "run_stats"]
-
-
-MODE_NAMES = {"pinned": "pinned", "held": "held", "staged": "staged", "register": "registered"}
 
 
 DIRECT = ("pinned", "held")
@@ -80,24 +78,16 @@ class ChunkJob:
 
 
 class Run:
-    """The state shared by the worker threads of one map call.
-
-    ``in_mode``/``out_mode`` are ``"pinned"``, ``"held"``, ``"staged"`` or ``"register"`` (ignored
-    for a managed run); ``ahead`` is how many chunks a feeder claims (and registers)
-    ahead of the one it enqueues.
-    """
+    """The state shared by the worker threads of one map call, carried out as *plan*
+    says (its modes, chunks and how far feeders claim ahead)."""
 
     def __init__(
         self,
         x: np.ndarray,
         out: np.ndarray,
-        plan: Plan,
+        plan: MapPlan,
         launch: Callable[..., None],
         recorder: Recorder | None,
-        managed: bool,
-        prefetch: bool = True,
-        to_host: bool = True,
-        modes: tuple[str, str] = ("staged", "staged"),
     ) -> None:
         self.pool: HostPool | None = None
         self.registrar: Registrar | None = None
@@ -112,13 +102,9 @@ class Run:
         self.out_row = row_bytes(out)
         self.row_elems = math.prod(x.shape[1:])
         self.plan = plan
+        self.in_mode, self.out_mode = plan.in_mode, plan.out_mode
         self.launch = launch
         self.rec = recorder
-        self.managed = managed
-        self.prefetch = prefetch
-        self.to_host = to_host
-        self.in_mode, self.out_mode = modes
-        self.ahead = 1
         self.stop = threading.Event()
         self.errors: list[BaseException] = []
         self.lock = threading.Lock()
@@ -134,34 +120,10 @@ class Run:
         finished run for its trace events)."""
         self.x = self.out = self.x_bytes = self.out_bytes = np.empty(0, np.uint8)
 
-    @property
-    def stage_in(self) -> bool:
-        """True when input chunks go through pinned staging buffers."""
-        return not self.managed and self.in_mode == "staged"
-
-    @property
-    def stage_out(self) -> bool:
-        """True when output chunks go through pinned staging buffers."""
-        return not self.managed and self.out_mode == "staged"
-
-    @property
-    def needs_pool(self) -> bool:
-        """True when host threads copy or register for this run."""
-        return not self.managed and bool({"staged", "register"} & {self.in_mode, self.out_mode})
-
     def copy(self, dst: np.ndarray, src: np.ndarray, trace: tuple[Any, ...] | None) -> None:
         """A staging copy through the host pool."""
         assert self.pool is not None
         self.pool.copy(dst, src, trace)
-
-    @property
-    def path(self) -> str:
-        """How the data moved: ``"pinned"``, ``"managed"`` or ``"in=<how>, out=<how>"``."""
-        if self.managed:
-            return "managed"
-        if (self.in_mode, self.out_mode) == ("pinned", "pinned"):
-            return "pinned"
-        return f"in={MODE_NAMES[self.in_mode]}, out={MODE_NAMES[self.out_mode]}"
 
     def chunks_for(self, part: int) -> Iterator[Chunk]:
         """The chunks device slot *part* processes (taken from a shared queue if dynamic)."""
@@ -209,7 +171,7 @@ def feed(run: Run, dev: DeviceState, q: queue.SimpleQueue[Any]) -> None:
         ahead: collections.deque[ChunkJob] = collections.deque()
         k = 0
         while not run.stop.is_set():
-            while len(ahead) < run.ahead:
+            while len(ahead) < run.plan.ahead:
                 nxt = next(claimed, None)
                 if nxt is None:
                     break
@@ -219,7 +181,7 @@ def feed(run: Run, dev: DeviceState, q: queue.SimpleQueue[Any]) -> None:
             job = ahead.popleft()
             chunk = job.chunk
             slot = dev.slots[k % len(dev.slots)]
-            if run.managed:
+            if run.plan.managed:
                 _enqueue_managed(run, dev, slot, chunk, q, k)
             else:
                 _enqueue(run, dev, slot, job, q, k)
@@ -240,11 +202,15 @@ def _prepare_device(run: Run, dev: DeviceState) -> None:
     try:
         for slot in dev.slots:
             slot.h2d_done = None
-        if not run.managed:
-            rows = run.plan.rows_per_chunk
-            bounce = "register" in (run.in_mode, run.out_mode)
+        plan = run.plan
+        if not plan.managed:
             ensure_buffers(
-                dev, rows * run.in_row, rows * run.out_row, run.stage_in, run.stage_out, bounce
+                dev,
+                plan.in_chunk_bytes,
+                plan.out_chunk_bytes,
+                plan.stage_in,
+                plan.stage_out,
+                plan.registers,
             )
         if run.rec is not None and not run.rec.calibrated(dev.ordinal):
             calibrate(dev, run.rec)
@@ -256,7 +222,7 @@ def _prepare_device(run: Run, dev: DeviceState) -> None:
 def _claim(run: Run, dev: DeviceState, c: Chunk) -> ChunkJob:
     """A job for chunk *c*; the pages of its registered sides start registering now."""
     job = ChunkJob(c)
-    if run.managed:
+    if run.plan.managed:
         return job
     if run.in_mode == "register":
         job.in_pieces, job.in_seg = _side(run, dev, c, run.x_ptr, run.x.nbytes, run.in_row, True)
@@ -413,8 +379,8 @@ def _enqueue_managed(
     rec, taken, timing = run.rec, run.taken[dev.ordinal], run.rec is not None
     nb_in, nb_out = c.rows * run.in_row, c.rows * run.out_row
     p_in, p_out = run.x_ptr + c.row0 * run.in_row, run.out_ptr + c.row0 * run.out_row
-    prefetch = dev.prefetch_ok and run.prefetch
-    to_host = dev.prefetch_ok and run.to_host
+    prefetch = dev.prefetch_ok and run.plan.prefetch
+    to_host = dev.prefetch_ok and run.plan.to_host
     e0 = dev.take_event(True, taken).record(s) if timing else None
     if prefetch:
         tagged(_driver.mem_prefetch, "prefetch", p_in, nb_in, dev.ordinal, s.handle)
@@ -494,4 +460,4 @@ def _finish_device(run: Run, dev: DeviceState) -> None:
 def run_stats(run: Run, seconds: float, nbytes: int) -> RunStats:
     """The :class:`RunStats` of a finished run."""
     devices = [run.stats[k] for k in sorted(run.stats)]
-    return RunStats(nbytes, seconds, run.path, devices, run.fallbacks)
+    return RunStats(nbytes, seconds, run.plan.path, devices, run.fallbacks)

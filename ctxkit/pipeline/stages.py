@@ -1,10 +1,15 @@
 """Cross-device stages of a Pipeline (``Pipeline.submit``), ordered by CUDA events.
 
-Re-exported by :mod:`ctxkit.pipeline`.
+A Pipeline owns one :class:`Stages`: the stages not yet known to be complete (per
+device, in submission order, the order they run in) and the failed ones until
+:meth:`Stages.wait` reports them. A stage found complete is dropped at the next submit,
+its trace intervals resolved to times then, so neither its handle nor its events stay
+alive unless the caller keeps the handle. Re-exported by :mod:`ctxkit.pipeline`.
 """
 
 from __future__ import annotations
 
+import collections
 import threading
 import weakref
 from collections.abc import Callable, Iterable
@@ -12,13 +17,15 @@ from concurrent.futures import Future
 from typing import Any
 
 from ..context import Context
-from ..device import Device
 from ..errors import ContextPoisonedError, CudaError, PipelineError
 from ..stream import Event, Stream
 from ..trace import Recorder
 from .staging import DeviceState, calibrate
 
-__all__ = ["StageHandle", "StageMixin", "run_stage", "stage_error"]
+__all__ = ["StageHandle", "Stages", "run_stage", "stage_error"]
+
+
+STAGE_STREAM = "stage"
 
 
 class StageHandle:
@@ -27,13 +34,15 @@ class StageHandle:
     Pass handles in ``after=`` of later stages (on any device) to order them.
     """
 
-    def __init__(self, device: int, name: str, context: Context, owner: object) -> None:
+    def __init__(self, device: int, name: str, context: Context, owner: Stages) -> None:
         self.device = device
         self.name = name
         self._context = context
         self._owner = weakref.ref(owner)
         self._future: Future[Any] = Future()
         self._event: Event | None = None
+        self._marks: list[tuple[str, Event, Event]] = []
+        self._clock: tuple[Recorder, Event, float] | None = None
 
     @property
     def event(self) -> Event:
@@ -55,17 +64,31 @@ class StageHandle:
             return False
         if self._future.exception() is not None:
             return True
-        with self._context:
-            return self.event.query()
+        return self.event.query()
 
     def synchronize(self) -> None:
         """Wait for the stage's GPU work; raises :class:`PipelineError` if it failed."""
         ev = self.event
         try:
-            with self._context:
-                ev.synchronize()
+            ev.synchronize()
         except CudaError as exc:
             raise stage_error(self, "synchronize", exc) from exc
+
+    def _resolve_trace(self) -> None:
+        """The GPU work is complete: turn the stage's event pairs into trace intervals
+        and let the events go."""
+        marks, self._marks = self._marks, []
+        clock, self._clock = self._clock, None
+        if clock is None:
+            return
+        rec, ref, ref_s = clock
+        for name, start, end in marks:
+            try:
+                t0 = ref_s + ref.elapsed_ms(start) / 1e3
+                t1 = ref_s + ref.elapsed_ms(end) / 1e3
+            except Exception:  # the timeline is a diagnostic: a lost interval is no error
+                continue
+            rec.host(name, self.device, STAGE_STREAM, None, t0, max(t0, t1))
 
     def __repr__(self) -> str:
         state = "done" if self._future.done() else "pending"
@@ -99,18 +122,17 @@ def run_stage(
         events = [h.event if isinstance(h, StageHandle) else h for h in deps]
     except BaseException as exc:
         raise stage_error(handle, "dependency failed", exc) from exc
+    marks: list[tuple[str, Event, Event]] = []
     try:
         if rec is not None and not rec.calibrated(dev.ordinal):
             calibrate(dev, rec)
         timing = rec is not None
-        if events:
-            w0 = Event(timing=timing, context=dev.ctx).record(s)
-            for ev in events:
-                s.wait(ev)
-            w1 = Event(timing=timing, context=dev.ctx).record(s)
-            if rec is not None:
-                rec.mark("wait", dev.ordinal, "stage", None, w0, w1)
-        s0 = Event(timing=timing, context=dev.ctx).record(s)
+        w0 = Event(context=dev.ctx).record(s) if timing and events else None
+        for ev in events:
+            s.wait(ev)
+        if w0 is not None:
+            marks.append(("wait", w0, Event(context=dev.ctx).record(s)))
+        s0 = Event(context=dev.ctx).record(s) if timing else None
         result = fn(dev.ctx, s)
         end = Event(timing=timing, context=dev.ctx).record(s)
     except PipelineError:
@@ -119,48 +141,33 @@ def run_stage(
         if not isinstance(exc, Exception):
             raise
         raise stage_error(handle, "enqueue", exc) from exc
+    if rec is not None and s0 is not None:
+        marks.append((f"stage:{handle.name}", s0, end))
+        clock = dev.clock
+        handle._marks = marks
+        handle._clock = clock if clock is not None and clock[0] is rec else None
     handle._event = end
-    if rec is not None:
-        rec.mark(f"stage:{handle.name}", dev.ordinal, "stage", None, s0, end)
     return result
 
 
-class StageMixin:
-    """The cross-device stage API of :class:`~ctxkit.pipeline.Pipeline`."""
+class Stages:
+    """The stages of one Pipeline: submission, waiting, and dropping completed ones."""
 
-    _lock: threading.RLock
-    _recorder: Recorder | None
-    _stages: list[StageHandle]
-    tracing: bool
-    _check_usable: Callable[[], None]
-    _device_for: Callable[[int | Device | Context], DeviceState]
-
-    def stream(self, device: int | Device | Context) -> Stream:
-        """The stream :meth:`submit` stages of *device* run on."""
-        return self._device_for(device).stage_stream
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: dict[int, collections.deque[StageHandle]] = {}
+        self._failed: list[StageHandle] = []
 
     def submit(
         self,
-        device: int | Device | Context,
+        dev: DeviceState,
         fn: Callable[[Context, Stream], Any],
-        after: Iterable[StageHandle | Event] = (),
-        *,
-        name: str | None = None,
+        after: Iterable[StageHandle | Event],
+        name: str | None,
+        rec: Recorder | None,
     ) -> StageHandle:
-        """Enqueue ``fn(ctx, stream)`` on *device* after the stages in *after* completed.
-
-        ``fn`` runs on the device's worker thread with its context current and enqueues
-        work on ``stream`` (:meth:`stream`); an event recorded after it completes the
-        returned handle. The device's stream waits for every handle (or Event) in
-        *after* on the GPU (``cuStreamWaitEvent``, across devices), without blocking
-        the host. Stages on one device run in submission order.
-
-        Load the kernels ``fn`` launches beforehand (:meth:`Kernel.preload`): under
-        lazy loading the first launch of a kernel may wait until the context is idle,
-        which delays the stage's event and with it every stage waiting for it.
-        """
-        self._check_usable()
-        dev = self._device_for(device)
+        """Enqueue ``fn(ctx, stream)`` on *dev*'s worker after *after* (see
+        :meth:`Pipeline.submit`)."""
         if not callable(fn):
             raise TypeError(f"fn must be callable as fn(ctx, stream), got {type(fn).__name__}")
         deps = list(after)
@@ -175,22 +182,20 @@ class StageMixin:
         label = str(name or getattr(fn, "__name__", "stage"))
         handle = StageHandle(dev.ordinal, label, dev.ctx, self)
         with self._lock:
-            if self._recorder is None and self.tracing:
-                self._recorder = Recorder()
-            rec = self._recorder
-            self._stages.append(handle)
+            self._drop_completed()
+            self._pending.setdefault(dev.ordinal, collections.deque()).append(handle)
         handle._future = dev.worker.submit(run_stage, dev, fn, deps, handle, rec)
         return handle
 
-    def wait(self, handles: Iterable[StageHandle] | None = None) -> None:
-        """Wait for the GPU work of *handles* (default: every stage submitted so far).
+    def outstanding(self) -> list[StageHandle]:
+        """The stages not dropped yet: pending ones and failed ones not yet reported."""
+        with self._lock:
+            return [*self._failed, *(h for q in self._pending.values() for h in q)]
 
-        Raises
-        ------
-        PipelineError
-            A stage failed; the message names its device and name.
-        """
-        todo = list(self._stages if handles is None else handles)
+    def wait(self, handles: Iterable[StageHandle] | None = None) -> None:
+        """Wait for the GPU work of *handles* (default: every outstanding stage, which is
+        then forgotten); raise the first failure."""
+        todo = self.outstanding() if handles is None else list(handles)
         first: BaseException | None = None
         for h in todo:
             try:
@@ -198,8 +203,58 @@ class StageMixin:
             except BaseException as exc:
                 if first is None:
                     first = exc
+            else:
+                with self._lock:
+                    h._resolve_trace()
         if handles is None:
+            done = set(map(id, todo))
             with self._lock:
-                self._stages = [h for h in self._stages if h not in todo]
+                self._failed = [h for h in self._failed if id(h) not in done]
+                for q in self._pending.values():
+                    kept = [h for h in q if id(h) not in done]
+                    q.clear()
+                    q.extend(kept)
         if first is not None:
             raise first
+
+    def settle(self) -> None:
+        """Wait for every outstanding stage without raising (before a trace or close)."""
+        for h in self.outstanding():
+            try:
+                h.synchronize()
+            except BaseException:
+                continue
+            with self._lock:
+                h._resolve_trace()
+
+    def join(self) -> None:
+        """Wait until every stage function has run (its worker may be shut down next)."""
+        for h in self.outstanding():
+            try:
+                h._future.exception()
+            except BaseException:
+                pass
+
+    def clear(self) -> None:
+        """Forget every stage."""
+        with self._lock:
+            self._pending.clear()
+            self._failed.clear()
+
+    def _drop_completed(self) -> None:
+        """Drop the stages at the front of each device's queue whose GPU work completed;
+        failed ones are kept for :meth:`wait`."""
+        for q in self._pending.values():
+            while q and q[0]._future.done():
+                h = q[0]
+                if h._future.exception() is not None:
+                    self._failed.append(q.popleft())
+                    continue
+                try:
+                    complete = h.event.query()
+                except Exception:
+                    self._failed.append(q.popleft())
+                    continue
+                if not complete:
+                    break
+                q.popleft()._resolve_trace()

@@ -212,10 +212,22 @@ class DeviceState:
         self.stage_stream = Stream(context=ctx)
         self.ref_stream = Stream(context=ctx)
         self.events: dict[bool, list[Event]] = {True: [], False: []}
+        self.clock: tuple[Recorder, Event, float] | None = None
         dev = ctx.device
         per_sm = max(1, dev.attribute("max_threads_per_multiprocessor"))
         self.sm_threads = dev.multiprocessor_count * per_sm
         self.prefetch_ok = bool(dev.attribute("concurrent_managed_access"))
+
+    def start_threads(self) -> None:
+        """Start the worker threads now rather than at the first map: a map then never
+        starts a thread (which fails once the interpreter exits), and live workers keep
+        ctxkit from releasing the contexts at exit under a map in a daemon thread."""
+        for executor in (self.worker, self.drainer):
+            executor.submit(int).result()
+
+    def streams(self) -> list[Stream]:
+        """Every stream the pipeline enqueues work on for this device."""
+        return [*(slot.stream for slot in self.slots), self.stage_stream]
 
     def max_blocks(self, block: int) -> int:
         """Blocks of *block* threads that fill every SM once."""
@@ -248,15 +260,18 @@ class DeviceState:
 
 
 def shutdown_all(devices: list[DeviceState], pool: list[HostPool], pins: Any = None) -> None:
-    """Finalizer of a Pipeline that was never closed: stop its threads, unlock the
-    memory it kept page-locked (a :class:`ctxkit.pipeline.pincache.PinCache`)."""
+    """Finalizer of a Pipeline collected without :meth:`close`: stop its threads, unlock
+    the memory it kept page-locked (a :class:`ctxkit.pipeline.pincache.PinClaims`).
+
+    Never run at interpreter exit: a map may still run in a daemon thread then, and the
+    process teardown frees everything anyway."""
     for dev in devices:
         dev.worker.shutdown(wait=False)
         dev.drainer.shutdown(wait=False)
     for p in pool:
         p.close()
     if pins is not None:
-        pins.clear()
+        pins.release()
 
 
 def sync_event(dev: DeviceState, ev: Event, what: str) -> None:
@@ -271,15 +286,18 @@ def quiet_sync(dev: DeviceState) -> None:
     if dev.ctx.closed or dev.ctx.poisoned:
         return
     with dev.ctx:
-        for s in [*(slot.stream for slot in dev.slots), dev.stage_stream]:
+        for s in dev.streams():
             drv.cuStreamSynchronize(s.handle)
 
 
 def calibrate(dev: DeviceState, rec: Recorder) -> None:
-    """Tie *dev*'s event clock to the host clock with one event on an idle stream."""
+    """Tie *dev*'s event clock to the host clock with one event on an idle stream (kept
+    in ``dev.clock`` too, to resolve stage intervals early)."""
     ev = Event(timing=True, context=dev.ctx).record(dev.ref_stream)
     ev.synchronize()
-    rec.calibrate(dev.ordinal, ev, time.perf_counter())
+    host_s = time.perf_counter()
+    rec.calibrate(dev.ordinal, ev, host_s)
+    dev.clock = (rec, ev, host_s)
 
 
 def ensure_buffers(

@@ -9,14 +9,26 @@ after it was released or registered twice.
 from __future__ import annotations
 
 import gc
+import threading
+import weakref
+from typing import Any
 
 import numpy as np
 import pytest
 
-from ctxkit.pipeline import Pipeline
+import ctxkit as ck
+from ctxkit.pipeline import Pipeline, PipelineError
 from ctxkit.pipeline import pincache as _pincache
-from ctxkit.pipeline.pincache import PinCache, default_budget, memory_owner
-from tests.support.fakegpu import gpu_fixture, scale_body  # noqa: F401
+from ctxkit.pipeline.pincache import PinCache, PinClaims, default_budget, memory_owner
+from tests.support import fakegpu
+from tests.support.fakegpu import (  # noqa: F401
+    CAPTURE_GLOBAL,
+    CAPTURE_RELAXED,
+    FakeGPU,
+    Fault,
+    gpu_fixture,
+    scale_body,
+)
 
 PAGE = 4096
 N = 40_000  # 160 KB of float32: above the lowered MIN_HOLD_BYTES below
@@ -251,4 +263,251 @@ def test_default_budget(monkeypatch, phys_gib, want_gib):
 
 
 def test_disabled_cache_answers_without_the_driver():
-    assert PinCache(0).acquire(data(), None, True) is False  # type: ignore[arg-type]
+    assert PinClaims(PinCache(0), None).acquire(data(), [], True) is None
+    assert PinClaims(PinCache(1 << 30), 0).acquire(data(), [], True) is None
+
+
+# --- one budget per process -------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_budget(monkeypatch: pytest.MonkeyPatch) -> int:
+    """A process budget with room for two arrays (read when the cache is first used)."""
+    budget = 2 * (N * 4 + 2 * PAGE)
+    monkeypatch.setenv(_pincache.BUDGET_ENV, str(budget))
+    return budget
+
+
+def test_pipelines_share_one_process_budget(gpu, small_budget):
+    arrays = [data(seed=i) for i in range(4)]
+    out = zeros()
+    with Pipeline([0], host_threads=2) as p, Pipeline([1], host_threads=2) as q:
+        for _ in range(3):
+            for i, a in enumerate(arrays):
+                pipe = (p, q)[i % 2]
+                pipe.map(scale_body(gpu, 2.0), a, out)
+                np.testing.assert_array_equal(out, a * 2)
+                assert registered_bytes(gpu) <= small_budget  # not 2 x the budget
+        assert 0 < max(p.pinned_bytes, q.pinned_bytes) <= registered_bytes(gpu)
+    assert gpu.max_registered <= small_budget
+    assert not gpu.registered and not gpu.pageable_dma
+
+
+def test_a_registration_serves_every_pipeline_until_the_last_lets_go(gpu):
+    x, out = data(), zeros()
+    p = Pipeline([0], host_threads=2)
+    q = Pipeline([1], host_threads=2)
+    try:
+        for _ in range(2):
+            p.map(scale_body(gpu, 2.0), x, out)
+        assert p.last_stats.path == "in=held, out=held"
+        calls = len(gpu.register_calls)
+        q.map(scale_body(gpu, 3.0), x, out)
+        assert q.last_stats.path == "in=held, out=held"  # no staging, no second register
+        np.testing.assert_array_equal(out, x * 3)
+        assert len(gpu.register_calls) == calls
+        p.close()
+        assert registered_bytes(gpu) == q.pinned_bytes > 0  # q still keeps them
+        q.map(scale_body(gpu, 2.0), x, out)
+        assert q.last_stats.path == "in=held, out=held" and not gpu.pageable_dma
+    finally:
+        p.close()
+        q.close()
+    assert not gpu.registered
+
+
+def test_pin_cache_bytes_caps_one_pipeline_within_the_process_budget(gpu):
+    arrays = [data(seed=i) for i in range(3)]
+    one = N * 4 + 2 * PAGE
+    with Pipeline([0], host_threads=2, pin_cache_bytes=one) as p:
+        for _ in range(3):
+            for a in arrays:
+                p.map(scale_body(gpu, 2.0), a, a)  # in place: one range per array
+                assert p.pinned_bytes <= one
+        assert p.pinned_bytes == registered_bytes(gpu) > 0
+
+
+def test_budget_from_the_environment(monkeypatch):
+    monkeypatch.setenv(_pincache.BUDGET_ENV, "123456")
+    assert default_budget() == 123456
+    monkeypatch.setenv(_pincache.BUDGET_ENV, "0")
+    assert default_budget() == 0
+    for bad in ("lots", "-1", "1.5"):
+        monkeypatch.setenv(_pincache.BUDGET_ENV, bad)
+        with pytest.raises(ValueError, match=_pincache.BUDGET_ENV):
+            default_budget()
+    with pytest.raises(ValueError, match=_pincache.BUDGET_ENV):
+        Pipeline([0])  # before the driver is touched
+
+
+def test_zero_process_budget_turns_holding_off(gpu, monkeypatch):
+    monkeypatch.setenv(_pincache.BUDGET_ENV, "0")
+    x, out = data(), zeros()
+    with Pipeline([0], host_threads=2) as p:
+        for _ in range(3):
+            p.map(scale_body(gpu, 2.0), x, out)
+        assert p.last_stats.path == "in=staged, out=staged"
+    assert not gpu.register_calls
+
+
+# --- freed memory never stays registered -------------------------------------------------------
+
+
+class RelaxingGPU(FakeGPU):
+    """The simulated GPU plus ``cuThreadExchangeStreamCaptureMode``: as on the driver, a
+    thread in relaxed mode may make unsafe calls (``cuMemHostUnregister``) while any
+    capture is open, without invalidating it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._mode = threading.local()
+
+    def cuThreadExchangeStreamCaptureMode(self, mode: Any) -> tuple[int, Any]:
+        previous = getattr(self._mode, "value", CAPTURE_GLOBAL)
+        self._mode.value = int(mode)
+        return (0, self.CUstreamCaptureMode(previous))
+
+    def unsafe(self, what: str) -> int:
+        if getattr(self._mode, "value", CAPTURE_GLOBAL) == CAPTURE_RELAXED:
+            return 0
+        return super().unsafe(what)
+
+
+@pytest.fixture
+def _relaxing_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fakegpu, "FakeGPU", RelaxingGPU)
+
+
+@pytest.fixture
+def rgpu(_relaxing_gpu: None, gpu: RelaxingGPU) -> RelaxingGPU:
+    assert isinstance(gpu, RelaxingGPU)
+    return gpu
+
+
+class ForeignBuffer:
+    """Memory that outlives the arrays over it, so a new array lands at the very address
+    of a dead one (as numpy's allocator reuses freed memory)."""
+
+    def __init__(self) -> None:
+        self.raw = bytearray((N + 2 * PAGE) * 4)
+        self.raw[:] = np.arange(N + 2 * PAGE, dtype=np.float32).tobytes()
+
+    def array(self) -> np.ndarray:
+        return np.frombuffer(self.raw, np.float32)
+
+    def start(self) -> int:
+        return self.array()[PAGE:].ctypes.data // PAGE * PAGE
+
+
+def _hold(gpu, p: Pipeline, owner: np.ndarray, out: np.ndarray) -> None:
+    for _ in range(2):
+        p.map(scale_body(gpu, 2.0), owner[PAGE : PAGE + N], out)
+    assert p.last_stats.path == "in=held, out=held"
+
+
+@pytest.mark.parametrize("mode", ["thread_local", "global"])
+def test_array_dying_inside_a_capture_is_unregistered_at_once(rgpu, mode):
+    mem, out = ForeignBuffer(), zeros()
+    with Pipeline([0], host_threads=2) as p:
+        x = mem.array()
+        _hold(rgpu, p, x, out)
+        start = mem.start()
+        s = ck.Stream(context=p.contexts[0])
+        with ck.capture(s, mode=mode) as graph:
+            rgpu.launch(s, lambda: None)
+            del x
+            gc.collect()
+            assert start not in rgpu.registered  # now, not when the capture ends
+        assert not rgpu.invalidations, rgpu.invalidations
+        assert graph.num_nodes == 1
+        assert not ck.is_pinned(mem.array()[PAGE : PAGE + N])  # a new array at that address
+
+
+def test_array_dying_while_another_thread_captures_globally(rgpu):
+    mem, out = ForeignBuffer(), zeros()
+    with Pipeline([0], host_threads=2) as p:
+        holder = {"x": mem.array()}
+        _hold(rgpu, p, holder["x"], out)
+        start = mem.start()
+        s = ck.Stream(context=p.contexts[0])
+        inside, dropped = threading.Event(), threading.Event()
+
+        def capture() -> None:
+            with ck.capture(s, mode="global"):
+                rgpu.launch(s, lambda: None)
+                inside.set()
+                dropped.wait(5)
+
+        t = threading.Thread(target=capture)
+        t.start()
+        assert inside.wait(5)
+        del holder["x"]
+        gc.collect()
+        registered_during = start in rgpu.registered
+        dropped.set()
+        t.join()
+        assert not registered_during and not rgpu.invalidations, rgpu.invalidations
+        assert not ck.is_pinned(mem.array()[PAGE : PAGE + N])
+
+
+def test_poisoned_context_keeps_the_memory_of_pages_it_cannot_unregister(gpu):
+    mem, out = ForeignBuffer(), zeros()
+    with Pipeline([0, 1], host_threads=2, chunk_bytes=8 * PAGE) as p:
+        x = mem.array()
+        _hold(gpu, p, x, out)
+        owner = weakref.ref(x)
+
+        def body(ctx, stream, d_in, d_out, n):
+            def bad():
+                raise Fault
+
+            gpu.launch(stream, bad)
+
+        with pytest.warns(ResourceWarning, match="poisoned"):
+            with pytest.raises(PipelineError) as info:
+                p.map(body, x[PAGE : PAGE + N], out)
+        assert info.value.poisoned
+        del x
+        gc.collect()
+        # The pages stay registered, so their memory must never go back to numpy.
+        assert owner() is not None and mem.start() in gpu.registered
+    assert owner() is not None
+
+
+def test_a_pipeline_context_cannot_close_under_held_pages(gpu):
+    own = ck.Context.create(0)
+    x, out = data(), zeros()
+    try:
+        p = Pipeline([own], host_threads=2)
+        for _ in range(2):
+            p.map(scale_body(gpu, 2.0), x, out)
+        assert gpu.registered
+        with pytest.raises(ck.ContextInUseError):
+            own.close()  # the pipeline's threads use it: held pages stay undoable
+        p.close()
+        assert not gpu.registered  # unregistered before the context may go
+    finally:
+        own.close()
+
+
+def test_registering_context_closed_later_unregisters_in_another(gpu):
+    own = ck.Context.create(0)
+    x, out = data(), zeros()
+    p = Pipeline([own], host_threads=2)
+    q = Pipeline([1], host_threads=2)
+    try:
+        for _ in range(2):
+            p.map(scale_body(gpu, 2.0), x, out)
+        q.map(scale_body(gpu, 2.0), x, out)  # q keeps the ranges p registered
+        p.close()
+        own.close()
+        assert gpu.registered and q.pinned_bytes
+        start = x.ctypes.data // PAGE * PAGE
+        del x
+        gc.collect()
+        assert start not in gpu.registered  # unregistered in q's context
+    finally:
+        p.close()
+        q.close()
+        own.close()
+    assert not gpu.registered

@@ -1,0 +1,84 @@
+"""Kernels and helpers shared by the pipeline GPU tests (test_*_gpu.py here)."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import ctxkit as ck
+import ctxkit.compiler as C
+from ctxkit.memory.host import host_pointer_kind
+from ctxkit.module import Module
+
+SCALE = {np.float32: ("scale_f32", 2.0), np.float64: ("scale_f64", 2.0), np.int32: ("scale_i32", 3)}
+SPIN_CYCLES = 4_000_000  # ~2 ms per kernel at H200 clocks
+PATH_NAMES = {"staged": "in=staged, out=staged", "register": "in=registered, out=registered"}
+PAGE = 4096
+
+
+def load_kernels(file: str, arch: str) -> dict[str, ck.Kernel]:
+    mod = Module.load(ck.compile(C.kernel_source(file), name=file, arch=arch))
+    return {name: mod.function(name) for name in mod.entries or []}
+
+
+@pytest.fixture(scope="module")
+def kern() -> dict[str, ck.Kernel]:
+    arch = ck.Device(0).arch
+    out: dict[str, ck.Kernel] = {}
+    for f in ("scale.cu", "spin.cu", "fill.cu"):
+        out.update(load_kernels(f, arch))
+    return out
+
+
+def need_devices(n: int) -> list[int]:
+    if ck.device_count() < n:
+        pytest.skip(f"needs {n} CUDA devices")
+    return list(range(n))
+
+
+def random_array(n: int, dtype: type, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if dtype is np.int32:
+        return rng.integers(-1_000_000, 1_000_000, n, dtype=np.int32)
+    return rng.standard_normal(n).astype(dtype)
+
+
+def scaled(x: np.ndarray, alpha: float) -> np.ndarray:
+    return x * x.dtype.type(alpha)
+
+
+def spin_copy_body(kern: dict[str, ck.Kernel], cycles: int = SPIN_CYCLES):
+    """A map body whose kernel busy-waits *cycles*, then copies its chunk (out = in)."""
+
+    def body(ctx, stream, d_in, d_out, n):
+        sms = ctx.device.multiprocessor_count
+        kern["spin_then_copy"].launch(sms, 256, cycles, d_in.ptr, d_out.ptr, n, stream=stream)
+
+    return body
+
+
+def assert_unregistered(*arrays: np.ndarray) -> None:
+    """No page of the arrays is still page-locked (the registered path undid its work)."""
+    for a in arrays:
+        base = int(a.ctypes.data)
+        for ptr in {base, base + a.nbytes // 2, base + max(a.nbytes - 1, 0)}:
+            if a.nbytes:
+                assert host_pointer_kind(ptr) == "pageable", (hex(ptr), a.nbytes)
+
+
+def foreign_buffer(n: int, seed: int) -> tuple[bytearray, np.ndarray]:
+    """*n* random float32 at element ``PAGE`` of a float32 view of a bytearray: a new
+    array over the same bytes lands at the very address of a dead one (as numpy's
+    allocator reuses freed memory)."""
+    raw = bytearray((n + 2 * PAGE) * 4)
+    over = np.frombuffer(raw, np.float32)
+    over[PAGE : PAGE + n] = random_array(n, np.float32, seed)
+    return raw, over
+
+
+def seconds_of(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0

@@ -1,0 +1,128 @@
+"""Pin on reuse on real GPUs: reused arrays held and released, one registration serving
+pipelines on several devices, and freed memory never left registered (inside a stream
+capture, after the registering context closed)."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+import ctxkit as ck
+from ctxkit.memory.host import host_pointer_kind
+from ctxkit.pipeline import Pipeline
+from ctxkit.pipeline.hostreg import relaxed_capture
+from tests.pipeline.gpu_support import (  # noqa: F401
+    PAGE,
+    PATH_NAMES,
+    assert_unregistered,
+    foreign_buffer,
+    kern,
+    need_devices,
+    random_array,
+)
+
+
+@pytest.mark.parametrize("ndev", [1, pytest.param(2, marks=pytest.mark.multigpu)])
+def test_pin_on_reuse_holds_reused_arrays_and_releases_them(kern, ndev):
+    n = (64 << 20) // 4 + 5
+    x = random_array(n, np.float32, 21)
+    out = np.zeros_like(x)
+    with Pipeline(need_devices(ndev)) as p:
+        paths = []
+        for _ in range(3):
+            out[:] = 0
+            p.map(kern["scale_f32"], x, out, args=(2.0,))
+            np.testing.assert_array_equal(out, x * np.float32(2))
+            paths.append(p.last_stats.path)
+        assert paths == [PATH_NAMES["staged"]] + ["in=held, out=held"] * 2
+        assert ck.is_pinned(x) and ck.is_pinned(out)
+        assert p.pinned_bytes >= x.nbytes + out.nbytes
+        ptr = int(x.ctypes.data)
+        del x
+        gc.collect()
+        assert host_pointer_kind(ptr) == "pageable"  # unlocked before numpy freed it
+        assert p.release_pinned() >= out.nbytes and p.pinned_bytes == 0
+        assert_unregistered(out)
+        y = random_array(n, np.float32, 22)
+        p.map(kern["scale_f32"], y, out, args=(3.0,))
+        p.map(kern["scale_f32"], y, out, args=(3.0,))
+        assert p.last_stats.path == "in=held, out=held"
+        np.testing.assert_array_equal(out, y * np.float32(3))
+    assert_unregistered(y, out)  # close() unlocked them
+
+
+@pytest.mark.parametrize("mode", ["thread_local", "global"])
+def test_pin_on_reuse_array_dying_inside_a_capture_is_unregistered_at_once(kern, mode):
+    n = (32 << 20) // 4
+    raw, over = foreign_buffer(n, 31)
+    out = np.zeros(n, np.float32)
+    ctx = ck.registry.context(0)
+    buf = ck.DeviceBuffer(1 << 20, context=ctx)
+    with Pipeline([0]) as p:
+        for _ in range(2):
+            p.map(kern["scale_f32"], over[PAGE : PAGE + n], out, args=(2.0,))
+        assert p.last_stats.path == "in=held, out=held"
+        ptr = int(over[PAGE:].ctypes.data)
+        assert host_pointer_kind(ptr) == "pinned"
+        with ctx:
+            s = ck.Stream()
+            kern["fill_f32"].preload()
+            with ck.capture(s, mode=mode) as graph:
+                kern["fill_f32"].launch(64, 256, buf, 7.0, 1 << 18, stream=s)
+                del over
+                gc.collect()
+                with relaxed_capture():  # the query itself must not disturb the capture
+                    during = host_pointer_kind(ptr)  # unregistered now, not at the end
+            graph.launch(s)
+            s.synchronize()
+            got = buf.copy_to_host().view(np.float32)
+        assert during == "pageable"
+        assert (got == 7.0).all()  # the capture was not invalidated
+        again = np.frombuffer(raw, np.float32)[PAGE : PAGE + n]
+        assert not ck.is_pinned(again)
+        p.map(kern["scale_f32"], again, out, args=(3.0,))
+        np.testing.assert_array_equal(out, again * np.float32(3))
+    buf.close()
+
+
+@pytest.mark.multigpu
+def test_pin_on_reuse_registration_serves_a_pipeline_on_another_device(kern):
+    n = (32 << 20) // 4 + 5
+    x = random_array(n, np.float32, 32)
+    out = np.zeros_like(x)
+    with Pipeline([0]) as p, Pipeline([1]) as q:
+        for _ in range(2):
+            p.map(kern["scale_f32"], x, out, args=(2.0,))
+        assert p.last_stats.path == "in=held, out=held"
+        q.map(kern["scale_f32"], x, out, args=(3.0,))  # DMAs pages registered for p
+        assert q.last_stats.path == "in=held, out=held"
+        np.testing.assert_array_equal(out, x * np.float32(3))
+        p.close()
+        assert ck.is_pinned(x) and q.pinned_bytes >= x.nbytes
+        q.map(kern["scale_f32"], x, out, args=(2.0,))
+        np.testing.assert_array_equal(out, x * np.float32(2))
+    assert_unregistered(x, out)
+
+
+def test_pin_on_reuse_unregisters_after_its_registering_context_closed(kern):
+    n = (32 << 20) // 4
+    x = random_array(n, np.float32, 33)
+    out = np.zeros_like(x)
+    own = ck.Context.create(0)
+    try:
+        with Pipeline([own]) as p, Pipeline([0]) as q:
+            for _ in range(2):
+                p.map(kern["scale_f32"], x, out, args=(2.0,))
+            q.map(kern["scale_f32"], x, out, args=(3.0,))
+            p.close()
+            own.close()
+            q.map(kern["scale_f32"], x, out, args=(2.0,))
+            np.testing.assert_array_equal(out, x * np.float32(2))
+            ptr = int(x.ctypes.data)
+            del x
+            gc.collect()
+            assert host_pointer_kind(ptr) == "pageable"
+    finally:
+        own.close()
