@@ -13,6 +13,13 @@ separately) the first launch. Variants, same kernel (ptx/saxpy.cu), same run:
   cubin from a file + ``cuModuleLoadData`` (no hashing, no checks);
 * cupy    ``cupy.RawKernel(src, "saxpy").kernel`` with ``CUPY_CACHE_DIR`` empty (cold) or
   filled by an earlier process (warm), when CuPy is installed.
+
+Then, in this process, the warm hit of ``ctxkit.compile(...)`` itself (the call a program
+makes again and again): the same request repeated after a first call filled the cache,
+without include directories and with ``include_dirs`` holding 1,500 headers (built in a
+temporary directory). Every timed call must come from the cache (a CHECK line).
+
+Targets decide on medians; the best run is printed beside them.
 """
 
 from __future__ import annotations
@@ -20,16 +27,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ctxkit.cli.bench import Line, check, emit, info, median, median_target, skipped, target
+
 REPO = Path(__file__).resolve().parent.parent
 WARM_TARGET_MS = 2.0
+WARM_HIT_TARGET_MS = 0.05
+WARM_HIT_HEADERS = 1500
+WARM_HIT_HEADERS_TARGET_MS = 1.0
 
 
 # --- children (one measurement each) -------------------------------------------------
@@ -170,9 +182,14 @@ def run_child(
     return None
 
 
-def median(results: list[dict[str, Any] | None], key: str = "total_ms") -> float | None:
-    values = [r[key] for r in results if r is not None and r.get(key) is not None]
-    return statistics.median(values) if values else None
+def values(results: Sequence[dict[str, Any] | None], key: str = "total_ms") -> list[float]:
+    """The *key* of every child run that produced a result."""
+    return [r[key] for r in results if r is not None and r.get(key) is not None]
+
+
+def med(results: Sequence[dict[str, Any] | None], key: str = "total_ms") -> float | None:
+    v = values(results, key)
+    return median(v) if v else None
 
 
 def fmt(ms: float | None) -> str:
@@ -183,23 +200,155 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def summary(
-    name: str, value: float | None, unit: str, target: str | None = None, ok: bool | None = None
-) -> None:
-    if value is None:
-        print(f"SUMMARY {name} n/a")
-        return
-    text = f"{value:.2f}{unit}" if unit == "x" else f"{value:.3f}{unit}"
-    if target is None:
-        print(f"SUMMARY {name} {text} (info)")
-    else:
-        print(f"SUMMARY {name} {text} (target {target}) {'PASS' if ok else 'FAIL'}")
-
-
 def have_cupy() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("cupy") is not None
+
+
+# --- warm hits in this process ----------------------------------------------------------
+
+WARM_HIT_SOURCE = """{include}
+extern "C" __global__ void warm_hit(int* x) {{ x[0] = {value}; }}
+// bench_compile warm hit {stamp}
+"""
+
+
+def make_header_tree(root: Path, count: int, per_dir: int = 100) -> Path:
+    """*count* small headers ``d<NN>/h<NNNN>.cuh`` under *root* (an include directory)."""
+    for i in range(count):
+        d = root / f"d{i // per_dir:02d}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"h{i:04d}.cuh").write_text(f"#pragma once\n#define CTXKIT_BENCH_H{i} {i}\n")
+    return root
+
+
+def warm_hits_ms(
+    source: str, calls: int, include_dirs: Sequence[Path] = (), arch: str | None = None
+) -> tuple[list[float], bool]:
+    """Milliseconds of each of *calls* repeated ``ctxkit.compile(source, ...)`` calls after
+    a first call filled the cache, and whether every timed call came from the cache."""
+    import ctxkit as ck
+
+    compile_fn, dirs = ck.compile, [str(d) for d in include_dirs]
+    compile_fn(source, name="warm_hit.cu", include_dirs=dirs, arch=arch)
+    times, hits = [], True
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        obj = compile_fn(source, name="warm_hit.cu", include_dirs=dirs, arch=arch)
+        times.append((time.perf_counter() - t0) * 1e3)
+        hits = hits and obj.from_cache
+    return times, hits
+
+
+def bench_warm_hits(root: Path, calls: int, arch: str | None = None) -> dict[str, Any]:
+    """Warm in-process hits without include dirs and with :data:`WARM_HIT_HEADERS` headers,
+    with ``CTXKIT_CACHE_DIR`` pointing into *root* for the duration."""
+    saved = os.environ.get("CTXKIT_CACHE_DIR")
+    os.environ["CTXKIT_CACHE_DIR"] = str(root / "warm_hit_cache")
+    try:
+        stamp = time.time_ns()
+        plain = WARM_HIT_SOURCE.format(include="", value=1, stamp=stamp)
+        r: dict[str, Any] = {}
+        r["warm_hit_ms"], r["warm_hit_cached"] = warm_hits_ms(plain, calls, arch=arch)
+        tree = make_header_tree(root / "include", WARM_HIT_HEADERS)
+        with_headers = WARM_HIT_SOURCE.format(
+            include='#include "d00/h0000.cuh"', value="CTXKIT_BENCH_H0", stamp=stamp
+        )
+        r["warm_hit_headers_ms"], r["warm_hit_headers_cached"] = warm_hits_ms(
+            with_headers, calls, [tree], arch=arch
+        )
+    finally:
+        if saved is None:
+            os.environ.pop("CTXKIT_CACHE_DIR", None)
+        else:
+            os.environ["CTXKIT_CACHE_DIR"] = saved
+    return r
+
+
+# --- verdicts ----------------------------------------------------------------------------
+
+
+def verdicts(r: Mapping[str, Any]) -> list[Line]:
+    """The SUMMARY and CHECK lines of this benchmark from its measurements (pure).
+
+    *r*: the child results (lists of dicts, ``None`` for a failed child) ``cold``,
+    ``warm``, ``raw_cold``, ``raw_warm``, ``cupy_cold``, ``cupy_warm`` (empty without
+    CuPy), and the in-process warm hits of :func:`bench_warm_hits`.
+    """
+    runs = [
+        x for k in ("cold", "warm", "raw_cold", "raw_warm", "cupy_cold", "cupy_warm") for x in r[k]
+    ]
+    warm_ms, cold_ms = med(r["warm"]), med(r["cold"])
+    warm_note = f"median of {len(values(r['warm']))} new processes"
+    lines = [
+        check(
+            "compile.child_runs_ok",
+            sum(x is not None for x in runs) / max(1, len(runs)),
+            ">=",
+            1,
+            "",
+            "fraction of the measuring processes that produced a result",
+        ),
+        check(
+            "compile.warm_runs_from_cache",
+            sum(bool(x and x.get("cached")) for x in r["warm"]) / max(1, len(r["warm"])),
+            ">=",
+            1,
+            "",
+            "fraction of the warm new-process runs that hit the cache",
+        ),
+        target("compile.warm_new_process", warm_ms, "<=", WARM_TARGET_MS, "ms", warm_note),
+        info("compile.cold_new_process", cold_ms, "ms", f"median of {len(values(r['cold']))}"),
+        info("compile.cold_over_warm", ratio(cold_ms, warm_ms), "x", "medians"),
+        info("compile.warm_vs_raw_floor", ratio(warm_ms, med(r["raw_warm"])), "x", "medians"),
+        info("compile.cold_vs_raw_cold", ratio(cold_ms, med(r["raw_cold"])), "x", "medians"),
+    ]
+    if r["cupy_warm"]:
+        lines.append(
+            target(
+                "compile.warm_vs_cupy_warm",
+                ratio(warm_ms, med(r["cupy_warm"])),
+                "<=",
+                1.0,
+                "x",
+                "medians, new processes",
+            )
+        )
+        lines.append(
+            info("compile.cold_vs_cupy_cold", ratio(cold_ms, med(r["cupy_cold"])), "x", "medians")
+        )
+    else:
+        for name in ("compile.warm_vs_cupy_warm", "compile.cold_vs_cupy_cold"):
+            lines.append(skipped(name, "CuPy is not installed"))
+    hits_ok = bool(r["warm_hit_cached"] and r["warm_hit_headers_cached"])
+    lines += [
+        check(
+            "compile.warm_hits_from_cache",
+            1.0 if hits_ok else 0.0,
+            ">=",
+            1,
+            "",
+            "1 = every timed in-process call came from the cache",
+        ),
+        median_target(
+            "compile.warm_hit_in_process_ms",
+            r["warm_hit_ms"],
+            "<=",
+            WARM_HIT_TARGET_MS,
+            "ms",
+            "ctxkit.compile(...) again in the same process, no include dirs",
+        ),
+        median_target(
+            "compile.warm_hit_1500_headers_ms",
+            r["warm_hit_headers_ms"],
+            "<=",
+            WARM_HIT_HEADERS_TARGET_MS,
+            "ms",
+            f"the same with include_dirs holding {WARM_HIT_HEADERS} headers",
+        ),
+    ]
+    return lines
 
 
 def parent_main(quick: bool) -> int:
@@ -210,6 +359,7 @@ def parent_main(quick: bool) -> int:
         return 2
     cold_n, warm_n = (2, 3) if quick else (3, 7)
     dev = ck.Device(0)
+    r: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="ctxkit-bench-compile-") as tmp:
         root = Path(tmp)
         source = root / "saxpy.cu"
@@ -220,77 +370,60 @@ def parent_main(quick: bool) -> int:
         print(f"device 0: {dev.name} ({dev.arch}); NVRTC {nv[0]}.{nv[1]}")
         print(f"{cold_n} cold and {warm_n} warm runs per variant, each in a new process (median)")
 
-        cold = [
+        r["cold"] = [
             run_child("ctxkit", source, {"CTXKIT_CACHE_DIR": str(root / f"cold{i}")})
             for i in range(cold_n)
         ]
         warm_env = {"CTXKIT_CACHE_DIR": str(root / "warm")}
         fill = run_child("ctxkit", source, warm_env)
-        warm = [run_child("ctxkit", source, warm_env) for _ in range(warm_n)]
-        if any(r is not None and not r["cached"] for r in warm):
-            print("warning: a warm ctxkit run missed the cache", file=sys.stderr)
+        r["warm"] = [run_child("ctxkit", source, warm_env) for _ in range(warm_n)]
 
         cubin = root / "saxpy.cubin"
         obj = ck.compile(source.read_text(), name="saxpy.cu", arch=dev.arch, cache=False)
         cubin.write_bytes(obj.code)
-        raw_cold = [run_child("raw", source, {}) for _ in range(cold_n)]
-        raw_warm = [run_child("raw", source, {}, cubin=cubin) for _ in range(warm_n)]
+        r["raw_cold"] = [run_child("raw", source, {}) for _ in range(cold_n)]
+        r["raw_warm"] = [run_child("raw", source, {}, cubin=cubin) for _ in range(warm_n)]
 
-        cupy_cold: list[dict[str, Any] | None] = []
-        cupy_warm: list[dict[str, Any] | None] = []
+        r["cupy_cold"], r["cupy_warm"] = [], []
         if have_cupy():
-            cupy_cold = [
+            r["cupy_cold"] = [
                 run_child("cupy", source, {"CUPY_CACHE_DIR": str(root / f"cupy_cold{i}")})
                 for i in range(cold_n)
             ]
             cupy_env = {"CUPY_CACHE_DIR": str(root / "cupy_warm")}
             run_child("cupy", source, cupy_env)
-            cupy_warm = [run_child("cupy", source, cupy_env) for _ in range(warm_n)]
+            r["cupy_warm"] = [run_child("cupy", source, cupy_env) for _ in range(warm_n)]
         else:
             print("CuPy is not installed: CuPy rows skipped")
+        with ck.registry.context(0):
+            r.update(bench_warm_hits(root, 50 if quick else 200))
 
     rows = [
-        ("ctxkit cold (NVRTC + load)", median(cold), median(cold, "first_launch_ms")),
-        ("ctxkit warm (cache, new process)", median(warm), median(warm, "first_launch_ms")),
-        ("  of which compile() cache hit", median(warm, "compile_ms"), None),
-        ("  of which Module.load+function", median(warm, "load_ms"), None),
-        (
-            "raw cold (NVRTC + cuModuleLoadData)",
-            median(raw_cold),
-            median(raw_cold, "first_launch_ms"),
-        ),
-        (
-            "raw warm floor (read cubin + load)",
-            median(raw_warm),
-            median(raw_warm, "first_launch_ms"),
-        ),
-        ("cupy cold (RawKernel)", median(cupy_cold), median(cupy_cold, "first_launch_ms")),
-        ("cupy warm (RawKernel, cache)", median(cupy_warm), median(cupy_warm, "first_launch_ms")),
+        ("ctxkit cold (NVRTC + load)", "cold", "total_ms"),
+        ("ctxkit warm (cache, new process)", "warm", "total_ms"),
+        ("  of which compile() cache hit", "warm", "compile_ms"),
+        ("  of which Module.load+function", "warm", "load_ms"),
+        ("raw cold (NVRTC + cuModuleLoadData)", "raw_cold", "total_ms"),
+        ("raw warm floor (read cubin + load)", "raw_warm", "total_ms"),
+        ("cupy cold (RawKernel)", "cupy_cold", "total_ms"),
+        ("cupy warm (RawKernel, cache)", "cupy_warm", "total_ms"),
     ]
     print(f"\n{'variant':40s} {'to kernel':>12s} {'first launch':>14s}")
-    for label, total, first in rows:
-        print(f"{label:40s} {fmt(total):>12s} {fmt(first):>14s}")
+    for label, key, field in rows:
+        first = med(r[key], "first_launch_ms") if field == "total_ms" else None
+        print(f"{label:40s} {fmt(med(r[key], field)):>12s} {fmt(first):>14s}")
     if fill is not None:
         print(f"(the run that filled the warm cache took {fmt(fill['total_ms']).strip()})")
-
-    warm_ms, cold_ms = median(warm), median(cold)
+    for label, key in (
+        ("no include dirs", "warm_hit_ms"),
+        ("1,500 headers", "warm_hit_headers_ms"),
+    ):
+        print(
+            f"in-process warm hit, {label:16s}: median {median(r[key]):.4f} ms, "
+            f"best {min(r[key]):.4f} ms"
+        )
     print()
-    summary(
-        "compile.warm_new_process",
-        warm_ms,
-        "ms",
-        f"<= {WARM_TARGET_MS:.2f}ms",
-        warm_ms is not None and warm_ms <= WARM_TARGET_MS,
-    )
-    summary("compile.cold_new_process", cold_ms, "ms")
-    summary("compile.cold_over_warm", ratio(cold_ms, warm_ms), "x")
-    summary("compile.warm_vs_raw_floor", ratio(warm_ms, median(raw_warm)), "x")
-    summary("compile.cold_vs_raw_cold", ratio(cold_ms, median(raw_cold)), "x")
-    if cupy_warm:
-        r = ratio(warm_ms, median(cupy_warm))
-        summary("compile.warm_vs_cupy_warm", r, "x", "<= 1.00x", r is not None and r <= 1.0)
-        summary("compile.cold_vs_cupy_cold", ratio(cold_ms, median(cupy_cold)), "x")
-    return 0
+    return emit(verdicts(r))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,17 @@
 
     PYTHONPATH=. python3 benchmarks/bench_context.py [--quick]
 
-Prints per-operation microseconds and SUMMARY lines with the targets of issues 2 and 3.
+* per-operation cost of a context switch: raw ``cuCtxPushCurrent``/``cuCtxPopCurrent``,
+  a minimal Python ``with`` around them, ``with ctx:`` and ``with ck.bind(ctx):`` (not
+  current / already current), and PyTorch's ``with torch.cuda.device(0):`` when torch is
+  installed; all variants interleaved round by round, the empty loop subtracted;
+* launch throughput of N threads: raw threads (each with the context pushed, its own
+  module and stream) vs ``ContextExecutor`` workers (prepared launches on their own
+  stream). Both sides time the same work: set-up (module load, stream creation, thread
+  start-up) happens before a barrier, the clock runs from the barrier until every thread
+  has launched and synchronized its stream.
+
+Every target decides on the median of the rounds; the best round is printed beside it.
 """
 
 from __future__ import annotations
@@ -12,20 +22,21 @@ import ctypes
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import ctxkit as ck
 from ctxkit._driver import drv
+from ctxkit.cli.bench import Line, emit, median, median_info, median_target, skipped, target
+
+THREAD_COUNTS = (1, 4, 8)
 
 
-def best_us(fn: Callable[[int], None], n: int, repeats: int = 5) -> float:
-    """Best per-iteration time in microseconds of ``fn(n)`` over *repeats* runs."""
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn(n)
-        best = min(best, time.perf_counter() - t0)
-    return best / n * 1e6
+def per_call_us(fn: Callable[[int], None], n: int) -> float:
+    """Microseconds per iteration of one ``fn(n)`` run."""
+    t0 = time.perf_counter()
+    fn(n)
+    return (time.perf_counter() - t0) / n * 1e6
 
 
 def raw_pair(cu: object) -> Callable[[int], None]:
@@ -88,21 +99,12 @@ def raw_with(cu: object) -> Callable[[int], None]:
     return run
 
 
-def with_ctx(ctx: ck.Context) -> Callable[[int], None]:
-    def run(n: int) -> None:
-        for _ in range(n):
-            with ctx:
-                pass
-
-    return run
-
-
-def with_bind(target: ck.Context) -> Callable[[int], None]:
-    bind = ck.bind
+def with_cm(make: Callable[[], Any]) -> Callable[[int], None]:
+    """``with make(): pass`` n times (``make`` returns the context manager)."""
 
     def run(n: int) -> None:
         for _ in range(n):
-            with bind(target):
+            with make():
                 pass
 
     return run
@@ -113,128 +115,301 @@ def empty_loop(n: int) -> None:
         pass
 
 
-def summary(name: str, value: float, unit: str, target: str, ok: bool) -> None:
-    print(f"SUMMARY {name} {value:.2f}{unit} (target {target}) {'PASS' if ok else 'FAIL'}")
+def torch_device_variant() -> tuple[Callable[[int], None] | None, str]:
+    """``with torch.cuda.device(0):`` when torch with CUDA is installed."""
+    try:
+        import torch
+    except Exception as exc:
+        return None, f"torch is not installed ({type(exc).__name__})"
+    if not torch.cuda.is_available():
+        return None, "torch sees no CUDA device"
+    torch.cuda.init()
+    device = torch.cuda.device
+    return with_cm(lambda: device(0)), f"torch {torch.__version__}"
 
 
-def bench_switching(n: int, rounds: int = 7) -> None:
-    """Interleave the variants in every round and keep each one's best round (less noise)."""
+def bench_switching(n: int, rounds: int) -> tuple[dict[str, list[float]], str]:
+    """Per-round microseconds of every variant (the empty loop of the same round
+    subtracted), variants interleaved within each round; and the torch note."""
     ctx = ck.registry.context(0)
+    bind = ck.bind
     variants: dict[str, Callable[[int], None]] = {
         "base": empty_loop,
         "raw": raw_pair(ctx._cu),
         "raw_checked": raw_pair_checked(ctx._cu),
         "raw_with": raw_with(ctx._cu),
-        "enter": with_ctx(ctx),
-        "bind_cold": with_bind(ctx),
+        "enter": with_cm(lambda: ctx),
+        "bind_cold": with_cm(lambda: bind(ctx)),
     }
-    hot: dict[str, Callable[[int], None]] = {"reenter": with_ctx(ctx), "bind_hot": with_bind(ctx)}
-    best = dict.fromkeys([*variants, *hot], float("inf"))
+    torch_run, torch_note = torch_device_variant()
+    if torch_run is not None:
+        variants["torch_device"] = torch_run
+    hot: dict[str, Callable[[int], None]] = {
+        "reenter": with_cm(lambda: ctx),
+        "bind_hot": with_cm(lambda: bind(ctx)),
+    }
+    t: dict[str, list[float]] = {k: [] for k in [*variants, *hot] if k != "base"}
+    for fn in variants.values():
+        fn(min(n, 1000))
     for _ in range(rounds):
-        for name, fn in variants.items():
-            best[name] = min(best[name], best_us(fn, n, repeats=1))
+        us = {name: per_call_us(fn, n) for name, fn in variants.items()}
         with ctx:
-            for name, fn in hot.items():
-                best[name] = min(best[name], best_us(fn, n, repeats=1))
-    base = best.pop("base")
-    t = {k: v - base for k, v in best.items()}
-    raw = t["raw"]
-    print(f"raw cuCtxPushCurrent+cuCtxPopCurrent : {raw:.3f} us")
-    print(f"  + int(popped) == handle check      : {t['raw_checked']:.3f} us")
-    print(f"  as a minimal Python `with` class   : {t['raw_with']:.3f} us")
-    print(
-        f"with ctx: (not current)              : {t['enter']:.3f} us  ({t['enter'] / raw:.2f}x raw)"
-    )
-    print(f"with ctx: (already current)          : {t['reenter']:.3f} us")
-    print(
-        f"with ck.bind(ctx): (not current)     : {t['bind_cold']:.3f} us  "
-        f"({t['bind_cold'] / raw:.2f}x raw)"
-    )
-    print(f"with ck.bind(ctx): (already current) : {t['bind_hot']:.3f} us")
-    summary("context.with_vs_raw_pair", t["enter"] / raw, "x", "<= 1.30x", t["enter"] / raw <= 1.3)
-    summary("context.reenter_us", t["reenter"], "us", "<= 0.30us", t["reenter"] <= 0.3)
-    ratio = t["bind_cold"] / raw
-    summary("registry.bind_cold_vs_raw", ratio, "x", "<= 1.30x", ratio <= 1.3)
-    summary("registry.bind_hot_us", t["bind_hot"], "us", "<= 0.30us", t["bind_hot"] <= 0.3)
+            us.update({name: per_call_us(fn, n) for name, fn in hot.items()})
+        base = us.pop("base")
+        for name, v in us.items():
+            t[name].append(v - base)
+    return t, torch_note
 
 
-def _empty_kernel() -> tuple[ck.Kernel, bytes]:
-    from ctxkit.compiler import kernel_source
-
-    obj = ck.compile(kernel_source("empty.cu"), name="empty.cu")
-    kernel = ck.Module.load(obj).function("empty")
-    return kernel, obj.code
+# --- launch throughput from several threads ------------------------------------------
 
 
-def _raw_thread_launches(ctx: ck.Context, cubin: bytes, n: int) -> None:
-    """A raw cuda.bindings worker: push, load, launch n times, sync, pop."""
+class Gate:
+    """A start barrier for *n* worker threads and the clock of their timed work.
+
+    A worker does its set-up, :meth:`start`, the timed work, :meth:`finish`, then its
+    tear-down. Each worker reads the clock itself, right after the barrier lets it go and
+    right after its work, so :meth:`seconds` (first start to last finish) covers exactly
+    the timed work of all of them, however the threads are scheduled around it.
+    """
+
+    def __init__(self, n: int, timeout: float = 300.0) -> None:
+        self._barrier = threading.Barrier(n, timeout=timeout)
+        self._lock = threading.Lock()
+        self._starts: list[float] = []
+        self._ends: list[float] = []
+
+    def start(self) -> None:
+        self._barrier.wait()
+        t = time.perf_counter()
+        with self._lock:
+            self._starts.append(t)
+
+    def finish(self) -> None:
+        t = time.perf_counter()
+        with self._lock:
+            self._ends.append(t)
+
+    def abort(self) -> None:
+        """A worker failed: release the others (their :meth:`start` raises)."""
+        self._barrier.abort()
+
+    def seconds(self) -> float:
+        """From the first worker's start to the last worker's finish."""
+        return max(self._ends) - min(self._starts)
+
+
+def _guarded(gate: Gate, work: Callable[[], None], errors: list[BaseException]) -> None:
+    try:
+        work()
+    except BaseException as exc:
+        errors.append(exc)
+        gate.abort()
+
+
+def _timed_gate(gate: Gate, joins: list[Callable[[], Any]], errors: list[BaseException]) -> float:
+    """Wait for every worker; the seconds of their timed work, or the first worker error."""
+    for join in joins:
+        join()
+    if errors:
+        first = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+        raise (first or errors)[0]
+    return gate.seconds()
+
+
+def raw_thread_launches(ctx: ck.Context, cubin: bytes, n: int, gate: Gate) -> None:
+    """A raw cuda.bindings worker: push, load, make a stream (untimed); launch n times
+    and synchronize (timed); destroy and pop (untimed)."""
     (err,) = drv.cuCtxPushCurrent(ctx._cu)
-    assert not err
+    if err:
+        raise RuntimeError(f"cuCtxPushCurrent: {err!r}")
     try:
         err, mod = drv.cuModuleLoadData(cubin)
-        assert not err, err
+        if err:
+            raise RuntimeError(f"cuModuleLoadData: {err!r}")
         err, fn = drv.cuModuleGetFunction(mod, b"empty")
-        assert not err, err
+        if err:
+            raise RuntimeError(f"cuModuleGetFunction: {err!r}")
         a = ctypes.c_void_p(0)
         b = ctypes.c_int(0)
         params = (ctypes.c_void_p * 2)(ctypes.addressof(a), ctypes.addressof(b))
         addr = ctypes.addressof(params)
         err, stream = drv.cuStreamCreate(1)
-        assert not err
+        if err:
+            raise RuntimeError(f"cuStreamCreate: {err!r}")
+        launch = drv.cuLaunchKernel
+        gate.start()
         for _ in range(n):
-            (err,) = drv.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, stream, addr, 0)
+            (err,) = launch(fn, 1, 1, 1, 32, 1, 1, 0, stream, addr, 0)
             if err:
                 raise RuntimeError(err)
         drv.cuStreamSynchronize(stream)
+        gate.finish()
         drv.cuStreamDestroy(stream)
         drv.cuModuleUnload(mod)
     finally:
         drv.cuCtxPopCurrent()
 
 
-def _ctxkit_task(kernel: ck.Kernel, n: int) -> None:
-    """The ctxkit twin of the raw worker: the context is already current, launches pre-packed."""
+def ctxkit_task_launches(kernel: ck.Kernel, n: int, gate: Gate) -> None:
+    """The ctxkit twin, run on a ContextExecutor worker (context already current): a
+    stream and a prepared launch (untimed); n launches and a synchronize (timed)."""
     stream = ck.Stream()
     launch = kernel.prepare(1, 32, 0, 0, stream=stream)
+    gate.start()
     for _ in range(n):
         launch()
     stream.synchronize()
+    gate.finish()
+    stream.close()
 
 
-def bench_thread_throughput(per_thread: int) -> None:
-    try:
-        kernel, cubin = _empty_kernel()
-    except Exception as exc:  # compiler/module not available: report, don't hide
-        print(f"thread throughput skipped: {exc!r}")
-        return
+def raw_rate(ctx: ck.Context, cubin: bytes, nthreads: int, per_thread: int) -> float:
+    """Launches per second of *nthreads* raw threads (set-up outside the clock)."""
+    gate = Gate(nthreads)
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        raw_thread_launches(ctx, cubin, per_thread, gate)
+
+    threads = [
+        threading.Thread(target=_guarded, args=(gate, work, errors)) for _ in range(nthreads)
+    ]
+    for t in threads:
+        t.start()
+    return nthreads * per_thread / _timed_gate(gate, [t.join for t in threads], errors)
+
+
+def ctxkit_rate(ex: ck.ContextExecutor, kernel: ck.Kernel, nthreads: int, per_thread: int) -> float:
+    """Launches per second of *nthreads* ContextExecutor tasks (set-up outside the clock)."""
+    gate = Gate(nthreads)
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        ctxkit_task_launches(kernel, per_thread, gate)
+
+    futures = [ex.submit(_guarded, gate, work, errors) for _ in range(nthreads)]
+    return nthreads * per_thread / _timed_gate(gate, [f.result for f in futures], errors)
+
+
+def _empty_kernel() -> tuple[ck.Kernel, bytes]:
+    from ctxkit.compiler import kernel_source
+
+    obj = ck.compile(kernel_source("empty.cu"), name="empty.cu", target="cubin")
+    kernel = ck.Module.load(obj).function("empty")
+    return kernel, obj.code
+
+
+def bench_thread_throughput(per_thread: int, rounds: int) -> dict[str, list[float]]:
+    """Launch rates per thread count, raw and ctxkit alternating round by round."""
     ctx = ck.registry.context(0)
-    with ctx:  # warm both paths: lazy kernel loading must not land inside a timed region
-        _ctxkit_task(kernel, 100)
-    _raw_thread_launches(ctx, cubin, 100)
-    print("threads | raw launches/s | ctxkit ContextExecutor launches/s | ratio")
-    worst = float("inf")
-    for nthreads in (1, 4, 8):
-        t0 = time.perf_counter()
-        threads = [
-            threading.Thread(target=_raw_thread_launches, args=(ctx, cubin, per_thread))
-            for _ in range(nthreads)
-        ]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        raw_rate = nthreads * per_thread / (time.perf_counter() - t0)
+    with ctx:
+        kernel, cubin = _empty_kernel()
+    rates: dict[str, list[float]] = {}
+    for nthreads in THREAD_COUNTS:
         with ck.ContextExecutor(ctx, max_workers=nthreads) as ex:
-            ex.submit(int).result()  # start-up outside the timing
-            t0 = time.perf_counter()
-            futs = [ex.submit(_ctxkit_task, kernel, per_thread) for _ in range(nthreads)]
-            for f in futs:
-                f.result()
-            ck_rate = nthreads * per_thread / (time.perf_counter() - t0)
-        ratio = ck_rate / raw_rate
-        worst = min(worst, ratio)
-        print(f"{nthreads:7d} | {raw_rate:14,.0f} | {ck_rate:33,.0f} | {ratio:.2f}")
-    summary("registry.executor_vs_raw_threads", worst, "x", ">= 0.90x (not slower)", worst >= 0.9)
+            raw_rate(ctx, cubin, nthreads, 100)  # warm-up: lazy loading, first launches
+            ctxkit_rate(ex, kernel, nthreads, 100)
+            for _ in range(rounds):
+                rates.setdefault(f"raw_threads{nthreads}", []).append(
+                    raw_rate(ctx, cubin, nthreads, per_thread)
+                )
+                rates.setdefault(f"ctxkit_threads{nthreads}", []).append(
+                    ctxkit_rate(ex, kernel, nthreads, per_thread)
+                )
+    return rates
+
+
+def print_tables(r: Mapping[str, Any]) -> None:
+    med = {k: median(v) for k, v in r.items() if isinstance(v, list)}
+    raw = med["raw"]
+    print(f"context switches, us per operation (median of {len(r['raw'])} rounds):")
+    print(f"  raw cuCtxPushCurrent+cuCtxPopCurrent : {raw:.3f}")
+    print(f"    + int(popped) == handle check      : {med['raw_checked']:.3f}")
+    print(f"    as a minimal Python `with` class   : {med['raw_with']:.3f}")
+    print(
+        f"  with ctx: (not current)              : {med['enter']:.3f} ({med['enter'] / raw:.2f}x)"
+    )
+    print(f"  with ctx: (already current)          : {med['reenter']:.3f}")
+    print(
+        f"  with ck.bind(ctx): (not current)     : {med['bind_cold']:.3f} "
+        f"({med['bind_cold'] / raw:.2f}x)"
+    )
+    print(f"  with ck.bind(ctx): (already current) : {med['bind_hot']:.3f}")
+    if "torch_device" in med:
+        print(f"  with torch.cuda.device(0):           : {med['torch_device']:.3f}")
+    print("threads | raw launches/s | ctxkit ContextExecutor launches/s | ratio (medians)")
+    for n in THREAD_COUNTS:
+        a, b = med.get(f"raw_threads{n}"), med.get(f"ctxkit_threads{n}")
+        if a and b:
+            print(f"{n:7d} | {a:14,.0f} | {b:33,.0f} | {b / a:.2f}")
+
+
+def _ratio_line(
+    name: str, num: Sequence[float], den: Sequence[float], op: str, limit: float, what: str
+) -> Line:
+    """Target on the ratio of medians; the ratio of the best rounds beside it."""
+    value = median(num) / median(den)
+    best = min(num) / min(den) if op == "<=" else max(num) / max(den)
+    return target(name, value, op, limit, "x", f"{what}; medians of {len(num)}; best {best:.2f}x")
+
+
+def verdicts(r: Mapping[str, Any]) -> list[Line]:
+    """The SUMMARY lines of this benchmark from its measurements (pure: no GPU).
+
+    *r* holds per-round microseconds per variant (``raw``, ``enter``, ``reenter``,
+    ``bind_cold``, ``bind_hot``, optional ``torch_device``), launch rates per thread count
+    (``raw_threads<N>``, ``ctxkit_threads<N>``) and ``torch_note``.
+    """
+    lines = [
+        _ratio_line(
+            "context.with_vs_raw_pair", r["enter"], r["raw"], "<=", 1.3, "with ctx: (not current)"
+        ),
+        median_target("context.reenter_us", r["reenter"], "<=", 0.3, "us"),
+        _ratio_line(
+            "registry.bind_cold_vs_raw", r["bind_cold"], r["raw"], "<=", 1.3, "not current"
+        ),
+        median_target("registry.bind_hot_us", r["bind_hot"], "<=", 0.3, "us"),
+    ]
+    if r.get("torch_device"):
+        lines.append(
+            _ratio_line(
+                "context.with_vs_torch_device",
+                r["enter"],
+                r["torch_device"],
+                "<=",
+                1.0,
+                "with ctx: vs with torch.cuda.device(0):",
+            )
+        )
+    else:
+        lines.append(skipped("context.with_vs_torch_device", r.get("torch_note", "no torch")))
+    ratios = {
+        n: median(r[f"ctxkit_threads{n}"]) / median(r[f"raw_threads{n}"])
+        for n in THREAD_COUNTS
+        if r.get(f"raw_threads{n}") and r.get(f"ctxkit_threads{n}")
+    }
+    if ratios:
+        worst = min(ratios, key=ratios.__getitem__)
+        each = ", ".join(f"{n} threads {v:.2f}x" for n, v in ratios.items())
+        note = f"worst thread count; launch rates, medians; {each}"
+        lines.append(
+            target("registry.executor_vs_raw_threads", ratios[worst], ">=", 0.9, "x", note)
+        )
+    else:
+        lines.append(skipped("registry.executor_vs_raw_threads", "thread throughput not measured"))
+    lines.append(median_info("context.raw_pair_us", r["raw"], "us", higher=False))
+    return lines
+
+
+def measure(n: int, per_thread: int, rounds: int, thread_rounds: int = 3) -> dict[str, Any]:
+    """Switch costs (*n* per round, *rounds* rounds) and launch rates (*per_thread*
+    launches per thread, *thread_rounds* rounds per thread count)."""
+    r: dict[str, Any] = {}
+    switches, r["torch_note"] = bench_switching(n, rounds)
+    r.update(switches)
+    r.update(bench_thread_throughput(per_thread, thread_rounds))
+    return r
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -244,9 +419,10 @@ def main(argv: list[str] | None = None) -> int:
     if ck.device_count() == 0:
         print("bench_context: no GPU: no CUDA device/driver on this machine", file=sys.stderr)
         return 2
-    bench_switching(50_000 if args.quick else 300_000)
-    bench_thread_throughput(2_000 if args.quick else 10_000)
-    return 0
+    quick = args.quick
+    r = measure(50_000 if quick else 300_000, 2_000 if quick else 10_000, 5 if quick else 7)
+    print_tables(r)
+    return emit(verdicts(r))
 
 
 if __name__ == "__main__":

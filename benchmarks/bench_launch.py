@@ -1,4 +1,4 @@
-"""Kernel launch overhead: ctxkit vs raw cuda.bindings vs CuPy, and CUDA graph replay.
+"""Kernel launch overhead: ctxkit vs raw cuda.bindings, CuPy and cuda.core; CUDA graph replay.
 
     PYTHONPATH=. python3 benchmarks/bench_launch.py [--quick]
 
@@ -11,36 +11,48 @@ includes the final wait. Variants, interleaved round by round (best round kept):
 * raw cuda.bindings   -- ``cuLaunchKernel`` with a pre-built ``void**`` address (the
   cheapest raw form) and with the ``(values, types)`` tuple form
 * CuPy ``RawKernel``  -- when CuPy is installed
+* cuda.core ``launch(stream, LaunchConfig, kernel, ptr, np.int32)`` -- when cuda.core is
+  installed (``cuda.core`` 1.x or ``cuda.core.experimental`` 0.x, whichever exists); it
+  converts its arguments on every call, like ``Kernel.launch``
+* ``Kernel.launch`` inside ``with stream:`` (``stream=None``: the current stream), when
+  this ctxkit has a current stream
+* a 2-pointer empty kernel launched with a torch tensor and a CuPy array (ctxkit orders
+  the launch after their producer streams) vs the same launch with two ctxkit buffers,
+  when both libraries are installed
 
 Graph replay: 100 and 1000 empty kernels captured into one graph (ctxkit ``capture`` vs
 raw ``cuStreamBeginCapture``), replayed R times after a warm-up; the steady-state time per
 kernel node is reported for both, so the raw floor of the same run is always next to
-ctxkit's. The first replay of a freshly instantiated graph is timed too, with and without
-``cuGraphUpload`` (``Graph.upload``) beforehand: uploading moves work out of the first
-launch, it cannot change the steady state.
+ctxkit's. The target is decided on the 1000-node graph (fixed in advance: the size where
+a node's cost is least dominated by the launch of the graph itself). The first replay of
+a freshly instantiated graph is timed too, with and without ``cuGraphUpload``
+(``Graph.upload``) beforehand: uploading moves work out of the first launch, it cannot
+change the steady state.
+
+Every target decides on the median of the rounds; the best round is printed beside it.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 import ctxkit as ck
 from ctxkit._driver import drv
+from ctxkit.cli.bench import Line, emit, info, median, median_info, median_target, skipped, target
 from ctxkit.compiler import kernel_source
 from ctxkit.module import capture
 
 GRAPH_SIZES = (100, 1000)
-
-
-def summary(name: str, value: float, unit: str, target: str, ok: bool) -> None:
-    print(f"SUMMARY {name} {value:.2f}{unit} (target {target}) {'PASS' if ok else 'FAIL'}")
+#: The graph size the graph target is decided on (fixed before measuring).
+GRAPH_TARGET_NODES = 1000
 
 
 def _check(res: Any, what: str) -> Any:
@@ -184,12 +196,12 @@ class GraphMaker:
         drv.cuGraphExecDestroy(exe)
         return elapsed
 
-    def steady_us(self, nodes: int, replays: int, rounds: int) -> dict[str, float]:
-        """Per-node microseconds of warm replays, ctxkit and raw interleaved."""
+    def steady_us(self, nodes: int, replays: int, rounds: int) -> dict[str, list[float]]:
+        """Per-node microseconds of warm replays, per round, ctxkit and raw interleaved."""
         graph = self.ck_graph(nodes)
         exe = self.raw.graph(nodes)
         try:
-            t = best_round(
+            t = rounds_us(
                 {"ctxkit": ck_graph(graph, self.stream), "raw": self.raw.graph_replays(exe)},
                 replays,
                 rounds,
@@ -197,44 +209,22 @@ class GraphMaker:
         finally:
             drv.cuGraphExecDestroy(exe)
             graph.close()
-        return {k: v / nodes for k, v in t.items()}
+        return {k: [v / nodes for v in vs] for k, vs in t.items()}
 
 
-def bench_graphs(maker: GraphMaker, replays: int, rounds: int) -> dict[str, dict[str, float]]:
-    """Steady-state and first-replay per-node times for every graph size."""
-    out: dict[str, dict[str, float]] = {}
+def bench_graphs(maker: GraphMaker, replays: int, rounds: int) -> dict[str, Any]:
+    """``graph<N>_steady_<who>`` (per-round us per node) and ``graph<N>_first[_upload]_<who>``
+    (median first replay, us per node) for every graph size."""
+    out: dict[str, Any] = {}
     for nodes in GRAPH_SIZES:
         reps = max(10, replays * GRAPH_SIZES[0] // nodes)
-        out[f"{nodes} steady"] = maker.steady_us(nodes, reps, rounds)
+        for who, values in maker.steady_us(nodes, reps, rounds).items():
+            out[f"graph{nodes}_steady_{who}"] = values
         for upload in (False, True):
-            label = f"{nodes} first{' after upload' if upload else ''}"
-            out[label] = {k: maker.first_replay_us(k, nodes, upload) for k in ("ctxkit", "raw")}
+            label = f"graph{nodes}_first{'_upload' if upload else ''}"
+            for who in ("ctxkit", "raw"):
+                out[f"{label}_{who}"] = maker.first_replay_us(who, nodes, upload)
     return out
-
-
-def report_graphs(g: dict[str, dict[str, float]], rounds: int) -> None:
-    print(
-        "graphs of N empty kernels, us per node, ctxkit | raw (steady: best of "
-        f"{rounds} rounds after a warm-up; first: median first replay of 3 fresh graphs):"
-    )
-    for label, v in g.items():
-        print(f"  {label:24s} {v['ctxkit']:7.3f} | {v['raw']:7.3f}")
-    steady = {k: v for k, v in g.items() if k.endswith("steady")}
-    label = min(steady, key=lambda k: steady[k]["ctxkit"])
-    best = steady[label]
-    ok = best["ctxkit"] <= 0.6
-    print(
-        f"SUMMARY launch.graph_node_us {best['ctxkit']:.2f}us (target <= 0.60us; raw graph "
-        f"{best['raw']:.2f}us; {label.split()[0]} nodes) {'PASS' if ok else 'FAIL'}"
-    )
-    print(f"SUMMARY launch.graph_node_vs_raw {best['ctxkit'] / best['raw']:.2f}x (info)")
-    for nodes in GRAPH_SIZES:
-        cold, up = g[f"{nodes} first"], g[f"{nodes} first after upload"]
-        print(
-            f"SUMMARY launch.graph_first_replay_{nodes}_us {cold['ctxkit']:.2f}us "
-            f"(info; after upload {up['ctxkit']:.2f}us; raw {cold['raw']:.2f}us, "
-            f"after upload {up['raw']:.2f}us)"
-        )
 
 
 def cupy_variant() -> tuple[Callable[[int], None] | None, str]:
@@ -260,17 +250,272 @@ def cupy_variant() -> tuple[Callable[[int], None] | None, str]:
     return run, f"CuPy {cp.__version__}"
 
 
-def best_round(variants: dict[str, Callable[[int], None]], n: int, rounds: int) -> dict[str, float]:
-    """Per-call microseconds, best of *rounds*, variants interleaved within each round."""
-    best = dict.fromkeys(variants, float("inf"))
+def import_cuda_core() -> tuple[Any, str]:
+    """``(module, name)`` of cuda.core's launch API: ``cuda.core`` (1.x, and 0.x releases
+    that export it at the top) or ``cuda.core.experimental``; ``(None, reason)`` if absent."""
+    need = ("Device", "LaunchConfig", "ObjectCode", "launch")
+    reasons = []
+    for name in ("cuda.core", "cuda.core.experimental"):
+        try:
+            mod = importlib.import_module(name)
+        except Exception as exc:
+            reasons.append(f"{name}: {type(exc).__name__}")
+            continue
+        if all(hasattr(mod, n) for n in need):
+            return mod, name
+        reasons.append(f"{name}: no {'/'.join(n for n in need if not hasattr(mod, n))}")
+    return None, "cuda.core is not installed (" + "; ".join(reasons) + ")"
+
+
+def cuda_core_variant(
+    cubin: bytes, ptr: int, ctx: ck.Context
+) -> tuple[Callable[[int], None] | None, str]:
+    """cuda.core's ``launch`` of the same cubin, on its own stream of device 0's primary
+    context (the context ctxkit's registry uses, so both share it)."""
+    cc, name = import_cuda_core()
+    if cc is None:
+        return None, name
+    if not ctx.is_primary:
+        return None, "cuda.core uses the primary context; the registry's context is not it"
+    version = getattr(importlib.import_module("cuda.core"), "__version__", "?")
+    dev = cc.Device(0)
+    dev.set_current()
+    stream = dev.create_stream()
+    kern = cc.ObjectCode.from_cubin(cubin).get_kernel("empty")
+    config = cc.LaunchConfig(grid=1, block=32)
+    launch, one = cc.launch, np.int32(1)
+    launch(stream, config, kern, ptr, one)  # load outside the timing
+    stream.sync()
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            launch(stream, config, kern, ptr, one)
+        stream.sync()
+
+    return run, f"cuda.core {version} ({name})"
+
+
+def current_stream_variant(
+    kernel: ck.Kernel, buf: ck.DeviceBuffer, stream: ck.Stream
+) -> tuple[Callable[[int], None] | None, str]:
+    """``Kernel.launch`` with ``stream=None`` inside ``with stream:``."""
+    if not (callable(getattr(ck, "current_stream", None)) and hasattr(ck.Stream, "__enter__")):
+        return None, "this ctxkit has no current stream (with stream:)"
+
+    def run(n: int) -> None:
+        launch = kernel.launch
+        with stream:
+            for _ in range(n):
+                launch(1, 32, buf, 1)
+        stream.synchronize()
+
+    return run, "with stream: + Kernel.launch(stream=None)"
+
+
+EMPTY2_SOURCE = 'extern "C" __global__ void empty2(void* a, void* b) {}\n'
+
+
+def foreign_args_variants(
+    stream: ck.Stream,
+) -> tuple[dict[str, Callable[[int], None]], str]:
+    """``two_buffers`` and ``torch_cupy``: ``Kernel.launch`` of a 2-pointer kernel with two
+    ctxkit buffers, and with a torch tensor and a CuPy array (each launch imports them
+    and orders itself after their streams); ``({}, reason)`` without torch or CuPy."""
+    try:
+        import cupy as cp
+        import torch
+    except Exception as exc:
+        return {}, f"needs torch and CuPy ({type(exc).__name__}: {exc})"
+    if not torch.cuda.is_available():
+        return {}, "torch sees no CUDA device"
+    kernel = ck.Module.load(ck.compile(EMPTY2_SOURCE, name="empty2.cu")).function("empty2")
+    a, b = ck.DeviceBuffer(256), ck.DeviceBuffer(256)
+    t = torch.empty(256, dtype=torch.uint8, device=torch.device("cuda", 0))
+    with cp.cuda.Device(0):
+        c = cp.empty(256, dtype=cp.uint8)
+    torch.cuda.synchronize()
+
+    def run(x: Any, y: Any) -> Callable[[int], None]:
+        def go(n: int) -> None:
+            launch = kernel.launch
+            for _ in range(n):
+                launch(1, 32, x, y, stream=stream)
+            stream.synchronize()
+
+        return go
+
+    note = f"torch {torch.__version__} tensor + CuPy {cp.__version__} array"
+    return {"two_buffers": run(a, b), "torch_cupy": run(t, c)}, note
+
+
+def rounds_us(
+    variants: dict[str, Callable[[int], None]], n: int, rounds: int
+) -> dict[str, list[float]]:
+    """Per-call microseconds of every round, variants interleaved within each round."""
+    t: dict[str, list[float]] = {k: [] for k in variants}
     for fn in variants.values():
         fn(min(n, 1000))  # warm-up
     for _ in range(rounds):
         for name, fn in variants.items():
             t0 = time.perf_counter()
             fn(n)
-            best[name] = min(best[name], (time.perf_counter() - t0) / n * 1e6)
-    return best
+            t[name].append((time.perf_counter() - t0) / n * 1e6)
+    return t
+
+
+def _ratio(
+    r: Mapping[str, Any], name: str, num: str, den: str, limit: float | None, what: str
+) -> Line:
+    """``num / den`` on the medians of the rounds (lower is better); best rounds beside."""
+    a, b = r[num], r[den]
+    value = median(a) / median(b)
+    note = f"{what}; medians of {len(a)} rounds; best {min(a) / min(b):.2f}x"
+    return (
+        info(name, value, "x", note)
+        if limit is None
+        else target(name, value, "<=", limit, "x", note)
+    )
+
+
+def verdicts(r: Mapping[str, Any]) -> list[Line]:
+    """The SUMMARY lines of this benchmark from its measurements (pure: no GPU).
+
+    *r*: per-round us per launch of ``kernel_launch``, ``prepared``, ``raw_address``,
+    ``raw_tuple`` and, when measured, ``cupy``, ``cuda_core``, ``current_stream``; the
+    ``*_note`` of each optional variant; the graph numbers of :func:`bench_graphs`.
+    """
+    lines = [
+        median_info("launch.kernel_launch_us", r["kernel_launch"], "us", higher=False),
+        median_info("launch.prepared_us", r["prepared"], "us", higher=False),
+    ]
+    if r.get("cupy"):
+        lines.append(_ratio(r, "launch.prepared_vs_cupy", "prepared", "cupy", 1.0, r["cupy_note"]))
+        lines.append(
+            _ratio(r, "launch.kernel_launch_vs_cupy", "kernel_launch", "cupy", 1.5, r["cupy_note"])
+        )
+    else:
+        for name in ("launch.prepared_vs_cupy", "launch.kernel_launch_vs_cupy"):
+            lines.append(skipped(name, r.get("cupy_note", "CuPy not measured")))
+    if r.get("cuda_core"):
+        note = f"{r['cuda_core_note']} launch"
+        lines.append(
+            _ratio(r, "launch.kernel_launch_vs_cuda_core", "kernel_launch", "cuda_core", 1.0, note)
+        )
+        lines.append(_ratio(r, "launch.prepared_vs_cuda_core", "prepared", "cuda_core", 0.85, note))
+    else:
+        for name in ("launch.kernel_launch_vs_cuda_core", "launch.prepared_vs_cuda_core"):
+            lines.append(skipped(name, r.get("cuda_core_note", "cuda.core not measured")))
+    if r.get("current_stream"):
+        lines.append(
+            _ratio(
+                r,
+                "launch.current_stream_vs_explicit",
+                "current_stream",
+                "kernel_launch",
+                1.05,
+                "stream=None inside with stream: vs stream=s (no slower; 5% noise allowance)",
+            )
+        )
+    else:
+        lines.append(
+            skipped("launch.current_stream_vs_explicit", r.get("current_stream_note", "n/a"))
+        )
+    if r.get("torch_cupy"):
+        lines.append(
+            _ratio(
+                r,
+                "launch.foreign_args_vs_ctxkit_buffers",
+                "torch_cupy",
+                "two_buffers",
+                1.15,
+                f"Kernel.launch with a {r['foreign_note']} vs two ctxkit buffers",
+            )
+        )
+    else:
+        lines.append(skipped("launch.foreign_args_vs_ctxkit_buffers", r.get("foreign_note", "")))
+    lines.append(_ratio(r, "launch.prepared_vs_raw", "prepared", "raw_address", None, "void**"))
+    n = GRAPH_TARGET_NODES
+    mine, raw = r[f"graph{n}_steady_ctxkit"], r[f"graph{n}_steady_raw"]
+    lines.append(
+        median_target(
+            "launch.graph_node_us",
+            mine,
+            "<=",
+            0.6,
+            "us",
+            f"{n}-node graph, fixed in advance; raw graph {median(raw):.2f}us",
+        )
+    )
+    lines.append(
+        _ratio(
+            r,
+            "launch.graph_node_vs_raw",
+            f"graph{n}_steady_ctxkit",
+            f"graph{n}_steady_raw",
+            None,
+            f"{n}-node graph",
+        )
+    )
+    for nodes in GRAPH_SIZES:
+        g = {k: r[f"graph{nodes}_{k}"] for k in ("first_ctxkit", "first_upload_ctxkit")}
+        g.update({k: r[f"graph{nodes}_{k}"] for k in ("first_raw", "first_upload_raw")})
+        note = (
+            f"median of 3 fresh graphs, per node; after upload {g['first_upload_ctxkit']:.2f}us; "
+            f"raw {g['first_raw']:.2f}us, after upload {g['first_upload_raw']:.2f}us"
+        )
+        lines.append(info(f"launch.graph_first_replay_{nodes}_us", g["first_ctxkit"], "us", note))
+    return lines
+
+
+def print_table(r: Mapping[str, Any], n: int, rounds: int, names: Sequence[str]) -> None:
+    print(f"empty(void*, int) launch, {n} launches + sync, {rounds} rounds (median | best):")
+    for name in names:
+        print(f"  {name:15s} {median(r[name]):6.2f} | {min(r[name]):6.2f} us/launch")
+    for key in ("cupy_note", "cuda_core_note", "current_stream_note", "foreign_note"):
+        print(f"  ({r[key]})")
+    print("graphs of N empty kernels, us per node, ctxkit | raw (steady: median of rounds;")
+    print("first: median first replay of 3 fresh graphs):")
+    for nodes in GRAPH_SIZES:
+        for label in ("steady", "first", "first_upload"):
+            a, b = r[f"graph{nodes}_{label}_ctxkit"], r[f"graph{nodes}_{label}_raw"]
+            a, b = (median(a), median(b)) if label == "steady" else (a, b)
+            print(f"  {nodes:5d} {label:14s} {a:7.3f} | {b:7.3f}")
+
+
+def measure(n: int, replays: int, rounds: int) -> tuple[dict[str, Any], list[str]]:
+    """Every variant's per-round us per launch and the graph numbers; the variant names."""
+    ctx = ck.registry.context(0)
+    r: dict[str, Any] = {}
+    with ctx:
+        obj = ck.compile(kernel_source("empty.cu"), name="empty.cu", target="cubin")
+        kernel = ck.Module.load(obj).function("empty")
+        buf = ck.DeviceBuffer(256)
+        stream = ck.Stream()
+        pl = kernel.prepare(1, 32, buf, 1, stream=stream)
+        raw = Raw(obj.code, buf.ptr)
+        variants: dict[str, Callable[[int], None]] = {
+            "kernel_launch": ck_launches(kernel, buf, stream),
+            "prepared": ck_prepared(pl, stream),
+            "raw_address": raw.launches,
+            "raw_tuple": raw.tuple_launches,
+        }
+        optional = {
+            "cupy": cupy_variant,
+            "cuda_core": lambda: cuda_core_variant(obj.code, buf.ptr, ctx),
+            "current_stream": lambda: current_stream_variant(kernel, buf, stream),
+        }
+        for name, make in optional.items():
+            run, r[f"{name}_note"] = make()
+            if run is not None:
+                variants[name] = run
+        pair, r["foreign_note"] = foreign_args_variants(stream)
+        variants.update(pair)
+        try:
+            r.update(rounds_us(variants, n, rounds))
+            r.update(bench_graphs(GraphMaker(pl, stream, raw), replays, rounds))
+        finally:
+            raw.close()
+    return r, list(variants)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -283,43 +528,9 @@ def main(argv: list[str] | None = None) -> int:
     n = 5_000 if args.quick else 20_000
     replays = 200 if args.quick else 1_000
     rounds = 3 if args.quick else 7
-    ctx = ck.registry.context(0)
-    with ctx:
-        obj = ck.compile(kernel_source("empty.cu"), name="empty.cu", target="cubin")
-        kernel = ck.Module.load(obj).function("empty")
-        buf = ck.DeviceBuffer(256)
-        stream = ck.Stream()
-        pl = kernel.prepare(1, 32, buf, 1, stream=stream)
-        raw = Raw(obj.code, buf.ptr)
-        cupy_run, cupy_note = cupy_variant()
-        variants: dict[str, Callable[[int], None]] = {
-            "kernel_launch": ck_launches(kernel, buf, stream),
-            "prepared": ck_prepared(pl, stream),
-            "raw_address": raw.launches,
-            "raw_tuple": raw.tuple_launches,
-        }
-        if cupy_run is not None:
-            variants["cupy"] = cupy_run
-        t = best_round(variants, n, rounds)
-        g = bench_graphs(GraphMaker(pl, stream, raw), replays, rounds)
-        raw.close()
-
-    print(f"empty(void*, int) launch, {n} launches + sync, best of {rounds} rounds:")
-    for name, us in t.items():
-        print(f"  {name:14s} {us:6.2f} us/launch")
-    print(f"  ({cupy_note})")
-
-    if "cupy" in t:
-        r = t["prepared"] / t["cupy"]
-        summary("launch.prepared_vs_cupy", r, "x", "<= 1.00x", r <= 1.0)
-        r = t["kernel_launch"] / t["cupy"]
-        summary("launch.kernel_launch_vs_cupy", r, "x", "<= 1.50x", r <= 1.5)
-    else:
-        print(f"SUMMARY launch.prepared_vs_cupy n/a ({cupy_note})")
-        print(f"SUMMARY launch.kernel_launch_vs_cupy n/a ({cupy_note})")
-    print(f"SUMMARY launch.prepared_vs_raw {t['prepared'] / t['raw_address']:.2f}x (info)")
-    report_graphs(g, rounds)
-    return 0
+    r, names = measure(n, replays, rounds)
+    print_table(r, n, rounds, names)
+    return emit(verdicts(r))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Copy bandwidth: ctxkit vs raw cuda.bindings (vs CuPy when installed), in one run.
+"""Copies and allocation: ctxkit vs raw cuda.bindings (vs CuPy and torch when installed), one run.
 
     PYTHONPATH=. python3 benchmarks/bench_memory.py [--quick]
 
@@ -7,9 +7,18 @@
   the host, next to the same copy from pinned memory;
 * peer copies of 256 MiB between devices 0 and 1 without and with peer access, vs raw
   ``cuMemcpyPeer`` (target >= 0.95x raw), timed only once the copies have completed
-  (synchronous copies by wall clock, stream copies by events).
+  (synchronous copies by wall clock, stream copies by events);
+* allocate + free of 1 MiB and 256 MiB, 5,000 times: ctxkit stream-ordered
+  (``DeviceBuffer(n, stream=s)`` + ``close()``) vs CuPy's memory pool (``cupy.empty``) and
+  PyTorch's caching allocator (``torch.empty``) when installed (target <= 1.3x each), and
+  ctxkit's synchronous ``DeviceBuffer(n)`` for reference;
+* freeing while the device is busy (a ~100 ms kernel on another stream): how long
+  ``close()`` of a synchronous buffer (``cuMemFree`` waits for the device) and of a
+  stream-ordered one (``cuMemFreeAsync``: target <= 1 ms) block the caller.
 
-Prints SUMMARY lines for scripts/gpu-check.sh.
+Every target decides on the median of the rounds (the best round is printed beside it).
+The peer bandwidth bound and the arrival of the bytes are CHECK lines: they guard the
+measurement, and a violated one makes the program exit 1.
 """
 
 from __future__ import annotations
@@ -17,20 +26,20 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
 import ctxkit as ck
 from ctxkit._driver import drv
+from ctxkit.cli.bench import Line, emit, info, median, skipped, target
+from ctxkit.cli.bench import check as check_line
 from ctxkit.memory import PageableCopyWarning
 
 MiB = 1 << 20
-
-
-def summary(name: str, value: float, unit: str, target: str, ok: bool) -> None:
-    print(f"SUMMARY {name} {value:.2f}{unit} (target {target}) {'PASS' if ok else 'FAIL'}")
 
 
 def check(res: tuple[int, ...]) -> None:
@@ -38,9 +47,11 @@ def check(res: tuple[int, ...]) -> None:
         raise RuntimeError(f"driver call failed: {res[0]!r}")
 
 
-def best_seconds(fns: dict[str, Callable[[], None]], reps: int, rounds: int) -> dict[str, float]:
-    """Best per-call time of each function; the functions alternate round by round."""
-    best = dict.fromkeys(fns, float("inf"))
+def round_seconds(
+    fns: dict[str, Callable[[], None]], reps: int, rounds: int
+) -> dict[str, list[float]]:
+    """Per-call seconds of each function in every round; the functions alternate."""
+    t: dict[str, list[float]] = {k: [] for k in fns}
     for fn in fns.values():
         fn()  # warm up
     for _ in range(rounds):
@@ -48,15 +59,15 @@ def best_seconds(fns: dict[str, Callable[[], None]], reps: int, rounds: int) -> 
             t0 = time.perf_counter()
             for _ in range(reps):
                 fn()
-            best[name] = min(best[name], (time.perf_counter() - t0) / reps)
-    return best
+            t[name].append((time.perf_counter() - t0) / reps)
+    return t
 
 
 def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
-def bench_pinned(size: int, reps: int, rounds: int) -> None:
+def bench_pinned(size: int, reps: int, rounds: int) -> dict[str, list[float]]:
     ctx = ck.registry.context(0)
     with ctx:
         host = ck.pinned_empty(size, np.uint8)
@@ -100,48 +111,68 @@ def bench_pinned(size: int, reps: int, rounds: int) -> None:
             "raw_d2h_async": raw_d2h_async,
             "ck_d2h_async": ck_d2h_async,
         }
-        t = best_seconds(fns, reps, rounds)
+        t = round_seconds(fns, reps, rounds)
         cupy_t = _cupy_pinned(host, reps, rounds)
-    print(f"pinned copies of {size // MiB} MiB (best of {rounds} rounds x {reps}):")
+    print(f"pinned copies of {size // MiB} MiB ({rounds} rounds x {reps}; median GB/s):")
     print("direction      |  raw GB/s | ctxkit GB/s | ratio" + (" | CuPy GB/s" if cupy_t else ""))
-    worst: dict[str, float] = {}
-    for d in ("h2d", "d2h", "h2d_async", "d2h_async"):
-        raw, mine = gbps(size, t[f"raw_{d}"]), gbps(size, t[f"ck_{d}"])
-        ratio = mine / raw
-        base = d.split("_")[0]
-        worst[base] = min(worst.get(base, float("inf")), ratio)
-        extra = f" | {gbps(size, cupy_t[d]):9.1f}" if cupy_t and d in cupy_t else ""
-        print(f"{d:14s} | {raw:9.1f} | {mine:11.1f} | {ratio:5.3f}{extra}")
-    for base, ratio in worst.items():
-        summary(f"memory.pinned_{base}_vs_raw", ratio, "x", ">= 0.97x", ratio >= 0.97)
+    for d in DIRECTIONS:
+        raw, mine = gbps(size, median(t[f"raw_{d}"])), gbps(size, median(t[f"ck_{d}"]))
+        extra = f" | {gbps(size, median(cupy_t[d])):9.1f}" if d in cupy_t else ""
+        print(f"{d:14s} | {raw:9.1f} | {mine:11.1f} | {mine / raw:5.3f}{extra}")
+    return t
 
 
-def _cupy_pinned(host: np.ndarray, reps: int, rounds: int) -> dict[str, float]:
+DIRECTIONS = ("h2d", "d2h", "h2d_async", "d2h_async")
+
+
+def pinned_verdicts(t: Mapping[str, list[float]]) -> list[Line]:
+    """``memory.pinned_{h2d,d2h}_vs_raw``: the worse of the synchronous and the stream
+    copy, ctxkit bandwidth over raw on the medians of the rounds."""
+    lines = []
+    for base in ("h2d", "d2h"):
+        ratios = {}
+        for d in (base, f"{base}_async"):
+            raw, mine = t[f"raw_{d}"], t[f"ck_{d}"]
+            ratios[d] = (median(raw) / median(mine), min(raw) / min(mine))
+        worst = min(ratios, key=lambda d: ratios[d][0])
+        med, best = ratios[worst]
+        note = f"worse of sync/stream copies: {worst}; medians of {len(t[f'raw_{worst}'])} rounds"
+        lines.append(
+            target(
+                f"memory.pinned_{base}_vs_raw", med, ">=", 0.97, "x", f"{note}; best {best:.3f}x"
+            )
+        )
+    return lines
+
+
+def _cupy_pinned(host: np.ndarray, reps: int, rounds: int) -> dict[str, list[float]]:
     try:
         import cupy as cp
     except Exception:
         return {}
     with cp.cuda.Device(0):
         arr = cp.empty(host.size, dtype=cp.uint8)
-        return best_seconds(
+        return round_seconds(
             {"h2d": lambda: arr.set(host), "d2h": lambda: arr.get(out=host)}, reps, rounds
         )
 
 
-def bench_pageable_async(size: int) -> None:
+def bench_pageable_async(size: int, tries: int = 3) -> dict[str, Any]:
+    """How long ``copy_from_host(..., stream=s)`` blocks the caller, from pageable and
+    from pinned memory: ``{"async_<kind>": [(call seconds, total seconds), ...],
+    "warned": bool}``."""
     ctx = ck.registry.context(0)
+    out: dict[str, Any] = {"warned": False}
     with ctx:
         buf = ck.DeviceBuffer(size)
         s = ck.Stream()
         pageable = np.ones(size, np.uint8)
         pinned = ck.pinned_empty(size, np.uint8)
         pinned[:] = 1
-        results = {}
-        warned = False
         for name, src in (("pageable", pageable), ("pinned", pinned)):
             buf.copy_from_host(src)  # warm up (and touch the pages)
-            best_call, best_total = float("inf"), float("inf")
-            for _ in range(3):
+            times = []
+            for _ in range(tries):
                 with warnings.catch_warnings(record=True) as got:
                     warnings.simplefilter("always")
                     t0 = time.perf_counter()
@@ -149,34 +180,62 @@ def bench_pageable_async(size: int) -> None:
                     t1 = time.perf_counter()
                     s.synchronize()
                     t2 = time.perf_counter()
-                warned |= any(issubclass(w.category, PageableCopyWarning) for w in got)
-                best_call, best_total = min(best_call, t1 - t0), min(best_total, t2 - t0)
-            results[name] = (best_call, best_total)
+                if name == "pageable":
+                    out["warned"] |= any(issubclass(w.category, PageableCopyWarning) for w in got)
+                times.append((t1 - t0, t2 - t0))
+            out[f"async_{name}"] = times
     print(f"copy_from_host({size // MiB} MiB, stream=s): time until the call returns / total")
-    for name, (call, total) in results.items():
+    for name in ("pageable", "pinned"):
+        call, total = (median([x[i] for x in out[f"async_{name}"]]) for i in (0, 1))
         print(
             f"  {name:8s}: call blocked {call * 1e3:8.2f} ms of {total * 1e3:8.2f} ms "
-            f"({call / total:6.1%}), {gbps(size, total):6.1f} GB/s"
+            f"({call / total:6.1%}), {gbps(size, total):6.1f} GB/s (medians of {tries})"
         )
-    frac = results["pageable"][0] / results["pageable"][1]
-    print(
-        "  -> from pageable memory the 'async' copy blocks the host; ctxkit warned: "
-        f"{'yes' if warned else 'NO'}"
-    )
-    summary(
-        "memory.pageable_async_blocked_fraction",
-        frac,
-        "",
-        f"documented and warned; pinned {results['pinned'][0] / results['pinned'][1]:.2f}",
-        warned,
-    )
+    print(f"  ctxkit warned about the pageable copy: {'yes' if out['warned'] else 'NO'}")
+    return out
+
+
+def _blocked(times: list[tuple[float, float]]) -> list[float]:
+    return [call / total for call, total in times if total > 0]
+
+
+def pageable_verdicts(r: Mapping[str, Any]) -> list[Line]:
+    """The blocked fraction of a pageable "async" copy is reported (the driver's doing);
+    what ctxkit decides - it warns about that copy, and its copy from pinned memory does
+    not block - are the targets."""
+    page, pin = _blocked(r["async_pageable"]), _blocked(r["async_pinned"])
+    return [
+        info(
+            "memory.pageable_async_blocked_fraction",
+            median(page),
+            "",
+            f"median of {len(page)}; the driver copies pageable memory before returning; "
+            f"pinned {median(pin):.3f}",
+        ),
+        target(
+            "memory.pageable_async_warned",
+            1.0 if r["warned"] else 0.0,
+            ">=",
+            1,
+            "",
+            "1 = ctxkit emitted a PageableCopyWarning for copy_from_host(pageable, stream=s)",
+        ),
+        target(
+            "memory.pinned_async_blocked_fraction",
+            median(pin),
+            "<=",
+            0.1,
+            "",
+            f"copy_from_host(pinned, stream=s) returns before the copy; median of {len(pin)}",
+        ),
+    ]
 
 
 PEER_SIZE = 256 * MiB
 PLAUSIBLE_PEER_GBPS = 1000.0  # above any NVLink/PCIe path of one direction (H200: ~450)
 
 
-def bench_peer(reps: int, rounds: int) -> None:
+def bench_peer(reps: int, rounds: int) -> dict[str, Any]:
     """Device 0 -> 1 copies of 256 MiB, without and with peer access.
 
     Every timed copy has completed when the clock stops: ``copy_peer`` without a stream
@@ -185,14 +244,18 @@ def bench_peer(reps: int, rounds: int) -> None:
     with events on a stream of the destination context. Both contexts are synchronized
     before peer access is enabled and before the buffers are freed: freeing device 1's
     buffer while device 0 still has a copy into it queued faults device 0's context.
+
+    Returns ``{"peer_size", "peer": {label: {variant: [seconds per round]}}, "peer_ok",
+    "peer_note"}`` (``peer_note`` alone when there is only one device).
     """
     if ck.device_count() < 2:
         print("peer copies skipped: needs two devices")
-        return
+        return {"peer_note": "needs two devices"}
     size = PEER_SIZE
     c0, c1 = ck.registry.context(0), ck.registry.context(1)
     src = ck.DeviceBuffer(size, context=c0)
     dst = ck.DeviceBuffer(size, context=c1)
+    note = ""
     try:
         with c0:
             src.memset(3)
@@ -202,6 +265,8 @@ def bench_peer(reps: int, rounds: int) -> None:
             ck.enable_peer_access(c0, c1)
             ck.enable_peer_access(c1, c0)
             results["peer access"] = _peer_round(c0, c1, src, dst, reps, rounds)
+        else:
+            note = "devices 0 and 1 cannot access each other"
         with c1:
             ok = bool((dst[:MiB].copy_to_host() == 3).all())
             ok &= bool((dst[size - MiB :].copy_to_host() == 3).all())
@@ -210,26 +275,70 @@ def bench_peer(reps: int, rounds: int) -> None:
         c1.synchronize()
         dst.close()
         src.close()
-    print(f"peer copies of {size // MiB} MiB, device 0 -> 1 (best of {rounds} rounds x {reps}):")
+    print(f"peer copies of {size // MiB} MiB, device 0 -> 1 ({rounds} rounds x {reps}; medians):")
     print("path            | sync raw | sync ctxkit | ratio | async raw | async ctxkit  (GB/s)")
     for label, t in results.items():
-        r, m = gbps(size, t["raw"]), gbps(size, t["ctxkit"])
-        ar, am = gbps(size, t["raw_async"]), gbps(size, t["ctxkit_async"])
-        print(f"{label:15s} | {r:8.1f} | {m:11.1f} | {m / r:5.3f} | {ar:9.1f} | {am:12.1f}")
-        key = "p2p" if label == "peer access" else "staged"
-        summary(f"memory.peer_{key}_vs_raw", m / r, "x", ">= 0.95x", m / r >= 0.95)
-        fastest = max(r, m, ar, am)
-        summary(
-            f"memory.peer_{key}_gbps",
-            fastest,
-            "GB/s",
-            f"<= {PLAUSIBLE_PEER_GBPS:.0f}GB/s: the timing waited for the copies",
-            fastest <= PLAUSIBLE_PEER_GBPS,
+        r, m, ar, am = (
+            gbps(size, median(t[k])) for k in ("raw", "ctxkit", "raw_async", "ctxkit_async")
         )
-    if "peer access" not in results:
-        print("  peer access: devices 0 and 1 cannot access each other")
+        print(f"{label:15s} | {r:8.1f} | {m:11.1f} | {m / r:5.3f} | {ar:9.1f} | {am:12.1f}")
+    if note:
+        print(f"  peer access: {note}")
     print(f"  destination holds the source bytes: {'yes' if ok else 'NO'}")
-    summary("memory.peer_data_ok", float(ok), "", "1 (bytes arrived)", ok)
+    return {"peer_size": size, "peer": results, "peer_ok": ok, "peer_note": note}
+
+
+PEER_KEYS = {"no peer access": "staged", "peer access": "p2p"}
+
+
+def peer_verdicts(r: Mapping[str, Any]) -> list[Line]:
+    """Per path: the synchronous copy vs raw (target, medians); the fastest copy of any
+    variant and round below a physical bound (check: the clock waited for the copies);
+    and the bytes arrived (check)."""
+    if "peer" not in r:
+        reason = r.get("peer_note", "not measured")
+        return [skipped(f"memory.peer_{key}_vs_raw", reason) for key in PEER_KEYS.values()]
+    size, lines = r["peer_size"], []
+    for label, key in PEER_KEYS.items():
+        t = r["peer"].get(label)
+        if t is None:
+            lines.append(skipped(f"memory.peer_{key}_vs_raw", r.get("peer_note") or "not run"))
+            continue
+        med = median(t["raw"]) / median(t["ctxkit"])
+        best = min(t["raw"]) / min(t["ctxkit"])
+        lines.append(
+            target(
+                f"memory.peer_{key}_vs_raw",
+                med,
+                ">=",
+                0.95,
+                "x",
+                f"copy_peer vs cuMemcpyPeer, synchronous; medians of {len(t['raw'])} rounds; "
+                f"best {best:.3f}x",
+            )
+        )
+        fastest = max(gbps(size, min(v)) for v in t.values())
+        lines.append(
+            check_line(
+                f"memory.peer_{key}_gbps",
+                fastest,
+                "<=",
+                PLAUSIBLE_PEER_GBPS,
+                "GB/s",
+                "fastest copy of any variant: the timing waited for the copies",
+            )
+        )
+    lines.append(
+        check_line(
+            "memory.peer_data_ok",
+            1.0 if r["peer_ok"] else 0.0,
+            ">=",
+            1,
+            "",
+            "1 = the destination holds the source bytes",
+        )
+    )
+    return lines
 
 
 def _peer_round(
@@ -239,8 +348,8 @@ def _peer_round(
     dst: ck.DeviceBuffer,
     reps: int,
     rounds: int,
-) -> dict[str, float]:
-    """Best seconds per copy: synchronous (wall clock) and on a stream (events)."""
+) -> dict[str, list[float]]:
+    """Seconds per copy in every round: synchronous (wall clock) and on a stream (events)."""
     size = src.nbytes
     sptr, dptr = src.ptr, dst.ptr
     c0.synchronize()
@@ -262,24 +371,232 @@ def _peer_round(
         def mine_async() -> None:
             ck.copy_peer(dst, src, stream=s)
 
-        t = best_seconds({"raw": raw, "ctxkit": mine}, reps, rounds)
+        t = round_seconds({"raw": raw, "ctxkit": mine}, reps, rounds)
         for name, fn in (("raw_async", raw_async), ("ctxkit_async", mine_async)):
             t[name] = _event_seconds(fn, s, reps, rounds)
         s.synchronize()
     return t
 
 
-def _event_seconds(fn: Callable[[], None], s: ck.Stream, reps: int, rounds: int) -> float:
-    """Best GPU time per call of *fn* (which enqueues on *s*), from events around reps."""
+def _event_seconds(fn: Callable[[], None], s: ck.Stream, reps: int, rounds: int) -> list[float]:
+    """GPU seconds per call of *fn* (which enqueues on *s*) in every round, from events."""
     fn()
-    best = float("inf")
+    out = []
     for _ in range(rounds):
         start = s.record()
         for _ in range(reps):
             fn()
         end = s.record()
-        best = min(best, start.elapsed_ms(end) / 1e3 / reps)
-    return best
+        out.append(start.elapsed_ms(end) / 1e3 / reps)
+    return out
+
+
+# --- allocation --------------------------------------------------------------------------
+
+ALLOC_SIZES = (1 * MiB, 256 * MiB)
+ALLOC_TARGET = 1.3
+FREE_BUSY_MS = 100.0
+FREE_TARGET_MS = 1.0
+
+
+def size_label(size: int) -> str:
+    """``1mib``, ``256mib`` (``64kib`` below a MiB): the size part of the line names."""
+    return f"{size >> 20}mib" if size >= MiB else f"{size >> 10}kib"
+
+
+def _alloc_variants(
+    size: int, count: int, s: ck.Stream
+) -> tuple[dict[str, Callable[[], None]], dict[str, str]]:
+    """Allocate+free pairs of *size* bytes, *count* per call (a tenth of that for the
+    synchronous reference), for every allocator here; why an allocator is missing."""
+
+    def ck_ordered() -> None:
+        for _ in range(count):
+            ck.DeviceBuffer(size, stream=s).close()
+        s.synchronize()
+
+    def ck_sync() -> None:
+        for _ in range(sync_count):
+            ck.DeviceBuffer(size).close()
+
+    sync_count = max(1, count // 10)  # cuMemAlloc/cuMemFree: a reference, and slow
+    fns: dict[str, Callable[[], None]] = {"ctxkit": ck_ordered, "ctxkit_sync": ck_sync}
+    notes: dict[str, str] = {"ctxkit_sync_count": str(sync_count)}
+    try:
+        import cupy as cp
+
+        dev = cp.cuda.Device(0)
+
+        def cupy_pool() -> None:
+            with dev:
+                for _ in range(count):
+                    a = cp.empty(size, dtype=cp.uint8)
+                    del a
+                dev.synchronize()
+
+        fns["cupy"] = cupy_pool
+    except Exception as exc:
+        notes["cupy"] = f"CuPy is not installed ({type(exc).__name__})"
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("torch sees no CUDA device")
+        tdev = torch.device("cuda", 0)
+
+        def torch_cache() -> None:
+            for _ in range(count):
+                t = torch.empty(size, dtype=torch.uint8, device=tdev)
+                del t
+            torch.cuda.synchronize(tdev)
+
+        fns["torch"] = torch_cache
+    except Exception as exc:
+        notes["torch"] = f"torch is not available ({type(exc).__name__}: {exc})"
+    return fns, notes
+
+
+def bench_alloc(count: int, rounds: int) -> dict[str, Any]:
+    """``alloc_<MiB>_<who>``: microseconds per allocate+free pair in every round, the
+    allocators taking turns; ``alloc_<who>_note`` says why one is missing."""
+    ctx = ck.registry.context(0)
+    r: dict[str, Any] = {}
+    with ctx:
+        s = ck.Stream()
+        for size in ALLOC_SIZES:
+            fns, notes = _alloc_variants(size, count, s)
+            for who, note in notes.items():
+                if who in ("cupy", "torch"):
+                    r[f"alloc_{who}_note"] = note
+            times = round_seconds(fns, 1, rounds)
+            for who, t in times.items():
+                pairs = int(notes["ctxkit_sync_count"]) if who == "ctxkit_sync" else count
+                r[f"alloc_{size_label(size)}_{who}"] = [x / pairs * 1e6 for x in t]
+    print(f"allocate + free, {count} times (us per pair, median of {rounds} rounds):")
+    for size in ALLOC_SIZES:
+        row = ", ".join(
+            f"{who} {median(r[k]):.2f}"
+            for who in ("ctxkit", "ctxkit_sync", "cupy", "torch")
+            if (k := f"alloc_{size_label(size)}_{who}") in r
+        )
+        print(f"  {size_label(size):>7s}: {row}")
+    return r
+
+
+def bench_free_busy(size: int = 64 * MiB) -> dict[str, Any]:
+    """Milliseconds ``close()`` blocks while a ~100 ms kernel runs on another stream: a
+    synchronous buffer (``cuMemFree``) and a stream-ordered one (``cuMemFreeAsync``)."""
+    from ctxkit.compiler import kernel_source
+
+    ctx = ck.registry.context(0)
+    with ctx:
+        spin = ck.Module.load(ck.compile(kernel_source("spin.cu"), name="spin.cu")).function("spin")
+        busy, s = ck.Stream(), ck.Stream()
+        probe = 10_000_000
+        spin.launch(1, 1, probe, 0, stream=busy)  # load outside the timing
+        busy.synchronize()
+        start = busy.record()
+        spin.launch(1, 1, probe, 0, stream=busy)
+        probe_ms = start.elapsed_ms(busy.record())
+        cycles = int(probe * FREE_BUSY_MS / max(probe_ms, 1e-3))
+        out: dict[str, Any] = {"free_busy_kernel_ms": 0.0}
+        for kind in ("sync", "ordered"):
+            buf = ck.DeviceBuffer(size) if kind == "sync" else ck.DeviceBuffer(size, stream=s)
+            s.synchronize()
+            begin = busy.record()
+            spin.launch(1, 1, cycles, 0, stream=busy)
+            t0 = time.perf_counter()
+            buf.close()
+            out[f"free_busy_{kind}_ms"] = (time.perf_counter() - t0) * 1e3
+            end = busy.record()
+            end.synchronize()
+            s.synchronize()
+            out["free_busy_kernel_ms"] = max(out["free_busy_kernel_ms"], begin.elapsed_ms(end))
+    print(
+        f"close() while a {out['free_busy_kernel_ms']:.0f} ms kernel runs on another stream: "
+        f"synchronous buffer {out['free_busy_sync_ms']:.2f} ms, stream-ordered "
+        f"{out['free_busy_ordered_ms']:.3f} ms"
+    )
+    return out
+
+
+def alloc_verdicts(r: Mapping[str, Any]) -> list[Line]:
+    """Stream-ordered allocate+free vs CuPy's pool and torch's caching allocator (targets,
+    medians); the synchronous allocation for reference; freeing while busy."""
+    lines: list[Line] = []
+    for size in ALLOC_SIZES:
+        label = size_label(size)
+        mine = r.get(f"alloc_{label}_ctxkit")
+        if not mine:
+            lines.append(skipped(f"memory.alloc_{label}_vs_cupy", "allocation not measured"))
+            continue
+        lines.append(
+            info(
+                f"memory.alloc_{label}_us",
+                median(mine),
+                "us",
+                f"stream-ordered allocate+free pair; median of {len(mine)}",
+            )
+        )
+        sync = r[f"alloc_{label}_ctxkit_sync"]
+        lines.append(
+            info(
+                f"memory.alloc_sync_{label}_us",
+                median(sync),
+                "us",
+                "DeviceBuffer(n) + close(): cuMemAlloc/cuMemFree",
+            )
+        )
+        for who, desc in (("cupy", "CuPy's memory pool"), ("torch", "torch.empty")):
+            theirs = r.get(f"alloc_{label}_{who}")
+            name = f"memory.alloc_{label}_vs_{who}"
+            if not theirs:
+                lines.append(skipped(name, r.get(f"alloc_{who}_note", f"{who} not measured")))
+                continue
+            value = median(mine) / median(theirs)
+            note = f"vs {desc} {median(theirs):.2f}us; medians of {len(mine)} rounds"
+            lines.append(target(name, value, "<=", ALLOC_TARGET, "x", note))
+    if "free_busy_ordered_ms" in r:
+        kernel = r["free_busy_kernel_ms"]
+        lines.append(
+            target(
+                "memory.free_while_busy_ordered_ms",
+                r["free_busy_ordered_ms"],
+                "<=",
+                FREE_TARGET_MS,
+                "ms",
+                f"stream-ordered close() while a {kernel:.0f} ms kernel runs on another stream",
+            )
+        )
+        lines.append(
+            info(
+                "memory.free_while_busy_sync_ms",
+                r["free_busy_sync_ms"],
+                "ms",
+                f"synchronous close() (cuMemFree) while the {kernel:.0f} ms kernel runs",
+            )
+        )
+    return lines
+
+
+def guarded_section(name: str, fn: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run a section; an exception becomes ``section_errors`` (a failed CHECK line) so the
+    other sections' results still print."""
+    try:
+        return fn()
+    except Exception as exc:
+        traceback.print_exc()
+        return {"section_errors": [f"{name}: {type(exc).__name__}: {exc}"]}
+
+
+def verdicts(r: Mapping[str, Any]) -> list[Line]:
+    """The SUMMARY and CHECK lines of this benchmark from its measurements (pure)."""
+    lines = pinned_verdicts(r["pinned"]) + pageable_verdicts(r) + peer_verdicts(r)
+    lines += alloc_verdicts(r)
+    errors = r.get("section_errors", [])
+    what = "1 = every section ran" + (": " + "; ".join(errors) if errors else "")
+    lines.append(check_line("memory.sections_ok", 0.0 if errors else 1.0, ">=", 1, "", what))
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -291,10 +608,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     size = (64 if args.quick else 256) * MiB
     reps, rounds = (3, 3) if args.quick else (5, 5)
-    bench_peer(reps, rounds)  # first: nothing has enabled peer access yet
-    bench_pinned(size, reps, rounds)
-    bench_pageable_async(size if args.quick else 1024 * MiB)
-    return 0
+    r: dict[str, Any] = {}
+    r.update(bench_peer(reps, rounds))  # first: nothing has enabled peer access yet
+    r["pinned"] = bench_pinned(size, reps, rounds)
+    r.update(bench_pageable_async(size if args.quick else 1024 * MiB))
+    errors: list[str] = []
+    for name, fn in (
+        ("allocation", lambda: bench_alloc(500 if args.quick else 5_000, rounds)),
+        ("free while busy", bench_free_busy),
+    ):
+        part = guarded_section(name, fn)
+        errors += part.pop("section_errors", [])
+        r.update(part)
+    r["section_errors"] = errors
+    return emit(verdicts(r))
 
 
 if __name__ == "__main__":

@@ -2,30 +2,38 @@
 
     PYTHONPATH=. python3 benchmarks/bench_pipeline.py [--devices 1 2] [--size-gb 2] [--quick]
 
-All in one run, on the same float32 arrays (out = 2 * x, every result checked exactly):
+All in one run, on float32 arrays (out = 2 * x, every result checked exactly):
 
 * host memcpy bandwidth (np.copyto, one thread and several): the ceiling of the staged
   host path (two host copies per input byte);
 * cuMemHostRegister + cuMemHostUnregister of 2 GiB in 32/64 MiB pieces with 1-16
   threads: the ceiling of the registered host path (in and out: two registrations per
   input byte), and whether page-locking scales with threads;
-* the source document's naive pattern (one host thread, per-device streams, pageable
-  memory, literal async calls) with 1 and 8 chunks per device;
-* ctxkit ``Pipeline.map`` on pageable arrays, 1 and 2 GPUs: the default (``"auto"``:
-  the first call on new arrays stages them, the second page-locks them - pin on reuse -
-  and later calls DMA them directly; each timed), ``host_path="staged"``, then
-  ``"register"`` and the two mixed paths (every registering run after every staged
-  one), staging again after registration, host threads per GPU on 2 GPUs (staged),
-  plus a sweep of chunk size x host threads for both paths on 1 GPU;
+* the naive multi-GPU pattern as tutorials write it (one host thread, per-device streams, pageable
+  memory, literal async calls) with 1 and 8 chunks per device, on arrays it reuses;
+* **first calls** (``--first-call-gb``, 1 GiB): arrays never seen, the call a user writes
+  first. Each call gets a freshly made input (filled outside the clock) and the default
+  ``out``; round by round: ``ck.Pipeline([0]).map(k, x)`` with a new Pipeline per call,
+  the naive pattern (8 chunks) on fresh arrays, and PyTorch's best path (``pin_memory()``
+  + non-blocking copies into a cached pinned output) when torch is installed; then a
+  long-lived Pipeline fed fresh arrays (a stream of new batches) on 1 and 2 GPUs. These
+  are reported in input + output bytes per second ("GB/s in+out");
+* ctxkit ``Pipeline.map`` on pageable arrays it sees again, 1 and 2 GPUs: the default
+  (``"auto"``: the first call on new arrays stages them, the second page-locks them - pin
+  on reuse - and later calls DMA them directly: ``in=held, out=held``; each timed),
+  ``host_path="staged"``, then ``"register"`` and the two mixed paths (every registering
+  run after every staged one), staging again after registration, host threads per GPU on
+  2 GPUs (staged), plus a sweep of chunk size x host threads for both paths on 1 GPU;
 * ctxkit on pinned arrays vs a hand-written raw cuda.bindings pinned pipeline (same
   chunking, plain driver calls, one host thread), interleaved run by run; also raw with
   ctxkit's four trace events per chunk and ctxkit without tracing, to show what differs;
 * unified memory (``Pipeline.map_managed``) vs the explicit path;
 * CuPy's ``asnumpy(asarray(x) * 2)`` on one GPU when CuPy is installed.
 
-Targets (nvidia-h200-x2, 2 GiB): 1 GPU pageable >= 30 GB/s of input and >= 5.5x the
-chunked naive pattern; 2 GPUs >= 1.8x 1 GPU; pinned >= 0.95x raw. Prints SUMMARY lines,
-and for each throughput target the ceiling that bounds it on this machine.
+Every target is decided on medians (the best run is printed beside it) and compares like
+with like: first calls with the naive pattern on fresh arrays, held pages with the naive
+pattern reusing its arrays. Throughputs other than the first-call section are GB/s of
+input. The targets and the verdict logic: benchmarks/pipeline_verdicts.py.
 """
 
 from __future__ import annotations
@@ -33,7 +41,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -41,10 +48,12 @@ from typing import Any
 
 import numpy as np
 from pipeline_baselines import RawPinned, parallel_copy, time_registration
+from pipeline_verdicts import IO, verdicts
 
 import ctxkit as ck
-from ctxkit.cli.demo import NaivePattern, best_seconds, load_scale_kernel
-from ctxkit.pipeline.plan import PAGE, choose_host_path, make_plan
+from ctxkit.cli.bench import emit, median
+from ctxkit.cli.demo import NaivePattern, load_scale_kernel
+from ctxkit.pipeline.plan import PAGE, choose_host_path, plan_map
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -56,11 +65,7 @@ PATHS: dict[str, Any] = {
     "in-register-out-staged": ("register", "staged"),
     "in-staged-out-register": ("staged", "register"),
 }
-
-
-def summary(name: str, value: float, unit: str, target: str, ok: bool | None) -> None:
-    verdict = "INFO" if ok is None else ("PASS" if ok else "FAIL")
-    print(f"SUMMARY {name} {value:.2f}{unit} (target {target}) {verdict}", flush=True)
+Results = dict[str, Any]
 
 
 def gbps(nbytes: int, seconds: float) -> float:
@@ -79,47 +84,62 @@ def verify(name: str, out: np.ndarray, x: np.ndarray) -> None:
         raise SystemExit(f"bench_pipeline: {name} produced a wrong result")
 
 
-def timed(
-    name: str, fn: Callable[[], Any], nbytes: int, repeats: int, results: dict[str, float]
-) -> float:
-    g = gbps(nbytes, best_seconds(fn, repeats))
-    results[name] = max(g, results.get(name, 0.0))
-    print(f"  {name:44s} {g:7.1f} GB/s", flush=True)
-    return g
+def timed(name: str, fn: Callable[[], Any], nbytes: int, repeats: int, results: Results) -> float:
+    """Run *fn* *repeats* times; append each call's GB/s (of *nbytes*) to
+    ``results[name]``; return the median."""
+    rates = results.setdefault(name, [])
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        rates.append(gbps(nbytes, time.perf_counter() - t0))
+    print(f"  {name:44s} {median(rates):7.1f} GB/s median, {max(rates):7.1f} best", flush=True)
+    return median(rates)
 
 
 # --- host ceilings ---------------------------------------------------------------------
 
 
-def bench_host(nbytes: int, repeats: int) -> float:
+def _rates(fn: Callable[[], Any], nbytes: int, repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(gbps(nbytes, time.perf_counter() - t0))
+    return out
+
+
+def bench_host(nbytes: int, repeats: int, results: Results) -> float:
     src = np.ones(nbytes, np.uint8)
     dst = np.empty_like(src)
     pinned = ck.pinned_empty(nbytes, np.uint8, context=ck.registry.context(0))
     dst[:] = 0
     pinned[:] = 0
     print(f"host memcpy, {nbytes // MiB} MiB (np.copyto, best of {repeats}):", flush=True)
-    best = 0.0
+    best: list[float] = [0.0]
     counts = sorted({1, 2, 4, 8, 12, 16, cpus()} & set(range(1, cpus() + 1)))
     for t in counts:
-        pg = gbps(nbytes, best_seconds(functools.partial(parallel_copy, dst, src, t), repeats))
-        pn = gbps(nbytes, best_seconds(functools.partial(parallel_copy, pinned, src, t), repeats))
-        best = max(best, pg, pn)
+        pg = _rates(functools.partial(parallel_copy, dst, src, t), nbytes, repeats)
+        pn = _rates(functools.partial(parallel_copy, pinned, src, t), nbytes, repeats)
+        best = max(best, pg, pn, key=max)
         print(
-            f"  {t:3d} thread(s): pageable->pageable {pg:6.1f} GB/s, "
-            f"pageable->pinned {pn:6.1f} GB/s",
+            f"  {t:3d} thread(s): pageable->pageable {max(pg):6.1f} GB/s, "
+            f"pageable->pinned {max(pn):6.1f} GB/s",
             flush=True,
         )
-    summary("pipeline.host_memcpy_best", best, " GB/s", "report", None)
+    results["host_memcpy_best"] = max(best)
+    results["host_memcpy_best_median"] = median(best)
+    results["host_memcpy_repeats"] = repeats
     print(
-        f"  staging needs 2 host copies per input byte: staged ceiling ~{best / 2:.1f} GB/s "
-        "of input processed (before the DMA traffic on the same memory)",
+        f"  staging needs 2 host copies per input byte: staged ceiling ~{max(best) / 2:.1f} "
+        "GB/s of input processed (before the DMA traffic on the same memory)",
         flush=True,
     )
-    return best
+    return max(best)
 
 
-def bench_register(nbytes: int, repeats: int, quick: bool) -> float:
-    """Page-locking rate; returns the best register+unregister rate in GB/s."""
+def bench_register(nbytes: int, repeats: int, quick: bool, results: Results) -> float:
+    """Page-locking rate; returns the best register+unregister rate in GB/s (and puts
+    ``register_best`` in *results*)."""
     ctx = ck.registry.context(0)
     arr = np.ones(nbytes, np.uint8)
     threads = sorted({1, 4, 8, 16} & set(range(1, cpus() + 1)))
@@ -158,12 +178,8 @@ def bench_register(nbytes: int, repeats: int, quick: bool) -> float:
         flush=True,
     )
     del fresh
-    summary("pipeline.register_gbps_best", best["reg"][0], " GB/s", "report", None)
-    summary("pipeline.unregister_gbps_best", best["unreg"][0], " GB/s", "report", None)
-    summary("pipeline.register_unregister_gbps_best", best["both"][0], " GB/s", "report", None)
-    if one_thread:
-        scale = best["both"][0] / one_thread
-        summary("pipeline.register_thread_scaling", scale, "x", "report", None)
+    results["register_best"] = {k: v[0] for k, v in best.items()}
+    results["register_best"]["one_thread"] = one_thread
     print(
         f"  best register+unregister: {best['both'][1]}; the registered path locks input "
         f"and output: ceiling ~{best['both'][0] / 2:.1f} GB/s of input processed",
@@ -181,9 +197,9 @@ def bench_naive(
     out: np.ndarray,
     counts: Sequence[int],
     repeats: int,
-    results: dict[str, float],
+    results: Results,
 ) -> None:
-    print("the document's naive pattern (one thread, per-device streams, pageable):", flush=True)
+    print("the naive pattern (one thread, per-device streams, pageable):", flush=True)
     for nd in counts:
         ctxs = [ck.registry.context(i) for i in range(nd)]
         naive = NaivePattern(kernel, ctxs, -(-x.shape[0] // nd), 4)
@@ -202,13 +218,127 @@ def bench_naive(
             naive.close()
 
 
+# --- first calls: arrays never seen ------------------------------------------------------
+
+
+def fresh_copy(base: np.ndarray) -> np.ndarray:
+    """A new array (new pages, populated) holding *base*: input a call has never seen."""
+    x = np.empty_like(base)
+    np.copyto(x, base)
+    return x
+
+
+def torch_pinned_variant(
+    base: np.ndarray,
+) -> tuple[Callable[[np.ndarray], np.ndarray] | None, str]:
+    """PyTorch's best path for a fresh numpy array: ``pin_memory()`` (its caching host
+    allocator), non-blocking H2D, the kernel, a non-blocking D2H into a cached pinned
+    output; ``(None, reason)`` without torch."""
+    try:
+        import torch
+    except Exception as exc:
+        return None, f"torch is not installed ({type(exc).__name__})"
+    if not torch.cuda.is_available():
+        return None, "torch sees no CUDA device"
+    dev = torch.device("cuda", 0)
+    out_t = torch.empty(base.shape, dtype=torch.float32, pin_memory=True)
+
+    def run(x: np.ndarray) -> np.ndarray:
+        d = torch.from_numpy(x).pin_memory().to(dev, non_blocking=True)
+        d.mul_(ALPHA)
+        out_t.copy_(d, non_blocking=True)
+        torch.cuda.synchronize(dev)
+        return out_t.numpy()
+
+    return run, f"torch {torch.__version__}: pin_memory() + non-blocking copies, cached output"
+
+
+def bench_first_calls(kernel: Any, base: np.ndarray, calls: int, results: Results) -> None:
+    """GB/s in+out of calls on arrays never seen, variants taking turns call by call:
+    a new 1-GPU Pipeline per call (default ``out``), the naive pattern (8 chunks) on
+    fresh arrays, torch's pinned path. One untimed warm-up round first."""
+    print(
+        f"first calls on arrays never seen ({base.nbytes / GiB:.2f} GiB, fresh input each "
+        f"call, default out; median of {calls}, GB/s in+out):",
+        flush=True,
+    )
+    ctx0 = ck.registry.context(0)
+    naive = NaivePattern(kernel, [ctx0], base.shape[0], 4)
+
+    def new_pipeline(x: np.ndarray) -> np.ndarray:
+        with ck.Pipeline([0]) as p:
+            out = p.map(kernel, x, args=(ALPHA,))
+            results["path_new_pipeline_1gpu"] = p.last_stats.path
+        return out
+
+    def naive_fresh(x: np.ndarray) -> np.ndarray:
+        out = np.empty_like(x)
+        naive.run(x, out, (ALPHA,), 8)
+        return out
+
+    variants: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+        "new_pipeline_1gpu_io": new_pipeline,
+        "naive_1gpu_8chunk_fresh_io": naive_fresh,
+    }
+    torch_run, results["torch_note"] = torch_pinned_variant(base)
+    if torch_run is not None:
+        variants["torch_pinned_1gpu_io"] = torch_run
+    try:
+        for i in range(calls + 1):
+            for name, fn in variants.items():
+                x = fresh_copy(base)
+                t0 = time.perf_counter()
+                out = fn(x)
+                seconds = time.perf_counter() - t0
+                verify(name, out, x)
+                if i:
+                    results.setdefault(name, []).append(gbps(x.nbytes + out.nbytes, seconds))
+                del x, out
+    finally:
+        naive.close()
+    for name in variants:
+        v = results[name]
+        print(f"  {name:44s} {median(v):7.1f} {IO} median, {max(v):7.1f} best", flush=True)
+    print(f"  ({results['torch_note']})", flush=True)
+
+
+def bench_fresh_long_lived(
+    kernel: Any, base: np.ndarray, counts: Sequence[int], calls: int, results: Results
+) -> None:
+    """A long-lived Pipeline fed a fresh array every call (default ``out``): GB/s in+out
+    of *calls* calls after one untimed warm-up call, on each device count."""
+    print("long-lived Pipeline, fresh arrays every call (GB/s in+out):", flush=True)
+    for nd in counts:
+        name = f"fresh_{nd}gpu_io"
+        with ck.Pipeline(list(range(nd))) as p:
+            for i in range(calls + 1):
+                x = fresh_copy(base)
+                t0 = time.perf_counter()
+                out = p.map(kernel, x, args=(ALPHA,))
+                seconds = time.perf_counter() - t0
+                verify(name, out, x)
+                if i:
+                    results.setdefault(name, []).append(gbps(x.nbytes + out.nbytes, seconds))
+                del x, out
+            results[f"path_{name}"] = p.last_stats.path
+        v = results[name]
+        print(
+            f"  {name:44s} {median(v):7.1f} {IO} median, {max(v):7.1f} best "
+            f"({results[f'path_{name}']})",
+            flush=True,
+        )
+
+
+# --- arrays seen again -------------------------------------------------------------------
+
+
 def bench_ctxkit(
     kernel: Any,
     x: np.ndarray,
     out: np.ndarray,
     counts: Sequence[int],
     repeats: int,
-    results: dict[str, float],
+    results: Results,
 ) -> None:
     """Every path on every device count; the paths that register pages run after all
     the others, so page-locking cannot affect the staged timings. ``..._staged_after_
@@ -254,7 +384,7 @@ def bench_ctxkit(
 
 
 def _thread_sweep(
-    kernel: Any, x: np.ndarray, out: np.ndarray, nd: int, repeats: int, results: dict[str, float]
+    kernel: Any, x: np.ndarray, out: np.ndarray, nd: int, repeats: int, results: Results
 ) -> None:
     """Staged on *nd* GPUs with 4..12 host threads per GPU (the default is 8 per GPU)."""
     for per_gpu in (4, 6, 8, 12):
@@ -281,7 +411,7 @@ def _time_path(
     label: str,
     path: Any,
     repeats: int,
-    results: dict[str, float],
+    results: Results,
 ) -> None:
     out.fill(0)
     run = functools.partial(p.map, kernel, x, out, args=(ALPHA,), host_path=path)
@@ -289,7 +419,9 @@ def _time_path(
         _time_pin_on_reuse(p, run, nd, x, out, results)
     run()
     verify(f"ctxkit {label} on {nd} GPU(s)", out, x)
-    timed(f"ctxkit_{nd}gpu_pageable_{label}", run, x.nbytes, repeats, results)
+    name = f"ctxkit_{nd}gpu_pageable_{label}"
+    timed(name, run, x.nbytes, repeats, results)
+    results[f"path_{name}"] = p.last_stats.path
     if label in ("auto", "staged_after_register"):
         _breakdown(p)
     if label == "auto":
@@ -302,7 +434,7 @@ def _time_pin_on_reuse(
     nd: int,
     x: np.ndarray,
     out: np.ndarray,
-    results: dict[str, float],
+    results: Results,
 ) -> None:
     """The first two calls of ``"auto"`` on arrays the pipeline has not seen: the first
     stages, the second page-locks both arrays (pin on reuse) and runs directly."""
@@ -311,8 +443,10 @@ def _time_pin_on_reuse(
         t0 = time.perf_counter()
         run()
         g = gbps(x.nbytes, time.perf_counter() - t0)
-        results[f"ctxkit_{nd}gpu_auto_{call}"] = g
-        print(f"  ctxkit_{nd}gpu_auto_{call:35s} {g:7.1f} GB/s ({p.last_stats.path})", flush=True)
+        name = f"ctxkit_{nd}gpu_auto_{call}"
+        results[name] = [g]
+        results[f"path_{name}"] = p.last_stats.path
+        print(f"  {name:44s} {g:7.1f} GB/s ({p.last_stats.path})", flush=True)
     verify(f"ctxkit auto (pin on reuse) on {nd} GPU(s)", out, x)
 
 
@@ -328,7 +462,7 @@ def _breakdown(p: ck.Pipeline) -> None:
 
 
 def bench_sweep(
-    kernel: Any, x: np.ndarray, out: np.ndarray, repeats: int, results: dict[str, float]
+    kernel: Any, x: np.ndarray, out: np.ndarray, repeats: int, results: Results
 ) -> None:
     print("  sweep on 1 GPU (host path x chunk MiB x host threads, static):", flush=True)
     threads = sorted({4, 8, 12, 16, max(2, cpus() - 3)} & set(range(1, cpus()))) or [2]
@@ -342,9 +476,9 @@ def bench_sweep(
                         f"sweep_{path}_chunk{chunk_mib}_threads{t}", run, x.nbytes, repeats, results
                     )
     for path in ("staged", "register"):
-        mine = {k: v for k, v in results.items() if k.startswith(f"sweep_{path}_")}
+        mine = {k: median(v) for k, v in results.items() if k.startswith(f"sweep_{path}_")}
         best = max(mine, key=mine.__getitem__)
-        print(f"  best {path}: {best} {mine[best]:.1f} GB/s", flush=True)
+        print(f"  best {path}: {best} {mine[best]:.1f} GB/s (median)", flush=True)
 
 
 def _interleaved(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
@@ -359,14 +493,9 @@ def _interleaved(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, li
 
 
 def bench_pinned(
-    obj: Any,
-    kernel: Any,
-    x: np.ndarray,
-    counts: Sequence[int],
-    rounds: int,
-    results: dict[str, float],
-) -> dict[int, tuple[float, float]]:
-    """Returns per device count ``(median ratio, best ratio)`` of ctxkit vs raw."""
+    obj: Any, kernel: Any, x: np.ndarray, counts: Sequence[int], rounds: int, results: Results
+) -> None:
+    """ctxkit vs raw on pinned arrays, interleaved: GB/s of every round in *results*."""
     print(
         f"pinned in and out: ctxkit vs raw cuda.bindings pipeline ({rounds} interleaved "
         "rounds; median and best GB/s):",
@@ -376,9 +505,8 @@ def bench_pinned(
     xp = ck.pinned_empty(x.shape, x.dtype, context=ctx0)
     op = ck.pinned_empty(x.shape, x.dtype, context=ctx0)
     xp[...] = x
-    ratios: dict[int, tuple[float, float]] = {}
     for nd in counts:
-        chunk = make_plan(x.shape[0], 4, nd).rows_per_chunk * 4
+        chunk = plan_map(x.shape[0], (4, 4), nd).rows_per_chunk * 4
         raw = RawPinned(obj.code, list(range(nd)), chunk, ALPHA)
         raw_ev = RawPinned(obj.code, list(range(nd)), chunk, ALPHA, events=True)
         try:
@@ -402,25 +530,20 @@ def bench_pinned(
             raw.close()
             raw_ev.close()
         for name, ts in times.items():
-            med, best = gbps(x.nbytes, statistics.median(ts)), gbps(x.nbytes, min(ts))
-            results[name] = best
-            results[name + "_median"] = med
-            print(f"  {name:44s} {med:7.1f} GB/s median, {best:7.1f} best", flush=True)
-        r, c = f"raw_{nd}gpu_pinned", f"ctxkit_{nd}gpu_pinned"
-        ratios[nd] = (results[c + "_median"] / results[r + "_median"], results[c] / results[r])
-        base = results[r + "_median"]
-        events, notrace = results[r + "_4events_median"], results[c + "_notrace_median"]
+            results[name] = [gbps(x.nbytes, t) for t in ts]
+            v = results[name]
+            print(f"  {name:44s} {median(v):7.1f} GB/s median, {max(v):7.1f} best", flush=True)
+        base = median(results[f"raw_{nd}gpu_pinned"])
+        events = median(results[f"raw_{nd}gpu_pinned_4events"])
+        notrace = median(results[f"ctxkit_{nd}gpu_pinned_notrace"])
         print(
             f"  raw with 4 events per chunk: {events / base:.3f}x raw; ctxkit without "
             f"tracing: {notrace / base:.3f}x raw",
             flush=True,
         )
-    return ratios
 
 
-def bench_managed(
-    kernel: Any, x: np.ndarray, nd: int, repeats: int, results: dict[str, float]
-) -> float:
+def bench_managed(kernel: Any, x: np.ndarray, nd: int, repeats: int, results: Results) -> None:
     print(f"unified memory (map_managed) on {nd} GPU(s):", flush=True)
     ctx0 = ck.registry.context(0)
     xb = ck.ManagedBuffer(x.nbytes, context=ctx0)
@@ -430,17 +553,16 @@ def bench_managed(
     with ck.Pipeline(list(range(nd))) as p:
         p.map_managed(kernel, xm, om, args=(ALPHA,))
         verify("managed", om, x)
-        g = timed(
+        timed(
             f"managed_{nd}gpu",
             functools.partial(p.map_managed, kernel, xm, om, args=(ALPHA,)),
             x.nbytes,
             repeats,
             results,
         )
-    return g
 
 
-def bench_cupy(x: np.ndarray, repeats: int, results: dict[str, float]) -> None:
+def bench_cupy(x: np.ndarray, repeats: int, results: Results) -> None:
     try:
         import cupy as cp
     except Exception:
@@ -458,98 +580,13 @@ def bench_cupy(x: np.ndarray, repeats: int, results: dict[str, float]) -> None:
         )
 
 
-# --- verdicts --------------------------------------------------------------------------
-
-
-def best_pageable(results: dict[str, float], nd: int) -> tuple[str, float]:
-    mine = {k: v for k, v in results.items() if k.startswith(f"ctxkit_{nd}gpu_pageable_")}
-    name = max(mine, key=mine.__getitem__)
-    return name, mine[name]
-
-
-def report(
-    results: dict[str, float],
-    counts: Sequence[int],
-    host_best: float,
-    register_best: float,
-    pinned: dict[int, tuple[float, float]],
-    um: float,
-) -> None:
-    one = results["ctxkit_1gpu_pageable_auto"]
-    summary("pipeline.1gpu_pageable_gbps", one, " GB/s", ">= 30", one >= 30)
-    print(
-        "  (repeated calls on the same arrays: pin on reuse DMAs them directly; a call on "
-        "arrays the pipeline has not seen stages them:)",
-        flush=True,
-    )
-    first = results["ctxkit_1gpu_auto_first_call"]
-    summary("pipeline.1gpu_pageable_first_call_gbps", first, " GB/s", "report", None)
-    summary(
-        "pipeline.1gpu_pageable_second_call_gbps",
-        results["ctxkit_1gpu_auto_second_call"],
-        " GB/s",
-        "report (locks the pages)",
-        None,
-    )
-    summary(
-        "pipeline.1gpu_first_call_vs_staged_ceiling", first / (host_best / 2), "x", "report", None
-    )
-    chunked = results["naive_1gpu_8chunk"]
-    summary("pipeline.1gpu_vs_naive_chunked", one / chunked, "x", ">= 5.5x", one / chunked >= 5.5)
-    fastest, g = best_pageable(results, 1)
-    summary("pipeline.1gpu_auto_vs_fastest_path", one / g, "x", ">= 0.97x", one / g >= 0.97)
-    print(f"  (fastest pageable variant on 1 GPU: {fastest} {g:.1f} GB/s)", flush=True)
-    ceilings = {
-        "host copy / 2 (staged, first call)": host_best / 2,
-        "register+unregister / 2 (registered)": register_best / 2,
-        "raw pinned DMA, 1 GPU (held, repeated calls)": results["raw_1gpu_pinned"],
-    }
-    ceil1 = results["raw_1gpu_pinned"]
-    for what, v in ceilings.items():
-        print(f"  ceiling: {what:40s} {v:6.1f} GB/s", flush=True)
-    summary("pipeline.1gpu_ceiling_gbps", ceil1, " GB/s", "report", None)
-    summary("pipeline.1gpu_vs_ceiling", one / ceil1, "x", "report", None)
-    if 2 in counts:
-        two = results["ctxkit_2gpu_pageable_auto"]
-        summary("pipeline.2gpu_pageable_gbps", two, " GB/s", "report", None)
-        summary("pipeline.2gpu_scaling", two / one, "x", ">= 1.80x", two / one >= 1.8)
-        summary(
-            "pipeline.2gpu_vs_naive_2gpu_chunked",
-            two / results["naive_2gpu_8chunk"],
-            "x",
-            "report",
-            None,
-        )
-        ceil2 = results["raw_2gpu_pinned"]
-        print(
-            f"  2 GPUs share the host memory: a raw cuda.bindings pinned pipeline reaches "
-            f"{ceil2:.1f} GB/s on 2 GPUs = {ceil2 / results['raw_1gpu_pinned']:.2f}x its "
-            "1-GPU figure (the scaling ceiling)",
-            flush=True,
-        )
-        summary(
-            "pipeline.2gpu_pageable_first_call_gbps",
-            results["ctxkit_2gpu_auto_first_call"],
-            " GB/s",
-            "report",
-            None,
-        )
-        summary("pipeline.2gpu_ceiling_gbps", ceil2, " GB/s", "report", None)
-        summary("pipeline.2gpu_vs_ceiling", two / ceil2, "x", "report", None)
-    else:
-        print("SUMMARY pipeline.2gpu_scaling n/a (needs 2 GPUs) SKIP", flush=True)
-    for nd in counts:
-        med, best = pinned[nd]
-        summary(f"pipeline.pinned_vs_raw_{nd}gpu", med, "x", ">= 0.95x (medians)", med >= 0.95)
-        summary(f"pipeline.pinned_vs_raw_best_{nd}gpu", best, "x", "report", None)
-    explicit = results[f"ctxkit_{counts[-1]}gpu_pinned"]
-    summary(f"pipeline.um_vs_explicit_pinned_{counts[-1]}gpu", um / explicit, "x", "report", None)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--devices", type=int, nargs="+", default=[1, 2], help="GPU counts to run")
     ap.add_argument("--size-gb", type=float, default=2.0, help="input size in GiB")
+    ap.add_argument(
+        "--first-call-gb", type=float, default=1.0, help="input size of the first-call section"
+    )
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--quick", action="store_true", help="256 MiB, fewer repeats, no sweep")
     ap.add_argument("--no-sweep", action="store_true", help="skip the chunk/thread sweeps")
@@ -559,36 +596,42 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     avail = ck.device_count()
     counts = sorted({d for d in args.devices if 1 <= d <= avail})
-    skipped = sorted(set(args.devices) - set(counts))
-    if skipped:
-        print(f"bench_pipeline: only {avail} GPU(s): skipping device counts {skipped}")
-    if not counts:
-        print("bench_pipeline: no runnable device count", file=sys.stderr)
+    skipped_counts = sorted(set(args.devices) - set(counts))
+    if skipped_counts:
+        print(f"bench_pipeline: only {avail} GPU(s): skipping device counts {skipped_counts}")
+    if not counts or counts[0] != 1:
+        print("bench_pipeline: the device counts must include 1", file=sys.stderr)
         return 1
     size = int((min(args.size_gb, 0.25) if args.quick else args.size_gb) * GiB) // 4 * 4
+    first_size = int((min(args.first_call_gb, 0.25) if args.quick else args.first_call_gb) * GiB)
+    first_size = first_size // 4 * 4
     repeats = args.repeats or (2 if args.quick else 3)
     obj, kernel, _ = load_scale_kernel()
     print(
-        f"bench_pipeline: {size / GiB:.2f} GiB float32, GPUs {counts}, best of {repeats}, "
+        f"bench_pipeline: {size / GiB:.2f} GiB float32, GPUs {counts}, {repeats} repeats, "
         f"{cpus()} CPUs, {PAGE} B pages",
         flush=True,
     )
-    results: dict[str, float] = {}
+    results: Results = {"counts": counts, "size_gib": size / GiB}
 
-    host_best = bench_host(min(size, GiB), repeats)
-    register_best = bench_register(size, repeats, args.quick)
+    host_best = bench_host(min(size, GiB), repeats, results)
+    bench_register(size, repeats, args.quick, results)
     x = np.random.default_rng(0).random(size // 4, dtype=np.float32)
     out = np.empty_like(x)
     out.fill(0)
     bench_naive(kernel, x, out, counts, repeats, results)
+    base = np.random.default_rng(1).random(first_size // 4, dtype=np.float32)
+    bench_first_calls(kernel, base, max(3, repeats), results)
+    bench_fresh_long_lived(kernel, base, counts, max(3, repeats), results)
+    del base
     bench_ctxkit(kernel, x, out, counts, repeats, results)
     if not (args.quick or args.no_sweep):
         bench_sweep(kernel, x, out, max(1, repeats - 1), results)
-    pinned = bench_pinned(obj, kernel, x, counts, 3 if args.quick else 7, results)
-    um = bench_managed(kernel, x[: min(x.shape[0], 4 * GiB // 4)], counts[-1], repeats, results)
+    bench_pinned(obj, kernel, x, counts, 3 if args.quick else 7, results)
+    bench_managed(kernel, x[: min(x.shape[0], 4 * GiB // 4)], counts[-1], repeats, results)
     bench_cupy(x, repeats, results)
-    report(results, counts, host_best, register_best, pinned, um)
-    return 0
+    print(f"  (staged ceiling ~{host_best / 2:.1f} GB/s of input: best host memcpy / 2)")
+    return emit(verdicts(r=results))
 
 
 if __name__ == "__main__":

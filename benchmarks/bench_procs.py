@@ -10,7 +10,8 @@
 
     PYTHONPATH=. python3 benchmarks/bench_procs.py [--quick]
 
-Prints tables and ``SUMMARY`` lines; exits 2 with one line when there is no GPU.
+Prints tables and ``SUMMARY`` lines (targets decided on the median of the repeats, the
+best printed beside it); exits 2 with one line when there is no GPU.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from functools import partial
 from multiprocessing import get_context
@@ -32,6 +33,7 @@ from typing import Any
 import numpy as np
 
 import ctxkit as ck
+from ctxkit.cli.bench import Line, check, emit, info, median, skipped, stat_note, target
 from ctxkit.procs import SHM_THRESHOLD, DevicePool, run_per_device
 
 REPO = Path(__file__).resolve().parents[1]
@@ -52,33 +54,27 @@ def bound_device(ordinal: int) -> str:
     return ctx.device.pci_bus_id
 
 
-def summary(name: str, value: str, target: str, ok: bool | None) -> None:
-    verdict = "" if ok is None else (" PASS" if ok else " FAIL")
-    print(f"SUMMARY {name} {value} ({target}){verdict}")
-
-
-def best_s(fn: Callable[[], Any], repeats: int) -> float:
-    best = float("inf")
+def times_s(fn: Callable[[], Any], repeats: int) -> list[float]:
+    out = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+        out.append(time.perf_counter() - t0)
+    return out
 
 
-def bench_startup(devices: list[int], repeats: int) -> None:
-    plain = best_s(lambda: run_per_device(noop, devices, _bind=False), repeats)
-    full = best_s(lambda: run_per_device(bound_device, devices), repeats)
+def best_s(fn: Callable[[], Any], repeats: int) -> float:
+    return min(times_s(fn, repeats))
+
+
+def bench_startup(devices: list[int], repeats: int) -> dict[str, Any]:
+    plain = times_s(lambda: run_per_device(noop, devices, _bind=False), repeats)
+    full = times_s(lambda: run_per_device(bound_device, devices), repeats)
     buses = run_per_device(bound_device, devices)
-    print(f"\nrun_per_device start-up on {len(devices)} GPU(s), best of {repeats}:")
-    print(f"  spawn + import ctxkit:            {plain:6.2f} s")
-    print(f"  spawn + import + bind context:    {full:6.2f} s   (children saw {buses})")
-    summary(
-        "procs.startup_all_gpus",
-        f"{full:.2f}s",
-        f"{len(devices)} GPUs, spawn+import alone {plain:.2f}s; target <= 3.00s",
-        full <= 3.0,
-    )
+    print(f"\nrun_per_device start-up on {len(devices)} GPU(s), median of {repeats}:")
+    print(f"  spawn + import ctxkit:            {median(plain):6.2f} s")
+    print(f"  spawn + import + bind context:    {median(full):6.2f} s   (children saw {buses})")
+    return {"startup_plain_s": plain, "startup_full_s": full, "gpus": len(devices)}
 
 
 def round_trips(submit: Callable[..., Any], n: int) -> float:
@@ -96,33 +92,33 @@ def pipelined(submit: Callable[..., Any], n: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def bench_pool(devices: list[int], n: int) -> None:
+def bench_pool(devices: list[int], n: int, rounds: int = 3) -> dict[str, list[float]]:
+    """Seconds per sequential no-op task and pipelined tasks/s, DevicePool and
+    ProcessPoolExecutor alternating round by round."""
     ctx = get_context("spawn")
+    r: dict[str, list[float]] = {k: [] for k in ("pool_s", "ppe_s", "pool_tps", "ppe_tps")}
     with DevicePool(devices) as pool, ProcessPoolExecutor(len(devices), mp_context=ctx) as ppe:
         for submit in (pool.submit, ppe.submit):
             for f in [submit(noop) for _ in range(4 * len(devices))]:
                 f.result()  # every worker started
-        ours = min(round_trips(pool.submit, n) for _ in range(3))
-        base = min(round_trips(ppe.submit, n) for _ in range(3))
-        ours_tp = max(pipelined(pool.submit, n) for _ in range(3))
-        base_tp = max(pipelined(ppe.submit, n) for _ in range(3))
-    ratio = ours / base
-    print(f"\nper-task overhead ({len(devices)} worker(s), {n} sequential no-op tasks):")
-    print(f"  DevicePool           {ours * 1e6:8.0f} us/task   {ours_tp:8.0f} tasks/s pipelined")
-    print(f"  ProcessPoolExecutor  {base * 1e6:8.0f} us/task   {base_tp:8.0f} tasks/s pipelined")
-    summary(
-        "procs.pool_task_overhead",
-        f"{ours * 1e6:.0f}us",
-        f"{ratio:.2f}x ProcessPoolExecutor; target <= 1.50x",
-        ratio <= 1.5,
-    )
+        for _ in range(rounds):
+            r["pool_s"].append(round_trips(pool.submit, n))
+            r["ppe_s"].append(round_trips(ppe.submit, n))
+        for _ in range(rounds):
+            r["pool_tps"].append(pipelined(pool.submit, n))
+            r["ppe_tps"].append(pipelined(ppe.submit, n))
+    print(f"\nper-task overhead ({len(devices)} worker(s), {n} sequential no-op tasks, medians):")
+    for label, key in (("DevicePool", "pool"), ("ProcessPoolExecutor", "ppe")):
+        us, tps = median(r[f"{key}_s"]) * 1e6, median(r[f"{key}_tps"])
+        print(f"  {label:20s} {us:8.0f} us/task   {tps:8.0f} tasks/s pipelined")
+    return r
 
 
 def round_trip(pool: DevicePool, a: np.ndarray) -> Any:
     return pool.submit(echo, a).result()
 
 
-def bench_transport(sizes_kib: list[int], repeats: int) -> None:
+def bench_transport(sizes_kib: list[int], repeats: int) -> dict[str, Any]:
     print(f"\narray round trip through a pool worker (best of {repeats}):")
     print(f"  {'size':>10} {'pipe':>10} {'shm':>10} {'shm/pipe':>9}")
     speedups = {}
@@ -141,15 +137,10 @@ def bench_transport(sizes_kib: list[int], repeats: int) -> None:
             print(
                 f"  {kib:>7} KiB {t_pipe * 1e3:8.2f}ms {t_shm * 1e3:8.2f}ms {t_pipe / t_shm:8.2f}x"
             )
-    big = max(sizes_kib)
-    cross = f"{crossover} KiB" if crossover is not None else "none measured"
-    threshold = SHM_THRESHOLD >> 10
-    summary(
-        f"procs.shm_vs_pipe_{big // 1024}MiB",
-        f"{speedups[big]:.2f}x",
-        f"crossover {cross}, SHM_THRESHOLD {threshold} KiB; info",
-        None,
-    )
+    return {"shm_speedups": speedups, "shm_crossover_kib": crossover, "repeats": repeats}
+
+
+MPI_FAILED = "mpi_pipeline.py failed"
 
 
 def mpi_result(n_dev: int, mb: float, repeat: int) -> dict[str, Any] | str:
@@ -159,7 +150,7 @@ def mpi_result(n_dev: int, mb: float, repeat: int) -> dict[str, Any] | str:
     try:
         import mpi4py  # noqa: F401
     except ImportError:
-        return "mpi4py is not installed (pip install 'ctxkit[mpi]')"
+        return 'mpi4py is not installed (pip install -e ".[mpi]" in a ctxkit checkout)'
     cmd = [mpiexec, "-n", str(n_dev), sys.executable, str(REPO / "examples/mpi_pipeline.py")]
     cmd += ["--mb", str(mb), "--repeat", str(repeat), "--json"]
     env = {
@@ -172,7 +163,7 @@ def mpi_result(n_dev: int, mb: float, repeat: int) -> dict[str, Any] | str:
     for line in res.stdout.splitlines():
         if line.startswith("RESULT "):
             return dict(json.loads(line[len("RESULT ") :]))
-    return f"mpi_pipeline.py failed (rc {res.returncode}): {(res.stderr or res.stdout)[-500:]}"
+    return f"{MPI_FAILED} (rc {res.returncode}): {(res.stderr or res.stdout)[-500:]}"
 
 
 def pipeline_seconds(n_dev: int, mb: float, repeat: int) -> float | str:
@@ -194,7 +185,7 @@ def pipeline_seconds(n_dev: int, mb: float, repeat: int) -> float | str:
     return best
 
 
-def bench_mpi_vs_pipeline(n_dev: int, mb: float, repeat: int) -> None:
+def bench_mpi_vs_pipeline(n_dev: int, mb: float, repeat: int) -> dict[str, Any]:
     mpi = mpi_result(n_dev, mb, repeat)
     single = pipeline_seconds(n_dev, mb, repeat)
     nbytes = 2 * (int(mb * (1 << 20)) // 4) * 4
@@ -208,15 +199,66 @@ def bench_mpi_vs_pipeline(n_dev: int, mb: float, repeat: int) -> None:
         print(f"  Pipeline: not run: {single}")
     else:
         print(f"  single-process Pipeline.map:      {nbytes / single / 1e9:7.1f} GB/s")
-    if isinstance(mpi, dict) and isinstance(single, float):
-        ratio = single / mpi["e2e_s"]
-        summary(
-            "procs.mpi_vs_pipeline",
-            f"{ratio:.2f}x",
-            f"MPI {nbytes / mpi['e2e_s'] / 1e9:.1f} GB/s vs Pipeline "
-            f"{nbytes / single / 1e9:.1f} GB/s end to end; info",
-            None,
+    return {"mpi": mpi, "pipeline_s": single, "mpi_nbytes": nbytes}
+
+
+def verdicts(r: Mapping[str, Any]) -> list[Line]:
+    """The SUMMARY lines of this benchmark from its measurements (pure: no GPU)."""
+    full, plain = r["startup_full_s"], r["startup_plain_s"]
+    lines = [
+        target(
+            "procs.startup_all_gpus",
+            median(full),
+            "<=",
+            3.0,
+            "s",
+            f"{r['gpus']} GPUs, spawn+import+bind; {stat_note(full, 's', False)}; "
+            f"spawn+import alone {median(plain):.2f}s",
+        ),
+    ]
+    ours, base = median(r["pool_s"]), median(r["ppe_s"])
+    lines.append(
+        target(
+            "procs.pool_task_overhead",
+            ours / base,
+            "<=",
+            1.5,
+            "x",
+            f"DevicePool {ours * 1e6:.0f}us/task vs ProcessPoolExecutor {base * 1e6:.0f}us, "
+            f"sequential no-op tasks, medians of {len(r['pool_s'])}",
         )
+    )
+    speedups = r["shm_speedups"]
+    big = max(speedups)
+    cross = r["shm_crossover_kib"]
+    lines.append(
+        info(
+            f"procs.shm_vs_pipe_{big // 1024}MiB",
+            speedups[big],
+            "x",
+            f"best of {r['repeats']}; crossover "
+            f"{f'{cross} KiB' if cross is not None else 'none measured'}, "
+            f"SHM_THRESHOLD {SHM_THRESHOLD >> 10} KiB",
+        )
+    )
+    mpi, single, nbytes = r["mpi"], r["pipeline_s"], r["mpi_nbytes"]
+    if isinstance(single, str):
+        lines.append(check("procs.pipeline_result_ok", 0.0, ">=", 1, "", f"1 = it ran: {single}"))
+    if isinstance(mpi, dict) and isinstance(single, float):
+        lines.append(
+            info(
+                "procs.mpi_vs_pipeline",
+                single / mpi["e2e_s"],
+                "x",
+                f"MPI {nbytes / mpi['e2e_s'] / 1e9:.1f} GB/s vs Pipeline "
+                f"{nbytes / single / 1e9:.1f} GB/s end to end",
+            )
+        )
+    elif isinstance(mpi, str) and not mpi.startswith(MPI_FAILED):
+        lines.append(skipped("procs.mpi_vs_pipeline", mpi))
+    elif isinstance(mpi, str):
+        lines.append(check("procs.mpi_example_ok", 0.0, ">=", 1, "", f"1 = it ran: {mpi}"))
+    return lines
 
 
 def main() -> int:
@@ -232,12 +274,13 @@ def main() -> int:
         return 2
     devices = list(range(n_dev))
     print(f"{n_dev} GPU(s): {', '.join(d.name for d in ck.devices())}")
-    bench_startup(devices, 2 if args.quick else 3)
-    bench_pool(devices, 100 if args.quick else 400)
+    r: dict[str, Any] = {}
+    r.update(bench_startup(devices, 3))
+    r.update(bench_pool(devices, 100 if args.quick else 400))
     sizes = [64, 256, 1024, 4096, 16384] + ([] if args.quick else [65536, 262144])
-    bench_transport(sizes, 3 if args.quick else 5)
-    bench_mpi_vs_pipeline(n_dev, 64 if args.quick else 512, 2 if args.quick else 5)
-    return 0
+    r.update(bench_transport(sizes, 3 if args.quick else 5))
+    r.update(bench_mpi_vs_pipeline(n_dev, 64 if args.quick else 512, 2 if args.quick else 5))
+    return emit(verdicts(r))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from tests.pipeline.test_pipeline_fake import FakeScaleKernel
+from tests.cli.test_demo_fake import FakeScaleKernel
 from tests.support.fakedriver import FakeHandle
 from tests.support.fakegpu import FakeGPU, gpu_fixture  # noqa: F401
 
@@ -68,27 +68,58 @@ def bench(gpu, monkeypatch):
     yield bench_pipeline
     sys.modules.pop("bench_pipeline", None)
     sys.modules.pop("pipeline_baselines", None)
+    sys.modules.pop("pipeline_verdicts", None)
 
 
-def test_benchmark_runs_every_section_on_the_simulated_gpu(bench, gpu, capsys):
+@pytest.fixture
+def big_arrays_mmapped():
+    """Arrays of 1 MiB or more get their own pages, as the benchmark's 2 GiB arrays always
+    do. glibc raises its mmap threshold (up to 32 MiB) once a large block is freed; the
+    test's 4 MiB input and output would then share a page on the heap, and pin on reuse
+    cannot hold both (their page ranges overlap)."""
+    import ctypes.util
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+    m_mmap_threshold = -3
+    if not hasattr(libc, "mallopt") or not libc.mallopt(m_mmap_threshold, 1 << 20):
+        pytest.skip("needs glibc's mallopt")
+    yield
+    libc.mallopt(m_mmap_threshold, 128 << 10)  # glibc's default
+
+
+def test_benchmark_runs_every_section_on_the_simulated_gpu(
+    bench, gpu, capsys, monkeypatch, big_arrays_mmapped
+):
     gpu.jitter = 0.0
+    # 4 MiB arrays: pin on reuse must hold them, or the held line measures staging (and
+    # its CHECK fails the program, as it should).
+    monkeypatch.setattr("ctxkit.pipeline.pincache.MIN_HOLD_BYTES", 1 << 20)
     assert bench.main(["--quick", "--size-gb", "0.004", "--repeats", "1"]) == 0
     text = capsys.readouterr().out
     for needle in (
         "host memcpy", "cuMemHostRegister", "naive_1gpu_8chunk", "ctxkit_1gpu_pageable_auto",
         "ctxkit_1gpu_pageable_in-register-out-staged", "ctxkit_2gpu_pageable_register_dynamic",
         "raw_2gpu_pinned_4events", "ctxkit_1gpu_pinned_notrace", "managed_2gpu",
+        "new_pipeline_1gpu_io", "naive_1gpu_8chunk_fresh_io", "fresh_2gpu_io",
     ):  # fmt: skip
         assert needle in text, needle
-    names = {line.split()[1] for line in text.splitlines() if line.startswith("SUMMARY ")}
+    names = {
+        line.split()[1] for line in text.splitlines() if line.startswith(("SUMMARY ", "CHECK "))
+    }
     assert {
-        "pipeline.1gpu_pageable_gbps", "pipeline.1gpu_vs_naive_chunked",
-        "pipeline.1gpu_auto_vs_fastest_path", "pipeline.1gpu_ceiling_gbps",
-        "pipeline.1gpu_vs_ceiling", "pipeline.2gpu_scaling", "pipeline.2gpu_ceiling_gbps",
-        "pipeline.2gpu_vs_ceiling", "pipeline.pinned_vs_raw_1gpu", "pipeline.pinned_vs_raw_2gpu",
-        "pipeline.register_unregister_gbps_best", "pipeline.register_thread_scaling",
-        "pipeline.host_memcpy_best", "pipeline.um_vs_explicit_pinned_2gpu",
+        "pipeline.1gpu_repeated_held_gbps", "pipeline.1gpu_repeated_is_held",
+        "pipeline.1gpu_repeated_held_vs_naive_chunked", "pipeline.1gpu_auto_vs_fastest_other_path",
+        "pipeline.1gpu_first_call_new_pipeline_gbps", "pipeline.1gpu_first_call_vs_naive_chunked",
+        "pipeline.1gpu_first_call_vs_torch_pinned", "pipeline.1gpu_long_lived_fresh_arrays_gbps",
+        "pipeline.1gpu_ceiling_gbps", "pipeline.1gpu_vs_ceiling", "pipeline.2gpu_scaling",
+        "pipeline.2gpu_fresh_scaling_vs_raw", "pipeline.2gpu_ceiling_gbps",
+        "pipeline.2gpu_vs_ceiling", "pipeline.2gpu_repeated_is_held", "pipeline.pinned_vs_raw_1gpu",
+        "pipeline.pinned_vs_raw_2gpu", "pipeline.register_unregister_gbps_best",
+        "pipeline.register_thread_scaling", "pipeline.host_memcpy_best",
+        "pipeline.um_vs_explicit_pinned_2gpu",
     } <= names  # fmt: skip
+    held = next(ln for ln in text.splitlines() if ln.startswith("CHECK pipeline.1gpu_repeated_is"))
+    assert held.endswith(" ok"), held
     assert not gpu.registered
 
 

@@ -94,12 +94,12 @@ def test_bench_memory_peer_section_waits_and_syncs_before_freeing(fake, monkeypa
     bench = load_file_module(path, "bench_memory_under_test")
     monkeypatch.setattr(bench, "PEER_SIZE", 64 << 10)
     c0, c1 = ck.registry.context(0), ck.registry.context(1)
-    bench.bench_peer(2, 2)
-    out = capsys.readouterr().out
-    assert "SUMMARY memory.peer_data_ok 1.00 (target 1 (bytes arrived)) PASS" in out
+    lines = {ln.name: ln for ln in bench.peer_verdicts(bench.bench_peer(2, 2))}
+    assert lines["memory.peer_data_ok"].text().startswith("CHECK memory.peer_data_ok 1.00 ")
+    assert lines["memory.peer_data_ok"].verdict == "ok"
     for key in ("staged", "p2p"):
-        assert f"SUMMARY memory.peer_{key}_vs_raw" in out
-        assert f"SUMMARY memory.peer_{key}_gbps" in out
+        assert lines[f"memory.peer_{key}_vs_raw"].text().startswith("SUMMARY ")
+        assert lines[f"memory.peer_{key}_gbps"].kind == "check"
     log = [(call, ctx) for call, ctx, _ in fake.log]
     frees = [i for i, (call, _) in enumerate(log) if call == "free"]
     assert len(frees) == 2
