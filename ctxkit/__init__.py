@@ -49,6 +49,7 @@ _EXPORTS: dict[str, str] = {
     "Module": "module",
     "Kernel": "module",
     "PreparedLaunch": "module",
+    "LaunchConfig": "module",
     "Graph": "graph",
     "capture": "graph",
     "kernel_source": "compiler",
@@ -175,7 +176,7 @@ if TYPE_CHECKING:  # pragma: no cover
         register_host,
         to_device,
     )
-    from .module import Kernel, Module, PreparedLaunch
+    from .module import Kernel, LaunchConfig, Module, PreparedLaunch
     from .pipeline import Pipeline, StageHandle
     from .procs import DevicePool, TaskOptions
     from .stream import Event, Stream, current_stream

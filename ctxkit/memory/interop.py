@@ -32,6 +32,7 @@ from ..stream import _context_of_cu
 __all__ = ["order_after_producer", "order_after_producers", "producer_stream"]
 
 _EVENT_DISABLE_TIMING = 2
+_DLPACK_CPU = 1
 _LEGACY = (0, 1)  # CAI v3 says 1 for the legacy default stream; the driver handle is 0
 
 #: per type: None (nothing to order) or a function (value, consumer int, ctx) -> None
@@ -95,7 +96,11 @@ def _classify(v: Any) -> Callable[[Any, int, Context], None] | None:
     if mod == "ctxkit" or mod.startswith("ctxkit."):
         return None
     if hasattr(v, "__dlpack__") and hasattr(v, "__dlpack_device__"):
-        return _order_dlpack
+        try:
+            on_host = int(v.__dlpack_device__()[0]) == _DLPACK_CPU
+        except Exception:
+            return None
+        return None if on_host else _order_dlpack
     return None
 
 

@@ -17,13 +17,16 @@ from __future__ import annotations
 from ..errors import KernelNotFoundError
 from ..graph import Graph, capture
 from .image import jit_detail, missing_kernel_message, read_image
-from .kernel import Kernel, PreparedLaunch
+from .kernel import Kernel
+from .launch import LaunchConfig
 from .module import Module
+from .prepared import PreparedLaunch
 
 __all__ = [
     "Graph",
     "Kernel",
     "KernelNotFoundError",
+    "LaunchConfig",
     "Module",
     "PreparedLaunch",
     "capture",

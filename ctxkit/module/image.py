@@ -39,18 +39,29 @@ _LOG_BYTES = 1 << 15
 
 
 class Image:
-    """What ``Module.load`` was given, normalised."""
+    """What ``Module.load`` was given, normalised.
 
-    __slots__ = ("code", "format", "label", "lowered", "ptx")
+    ``source`` is the CUDA C++ source when an ``ObjectCode`` carries it: the declared
+    parameter types of ``extern "C"`` kernels are read from it.
+    """
+
+    __slots__ = ("code", "format", "label", "lowered", "ptx", "source")
 
     def __init__(
-        self, code: bytes, fmt: str, label: str, ptx: str | None, lowered: Mapping[str, str]
+        self,
+        code: bytes,
+        fmt: str,
+        label: str,
+        ptx: str | None,
+        lowered: Mapping[str, str],
+        source: str | None = None,
     ) -> None:
         self.code = code
         self.format = fmt
         self.label = label
         self.ptx = ptx
         self.lowered = dict(lowered)
+        self.source = source
 
 
 def _looks_like_ptx_text(text: str) -> bool:
@@ -73,7 +84,15 @@ def read_image(source: Any, name: str | None = None) -> Image:
             ptx = code.rstrip(b"\0").decode()
             code = _ptx_image(ptx)
         label = name or getattr(source, "name", None) or "<ObjectCode>"
-        return Image(code, fmt, str(label), ptx, getattr(source, "lowered_names", None) or {})
+        text = getattr(source, "source", None)
+        return Image(
+            code,
+            fmt,
+            str(label),
+            ptx,
+            getattr(source, "lowered_names", None) or {},
+            text if isinstance(text, str) else None,
+        )
     if isinstance(source, (bytes, bytearray, memoryview)):
         data = bytes(source)
         return _from_bytes(data, name or f"<{len(data)} bytes>")

@@ -11,17 +11,30 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from .. import _driver
 from .._driver import call, drv
-from ..context import Context, require_current, thread_state
+from ..context import Context, require_current
+from ..context import _tls as _thread_local
 from ..errors import STICKY_CODES, CudaError, LaunchArgumentError
 from ..registry import guard
+from ..stream import _current as _current_streams
 from ..stream import stream_for
-from . import params as _params
 from .image import JIT_CODES
-from .params import ArgPacker, ParamBuffer, normalize_dims
+from .launch import (
+    DIM_MAX,
+    LEGACY_STREAM,
+    LaunchConfig,
+    check_cluster,
+    check_cooperative,
+    config_for,
+    failure_detail,
+    function_attribute,
+    native_config,
+    normalize_dims,
+    shared_mem_arg,
+)
+from .params import ArgPacker
+from .prepared import PreparedLaunch
 from .ptxsig import Param, Signature
 
 if TYPE_CHECKING:
@@ -30,19 +43,11 @@ if TYPE_CHECKING:
 __all__ = ["Kernel", "PreparedLaunch", "load_function"]
 
 
-_INVALID_VALUE = 1
-
-
-_OUT_OF_RESOURCES = 701
-
-
 _INVALID_HANDLE = 400
 
 
-_INVALID_CONTEXT = 201
-
-
-_DIM_MAX = 0xFFFFFFFF
+#: ``Kernel._last`` before any launch and after the module is closed: never a context
+_NO_LAUNCH: tuple[Any, Any] = (object(), None)
 
 
 def load_function(func: Any) -> int:
@@ -61,12 +66,6 @@ def load_function(func: Any) -> int:
     return int(err)
 
 
-def _function_attribute(name: str | Any) -> Any:
-    return _driver.enum_member(
-        drv.CUfunction_attribute, "CU_FUNC_ATTRIBUTE_", name, "kernel attribute"
-    )
-
-
 class Kernel:
     """One ``__global__`` function of a :class:`Module`.
 
@@ -81,8 +80,11 @@ class Kernel:
 
     __slots__ = (
         "__weakref__",
+        "_address",
+        "_fits",
         "_funcs",
         "_handle",
+        "_last",
         "_packer",
         "_sig",
         "_unknown_reason",
@@ -108,7 +110,10 @@ class Kernel:
         self._sig = sig
         self._unknown_reason = unknown_reason
         self._packer = ArgPacker(sig, name) if sig is not None else None
+        self._address = self._packer.address if self._packer is not None else None
         self._funcs: dict[int, tuple[Context, Any]] = {}
+        self._last: tuple[Any, Any] = _NO_LAUNCH  # (context, CUfunction) of the last launch
+        self._fits: dict[Any, Any] = {}  # occupancy limits of cooperative and cluster launches
 
     def __repr__(self) -> str:
         return f"<Kernel {self._sig or self.name} from {self.module.name}>"
@@ -135,6 +140,38 @@ class Kernel:
             )
         return self._packer
 
+    # -- handles -----------------------------------------------------------------------
+
+    @property
+    def handle(self) -> Any:
+        """The driver handle, for code that calls the driver directly.
+
+        A ``CUkernel`` for a kernel of a context-independent library (the default
+        ``Module.load``), which ``cuLaunchKernel`` accepts in any context; a ``CUfunction``
+        for a kernel of a module loaded with ``context=``. See :meth:`function_handle`
+        for the ``CUfunction`` of one context.
+        """
+        self.module._check_open()
+        return self._handle
+
+    def function_handle(self, context: Context | None = None) -> Any:
+        """The ``CUfunction`` of this kernel in *context*, loaded (``cuFuncLoad``).
+
+        Parameters
+        ----------
+        context : Context, optional
+            Default: the calling thread's current context (the module's own context for
+            a module loaded with ``context=``).
+
+        Raises
+        ------
+        NoCurrentContextError
+            No *context* was given and the thread has none.
+        """
+        ctx = context if context is not None else self._current(f"{self.name}.function_handle")
+        with ctx:
+            return self._function(ctx)
+
     # -- per-context function ----------------------------------------------------------
 
     def _function(self, ctx: Context) -> Any:
@@ -160,6 +197,11 @@ class Kernel:
             raise self._function_error(err, ctx, "cuFuncLoad")
         self._funcs[ctx.handle] = (ctx, func)
         return func
+
+    def _forget_functions(self) -> None:
+        """The module was closed: no launch may reuse a function of it."""
+        self._last = _NO_LAUNCH
+        self._funcs.clear()
 
     def _function_error(self, code: int, ctx: Context, call: str) -> CudaError:
         what = f"{call}({self.name!r}) in {ctx!r}"
@@ -221,6 +263,9 @@ class Kernel:
         *args: Any,
         stream: Any = None,
         shared_mem: int = 0,
+        cooperative: bool = False,
+        cluster: int | tuple[int, ...] | None = None,
+        config: LaunchConfig | None = None,
     ) -> None:
         """Launch on the current context's device.
 
@@ -231,38 +276,59 @@ class Kernel:
             One per kernel parameter: ctxkit buffers/arrays, CuPy/PyTorch/Numba arrays,
             DLPack producers, Python or numpy numbers, bytes for structs by value.
         stream : Stream, CuPy/PyTorch stream, int or None
-            ``None`` is the context's legacy default stream.
+            ``None``: the thread's current stream of the context (``with stream:``), by
+            default the legacy default stream. Foreign arrays among *args* are used
+            after their producer stream (CAI v3 ``stream``, DLPack, PyTorch/CuPy).
         shared_mem : int
             Dynamic shared memory per block, in bytes.
+        cooperative : bool
+            A cooperative launch: all blocks resident at once, for grid-wide
+            synchronisation (``cooperative_groups::this_grid().sync()``).
+        cluster : int or tuple of 1-3 ints, optional
+            Thread-block cluster shape (compute capability 9.0+).
+        config : LaunchConfig, optional
+            These and the other launch attributes in one object (instead of
+            ``cooperative=``/``cluster=``).
 
         Raises
         ------
         LaunchArgumentError
-            Arguments do not match the parameters (checked before launching).
+            Arguments do not match the parameters, or a ctxkit buffer lives on another
+            device without peer access (checked before launching).
+        CudaError
+            The module is closed; a cooperative grid larger than the device holds at once
+            (``CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE``), or a cluster the device or
+            kernel cannot take (``CUDA_ERROR_INVALID_CLUSTER_SIZE``), refused before
+            launching with the occupancy numbers.
         NoCurrentContextError
             The calling thread has no current context.
         ContextPoisonedError
             An earlier kernel faulted in this context.
-        CudaError
-            The kernel's module is closed.
         """
-        if self.module.closed:
-            self.module._check_open()
-        ctx = thread_state().top
-        if ctx is None:
-            ctx = require_current(f"launching kernel {self.name!r}")
-        hit = self._funcs.get(ctx.handle)
-        func = hit[1] if hit is not None and hit[0] is ctx else self._resolve(ctx)
-        if type(grid) is int and 0 < grid <= _DIM_MAX:
+        ctx = _thread_local.s.top
+        last = self._last
+        if last[0] is ctx:
+            func = last[1]
+        else:
+            ctx, func = self._launch_function(ctx)
+        if type(grid) is int and 0 < grid <= DIM_MAX:
             gx, gy, gz = grid, 1, 1
         else:
             gx, gy, gz = normalize_dims(grid, "grid")
-        if type(block) is int and 0 < block <= _DIM_MAX:
+        if type(block) is int and 0 < block <= DIM_MAX:
             bx, by, bz = block, 1, 1
         else:
             bx, by, bz = normalize_dims(block, "block")
-        hs = 0 if stream is None else stream_for(stream, ctx, "launch")
-        addr = (self._packer or self._require_packer()).address_for(args)
+        if stream is None:
+            hs = stream_for(None, ctx, "launch") if _current_streams.by_context else LEGACY_STREAM
+        else:
+            hs = stream_for(stream, ctx, "launch")
+        addr = (self._address or self._require_packer().address)(args, ctx, hs)
+        if cooperative or cluster is not None or config is not None:
+            cfg = config_for(config, cooperative, cluster)
+            if not cfg.empty:
+                self._launch_ex(ctx, func, (gx, gy, gz), (bx, by, bz), shared_mem, hs, addr, cfg)
+                return
         try:
             (err,) = drv.cuLaunchKernel(func, gx, gy, gz, bx, by, bz, shared_mem, hs, addr, 0)
         except (OverflowError, TypeError) as exc:
@@ -272,6 +338,48 @@ class Kernel:
         if err:
             raise self._launch_error(int(err), ctx, func, (gx, gy, gz), (bx, by, bz), shared_mem)
 
+    def _launch_function(self, ctx: Context | None) -> tuple[Context, Any]:
+        """The launch's context and function when the last launch's do not apply."""
+        if ctx is None:
+            self.module._check_open()
+            ctx = require_current(f"launching kernel {self.name!r}")
+        hit = self._funcs.get(ctx.handle)
+        func = hit[1] if hit is not None and hit[0] is ctx else self._resolve(ctx)
+        self._last = (ctx, func)
+        return ctx, func
+
+    def _launch_ex(
+        self,
+        ctx: Context,
+        func: Any,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        shared_mem: int,
+        hs: Any,
+        addr: int,
+        cfg: LaunchConfig,
+    ) -> None:
+        shared_mem = shared_mem_arg(shared_mem, self.name)
+        self._check_config(ctx, func, grid, block, shared_mem, cfg)
+        native = native_config(grid, block, shared_mem, hs, cfg.attributes())
+        (err,) = drv.cuLaunchKernelEx(native, func, addr, 0)
+        if err:
+            raise self._launch_error(int(err), ctx, func, grid, block, shared_mem, cfg)
+
+    def _check_config(
+        self,
+        ctx: Context,
+        func: Any,
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        shared_mem: int,
+        cfg: LaunchConfig,
+    ) -> None:
+        if cfg.cooperative:
+            check_cooperative(self.name, self._fits, ctx, func, grid, block, shared_mem)
+        if cfg.cluster is not None:
+            check_cluster(self.name, self._fits, ctx, func, grid, block, shared_mem, cfg.cluster)
+
     def prepare(
         self,
         grid: int | tuple[int, ...],
@@ -279,15 +387,21 @@ class Kernel:
         *args: Any,
         stream: Any = None,
         shared_mem: int = 0,
+        cooperative: bool = False,
+        cluster: int | tuple[int, ...] | None = None,
+        config: LaunchConfig | None = None,
     ) -> PreparedLaunch:
         """Check and pack everything once; calling the result launches.
 
-        The launch belongs to the context current now (or the module's context).
+        Takes the arguments of :meth:`launch`; the launch belongs to the context current
+        now (or the module's context), and ``stream=None`` means the current stream now.
+        Cooperative and cluster limits are checked here.
         """
         ctx = self._current(f"preparing a launch of {self.name!r}")
+        cfg = config_for(config, cooperative, cluster)
         with ctx:
             func = self._function(ctx)
-        return PreparedLaunch(self, ctx, func, grid, block, args, stream, shared_mem)
+            return PreparedLaunch(self, ctx, func, grid, block, args, stream, shared_mem, cfg)
 
     def _launch_error(
         self,
@@ -297,49 +411,21 @@ class Kernel:
         grid: tuple[int, int, int],
         block: tuple[int, int, int],
         shared_mem: int,
+        cfg: LaunchConfig | None = None,
     ) -> CudaError:
-        what = f"cuLaunchKernel({self.name!r}, grid={grid}, block={block}, shared_mem={shared_mem})"
+        options = f", {cfg.describe()}" if cfg is not None and not cfg.empty else ""
+        call_name = "cuLaunchKernelEx" if options else "cuLaunchKernel"
+        what = (
+            f"{call_name}({self.name!r}, grid={grid}, block={block}, "
+            f"shared_mem={shared_mem}{options})"
+        )
         if code in STICKY_CODES:
             return ctx.note_error(code, what)
         if code in JIT_CODES:
             return self.module._jit_error(code, what)
-        detail = ""
-        if code in (_INVALID_VALUE, _OUT_OF_RESOURCES):
-            reasons = _params.explain_launch_config(
-                grid, block, shared_mem, self._limits(ctx, func)
-            )
-            detail = "\n".join(f"- {r}" for r in reasons)
-        elif code in (_INVALID_HANDLE, _INVALID_CONTEXT):
-            detail = (
-                f"ctxkit launched in {ctx!r}; if other code pushed a different context "
-                "without ctxkit knowing, the kernel handle does not belong to it"
-            )
+        reqntid = self._sig.reqntid if self._sig is not None else None
+        detail = failure_detail(code, ctx, func, grid, block, shared_mem, reqntid)
         return _driver.from_result(code, what, detail)
-
-    def _limits(self, ctx: Context, func: Any) -> dict[str, int]:
-        out: dict[str, int] = {}
-        dev = ctx.device
-        names = {f"max_{k}_dim_{a}": f"max_{k}_dim_{a}" for k in ("block", "grid") for a in "xyz"}
-        names["max_shared_optin"] = "max_shared_memory_per_block_optin"
-        names["regs_per_block"] = "max_registers_per_block"
-        for key, attr in names.items():
-            try:
-                out[key] = dev.attribute(attr)
-            except Exception:
-                pass
-        fattrs = {
-            "max_threads_per_block": "max_threads_per_block",
-            "max_dynamic_shared": "max_dynamic_shared_size_bytes",
-            "static_shared": "shared_size_bytes",
-            "num_regs": "num_regs",
-        }
-        for key, attr in fattrs.items():
-            err, v = drv.cuFuncGetAttribute(_function_attribute(attr), func)
-            if not err:
-                out[key] = int(v)
-        if self._sig is not None and self._sig.reqntid:
-            out["reqntid"] = int(np.prod(self._sig.reqntid))
-        return out
 
     # -- attributes and occupancy ------------------------------------------------------
 
@@ -367,16 +453,17 @@ class Kernel:
         """One attribute, e.g. ``"num_regs"`` or ``"max_threads_per_block"``."""
         ctx, func = self._func_here(f"{self.name}.attribute({name!r})")
         with ctx:
-            return int(call(drv.cuFuncGetAttribute, _function_attribute(name), func))
+            return int(call(drv.cuFuncGetAttribute, function_attribute(name), func))
 
     def set_attribute(self, name: str | Any, value: int) -> None:
         """Set an attribute in the current context (e.g. ``"max_dynamic_shared_size_bytes"``)."""
         ctx, func = self._func_here(f"{self.name}.set_attribute({name!r})")
+        self._fits.clear()  # occupancy limits depend on the attributes
         with ctx:
             call(
                 drv.cuFuncSetAttribute,
                 func,
-                _function_attribute(name),
+                function_attribute(name),
                 int(value),
                 what=f"cuFuncSetAttribute({self.name!r}, {name}, {value})",
             )
@@ -410,77 +497,3 @@ class Kernel:
         """``(grid, block)`` covering *n* threads with the occupancy-optimal block size."""
         block = self.max_block_size(shared_mem)
         return max(1, -(-int(n) // block)), block
-
-
-class PreparedLaunch:
-    """A launch with its arguments packed once; ``pl()`` launches it again.
-
-    Made by :meth:`Kernel.prepare`. It belongs to one context; calling it from a thread
-    where another context is current binds that context for the call. It keeps
-    references to its arguments, so buffers stay alive as long as it does.
-    """
-
-    __slots__ = ("_args", "_buf", "_call", "_kernel", "block", "context", "grid", "shared_mem")
-
-    def __init__(
-        self,
-        kernel: Kernel,
-        ctx: Context,
-        func: Any,
-        grid: Any,
-        block: Any,
-        args: tuple[Any, ...],
-        stream: Any,
-        shared_mem: int,
-    ) -> None:
-        packer = kernel._require_packer()
-        self._kernel = kernel
-        self.context = ctx
-        self.grid = normalize_dims(grid, "grid")
-        self.block = normalize_dims(block, "block")
-        if isinstance(shared_mem, bool) or not isinstance(shared_mem, int) or shared_mem < 0:
-            raise ValueError(f"shared_mem must be a non-negative int, got {shared_mem!r}")
-        self.shared_mem = shared_mem
-        self._buf = ParamBuffer(packer.sig)
-        packer.pack_into(self._buf, args)
-        self._args = list(args)
-        hs = 0 if stream is None else stream_for(stream, ctx, "launch")
-        self._call = (func, *self.grid, *self.block, shared_mem, hs, self._buf.address, 0)
-
-    def __call__(self) -> None:
-        """Launch (no argument packing; the context is checked in thread-local state)."""
-        if thread_state().top is not self.context or self._kernel.module.closed:
-            return self._call_slow()
-        (err,) = drv.cuLaunchKernel(*self._call)
-        if err:
-            raise self._error(int(err))
-
-    def _call_slow(self) -> None:
-        self._kernel.module._check_open()
-        with guard(self.context, f"PreparedLaunch of {self._kernel.name!r}"):
-            (err,) = drv.cuLaunchKernel(*self._call)
-            if err:
-                raise self._error(int(err))
-
-    def _error(self, code: int) -> CudaError:
-        return self._kernel._launch_error(
-            code, self.context, self._call[0], self.grid, self.block, self.shared_mem
-        )
-
-    def set_arg(self, key: int | str, value: Any) -> None:
-        """Replace one argument (by index or PTX parameter name), checked like a launch."""
-        packer = self._kernel._require_packer()
-        i = packer.index_of(key)
-        packer.pack_one(self._buf, i, value)
-        self._args[i] = value
-
-    @property
-    def args(self) -> tuple[Any, ...]:
-        """The current arguments."""
-        return tuple(self._args)
-
-    def __repr__(self) -> str:
-        return (
-            f"<PreparedLaunch {self._kernel.name} grid={self.grid} block={self.block} "
-            f"in {self.context!r}>"
-        )

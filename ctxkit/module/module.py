@@ -26,6 +26,7 @@ from ..context import Context, current_handle
 from ..errors import STICKY_CODES, CompileError, CudaError, KernelNotFoundError
 from ..lifetime import finalizer
 from ..registry import bind, guard
+from .cdecl import CType, mangled_param_types, source_param_types
 from .image import (
     JIT_CODES,
     Image,
@@ -193,17 +194,30 @@ class Module:
         return k
 
     def _signature_for(self, symbol: str, handle: Any) -> tuple[Signature | None, str]:
-        """The PTX signature, else the driver's layout; with the reason when neither."""
+        """The PTX signature, else the driver's layout; with the reason when neither.
+
+        The C++ parameter types (from the mangled name, or from the declaration in the
+        source an ``ObjectCode`` carries) add what PTX does not say: the sign.
+        """
         if self._signatures is not None and symbol in self._signatures:
-            return self._signatures[symbol], ""
-        if self.context is None:
-            layout, why = library_layout(handle)
+            sig = self._signatures[symbol]
         else:
-            with self.context:
-                layout, why = driver_layout(drv, "cuFuncGetParamInfo", handle)
-        if layout is None:
-            return None, why
-        return signature_from_layout(symbol, layout), ""
+            if self.context is None:
+                layout, why = library_layout(handle)
+            else:
+                with self.context:
+                    layout, why = driver_layout(drv, "cuFuncGetParamInfo", handle)
+            if layout is None:
+                return None, why
+            sig = signature_from_layout(symbol, layout)
+        return sig.with_ctypes(self._param_types(symbol, len(sig.params))), ""
+
+    def _param_types(self, symbol: str, count: int) -> list[CType] | None:
+        if symbol.startswith("_Z"):
+            return mangled_param_types(symbol)
+        if self._image.source:
+            return source_param_types(self._image.source, symbol, count)
+        return None
 
     def _jit_error(self, code: int, what: str) -> CompileError:
         return jit_error(code, what, self._image, decode_log(self._logs[1]))
@@ -225,7 +239,7 @@ class Module:
             return
         self.closed = True
         for k in self._kernels.values():
-            k._funcs.clear()
+            k._forget_functions()
         self._fin()
 
     def __repr__(self) -> str:

@@ -1,12 +1,13 @@
-"""Kernel argument checking and packing, and launch-configuration checks (no driver).
+"""Kernel argument checking and packing (no driver).
 
 :class:`ArgPacker` checks Python arguments against a kernel's parameter list (see
 :mod:`ctxkit.module.ptxsig`) and packs them, at the device-side offsets, into one buffer plus
 the ``void**`` array ``cuLaunchKernel`` takes. PTX does not mark pointers reliably
 (NVRTC emits ``.u64`` for both ``float*`` and ``size_t``), so a 64-bit integer
 parameter takes a device pointer or an integer, while floats and narrower integers
-refuse pointers. :func:`normalize_dims` and :func:`explain_launch_config` check and
-explain grid/block/shared-memory settings.
+refuse pointers. Integers must fit the parameter's width, and a parameter whose C++ type
+is unsigned (see :mod:`ctxkit.module.cdecl`) refuses negative values. A ctxkit buffer of
+another device is refused unless the launch's context has peer access to it.
 """
 
 from __future__ import annotations
@@ -20,13 +21,11 @@ from typing import Any
 
 import numpy as np
 
+from ..context import Context
 from ..errors import LaunchArgumentError
-from .pointers import (
-    Refused,
-    getters,
-    pointer_getter,
-    short_repr,
-)
+from ..memory.device import DeviceArray, DeviceBuffer
+from .memargs import OWN_TYPES, order_foreign, pointer_of, remember_pointer_type
+from .pointers import Refused, pointer_getter, short_repr
 from .ptxsig import (
     BITS,
     BYTES,
@@ -36,17 +35,31 @@ from .ptxsig import (
     Signature,
 )
 
-__all__ = ["ArgPacker", "ParamBuffer", "explain_launch_config", "normalize_dims"]
+__all__ = ["ArgPacker", "ParamBuffer"]
 
 
 def _int_range(p: Param) -> tuple[int, int]:
+    """``[lo, hi)`` of the values a parameter takes: both signs' when its sign is unknown."""
     bits = p.size * 8
     if p.signed:
         return -(1 << (bits - 1)), 1 << (bits - 1)
+    if p.unsigned:
+        return 0, 1 << bits
     return -(1 << (bits - 1)), 1 << bits
 
 
-def _as_int(p: Param, v: Any) -> int:
+def _range_message(p: Param, x: int, lo: int, hi: int) -> str:
+    if x < 0 and lo == 0:
+        return (
+            f"got {x}, a negative value for an unsigned parameter ({p.ctype or p.ptx_type}): "
+            f"the kernel would read it as {x & ((1 << (p.size * 8)) - 1)}. Pass a value in "
+            f"0..{hi - 1}"
+        )
+    what = f"{p.ctype}, " if p.ctype else ""
+    return f"got {x}, out of range for .{p.type} ({what}valid: {lo}..{hi - 1})"
+
+
+def _as_int(p: Param, v: Any, ctx: Context | None) -> int:
     t = type(v)
     if t is int or t is bool or isinstance(v, (np.integer, np.bool_)):
         return int(v)
@@ -60,7 +73,7 @@ def _as_int(p: Param, v: Any) -> int:
     g = pointer_getter(v)
     if g is not None:
         if p.accepts_pointer:
-            return g(v)
+            return remember_pointer_type(t, g)(v, ctx)
         if isinstance(v, np.ndarray):
             raise Refused(
                 f"got a numpy array {v.shape} {v.dtype}; the parameter takes one integer "
@@ -74,26 +87,23 @@ def _as_int(p: Param, v: Any) -> int:
     raise Refused(f"got {short_repr(v)}; expected {expected}")
 
 
-_MISSING: Any = object()
-
-
-def _int_converter(p: Param) -> Callable[[Any], int]:
+def _int_converter(p: Param) -> Callable[[Any, Any], int]:
     lo, hi = _int_range(p)
     mask = (1 << (p.size * 8)) - 1
-    signed = p.signed
-    known = getters if p.accepts_pointer else {}
+    wrap = not (p.signed or p.unsigned)
+    known = pointer_of if p.accepts_pointer else {}
 
-    def conv(v: Any) -> int:
+    def conv(v: Any, ctx: Any) -> int:
         if type(v) is int:
             x = v
         else:
-            g = known.get(type(v), _MISSING)
-            if g is not None and g is not _MISSING:
-                return g(v)
-            x = _as_int(p, v)
+            g = known.get(type(v))
+            if g is not None:
+                return g(v, ctx)
+            x = _as_int(p, v, ctx)
         if not lo <= x < hi:
-            raise Refused(f"got {x}, out of range for .{p.type} (valid: {lo}..{hi - 1})")
-        return x if signed else x & mask
+            raise Refused(_range_message(p, x, lo, hi))
+        return x & mask if wrap else x
 
     return conv
 
@@ -104,10 +114,10 @@ _FLOAT_MAX = {2: 65504.0, 4: 3.4028234663852886e38, 8: float("inf")}
 _INF = float("inf")
 
 
-def _float_converter(p: Param) -> Callable[[Any], float]:
+def _float_converter(p: Param) -> Callable[[Any, Any], float]:
     limit = _FLOAT_MAX[p.size]
 
-    def conv(v: Any) -> float:
+    def conv(v: Any, ctx: Any) -> float:
         t = type(v)
         if t is float or t is int or t is bool or isinstance(v, (np.floating, np.integer)):
             try:
@@ -157,17 +167,17 @@ def _to_bytes(p: Param, v: Any) -> bytes:
     return data
 
 
-def _bytes_converter(p: Param) -> Callable[[Any], bytes]:
-    return lambda v: _to_bytes(p, v)
+def _bytes_converter(p: Param) -> Callable[[Any, Any], bytes]:
+    return lambda v, ctx: _to_bytes(p, v)
 
 
-def _bits_converter(p: Param) -> Callable[[Any], int]:
+def _bits_converter(p: Param) -> Callable[[Any, Any], int]:
     as_int = _int_converter(p)
 
-    def conv(v: Any) -> int:
+    def conv(v: Any, ctx: Any) -> int:
         t = type(v)
         if t is int:
-            return as_int(v)
+            return as_int(v, ctx)
         if isinstance(v, np.generic) and not isinstance(v, (np.integer, np.bool_)):
             return int.from_bytes(_to_bytes(p, v), "little")
         if t is float:
@@ -178,12 +188,12 @@ def _bits_converter(p: Param) -> Callable[[Any], int]:
             )
         if isinstance(v, (bytes, bytearray, memoryview, ctypes._SimpleCData)):
             return int.from_bytes(_to_bytes(p, v), "little")
-        return as_int(v)
+        return as_int(v, ctx)
 
     return conv
 
 
-def _converter(p: Param) -> Callable[[Any], Any]:
+def _converter(p: Param) -> Callable[[Any, Any], Any]:
     if p.kind == INT:
         return _int_converter(p)
     if p.kind == FLOAT:
@@ -193,17 +203,90 @@ def _converter(p: Param) -> Callable[[Any], Any]:
     return _bytes_converter(p)
 
 
-def _compile_fill(convs: Sequence[Callable[[Any], Any]], pack_into: Any) -> Any:
-    """``fill(data, args)``: convert and pack all arguments with one unrolled call.
+def _inline(p: Param, i: int) -> str:
+    """The packing expression of argument *i*: common values inline, the rest converted.
 
-    Generated so the hot path has no per-argument loop (about half the cost of a
-    comprehension); the source contains only generated names, never user input.
+    A Python ``int`` or ``float`` is packed as it is when :mod:`struct` checks the same
+    range the converter would (a failure is explained argument by argument afterwards);
+    an ``int`` of unknown sign goes through the converter only when it is negative. A
+    ctxkit buffer or array of the launch's own context costs two attribute reads.
     """
-    calls = ", ".join(f"c{i}(a[{i}])" for i in range(len(convs)))
+    a, t, c = f"a{i}", f"t{i}", f"c{i}(a{i}, ctx)"
+    if p.kind == INT and not p.count:
+        guard = "" if (p.signed or p.unsigned) else f" and {a} >= 0"
+        if not p.accepts_pointer:
+            return f"({a} if type({a}) is int{guard} else {c})"
+        return (
+            f"({a} if ({t} := type({a})) is int{guard} "
+            f"else {a}.ptr if {t} is DeviceBuffer and {a}.context is ctx "
+            f"else {a}.buffer.ptr if {t} is DeviceArray and {a}.buffer.context is ctx "
+            f"else {c})"
+        )
+    if p.kind == FLOAT:
+        return f"({a} if type({a}) is float else {c})"
+    return c
+
+
+def _compile_packers(
+    params: Sequence[Param],
+    convs: Sequence[Callable[[Any, Any], Any]],
+    pack_into: Any,
+    local: threading.local,
+    new_buffer: Callable[[], ParamBuffer],
+    count_error: Callable[[Sequence[Any]], Exception],
+    explain: Callable[[Sequence[Any], Any, BaseException], BaseException],
+) -> tuple[Any, Any]:
+    """``fill(data, args, ctx)`` and ``address(args, ctx, stream)``, each one generated
+    function.
+
+    Generated so the hot path has no per-argument loop or call for plain numbers (about
+    half the cost of a comprehension); the source contains only generated names, never
+    user input. ``address`` packs into the calling thread's reusable buffer and, when an
+    argument is a foreign array (not a number or a ctxkit buffer), orders *stream* after
+    its producer (:func:`order_foreign`).
+    """
+    n = len(params)
+    names = "".join(f"a{i}, " for i in range(n))
+    exprs = ", ".join(_inline(p, i) for i, p in enumerate(params))
     namespace: dict[str, Any] = {f"c{i}": c for i, c in enumerate(convs)}
-    namespace["pack_into"] = pack_into
-    exec(f"def fill(d, a):\n    pack_into(d, 0, {calls})\n", namespace)
-    return namespace["fill"]
+    namespace.update(
+        DeviceBuffer=DeviceBuffer,
+        DeviceArray=DeviceArray,
+        plain=OWN_TYPES,
+        order=order_foreign,
+        pack_into=pack_into,
+        local=local,
+        new_buffer=new_buffer,
+        count_error=count_error,
+        explain=explain,
+    )
+    unpack = (
+        f"    try:\n        {names}= a\n    except ValueError:\n"
+        "        raise count_error(a) from None\n"
+        if n
+        else "    if a:\n        raise count_error(a)\n"
+    )
+    pack = (
+        f"    try:\n        pack_into(d, 0, {exprs})\n    except Exception as exc:\n"
+        "        raise explain(a, ctx, exc) from None\n"
+        if n
+        else ""
+    )
+    own = [
+        f"t{i} in plain" if p.kind == INT else f"type(a{i}) in plain"
+        for i, p in enumerate(params)
+        if p.accepts_pointer
+    ]
+    order = f"    if not ({' and '.join(own)}):\n        order(a, hs, ctx)\n" if own else ""
+    src = f"def fill(d, a, ctx):\n{unpack}{pack}\ndef address(a, ctx, hs):\n{unpack}" + (
+        "    try:\n        d, address, _ = local.buf\n    except AttributeError:\n"
+        "        b = new_buffer()\n        d, address, _ = local.buf = (b.data, b.address, b)\n"
+        f"{pack}{order}    return address\n"
+        if n
+        else "    return 0\n"
+    )
+    exec(src, namespace)
+    return namespace["fill"], namespace["address"]
 
 
 def _layout_format(params: Sequence[Param], total: int) -> str:
@@ -247,9 +330,22 @@ class ArgPacker:
     sig : Signature
     kernel : str
         Name used in error messages.
+
+    Every method takes the launch's context (*ctx*): ctxkit buffers of another device are
+    refused unless that context has peer access to them. ``None`` skips that check.
     """
 
-    __slots__ = ("_convs", "_fill", "_local", "_n", "_one", "_struct", "kernel", "sig")
+    __slots__ = (
+        "_convs",
+        "_fill",
+        "_local",
+        "_n",
+        "_one",
+        "_struct",
+        "address",
+        "kernel",
+        "sig",
+    )
 
     def __init__(self, sig: Signature, kernel: str | None = None) -> None:
         self.sig = sig
@@ -258,12 +354,20 @@ class ArgPacker:
         self._convs = tuple(_converter(p) for p in sig.params)
         self._struct = struct.Struct(_layout_format(sig.params, sig.size))
         self._one = tuple(struct.Struct("<" + p.code) for p in sig.params)
-        self._fill = _compile_fill(self._convs, self._struct.pack_into)
         self._local = threading.local()
+        self._fill, self.address = _compile_packers(
+            sig.params,
+            self._convs,
+            self._struct.pack_into,
+            self._local,
+            lambda: ParamBuffer(sig),
+            self._count_error,
+            self._explain,
+        )
 
     # -- checking --------------------------------------------------------------------
 
-    def values(self, args: Sequence[Any]) -> list[Any]:
+    def values(self, args: Sequence[Any], ctx: Context | None = None) -> list[Any]:
         """Check *args* and convert each to the value that gets packed.
 
         Raises
@@ -274,12 +378,12 @@ class ArgPacker:
         """
         if len(args) != self._n:
             raise self._count_error(args)
-        return [self._check_one(i, v) for i, v in enumerate(args)]
+        return [self._check_one(i, v, ctx) for i, v in enumerate(args)]
 
-    def _check_one(self, i: int, v: Any) -> Any:
+    def _check_one(self, i: int, v: Any, ctx: Context | None) -> Any:
         p = self.sig.params[i]
         try:
-            x = self._convs[i](v)
+            x = self._convs[i](v, ctx)
             self._one[i].pack(x)
         except Refused as exc:
             raise self._arg_error(p, str(exc)) from None
@@ -296,7 +400,9 @@ class ArgPacker:
         )
 
     def _signature_text(self) -> str:
-        inner = ", ".join(f"{p.ptx_type} {p.name}" for p in self.sig.params)
+        inner = ", ".join(
+            f"{p.ptx_type} {p.name}" + (f" ({p.ctype})" if p.ctype else "") for p in self.sig.params
+        )
         return f"{self.kernel}({inner})"
 
     def _count_error(self, args: Sequence[Any]) -> LaunchArgumentError:
@@ -306,57 +412,48 @@ class ArgPacker:
             f"{len(args)} were given ({given}). Signature: {self._signature_text()}"
         )
 
-    def _explain(self, args: Sequence[Any], exc: BaseException) -> LaunchArgumentError:
-        if len(args) != self._n:
-            return self._count_error(args)
+    def _explain(self, args: Sequence[Any], ctx: Any, exc: BaseException) -> BaseException:
+        """The error for arguments that failed to pack: the first that does not fit."""
+        if not isinstance(exc, (struct.error, OverflowError, TypeError, ValueError, Refused)):
+            return exc  # e.g. ContextClosedError from a closed buffer
         for i, v in enumerate(args):
             try:
-                self._check_one(i, v)
+                self._check_one(i, v, ctx)
             except LaunchArgumentError as err:
                 return err
         return LaunchArgumentError(f"{self.kernel}: cannot pack the arguments: {exc}")
 
     # -- packing ---------------------------------------------------------------------
 
-    def pack(self, args: Sequence[Any]) -> bytes:
+    def pack(self, args: Sequence[Any], ctx: Context | None = None) -> bytes:
         """The device-side parameter buffer for *args* (padding bytes are zero)."""
         buf = ParamBuffer(self.sig)
-        self.pack_into(buf, args)
+        self.pack_into(buf, args, ctx)
         return bytes(buf)
 
-    def pack_into(self, buf: ParamBuffer, args: Sequence[Any]) -> None:
+    def pack_into(self, buf: ParamBuffer, args: Sequence[Any], ctx: Context | None = None) -> None:
         """Check *args* and write them into *buf*."""
-        if len(args) != self._n:
-            raise self._count_error(args)
-        try:
-            self._fill(buf.data, args)
-        except Exception as exc:
-            raise self._explain(args, exc) from None
+        self._fill(buf.data, args, ctx)
 
-    def pack_one(self, buf: ParamBuffer, index: int, value: Any) -> None:
+    def pack_one(
+        self, buf: ParamBuffer, index: int, value: Any, ctx: Context | None = None
+    ) -> None:
         """Check and write the argument of parameter *index* only."""
-        x = self._check_one(index, value)
+        x = self._check_one(index, value, ctx)
         self._one[index].pack_into(buf.data, self.sig.params[index].offset, x)
 
-    def address_for(self, args: Sequence[Any]) -> int:
+    def address_for(
+        self, args: Sequence[Any], ctx: Context | None = None, stream: Any = None
+    ) -> int:
         """Pack *args* into this thread's reusable buffer; return its ``void**`` address.
 
         The buffer is reused by the next call in the same thread, which is safe because
-        ``cuLaunchKernel`` copies the parameters before it returns.
+        ``cuLaunchKernel`` copies the parameters before it returns. With a context,
+        *stream* (a handle, ``None``: legacy default) is ordered after the producers of
+        foreign array arguments. :attr:`address` is the same function without the
+        method call (the launch hot path uses it).
         """
-        if len(args) != self._n:
-            raise self._count_error(args)
-        if not self._n:
-            return 0
-        try:
-            buf = self._local.buf
-        except AttributeError:
-            buf = self._local.buf = ParamBuffer(self.sig)
-        try:
-            self._fill(buf.data, args)
-        except Exception as exc:
-            raise self._explain(args, exc) from None
-        return buf.address
+        return self.address(args, ctx, stream)  # type: ignore[no-any-return]
 
     def index_of(self, key: int | str) -> int:
         """Parameter index for an index or a PTX parameter name."""
@@ -370,81 +467,3 @@ class ArgPacker:
         if not -self._n <= i < self._n:
             raise IndexError(f"{self.kernel} has {self._n} parameters; index {i} is out of range")
         return i % self._n
-
-
-_DIM_MAX = (1 << 32) - 1
-
-
-def normalize_dims(value: Any, what: str) -> tuple[int, int, int]:
-    """``grid``/``block`` as an int or 1-3 ints -> ``(x, y, z)``, each at least 1."""
-    if type(value) is int and 0 < value <= _DIM_MAX:
-        return value, 1, 1
-    try:
-        items = list(value) if isinstance(value, (tuple, list)) else [value]
-        dims = [operator.index(d) for d in items]
-    except TypeError:
-        raise TypeError(
-            f"{what} must be an int or a tuple of 1-3 ints, got {short_repr(value)}"
-        ) from None
-    if not 1 <= len(dims) <= 3:
-        raise ValueError(f"{what} must have 1 to 3 dimensions, got {len(dims)}: {tuple(dims)}")
-    if any(not 0 < d <= _DIM_MAX for d in dims):
-        raise ValueError(f"{what} dimensions must be positive ints, got {tuple(dims)}")
-    while len(dims) < 3:
-        dims.append(1)
-    return dims[0], dims[1], dims[2]
-
-
-def explain_launch_config(
-    grid: tuple[int, int, int],
-    block: tuple[int, int, int],
-    shared_mem: int,
-    limits: dict[str, int],
-) -> list[str]:
-    """Reasons a launch configuration exceeds the device/kernel *limits*.
-
-    *limits* keys (all optional): ``max_threads_per_block`` (the kernel's own limit),
-    ``max_block_dim_x/y/z``, ``max_grid_dim_x/y/z``, ``max_dynamic_shared``
-    (the kernel's current dynamic shared-memory limit), ``max_shared_optin``
-    (the device's opt-in maximum), ``static_shared``, ``num_regs``,
-    ``regs_per_block``, ``reqntid`` (product, from the PTX).
-    """
-    out = []
-    threads = block[0] * block[1] * block[2]
-    mtpb = limits.get("max_threads_per_block")
-    if mtpb is not None and threads > mtpb:
-        why = f"block {block} has {threads} threads, more than this kernel's limit of {mtpb}"
-        regs = limits.get("num_regs")
-        if regs and limits.get("regs_per_block"):
-            why += (
-                f" (it uses {regs} registers per thread; the SM has "
-                f"{limits['regs_per_block']} per block)"
-            )
-        out.append(why + f"; use a block of at most {mtpb} threads")
-    req = limits.get("reqntid")
-    if req is not None and threads != req:
-        out.append(f"the kernel requires exactly {req} threads per block (.reqntid)")
-    for axis, n, key in zip(
-        "xyz", block, ("max_block_dim_x", "max_block_dim_y", "max_block_dim_z")
-    ):
-        lim = limits.get(key)
-        if lim is not None and n > lim:
-            out.append(f"block.{axis} = {n} exceeds the device maximum {lim}")
-    for axis, n in zip("xyz", grid):
-        lim = limits.get(f"max_grid_dim_{axis}")
-        if lim is not None and n > lim:
-            out.append(f"grid.{axis} = {n} exceeds the device maximum {lim}")
-    dyn = limits.get("max_dynamic_shared")
-    if dyn is not None and shared_mem > dyn:
-        why = f"shared_mem={shared_mem} bytes exceeds this kernel's dynamic shared limit ({dyn})"
-        optin = limits.get("max_shared_optin")
-        static = limits.get("static_shared", 0)
-        if optin and shared_mem + static <= optin:
-            why += (
-                f"; the device allows up to {optin - static} after opting in: "
-                "kernel.set_attribute('max_dynamic_shared_size_bytes', n)"
-            )
-        elif optin:
-            why += f"; even opted in the device allows at most {optin} bytes per block"
-        out.append(why)
-    return out

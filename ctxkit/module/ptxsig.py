@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from .cdecl import SIGNED, UNSIGNED, CType
 
 __all__ = ["Param", "Signature", "parse_entries", "parse_entry", "signature_from_layout"]
 
@@ -79,7 +81,14 @@ class Param:
     pointer : bool
         True when the PTX marks it ``.ptr``.
     signed : bool
-        True for ``.s`` integer types.
+        True for ``.s`` integer types, and for ``.u``/``.b`` ones whose C++ type is a
+        signed integer (NVRTC writes ``int`` as ``.u32``).
+    unsigned : bool
+        True when the C++ type is known to be unsigned (``size_t``, ``unsigned``, a
+        pointer): negative values are refused. Neither flag: the sign is unknown and
+        both signed and unsigned values of the width are taken.
+    ctype : str
+        The C++ type, when known (from the mangled name or the source).
     kind : str
         ``"int"``, ``"float"``, ``"bits"`` (untyped bits) or ``"bytes"`` (by-value
         aggregate).
@@ -95,6 +104,8 @@ class Param:
     pointer: bool = False
     signed: bool = False
     kind: str = INT
+    unsigned: bool = False
+    ctype: str = ""
 
     @property
     def ptx_type(self) -> str:
@@ -111,7 +122,19 @@ class Param:
         return self.size == 8 and self.kind in (INT, BITS) and not self.count
 
     def describe(self) -> str:
-        return f"parameter {self.index} '{self.name}' ({self.ptx_type})"
+        ctype = f", {self.ctype}" if self.ctype else ""
+        return f"parameter {self.index} '{self.name}' ({self.ptx_type}{ctype})"
+
+    def with_ctype(self, ctype: CType) -> Param:
+        """This parameter with its C++ type: the sign applies to integer parameters."""
+        if self.kind not in (INT, BITS) or self.count or self.type.startswith("s"):
+            return replace(self, ctype=ctype.spelling)
+        return replace(
+            self,
+            ctype=ctype.spelling,
+            signed=ctype.sign == SIGNED,
+            unsigned=ctype.sign == UNSIGNED,
+        )
 
     @property
     def code(self) -> str:
@@ -148,6 +171,13 @@ class Signature:
     def __str__(self) -> str:
         inner = ", ".join(f"{p.ptx_type} {p.name}" for p in self.params)
         return f"{self.name}({inner})"
+
+    def with_ctypes(self, ctypes: Sequence[CType] | None) -> Signature:
+        """This signature with the C++ type of each parameter (unchanged on a count mismatch)."""
+        if ctypes is None or len(ctypes) != len(self.params):
+            return self
+        params = tuple(p.with_ctype(t) for p, t in zip(self.params, ctypes))
+        return replace(self, params=params)
 
 
 _COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)

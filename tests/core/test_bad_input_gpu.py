@@ -1,9 +1,10 @@
 """Bad-input corpus: each mistake raises the documented typed error with an actionable message,
 and the process keeps working afterwards (a vector_add runs after every case).
 
-Cases cover devices, contexts, the registry and executors, memory, streams and events, the
-compiler, modules and launches, the pipeline, procs, fork and a sticky fault (the last in a
-subprocess). Each case names the exception class and the key phrases its message must hold.
+Cases here cover devices, contexts, the registry and executors, memory, streams and events,
+the pipeline, procs, fork and a sticky fault (the last in a subprocess); the compiler,
+modules and launches are in test_bad_input_launch_gpu.py. The machinery (environment,
+registry, the after-each-case check) is tests/core/badinput.py.
 """
 
 from __future__ import annotations
@@ -12,115 +13,28 @@ import multiprocessing
 import os
 import subprocess
 import sys
-import threading
 import warnings
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
 
 import ctxkit as ck
-from ctxkit.compiler import kernel_source
-from ctxkit.context import Context
-from ctxkit.module import KernelNotFoundError
+from tests.core.badinput import (  # noqa: F401
+    Env,
+    N,
+    env,
+    in_thread,
+    make_registry,
+    run_case,
+    still_works,
+    vadd_args,
+)
 
 REPO = Path(__file__).resolve().parents[2]
-N = 1000
 
-BAD_PTX = """
-.version 7.0
-.target sm_52
-.address_size 64
-
-.visible .entry broken(.param .u64 p)
-{
-    bogus.instruction.that.does.not.exist %r1;
-    ret;
-}
-"""
-
-
-class Env:
-    """What the cases share: device 0's context, an owned context, kernels, buffers."""
-
-    def __init__(self) -> None:
-        self.ctx0 = ck.registry.context(0)
-        self.owned = Context.create(0)
-        with self.ctx0:
-            self.vadd_obj = ck.compile(kernel_source("vector_add.cu"), name="vector_add.cu")
-            self.vadd_module = ck.Module.load(self.vadd_obj)
-            self.vadd = self.vadd_module.function("vector_add")
-            self.scale = ck.Module.load(
-                ck.compile(kernel_source("scale.cu"), name="scale.cu")
-            ).function("scale_f32")
-            self.a, self.b, self.c = (ck.DeviceBuffer(N * 4) for _ in range(3))
-
-
-@pytest.fixture(scope="module")
-def env() -> Iterator[Env]:
-    e = Env()
-    yield e
-    e.owned.close()
-
-
-@pytest.fixture(autouse=True)
-def still_works(env: Env) -> Iterator[None]:
-    """After every case a normal launch must still compute the right answer."""
-    yield
-    rng = np.random.default_rng()
-    x, y = rng.random(N, dtype=np.float32), rng.random(N, dtype=np.float32)
-    with ck.bind(0):
-        a, b, c = (ck.DeviceBuffer(N * 4) for _ in range(3))
-        a.copy_from_host(x)
-        b.copy_from_host(y)
-        env.vadd.launch(4, 256, a, b, c, N)
-        got = c.copy_to_host(np.empty(N, np.float32))
-        for buf in (a, b, c):
-            buf.close()
-    assert np.array_equal(got, x + y), "the process no longer computes after the case"
-
-
-@dataclass(frozen=True)
-class Case:
-    fn: Callable[[Env], Any]
-    exc: type[BaseException]
-    phrases: tuple[str, ...]
-    devices: int
-
-
-CASES: dict[str, Case] = {}
-
-
-def case(exc: type[BaseException], *phrases: str, devices: int = 1) -> Callable[..., Any]:
-    def register(fn: Callable[[Env], Any]) -> Callable[[Env], Any]:
-        CASES[fn.__name__] = Case(fn, exc, phrases, devices)
-        return fn
-
-    return register
-
-
-def in_thread(fn: Callable[[], Any], name: str = "case-thread") -> None:
-    """Run *fn* in a fresh thread (no context current) and re-raise what it raised."""
-    box: list[BaseException] = []
-
-    def body() -> None:
-        try:
-            fn()
-        except BaseException as exc:
-            box.append(exc)
-
-    t = threading.Thread(target=body, name=name)
-    t.start()
-    t.join()
-    if box:
-        raise box[0]
-
-
-def vadd_args(env: Env) -> tuple[Any, ...]:
-    return env.a, env.b, env.c, N
+CASES, case = make_registry()
 
 
 # --- devices, contexts, registry, executors --------------------------------------------------
@@ -386,134 +300,6 @@ def host_func_exception_reraised(env: Env) -> None:
     s.synchronize()
 
 
-# --- compiler and modules --------------------------------------------------------------------
-
-
-@case(ck.CompileError, "NVRTC failed to compile", "undefined_name", "line")
-def compile_bad_source(env: Env) -> None:
-    src = 'extern "C" __global__ void k(float* x) { x[0] = undefined_name; }'
-    try:
-        ck.compile(src, name="bad.cu", cache=False)
-    except ck.CompileError as exc:
-        assert "undefined_name" in exc.log, "CompileError.log lacks the NVRTC log"
-        raise
-
-
-@case(ck.CompileError, "NVRTC failed to compile", "--no-such-option")
-def compile_bad_option(env: Env) -> None:
-    ck.compile(kernel_source("vector_add.cu"), options=("--no-such-option",), cache=False)
-
-
-@case(TypeError, "source must be str or bytes")
-def compile_wrong_type(env: Env) -> None:
-    ck.compile(123)  # type: ignore[arg-type]
-
-
-@case(ValueError, "target must be one of")
-def compile_bad_target(env: Env) -> None:
-    ck.compile(kernel_source("vector_add.cu"), target="elf")
-
-
-@case(ValueError, "cannot understand arch")
-def compile_bad_arch(env: Env) -> None:
-    ck.compile(kernel_source("vector_add.cu"), arch="banana")
-
-
-@case(TypeError, "not a single string")
-def compile_options_as_one_string(env: Env) -> None:
-    ck.compile(kernel_source("vector_add.cu"), options="-lineinfo")  # type: ignore[arg-type]
-
-
-@case(ValueError, "not PTX")
-def load_garbage_bytes(env: Env) -> None:
-    ck.Module.load(b"\x00 this is not device code")
-
-
-@case(ck.CompileError, "PTX")
-def load_bad_ptx(env: Env) -> None:
-    kernel = ck.Module.load(BAD_PTX).function("broken")
-    kernel.launch(1, 1, env.a)
-    env.ctx0.synchronize()
-
-
-@case(KernelNotFoundError, "Kernels present: vector_add", "Did you mean 'vector_add'")
-def wrong_kernel_name(env: Env) -> None:
-    env.vadd_module.function("vector_ad")
-
-
-@case(KernelNotFoundError, "mangled", 'extern "C"')
-def mangled_kernel_name(env: Env) -> None:
-    obj = ck.compile("__global__ void plain(float* x) { x[0] = 1.0f; }", name="plain.cu")
-    ck.Module.load(obj).function("plain")
-
-
-@case(FileNotFoundError, "neither a file nor PTX")
-def load_missing_file(env: Env) -> None:
-    ck.Module.load("/no/such/kernel.cubin")
-
-
-@case(TypeError, "Module.load takes")
-def load_wrong_type(env: Env) -> None:
-    ck.Module.load(12345)
-
-
-# --- launches --------------------------------------------------------------------------------
-
-
-@case(ck.LaunchArgumentError, "takes 4 arguments but 2 were given", "Signature")
-def launch_too_few_arguments(env: Env) -> None:
-    env.vadd.launch(4, 256, env.a, env.b)
-
-
-@case(ck.LaunchArgumentError, "argument 0", "a float for an integer parameter")
-def launch_float_for_pointer(env: Env) -> None:
-    env.vadd.launch(4, 256, 1.5, env.b, env.c, N)
-
-
-@case(ck.LaunchArgumentError, "pageable host memory", "pinned_empty")
-def launch_with_host_array(env: Env) -> None:
-    env.vadd.launch(4, 256, np.zeros(N, np.float32), env.b, env.c, N)
-
-
-@case(ck.LaunchArgumentError, "argument 3", "a float for an integer parameter")
-def launch_float_for_size(env: Env) -> None:
-    env.vadd.launch(4, 256, env.a, env.b, env.c, 3.5)
-
-
-@case(ck.CudaError, "2048 threads", "1024")
-def launch_block_too_large(env: Env) -> None:
-    env.vadd.launch(1, 2048, *vadd_args(env))
-
-
-@case(ValueError, "positive")
-def launch_empty_grid(env: Env) -> None:
-    env.vadd.launch(0, 256, *vadd_args(env))
-
-
-@case(ck.CudaError, "shared_mem=1048576")
-def launch_too_much_shared_memory(env: Env) -> None:
-    env.vadd.launch(1, 32, *vadd_args(env), shared_mem=1 << 20)
-
-
-@case(ck.CudaError, "belongs to", "with stream.context")
-def launch_on_stream_of_other_context(env: Env) -> None:
-    env.vadd.launch(4, 256, *vadd_args(env), stream=ck.Stream(env.owned))
-
-
-@case(ck.CudaError, "bound to", "ctxkit.bind")
-def bound_module_launched_in_other_context(env: Env) -> None:
-    mod = ck.Module.load(env.vadd_obj, context=env.owned)
-    mod.function("vector_add").launch(4, 256, *vadd_args(env))
-
-
-@case(ck.CudaError, "is closed", "load it again")
-def launch_from_closed_module(env: Env) -> None:
-    mod = ck.Module.load(env.vadd_obj)
-    kernel = mod.function("vector_add")
-    mod.close()
-    kernel.launch(4, 256, *vadd_args(env))
-
-
 # --- pipeline, procs, fork -------------------------------------------------------------------
 
 
@@ -552,9 +338,10 @@ def procs_with_fork_context(env: Env) -> None:
     ck.procs.run_per_device(top_level_task, mp_context=multiprocessing.get_context("fork"))
 
 
-@case(TypeError, "lambda", "module level")
+@case(TypeError, "lambda", "module level", "cloudpickle")
 def procs_with_lambda(env: Env) -> None:
-    ck.procs.run_per_device(lambda d: d)
+    with mock.patch.dict(sys.modules, {"cloudpickle": None}):  # by value needs cloudpickle
+        ck.procs.run_per_device(lambda d: d)
 
 
 @case(ck.ForkError, "forked", "spawn")
@@ -593,15 +380,7 @@ def test_corpus_is_large_enough() -> None:
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_bad_input(name: str, env: Env) -> None:
-    c = CASES[name]
-    if ck.device_count() < c.devices:
-        pytest.skip(f"needs {c.devices} devices")
-    with ck.bind(0):
-        with pytest.raises(c.exc) as info:
-            c.fn(env)
-    message = str(info.value)
-    for phrase in c.phrases:
-        assert phrase in message, f"{name}: {phrase!r} is not in the message:\n{message}"
+    run_case(name, CASES[name], env)
 
 
 STICKY = """

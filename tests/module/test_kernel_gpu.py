@@ -115,22 +115,22 @@ def _bad_cases(dx, dy):
     return [
         (sx, (1.0, dx, dy), "takes 4 arguments but 3 were given"),
         (sx, (1.0, dx, dy, N, 5), "takes 4 arguments but 5 were given"),
-        (sx, (dx, dx, dy, N), "parameter 0 'saxpy_param_0' (.f32)"),
-        (sx, (1.0, 2.5, dy, N), "parameter 1 'saxpy_param_1' (.u64)"),
-        (sx, (1.0, dx, dy, 10.0), "parameter 3 'saxpy_param_3' (.u64)"),
+        (sx, (dx, dx, dy, N), "parameter 0 'saxpy_param_0' (.f32"),
+        (sx, (1.0, 2.5, dy, N), "parameter 1 'saxpy_param_1' (.u64"),
+        (sx, (1.0, dx, dy, 10.0), "parameter 3 'saxpy_param_3' (.u64"),
         (sx, (1.0, np.zeros(4, np.float32), dy, N), "pageable host memory"),
         (sx, (1.0, dx, dy, b"12"), "expected an integer or a device pointer"),
         (sx, (1.0, dx, dy, 2**64), "out of range for .u64"),
         (sx, ("1.0", dx, dy, N), "expected a real number"),
         (sx, (np.ones(3), dx, dy, N), "takes one number"),
         (sx, (1e40, dx, dy, N), "out of range for .f32"),
-        ("scale_i32", (dx, dy, N, 1.5), "parameter 3 'scale_i32_param_3' (.u32)"),
+        ("scale_i32", (dx, dy, N, 1.5), "parameter 3 'scale_i32_param_3' (.u32"),
         ("scale_i32", (dx, dy, N, 2**32), "out of range for .u32"),
         ("scale_i32", (dx, dy, N, dx), "cannot hold a pointer"),
         ("scale_i32", (dx, dy, N, np.float32(2)), "a float for an integer parameter"),
         ("fill_u8", (dy, 256, N), "out of range for .u8"),
         ("fill_u8", (dy, "a", N), "expected an integer"),
-        ("empty", (None, None), "parameter 1 'empty_param_1' (.u32)"),
+        ("empty", (None, None), "parameter 1 'empty_param_1' (.u32"),
     ]
 
 
