@@ -31,6 +31,7 @@ _EXPORTS: dict[str, str] = {
     "PipelineError": "errors",
     "DeviceTaskError": "errors",
     "PtxVersionWarning": "errors",
+    "KernelCacheWarning": "errors",
     # devices and contexts
     "Device": "device",
     "device_count": "device",
@@ -119,6 +120,7 @@ from .errors import (  # noqa: E402
     DeviceTaskError,
     DriverNotFoundError,
     ForkError,
+    KernelCacheWarning,
     KernelNotFoundError,
     LaunchArgumentError,
     NoCurrentContextError,

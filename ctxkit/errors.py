@@ -240,6 +240,11 @@ def from_result(
     return error_class_for(code)("\n".join(parts), code, name)
 
 
+class KernelCacheWarning(UserWarning):
+    """The kernel cache directory cannot be used (not writable, or open to other users);
+    kernels compile without the disk cache."""
+
+
 class PtxVersionWarning(UserWarning):
     """PTX was produced by an NVRTC newer than the driver, which will refuse to load it."""
 

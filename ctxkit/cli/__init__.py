@@ -7,6 +7,9 @@ import os
 import sys
 from collections.abc import Sequence
 
+from .compile import DESCRIPTION as COMPILE_DESCRIPTION
+from .compile import add_arguments as add_compile_arguments
+
 EXIT_NO_GPU = 2
 
 DESCRIPTION = """\
@@ -94,15 +97,12 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "access. Without a GPU it prints what it can and says so; it exits 0.",
     )
 
-    c = sub.add_parser("compile", help="compile a .cu file with NVRTC (no GPU needed)")
-    c.add_argument("file", help="CUDA C++ source file")
-    c.add_argument("--arch", help="target, e.g. sm_90 (required without a GPU)")
-    c.add_argument("--target", choices=("ptx", "cubin"), default=None)
-    c.add_argument("-o", "--output", help="output file (default: FILE.ptx / FILE.cubin)")
-    c.add_argument("-D", dest="defines", action="append", default=[], metavar="NAME[=VAL]")
-    c.add_argument("-I", dest="include_dirs", action="append", default=[], metavar="DIR")
-    c.add_argument("--std", default=None, help="C++ standard, e.g. c++17")
-    c.add_argument("--no-cache", action="store_true", help="bypass the on-disk cache")
+    c = sub.add_parser(
+        "compile",
+        help="compile a .cu file with NVRTC (no GPU needed)",
+        description=COMPILE_DESCRIPTION,
+    )
+    add_compile_arguments(c)
 
     d = sub.add_parser("demo", help="the multi-GPU copy -> kernel -> copy pipeline demo")
     d.add_argument(

@@ -9,7 +9,7 @@ kernel without loading NVRTC at all.
 
 from __future__ import annotations
 
-from ..errors import PtxVersionWarning
+from ..errors import KernelCacheWarning, PtxVersionWarning
 from .cache import cache_dir, clear_cache
 from .library import kernel_names, kernel_path, kernel_source
 from .nvrtc import cuda_include_dirs, link_ptx, normalize_arch, nvrtc_version, supported_archs
@@ -17,6 +17,7 @@ from .objectcode import ObjectCode, detect_target
 from .program import Program, compile
 
 __all__ = [
+    "KernelCacheWarning",
     "ObjectCode",
     "Program",
     "PtxVersionWarning",

@@ -1,22 +1,25 @@
-"""On-disk cache of compiled kernels (used by :func:`ctxkit.compile`).
+"""The kernel cache used by :func:`ctxkit.compile`: in memory, then on disk.
 
-An entry is one file ``<key>.ctxobj``::
+Where: ``CTXKIT_CACHE_DIR``, else ``kernels/`` under the user cache directory
+(``$XDG_CACHE_HOME/ctxkit`` or ``~/.cache/ctxkit`` on Linux); ``CTXKIT_CACHE_DIR=off``
+disables it. The directory must belong to the user and be closed to group and others;
+otherwise ctxkit warns once and compiles without the disk cache (see
+:mod:`ctxkit.compiler.entries`, which also describes the file format).
 
-    CTXKIT1 <sha256 of everything after this line>\n
-    <header: one line of JSON>\n
-    <payload: the blobs named in the header, back to back>
+How big: ``CTXKIT_CACHE_MAX_BYTES`` (bytes, or with a ``K``/``M``/``G`` suffix; default
+:data:`DEFAULT_MAX_BYTES`, 1 GiB); least recently used entries go first.
+:func:`clear_cache` empties it (or delete the directory).
 
-Nothing is ever unpickled. The digest is verified on every read: a truncated, corrupted
-or tampered entry is deleted and reported as a miss, so the caller recompiles. Entries
-are written to a private temporary file and moved into place with ``os.replace``, so
-readers in other processes see either no entry or a complete one, and several
-processes compiling the same program at once simply race to write identical files.
+The key changes whenever the compiled output could: source, name, options, headers,
+name expressions, arch, target, every file NVRTC can read
+(:mod:`ctxkit.compiler.includes`), the CUDA headers and the NVRTC library. Its NVRTC
+part is a fingerprint of the libraries this process would load (path, size and mtime
+of each candidate), a few ``stat`` calls: loading NVRTC to ask its version costs
+~10 ms, which would dominate a warm hit. Where no candidate library is found, the
+fingerprint falls back to the NVRTC version itself.
 
-The key must change whenever the compiled output could. Its NVRTC part is a
-*fingerprint* of the NVRTC libraries this process would load (path, size and mtime of
-each candidate), computed with a few ``stat`` calls: loading NVRTC to ask its version
-costs ~10 ms, which would dominate a warm cache hit. Where no candidate library is
-found, the fingerprint falls back to the NVRTC version itself.
+One compile per key at a time: threads of a process asking for the same program wait
+for the first one, and so do other processes using the same directory (a lock file).
 
 The counters in :data:`stats` (NVRTC compiles, disk and memory hits) serve tests and
 benchmarks.
@@ -29,108 +32,50 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import sys
-import tempfile
 import threading
-import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from .objectcode import ObjectCode
+from . import entries
+from .objectcode import ObjectCode, detect_target
 
 __all__ = [
+    "DEFAULT_MAX_BYTES",
     "DISABLED_VALUES",
+    "ENV",
+    "MAX_BYTES_ENV",
     "cache_dir",
+    "cached",
     "clear",
     "clear_cache",
-    "file_fingerprint",
     "make_key",
+    "max_bytes",
     "memo_get",
     "memo_put",
-    "read_entry",
+    "stats",
     "toolchain_fingerprint",
-    "write_entry",
 ]
-
-
-def _cache_lookup(directory: Path, key: str) -> ObjectCode | None:
-    obj = memo_get(directory, key)
-    if obj is not None:
-        _count("memory_hits")
-        return obj  # type: ignore[no-any-return]
-    entry = read_entry(directory, key)
-    if entry is None:
-        return None
-    header, blobs = entry
-    try:
-        obj = ObjectCode(
-            code=blobs["code"],
-            target=header["target"],
-            arch=header["arch"],
-            log=header["log"],
-            ptx=blobs["ptx"].decode() if "ptx" in blobs else None,
-            lowered_names=dict(header["lowered_names"]),
-            name=header["name"],
-            options=tuple(header["options"]),
-            nvrtc_version=tuple(header["nvrtc_version"]),  # type: ignore[arg-type]
-            from_cache=True,
-        )
-    except (KeyError, TypeError, ValueError):
-        return None
-    _count("disk_hits")
-    memo_put(directory, key, obj)
-    return obj
-
-
-def _cache_store(directory: Path, key: str, obj: ObjectCode) -> None:
-    header = {
-        "target": obj.target,
-        "arch": obj.arch,
-        "log": obj.log,
-        "lowered_names": dict(obj.lowered_names),
-        "name": obj.name,
-        "options": list(obj.options),
-        "nvrtc_version": list(obj.nvrtc_version or ()),
-    }
-    blobs = {"code": obj.code}
-    if obj.ptx is not None:
-        blobs["ptx"] = obj.ptx.encode()
-    write_entry(directory, key, header, blobs)
-    memo_put(directory, key, dataclasses.replace(obj, from_cache=True))
-
-
-def clear_cache() -> int:
-    """Empty the in-memory and on-disk kernel caches; returns the number of files removed."""
-    return clear()
-
-
-_stats_lock = threading.Lock()
-
-#: Counters for tests and benchmarks: NVRTC compiles, disk hits, memory hits.
-stats = {"compiled": 0, "disk_hits": 0, "memory_hits": 0}
-
-
-def _count(what: str) -> None:
-    with _stats_lock:
-        stats[what] += 1
 
 
 ENV = "CTXKIT_CACHE_DIR"
 
 
+MAX_BYTES_ENV = "CTXKIT_CACHE_MAX_BYTES"
+
+
+#: The disk cache's size cap unless ``CTXKIT_CACHE_MAX_BYTES`` says otherwise.
+DEFAULT_MAX_BYTES = 1 << 30
+
+
 DISABLED_VALUES = frozenset({"off", "0", "no", "none", "false", "disable", "disabled"})
 
 
-FORMAT_VERSION = 1
-
-
-_MAGIC = b"CTXKIT1 "
-
-
-_SUFFIX = ".ctxobj"
+FORMAT_VERSION = 2
 
 
 _MEMO_SIZE = 256
@@ -142,7 +87,16 @@ _memo: OrderedDict[tuple[str, str], Any] = OrderedDict()
 _memo_lock = threading.Lock()
 
 
-_warned_unwritable = False
+_stats_lock = threading.Lock()
+
+
+#: Counters for tests and benchmarks: NVRTC compiles, disk hits, memory hits.
+stats = {"compiled": 0, "disk_hits": 0, "memory_hits": 0}
+
+
+def _count(what: str) -> None:
+    with _stats_lock:
+        stats[what] += 1
 
 
 def _default_root() -> Path:
@@ -161,12 +115,43 @@ def cache_dir() -> Path | None:
     ``CTXKIT_CACHE_DIR`` names the directory; unset or empty means ``kernels/`` under the
     user cache directory (``$XDG_CACHE_HOME/ctxkit`` or ``~/.cache/ctxkit`` on Linux).
     """
-    value = os.environ.get(ENV, "").strip()
+    env = os.environ
+    return _cache_dir(env.get(ENV, ""), env.get("XDG_CACHE_HOME"), env.get("HOME"))
+
+
+@lru_cache(maxsize=16)
+def _cache_dir(value: str, xdg: str | None, home: str | None) -> Path | None:
+    value = value.strip()
     if value.lower() in DISABLED_VALUES:
         return None
     if value:
         return Path(value).expanduser()
     return _default_root() / "kernels"
+
+
+_SIZE_RE = re.compile(r"^(\d+)\s*([kmgt]?)(?:i?b)?$", re.IGNORECASE)
+
+
+def max_bytes() -> int:
+    """The disk cache's size cap in bytes (``CTXKIT_CACHE_MAX_BYTES``, default 1 GiB).
+
+    Raises
+    ------
+    ValueError
+        The variable is not a positive size such as ``500000000``, ``512M`` or ``2G``.
+    """
+    value = os.environ.get(MAX_BYTES_ENV, "").strip()
+    if not value:
+        return DEFAULT_MAX_BYTES
+    m = _SIZE_RE.match(value)
+    size = int(m.group(1)) << (10 * " kmgt".index(m.group(2).lower() or " ")) if m else 0
+    if size <= 0:
+        raise ValueError(
+            f"{MAX_BYTES_ENV}={value!r} is not a size; use a positive number of bytes, "
+            f"optionally with K, M or G (e.g. {MAX_BYTES_ENV}=2G), or {ENV}=off to "
+            "disable the disk cache"
+        )
+    return size
 
 
 def make_key(parts: dict[str, Any]) -> str:
@@ -230,132 +215,159 @@ def toolchain_fingerprint(nvrtc_version: Callable[[], tuple[int, int]], bindings
     return make_key({"bindings_major": bindings_major, "toolchain": ident})
 
 
-_HEADER_SUFFIXES = frozenset(
-    {"", ".h", ".hh", ".hpp", ".hxx", ".cuh", ".inl", ".inc", ".ipp", ".tcc", ".cu", ".def"}
-)
+# --- one compile per key ----------------------------------------------------------------
 
 
-def file_fingerprint(dirs: Iterable[str], limit: int = 2000) -> list[Any]:
-    """``(relative path, size, mtime)`` of the files under each include directory.
+_key_locks: dict[tuple[str, str], list[Any]] = {}
 
-    A header edited in an include directory changes the key; only header-like files
-    count (``.h``, ``.cuh``, ``.hpp``, ``.cu``..., or no suffix), so compiler outputs
-    written there do not. Hidden directories are skipped and at most *limit* entries
-    are visited per directory, so a huge tree costs a bounded number of ``stat`` calls
-    (edits past the limit go unseen).
+
+_key_locks_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _key_lock(slot: tuple[str, str]) -> Iterator[None]:
+    with _key_locks_lock:
+        held = _key_locks.setdefault(slot, [threading.Lock(), 0])
+        held[1] += 1
+    try:
+        with held[0]:
+            yield
+    finally:
+        with _key_locks_lock:
+            held[1] -= 1
+            if held[1] == 0 and _key_locks.get(slot) is held:
+                del _key_locks[slot]
+
+
+def _after_fork_in_child() -> None:
+    # a lock held by another thread at fork time would never be released in the child
+    global _key_locks_lock, _memo_lock, _stats_lock
+    _key_locks.clear()
+    _key_locks_lock = threading.Lock()
+    _memo_lock = threading.Lock()
+    _stats_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def cached(directory: Path, key: str, build: Callable[[], ObjectCode]) -> ObjectCode:
+    """The object of *key*: from memory, else from *directory*, else ``build()`` and store.
+
+    Only one thread of this process, and (where file locks work) one process using
+    *directory*, builds a given key at a time; the others wait and take its result.
     """
-    out: list[Any] = []
-    for d in dirs:
-        files: list[tuple[str, int, int]] = []
-        visited = 0
-        for root, subdirs, names in os.walk(d):
-            subdirs[:] = sorted(s for s in subdirs if not s.startswith(".") and s != "__pycache__")
-            visited += len(subdirs)
-            for name in sorted(names):
-                visited += 1
-                if os.path.splitext(name)[1].lower() not in _HEADER_SUFFIXES:
-                    continue
-                try:
-                    st = os.stat(os.path.join(root, name))
-                except OSError:
-                    continue
-                files.append(
-                    (os.path.relpath(os.path.join(root, name), d), st.st_size, st.st_mtime_ns)
-                )
-                if visited >= limit:
-                    break
-            if visited >= limit:
-                break
-        out.append([os.path.abspath(d), files])
-    return out
+    slot = (str(directory), key)
+    obj = memo_get(directory, key)
+    if obj is not None:
+        _count("memory_hits")
+        return obj  # type: ignore[no-any-return]
+    with _key_lock(slot):
+        obj = memo_get(directory, key)
+        if obj is not None:
+            _count("memory_hits")
+            return obj  # type: ignore[no-any-return]
+        cap = max_bytes()
+        d = entries.open_dir(directory)
+        if d is None:
+            obj = build()
+        else:
+            with d, entries.process_lock(d, key):
+                obj = _load(d, key, cap)
+                if obj is not None:
+                    _count("disk_hits")
+                    memo_put(directory, key, obj)
+                    return obj
+                obj = build()
+                _store(d, key, obj, cap)
+        memo_put(directory, key, dataclasses.replace(obj, from_cache=True))
+        return obj
 
 
-def _entry_path(directory: Path, key: str) -> Path:
-    return directory / f"{key}{_SUFFIX}"
-
-
-def _discard(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        path.unlink()
-
-
-def read_entry(directory: Path, key: str) -> tuple[dict[str, Any], dict[str, bytes]] | None:
-    """The verified ``(header, blobs)`` of *key*, or ``None`` (missing or discarded)."""
-    path = _entry_path(directory, key)
-    try:
-        data = path.read_bytes()
-    except OSError:
+def _load(d: entries.CacheDir, key: str, cap: int) -> ObjectCode | None:
+    entry = entries.read_entry(d, key, cap)
+    if entry is None:
         return None
-    parsed = _parse(data, key)
-    if parsed is None:
-        _discard(path)
-    return parsed
+    obj = _decode(*entry)
+    if obj is None:
+        d.discard(f"{key}{entries.ENTRY_SUFFIX}")
+    return obj
 
 
-def _parse(data: bytes, key: str) -> tuple[dict[str, Any], dict[str, bytes]] | None:
-    first, sep, rest = data.partition(b"\n")
-    if not sep or not first.startswith(_MAGIC):
-        return None
-    digest = first[len(_MAGIC) :].decode("ascii", "replace")
-    if hashlib.sha256(rest).hexdigest() != digest:
-        return None
-    line, sep, payload = rest.partition(b"\n")
-    try:
-        header = json.loads(line)
-    except ValueError:
-        return None
-    if not sep or not isinstance(header, dict) or header.get("key") != key:
-        return None
-    blobs: dict[str, bytes] = {}
-    offset = 0
-    for name, size in header.get("blobs", []):
-        blobs[name] = payload[offset : offset + size]
-        offset += size
-    if offset != len(payload):
-        return None
+def _store(d: entries.CacheDir, key: str, obj: ObjectCode, cap: int) -> None:
+    data = entries.encode(key, *_encode(obj))
+    if len(data) <= cap and entries.write_entry(d, key, data):
+        entries.evict(d, cap, keep=key)
+
+
+def _encode(obj: ObjectCode) -> tuple[dict[str, Any], dict[str, bytes]]:
+    header = {
+        "target": obj.target,
+        "arch": obj.arch,
+        "log": obj.log,
+        "lowered_names": dict(obj.lowered_names),
+        "name": obj.name,
+        "options": list(obj.options),
+        "nvrtc_version": list(obj.nvrtc_version or ()),
+    }
+    blobs = {"code": obj.code}
+    if obj.ptx is not None:
+        blobs["ptx"] = obj.ptx.encode()
+    if obj.source is not None:
+        blobs["source"] = obj.source.encode()
     return header, blobs
 
 
-def write_entry(directory: Path, key: str, header: dict[str, Any], blobs: dict[str, bytes]) -> bool:
-    """Store an entry atomically; False (and one warning per process) when not writable."""
-    head = {**header, "key": key, "blobs": [[n, len(b)] for n, b in blobs.items()]}
-    rest = json.dumps(head, sort_keys=True).encode() + b"\n" + b"".join(blobs.values())
-    data = _MAGIC + hashlib.sha256(rest).hexdigest().encode() + b"\n" + rest
+def _strings(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _decode(header: dict[str, Any], blobs: dict[str, bytes]) -> ObjectCode | None:
+    """The :class:`ObjectCode` of a verified entry, or ``None`` when any field is off."""
+    text = [header.get(k) for k in ("target", "arch", "log", "name")]
+    lowered = header.get("lowered_names")
+    options = header.get("options")
+    version = header.get("nvrtc_version")
+    code = blobs.get("code")
+    if not (
+        all(isinstance(v, str) for v in text)
+        and isinstance(lowered, dict)
+        and _strings(list(lowered))
+        and _strings(list(lowered.values()))
+        and _strings(options)
+        and isinstance(version, list)
+        and len(version) in (0, 2)
+        and all(type(v) is int for v in version)
+        and code
+    ):
+        return None
+    target, arch, log, name = text
     try:
-        _ensure_dir(directory)
-        fd, tmp = tempfile.mkstemp(prefix=f".{key[:16]}.", suffix=".tmp", dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, _entry_path(directory, key))
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-    except OSError as exc:
-        _warn_unwritable(directory, exc)
-        return False
-    return True
-
-
-def _ensure_dir(directory: Path) -> None:
-    if directory.is_dir():
-        return
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(directory, 0o700)
-
-
-def _warn_unwritable(directory: Path, exc: OSError) -> None:
-    global _warned_unwritable
-    if _warned_unwritable:
-        return
-    _warned_unwritable = True
-    warnings.warn(
-        f"ctxkit: cannot write the kernel cache in {directory} ({exc}); compiled kernels "
-        f"are not cached on disk. Set {ENV} to a writable directory, or to 'off'.",
-        RuntimeWarning,
-        stacklevel=4,
+        if detect_target(code) != target:
+            return None
+        ptx = blobs["ptx"].decode("utf-8") if "ptx" in blobs else None
+        source = blobs["source"].decode("utf-8") if "source" in blobs else None
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return ObjectCode(
+        code=code,
+        target=target,  # type: ignore[arg-type]
+        arch=arch,  # type: ignore[arg-type]
+        log=log,  # type: ignore[arg-type]
+        ptx=ptx,
+        lowered_names=dict(lowered),
+        name=name,  # type: ignore[arg-type]
+        options=tuple(options),  # type: ignore[arg-type]
+        nvrtc_version=(version[0], version[1]) if version else None,
+        from_cache=True,
+        source=source,
     )
+
+
+def clear_cache() -> int:
+    """Empty the in-memory and on-disk kernel caches; returns the number of files removed."""
+    return clear()
 
 
 def clear(directory: Path | None = None) -> int:
@@ -365,12 +377,11 @@ def clear(directory: Path | None = None) -> int:
     directory = directory if directory is not None else cache_dir()
     if directory is None or not directory.is_dir():
         return 0
-    removed = 0
-    for path in directory.iterdir():
-        if path.suffix in (_SUFFIX, ".tmp") and path.is_file():
-            _discard(path)
-            removed += 1
-    return removed
+    d = entries.open_dir(directory, create=False)
+    if d is None:
+        return 0
+    with d:
+        return entries.clear(d)
 
 
 def memo_get(directory: Path, key: str) -> Any:

@@ -1,6 +1,6 @@
 """The compiler toolchain behind :mod:`ctxkit.compiler`: NVRTC, nvJitLink and nvFatbin.
 
-Only ``compiler.py`` uses this module. The libraries are loaded lazily, on the first
+Only :mod:`ctxkit.compiler.program` uses this module. The libraries are loaded lazily, on the first
 compile that actually needs them, so a warm cache hit never loads NVRTC (~10 ms).
 """
 
@@ -32,7 +32,10 @@ __all__ = [
 ]
 
 
-INSTALL_HINT = "install it with `pip install ctxkit[cu13]` (or [cu12] for a CUDA 12 driver)"
+INSTALL_HINT = (
+    'install it with `pip install -e ".[cu13]"` in a ctxkit checkout (".[cu12]" for a '
+    'CUDA 12 driver), or `pip install "ctxkit-cuda[cu13]"` from the package index'
+)
 
 
 def load_nvrtc() -> ModuleType:
@@ -188,7 +191,8 @@ def cuda_include_dirs() -> tuple[str, ...]:
     """Directories holding the CUDA headers (``cuda_fp16.h``, ``cuda/std/...``).
 
     Found with cuda-pathfinder: the ``nvidia-cuda-runtime`` and ``nvidia-cuda-cccl``
-    wheels (installed by ``ctxkit[cu13]``), conda, or a CUDA toolkit (``CUDA_HOME``).
+    wheels (installed by the ``cu13``/``cu12`` extras), conda, or a CUDA toolkit
+    (``CUDA_HOME``).
     Added to every compile whose source includes anything.
     """
     dirs: list[str] = []
@@ -218,17 +222,22 @@ def cuda_dirs_fingerprint(dirs: Sequence[str]) -> list[Any]:
     """``[dir, size, mtime]`` of a canary header per CUDA include dir (for cache keys)."""
     out = []
     for d in dirs:
-        canary = next(
-            (
-                os.path.join(d, f)
-                for f in ("cuda_runtime.h", "cuda/std/version")
-                if os.path.isfile(os.path.join(d, f))
-            ),
-            d,
-        )
-        st = os.stat(canary)
+        try:
+            st = os.stat(_canary(d))
+        except OSError:
+            _canary.cache_clear()
+            st = os.stat(_canary(d))
         out.append([d, st.st_size, st.st_mtime_ns])
     return out
+
+
+@lru_cache(maxsize=64)
+def _canary(d: str) -> str:
+    for f in ("cuda_runtime.h", "cuda/std/version"):
+        path = os.path.join(d, f)
+        if os.path.isfile(path):
+            return path
+    return d
 
 
 def _program_log(nvrtc: ModuleType, prog: Any) -> str:
@@ -319,7 +328,7 @@ def compile_error(name: str, options: Sequence[str], err: Any, log: str) -> Comp
         found = ", ".join(cuda_include_dirs()) or "none"
         message += (
             f"\nHint: {missing.group(1)!r} was not found. CUDA headers come from the "
-            "nvidia-cuda-runtime and nvidia-cuda-cccl wheels (pip install ctxkit[cu13]) or a "
+            "nvidia-cuda-runtime and nvidia-cuda-cccl wheels (the cu13/cu12 extras) or a "
             f"CUDA toolkit (CUDA_HOME); CUDA include dirs found: {found}. Your own headers: "
             "pass include_dirs= or headers={name: source}."
         )

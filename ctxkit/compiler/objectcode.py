@@ -73,6 +73,9 @@ class ObjectCode:
     options: tuple[str, ...] = ()
     nvrtc_version: tuple[int, int] | None = None
     from_cache: bool = field(default=False, compare=False)
+    #: The CUDA C++ source (``None`` for code not compiled by ctxkit): launches read the
+    #: C++ types of ``extern "C"`` parameters from it (PTX says only ``.u64``).
+    source: str | None = field(default=None, compare=False, repr=False)
 
     def __repr__(self) -> str:
         src = " cached" if self.from_cache else ""

@@ -12,12 +12,14 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from functools import lru_cache
 from typing import Any
 
 from .. import _driver
 from ..errors import DriverNotFoundError
 from . import cache as _cache
-from .cache import _cache_lookup, _cache_store, _count
+from . import includes as _includes
+from .cache import _count
 from .nvrtc import (
     cuda_dirs_fingerprint,
     cuda_include_dirs,
@@ -30,9 +32,6 @@ from .nvrtc import (
 from .objectcode import TARGETS, ObjectCode, _warn_if_ptx_too_new
 
 __all__ = ["Program", "compile"]
-
-
-_INCLUDE_RE = re.compile(r"^[ \t]*#[ \t]*include\b", re.MULTILINE)
 
 
 def _default_arch() -> str:
@@ -101,17 +100,6 @@ def _split_arch_option(options: tuple[str, ...]) -> tuple[tuple[str, ...], str |
     return tuple(rest), arch
 
 
-def _include_dirs_in(options: Sequence[str]) -> list[str]:
-    dirs = []
-    for i, opt in enumerate(options):
-        for prefix in ("--include-path=", "-I"):
-            if opt.startswith(prefix):
-                value = opt[len(prefix) :] or (options[i + 1] if i + 1 < len(options) else "")
-                if value:
-                    dirs.append(value)
-    return dirs
-
-
 class Program:
     """A CUDA C++ program for NVRTC.
 
@@ -135,7 +123,10 @@ class Program:
     defines : dict or sequence of str, optional
         ``{"N": 4, "FAST": None}`` or ``("N=4", "FAST")``.
     include_dirs : sequence of path
-        Extra include directories (their files are part of the cache key).
+        Extra include directories. The cache key covers every header NVRTC can read
+        for the program (:mod:`ctxkit.compiler.includes`): ``#include "x.h"`` is looked
+        up first next to the program's ``name`` (the working directory when the name
+        has no directory part), then in these directories.
 
     The CUDA headers (``cuda_fp16.h``, ``cuda_bf16.h``, ``cuda/std/...``) are found
     automatically (:func:`cuda_include_dirs`).
@@ -174,7 +165,7 @@ class Program:
     def _needs_cuda_headers(self) -> bool:
         """True when the program includes anything (then CUDA include dirs are added)."""
         texts = [self.source, *self.headers.values()]
-        return any(_INCLUDE_RE.search(t) for t in texts) or any(
+        return any(any(_includes.directives(t)) for t in texts) or any(
             o.startswith(("-include", "--pre-include")) for o in self.options
         )
 
@@ -208,12 +199,11 @@ class Program:
             raise ValueError(f"target must be one of {TARGETS}, not {target!r}")
         arch = self._resolve_arch(arch)
         directory = _cache.cache_dir() if cache else None
-        key = self._cache_key(arch, target) if directory is not None else ""
-        obj = _cache_lookup(directory, key) if directory is not None else None
-        if obj is None:
+        if directory is None:
             obj = self._build(arch, target)
-            if directory is not None:
-                _cache_store(directory, key, obj)
+        else:
+            key = self._cache_key(arch, target)
+            obj = _cache.cached(directory, key, lambda: self._build(arch, target))
         if obj.target == "ptx":
             _warn_if_ptx_too_new(obj.nvrtc_version, stacklevel + 1)
         return obj
@@ -230,25 +220,23 @@ class Program:
         return normalize_arch(arch) if arch is not None else _default_arch()
 
     def _cache_key(self, arch: str, target: str) -> str:
-        parts: dict[str, Any] = {
-            "source": self.source,
-            "name": self.name,
-            "headers": sorted(self.headers.items()),
-            "options": list(self.options),
-            "name_expressions": list(self.name_expressions),
-            "arch": arch,
-            "target": target,
-            "toolchain": _cache.toolchain_fingerprint(nvrtc_version, _driver.BINDINGS_VERSION[0]),
-            "include_files": _cache.file_fingerprint(
-                [*self.include_dirs, *_include_dirs_in(self.options)]
-            ),
-        }
-        if self._needs_cuda_headers():
-            parts["cuda_headers"] = cuda_dirs_fingerprint(cuda_include_dirs())
-            own_dir = os.path.dirname(self.name)
-            if own_dir:
-                parts["own_dir"] = _cache.file_fingerprint([own_dir])
-        return _cache.make_key(parts)
+        key = _static_key(
+            self.source,
+            self.name,
+            tuple(sorted(self.headers.items())),
+            self.options,
+            self.name_expressions,
+            arch,
+            target,
+            _cache.toolchain_fingerprint(nvrtc_version, _driver.BINDINGS_VERSION[0]),
+        )
+        cuda_dirs = cuda_include_dirs() if self._needs_cuda_headers() else ()
+        files = _includes.fingerprint(self.source, self.name, self.headers, self.options, cuda_dirs)
+        if not cuda_dirs and not files:
+            return key
+        return _cache.make_key(
+            {"program": key, "cuda_headers": cuda_dirs_fingerprint(cuda_dirs), "files": files}
+        )
 
     def _build(self, arch: str, target: str) -> ObjectCode:
         p = plan(arch, target)
@@ -282,7 +270,34 @@ class Program:
             name=self.name,
             options=tuple(options),
             nvrtc_version=nvrtc_version(),
+            source=_text(self.source),
         )
+
+
+@lru_cache(maxsize=1024)
+def _static_key(
+    source: str,
+    name: str,
+    headers: tuple[tuple[str, str], ...],
+    options: tuple[str, ...],
+    name_expressions: tuple[str, ...],
+    arch: str,
+    target: str,
+    toolchain: str,
+) -> str:
+    """The part of a cache key that does not depend on files (memoised: a warm hit is cheap)."""
+    return _cache.make_key(
+        {
+            "source": source,
+            "name": name,
+            "headers": [list(h) for h in headers],
+            "options": list(options),
+            "name_expressions": list(name_expressions),
+            "arch": arch,
+            "target": target,
+            "toolchain": toolchain,
+        }
+    )
 
 
 def _text(value: str | bytes) -> str:
@@ -307,8 +322,11 @@ def compile(
 
     Parameters are those of :class:`Program` and :meth:`Program.compile`. With the
     cache (default) an identical request, in this process or any later one, returns
-    the stored code without touching NVRTC. ``CTXKIT_CACHE_DIR`` moves the cache;
-    ``CTXKIT_CACHE_DIR=off`` disables it.
+    the stored code without touching NVRTC. ``CTXKIT_CACHE_DIR`` moves the cache,
+    ``CTXKIT_CACHE_DIR=off`` disables it, ``CTXKIT_CACHE_MAX_BYTES`` caps its size
+    (default 1 GiB; least recently used entries go first). A directory that another
+    user could write is not used (one :class:`UserWarning`). The key covers every
+    header NVRTC can read for the program. See :mod:`ctxkit.compiler.cache`.
 
     Examples
     --------

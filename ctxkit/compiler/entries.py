@@ -1,0 +1,490 @@
+"""The files of the on-disk kernel cache, safe in a directory others can reach.
+
+An entry is one file ``<key>.ctxobj``::
+
+    CTXKIT1 <sha256 of everything after this line>\\n
+    <header: one line of JSON>\\n
+    <payload: the blobs named in the header, back to back>
+
+Nothing is ever unpickled. The digest is written by the writer, so it only catches
+corruption; what keeps other users' code out is the directory itself. A directory is
+used only when it is owned by the effective user and not writable by group or others
+(the rule of ssh's ``StrictModes`` and pip's cache): otherwise ctxkit warns once
+(:class:`KernelCacheWarning`) and compiles without the disk cache, reading nothing
+from there. The directory is opened once per operation and every entry is reached
+through that descriptor, so swapping the path for another directory afterwards
+changes nothing.
+
+Entries are opened without following symbolic links and without blocking, and read
+only when ``fstat`` says they are a regular file of the effective user no larger than
+the cap; anything else (a FIFO, a link to ``/dev/zero``, a truncated or malformed
+file) is a miss and is removed. Entries are written to a private temporary file and
+moved into place with ``os.replace``, so readers see no entry or a complete one.
+
+The directory stays under a size cap (:func:`ctxkit.compiler.cache.max_bytes`): after
+each write the least recently used entries (a hit refreshes an entry's mtime) are
+removed, and temporary files older than :data:`TMP_MAX_AGE_S` (left by a killed
+writer) are swept. A lock file per key, held while one process
+compiles (a POSIX record lock), lets other processes wait for its result instead of
+compiling the same program; lock files are removed by their holder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import json
+import os
+import secrets
+import stat
+import sys
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from ..errors import KernelCacheWarning
+
+try:
+    import fcntl
+except ImportError:  # Windows: no cross-process lock
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = [
+    "ENTRY_SUFFIX",
+    "LOCK_TIMEOUT_S",
+    "TMP_MAX_AGE_S",
+    "TMP_SUFFIX",
+    "CacheDir",
+    "clear",
+    "evict",
+    "open_dir",
+    "process_lock",
+    "read_entry",
+    "write_entry",
+]
+
+
+ENTRY_SUFFIX = ".ctxobj"
+
+
+TMP_SUFFIX = ".tmp"
+
+
+LOCK_SUFFIX = ".lock"
+
+
+#: Temporary files older than this (seconds) are left by a killed writer and removed.
+TMP_MAX_AGE_S = 3600.0
+
+
+#: How long a process waits for another one compiling the same program (seconds).
+LOCK_TIMEOUT_S = 120.0
+
+
+_MAGIC = b"CTXKIT1 "
+
+
+_POSIX = os.name == "posix"
+
+
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+_SAFE_FLAGS = (
+    getattr(os, "O_NOFOLLOW", 0)
+    | getattr(os, "O_CLOEXEC", 0)
+    | getattr(os, "O_NOCTTY", 0)
+    | getattr(os, "O_BINARY", 0)
+)
+
+
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | _SAFE_FLAGS
+
+
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _SAFE_FLAGS
+
+
+_LOCK_FLAGS = os.O_RDWR | os.O_CREAT | getattr(os, "O_NONBLOCK", 0) | _SAFE_FLAGS
+
+
+# errno of an entry that is there but must not be read: a link, a FIFO or socket, no access.
+_NOT_AN_ENTRY = frozenset(
+    {errno.ELOOP, errno.EMLINK, errno.ENXIO, errno.EACCES, errno.EPERM, errno.ENOTDIR}
+)
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+def _euid() -> int:
+    return os.geteuid() if _POSIX else -1
+
+
+def _owned_by_me(st: os.stat_result) -> bool:
+    return not _POSIX or st.st_uid == _euid()
+
+
+def _warn_once(path: Path, reason: str, message: str) -> None:
+    if (str(path), reason) in _warned:
+        return
+    _warned.add((str(path), reason))
+    warnings.warn(message, KernelCacheWarning, stacklevel=_user_stacklevel())
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel``, for our caller's ``warnings.warn``, of the first frame outside ctxkit."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+class CacheDir:
+    """A cache directory opened and verified once; entries are reached through it.
+
+    Where the platform allows it the directory is held open and every entry is
+    opened relative to that descriptor (``dir_fd``).
+    """
+
+    def __init__(self, path: Path, fd: int | None) -> None:
+        self.path = path
+        self.fd = fd
+
+    def __enter__(self) -> CacheDir:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def _at(self, name: str) -> str:
+        return name if self.fd is not None else os.path.join(self.path, name)
+
+    def open(self, name: str, flags: int, mode: int = 0o600) -> int:
+        return os.open(self._at(name), flags, mode, dir_fd=self.fd)
+
+    def lstat(self, name: str) -> os.stat_result:
+        return os.stat(self._at(name), dir_fd=self.fd, follow_symlinks=False)
+
+    def unlink(self, name: str) -> bool:
+        try:
+            os.unlink(self._at(name), dir_fd=self.fd)
+        except OSError:
+            return False
+        return True
+
+    def replace(self, src: str, dst: str) -> None:
+        os.replace(self._at(src), self._at(dst), src_dir_fd=self.fd, dst_dir_fd=self.fd)
+
+    def scan(self) -> Iterator[tuple[str, os.stat_result]]:
+        """``(name, lstat)`` of every file in the directory."""
+        target: Any = self.fd if self.fd is not None else self.path
+        with os.scandir(target) as it:
+            for e in it:
+                with contextlib.suppress(OSError):
+                    yield e.name, e.stat(follow_symlinks=False)
+
+    def discard(self, name: str, seen: os.stat_result | None = None) -> None:
+        """Remove *name*, unless it is no longer the file *seen* (a writer replaced it)."""
+        if seen is not None:
+            try:
+                now = self.lstat(name)
+            except OSError:
+                return
+            if (now.st_ino, now.st_dev) != (seen.st_ino, seen.st_dev):
+                return
+        self.unlink(name)
+
+
+def open_dir(path: Path, create: bool = True) -> CacheDir | None:
+    """The verified cache directory at *path*, or ``None`` (with one warning) when unusable.
+
+    Creates it (mode 0700) when missing and *create* is true. Refuses a directory that
+    is not owned by the effective user, or that group or others can write.
+    """
+    if create and not path.is_dir():
+        try:
+            _make_private_dir(path)
+        except OSError as exc:
+            _warn_unusable(path, exc)
+            return None
+    if not _POSIX:
+        return CacheDir(path, None) if path.is_dir() else None
+    try:
+        fd = os.open(path, _DIR_FLAGS)
+    except OSError as exc:
+        if create or exc.errno != errno.ENOENT:
+            _warn_unusable(path, exc)
+        return None
+    try:
+        st = os.fstat(fd)
+        problem = _distrust(st)
+    except OSError as exc:
+        os.close(fd)
+        _warn_unusable(path, exc)
+        return None
+    if problem:
+        os.close(fd)
+        _warn_once(
+            path,
+            "unsafe",
+            f"ctxkit: not using the kernel cache in {path}: it {problem}, so another user "
+            "could plant compiled code there. Kernels are compiled without the disk cache. "
+            f"Fix: `chmod 700 {path}` if it is yours, or set CTXKIT_CACHE_DIR to a "
+            "directory of your own (or to 'off').",
+        )
+        return None
+    return CacheDir(path, fd)
+
+
+def _make_private_dir(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        return  # made by someone else meanwhile: verified like any existing directory
+    os.chmod(path, 0o700)  # whatever the umask
+
+
+def _distrust(st: os.stat_result) -> str:
+    """Why a directory with this ``fstat`` must not be trusted ('' when it can be)."""
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if not _owned_by_me(st):
+        return f"is owned by uid {st.st_uid}, not by this process (euid {_euid()})"
+    if st.st_mode & 0o022:
+        return f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return ""
+
+
+def _warn_unusable(path: Path, exc: OSError) -> None:
+    _warn_once(
+        path,
+        "unwritable",
+        f"ctxkit: cannot use the kernel cache in {path} ({exc}); compiled kernels are "
+        "not cached on disk. Set CTXKIT_CACHE_DIR to a writable directory, or to 'off'.",
+    )
+
+
+def _entry_name(key: str) -> str:
+    return key + ENTRY_SUFFIX
+
+
+def read_entry(d: CacheDir, key: str, limit: int) -> tuple[dict[str, Any], dict[str, bytes]] | None:
+    """The verified ``(header, blobs)`` of *key*, or ``None`` (missing or discarded).
+
+    Never follows a link, never blocks, never reads more than *limit* bytes.
+    """
+    name = _entry_name(key)
+    try:
+        fd = d.open(name, _READ_FLAGS)
+    except OSError as exc:
+        if exc.errno in _NOT_AN_ENTRY:
+            d.discard(name)
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or not _owned_by_me(st) or st.st_size > limit:
+            data = None
+        else:
+            data = _read_exactly(fd, st.st_size)
+            if data is not None and os.utime in os.supports_fd:
+                with contextlib.suppress(OSError):
+                    os.utime(fd)  # last use, for the least-recently-used eviction
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    parsed = parse(data, key) if data is not None else None
+    if parsed is None:
+        d.discard(name, st)
+    return parsed
+
+
+def _read_exactly(fd: int, size: int) -> bytes | None:
+    chunks = []
+    left = size
+    while left > 0:
+        chunk = os.read(fd, min(left, 1 << 24))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        left -= len(chunk)
+    if os.read(fd, 1):
+        return None  # grew while read: not an entry written by os.replace
+    return b"".join(chunks)
+
+
+def parse(data: bytes, key: str) -> tuple[dict[str, Any], dict[str, bytes]] | None:
+    """Split and verify an entry's bytes; ``None`` for anything malformed."""
+    first, sep, rest = data.partition(b"\n")
+    if not sep or not first.startswith(_MAGIC):
+        return None
+    if hashlib.sha256(rest).hexdigest().encode() != first[len(_MAGIC) :]:
+        return None
+    line, sep, payload = rest.partition(b"\n")
+    try:
+        header = json.loads(line)
+    except ValueError:
+        return None
+    if not sep or not isinstance(header, dict) or header.get("key") != key:
+        return None
+    layout = header.get("blobs")
+    if not isinstance(layout, list):
+        return None
+    blobs: dict[str, bytes] = {}
+    offset = 0
+    for item in layout:
+        if not (
+            isinstance(item, list)
+            and len(item) == 2
+            and isinstance(item[0], str)
+            and type(item[1]) is int
+            and item[1] >= 0
+            and item[0] not in blobs
+        ):
+            return None
+        blobs[item[0]] = payload[offset : offset + item[1]]
+        offset += item[1]
+    if offset != len(payload):
+        return None
+    return header, blobs
+
+
+def encode(key: str, header: dict[str, Any], blobs: dict[str, bytes]) -> bytes:
+    """The bytes of an entry (see the module docstring)."""
+    head = {**header, "key": key, "blobs": [[n, len(b)] for n, b in blobs.items()]}
+    rest = json.dumps(head, sort_keys=True).encode() + b"\n" + b"".join(blobs.values())
+    return _MAGIC + hashlib.sha256(rest).hexdigest().encode() + b"\n" + rest
+
+
+def write_entry(d: CacheDir, key: str, data: bytes) -> bool:
+    """Store *data* as the entry of *key* atomically; False (one warning) when not writable."""
+    tmp = f".{key[:16]}.{secrets.token_hex(8)}{TMP_SUFFIX}"
+    try:
+        fd = d.open(tmp, _CREATE_FLAGS, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            d.replace(tmp, _entry_name(key))
+        except BaseException:
+            d.unlink(tmp)
+            raise
+    except OSError as exc:
+        _warn_unusable(d.path, exc)
+        return False
+    return True
+
+
+def evict(d: CacheDir, max_bytes: int, keep: str = "") -> int:
+    """Remove least recently used entries until they total at most *max_bytes*.
+
+    Also removes temporary and lock files older than :data:`TMP_MAX_AGE_S`, and entries
+    that are not regular files. The entry of *keep* (just written) stays. Returns the
+    number of files removed.
+    """
+    now = time.time_ns()
+    old = now - int(TMP_MAX_AGE_S * 1e9)
+    removed = 0
+    entries: list[tuple[int, str, int]] = []
+    for name, st in d.scan():
+        if name.endswith(ENTRY_SUFFIX):
+            if stat.S_ISREG(st.st_mode):
+                entries.append((st.st_mtime_ns, name, st.st_size))
+            elif not stat.S_ISDIR(st.st_mode):
+                removed += d.unlink(name)
+        elif name.endswith((TMP_SUFFIX, LOCK_SUFFIX)) and st.st_mtime_ns < old:
+            removed += d.unlink(name)
+    total = sum(size for _t, _n, size in entries)
+    keep_name = _entry_name(keep) if keep else ""
+    for _mtime, name, size in sorted(entries):
+        if total <= max_bytes:
+            break
+        if name != keep_name and d.unlink(name):
+            removed += 1
+            total -= size
+    return removed
+
+
+def clear(d: CacheDir) -> int:
+    """Remove every entry and temporary file; return how many were removed."""
+    removed = 0
+    for name, _st in d.scan():
+        if name.endswith((ENTRY_SUFFIX, TMP_SUFFIX)):
+            removed += d.unlink(name)
+    return removed
+
+
+@contextlib.contextmanager
+def process_lock(d: CacheDir, key: str, timeout: float = LOCK_TIMEOUT_S) -> Iterator[bool]:
+    """Hold the lock of *key* against other processes (yields False when not held).
+
+    Waits up to *timeout* seconds for a process compiling the same program; after that,
+    or where file locks are unavailable, proceeds without the lock (a duplicate compile,
+    never a wrong result). Threads of one process must not ask for the same key at once
+    (the in-process lock of :func:`ctxkit.compiler.cache.cached` sees to that).
+    """
+    name = f".{key}{LOCK_SUFFIX}"
+    fd = _acquire(d, name, time.monotonic() + timeout) if fcntl is not None else None
+    try:
+        yield fd is not None
+    finally:
+        if fd is not None:
+            d.unlink(name)  # before unlocking: a waiter on this file sees it is gone
+            os.close(fd)
+
+
+def _acquire(d: CacheDir, name: str, deadline: float) -> int | None:
+    while True:
+        try:
+            fd = d.open(name, _LOCK_FLAGS, 0o600)
+        except OSError:
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or not _owned_by_me(st):
+                raise OSError(errno.EPERM, "not a lock file")
+            if not _lock_until(fd, deadline):
+                raise TimeoutError
+            now = d.lstat(name)
+        except FileNotFoundError:
+            os.close(fd)  # the holder removed it as we locked it: take the next one
+            continue
+        except OSError:
+            os.close(fd)
+            return None
+        if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
+            return fd
+        os.close(fd)
+
+
+def _lock_until(fd: int, deadline: float) -> bool:
+    """Take the POSIX record lock of *fd*, polling until *deadline*.
+
+    A record lock (``lockf``) rather than ``flock``: it belongs to the process, so a
+    child forked while a compile runs does not keep it held; it also works on NFS.
+    """
+    assert fcntl is not None
+    pause = 0.001
+    while True:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EACCES, errno.EAGAIN) or time.monotonic() >= deadline:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+        else:
+            return True

@@ -1,0 +1,297 @@
+"""The cache's files on a shared or hostile file system: a directory other users can write
+is not trusted, entries are never followed, blocked on or read past a cap, eviction and
+the lock between processes."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+import ctxkit
+from ctxkit.compiler import cache as _cache
+from ctxkit.compiler import entries as _entries
+from ctxkit.errors import KernelCacheWarning
+from tests.compiler._helpers import child_env, delta, entries, unique
+
+pytestmark = pytest.mark.skipif(os.name != "posix", reason="POSIX owners and modes")
+
+IS_ROOT = os.name == "posix" and os.geteuid() == 0
+
+ATTACKER = 'extern "C" __global__ void saxpy(float a, float* x, float* y, size_t n) { y[0] = 666; }'
+
+
+def _plant(directory: Path, victim: str, payload_src: str) -> bytes:
+    """Put a valid entry for *victim*'s key into *directory*, holding other code."""
+    key = ctxkit.Program(victim)._cache_key("sm_90", "auto")
+    other = ctxkit.compile(payload_src, arch="sm_90", cache=False)
+    header, blobs = _cache._encode(other)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / f"{key}.ctxobj").write_bytes(_entries.encode(key, header, blobs))
+    return other.code
+
+
+@pytest.mark.parametrize("problem", ["world-writable", "group-writable", "other-owner"])
+def test_untrusted_directory_is_not_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, problem: str
+) -> None:
+    shared = tmp_path / "shared"
+    victim = unique("victim")
+    planted = _plant(shared, victim, ATTACKER)
+    if problem == "world-writable":
+        shared.chmod(0o777)
+    elif problem == "group-writable":
+        shared.chmod(0o770)
+    elif IS_ROOT:
+        os.chown(shared, 65534, 65534)
+        shared.chmod(0o755)
+    else:
+        monkeypatch.setattr(_entries, "_euid", lambda: os.geteuid() + 1)
+    monkeypatch.setenv("CTXKIT_CACHE_DIR", str(shared))
+    before = dict(_cache.stats)
+    with pytest.warns(KernelCacheWarning, match=r"not using the kernel cache.*chmod 700"):
+        obj = ctxkit.compile(victim, arch="sm_90")
+    assert not obj.from_cache and obj.code != planted
+    assert delta(before)["compiled"] == 1
+    assert len(entries(shared)) == 1  # nothing written there, nothing removed
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once
+        again = ctxkit.compile(unique("victim-2"), arch="sm_90")
+    assert not again.from_cache
+
+
+def test_private_directory_readable_by_others_is_used(tmp_path: Path) -> None:
+    d = tmp_path / "mine"
+    d.mkdir(mode=0o755)
+    d.chmod(0o755)
+    with _entries.open_dir(d) as cd:  # type: ignore[union-attr]
+        assert cd is not None
+
+
+def test_symlinked_entry_is_not_followed(cache: Path, tmp_path: Path) -> None:
+    victim = unique("link-victim")
+    elsewhere = tmp_path / "elsewhere"
+    planted = _plant(elsewhere, victim, ATTACKER)
+    (target,) = entries(elsewhere)
+    cache.mkdir(mode=0o700)
+    link = cache / target.name
+    link.symlink_to(target)
+    obj = ctxkit.compile(victim, arch="sm_90")
+    assert not obj.from_cache and obj.code != planted
+    assert not link.is_symlink() and link.is_file()  # replaced by a real entry
+    assert target.exists()  # the link's target is left alone
+
+
+def test_fifo_entry_does_not_hang(cache: Path) -> None:
+    src = unique("fifo")
+    script = textwrap.dedent(
+        f"""
+        import os, ctxkit
+        from ctxkit.compiler import cache_dir
+        key = ctxkit.Program({src!r})._cache_key("sm_90", "auto")
+        cache_dir().mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.mkfifo(cache_dir() / (key + ".ctxobj"))
+        obj = ctxkit.compile({src!r}, arch="sm_90")
+        print(obj.from_cache, (cache_dir() / (key + ".ctxobj")).is_file())
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        env=child_env(cache),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["False", "True"]
+
+
+def test_link_to_dev_zero_does_not_exhaust_memory(cache: Path) -> None:
+    script = textwrap.dedent(
+        """
+        import os, resource, sys
+        from pathlib import Path
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+        from ctxkit.compiler import entries
+        d = Path(sys.argv[1])
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        (d / ("ab" * 32 + ".ctxobj")).symlink_to("/dev/zero")
+        with entries.open_dir(d) as cd:
+            print(entries.read_entry(cd, "ab" * 32, 1 << 40), os.listdir(d))
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(cache)],
+        env=child_env(cache),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "None []"
+
+
+def test_entry_larger_than_the_cap_is_not_read(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = unique("cap")
+    ctxkit.compile(src, arch="sm_90")
+    (entry,) = entries(cache)
+    monkeypatch.setenv("CTXKIT_CACHE_MAX_BYTES", str(entry.stat().st_size - 1))
+    _cache._memo.clear()
+    before = dict(_cache.stats)
+    obj = ctxkit.compile(src, arch="sm_90")
+    assert not obj.from_cache and delta(before) == {
+        "compiled": 1,
+        "disk_hits": 0,
+        "memory_hits": 0,
+    }
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="needs root to give a file to another user")
+def test_entry_owned_by_another_user_is_discarded(cache: Path) -> None:
+    src = unique("owner")
+    ctxkit.compile(src, arch="sm_90")
+    (entry,) = entries(cache)
+    os.chown(entry, 65534, 65534)
+    _cache._memo.clear()
+    obj = ctxkit.compile(src, arch="sm_90")
+    assert not obj.from_cache
+    assert entry.stat().st_uid == os.geteuid()  # replaced by this user's entry
+
+
+# --- parsing -----------------------------------------------------------------------------
+
+
+def _raw(key: str, head: bytes, payload: bytes) -> bytes:
+    rest = head + b"\n" + payload
+    return b"CTXKIT1 " + hashlib.sha256(rest).hexdigest().encode() + b"\n" + rest
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b'{"key": "K", "blobs": [["code", "3"]]}',
+        b'{"key": "K", "blobs": [["code", -1]]}',
+        b'{"key": "K", "blobs": [["code", 1.5]]}',
+        b'{"key": "K", "blobs": [["code", true]]}',
+        b'{"key": "K", "blobs": [["code"]]}',
+        b'{"key": "K", "blobs": [[3, 3]]}',
+        b'{"key": "K", "blobs": [["code", 1], ["code", 2]]}',
+        b'{"key": "K", "blobs": "code"}',
+        b'{"key": "K"}',
+        b'["key", "K"]',
+        b'{"key": "other", "blobs": [["code", 3]]}',
+        b'{"key": "K", "blobs": [["code", 2]]}',
+    ],
+)
+def test_parse_rejects_malformed_headers(head: bytes) -> None:
+    assert _entries.parse(_raw("K", head, b"abc"), "K") is None
+
+
+def test_parse_accepts_a_written_entry() -> None:
+    data = _entries.encode("K", {"x": 1}, {"code": b"abc", "ptx": b"de"})
+    header, blobs = _entries.parse(data, "K")  # type: ignore[misc]
+    assert header["x"] == 1 and blobs == {"code": b"abc", "ptx": b"de"}
+
+
+# --- eviction ----------------------------------------------------------------------------
+
+
+def _fake_entries(d: Path, sizes_and_ages: dict[str, tuple[int, int]]) -> None:
+    d.mkdir(mode=0o700, exist_ok=True)
+    now = time.time_ns()
+    for name, (size, age_s) in sizes_and_ages.items():
+        p = d / f"{name}.ctxobj"
+        p.write_bytes(b"x" * size)
+        os.utime(p, ns=(now, now - age_s * 10**9))
+
+
+def test_evict_removes_least_recently_used_first(tmp_path: Path) -> None:
+    _fake_entries(tmp_path / "c", {"a": (100, 30), "b": (100, 20), "c": (100, 10), "d": (100, 5)})
+    with _entries.open_dir(tmp_path / "c") as cd:  # type: ignore[union-attr]
+        assert _entries.evict(cd, 250) == 2
+    assert sorted(p.stem for p in entries(tmp_path / "c")) == ["c", "d"]
+
+
+def test_evict_keeps_the_entry_just_written(tmp_path: Path) -> None:
+    _fake_entries(tmp_path / "c", {"new": (300, 1000), "b": (100, 20)})
+    with _entries.open_dir(tmp_path / "c") as cd:  # type: ignore[union-attr]
+        _entries.evict(cd, 250, keep="new")
+    assert [p.stem for p in entries(tmp_path / "c")] == ["new"]
+
+
+def test_evict_removes_entries_that_are_not_files(tmp_path: Path) -> None:
+    d = tmp_path / "c"
+    _fake_entries(d, {"a": (10, 1)})
+    os.mkfifo(d / "f.ctxobj")
+    (d / "l.ctxobj").symlink_to(d / "a.ctxobj")
+    with _entries.open_dir(d) as cd:  # type: ignore[union-attr]
+        _entries.evict(cd, 1 << 20)
+    assert sorted(os.listdir(d)) == ["a.ctxobj"]
+
+
+# --- the lock between processes -------------------------------------------------------
+
+
+def test_process_lock_makes_another_process_wait(tmp_path: Path) -> None:
+    d = tmp_path / "c"
+    script = textwrap.dedent(
+        f"""
+        import time
+        from pathlib import Path
+        from ctxkit.compiler import entries
+        with entries.open_dir(Path({str(d)!r})) as cd:
+            print("trying", flush=True)
+            with entries.process_lock(cd, "k" * 64) as held:
+                print(held, time.time())
+        """
+    )
+    with _entries.open_dir(d) as cd:  # type: ignore[union-attr]
+        with _entries.process_lock(cd, "k" * 64) as held:
+            assert held
+            child = subprocess.Popen(
+                [sys.executable, "-c", script], env=child_env(d), stdout=subprocess.PIPE, text=True
+            )
+            assert child.stdout is not None and child.stdout.readline().strip() == "trying"
+            time.sleep(0.5)
+            released = time.time()
+    out = child.communicate(timeout=60)[0].split()
+    assert child.returncode == 0 and out[0] == "True"
+    assert float(out[1]) >= released
+    assert not [p for p in os.listdir(d) if p.endswith(".lock")]
+
+
+def test_process_lock_times_out_without_the_lock(tmp_path: Path) -> None:
+    d = tmp_path / "c"
+    script = textwrap.dedent(
+        f"""
+        import time
+        from pathlib import Path
+        from ctxkit.compiler import entries
+        with entries.open_dir(Path({str(d)!r})) as cd:
+            with entries.process_lock(cd, "t" * 64):
+                print("locked", flush=True)
+                time.sleep(30)
+        """
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", script], env=child_env(d), stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        with _entries.open_dir(d) as cd:  # type: ignore[union-attr]
+            t0 = time.monotonic()
+            with _entries.process_lock(cd, "t" * 64, timeout=0.3) as held:
+                waited = time.monotonic() - t0
+        assert held is False and 0.25 < waited < 5
+    finally:
+        holder.kill()
+        holder.wait()
