@@ -19,7 +19,7 @@ from .. import _driver
 from ..errors import CompileError
 
 __all__ = [
-    "Plan",
+    "TargetPlan",
     "cuda_include_dirs",
     "link_ptx",
     "load_nvrtc",
@@ -137,7 +137,7 @@ def arch_number(arch: str) -> int:
 
 
 @dataclass(frozen=True)
-class Plan:
+class TargetPlan:
     """What NVRTC is asked for once arch and target are resolved."""
 
     arch: str  # the arch asked for, normalised
@@ -146,7 +146,7 @@ class Plan:
     note: str  # explains a capped arch / a PTX fallback (goes into the log)
 
 
-def plan(arch: str, target: str) -> Plan:
+def plan(arch: str, target: str) -> TargetPlan:
     """Resolve ``target="auto"`` and cap *arch* to what this NVRTC supports.
 
     Raises
@@ -158,7 +158,7 @@ def plan(arch: str, target: str) -> Plan:
     supported = supported_archs()
     num = arch_number(arch)
     if num in supported:
-        return Plan(arch, arch, "cubin" if target == "auto" else target, "")
+        return TargetPlan(arch, arch, "cubin" if target == "auto" else target, "")
     lower = [a for a in supported if a < num]
     nv = "{}.{}".format(*nvrtc_version())
     span = f"sm_{supported[0]}..sm_{supported[-1]}"
@@ -183,7 +183,7 @@ def plan(arch: str, target: str) -> Plan:
         f"{target} for {built} instead"
         + (" (the driver JIT-compiles the PTX for the device)" if target == "ptx" else "")
     )
-    return Plan(arch, capped, target, note)
+    return TargetPlan(arch, capped, target, note)
 
 
 @lru_cache(maxsize=1)
