@@ -17,7 +17,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from . import _driver
+from . import _driver, lifetime
 from ._driver import call, drv
 from .device import Device
 from .errors import (
@@ -483,11 +483,16 @@ class Context:
         """
         if self.closed or self._poison is not None or _shutting_down:
             return
-        if _tls.s.top is self:
-            _check_free(fn(*args), fn)
-            return
-        with self:
-            _check_free(fn(*args), fn)
+        if not lifetime.begin_free(self, fn, args):
+            return  # an open stream capture forbids it: it runs when the capture ends
+        try:
+            if _tls.s.top is self:
+                _check_free(fn(*args), fn)
+                return
+            with self:
+                _check_free(fn(*args), fn)
+        finally:
+            lifetime.end_free()
 
 
 def _check_free(res: Any, fn: Callable[..., Any]) -> None:

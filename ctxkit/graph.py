@@ -104,16 +104,25 @@ def capture(stream: Any, *, mode: str = "thread_local") -> Iterator[Graph]:
 
     ``with capture(s) as g: k.launch(..., stream=s)`` -- after the block ``g.launch()``
     replays it. The stream's context is bound for the block. Work inside must be
-    asynchronous and on *stream* (no synchronize, no pageable copies). ctxkit objects
-    collected inside the block (garbage collection can run at any allocation) are freed
-    after it: a ``cuMemFree`` there would invalidate the capture.
+    asynchronous and on *stream* (no synchronize, no pageable copies, no allocation).
+    ctxkit objects closed or garbage collected inside the block (the collector runs at
+    any allocation) are freed after it: a ``cuMemFree`` there would invalidate the
+    capture. In ``global`` mode that holds for frees in every thread.
 
     Parameters
     ----------
     stream : Stream or foreign stream
         A created stream; the legacy default stream cannot be captured.
     mode : {"thread_local", "global", "relaxed"}
-        ``cuStreamBeginCapture`` mode: which other threads' unsafe calls are refused.
+        ``cuStreamBeginCapture`` mode: whose unsafe calls invalidate the capture -- this
+        thread's (``thread_local``), every thread's (``global``), none (``relaxed``:
+        frees are not held back then).
+
+    Raises
+    ------
+    CudaError
+        The capture was invalidated (``CUDA_ERROR_STREAM_CAPTURE_INVALIDATED``); the
+        stream is usable again afterwards.
     """
     if stream is None:
         raise ValueError(
@@ -131,32 +140,53 @@ def capture(stream: Any, *, mode: str = "thread_local") -> Iterator[Graph]:
     graph = Graph(ctx)
     tracked, global_mode = mode != "relaxed", mode == "global"
     with guard(ctx, "graph capture"):
-        (err,) = drv.cuStreamBeginCapture(hs, mode_enum)
-        if err:
-            raise _driver.from_result(int(err), "cuStreamBeginCapture")
-        if tracked:
-            capture_begins(global_mode)
+        _begin(hs, mode_enum, tracked, global_mode)
         try:
             yield graph
         except BaseException:
-            res = drv.cuStreamEndCapture(hs)
-            if tracked:
-                capture_ends(global_mode)
+            res = _end(hs, tracked, global_mode)
             if not res[0] and res[1] is not None and int(res[1]):
                 drv.cuGraphDestroy(res[1])
             raise
-        err, cu_graph = drv.cuStreamEndCapture(hs)
-        if tracked:
-            capture_ends(global_mode)
+        err, cu_graph = _end(hs, tracked, global_mode)
         if err:
             raise _driver.from_result(
                 int(err),
                 "cuStreamEndCapture",
                 "something in the capture block could not be captured (a synchronize, a "
-                "synchronous or pageable copy, or work forked to another stream and not "
-                "joined back); enqueue everything asynchronously on the captured stream",
+                "synchronous or pageable copy, work on the legacy default stream, an "
+                "allocation, or work forked to another stream and not joined back) or, in "
+                "mode='global', another thread made such a call; enqueue everything "
+                "asynchronously on the captured stream",
             )
         try:
             graph._instantiate(cu_graph)
         finally:
             drv.cuGraphDestroy(cu_graph)
+
+
+def _begin(hs: Any, mode_enum: Any, tracked: bool, global_mode: bool) -> None:
+    """Mark the capture open (frees are held back from now on), then begin it: a free
+    between the two -- the garbage collector runs at any allocation -- would invalidate
+    it."""
+    if tracked:
+        capture_begins(global_mode)
+    try:
+        (err,) = drv.cuStreamBeginCapture(hs, mode_enum)
+    except BaseException:
+        if tracked:
+            capture_ends(global_mode)
+        raise
+    if err:
+        if tracked:
+            capture_ends(global_mode)
+        raise _driver.from_result(int(err), "cuStreamBeginCapture")
+
+
+def _end(hs: Any, tracked: bool, global_mode: bool) -> Any:
+    """End the capture, then run the frees it held back."""
+    try:
+        return drv.cuStreamEndCapture(hs)
+    finally:
+        if tracked:
+            capture_ends(global_mode)

@@ -3,9 +3,19 @@
 Every buffer, stream, event and module registers a finalizer (:func:`finalizer`) that
 frees it inside its own context, from whichever thread the garbage collector runs in,
 and never raises (:func:`free_quietly`). Frees the driver refuses are kept in
-:func:`failed_frees` and warned about once. While a stream capture that a free would
-invalidate is open (``cuMemFree`` is an unsafe call during capture), such frees wait
-and run when it ends (:func:`capture_begins` / :func:`capture_ends`).
+:func:`failed_frees` and warned about once.
+
+While a stream capture is open, a free is a call the driver forbids (``cuMemFree``,
+``cuMemFreeHost``, ``cuMemHostUnregister``, ``cuModuleUnload``, ``cuLibraryUnload``,
+stream/event/graph destruction: they synchronize or change what the captured work may
+use) and a forbidden call invalidates the capture. The driver forbids them in the
+capturing thread (``thread_local`` and ``global`` mode) and, during a ``global`` capture,
+in every other thread too. So every free ctxkit makes -- by a finalizer, by ``close()``,
+through :meth:`Context.free <ctxkit.context.Context.free>` -- asks :func:`begin_free`
+first: a free the open captures forbid is held back and runs when they end
+(:func:`held_back_frees` counts them). A capture is marked open *before*
+``cuStreamBeginCapture`` (:func:`capture_begins`), and a ``global`` one first waits for
+the frees other threads have already started, so no free slips in between.
 """
 
 from __future__ import annotations
@@ -21,7 +31,9 @@ import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-__all__ = ["FailedFree", "failed_frees"]
+from . import _driver
+
+__all__ = ["FailedFree", "failed_frees", "held_back_frees"]
 
 
 class FailedFree(NamedTuple):
@@ -52,74 +64,135 @@ def failed_frees() -> list[FailedFree]:
     return list(_failed_frees)
 
 
-def free_quietly(ctx: Context, fn: Callable[..., Any], *args: Any) -> None:
-    """:meth:`Context.free` for finalizers: never raises (GC must not see exceptions);
-    a failure is recorded in :func:`failed_frees`. While a stream capture that such a
-    free would invalidate is open, the free waits for its end (:func:`capture_begins`)."""
-    if (_capturing_threads or _global_captures) and _defer_free(ctx, fn, args):
-        return
-    try:
-        ctx.free(fn, *args)
-    except Exception as exc:
-        _note_failed_free(ctx, getattr(fn, "__name__", "free"), str(exc))
+# --- the capture hold-back -----------------------------------------------------------
+
+# A re-entrant lock: the garbage collector can run a finalizer (and so free_quietly) at
+# any allocation, also in a thread that holds the lock already.
+_capture_cond = threading.Condition(threading.RLock())
 
 
-_capture_lock = threading.Lock()
-
-
-_capturing_threads: dict[int, int] = {}
+_capturing_threads: dict[int, int] = {}  # thread ident -> open thread_local/global captures
 
 
 _global_captures = 0
 
 
-_deferred_frees: list[tuple[Context, Callable[..., Any], tuple[Any, ...]]] = []
+_frees_running: dict[int, int] = {}  # thread ident -> frees started and not finished
+
+
+_held_back: list[tuple[Context | None, Callable[..., Any], tuple[Any, ...]]] = []
+
+
+def held_back_frees() -> int:
+    """How many frees wait for an open stream capture to end (they run when it does)."""
+    with _capture_cond:
+        return len(_held_back)
+
+
+def _forbidden_here(tid: int) -> bool:
+    return bool(_global_captures) or tid in _capturing_threads
+
+
+def begin_free(ctx: Context | None, fn: Callable[..., Any], args: tuple[Any, ...]) -> bool:
+    """Ask before a free: ``True`` -- make it now, then call :func:`end_free`; ``False``
+    -- an open capture forbids it in this thread, so it was held back and runs (through
+    :func:`free_quietly`) when the capture ends."""
+    tid = threading.get_ident()
+    with _capture_cond:
+        if _forbidden_here(tid):
+            _held_back.append((ctx, fn, args))
+            return False
+        _frees_running[tid] = _frees_running.get(tid, 0) + 1
+        return True
+
+
+def end_free() -> None:
+    """The free allowed by :func:`begin_free` in this thread is done."""
+    tid = threading.get_ident()
+    with _capture_cond:
+        left = _frees_running.pop(tid, 1) - 1
+        if left:
+            _frees_running[tid] = left
+        else:
+            _capture_cond.notify_all()
+
+
+def _others_freeing(tid: int) -> bool:
+    return any(t != tid for t in _frees_running)
 
 
 def capture_begins(global_mode: bool) -> None:
-    """A stream capture starts in this thread (``thread_local`` or ``global`` mode)."""
+    """A ``thread_local`` or ``global`` stream capture is about to begin in this thread.
+
+    Call it *before* ``cuStreamBeginCapture`` (and :func:`capture_ends` if that fails):
+    from now on this thread's frees -- and in ``global`` mode every thread's -- are held
+    back. In ``global`` mode it first waits for frees other threads have started.
+    """
     global _global_captures
-    with _capture_lock:
-        tid = threading.get_ident()
+    tid = threading.get_ident()
+    with _capture_cond:
         _capturing_threads[tid] = _capturing_threads.get(tid, 0) + 1
-        _global_captures += int(global_mode)
+        if global_mode:
+            _global_captures += 1
+            _capture_cond.wait_for(lambda: not _others_freeing(tid))
 
 
 def capture_ends(global_mode: bool) -> None:
-    """The capture started by :func:`capture_begins` in this thread ended: run the frees
-    it held back that nothing forbids any more."""
+    """The capture of :func:`capture_begins` in this thread ended: run the frees it held
+    back that no capture still open forbids."""
     global _global_captures
-    with _capture_lock:
-        tid = threading.get_ident()
+    tid = threading.get_ident()
+    with _capture_cond:
         depth = _capturing_threads.pop(tid, 1) - 1
         if depth:
             _capturing_threads[tid] = depth
         _global_captures -= int(global_mode)
-        pending = list(_deferred_frees)
-        _deferred_frees.clear()
+        pending = list(_held_back)
+        _held_back.clear()
     for ctx, fn, args in pending:
         free_quietly(ctx, fn, *args)
 
 
-def _defer_free(ctx: Context, fn: Callable[..., Any], args: tuple[Any, ...]) -> bool:
-    with _capture_lock:
-        if not (_global_captures or threading.get_ident() in _capturing_threads):
-            return False
-        _deferred_frees.append((ctx, fn, args))
-        return True
+# --- frees that never raise ----------------------------------------------------------
 
 
-def _note_failed_free(ctx: Context, name: str, error: str) -> None:
+def free_quietly(ctx: Context | None, fn: Callable[..., Any], *args: Any) -> None:
+    """:meth:`Context.free` for finalizers: never raises (GC must not see exceptions);
+    a failure is recorded in :func:`failed_frees`. A free an open capture forbids waits
+    for its end (:func:`begin_free`). ``ctx=None``: a free that needs no context
+    (``cuLibraryUnload``)."""
+    if not begin_free(ctx, fn, args):
+        return
+    try:
+        if ctx is None:
+            _check(fn(*args), fn)
+        else:
+            ctx.free(fn, *args)
+    except Exception as exc:
+        _note_failed_free(ctx, getattr(fn, "__name__", "free"), str(exc))
+    finally:
+        end_free()
+
+
+def _check(res: Any, fn: Callable[..., Any]) -> None:
+    err = res[0] if isinstance(res, tuple) else res
+    if err:
+        raise _driver.from_result(int(err), getattr(fn, "__name__", "free"))
+
+
+def _note_failed_free(ctx: Context | None, name: str, error: str) -> None:
     global _warned_failed_free
-    entry = FailedFree(name, ctx.handle, threading.current_thread().name, error)
+    handle = 0 if ctx is None else ctx.handle
+    entry = FailedFree(name, handle, threading.current_thread().name, error)
     if len(_failed_frees) < _MAX_FAILED_FREES:
         _failed_frees.append(entry)
     if _warned_failed_free:
         return
     _warned_failed_free = True
+    where = "" if ctx is None else f" in {ctx!r}"
     try:
         warnings.warn(
-            f"ctxkit: {name} in {ctx!r} failed while a finalizer freed a resource, which "
+            f"ctxkit: {name}{where} failed while a finalizer freed a resource, which "
             f"stays allocated: {error}. Later failures are listed by "
             "ctxkit.lifetime.failed_frees() without further warnings",
             ResourceWarning,
@@ -129,8 +202,11 @@ def _note_failed_free(ctx: Context, name: str, error: str) -> None:
         pass
 
 
-def finalizer(owner: object, ctx: Context, fn: Callable[..., Any], *args: Any) -> weakref.finalize:
-    """Free ``fn(*args)`` in *ctx* when *owner* is collected or the finalizer is called."""
+def finalizer(
+    owner: object, ctx: Context | None, fn: Callable[..., Any], *args: Any
+) -> weakref.finalize:
+    """Free ``fn(*args)`` in *ctx* (``None``: no context needed) when *owner* is
+    collected or the finalizer is called."""
     fin = weakref.finalize(owner, free_quietly, ctx, fn, *args)
     fin.atexit = False
     return fin

@@ -14,7 +14,6 @@ records launches on a stream into a replayable :class:`Graph`.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
@@ -48,14 +47,12 @@ _NOT_FOUND = 500
 _INVALID_VALUE = 1
 
 
-def _unload_library(unload: Any, lib: Any) -> None:
-    """Finalizer: *unload* is the driver function captured when the library was loaded."""
+def _unload_library(unload: Any, lib: Any) -> Any:
+    """Free of a library (through ctxkit.lifetime.finalizer, which holds it back while a
+    stream capture is open); at interpreter exit the process teardown unloads."""
     if _context._shutting_down:
-        return
-    try:
-        unload(lib)
-    except Exception:
-        pass
+        return None
+    return unload(lib)
 
 
 class Module:
@@ -93,8 +90,7 @@ class Module:
         self._kernels: dict[str, Kernel] = {}
         self._signatures = self._parse_signatures()
         if context is None:
-            self._fin = weakref.finalize(self, _unload_library, drv.cuLibraryUnload, handle)
-            self._fin.atexit = False
+            self._fin = finalizer(self, None, _unload_library, drv.cuLibraryUnload, handle)
         else:
             self._fin = finalizer(self, context, drv.cuModuleUnload, handle)
 

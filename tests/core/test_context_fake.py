@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import pytest
@@ -11,6 +12,7 @@ from ctxkit import context as context_mod
 from ctxkit import lifetime
 from ctxkit.context import Context, current_context, thread_bindings, thread_state
 from tests.support.fakedriver import FakeHandle
+from tests.support.fakegpu import gpu_fixture  # noqa: F401
 
 
 def test_create_does_not_stay_current(fake_driver):
@@ -31,9 +33,36 @@ def test_primary_is_one_object_and_retained_once(fake_driver):
     assert a is b and a.is_primary
     assert fake_driver.calls["cuDevicePrimaryCtxRetain"] == 1
     a.close()
-    assert fake_driver.primary_refs[0] == 0
+    a.close()  # a second release would be CUDA_ERROR_INVALID_CONTEXT: none is made
+    assert fake_driver.calls["cuDevicePrimaryCtxRelease"] == 1
+    assert fake_driver.primary_refs[0] == 0 and fake_driver.resets[0] == 1
     c = Context.primary(0)
     assert c is not a and c == a  # same driver handle, new retained wrapper
+    with c:
+        assert fake_driver.current() == c.handle
+
+
+def test_closing_a_shared_primary_context_releases_only_ctxkits_reference(fake_driver):
+    fake_driver.cuDevicePrimaryCtxRetain(fake_driver.cuDeviceGet(0)[1])  # e.g. PyTorch
+    ctx = Context.primary(0)
+    ctx.close()
+    assert fake_driver.primary_refs[0] == 1 and fake_driver.resets[0] == 0
+
+
+@pytest.mark.parametrize("major", [12, 13])
+def test_create_passes_the_arguments_of_each_bindings_major(fake_driver, monkeypatch, major):
+    """cuda-bindings 12.x: ``cuCtxCreate(flags, dev)``; 13.x: ``cuCtxCreate(params,
+    flags, dev)``. The fake takes only the form of the major it plays."""
+    from ctxkit import _driver
+
+    monkeypatch.setattr(_driver, "BINDINGS_VERSION", (major, 9))
+    fake_driver.bindings_major = major
+    ctx = Context.create(1, flags=4)
+    assert ctx.device.ordinal == 1 and fake_driver.ctx_device[ctx.handle] == 1
+    assert fake_driver.ctx_flags[ctx.handle] == 4
+    assert fake_driver.current() == 0  # created current, popped again
+    ctx.close()
+    assert ctx.handle in fake_driver.destroyed
 
 
 def test_equality_hash_repr(fake_driver):
@@ -173,6 +202,17 @@ def test_close_refused_while_current_in_other_thread(fake_driver):
     ctx.close()
 
 
+def test_a_context_destroyed_by_foreign_code_inside_a_block_is_reported(fake_driver):
+    """``cuCtxDestroy`` of the calling thread's current context pops it: ctxkit's pop
+    finds the outer context on top, puts it back and says what happened."""
+    outer, doomed = Context.primary(0), Context.create(1)
+    with outer:
+        with pytest.raises(ck.ContextStackError, match="popped this context"), doomed:
+            assert fake_driver.cuCtxDestroy(doomed._cu) == (0,)
+        assert fake_driver.current() == outer.handle
+    assert fake_driver.current() == 0 and thread_state().stack == []
+
+
 def test_close_refused_when_current_through_raw_push(fake_driver):
     ctx = Context.create(0)
     fake_driver.stack().append(ctx._cu)
@@ -259,11 +299,26 @@ def test_finalizer_frees_in_owner_context_from_other_thread(fake_driver):
     assert fake_driver.current() == 0
 
 
-def test_synchronize_and_memory_info(fake_driver):
-    ctx = Context.primary(0)
-    ctx.synchronize()
-    assert ctx.memory_info() == (1 << 30, 2 << 30)
+def test_synchronize_and_memory_info_run_in_their_own_context(fake_driver):
+    c0, c1 = Context.primary(0), Context.primary(1)
+    with c1:
+        on_1 = fake_driver.cuMemGetInfo()[1:]
+    with c0:
+        assert c1.memory_info() == on_1  # answered by device 1, not by the current one
+        assert c0.memory_info() != on_1
+        c1.synchronize()
+        assert fake_driver.current() == c0.handle
     assert fake_driver.current() == 0
+    free, total = c1.memory_info()
+    assert 0 < free <= total
+
+
+def test_synchronize_reports_a_fault_and_poisons_the_context(fake_driver):
+    ctx = Context.primary(0)
+    fake_driver.fault = 700  # a kernel hit an illegal address
+    with pytest.raises(ck.ContextPoisonedError, match="ILLEGAL_ADDRESS"):
+        ctx.synchronize()
+    assert ctx.poisoned
 
 
 def test_run_in(fake_driver):
@@ -276,11 +331,28 @@ def test_sticky_error_poisons_context(fake_driver):
     exc = ctx.note_error(700, "cuCtxSynchronize")
     assert isinstance(exc, ck.ContextPoisonedError)
     assert ctx.poisoned and "poisoned" in repr(ctx)
+    pushes = fake_driver.calls["cuCtxPushCurrent"]
     with pytest.raises(ck.ContextPoisonedError), ctx:
         pass
-    # other contexts are unaffected
-    with Context.primary(1):
-        pass
+    assert fake_driver.calls["cuCtxPushCurrent"] == pushes  # failed fast, no driver call
+
+
+@pytest.mark.parametrize("kind", ["primary", "owned"])
+def test_a_fault_poisons_every_context_of_the_process(fake_driver, kind):
+    """On current drivers a sticky fault on one device fails every context, on every
+    device: a second context (even an owned one, on another device) does not isolate
+    it, so the error says to use a process per device."""
+    faulting = Context.primary(0)
+    other = Context.primary(1) if kind == "primary" else Context.create(1)
+    fake_driver.fault = 700
+    with pytest.raises(ck.ContextPoisonedError):
+        faulting.synchronize()
+    with pytest.raises(ck.ContextPoisonedError, match="separate processes") as info:
+        other.synchronize()
+    assert other.poisoned and info.value.name == "CUDA_ERROR_ILLEGAL_ADDRESS"
+    fresh = Context.create(0)
+    with pytest.raises(ck.ContextPoisonedError):
+        fresh.synchronize()
 
 
 def test_require_current(fake_driver):
@@ -294,47 +366,39 @@ def test_require_current(fake_driver):
     fake_driver.stack().pop()
 
 
-class _Recorder:
-    """Stands in for a Context in free_quietly: records the frees that ran."""
+def test_synchronize_waits_for_queued_work_and_query_sees_it(gpu):
+    from ctxkit.stream import Stream
 
-    def __init__(self) -> None:
-        self.freed: list[tuple[str, int]] = []
-        self.handle = 0
+    ctx = Context.primary(0)
+    started, release, ran = threading.Event(), threading.Event(), []
 
-    def free(self, fn, *args) -> None:
-        self.freed.append((threading.current_thread().name, *args))
+    def kernel() -> None:
+        started.set()
+        release.wait(10)
+        ran.append(1)
 
-
-def _free_in_thread(rec: _Recorder, value: int) -> None:
-    t = threading.Thread(target=lifetime.free_quietly, args=(rec, None, value), name="other")
-    t.start()
-    t.join()
-
-
-@pytest.mark.parametrize("global_mode", [False, True])
-def test_frees_wait_for_the_end_of_a_capture_they_would_invalidate(global_mode):
-    rec = _Recorder()
-    lifetime.capture_begins(global_mode)
-    try:
-        lifetime.free_quietly(rec, None, 1)  # e.g. garbage collected inside the block
-        _free_in_thread(rec, 2)
-        assert rec.freed == ([] if global_mode else [("other", 2)])
-    finally:
-        lifetime.capture_ends(global_mode)
-    main = threading.current_thread().name
-    # Held-back frees run in the thread that ends the capture.
-    assert sorted(v for _t, v in rec.freed) == [1, 2]
-    assert (main, 1) in rec.freed
-    lifetime.free_quietly(rec, None, 3)  # no capture: at once
-    assert rec.freed[-1] == (main, 3)
+    with ctx:
+        s = Stream()
+        gpu.launch(s, kernel)
+        assert started.wait(10)
+        assert s.query() is False  # CUDA_ERROR_NOT_READY: work is queued
+        threading.Timer(0.05, release.set).start()
+        ctx.synchronize()
+        assert ran == [1] and s.query() is True
 
 
-def test_nested_captures_in_one_thread_release_frees_at_the_outer_end():
-    rec = _Recorder()
-    lifetime.capture_begins(False)
-    lifetime.capture_begins(False)
-    lifetime.free_quietly(rec, None, 1)
-    lifetime.capture_ends(False)
-    assert rec.freed == []
-    lifetime.capture_ends(False)
-    assert [v for _t, v in rec.freed] == [1]
+def test_resources_of_a_reset_primary_context_are_not_freed_again(gpu):
+    """The release that drops the last reference resets the primary context, which frees
+    its memory: the buffer's finalizer must not free it a second time."""
+    from ctxkit.memory import DeviceBuffer
+
+    ctx = Context.primary(0)
+    with ctx:
+        buf = DeviceBuffer(64)
+    ptr = buf.ptr
+    ctx.close()
+    assert gpu.resets[0] == 1 and gpu.allocation(ptr) is None
+    before = len(lifetime.failed_frees())
+    del buf
+    gc.collect()
+    assert len(lifetime.failed_frees()) == before

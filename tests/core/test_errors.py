@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import subprocess
-import sys
 
 import pytest
 
 import ctxkit as ck
 from ctxkit import _driver, errors
+from tests.support.fakegpu import gpu_fixture  # noqa: F401
 
 
 @pytest.mark.parametrize(
@@ -75,18 +74,21 @@ def test_parse_version():
     assert _driver.BINDINGS_VERSION[0] in (12, 13)
 
 
-def test_ctx_create_args_by_bindings_major():
-    assert _driver.ctx_create_args(13, 4, "dev") == (None, 4, "dev")
-    assert _driver.ctx_create_args(12, 4, "dev") == (4, "dev")
-
-
-def test_mem_location_forms():
-    assert _driver.uses_mem_location(13) and not _driver.uses_mem_location(12)
-    loc = _driver.mem_location(1)
-    assert loc.id == 1
-    assert loc.type == _driver.drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    host = _driver.mem_location("cpu")
-    assert host.type == _driver.drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST
+@pytest.mark.parametrize("major", [12, 13])
+def test_prefetch_and_advise_reach_the_driver_in_each_bindings_form(gpu, monkeypatch, major):
+    """13.x takes a ``CUmemLocation``, 12.x a device ordinal (-1: the host); the fake
+    takes only the form of the major it plays (test_context_fake checks cuCtxCreate)."""
+    monkeypatch.setattr(_driver, "BINDINGS_VERSION", (major, 9))
+    gpu.bindings_major = major
+    advice = gpu.CUmem_advise.CU_MEM_ADVISE_SET_PREFERRED_LOCATION
+    with ck.registry.context(0):
+        m = ck.ManagedBuffer(4096)
+        _driver.mem_prefetch(m.ptr, 4096, 1, 0)
+        _driver.mem_prefetch(m.ptr, 4096, "cpu", 0)
+        _driver.mem_advise(m.ptr, 4096, advice, "cpu")
+        _driver.mem_advise(m.ptr, 4096, advice, 0)
+    assert gpu.prefetches == [(m.ptr, 4096, 1), (m.ptr, 4096, "cpu")]
+    assert gpu.advice == [(m.ptr, 4096, advice, "cpu"), (m.ptr, 4096, advice, 0)]
 
 
 def test_call_unpacks_and_raises():
@@ -158,59 +160,6 @@ def test_fork_mapping_of_not_initialized(monkeypatch):
     assert isinstance(exc, ck.ForkError) and "1234" in str(exc)
     monkeypatch.setattr(_driver, "_parent_initialized_pid", None)
     assert not isinstance(_driver.from_result(3, "x"), ck.ForkError)
-
-
-def _run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "ctxkit", *args], capture_output=True, text=True, timeout=120
-    )
-
-
-@pytest.mark.parametrize("cmd", [["info"], ["demo"], ["bench"]])
-def test_cli_without_gpu_exits_2_with_message(cmd):
-    if ck.device_count() > 0:
-        pytest.skip("a GPU is present")
-    res = _run_cli(*cmd)
-    assert res.returncode == 2, res.stderr
-    assert "no GPU" in res.stderr
-    assert "Traceback" not in res.stderr
-
-
-def test_cli_info_prints_versions_without_driver():
-    if ck.device_count() > 0:
-        pytest.skip("a GPU is present")
-    res = _run_cli("info")
-    assert "cuda-bindings" in res.stdout and "NVRTC" in res.stdout
-    assert "compatibility" in res.stdout
-
-
-def test_compatibility_line():
-    from ctxkit.cli.info import compatibility_line
-
-    assert "will NOT load" in compatibility_line((13, 5), (13, 0))
-    assert "both load" in compatibility_line((13, 0), (13, 0))
-    assert "older" in compatibility_line((12, 9), (13, 0))
-    assert "--arch" in compatibility_line((13, 0), None)
-    assert "install" in compatibility_line(None, (13, 0))
-
-
-def test_info_with_fake_driver(fake_driver, monkeypatch, capsys):
-    from ctxkit.cli import info
-
-    monkeypatch.setattr(info, "print_info", info.print_info)
-    # A fake machine with two GPUs: names/attributes come from the fake's device API
-    from ctxkit.device import Device
-
-    monkeypatch.setattr(Device, "name", property(lambda self: f"Fake GPU {self.ordinal}"))
-    monkeypatch.setattr(Device, "compute_capability", property(lambda self: (9, 0)))
-    monkeypatch.setattr(Device, "total_memory", property(lambda self: 141 << 30))
-    monkeypatch.setattr(Device, "multiprocessor_count", property(lambda self: 132))
-    monkeypatch.setattr(Device, "pci_bus_id", property(lambda self: f"0000:0{self.ordinal}:00.0"))
-    monkeypatch.setattr(Device, "can_access_peer", lambda self, other: True)
-    assert info.print_info() == 0
-    out = capsys.readouterr().out
-    assert "Fake GPU 1" in out and "peer access" in out and "yes" in out
-    assert "devices       : 2" in out
 
 
 def test_enum_member_resolves_readable_names_and_suggests():

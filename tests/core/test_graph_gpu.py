@@ -1,8 +1,12 @@
-"""CUDA graphs on a real device: capture launches on a stream, replay them."""
+"""CUDA graphs on a real device: capture launches on a stream, replay them; frees made
+while a capture is open (garbage collection, close(), another thread) wait for its end."""
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
+from typing import Any
 
 import numpy as np
 import pytest
@@ -10,8 +14,10 @@ import pytest
 import ctxkit as ck
 import ctxkit.compiler as C
 from ctxkit import lifetime
-from ctxkit.memory import to_device
+from ctxkit.memory import DeviceBuffer, to_device
 from ctxkit.module import Graph, Module, capture
+from ctxkit.stream import Event, Stream
+from tests.support.helpers import in_thread
 
 N = 4096
 
@@ -107,19 +113,17 @@ def test_graph_launch_binds_its_context(ctx0, saxpy):
             assert (y.to_host() == 3.0).all()
     finally:
         other.close()
-    errors: list[BaseException] = []
-
-    def worker() -> None:  # a fresh thread truly has no current context
-        try:
-            g.launch()
-        except BaseException as exc:
-            errors.append(exc)
-
-    t = threading.Thread(target=worker, name="graph-no-ctx")
-    t.start()
-    t.join()
-    assert len(errors) == 1 and isinstance(errors[0], ck.NoCurrentContextError), errors
-    assert "Graph.launch" in str(errors[0]) and "graph-no-ctx" in str(errors[0])
+    in_thread(g.launch, name="graph-no-ctx")  # a fresh thread: the graph binds ctx0
+    with ctx0:
+        ctx0.synchronize()
+        assert (y.to_host() == 6.0).all()
+    strict, ck.registry.strict = ck.registry.strict, True
+    try:
+        with pytest.raises(ck.NoCurrentContextError) as info:
+            in_thread(g.launch, name="graph-no-ctx")
+    finally:
+        ck.registry.strict = strict
+    assert "Graph.launch" in str(info.value) and "graph-no-ctx" in str(info.value)
 
 
 def test_upload_before_the_first_launch(ctx0, saxpy):
@@ -140,26 +144,82 @@ def test_upload_before_the_first_launch(ctx0, saxpy):
         ctx0.synchronize()
 
 
+JUNK_BYTES = 64 << 20
+
+
+def _cyclic_junk(ctx: ck.Context, saxpy: ck.Kernel) -> list[weakref.ref[Any]]:
+    """One object of every kind ctxkit frees, in a reference cycle: only the garbage
+    collector frees them, and it runs at any allocation -- also inside a capture."""
+    s = Stream()
+    a, b = to_device(np.ones(32, np.float32)), to_device(np.zeros(32, np.float32))
+    with capture(s) as graph:
+        saxpy.launch(1, 32, 1.0, a, b, 32, stream=s)
+    obj = ck.compile(C.kernel_source("saxpy.cu"), arch=ctx.device.arch)
+    library, bound = Module.load(obj), Module.load(obj, context=ctx)
+    library.function("saxpy")  # a Module and its Kernel refer to each other
+    bound.function("saxpy")
+    objects: list[Any] = [
+        *(DeviceBuffer(JUNK_BYTES) for _ in range(4)),
+        ck.pinned_empty(1 << 20, np.uint8),
+        s,
+        Event(),
+        a,
+        b,
+        graph,
+        library,
+        bound,
+    ]
+    objects.append(objects)
+    return [weakref.ref(o) for o in objects[:-1]]
+
+
 @pytest.mark.parametrize("mode", ["thread_local", "global"])
 def test_garbage_collected_inside_a_capture_is_freed_after_it(ctx0, saxpy, mode):
-    """A cuMemFree inside the block would invalidate the capture; the finalizers of
-    buffers collected there (cyclic garbage here, as gc can run at any allocation) wait."""
-    import gc
-    import weakref
-
+    """A cuMemFree (or any other free) inside the block would invalidate the capture:
+    the finalizers of the objects collected there wait for its end, then free."""
+    failed_before = len(lifetime.failed_frees())
     with ctx0:
         s = ck.Stream()
         x = to_device(np.ones(N, np.float32))
         y = to_device(np.zeros(N, np.float32))
-        junk = [ck.DeviceBuffer(1 << 20) for _ in range(4)]
-        junk.append(junk)  # a reference cycle: only the collector frees it
-        ref = weakref.ref(junk[0])
-        del junk
+        gc.collect()  # earlier tests' garbage: what is collected inside is known
+        free_before = ctx0.memory_info()[0]
+        refs = _cyclic_junk(ctx0, saxpy)
+        assert ctx0.memory_info()[0] <= free_before - 4 * JUNK_BYTES + (16 << 20)
         with capture(s, mode=mode) as g:
             saxpy.launch(16, 256, 2.0, x, y, N, stream=s)
             gc.collect()
-            assert ref() is None
+            assert all(r() is None for r in refs)
+            assert lifetime.held_back_frees() >= len(refs)
+        assert lifetime.held_back_frees() == 0
+        assert ctx0.memory_info()[0] >= free_before - (16 << 20), "the frees did not run"
         g.launch(s)
         s.synchronize()
         assert (y.to_host() == 2.0).all()
-    assert lifetime.failed_frees() == []
+    assert len(lifetime.failed_frees()) == failed_before
+
+
+@pytest.mark.parametrize("mode", ["thread_local", "global"])
+def test_frees_in_another_thread_during_a_capture(ctx0, saxpy, mode):
+    """Another thread's frees are forbidden only by a global capture: ctxkit holds them
+    back then, and lets them run at once during a thread_local one."""
+    failed_before = len(lifetime.failed_frees())
+    with ctx0:
+        s = ck.Stream()
+        x = to_device(np.ones(N, np.float32))
+        y = to_device(np.zeros(N, np.float32))
+        holder = {"junk": [DeviceBuffer(JUNK_BYTES), Stream(), Event()]}
+        gc.collect()
+        with capture(s, mode=mode) as g:
+            saxpy.launch(16, 256, 2.0, x, y, N, stream=s)
+            before = lifetime.held_back_frees()
+            t = threading.Thread(target=holder.clear, name="dropper")
+            t.start()
+            t.join()
+            held = lifetime.held_back_frees() - before
+        assert held == (3 if mode == "global" else 0)
+        assert lifetime.held_back_frees() == 0
+        g.launch(s)
+        s.synchronize()
+        assert (y.to_host() == 2.0).all()
+    assert len(lifetime.failed_frees()) == failed_before

@@ -21,8 +21,8 @@ import ctxkit as ck
 from ctxkit import _driver
 from ctxkit.memory import DeviceBuffer, ManagedBuffer
 from ctxkit.stream import Event, Stream
-from tests.support.fakemem import ctx0, ctx1, fake, in_thread  # noqa: F401
 from tests.support.fakedriver import FakeHandle
+from tests.support.fakemem import ctx0, ctx1, fake, in_thread  # noqa: F401
 from tests.support.helpers import load_file_module
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "exit_safety.py"
@@ -56,7 +56,7 @@ class ModuleAndGraphCalls:
 
 
 @pytest.fixture
-def env(fake: Any, ctx0: Any, ctx1: Any, monkeypatch: pytest.MonkeyPatch) -> Any:  # noqa: F811
+def env(fake: Any, ctx0: Any, ctx1: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     """The memory fake plus module/graph calls, and a context on each fake device."""
     extra = ModuleAndGraphCalls()
     for name in (

@@ -12,6 +12,7 @@ import ctxkit as ck
 from ctxkit.context import Context, thread_state
 from ctxkit.executor import ContextExecutor
 from ctxkit.registry import ContextRegistry, guard
+from tests.support.helpers import in_thread
 
 
 def _reg() -> ContextRegistry:
@@ -97,23 +98,22 @@ def test_bindings_introspection(fake_driver):
     assert not any(ctx in v for v in _reg().bindings().values())
 
 
-def test_guard_without_context_names_thread_and_fix(fake_driver):
+def test_guard_in_a_thread_without_context_binds_the_owner(fake_driver):
     owner = _reg().context(0)
-    out: list[BaseException] = []
+    assert in_thread(lambda: guard(owner, "DeviceBuffer.copy_to_host")) is owner
 
-    def worker() -> None:
-        try:
-            guard(owner, "DeviceBuffer.copy_to_host")
-        except ck.NoCurrentContextError as exc:
-            out.append(exc)
 
-    t = threading.Thread(target=worker, name="request-handler-3")
-    t.start()
-    t.join()
-    msg = str(out[0])
+def test_strict_guard_without_context_names_thread_and_fix(fake_driver):
+    owner = _reg().context(0)
+    _reg().strict = True
+    with pytest.raises(ck.NoCurrentContextError) as info:
+        in_thread(lambda: guard(owner, "DeviceBuffer.copy_to_host"), name="request-handler-3")
+    msg = str(info.value)
     assert "request-handler-3" in msg and "ctxkit.bind" in msg
     assert "DeviceBuffer.copy_to_host" in msg and "device 0" in msg
-    assert out[0].name == "CUDA_ERROR_INVALID_CONTEXT"
+    assert info.value.name == "CUDA_ERROR_INVALID_CONTEXT"
+    with owner:
+        assert guard(owner, "x") is owner  # a thread with a context is never refused
 
 
 def test_guard_binds_owner_when_other_context_current(fake_driver):
@@ -125,14 +125,15 @@ def test_guard_binds_owner_when_other_context_current(fake_driver):
     fake_driver.stack().remove(FakeRaw)
 
 
-def test_guard_auto_bind(fake_driver):
+def test_auto_bind_is_the_opposite_of_strict(fake_driver):
     reg = _reg()
     owner = reg.context(0)
+    reg.auto_bind = False
+    assert reg.strict
+    with pytest.raises(ck.NoCurrentContextError):
+        in_thread(lambda: guard(owner, "x"))
     reg.auto_bind = True
-    try:
-        assert guard(owner, "x") is owner
-    finally:
-        reg.auto_bind = False
+    assert not reg.strict and in_thread(lambda: guard(owner, "x")) is owner
 
 
 def test_auto_bind_env(monkeypatch, fake_driver):

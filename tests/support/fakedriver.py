@@ -1,6 +1,21 @@
 """A small fake of the CUDA driver's context API: per-thread context stacks, primary
 context refcounts and call counters. Enough to unit-test ctxkit's context and registry
-logic on a machine without a GPU; the real GPU suite is the truth."""
+logic on a machine without a GPU; the real GPU suite is the truth.
+
+Where ctxkit relies on a driver rule the fake enforces it, as the real driver does:
+
+* ``cuDeviceGet`` checks its range (``CUDA_ERROR_INVALID_DEVICE``);
+* ``cuDevicePrimaryCtxRelease`` without a retain left is ``CUDA_ERROR_INVALID_CONTEXT``;
+  the release that brings the count to 0 resets the context (:meth:`reset_context`:
+  its resources are gone, :attr:`resets` counts it);
+* ``cuCtxCreate`` takes the arguments of the cuda-bindings major in
+  :attr:`bindings_major` -- ``(flags, dev)`` for 12.x, ``(params, flags, dev)`` for
+  13.x -- and raises ``TypeError`` for the other form, like the real bindings;
+* ``cuCtxDestroy`` of the calling thread's current context pops it; a destroyed
+  context answers ``CUDA_ERROR_CONTEXT_IS_DESTROYED``;
+* a sticky fault (:attr:`fault`) poisons every context of the process, and
+  ``cuCtxSynchronize`` reports it.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +26,7 @@ from typing import Any
 
 from cuda.bindings import driver as _real
 
+INVALID_DEVICE = 101
 INVALID_CONTEXT = 201
 CONTEXT_IS_DESTROYED = 709
 
@@ -42,8 +58,12 @@ class FakeDriver:
     CUresult = _real.CUresult
     CUdevice_attribute = _real.CUdevice_attribute
 
-    def __init__(self, ndev: int = 2) -> None:
+    def __init__(self, ndev: int = 2, bindings_major: int | None = None) -> None:
+        from ctxkit import _driver
+
         self.ndev = ndev
+        self.bindings_major = bindings_major or _driver.BINDINGS_VERSION[0]
+        self.fault = 0  # a sticky error code: once set, every context of the process fails
         self.calls: Counter[str] = Counter()
         self.pushes_by_thread: Counter[str] = Counter()
         self._local = threading.local()
@@ -52,7 +72,9 @@ class FakeDriver:
         self.primary = {d: FakeHandle(next(self._ids)) for d in range(ndev)}
         self.primary_refs = dict.fromkeys(range(ndev), 0)
         self.ctx_device: dict[int, int] = {int(h): d for d, h in self.primary.items()}
+        self.ctx_flags: dict[int, int] = {}
         self.destroyed: set[int] = set()
+        self.resets: Counter[int] = Counter()  # device -> primary context resets
         self.stacks: dict[int, list[FakeHandle]] = {}
 
     # per-thread stack -----------------------------------------------------------
@@ -77,7 +99,9 @@ class FakeDriver:
         return (0, self.ndev)
 
     def cuDeviceGet(self, ordinal: int) -> tuple[int, FakeHandle]:
-        return (0, FakeHandle(ordinal))
+        if not 0 <= int(ordinal) < self.ndev:
+            return (INVALID_DEVICE, FakeHandle(0))
+        return (0, FakeHandle(int(ordinal)))
 
     def cuDevicePrimaryCtxRetain(self, dev: FakeHandle) -> tuple[int, FakeHandle]:
         self.calls["cuDevicePrimaryCtxRetain"] += 1
@@ -87,22 +111,57 @@ class FakeDriver:
 
     def cuDevicePrimaryCtxRelease(self, dev: FakeHandle) -> tuple[int]:
         self.calls["cuDevicePrimaryCtxRelease"] += 1
+        d = int(dev)
         with self._lock:
-            self.primary_refs[int(dev)] -= 1
+            if self.primary_refs[d] <= 0:
+                return (INVALID_CONTEXT,)
+            self.primary_refs[d] -= 1
+            reset = self.primary_refs[d] == 0
+        if reset:
+            self.resets[d] += 1
+            self.reset_context(int(self.primary[d]))
         return (0,)
+
+    def reset_context(self, ctx: int) -> None:
+        """The primary context *ctx* was reset or destroyed: its resources are gone
+        (subclasses drop their memory, streams and events here)."""
 
     def cuCtxCreate(self, *args: Any) -> tuple[int, FakeHandle]:
         self.calls["cuCtxCreate"] += 1
-        dev = int(args[-1])
+        if self.bindings_major >= 13:
+            if len(args) != 3:
+                raise TypeError(
+                    "cuCtxCreate() takes exactly 3 positional arguments "
+                    f"(ctxCreateParams, flags, dev) in cuda-bindings 13.x ({len(args)} given)"
+                )
+            params, flags, dev = args
+            assert params is None or type(params).__name__ == "CUctxCreateParams", params
+        else:
+            if len(args) != 2:
+                raise TypeError(
+                    "cuCtxCreate() takes exactly 2 positional arguments (flags, dev) in "
+                    f"cuda-bindings 12.x ({len(args)} given)"
+                )
+            flags, dev = args
+        if not 0 <= int(dev) < self.ndev:
+            return (INVALID_DEVICE, FakeHandle(0))
         h = FakeHandle(next(self._ids))
         with self._lock:
-            self.ctx_device[int(h)] = dev
+            self.ctx_device[int(h)] = int(dev)
+            self.ctx_flags[int(h)] = int(flags)
         self.stack().append(h)
         return (0, h)
 
     def cuCtxDestroy(self, ctx: FakeHandle) -> tuple[int]:
         self.calls["cuCtxDestroy"] += 1
-        self.destroyed.add(int(ctx))
+        c = int(ctx)
+        if c in self.destroyed or c not in self.ctx_device:
+            return (INVALID_CONTEXT,)
+        self.destroyed.add(c)
+        st = self.stack()
+        if st and int(st[-1]) == c:
+            st.pop()
+        self.reset_context(c)
         return (0,)
 
     def cuCtxPushCurrent(self, ctx: FakeHandle) -> tuple[int]:
@@ -125,17 +184,34 @@ class FakeDriver:
         st = self.stack()
         return (0, st[-1] if st else FakeHandle(0))
 
+    def context_error(self) -> int:
+        """The error a call needing the current context gets (0: none)."""
+        cur = self.current()
+        if not cur:
+            return INVALID_CONTEXT
+        if cur in self.destroyed:
+            return CONTEXT_IS_DESTROYED
+        return self.fault
+
     def cuCtxGetDevice(self) -> tuple[int, int]:
         cur = self.current()
         if not cur:
             return (INVALID_CONTEXT, 0)
+        if cur in self.destroyed:
+            return (CONTEXT_IS_DESTROYED, 0)
         return (0, self.ctx_device[cur])
 
     def cuCtxSynchronize(self) -> tuple[int]:
-        return (0,) if self.current() else (INVALID_CONTEXT,)
+        self.calls["cuCtxSynchronize"] += 1
+        return (self.context_error(),)
 
     def cuMemGetInfo(self) -> tuple[int, int, int]:
-        return (0, 1 << 30, 2 << 30) if self.current() else (INVALID_CONTEXT, 0, 0)
+        """Device *d* has ``(d + 1)`` GiB, half of it free: each device answers apart."""
+        err = self.context_error()
+        if err:
+            return (err, 0, 0)
+        total = (self.ctx_device[self.current()] + 1) << 30
+        return (0, total // 2, total)
 
     def cuGetErrorString(self, code: Any) -> tuple[int, bytes]:
         return (0, b"fake explanation")

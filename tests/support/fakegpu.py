@@ -1,23 +1,30 @@
-"""A simulated GPU for testing ``ctxkit.pipeline`` on machines without one.
+"""A simulated GPU for testing ctxkit on machines without one.
 
-It extends tests/fakedriver.FakeDriver (per-thread context stacks) with what the pipeline
-uses, modelled on CUDA's semantics:
+It extends tests/support/fakedriver.FakeDriver (per-thread context stacks) with streams,
+events, memory, copies, kernels, libraries and graphs, modelled on CUDA's semantics:
 
 * every stream is a thread executing its operations in order, each after a small random
   delay, so work really runs asynchronously to the host and to other streams: a pipeline
-  that reuses a staging buffer too early reads the wrong data here too;
+  that reuses a staging buffer too early reads the wrong data here too; ``cuStreamQuery``
+  answers ``CUDA_ERROR_NOT_READY`` while work is queued, ``cuCtxSynchronize`` waits for
+  every stream of the context;
 * events carry generations (re-recording captures the new point of the stream);
   ``cuStreamWaitEvent`` blocks a stream until the captured generation completed;
 * "device" memory is host memory (so copies are ``memmove``); pinned and managed
   allocations and registered ranges are known to ``cuPointerGetAttribute``, anything
-  else is pageable;
+  else is pageable; freeing memory that is not allocated (twice, or after the primary
+  context was reset) is ``CUDA_ERROR_INVALID_VALUE``;
 * ``cuMemHostRegister`` is strict: page-aligned ranges only, never a page twice
   (``CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED``); ``register_error`` can make it fail.
   Every async copy whose host side is pageable - when enqueued or when it runs (an
   unregister before the DMA finished) - is recorded in ``pageable_dma``;
 * a kernel is a Python function enqueued with :meth:`FakeGPU.launch`; raising
-  :class:`Fault` in it poisons the context the way an illegal address does: later
-  operations there are skipped and synchronization returns error 700.
+  :class:`Fault` in it is an illegal address: as on current drivers, it poisons every
+  context of the process (later operations are skipped, synchronization returns 700);
+* stream capture follows the driver's rules (tests/support/fakecapture.py): work on a
+  capturing stream becomes graph nodes, an unsafe call by a thread the capture's mode
+  forbids invalidates it, and ``cuStreamEndCapture`` then fails;
+  ``invalidations`` says what did it.
 """
 
 from __future__ import annotations
@@ -37,6 +44,17 @@ import pytest
 from cuda.bindings import driver as _real
 
 from ctxkit.context import thread_state
+from tests.support.fakecapture import (  # noqa: F401  (re-exported for tests)
+    CAPTURE_GLOBAL,
+    CAPTURE_RELAXED,
+    CAPTURE_THREAD_LOCAL,
+    LEGACY_STREAMS,
+    STREAM_CAPTURE_INVALIDATED,
+    STREAM_CAPTURE_UNSUPPORTED,
+    STREAM_NON_BLOCKING,
+    Capture,
+    CaptureRules,
+)
 from tests.support.fakedriver import FakeDriver, FakeHandle, swap_driver
 
 ILLEGAL_ADDRESS = 700
@@ -62,6 +80,7 @@ class _Event:
         self.done = 0
         self.stamps: dict[int, float] = {}
         self.cond = threading.Condition()
+        self.captured_by: Capture | None = None  # recorded inside this open capture
 
     def capture(self) -> int:
         with self.cond:
@@ -89,9 +108,12 @@ class _Event:
 
 
 class _Stream:
-    def __init__(self, gpu: FakeGPU, ctx: int) -> None:
+    def __init__(self, gpu: FakeGPU, ctx: int, flags: int = 0) -> None:
         self.gpu = gpu
         self.ctx = ctx
+        self.flags = flags
+        self.pending = 0
+        self._plock = threading.Lock()
         self.q: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._run, daemon=True, name="fake-stream")
         self.thread.start()
@@ -106,39 +128,55 @@ class _Stream:
             try:
                 op()
             except Fault:
-                self.gpu.poisoned.add(self.ctx)
+                self.gpu.fault = ILLEGAL_ADDRESS
             except BaseException as exc:  # a bug in a test kernel: poison, keep it
                 self.gpu.kernel_errors.append(exc)
-                self.gpu.poisoned.add(self.ctx)
+                self.gpu.fault = ILLEGAL_ADDRESS
+            finally:
+                with self._plock:
+                    self.pending -= 1
 
     def put(self, op: Callable[[], None], always: bool = False) -> None:
-        gpu, ctx = self.gpu, self.ctx
+        gpu = self.gpu
 
         def guarded() -> None:
-            if always or ctx not in gpu.poisoned:
+            if always or not gpu.fault:
                 op()
 
+        with self._plock:
+            self.pending += 1
         self.q.put(guarded)
 
+    def stop(self) -> None:
+        self.q.put(None)
 
-class FakeGPU(FakeDriver):
+
+class FakeGPU(CaptureRules, FakeDriver):
     """The fake driver plus streams, events, memory, copies and kernels."""
 
     CUpointer_attribute = _real.CUpointer_attribute
     CUmemLocation = _real.CUmemLocation
     CUmemLocationType = _real.CUmemLocationType
     CUstream = _real.CUstream
+    CUstreamCaptureMode = _real.CUstreamCaptureMode
+    CUjit_option = _real.CUjit_option
+    CUmem_advise = _real.CUmem_advise
 
-    def __init__(self, ndev: int = 2, jitter: float = 0.0003) -> None:
-        super().__init__(ndev)
+    def __init__(
+        self, ndev: int = 2, jitter: float = 0.0003, bindings_major: int | None = None
+    ) -> None:
+        super().__init__(ndev, bindings_major)
         self.jitter = jitter
-        self.poisoned: set[int] = set()
         self.kernel_errors: list[BaseException] = []
+        self.init_capture_rules()
         self.streams: dict[int, _Stream] = {}
         self.default_streams: dict[int, _Stream] = {}
         self.events: dict[int, _Event] = {}
         self.mem: dict[int, tuple[np.ndarray, str]] = {}
+        self.mem_ctx: dict[int, int] = {}  # pointer -> allocating context
         self.prefetches: list[tuple[int, int, Any]] = []
+        self.advice: list[tuple[int, int, Any, Any]] = []  # (ptr, n, advice, target)
+        self.peer_access: set[tuple[int, int]] = set()  # (device, peer): cuDeviceCanAccessPeer
         self.registered: dict[int, tuple[int, int]] = {}  # ptr -> (nbytes, flags)
         self.register_calls: list[tuple[int, int, int]] = []
         self.max_registered = 0
@@ -156,7 +194,7 @@ class FakeGPU(FakeDriver):
 
     def _stream(self, h: Any) -> _Stream:
         key = int(h)
-        if key == 0:
+        if key in LEGACY_STREAMS:
             ctx = self.current()
             with self._lock:
                 s = self.default_streams.get(ctx)
@@ -166,16 +204,49 @@ class FakeGPU(FakeDriver):
         return self.streams[key]
 
     def _sticky(self, ctx: int) -> int:
-        return ILLEGAL_ADDRESS if ctx in self.poisoned else 0
+        """The sticky error of *ctx*: a fault anywhere poisons every context."""
+        return self.fault
 
     def launch(self, stream: Any, fn: Callable[[], None]) -> None:
-        """Enqueue a fake kernel on a ctxkit Stream (or handle)."""
-        handle = getattr(stream, "handle", stream)
-        self._stream(handle).put(fn)
+        """Enqueue a fake kernel on a ctxkit Stream (or handle); recorded as a graph node
+        when the stream is capturing."""
+        handle = int(getattr(stream, "handle", stream))
+        self._submit(handle, fn, "kernel launch")
+
+    def _submit(self, h: Any, op: Callable[[], None], what: str, always: bool = False) -> int:
+        """Run *op* on stream *h*, record it in the stream's open capture, or refuse it
+        (the capture rules); returns the CUresult. ``always``: run it after a fault too
+        (event completions, waits)."""
+        key = int(h)
+        cap = self.captures.get(key)
+        if cap is not None:
+            cap.nodes.append(op)
+            return 0
+        if key in LEGACY_STREAMS:
+            err = self._legacy(what)
+            if err:
+                return err
+        elif key not in self.streams:
+            return INVALID_HANDLE
+        self._stream(key).put(op, always)
+        return 0
 
     def shutdown(self) -> None:
         for s in [*self.streams.values(), *self.default_streams.values()]:
-            s.q.put(None)
+            s.stop()
+
+    # --- context reset -----------------------------------------------------------------
+
+    def reset_context(self, ctx: int) -> None:
+        """Reset/destroy: the context's memory, streams and events are gone."""
+        with self._mlock:
+            for ptr in [p for p, c in self.mem_ctx.items() if c == ctx]:
+                self.mem.pop(ptr, None)
+                self.mem_ctx.pop(ptr, None)
+        for h in [h for h, st in self.streams.items() if st.ctx == ctx]:
+            self.streams.pop(h).stop()
+        for h in [h for h, e in self.events.items() if e.ctx == ctx]:
+            self.events.pop(h)
 
     def page_locked(self, ptr: int, n: int) -> bool:
         """True when host bytes ``[ptr, ptr + n)`` are pinned or registered."""
@@ -193,16 +264,25 @@ class FakeGPU(FakeDriver):
                     return base, arr, kind
         return None
 
-    def _alloc(self, n: int, kind: str) -> tuple[int, int]:
+    def _alloc(self, n: int, kind: str, what: str) -> tuple[int, int]:
+        err = self.context_error() or self.unsafe(what)
+        if err:
+            return err, 0
         arr = np.zeros(max(n, 1), np.uint8)
         ptr = int(arr.ctypes.data)
         with self._mlock:
             self.mem[ptr] = (arr, kind)
+            self.mem_ctx[ptr] = self.current()
         return 0, ptr
 
-    def _free(self, ptr: Any) -> tuple[int]:
+    def _free(self, ptr: Any, what: str) -> tuple[int]:
+        err = self.unsafe(what)
+        if err:
+            return (err,)
         with self._mlock:
-            self.mem.pop(int(ptr), None)
+            if self.mem.pop(int(ptr), None) is None:
+                return (INVALID_VALUE,)
+            self.mem_ctx.pop(int(ptr), None)
         return (0,)
 
     # --- devices -------------------------------------------------------------------
@@ -219,43 +299,93 @@ class FakeGPU(FakeDriver):
     def cuDeviceGetPCIBusId(self, length: int, dev: Any) -> tuple[int, bytes]:
         return (0, f"0000:{int(dev):02x}:00.0".encode())
 
+    def cuDeviceCanAccessPeer(self, dev: Any, peer: Any) -> tuple[int, int]:
+        return (0, int((int(dev), int(peer)) in self.peer_access))
+
     def cuCtxGetStreamPriorityRange(self) -> tuple[int, int, int]:
         return (0, 0, -5)
 
+    def cuCtxSynchronize(self) -> tuple[int]:
+        """Waits for every stream of the current context; reports a pending fault."""
+        self.calls["cuCtxSynchronize"] += 1
+        err = self.context_error() if not self.fault else 0
+        if err:
+            return (err,)
+        err = self.unsafe("cuCtxSynchronize")
+        if err:
+            return (err,)
+        ctx = self.current()
+        for s in [*self.streams.values(), self._stream(0)]:
+            if s.ctx == ctx:
+                self._drain(s)
+        return (self.fault,)
+
     # --- streams and events ----------------------------------------------------------
+
+    def _drain(self, s: _Stream) -> None:
+        done = threading.Event()
+        s.put(done.set, always=True)
+        done.wait()
 
     def cuStreamCreateWithPriority(self, flags: int, priority: int) -> tuple[int, FakeHandle]:
         ctx = self.current()
         if not ctx:
             return (INVALID_CONTEXT, FakeHandle(0))
         h = FakeHandle(next(self._handles))
-        self.streams[int(h)] = _Stream(self, ctx)
+        self.streams[int(h)] = _Stream(self, ctx, int(flags))
         return (0, h)
 
     def cuStreamDestroy(self, h: Any) -> tuple[int]:
+        err = self._conflicts(h, "cuStreamDestroy of the capturing stream") or self.unsafe(
+            "cuStreamDestroy"
+        )
+        if err:
+            return (err,)
         s = self.streams.pop(int(h), None)
-        if s is not None:
-            s.q.put(None)
+        if s is None:
+            return (INVALID_HANDLE,)
+        s.stop()
         return (0,)
 
+    def _wait_for_stream(self, h: Any, what: str) -> int:
+        key = int(h)
+        err = self._conflicts(h, f"{what} of the capturing stream")
+        if not err and key in LEGACY_STREAMS:
+            err = self._legacy(what)
+        if not err and key not in LEGACY_STREAMS and key not in self.streams:
+            err = INVALID_HANDLE
+        return err
+
     def cuStreamSynchronize(self, h: Any) -> tuple[int]:
+        err = self._wait_for_stream(h, "cuStreamSynchronize")
+        if err:
+            return (err,)
         s = self._stream(h)
-        done = threading.Event()
-        s.put(done.set, always=True)
-        done.wait()
+        self._drain(s)
         return (self._sticky(s.ctx),)
 
     def cuStreamQuery(self, h: Any) -> tuple[int]:
-        return self.cuStreamSynchronize(h)
+        err = self._wait_for_stream(h, "cuStreamQuery")
+        if err:
+            return (err,)
+        s = self._stream(h)
+        if self.fault:
+            return (self.fault,)
+        with s._plock:
+            return (NOT_READY if s.pending else 0,)
 
     def cuStreamWaitEvent(self, h: Any, ev: Any, flags: int) -> tuple[int]:
-        s = self._stream(h)
-        if self._sticky(s.ctx):
+        e = self.events.get(int(ev))
+        if e is None:
+            return (INVALID_HANDLE,)
+        if e.captured_by is not None and e.captured_by.stream != int(h):
+            raise AssertionError("fake: joining another stream into a capture is not modelled")
+        if self._sticky(0):
             return (ILLEGAL_ADDRESS,)
-        e = self.events[int(ev)]
+        if int(h) in self.captures:
+            return (0,)  # an outside event is already complete for the graph
         gen = e.gen
-        s.put(lambda: e.wait(gen), always=True)
-        return (0,)
+        return (self._submit(h, lambda: e.wait(gen), "cuStreamWaitEvent", always=True),)
 
     def cuEventCreate(self, flags: int) -> tuple[int, FakeHandle]:
         ctx = self.current()
@@ -266,25 +396,54 @@ class FakeGPU(FakeDriver):
         return (0, h)
 
     def cuEventDestroy(self, h: Any) -> tuple[int]:
-        self.events.pop(int(h), None)
-        return (0,)
+        err = self.unsafe("cuEventDestroy")
+        if err:
+            return (err,)
+        return (0,) if self.events.pop(int(h), None) is not None else (INVALID_HANDLE,)
 
     def cuEventRecord(self, ev: Any, h: Any) -> tuple[int]:
-        s = self._stream(h)
-        e = self.events[int(ev)]
-        if self._sticky(s.ctx):
+        e = self.events.get(int(ev))
+        if e is None:
+            return (INVALID_HANDLE,)
+        cap = self.captures.get(int(h))
+        if cap is not None:
+            e.captured_by = cap
+            return (0,)
+        if self._sticky(e.ctx):
             return (ILLEGAL_ADDRESS,)
+        key = int(h)
+        if key in LEGACY_STREAMS:
+            err = self._legacy("cuEventRecord")
+            if err:
+                return (err,)
+        elif key not in self.streams:
+            return (INVALID_HANDLE,)
+        e.captured_by = None
         gen = e.capture()
-        s.put(lambda: e.complete(gen), always=True)
+        self._stream(key).put(lambda: e.complete(gen), always=True)
         return (0,)
+
+    def _event_conflict(self, e: _Event, what: str) -> int:
+        cap = e.captured_by
+        if cap is None or self.captures.get(cap.stream) is not cap:
+            return 0
+        with self._clock:
+            self._invalidate(cap, f"{what} of an event recorded in the capture")
+        return STREAM_CAPTURE_UNSUPPORTED
 
     def cuEventSynchronize(self, ev: Any) -> tuple[int]:
         e = self.events[int(ev)]
+        err = self._event_conflict(e, "cuEventSynchronize")
+        if err:
+            return (err,)
         e.wait(e.gen)
         return (self._sticky(e.ctx),)
 
     def cuEventQuery(self, ev: Any) -> tuple[int]:
         e = self.events[int(ev)]
+        err = self._event_conflict(e, "cuEventQuery")
+        if err:
+            return (err,)
         if self._sticky(e.ctx):
             return (ILLEGAL_ADDRESS,)
         return (0,) if e.ready() else (NOT_READY,)
@@ -301,30 +460,27 @@ class FakeGPU(FakeDriver):
     # --- memory --------------------------------------------------------------------
 
     def cuMemAlloc(self, n: int) -> tuple[int, int]:
-        if not self.current():
-            return (INVALID_CONTEXT, 0)
-        return self._alloc(n, "device")
+        return self._alloc(n, "device", "cuMemAlloc")
 
     def cuMemAllocManaged(self, n: int, flags: int) -> tuple[int, int]:
-        if not self.current():
-            return (INVALID_CONTEXT, 0)
-        return self._alloc(n, "managed")
+        return self._alloc(n, "managed", "cuMemAllocManaged")
 
     def cuMemHostAlloc(self, n: int, flags: int) -> tuple[int, int]:
-        if not self.current():
-            return (INVALID_CONTEXT, 0)
-        return self._alloc(n, "host")
+        return self._alloc(n, "host", "cuMemHostAlloc")
 
     def cuMemFree(self, ptr: Any) -> tuple[int]:
-        return self._free(ptr)
+        return self._free(ptr, "cuMemFree")
 
     def cuMemFreeHost(self, ptr: Any) -> tuple[int]:
-        return self._free(ptr)
+        return self._free(ptr, "cuMemFreeHost")
 
     def cuMemHostRegister(self, ptr: Any, n: int, flags: int) -> tuple[int]:
         p = int(ptr)
         if not self.current():
             return (INVALID_CONTEXT,)
+        err = self.unsafe("cuMemHostRegister")
+        if err:
+            return (err,)
         if p % mmap.PAGESIZE or n % mmap.PAGESIZE or n <= 0:
             return (INVALID_VALUE,)
         self.register_calls.append((p, n, int(flags)))
@@ -342,6 +498,9 @@ class FakeGPU(FakeDriver):
     def cuMemHostUnregister(self, ptr: Any) -> tuple[int]:
         if not self.current():
             return (INVALID_CONTEXT,)
+        err = self.unsafe("cuMemHostUnregister")
+        if err:
+            return (err,)
         with self._mlock:
             if self.registered.pop(int(ptr), None) is None:
                 return (NOT_REGISTERED,)
@@ -362,12 +521,16 @@ class FakeGPU(FakeDriver):
             return (0, int(kind == "managed"))
         return (INVALID_VALUE, 0)
 
-    def _copy(self, dst: Any, src: Any, n: int, h: Any, host: int) -> tuple[int]:
-        s = self._stream(h)
-        if self._sticky(s.ctx):
+    def _copy(self, dst: Any, src: Any, n: int, h: Any, host: int, what: str) -> tuple[int]:
+        if self._sticky(0):
             return (ILLEGAL_ADDRESS,)
         d, sr = int(dst), int(src)
+        cap = self.captures.get(int(h))
         if not self.page_locked(host, n):
+            if cap is not None:  # a pageable copy is synchronous: it cannot be captured
+                with self._clock:
+                    self._invalidate(cap, f"{what} from pageable host memory")
+                return (STREAM_CAPTURE_UNSUPPORTED,)
             self.pageable_dma.append(f"enqueued {host:#x}+{n}")
 
         def run() -> None:
@@ -375,21 +538,62 @@ class FakeGPU(FakeDriver):
                 self.pageable_dma.append(f"ran {host:#x}+{n}")
             ctypes.memmove(d, sr, n)
 
-        s.put(run)
-        return (0,)
+        return (self._submit(h, run, what),)
 
     def cuMemcpyHtoDAsync(self, dst: Any, src: Any, n: int, h: Any) -> tuple[int]:
-        return self._copy(dst, src, n, h, int(src))
+        return self._copy(dst, src, n, h, int(src), "cuMemcpyHtoDAsync")
 
     def cuMemcpyDtoHAsync(self, dst: Any, src: Any, n: int, h: Any) -> tuple[int]:
-        return self._copy(dst, src, n, h, int(dst))
+        return self._copy(dst, src, n, h, int(dst), "cuMemcpyDtoHAsync")
 
-    def cuMemPrefetchAsync(self, ptr: Any, n: int, loc: Any, flags: int, h: Any) -> tuple[int]:
-        s = self._stream(h)
-        if self._sticky(s.ctx):
+    def _sync_copy(self, dst: Any, src: Any, n: int, what: str) -> tuple[int]:
+        """A synchronous copy: ordered on the legacy default stream, waits for it."""
+        err = self.context_error() or self._legacy(what)
+        if err:
+            return (err,)
+        self._drain(self._stream(0))
+        ctypes.memmove(int(dst), int(src), n)
+        return (self.fault,)
+
+    def cuMemcpyHtoD(self, dst: Any, src: Any, n: int) -> tuple[int]:
+        return self._sync_copy(dst, src, n, "cuMemcpyHtoD")
+
+    def cuMemcpyDtoH(self, dst: Any, src: Any, n: int) -> tuple[int]:
+        return self._sync_copy(dst, src, n, "cuMemcpyDtoH")
+
+    def cuMemsetD8Async(self, ptr: Any, value: int, n: int, h: Any) -> tuple[int]:
+        p = int(ptr)
+        return (self._submit(h, lambda: ctypes.memset(p, value, n), "cuMemsetD8Async"),)
+
+    def _target(
+        self, rest: tuple[Any, ...], n13: int, n12: int, what: str
+    ) -> tuple[Any, tuple[Any, ...]]:
+        """The device ordinal or ``"cpu"`` a prefetch/advise names: a ``CUmemLocation``
+        (cuda-bindings 13.x) or an ordinal with ``-1`` for the host (12.x)."""
+        if self.bindings_major >= 13:
+            if len(rest) != n13:
+                raise TypeError(f"{what} takes a CUmemLocation in cuda-bindings 13.x")
+            loc = rest[0]
+            host = loc.type == _real.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST
+            return ("cpu" if host else int(loc.id)), rest[1:]
+        if len(rest) != n12 or not isinstance(rest[0], int):
+            raise TypeError(f"{what} takes a device ordinal in cuda-bindings 12.x")
+        return ("cpu" if rest[0] == -1 else rest[0]), rest[1:]
+
+    def cuMemPrefetchAsync(self, ptr: Any, n: int, *rest: Any) -> tuple[int]:
+        """``(ptr, n, CUmemLocation, flags, stream)`` (13.x) or ``(ptr, n, device, stream)``
+        (12.x)."""
+        target, _stream = self._target(rest, 3, 2, "cuMemPrefetchAsync")
+        if self._sticky(0):
             return (ILLEGAL_ADDRESS,)
-        target = "cpu" if loc.type == _real.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST else loc.id
         self.prefetches.append((int(ptr), n, target))
+        return (0,)
+
+    def cuMemAdvise(self, ptr: Any, n: int, advice: Any, where: Any) -> tuple[int]:
+        """``(ptr, n, advice, CUmemLocation)`` (13.x) or ``(ptr, n, advice, device)``
+        (12.x)."""
+        target, _ = self._target((where,), 1, 1, "cuMemAdvise")
+        self.advice.append((int(ptr), n, advice, target))
         return (0,)
 
 
@@ -434,6 +638,9 @@ def gpu_fixture(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeGPU]:
     monkeypatch.setattr(context.Context, "_primaries", {})
     monkeypatch.setattr(context.Context, "_known", type(context.Context._known)())
     monkeypatch.setattr(managed, "_concurrent_managed", {})
+    from ctxkit.memory import hostpool
+
+    monkeypatch.setattr(hostpool, "_process_pool", None)  # blocks of earlier fakes are gone
     monkeypatch.setattr(registry_mod, "default", ContextRegistry())
     st = thread_state()
     saved = (st.top, list(st.stack))

@@ -108,7 +108,8 @@ class FakeMemDriver:
         return OK if v in self.streams else INVALID_HANDLE
 
     def _err(self) -> int:
-        return self.sticky.get(self.cur(), OK)
+        # On current drivers a fault poisons every context of the process, not only its own.
+        return next(iter(self.sticky.values()), OK)
 
     def _queue(self, work: Any) -> None:
         self.legacy.setdefault(self.cur(), []).append(work)
@@ -321,7 +322,7 @@ class FakeMemDriver:
             t = threading.Thread(target=lambda: [_HostFn(f)(u) for f, u in funcs])
             t.start()
             t.join()
-        return (self.sticky.get(self.streams.get(int(h), self.cur()), OK),)
+        return (self._err(),)
 
     def cuStreamQuery(self, h: Any) -> tuple[int]:
         return (OK,) if not self.host_funcs.get(int(h)) else (NOT_READY,)

@@ -1,0 +1,199 @@
+"""The driver's stream-capture rules, graphs and libraries for tests/support/fakegpu.py.
+
+Work enqueued on a capturing stream becomes graph nodes instead of running. A call that
+is unsafe during capture (allocation, free, unload, a synchronous copy, work on the
+legacy default stream, ``cuCtxSynchronize``) made by a thread the capture's mode forbids
+-- the capturing thread in ``thread_local``/``global`` mode, every thread while a
+``global`` capture is open -- fails with ``CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`` and
+invalidates the capture, as does waiting for the capturing stream in any mode;
+``cuStreamEndCapture`` then fails with ``CUDA_ERROR_STREAM_CAPTURE_INVALIDATED``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from tests.support.fakedriver import FakeHandle
+
+INVALID_VALUE = 1
+INVALID_HANDLE = 400
+ILLEGAL_STATE = 401
+STREAM_CAPTURE_UNSUPPORTED = 900
+STREAM_CAPTURE_INVALIDATED = 901
+STREAM_CAPTURE_IMPLICIT = 906
+STREAM_CAPTURE_WRONG_THREAD = 908
+STREAM_NON_BLOCKING = 1
+CAPTURE_GLOBAL, CAPTURE_THREAD_LOCAL, CAPTURE_RELAXED = 0, 1, 2
+LEGACY_STREAMS = (0, 1)  # the legacy default stream and CU_STREAM_LEGACY
+
+
+class Capture:
+    """One open ``cuStreamBeginCapture`` .. ``cuStreamEndCapture`` sequence."""
+
+    def __init__(self, stream: int, ctx: int, mode: int, blocking: bool) -> None:
+        self.stream = stream
+        self.ctx = ctx
+        self.mode = mode
+        self.blocking = blocking
+        self.tid = threading.get_ident()
+        self.thread = threading.current_thread().name
+        self.nodes: list[Callable[[], None]] = []
+        self.invalidated_by = ""
+
+    def forbids(self, tid: int) -> bool:
+        """True when an unsafe call made by thread *tid* conflicts with this capture."""
+        if tid == self.tid:
+            return self.mode != CAPTURE_RELAXED
+        return self.mode == CAPTURE_GLOBAL
+
+
+class CaptureRules:
+    """Mixed into FakeGPU, which supplies ``streams`` (with ``ctx``/``flags``),
+    ``current()``, ``_handles`` and ``_submit``."""
+
+    def init_capture_rules(self) -> None:
+        self.captures: dict[int, Capture] = {}  # stream handle -> its open capture
+        self.invalidations: list[str] = []  # what invalidated which capture
+        self.after_begin_capture: Callable[[], None] | None = None
+        self.graphs: dict[int, list[Callable[[], None]]] = {}  # CUgraph and CUgraphExec
+        self.libraries: set[int] = set()
+        self._clock = threading.Lock()
+
+    def _invalidate(self, cap: Capture, why: str) -> None:
+        if not cap.invalidated_by:
+            cap.invalidated_by = why
+            self.invalidations.append(
+                f"{why} (thread {threading.current_thread().name!r}) invalidated the "
+                f"capture of stream {cap.stream:#x} begun in thread {cap.thread!r}"
+            )
+
+    def unsafe(self, what: str) -> int:
+        """A call that is unsafe during stream capture: refused, and the captures that
+        forbid it in this thread are invalidated (0 when no capture forbids it)."""
+        tid = threading.get_ident()
+        with self._clock:
+            hit = [c for c in self.captures.values() if c.forbids(tid)]
+            for cap in hit:
+                self._invalidate(cap, what)
+        return STREAM_CAPTURE_UNSUPPORTED if hit else 0
+
+    def _legacy(self, what: str) -> int:
+        """Work on (or a wait for) the legacy default stream: unsafe, and an implicit
+        dependency on every capturing *blocking* stream of the context."""
+        err = self.unsafe(f"{what} on the legacy default stream")
+        ctx = self.current()
+        with self._clock:
+            joined = [c for c in self.captures.values() if c.blocking and c.ctx == ctx]
+            for cap in joined:
+                self._invalidate(cap, f"{what} on the legacy default stream")
+        return err or (STREAM_CAPTURE_IMPLICIT if joined else 0)
+
+    def _conflicts(self, h: Any, what: str) -> int:
+        """Waiting for a capturing stream conflicts with its capture in every mode."""
+        cap = self.captures.get(int(h))
+        if cap is None:
+            return 0
+        with self._clock:
+            self._invalidate(cap, what)
+        return STREAM_CAPTURE_UNSUPPORTED
+
+    def cuStreamBeginCapture(self, h: Any, mode: Any) -> tuple[int]:
+        key = int(h)
+        if key in (0, 1, 2):
+            return (STREAM_CAPTURE_UNSUPPORTED,)
+        s = self.streams.get(key)
+        if s is None:
+            return (INVALID_HANDLE,)
+        with self._clock:
+            if key in self.captures:
+                return (ILLEGAL_STATE,)
+            blocking = not s.flags & STREAM_NON_BLOCKING
+            self.captures[key] = Capture(key, s.ctx, int(mode), blocking)
+        hook = self.after_begin_capture
+        if hook is not None:
+            self.after_begin_capture = None
+            hook()
+        return (0,)
+
+    def cuStreamEndCapture(self, h: Any) -> tuple[int, FakeHandle | None]:
+        key = int(h)
+        with self._clock:
+            cap = self.captures.get(key)
+            if cap is None:
+                return (ILLEGAL_STATE, None)
+            if cap.mode != CAPTURE_RELAXED and cap.tid != threading.get_ident():
+                return (STREAM_CAPTURE_WRONG_THREAD, None)
+            del self.captures[key]
+        if cap.invalidated_by:
+            return (STREAM_CAPTURE_INVALIDATED, None)
+        g = FakeHandle(next(self._handles))
+        self.graphs[int(g)] = cap.nodes
+        return (0, g)
+
+    # --- graphs ----------------------------------------------------------------------
+
+    def cuGraphGetNodes(self, g: Any, n: int) -> tuple[int, None, int]:
+        nodes = self.graphs.get(int(g))
+        if nodes is None:
+            return (INVALID_VALUE, None, 0)
+        return (0, None, len(nodes))
+
+    def cuGraphInstantiate(self, g: Any, flags: int) -> tuple[int, FakeHandle | None]:
+        nodes = self.graphs.get(int(g))
+        if nodes is None:
+            return (INVALID_VALUE, None)
+        h = FakeHandle(next(self._handles))
+        self.graphs[int(h)] = list(nodes)
+        return (0, h)
+
+    def cuGraphLaunch(self, exe: Any, h: Any) -> tuple[int]:
+        nodes = self.graphs.get(int(exe))
+        if nodes is None:
+            return (INVALID_VALUE,)
+        for op in nodes:
+            err = self._submit(h, op, "cuGraphLaunch")
+            if err:
+                return (err,)
+        return (0,)
+
+    def cuGraphUpload(self, exe: Any, h: Any) -> tuple[int]:
+        if int(exe) not in self.graphs:
+            return (INVALID_VALUE,)
+        if int(h) in LEGACY_STREAMS:
+            return (self._legacy("cuGraphUpload"),)
+        return (0,)
+
+    def cuGraphDestroy(self, g: Any) -> tuple[int]:
+        return (0,) if self.graphs.pop(int(g), None) is not None else (INVALID_VALUE,)
+
+    def cuGraphExecDestroy(self, exe: Any) -> tuple[int]:
+        err = self.unsafe("cuGraphExecDestroy")
+        if err:
+            return (err,)
+        return self.cuGraphDestroy(exe)
+
+    # --- libraries (context-independent modules) ----------------------------------------
+
+    def cuLibraryLoadData(self, code: Any, *args: Any) -> tuple[int, FakeHandle | None]:
+        err = self.unsafe("cuLibraryLoadData")
+        if err:
+            return (err, None)
+        h = FakeHandle(next(self._handles))
+        self.libraries.add(int(h))
+        return (0, h)
+
+    def cuLibraryUnload(self, lib: Any) -> tuple[int]:
+        err = self.unsafe("cuLibraryUnload")
+        if err:
+            return (err,)
+        if int(lib) not in self.libraries:
+            return (INVALID_HANDLE,)
+        self.libraries.discard(int(lib))
+        return (0,)
+
+    def cuLibraryGetKernel(self, lib: Any, name: bytes) -> tuple[int, FakeHandle | None]:
+        if int(lib) not in self.libraries:
+            return (INVALID_HANDLE, None)
+        return (0, FakeHandle(next(self._handles)))
