@@ -11,9 +11,9 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any
 
-from .. import _driver
+from .. import _driver, registry
 from .._driver import call, drv
-from ..context import Context, require_current
+from ..context import Context, current_handle, require_current
 from ..context import _tls as _thread_local
 from ..errors import STICKY_CODES, CudaError, LaunchArgumentError
 from ..registry import guard
@@ -310,6 +310,20 @@ class Kernel:
         if last[0] is ctx:
             func = last[1]
         else:
+            owner = self._implied_context(ctx, stream, args)
+            if owner is not None:  # nothing current here: bind what the launch uses
+                with owner:
+                    self.launch(
+                        grid,
+                        block,
+                        *args,
+                        stream=stream,
+                        shared_mem=shared_mem,
+                        cooperative=cooperative,
+                        cluster=cluster,
+                        config=config,
+                    )
+                return
             ctx, func = self._launch_function(ctx)
         if type(grid) is int and 0 < grid <= DIM_MAX:
             gx, gy, gz = grid, 1, 1
@@ -337,6 +351,23 @@ class Kernel:
             ) from None
         if err:
             raise self._launch_error(int(err), ctx, func, (gx, gy, gz), (bx, by, bz), shared_mem)
+
+    def _implied_context(self, top: Context | None, stream: Any, args: tuple[Any, ...]) -> Any:
+        """The context to bind for a launch from a thread with nothing current: the
+        stream's, the module's, or the first ctxkit buffer argument's (``None`` when a
+        context is current, or in strict mode: the launch then needs one)."""
+        if top is not None or current_handle() or registry.default.strict:
+            return None
+        sc = getattr(stream, "context", None)
+        if isinstance(sc, Context):
+            return sc
+        if isinstance(self.module.context, Context):
+            return self.module.context
+        for a in args:
+            ac = getattr(a, "context", None)
+            if isinstance(ac, Context):
+                return ac
+        return None
 
     def _launch_function(self, ctx: Context | None) -> tuple[Context, Any]:
         """The launch's context and function when the last launch's do not apply."""

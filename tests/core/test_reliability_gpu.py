@@ -151,13 +151,15 @@ class Walker:
     def launch(self) -> None:
         top = self.top()
         value = float(self.rng.randrange(1, 1 << 20))
-        if top is None:
-            try:
-                self.fill.launch(1, 128, self.scratch[self.pool[0].handle], value, SCRATCH)
-            except ck.NoCurrentContextError:
-                self.counts["expected_no_context"] += 1
-                return
-            self.problems.append("launch with no current context did not raise")
+        if top is None:  # the kernel binds its stream's context, and leaves nothing current
+            c = self.pool[0]
+            self.fill.launch(
+                1, 128, self.scratch[c.handle], value, SCRATCH, stream=self.streams[c.handle]
+            )
+            self.expected[c.handle] = value
+            self.counts["implicit_bind"] += 1
+            if raw_current():
+                self.problems.append("a launch with no current context left one current")
             return
         blocks = self.rng.randrange(1, 5)
         stream = self.streams[top.handle]
@@ -166,13 +168,11 @@ class Walker:
 
     def sync(self) -> None:
         c = self.rng.choice(self.pool)
-        if self.top() is None:
-            try:
-                self.streams[c.handle].synchronize()
-            except ck.NoCurrentContextError:
-                self.counts["expected_no_context"] += 1
-                return
-            self.problems.append("Stream.synchronize with no current context did not raise")
+        if self.top() is None:  # the stream binds its own context for the call
+            self.streams[c.handle].synchronize()
+            self.counts["implicit_bind"] += 1
+            if raw_current():
+                self.problems.append("Stream.synchronize with no context left one current")
             return
         self.streams[c.handle].synchronize()
 
