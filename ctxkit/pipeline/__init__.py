@@ -14,7 +14,13 @@ busy at once:
   DMAs them directly (only the partial pages at the ends are bounced through a tiny
   pinned buffer);
 * pinned input/output (``ctxkit.pinned_empty``, ``register_host``) is copied directly,
-  fully asynchronously (the zero-copy path).
+  fully asynchronously (the zero-copy path); ``out="pinned"`` returns the output in
+  page-locked memory of the process's pinned pool (``ctxkit.pinned_pool``);
+* staging and bounce buffers come from that pool too, and pin on reuse counts its
+  registrations against its budget: a new Pipeline page-locks nothing that an earlier
+  one gave back, and all of them together stay within one process budget;
+* the chunk stages are NVTX ranges (``h2d``, ``kernel``, ``d2h``, ``fill``, ``drain``;
+  :mod:`ctxkit.nvtx`), and ``map(..., progress=True)`` shows a progress bar.
 
 How a map runs (chunks, devices, host paths) is decided before it starts by
 :func:`plan_map` from its :class:`MapOptions`, into a :class:`MapPlan`.

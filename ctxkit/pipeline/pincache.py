@@ -14,10 +14,14 @@ calls, the way MPI libraries keep a registration cache. :class:`PinCache` does t
   recently used first), and when no Pipeline keeps it any more
   (``Pipeline.release_pinned`` / ``close``).
 
-There is one cache per process (:func:`process_pins`) with one budget, shared by every
-Pipeline: a registration made for one pipeline serves the others, and N pipelines never
-lock more than the budget together. Each Pipeline's claims (:class:`PinClaims`) are
-bounded by its ``pin_cache_bytes`` too.
+There is one cache per process (:func:`process_pins`), shared by every Pipeline: a
+registration made for one pipeline serves the others. Its registrations count against the
+process's one budget of page-locked memory, that of the pinned pool
+(:func:`ctxkit.pinned_pool`, ``CTXKIT_PINNED_POOL_BYTES``), through
+:meth:`~ctxkit.memory.hostpool.PinnedPool.claim`: a range is held only when the pool can
+make room for it (it frees cached blocks for that), so staging buffers, pooled outputs
+and held arrays together never exceed the budget. Each Pipeline's claims
+(:class:`PinClaims`) are bounded by its ``pin_cache_bytes`` too.
 
 The memory owner is the last ndarray of the array's ``.base`` chain: it owns the memory
 or keeps the object that does alive, and numpy refuses to ``resize`` an array that has
@@ -39,7 +43,6 @@ picks the moment instead.
 
 from __future__ import annotations
 
-import os
 import threading
 import warnings
 import weakref
@@ -50,15 +53,14 @@ from typing import Any
 import numpy as np
 
 from ..context import Context
+from ..memory.hostpool import PinnedPool, pinned_pool
 from .hostreg import NO_USABLE_CONTEXT, register_pages, unregister_pages
 from .plan import PAGE, MiB, addr
 
 __all__ = [
-    "BUDGET_ENV",
     "MIN_HOLD_BYTES",
     "PinCache",
     "PinClaims",
-    "default_budget",
     "memory_owner",
     "process_pins",
 ]
@@ -70,37 +72,7 @@ MIN_HOLD_BYTES = 16 * MiB
 MAX_SIGHTINGS = 64
 
 
-BUDGET_ENV = "CTXKIT_PIN_BUDGET_BYTES"
-
-
 _NOT_REGISTERED = 713
-
-
-def default_budget() -> int:
-    """The process budget: :data:`BUDGET_ENV` when set, else a quarter of physical memory
-    (at least 4 GiB, at most half of it).
-
-    Each process has its own budget: with several ranks (processes) per node, set
-    ``CTXKIT_PIN_BUDGET_BYTES`` to about a quarter of the node's memory divided by the
-    ranks per node, so that together they leave the rest of the memory pageable.
-    """
-    value = os.environ.get(BUDGET_ENV, "").strip()
-    if value:
-        try:
-            budget = int(value)
-        except ValueError:
-            budget = -1
-        if budget < 0:
-            raise ValueError(
-                f"{BUDGET_ENV}={value!r}: give the most bytes pin on reuse may keep "
-                "page-locked in this process, as an integer >= 0 (0 turns it off)"
-            )
-        return budget
-    try:
-        phys = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return 4 << 30
-    return int(min(max(phys // 4, 4 << 30), phys // 2))
 
 
 def memory_owner(arr: np.ndarray) -> np.ndarray:
@@ -135,6 +107,7 @@ class Held:
     users: int = 0
     claims: weakref.WeakSet[PinClaims] = field(default_factory=weakref.WeakSet)
     stranded: bool = False
+    pool: PinnedPool | None = None  # whose budget counts the range (claimed)
 
     @property
     def nbytes(self) -> int:
@@ -145,16 +118,21 @@ class Held:
 
 
 class PinCache:
-    """Registrations of reused pageable arrays, at most *budget* bytes at once.
+    """Registrations of reused pageable arrays, counted against a pinned pool's budget.
 
     Parameters
     ----------
-    budget : int
-        Most bytes kept page-locked at once; 0 disables holding.
+    cap : int, optional
+        Most bytes kept page-locked at once (0 disables holding); default: the pool's
+        budget.
+    pool : PinnedPool, optional
+        The pool whose budget the registrations count against (:meth:`PinnedPool.claim`);
+        default: the process's, :func:`ctxkit.pinned_pool`.
     """
 
-    def __init__(self, budget: int) -> None:
-        self.budget = int(budget)
+    def __init__(self, cap: int | None = None, pool: PinnedPool | None = None) -> None:
+        self._cap = cap
+        self._pool = pool
         self._lock = threading.RLock()
         self._held: dict[int, list[Held]] = {}
         self._seen: dict[tuple[int, int, int], weakref.ref[Any]] = {}
@@ -162,6 +140,17 @@ class PinCache:
         self._stranded: list[tuple[Held, Any]] = []
         self._clock = 0
         self._warned_stranded = False
+
+    @property
+    def pool(self) -> PinnedPool:
+        """The pinned pool whose budget the registrations count against."""
+        return self._pool if self._pool is not None else pinned_pool()
+
+    @property
+    def budget(self) -> int:
+        """Most bytes the cache may keep page-locked: its cap, at most the pool's budget."""
+        budget = self.pool.budget
+        return budget if self._cap is None else min(self._cap, budget)
 
     @property
     def nbytes(self) -> int:
@@ -305,13 +294,17 @@ class PinCache:
             return None
         if any(h.start < end and start < h.end for h in self._entries()):
             return None
+        pool = self.pool
+        if not self._claim(pool, nbytes):
+            return None
         with contexts[0]:
             err = register_pages(start, nbytes, read_only)
         if err:
+            pool.unclaim(nbytes)
             key = (id(owner), start, end)
             self._refused[key] = self._note(self._refused, key, owner)
             return None
-        held = Held(start, end, list(contexts))
+        held = Held(start, end, list(contexts), pool=pool)
         held.claims.add(claims)
         held.ref = weakref.ref(owner, self._on_owner_death(held))
         self._held.setdefault(id(owner), []).append(held)
@@ -357,6 +350,19 @@ class PinCache:
                     self._evict(h)
         return used + nbytes <= self.budget and mine + claim_bytes <= limit
 
+    def _claim(self, pool: PinnedPool, nbytes: int) -> bool:
+        """Count *nbytes* against *pool*'s budget; when the pool cannot make room, release
+        idle ranges (least recently used first) until it can. False: do not hold."""
+        idle = sorted(
+            (h for h in self._entries() if h.registered and not h.users),
+            key=lambda h: h.last_use,
+        )
+        while not pool.claim(nbytes):
+            if not idle:
+                return False
+            self._evict(idle.pop(0))
+        return True
+
     def _forget(self, h: Held) -> None:
         for key, hs in list(self._held.items()):
             if h in hs:
@@ -385,7 +391,11 @@ def _unregister(h: Held) -> None:
         err, why = NO_USABLE_CONTEXT, repr(exc)
     else:
         why = "every context that could unregister them is closed or poisoned"
-    if err in (0, _NOT_REGISTERED) or _warned_stale:
+    if err in (0, _NOT_REGISTERED):
+        if h.pool is not None:
+            h.pool.unclaim(h.nbytes)
+        return
+    if _warned_stale:  # still page-locked: it stays counted against the budget
         return
     if err != NO_USABLE_CONTEXT:
         why = f"cuMemHostUnregister failed with CUresult {err}"
@@ -446,9 +456,10 @@ _process_lock = threading.Lock()
 
 
 def process_pins() -> PinCache:
-    """The process's pin cache (created at first use, budget :func:`default_budget`)."""
+    """The process's pin cache (created at first use), counted against the budget of
+    the process's pinned pool."""
     global _process
     with _process_lock:
         if _process is None:
-            _process = PinCache(default_budget())
+            _process = PinCache()
         return _process

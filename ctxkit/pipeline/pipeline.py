@@ -32,6 +32,7 @@ from .hostreg import Registrar
 from .launch import make_launcher, unblock_if_not_run
 from .pincache import Held, PinClaims, process_pins
 from .plan import MapOptions, addr, check_host_path, plan_map, prepare_io, row_bytes
+from .progressbar import make_bar
 from .run import Run, drain, feed, run_stats
 from .stages import StageHandle, Stages
 from .staging import DeviceState, HostPool, Progress, default_host_threads, quiet_sync, shutdown_all
@@ -82,10 +83,13 @@ class Pipeline:
         budget. See :meth:`release_pinned`.
 
         The budget is one per process, shared by every Pipeline (a registration serves
-        all of them): a quarter of physical memory, at least 4 GiB, or
-        ``CTXKIT_PIN_BUDGET_BYTES``. With several processes per node (MPI ranks,
-        ``run_per_device`` workers), each has its own: set ``CTXKIT_PIN_BUDGET_BYTES``
-        to about a quarter of the node's memory divided by the processes per node.
+        all of them) and by the pinned pool its staging buffers and pinned outputs come
+        from (:func:`ctxkit.pinned_pool`; ``CTXKIT_PINNED_POOL_BYTES``, default a
+        quarter of physical memory, at most 64 GiB): an array is held only when the pool
+        can make room for it, else it is staged. With several processes per node (MPI
+        ranks, ``run_per_device`` workers) each has its own: set
+        ``CTXKIT_PINNED_POOL_BYTES`` to about a quarter of the node's memory divided by
+        the processes per node.
     schedule : {"static", "dynamic"}
         ``"static"``: an even contiguous share of rows per device. ``"dynamic"``: devices
         take chunks from a shared queue (work stealing; helps unequal devices).
@@ -250,6 +254,7 @@ class Pipeline:
         mode: str = "auto",
         schedule: str | None = None,
         host_path: str | tuple[str, str] | None = None,
+        progress: bool = False,
     ) -> np.ndarray:
         """Run ``kernel`` over *x* chunk by chunk on every device; return *out*.
 
@@ -263,10 +268,14 @@ class Pipeline:
         x : numpy.ndarray
             Input; split along the first axis. Pinned (``ctxkit.pinned_empty``) input is
             copied directly; pageable input takes the pipeline's ``host_path``.
-        out : numpy.ndarray, optional
+        out : numpy.ndarray or "pinned", optional
             Output, ``np.empty_like(x)`` by default. It may differ from *x* in dtype and
             row shape (same number of rows); each chunk's kernel writes the matching
-            rows. ``out=x`` works in place.
+            rows. ``out=x`` works in place. ``out="pinned"``: a new array shaped like
+            *x* in page-locked memory of the process's pinned pool
+            (:func:`ctxkit.pinned_pool`), written by DMA directly (no staging copy, no
+            first touch of fresh pages); its block goes back to the pool when the caller
+            drops the array (and every view of it), and a later map reuses it.
         args : sequence
             Extra kernel (or body) arguments after ``(d_in, d_out, n)``.
         chunk_bytes : int, optional
@@ -279,6 +288,9 @@ class Pipeline:
             Override the pipeline's schedule for this call.
         host_path : {"auto", "staged", "register"} or (input, output) pair, optional
             Override the pipeline's ``host_path`` for this call.
+        progress : bool
+            Show a progress bar of the finished chunks: tqdm when installed, else one
+            line on stderr. Off by default.
 
         Raises
         ------
@@ -295,12 +307,17 @@ class Pipeline:
         enqueued (:meth:`Kernel.preload`), so no launch waits for lazy loading.
         """
         if mode == "managed":
-            return self.map_managed(kernel, x, out, args, chunk_bytes, block, schedule=schedule)
+            return self.map_managed(
+                kernel, x, out, args, chunk_bytes, block, schedule=schedule, progress=progress
+            )
         if mode != "auto":
             raise ValueError(f"mode must be 'auto' or 'managed', not {mode!r}")
         options = self._options_for(chunk_bytes, block, schedule, host_path=host_path)
-        x, out = prepare_io(x, out)
-        return self._map(kernel, x, out, args, options)
+        pooled = isinstance(out, str)
+        if pooled:
+            self._check_usable()
+        x, out = prepare_io(x, out, context=self._devices[0].ctx)
+        return self._map(kernel, x, out, args, options, progress, pooled)
 
     def map_managed(
         self,
@@ -316,6 +333,7 @@ class Pipeline:
         schedule: str | None = None,
         prefetch: bool = True,
         to_host: bool = True,
+        progress: bool = False,
     ) -> np.ndarray:
         """The map of :meth:`map` over unified (managed) memory: no staging, no copies.
 
@@ -333,6 +351,8 @@ class Pipeline:
             works in place.
         prefetch, to_host : bool
             Prefetch chunks to the device before the kernel / back to the host after.
+        progress : bool
+            Show a progress bar of the finished chunks (see :meth:`map`).
 
         Returns
         -------
@@ -357,7 +377,7 @@ class Pipeline:
                         f"map_managed: {what} is not unified (managed) memory; allocate it "
                         "with ctxkit.ManagedBuffer (or use Pipeline.map for host arrays)"
                     )
-        self._map(kernel, xa, oa, args, options)
+        self._map(kernel, xa, oa, args, options, progress)
         return oa
 
     def _options_for(
@@ -377,7 +397,14 @@ class Pipeline:
         return dataclasses.replace(base, **changes) if changes else base
 
     def _map(
-        self, kernel: Any, x: np.ndarray, out: np.ndarray, args: Sequence[Any], opts: MapOptions
+        self,
+        kernel: Any,
+        x: np.ndarray,
+        out: np.ndarray,
+        args: Sequence[Any],
+        opts: MapOptions,
+        progress: bool = False,
+        pooled_out: bool = False,
     ) -> np.ndarray:
         self._check_usable()
         if not isinstance(args, (tuple, list)):
@@ -397,12 +424,12 @@ class Pipeline:
                 try:
                     host = ("pinned", "pinned")
                     if not opts.managed:
-                        host = self._host_kinds(x, out, opts.host_path, held)
+                        host = self._host_kinds(x, out, opts.host_path, held, pooled_out)
                     rows = (row_bytes(x), row_bytes(out))
                     plan = plan_map(x.shape[0], rows, len(self._devices), opts, host)
                     run = Run(x, out, plan, launch, self._recorder)
                     if not plan.empty:
-                        self._execute(run)
+                        self._execute(run, progress)
                 finally:
                     self._pins.done(held)
                 self._stats = run_stats(run, time.perf_counter() - t0, x.nbytes)
@@ -411,7 +438,17 @@ class Pipeline:
             raise
         return out
 
-    def _execute(self, run: Run) -> None:
+    def _execute(self, run: Run, progress: bool = False) -> None:
+        plan = run.plan
+        if progress:
+            run.bar = make_bar(len(plan.chunks))
+        try:
+            self._execute_run(run)
+        finally:
+            if run.bar is not None:
+                run.bar.close()
+
+    def _execute_run(self, run: Run) -> None:
         plan = run.plan
         if plan.needs_pool:
             run.pool = self._pool()
@@ -453,12 +490,18 @@ class Pipeline:
         return self._host_pool[0]
 
     def _host_kinds(
-        self, x: np.ndarray, out: np.ndarray, paths: tuple[str, str], held: list[Held]
+        self,
+        x: np.ndarray,
+        out: np.ndarray,
+        paths: tuple[str, str],
+        held: list[Held],
+        pooled_out: bool = False,
     ) -> tuple[str, str]:
         """What the input's and the output's memory is for :func:`plan_map`:
         ``"held"`` when pin on reuse keeps it locked (only asked for sides on the
         ``"auto"`` path; the ranges it lends are added to *held*), ``"pinned"`` when
-        page-locked otherwise, else ``"pageable"``."""
+        page-locked otherwise (*pooled_out*: the output comes from the pinned pool),
+        else ``"pageable"``."""
         ctxs = self.contexts
 
         def hold(a: np.ndarray, read_only: bool) -> bool:
@@ -467,6 +510,9 @@ class Pipeline:
                 held.append(h)
             return h is not None
 
+        if pooled_out:
+            held_in = paths[0] == "auto" and hold(x, True)
+            return ("held" if held_in else _memory_kind(x)), "pinned"
         if x.nbytes and x.nbytes == out.nbytes and addr(x) == addr(out):
             held_in = held_out = "auto" in paths and hold(x, False)
         else:

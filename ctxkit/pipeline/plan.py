@@ -297,14 +297,20 @@ def _side_mode(kind: str, path: str, nbytes: int) -> str:
     return choose_host_path(path, nbytes)
 
 
-def prepare_io(x: Any, out: Any = None) -> tuple[np.ndarray, np.ndarray]:
+def prepare_io(x: Any, out: Any = None, context: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """Check the input and output arrays of a map; return ``(x, out)``.
 
     *x* must be a numpy array with at least one dimension (a non-contiguous one is
-    copied to a contiguous array). *out* defaults to ``np.empty_like(x)``; a given *out*
-    may have another dtype and row shape but the same number of rows, and must be
-    C-contiguous, writable, and either the very same memory as *x* or disjoint from it.
+    copied to a contiguous array). *out* defaults to ``np.empty_like(x)``; ``"pinned"``
+    makes it an array of the process's pinned pool (allocated for *context*'s device);
+    a given *out* may have another dtype and row shape but the same number of rows, and
+    must be C-contiguous, writable, and either the very same memory as *x* or disjoint
+    from it.
     """
+    if isinstance(out, str) and out != "pinned":
+        raise ValueError(
+            f'out must be a numpy array, None or "pinned" (a pooled page-locked array), not {out!r}'
+        )
     if not isinstance(x, np.ndarray):
         raise TypeError(
             f"Pipeline.map takes a numpy array, got {type(x).__name__}; convert with "
@@ -318,6 +324,10 @@ def prepare_io(x: Any, out: Any = None) -> tuple[np.ndarray, np.ndarray]:
         x = np.ascontiguousarray(x)
     if out is None:
         return x, np.empty_like(x)
+    if isinstance(out, str):
+        from ..memory.hostpool import pinned_pool
+
+        return x, pinned_pool().empty(x.shape, x.dtype, context=context)
     if not isinstance(out, np.ndarray):
         raise TypeError(f"out must be a numpy array, got {type(out).__name__}")
     if out.dtype.hasobject:

@@ -36,11 +36,13 @@ import numpy as np
 from .. import _driver
 from .._driver import drv
 from ..errors import PipelineError
+from ..nvtx import range as nvtx_range
 from ..stream import Event
 from ..trace import Recorder
 from .hostreg import Registrar, Segment
 from .launch import Stopped, tagged
 from .plan import PAGE, Chunk, HostPieces, MapPlan, addr, host_pieces, row_bytes
+from .progressbar import Bar
 from .staging import (
     DeviceState,
     HostPool,
@@ -113,6 +115,8 @@ class Run:
         self.progress: dict[int, Progress] = {}
         self.started: dict[int, float] = {}
         self.fallbacks = 0
+        self.bar: Bar | None = None
+        self._bar_lock = threading.Lock()
         self._queue = iter(plan.chunks)
 
     def drop_arrays(self) -> None:
@@ -124,6 +128,12 @@ class Run:
         """A staging copy through the host pool."""
         assert self.pool is not None
         self.pool.copy(dst, src, trace)
+
+    def chunk_finished(self) -> None:
+        """Advance the progress bar (drain threads of every device call this)."""
+        if self.bar is not None:
+            with self._bar_lock:
+                self.bar.update(1)
 
     def chunks_for(self, part: int) -> Iterator[Chunk]:
         """The chunks device slot *part* processes (taken from a shared queue if dynamic)."""
@@ -269,18 +279,21 @@ def _enqueue(
     assert slot.d_in is not None and slot.d_out is not None
     h2d = _input(run, dev, slot, job)
     e0 = dev.take_event(True, taken).record(s) if timing else None
-    for off, src, n in h2d:
-        (err,) = drv.cuMemcpyHtoDAsync(slot.d_in.ptr + off, src, n, sh)
-        _check_copy(dev, err, "cuMemcpyHtoDAsync", "h2d")
+    with nvtx_range("h2d", "green"):
+        for off, src, n in h2d:
+            (err,) = drv.cuMemcpyHtoDAsync(slot.d_in.ptr + off, src, n, sh)
+            _check_copy(dev, err, "cuMemcpyHtoDAsync", "h2d")
     e1 = dev.take_event(timing, taken).record(s)
     slot.h2d_done = e1
     n_elems = c.rows * run.row_elems
-    tagged(run.launch, "kernel", dev, s, slot.d_in.ptr, slot.d_out.ptr, n_elems, c)
+    with nvtx_range("kernel", "blue"):
+        tagged(run.launch, "kernel", dev, s, slot.d_in.ptr, slot.d_out.ptr, n_elems, c)
     e2 = dev.take_event(True, taken).record(s) if timing else None
     out_mode, d2h = _output(run, dev, slot, job, k)
-    for dst, off, n in d2h:
-        (err,) = drv.cuMemcpyDtoHAsync(dst, slot.d_out.ptr + off, n, sh)
-        _check_copy(dev, err, "cuMemcpyDtoHAsync", "d2h")
+    with nvtx_range("d2h", "red"):
+        for dst, off, n in d2h:
+            (err,) = drv.cuMemcpyDtoHAsync(dst, slot.d_out.ptr + off, n, sh)
+            _check_copy(dev, err, "cuMemcpyDtoHAsync", "d2h")
     e3 = dev.take_event(timing, taken).record(s)
     q.put((job, slot, e3, out_mode))
     if rec is not None:
@@ -311,7 +324,8 @@ def _input(run: Run, dev: DeviceState, slot: Slot, job: ChunkJob) -> list[tuple[
         exc._ctxkit_step = "fill"  # type: ignore[attr-defined]
         raise
     trace = (run.rec, "fill", dev.ordinal, c.index) if run.rec is not None else None
-    tagged(run.copy, "fill", slot.pin_in[:nb], run.x_bytes[b0 : b0 + nb], trace)
+    with nvtx_range("fill", "yellow"):
+        tagged(run.copy, "fill", slot.pin_in[:nb], run.x_bytes[b0 : b0 + nb], trace)
     return [(0, addr(slot.pin_in), nb)]
 
 
@@ -387,7 +401,8 @@ def _enqueue_managed(
         if p_out != p_in:
             tagged(_driver.mem_prefetch, "prefetch", p_out, nb_out, dev.ordinal, s.handle)
     e1 = dev.take_event(True, taken).record(s) if timing else None
-    tagged(run.launch, "kernel", dev, s, p_in, p_out, c.rows * run.row_elems, c)
+    with nvtx_range("kernel", "blue"):
+        tagged(run.launch, "kernel", dev, s, p_in, p_out, c.rows * run.row_elems, c)
     e2 = dev.take_event(True, taken).record(s) if timing else None
     if to_host:
         tagged(_driver.mem_prefetch, "prefetch", p_out, nb_out, "cpu", s.handle)
@@ -422,6 +437,7 @@ def drain(run: Run, dev: DeviceState, q: queue.SimpleQueue[Any]) -> None:
                 run.fail(dev, job.chunk, step, exc)
             finally:
                 progress.advance()
+                run.chunk_finished()
     finally:
         _finish_device(run, dev)
 
@@ -433,7 +449,8 @@ def _finish_output(run: Run, dev: DeviceState, slot: Slot, job: ChunkJob, mode: 
     if mode == "staged":
         assert slot.pin_out is not None
         trace = (run.rec, "drain", dev.ordinal, c.index) if run.rec is not None else None
-        run.copy(dst, slot.pin_out[:nb], trace)
+        with nvtx_range("drain", "orange"):
+            run.copy(dst, slot.pin_out[:nb], trace)
     elif mode == "register":
         pc = job.out_pieces
         if pc is not None and pc.bounced:

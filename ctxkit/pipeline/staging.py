@@ -20,7 +20,7 @@ from ..context import Context
 from ..errors import OutOfMemoryError
 from ..executor import ContextExecutor
 from ..memory.device import DeviceBuffer
-from ..memory.host import pinned_empty
+from ..memory.hostpool import pinned_pool
 from ..stream import Event, Stream
 from ..trace import HOST_PREFIX, Recorder
 from .plan import PAGE, MiB, round_up
@@ -164,7 +164,8 @@ class Slot:
         return self.bounce[BOUNCE_BYTES // 2 :]
 
     def release(self) -> None:
-        """Free the buffers and the stream."""
+        """Free the device buffers and the stream; the pinned buffers go back to the
+        process's pinned pool (cached there, not freed, for the next Pipeline)."""
         for buf in (self.d_in, self.d_out):
             if buf is not None:
                 buf.close()
@@ -313,7 +314,7 @@ def ensure_buffers(
             if stage_out:
                 slot.pin_out = grow_pinned(slot.pin_out, out_bytes, dev.ctx)
             if bounce and slot.bounce is None:
-                slot.bounce = pinned_empty((BOUNCE_BYTES,), np.uint8, context=dev.ctx)
+                slot.bounce = pinned_pool().empty((BOUNCE_BYTES,), np.uint8, context=dev.ctx)
     except OutOfMemoryError as exc:
         raise OutOfMemoryError(
             f"Pipeline: cannot allocate {len(dev.slots)} staging slots of {in_bytes} + "
@@ -334,10 +335,17 @@ def grow_device(buf: DeviceBuffer | None, need: int, ctx: Context) -> DeviceBuff
 
 
 def grow_pinned(arr: np.ndarray | None, need: int, ctx: Context) -> np.ndarray:
-    """*arr* if it holds *need* bytes, else a new pinned uint8 array (rounded up to MiB)."""
+    """*arr* if it holds *need* bytes, else a uint8 array (rounded up to MiB) from the
+    process's pinned pool (:func:`ctxkit.pinned_pool`): a new Pipeline reuses the blocks
+    earlier ones gave back instead of page-locking memory again.
+
+    No stream is named: a slot's pinned buffer is only replaced or dropped once the
+    stream work that used it completed (after the slot's previous H2D or drain, at the
+    start of a run, or in :meth:`Slot.release` after the streams were synchronized), so
+    its block is reusable at once."""
     if arr is not None and arr.nbytes >= need:
         return arr
-    return pinned_empty((round_up(max(need, 1)),), np.uint8, context=ctx)
+    return pinned_pool().empty((round_up(max(need, 1)),), np.uint8, context=ctx)
 
 
 def default_host_threads(n_devices: int) -> int:

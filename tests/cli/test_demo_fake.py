@@ -149,15 +149,10 @@ def test_demo_reports_the_pinned_pool_once_it_was_used(
     monkeypatch.setattr(hostpool, "_process_pool", pool)
     _fake_kernel(monkeypatch, gpu)
     assert run_demo(_args(tmp_path, devices=1, quick=True, trace=None)) == 0
-    assert "pinned pool:" not in capsys.readouterr().out  # unused: no line
-    a = pool.empty(1 << 20, np.uint8)
-    del a
-    pool.empty(1 << 20, np.uint8)
-    assert run_demo(_args(tmp_path, devices=1, quick=True, trace=None)) == 0
-    assert (
-        "pinned pool: 1 of 2 requests served from the cache, 1 blocks page-locked, peak 1 MiB "
-        "(budget 64 MiB)" in capsys.readouterr().out
-    )
+    out = capsys.readouterr().out
+    # the pipelines' staging buffers come from the process pool: the demo says how it went
+    assert "pinned pool:" in out and "(budget 64 MiB)" in out
+    assert pool.stats().allocations >= 1
 
 
 def test_a_peer_that_fails_is_skipped_with_its_error(gpu, monkeypatch, tmp_path, capsys):

@@ -275,11 +275,12 @@ def host_allocs(monkeypatch: pytest.MonkeyPatch) -> list[weakref.ref[Any]]:
 
 def _assert_freed(gpu: WorkloadGPU, refs: list[weakref.ref[Any]], before: int, what: str) -> None:
     gc.collect()
+    ck.pinned_pool().release()  # pipelines cache staging blocks in the process pool
     alive = [r() for r in refs[before:] if r() is not None]
     assert not alive, f"{what}: pinned memory still referenced: {alive} by " + repr(
         [type(o).__name__ for m in alive for o in gc.get_referrers(m)]
     )
-    assert len(gpu.host_frees) == len(refs), (
+    assert len(gpu.host_frees) >= len(refs), (  # + the pool's cached blocks it released
         f"{what}: {len(refs)} allocations, frees {gpu.host_frees}"
     )
 

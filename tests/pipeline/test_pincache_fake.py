@@ -19,7 +19,7 @@ import pytest
 import ctxkit as ck
 from ctxkit.pipeline import Pipeline, PipelineError
 from ctxkit.pipeline import pincache as _pincache
-from ctxkit.pipeline.pincache import PinCache, PinClaims, default_budget, memory_owner
+from ctxkit.pipeline.pincache import PinCache, PinClaims, memory_owner
 from tests.support import fakegpu
 from tests.support.fakegpu import (  # noqa: F401
     CAPTURE_GLOBAL,
@@ -251,17 +251,6 @@ def test_bad_budget(bad):
         Pipeline([0], pin_cache_bytes=bad)
 
 
-@pytest.mark.parametrize(("phys_gib", "want_gib"), [(64, 16), (8, 4), (4, 2), (None, 4)], ids=str)
-def test_default_budget(monkeypatch, phys_gib, want_gib):
-    def sysconf(name: str) -> int:
-        if phys_gib is None:
-            raise ValueError(name)
-        return (phys_gib << 30) // PAGE if name == "SC_PHYS_PAGES" else PAGE
-
-    monkeypatch.setattr(_pincache.os, "sysconf", sysconf)
-    assert default_budget() == want_gib << 30
-
-
 def test_disabled_cache_answers_without_the_driver():
     assert PinClaims(PinCache(0), None).acquire(data(), [], True) is None
     assert PinClaims(PinCache(1 << 30), 0).acquire(data(), [], True) is None
@@ -270,27 +259,40 @@ def test_disabled_cache_answers_without_the_driver():
 # --- one budget per process -------------------------------------------------------------------
 
 
-@pytest.fixture
-def small_budget(monkeypatch: pytest.MonkeyPatch) -> int:
-    """A process budget with room for two arrays (read when the cache is first used)."""
-    budget = 2 * (N * 4 + 2 * PAGE)
-    monkeypatch.setenv(_pincache.BUDGET_ENV, str(budget))
+ONE = N * 4 + 2 * PAGE  # the pages of one array
+
+
+def leave_room(pipes: list[Pipeline], gpu: Any, nbytes: int) -> int:
+    """Stage a first call on each pipeline (its buffers come from the pool), then set
+    the process budget to the pool's blocks in use plus *nbytes*; return the budget."""
+    for pipe in pipes:
+        pipe.map(scale_body(gpu, 1.0), zeros(), zeros())
+    pool = ck.pinned_pool()
+    budget = pool.stats().in_use_bytes + nbytes
+    pool.set_budget(budget)
     return budget
 
 
-def test_pipelines_share_one_process_budget(gpu, small_budget):
+def test_pipelines_share_one_process_budget(gpu):
     arrays = [data(seed=i) for i in range(4)]
     out = zeros()
+    pool = ck.pinned_pool()
     with Pipeline([0], host_threads=2) as p, Pipeline([1], host_threads=2) as q:
+        budget = leave_room([p, q], gpu, 2 * ONE)  # staging plus two held arrays
+        base = gpu.max_registered
         for _ in range(3):
             for i, a in enumerate(arrays):
                 pipe = (p, q)[i % 2]
                 pipe.map(scale_body(gpu, 2.0), a, out)
                 np.testing.assert_array_equal(out, a * 2)
-                assert registered_bytes(gpu) <= small_budget  # not 2 x the budget
+                assert registered_bytes(gpu) <= 2 * ONE  # not 2 x the budget
+                stats = pool.stats()
+                assert stats.held_bytes <= budget
+                assert stats.claimed_bytes == registered_bytes(gpu)
         assert 0 < max(p.pinned_bytes, q.pinned_bytes) <= registered_bytes(gpu)
-    assert gpu.max_registered <= small_budget
+    assert max(base, gpu.max_registered) <= 2 * ONE
     assert not gpu.registered and not gpu.pageable_dma
+    assert pool.stats().claimed_bytes == 0  # unregistering gave the bytes back
 
 
 def test_a_registration_serves_every_pipeline_until_the_last_lets_go(gpu):
@@ -327,27 +329,45 @@ def test_pin_cache_bytes_caps_one_pipeline_within_the_process_budget(gpu):
         assert p.pinned_bytes == registered_bytes(gpu) > 0
 
 
-def test_budget_from_the_environment(monkeypatch):
-    monkeypatch.setenv(_pincache.BUDGET_ENV, "123456")
-    assert default_budget() == 123456
-    monkeypatch.setenv(_pincache.BUDGET_ENV, "0")
-    assert default_budget() == 0
-    for bad in ("lots", "-1", "1.5"):
-        monkeypatch.setenv(_pincache.BUDGET_ENV, bad)
-        with pytest.raises(ValueError, match=_pincache.BUDGET_ENV):
-            default_budget()
-    with pytest.raises(ValueError, match=_pincache.BUDGET_ENV):
-        Pipeline([0])  # before the driver is touched
+def test_registrations_are_claimed_from_the_pinned_pool_and_given_back(gpu):
+    x, out = data(), zeros()
+    pool = ck.pinned_pool()
+    with Pipeline([0], host_threads=2) as p:
+        for _ in range(2):
+            p.map(scale_body(gpu, 2.0), x, out)
+        assert p.last_stats.path == "in=held, out=held"
+        assert pool.stats().claimed_bytes == p.pinned_bytes == registered_bytes(gpu) > 0
+        p.release_pinned()
+        assert pool.stats().claimed_bytes == 0
+        for _ in range(2):
+            p.map(scale_body(gpu, 2.0), x, out)
+        del x
+        gc.collect()  # the owner's death unregisters its range and unclaims it
+        assert pool.stats().claimed_bytes == registered_bytes(gpu) == p.pinned_bytes > 0
+    assert pool.stats().claimed_bytes == 0 and not gpu.registered
 
 
-def test_zero_process_budget_turns_holding_off(gpu, monkeypatch):
-    monkeypatch.setenv(_pincache.BUDGET_ENV, "0")
+def test_a_full_pool_stages_instead_of_holding(gpu):
     x, out = data(), zeros()
     with Pipeline([0], host_threads=2) as p:
+        leave_room([p], gpu, 0)
         for _ in range(3):
             p.map(scale_body(gpu, 2.0), x, out)
+            np.testing.assert_array_equal(out, x * 2)
         assert p.last_stats.path == "in=staged, out=staged"
-    assert not gpu.register_calls
+    assert not gpu.register_calls and ck.pinned_pool().stats().claimed_bytes == 0
+
+
+def test_room_in_the_pool_is_made_by_releasing_idle_ranges(gpu):
+    arrays = [data(seed=i) for i in range(2)]
+    with Pipeline([0], host_threads=2) as p:
+        leave_room([p], gpu, ONE)  # one held array at a time
+        for _ in range(3):
+            for a in arrays:
+                p.map(scale_body(gpu, 2.0), a, a)  # in place: one range per array
+                assert registered_bytes(gpu) <= ONE
+        assert p.last_stats.path == "in=held, out=held"  # the other one was let go
+        assert ck.pinned_pool().stats().claimed_bytes == registered_bytes(gpu) > 0
 
 
 # --- freed memory never stays registered -------------------------------------------------------

@@ -231,6 +231,10 @@ def test_pipeline_uses_a_given_context(gpu):
         own.close()
 
 
+def host_blocks(gpu) -> set[int]:
+    return {ptr for ptr, (_arr, kind) in gpu.mem.items() if kind == "host"}
+
+
 def test_close_frees_every_buffer_and_stops_threads(gpu):
     before = set(gpu.mem)
     threads_before = {t.name for t in threading.enumerate()}
@@ -238,10 +242,26 @@ def test_close_frees_every_buffer_and_stops_threads(gpu):
     p.map(scale_body(gpu, 2.0), np.arange(20_000, dtype=np.float32))
     assert len(gpu.mem) > len(before)
     p.close()
-    assert set(gpu.mem) == before
+    cached = host_blocks(gpu) - before
+    assert set(gpu.mem) - before == cached  # device buffers freed
+    stats = ck.pinned_pool().stats()
+    assert stats.in_use_blocks == 0 and stats.cached_blocks == len(cached) > 0
     time.sleep(0.05)
     left = {t.name for t in threading.enumerate()} - threads_before
     assert not [n for n in left if n.startswith(("ctxkit-pipeline", "ctxkit-stage"))]
+
+
+def test_new_pipelines_reuse_the_staging_blocks_of_closed_ones(gpu):
+    x = np.arange(20_000, dtype=np.float32)
+    with Pipeline([0, 1], chunk_bytes=4096, host_threads=2) as p:
+        p.map(scale_body(gpu, 2.0), x)
+    blocks = host_blocks(gpu)
+    for k in range(3):  # a new Pipeline per call page-locks nothing
+        with Pipeline([0, 1], chunk_bytes=4096, host_threads=2) as p:
+            np.testing.assert_array_equal(p.map(scale_body(gpu, k), x), x * k)
+        assert host_blocks(gpu) == blocks
+    stats = ck.pinned_pool().stats()
+    assert stats.in_use_blocks == 0 and stats.hits >= 3 * len(blocks)
 
 
 # --- trace ----------------------------------------------------------------------------

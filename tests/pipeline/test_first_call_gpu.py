@@ -1,0 +1,155 @@
+"""The first call on real GPUs (issue 16): a new Pipeline per call on arrays never seen
+is right for every size and page-locks nothing after the first (staging comes from the
+process's pinned pool); many pipelines share the pool within one process budget; the
+pool is kept at close() and freed cleanly at exit; ``out="pinned"`` outputs go back to
+the pool when dropped and are reused."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ctxkit as ck
+from ctxkit.memory.host import host_pointer_kind
+from ctxkit.pipeline import Pipeline
+from ctxkit.pipeline.pincache import process_pins
+from tests.pipeline.gpu_support import kern, random_array, scaled  # noqa: F401
+
+REPO = Path(__file__).resolve().parents[2]
+MiB = 1 << 20
+
+
+def first_calls(kern, n: int, calls: int, out: str | None) -> list[int]:
+    """*calls* maps of fresh float32 arrays of *n* elements, each on a new Pipeline; the
+    pool's ``cuMemHostAlloc`` count after each."""
+    pool = ck.pinned_pool()
+    allocations = []
+    for seed in range(calls):
+        x = random_array(n, np.float32, seed)
+        with Pipeline([0]) as p:
+            y = p.map(kern["scale_f32"], x, args=(2.0,), **({"out": out} if out else {}))
+            if n:
+                want = "in=staged, out=" + ("pinned" if out else "staged")
+                assert p.last_stats.path == want
+        assert y.shape == x.shape and y.dtype == x.dtype
+        assert np.array_equal(y, scaled(x, 2.0))
+        del x, y
+        allocations.append(pool.stats().allocations)
+    return allocations
+
+
+@pytest.mark.parametrize("out", [None, "pinned"])
+@pytest.mark.parametrize("n", [0, 1, 7, 1_000_003])
+def test_first_calls_on_new_pipelines_are_exact_and_page_lock_once(kern, n, out):
+    allocations = first_calls(kern, n, 3, out)
+    assert allocations[1] == allocations[2] == allocations[0]  # later pipelines reuse
+    assert ck.pinned_pool().stats().in_use_blocks == 0  # outputs dropped: all returned
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("out", [None, "pinned"])
+def test_first_calls_of_one_gib_plus_three_elements(kern, out):
+    allocations = first_calls(kern, (1 << 30) // 4 + 3, 2, out)
+    assert allocations[1] == allocations[0]
+
+
+def test_many_pipelines_share_the_pool_within_one_budget(kern):
+    pool = ck.pinned_pool()
+    pipes = [
+        Pipeline([0], chunk_bytes=MiB, host_threads=2) for _ in range(8)
+    ]  # 8 x 3 x 2 MiB staging
+    room = 40 * MiB  # two 16 MiB arrays (and their partial pages) may be held
+    budget = 48 * MiB + room
+    pool.set_budget(budget)
+    try:
+        for seed, p in enumerate(pipes):  # fresh arrays: staged, buffers from the pool
+            x = random_array(1 << 20, np.float32, seed)
+            assert np.array_equal(p.map(kern["scale_f32"], x, args=(2.0,)), scaled(x, 2.0))
+            st = pool.stats()
+            assert st.held_bytes + st.claimed_bytes <= budget
+        assert pool.stats().in_use_bytes == 48 * MiB
+        x = random_array(4 << 20, np.float32, 99)  # 16 MiB, seen by every pipeline
+        out = np.empty_like(x)
+        for _ in range(2):
+            for p in pipes:
+                out[:] = 0
+                p.map(kern["scale_f32"], x, out, args=(2.0,))
+                assert np.array_equal(out, scaled(x, 2.0))
+                st = pool.stats()
+                assert st.held_bytes + st.claimed_bytes <= budget
+        assert pipes[-1].last_stats.path == "in=held, out=held"
+        st = pool.stats()
+        assert st.claimed_bytes == process_pins().nbytes <= room  # held once for all 8
+        assert st.peak_bytes <= budget
+    finally:
+        for p in pipes:
+            p.close()
+    st = pool.stats()
+    assert st.claimed_bytes == 0 and st.in_use_blocks == 0
+    assert st.cached_bytes == 48 * MiB and st.frees == 0  # close() does not trim
+    assert host_pointer_kind(x.ctypes.data) == "pageable"
+
+
+def test_pinned_output_lifetime(kern):
+    pool = ck.pinned_pool()
+    x = random_array(1_000_003, np.float32, 3)
+    with Pipeline([0]) as p:
+        y = p.map(kern["scale_f32"], x, args=(2.0,), out="pinned")
+        assert pool.owns(y) and host_pointer_kind(y.ctypes.data) == "pinned"
+        assert np.array_equal(y, scaled(x, 2.0))
+        ptr, before = y.ctypes.data, pool.stats()
+        del y
+        after = pool.stats()
+        assert after.in_use_blocks == before.in_use_blocks - 1
+        z = p.map(kern["scale_f32"], x, args=(3.0,), out="pinned")
+        assert z.ctypes.data == ptr and pool.stats().allocations == after.allocations
+        assert np.array_equal(z, scaled(x, 3.0))
+    assert np.array_equal(z, scaled(x, 3.0))  # outlives its pipeline
+
+
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=REPO,
+        check=False,
+    )
+
+
+def test_pool_kept_at_close_and_freed_cleanly_at_exit():
+    res = _python(
+        """
+        import numpy as np
+        import ctxkit as ck
+        import ctxkit.compiler as C
+        from ctxkit.module import Module
+
+        src = C.kernel_source("scale.cu")
+        k = Module.load(ck.compile(src, arch=ck.Device(0).arch)).function("scale_f32")
+        pool = ck.pinned_pool()
+        x = np.arange(3_000_001, dtype=np.float32)
+        with ck.Pipeline([0]) as p:
+            p.map(k, x, args=(2.0,))
+        st = pool.stats()
+        kept = st.cached_blocks > 0 and st.in_use_blocks == 0 and st.frees == 0
+        with ck.Pipeline([0]) as p:
+            p.map(k, x, args=(2.0,))
+        again = pool.stats().allocations == st.allocations
+        left = ck.Pipeline([0])  # never closed
+        y = left.map(k, x, args=(2.0,), out="pinned")  # alive at exit
+        print("ok", kept, again, bool(np.array_equal(y, x * 2)))
+        """
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["ok", "True", "True", "True"]
+    assert res.stderr == ""
