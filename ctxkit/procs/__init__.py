@@ -27,25 +27,50 @@ mapping and unlinking a block outweighs the copies it saves; ``benchmarks/bench_
 measures the crossover on the machine at hand. Every block is reserved before it is
 written (a write that a full ``/dev/shm`` cannot back would kill the writer with
 SIGBUS); an array for which there is no room goes through the pipe instead.
+
+Device memory is never copied through the host. A ctxkit ``DeviceBuffer`` or
+``DeviceArray`` among a task's arguments travels as a CUDA IPC handle (64 bytes): the
+child maps the parent's memory in its context and the task gets a buffer (an array of
+the same shape and dtype) over it. The parent synchronizes the memory's context before
+the task is sent, keeps the memory alive until the task is over, and the child
+synchronizes before it reports, so the task's writes are visible when its future is
+done. A ``DevicePool`` task may also return device memory it allocated: its worker keeps
+that memory alive and the parent gets a :class:`WorkerBuffer` mapped over it, until the
+parent closes or drops it, or the worker exits. Details: :mod:`.devmem` (the rules),
+:mod:`.leases` (returned memory). :func:`traffic` counts what went through pipes and
+shared memory, and what was shared instead.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from ..errors import DeviceTaskError
 from .mpi import local_device_for, mpi_local_device, mpi_local_rank
 from .pool import DevicePool
 from .spawn import run_per_device, worker_device
 from .tasks import TaskOptions
-from .wire import SHM_THRESHOLD
+from .wire import SHM_THRESHOLD, Traffic, traffic
 
 __all__ = [
     "SHM_THRESHOLD",
     "DevicePool",
     "DeviceTaskError",
     "TaskOptions",
+    "Traffic",
+    "WorkerBuffer",
     "local_device_for",
     "mpi_local_device",
     "mpi_local_rank",
     "run_per_device",
+    "traffic",
     "worker_device",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "WorkerBuffer":  # loads ctxkit.memory: only when asked for
+        from .workerbuffer import WorkerBuffer
+
+        return WorkerBuffer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import itertools
 import multiprocessing.connection
 import multiprocessing.util  # its atexit hook must be registered before ours
@@ -19,7 +20,8 @@ from typing import Any
 
 from ..device import Device
 from ..errors import DeviceTaskError
-from . import child, shm, wire
+from . import child, devmem, shm, wire
+from .leases import LeaseBook, WorkerKey
 from .tasks import (
     Slot,
     Task,
@@ -82,6 +84,22 @@ class DevicePool(Executor):
     an array ``submit`` cannot send at once is copied first, so changing an array after
     ``submit`` returns never changes what the task sees.
 
+    Device memory travels without a copy (:mod:`.devmem`). A ``DeviceBuffer`` or
+    ``DeviceArray`` argument is mapped by the worker (CUDA IPC) for the duration of the
+    task: ``submit`` synchronizes the memory's context first, the pool keeps the memory
+    alive until the task is over, and the worker synchronizes before it reports (the
+    task's writes are visible once the future is done). Unlike a host array it is
+    shared, not snapshotted: work the parent queues on it while the task runs races
+    with the task. ``submit`` without a device sends such a task to the worker of the
+    device that holds the memory (the first device argument's); memory a device
+    cannot map (no peer access, or ``isolate=True``) is refused with ``ValueError``.
+    A task may return device memory it allocated: the parent gets a
+    :class:`~ctxkit.procs.WorkerBuffer` (or a ``DeviceArray`` over one) that the worker
+    keeps alive until it is closed or collected, or until the worker exits
+    (:mod:`.leases`): copy what must outlive the pool before it shuts down. A buffer
+    closed before ``submit`` is freed by the worker before that task runs. A task that
+    returns one of its device arguments gives back the parent's own object.
+
     Use as a context manager: a normal exit waits for queued work (``shutdown()``); an
     exception (including ``KeyboardInterrupt``) stops the workers at once
     (:meth:`terminate`), and so does interpreter exit for a pool still running. Workers
@@ -127,6 +145,7 @@ class DevicePool(Executor):
         self._shm_lock = threading.Lock()
         self._task_timeout = task_timeout
         self._bind = _bind
+        self._isolate = isolate
         self._owner = os.getpid()
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -134,6 +153,7 @@ class DevicePool(Executor):
         self._shutdown = False
         self._terminating = False
         self._wake_r, self._wake_w = self._ctx.Pipe(duplex=False)
+        self._book = LeaseBook(functools.partial(_wake_through, self._wake_w))
         self._manager = threading.Thread(target=self._manage, name="ctxkit-devicepool", daemon=True)
         self._manager.start()
         _live_pools.add(self)
@@ -166,7 +186,14 @@ class DevicePool(Executor):
         DeviceTaskError
             Every device's worker failed to start (``kind == "init"``).
         TypeError
-            ``fn`` or the arguments cannot be pickled.
+            ``fn`` or the arguments cannot be pickled (a ``VirtualBuffer`` among them).
+        ValueError
+            A device argument cannot be shared (managed or stream-ordered pool memory:
+            the message says which) or mapped by any pool device.
+        ContextClosedError
+            A device argument was closed.
+        CudaError
+            The driver refused to export a device argument (CUDA IPC unavailable).
         """
         target: Device | int | None = None
         if "device" in kwargs and not takes_keyword(fn, "device"):
@@ -197,7 +224,8 @@ class DevicePool(Executor):
         Raises
         ------
         ValueError
-            The device is not one of the pool's devices.
+            The device is not one of the pool's devices, or cannot map a device
+            argument.
         DeviceTaskError
             The chosen device's worker could not start (``kind == "init"``).
         RuntimeError, TypeError
@@ -241,6 +269,8 @@ class DevicePool(Executor):
         """
         if not self._owned():
             return
+        for key in self._book.workers():
+            self._book.invalidate(key, _gone(key, "the DevicePool was terminated"), False)
         with self._lock:
             self._shutdown = True
             self._terminating = True
@@ -301,12 +331,13 @@ class DevicePool(Executor):
         payload = wire.Payload.build(
             "DevicePool.submit", (fn, args, kwargs), self._threshold, by_value
         )
+        allowed, prefer = self._placement(options, payload.devices)
         timeout = options.timeout if options.timeout is not None else self._task_timeout
         task = Task(next(self._ids), getattr(fn, "__qualname__", repr(fn)), payload, timeout)
         with self._lock:
             if self._shutdown:
                 raise RuntimeError("cannot submit to a DevicePool after shutdown()")
-            slot = self._pick(options.device)
+            slot = self._pick(options.device, allowed, prefer)
             # sent before submit() returns, or copied first: the caller may reuse its arrays
             task.ready = (slot.state == "idle" and not slot.pending) or not payload.buffers
             slot.pending.append(task)
@@ -332,9 +363,39 @@ class DevicePool(Executor):
                 self._send(slot, nxt)
         return task.future
 
+    def _placement(
+        self, options: TaskOptions, devices: devmem.Outgoing | None
+    ) -> tuple[list[int] | None, int | None]:
+        """Where a task with device arguments may run (``None``: anywhere) and where it
+        best runs; checked, and the arguments' contexts synchronized, before it is queued."""
+        if devices is None:
+            return None, None
+        if options.device is not None:
+            devices.check_target(child.ordinal_of(options.device, False), self._isolate)
+            allowed = None
+        else:
+            allowed = devices.mappable_on(self.devices, self._isolate)
+            if not allowed:
+                try:
+                    devices.check_target(self.devices[0], self._isolate)
+                except ValueError as exc:
+                    raise ValueError(
+                        f"no device of this pool {self.devices} can map the task's device "
+                        f"arguments; on device {self.devices[0]}: {exc}"
+                    ) from None
+        devices.synchronize()
+        return allowed, devices.affinity
+
     # --- scheduling ----------------------------------------------------------------
 
-    def _pick(self, device: Device | int | None) -> Slot:
+    def _pick(
+        self,
+        device: Device | int | None,
+        allowed: list[int] | None = None,
+        prefer: int | None = None,
+    ) -> Slot:
+        """The slot for a task: *device*, else the least-loaded healthy one among
+        *allowed*, the one of device *prefer* first (it holds the task's memory)."""
         if device is not None:
             ordinal = child.ordinal_of(device, False)
             slot = self._by_ordinal.get(ordinal)
@@ -348,7 +409,12 @@ class DevicePool(Executor):
         healthy = [s for s in healthy if s.broken is None]
         if not healthy:
             raise self._slots[0].broken  # type: ignore[misc]
-        slot = min(healthy, key=lambda s: s.load)
+        if allowed is not None:
+            healthy = [s for s in healthy if s.ordinal in allowed]
+            if not healthy:  # every device that can map the arguments is broken
+                raise next(s.broken for s in self._slots if s.ordinal in allowed)  # type: ignore[misc]
+        same = [s for s in healthy if s.ordinal == prefer]
+        slot = same[0] if same else min(healthy, key=lambda s: s.load)
         self._rr = (self._slots.index(slot) + 1) % n
         return slot
 
@@ -391,6 +457,10 @@ class DevicePool(Executor):
             mine = slot.current is task
             task.parts, task.shm_bytes = parts, used
             conn = slot.task_w
+            releases: list[int] = []
+            if mine:  # closed before submit() returned: freed before the task runs
+                self._collect_releases()
+                releases, slot.releases = slot.releases, []
             if mine and task.timeout is not None:
                 slot.deadline = time.monotonic() + task.timeout
         if not mine:  # terminated or failed while its buffers were copied
@@ -400,7 +470,10 @@ class DevicePool(Executor):
             self._wake()
         try:
             with slot.send_lock:
-                conn.send((task.id, task.payload.data, parts))
+                conn.send((task.id, task.payload.data, parts, releases))
+            devices = task.payload.devices
+            n, nbytes = (len(devices), devices.nbytes) if devices is not None else (0, 0)
+            wire.count_sent(task.payload.data, parts, n, nbytes)
         except (OSError, ValueError):  # the worker is gone: run it on the replacement
             self._drop(task, keep_payload=True)
             task.payload.snapshot()  # submit() may have returned by the time it is resent
@@ -432,9 +505,12 @@ class DevicePool(Executor):
             task.payload.release()
 
     def _stop_worker(self, slot: Slot) -> None:
+        """Tell the worker to exit (lock held): the manager thread first closes the
+        parent's mappings of the memory it lent (:meth:`_flush`), then sends ``None``."""
         slot.state = "stopping"
-        with slot.send_lock, contextlib.suppress(OSError, ValueError):
-            slot.task_w.send(None)
+        if slot.proc is not None:
+            slot.stop_pending = slot.proc.pid
+        self._wake()
 
     def _spawn(self, slot: Slot) -> None:
         result_r, result_w = self._ctx.Pipe(duplex=False)
@@ -467,7 +543,8 @@ class DevicePool(Executor):
             task_r.close()
         slot.proc, slot.result_r, slot.task_w, slot.prefix = proc, result_r, task_w, prefix
         slot.state = "starting"
-        slot.deadline = slot.kill_at = slot.timed_out = None
+        slot.deadline = slot.kill_at = slot.timed_out = slot.stop_pending = None
+        slot.releases = []
 
     # --- the manager thread --------------------------------------------------------
 
@@ -500,6 +577,7 @@ class DevicePool(Executor):
                 for s in live:
                     if s.proc.sentinel in ready:
                         self._exited(s)
+                self._flush()
         except BaseException as exc:  # pragma: no cover - a bug here must not hang callers
             self._fail_all(exc)
         finally:
@@ -522,6 +600,61 @@ class DevicePool(Executor):
                     s.proc.kill()
             moments += [t for t in (s.deadline, s.kill_at) if t is not None]
         return max(0.0, min(moments) - now) if moments else None
+
+    def _flush(self) -> None:
+        """Send the releases of the parent's ``WorkerBuffer``s to idle workers (busy ones
+        get theirs with the next task), and stop the workers waiting for it once their
+        memory is unmapped here (manager thread, no lock across the sends)."""
+        with self._lock:
+            self._collect_releases()
+            idle = []
+            for s in self._slots:
+                if s.releases and s.state == "idle" and s.current is None:
+                    # taken with the lock held: a task sent after this waits for the release
+                    s.send_lock.acquire()
+                    idle.append((s, s.releases))
+                    s.releases = []
+                elif s.releases and s.state in ("stopping", "dead", "broken"):
+                    s.releases = []
+            stops = [
+                s
+                for s in self._slots
+                if s.proc is not None
+                and s.stop_pending is not None
+                and s.stop_pending == s.proc.pid
+            ]
+            for s in self._slots:
+                s.stop_pending = None
+        for s, leases in idle:
+            try:
+                with contextlib.suppress(OSError, ValueError):
+                    s.task_w.send(("release", leases))
+            finally:
+                s.send_lock.release()
+        for s in stops:
+            why = (
+                "its worker was replaced after a sticky CUDA error"
+                if s.state == "restarting"
+                else "the DevicePool that returned it was shut down"
+            )
+            self._close_lent(s, why, synchronize=True)
+            with s.send_lock, contextlib.suppress(OSError, ValueError):
+                s.task_w.send(None)
+
+    def _collect_releases(self) -> None:
+        """Move the book's queued releases to their live workers' slots (lock held);
+        those of workers that are gone are dropped."""
+        for (ordinal, pid), leases in self._book.drain().items():
+            s = self._by_ordinal.get(ordinal)
+            if s is not None and s.proc is not None and s.proc.pid == pid:
+                s.releases += leases
+
+    def _close_lent(self, slot: Slot, why: str, synchronize: bool) -> None:
+        """Close the parent's ``WorkerBuffer``s of *slot*'s worker (exiting or gone)."""
+        if slot.proc is None:
+            return
+        key = (slot.ordinal, slot.proc.pid)
+        self._book.invalidate(key, _gone(key, why), synchronize)
 
     def _receive(self, slot: Slot) -> None:
         try:
@@ -548,6 +681,8 @@ class DevicePool(Executor):
 
     def _complete(self, slot: Slot, task_id: int, out: Any, restart: bool) -> None:
         nxt = None
+        pid = slot.proc.pid
+        key: WorkerKey = (slot.ordinal, pid)
         with self._lock:
             task = slot.current
             if task is None or task.id != task_id:  # terminated under it
@@ -556,23 +691,28 @@ class DevicePool(Executor):
                 slot.current, slot.deadline = None, None
                 if restart:
                     slot.state = "restarting"
+                    slot.stop_pending = pid  # once its lent memory is unmapped here
                 elif slot.state == "busy":
                     slot.state = "idle"
                     nxt = self._take(slot)
+        sent = None
         if task is not None:
+            sent, task.payload.devices = task.payload.devices, None  # results may refer to them
             self._drop(task)  # the worker has let go of the arguments' blocks
         if nxt is not None:
             self._send(slot, nxt)
         if task is None:
             if out[0] == "ok":
                 shm.discard(out[2])
+                self._book.enqueue(key, out[3])
             return
-        pid = slot.proc.pid
         head = f"task {task.label} on device {slot.ordinal}"
         if out[0] == "ok":
+            loader = devmem.ResultLoader(sent, self._book, key)
             try:
-                value = wire.decode(out[1], out[2])
+                value = wire.decode(out[1], out[2], loader)
             except Exception as exc:
+                self._book.enqueue(key, [lease for lease in out[3] if lease not in loader.adopted])
                 desc = wire.describe_exception(exc)
                 task.future.set_exception(
                     wire.error_from(
@@ -591,6 +731,7 @@ class DevicePool(Executor):
         shm.sweep(slot.prefix)  # blocks of a worker killed while sending a result
         code = slot.proc.exitcode
         pid = slot.proc.pid
+        self._close_lent(slot, f"its worker {child.exit_reason(code)}", synchronize=False)
         with self._lock:
             task, slot.current = slot.current, None
             timed_out = task is not None and slot.timed_out is task
@@ -646,6 +787,21 @@ class DevicePool(Executor):
         for t in tasks:
             with contextlib.suppress(Exception):
                 t.future.set_exception(exc)
+
+
+def _gone(key: WorkerKey, why: str) -> str:
+    ordinal, pid = key
+    return (
+        f"{why}: the worker of device {ordinal} (pid {pid}) held this memory, which this "
+        "process may no longer use. Copy what must outlive the worker (copy_to_host, "
+        "copy_to, a new DeviceBuffer) while the pool still runs"
+    )
+
+
+def _wake_through(conn: Any) -> None:
+    """Wake the manager thread (for the lease book: from finalizers, any thread)."""
+    with contextlib.suppress(OSError, ValueError):
+        conn.send_bytes(b"r")
 
 
 def _default_shm_limit() -> int:

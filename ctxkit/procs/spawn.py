@@ -10,17 +10,9 @@ state that the driver cannot use (``cuInit`` in the parent makes every CUDA call
 forked child fail), and forking a multithreaded parent can deadlock on locks held by
 other threads. ``spawn`` starts a fresh interpreter that initialises CUDA itself. The
 cost is start-up time (interpreter + imports + context), which is why :class:`DevicePool`
-exists for repeated work. Functions and arguments are pickled, so ``fn`` must be defined
-at module level (not a lambda or nested function) and programs that use these APIs need
-the usual ``if __name__ == "__main__":`` guard.
-
-Large numpy arrays (arguments and results) travel through POSIX shared memory instead
-of the pipe when they reach ``shm_threshold`` bytes (default 1 MiB). Measured on a
-2-core development VM (pool round trip of one float32 array there and back, pipe vs
-shared memory): 64 KiB 0.28 vs 0.56 ms, 512 KiB 0.74 vs 1.5 ms, 1 MiB 3.4 vs 2.6 ms,
-16 MiB 58 vs 34 ms, 256 MiB 2.9 s vs 0.49 s. Below ~1 MiB the fixed cost of creating,
-mapping and unlinking a block outweighs the copies it saves; ``benchmarks/bench_procs.py``
-measures the crossover on the machine at hand.
+exists for repeated work. Programs that use these APIs need the usual
+``if __name__ == "__main__":`` guard. What travels and how: :mod:`.wire` (pickles, shared
+memory) and :mod:`.devmem` (device buffers as CUDA IPC handles).
 """
 
 from __future__ import annotations
@@ -28,14 +20,13 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.connection
 import os
-import pickle
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..device import Device
 from ..errors import DeviceTaskError
-from . import child, shm, wire
+from . import child, devmem, shm, wire
 
 __all__ = ["run_per_device", "worker_device"]
 
@@ -72,11 +63,21 @@ def run_per_device(
         cloudpickle when it is installed (else refused before anything starts). Its
         return value must be picklable host data; numpy arrays of ``SHM_THRESHOLD``
         bytes or more come back through shared memory (through the pipe when
-        ``/dev/shm`` has no room for them).
+        ``/dev/shm`` has no room for them). It may return a device argument (or a view
+        of one): the parent gets its own object back. Device memory allocated in the
+        child cannot be returned (the child exits): that result fails with a
+        ``TypeError`` naming the fixes (or use a :class:`DevicePool`).
     devices : sequence of int or Device, optional
         Default: every visible device. Each may appear once.
     args, kwargs
-        Extra arguments for ``fn`` (pickled once, sent to every child).
+        Extra arguments for ``fn`` (pickled once, sent to every child). A ctxkit
+        ``DeviceBuffer`` or ``DeviceArray`` among them is not copied: each child maps
+        the parent's memory (CUDA IPC) and gets a buffer or array of the same size,
+        shape and dtype in its context. The parent's context is synchronized first;
+        the memory stays alive until the call returns; each child synchronizes before
+        it reports, so its writes are visible to the parent on return. Memory on
+        another device than a child's must be mappable there (peer access, no
+        ``isolate``), else ``ValueError`` before any process starts.
     timeout : float, optional
         Seconds each attempt may run; a child still running then is stopped (SIGTERM,
         then SIGKILL 2 s later) and reported as a ``"timeout"``.
@@ -105,6 +106,9 @@ def run_per_device(
         failed) and ``.failures`` every failed device's error by ordinal.
     TypeError
         ``fn`` or the arguments cannot be sent to a spawned process.
+    ValueError
+        A device argument cannot be shared (managed or pool memory: the reason) or
+        mapped on one of the devices.
     RuntimeError
         The main module cannot be re-run by a spawned process (read from ``python -``).
 
@@ -125,9 +129,16 @@ def run_per_device(
         raise ValueError(f"retries must be an int >= 0, not {retries!r}")
     ordinals = child.resolve_ordinals(devices, _bind)
     visible = child.visible_for(ordinals, isolate)
-    payload = wire.dumps("run_per_device", (fn, tuple(args), dict(kwargs or {})), by_value)
-    runner = _Runner(ctx, payload, ordinals, visible, isolate, timeout, retries, _bind)
-    return runner.run()
+    sent = devmem.Outgoing("run_per_device")
+    payload = wire.dumps("run_per_device", (fn, tuple(args), dict(kwargs or {})), by_value, sent)
+    for o in ordinals if len(sent) else ():
+        sent.check_target(o, isolate)
+    sent.synchronize()
+    runner = _Runner(ctx, payload, ordinals, visible, isolate, timeout, retries, _bind, sent)
+    try:
+        return runner.run()
+    finally:
+        sent.release()  # every child has exited: nothing maps the memory any more
 
 
 class _Child:
@@ -158,9 +169,11 @@ class _Runner:
         timeout: float | None,
         retries: int,
         bind: bool,
+        sent: devmem.Outgoing,
     ) -> None:
         self.ctx = ctx
         self.payload = payload
+        self.sent = sent
         self.ordinals = ordinals
         self.visible = visible
         self.isolate = isolate
@@ -213,6 +226,7 @@ class _Runner:
             self.started.append(proc)
             self.prefixes.append(prefix)
             proc.start()
+            wire.count_sent(self.payload, (), len(self.sent), self.sent.nbytes)
         except BaseException:
             reader.close()
             raise
@@ -272,7 +286,8 @@ class _Runner:
         msg = c.message
         if msg is not None and msg[0] == "ok":
             try:
-                self.results[c.index] = wire.decode(msg[1], msg[2])
+                loader = devmem.ResultLoader(self.sent, None, None)
+                self.results[c.index] = wire.decode(msg[1], msg[2], loader)
                 return None
             except Exception as exc:
                 desc = wire.describe_exception(exc)
@@ -344,17 +359,28 @@ def _child_main(
     """Entry point of a ``run_per_device`` child (spawned)."""
     child.current_device = ordinal
     parts: list[shm.Part] = []
+    session: devmem.ChildSession | None = None
     try:
         child.child_setup(parent_pid, visible, shm_prefix)
-        fn, args, kwargs = pickle.loads(payload)
-        with child.bound_context(bind_ordinal, bind):
+        with child.bound_context(bind_ordinal, bind) as ctx:
+            session = devmem.ChildSession(ctx, None, ordinal)
+            fn, args, kwargs = wire.decode(payload, [], session)
             value = fn(ordinal, *args, **kwargs)
-        data, parts = wire.result_bytes(fn, ordinal, value)
+            data, parts = wire.result_bytes(fn, ordinal, value, wire.SHM_THRESHOLD, session)
+            fn = args = kwargs = value = None
+            session.finish()  # the parent sees the child's writes once it has the result
         msg: tuple[Any, ...] = ("ok", data, parts)
     except BaseException as exc:
+        shm.discard(parts)
+        parts = []
+        if session is not None:
+            session.abandon()
         msg = ("error", wire.describe_exception(exc))
     try:
         conn.send(msg)
     except Exception:
         shm.discard(parts)
+    else:
+        if msg[0] == "ok" and session is not None:
+            wire.count_sent(msg[1], parts, session.sent, session.sent_bytes)
     conn.close()

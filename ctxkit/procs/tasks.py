@@ -84,7 +84,8 @@ class Slot:
 
     ``state``: starting -> idle <-> busy; restarting (worker exits after a sticky fault,
     or is being stopped for a timeout); stopping (told to exit); dead (exited, not
-    replaced); broken (cannot start).
+    replaced); broken (cannot start). ``stop_pending`` (a worker's pid): the manager
+    thread closes the parent's mappings of that worker's memory, then sends it ``None``.
     """
 
     __slots__ = (
@@ -97,9 +98,11 @@ class Slot:
         "pending",
         "prefix",
         "proc",
+        "releases",
         "result_r",
         "send_lock",
         "state",
+        "stop_pending",
         "task_w",
         "timed_out",
         "visible",
@@ -121,6 +124,8 @@ class Slot:
         self.deadline: float | None = None  # the current task's timeout
         self.kill_at: float | None = None  # SIGKILL if still alive then
         self.timed_out: Task | None = None
+        self.releases: list[int] = []  # leases to release, sent with the next message
+        self.stop_pending: int | None = None  # pid to send None once its memory is unmapped
 
     @property
     def load(self) -> int:

@@ -10,26 +10,161 @@ Functions a spawned child cannot import (lambdas, closures, functions typed into
 notebook, a REPL or ``python -c``) are pickled **by value** with cloudpickle when it is
 installed (the ``cloudpickle`` extra), imported only then.
 
+Device buffers and arrays never travel as bytes: the pickler replaces each with a
+:class:`~ctxkit.procs.devmem.DeviceRef` (a CUDA IPC handle) through the sending side's
+session, and the receiving side's session turns it back into memory (:mod:`.devmem`).
+
 A child's exception travels as plain data (:func:`describe_exception`), so one that
 cannot be pickled, or whose ``__str__`` raises, is still reported.
+
+:func:`traffic` counts, per process, the bytes that went through pipes and shared
+memory and the device memory that was shared instead of copied.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
 from multiprocessing import process
-from typing import Any
+from typing import Any, Protocol
 
 from ..errors import CudaError, DeviceTaskError
-from . import shm
+from . import devmem, shm
 from .shm import Part
 
 #: Buffers at least this large travel through shared memory (see ``procs`` for numbers).
 SHM_THRESHOLD = 1 << 20
+
+
+# --- what travelled --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What this process sent and received in ``ctxkit.procs`` messages (:func:`traffic`).
+
+    Attributes
+    ----------
+    pipe_bytes_sent, pipe_bytes_received : int
+        Pickled bytes and buffers that went through pipes.
+    shm_bytes_sent, shm_bytes_received : int
+        Buffers that went through shared-memory blocks.
+    device_buffers_sent, device_buffers_received : int
+        Device buffers and arrays that travelled as CUDA IPC references.
+    device_bytes_sent, device_bytes_received : int
+        Their sizes: device memory shared with the other process, not copied.
+    """
+
+    pipe_bytes_sent: int = 0
+    pipe_bytes_received: int = 0
+    shm_bytes_sent: int = 0
+    shm_bytes_received: int = 0
+    device_buffers_sent: int = 0
+    device_buffers_received: int = 0
+    device_bytes_sent: int = 0
+    device_bytes_received: int = 0
+
+    def __sub__(self, other: Traffic) -> Traffic:
+        return Traffic(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(Traffic)))
+
+
+_traffic_lock = threading.Lock()
+_traffic: dict[str, int] = {f.name: 0 for f in fields(Traffic)}
+
+
+def traffic() -> Traffic:
+    """Counters of this process since it started: how its ``ctxkit.procs`` messages
+    travelled (subtract two readings to see one call's share)."""
+    with _traffic_lock:
+        return Traffic(**_traffic)
+
+
+def _count(
+    direction: str, data_len: int, parts: Sequence[Part], devices: int, dev_bytes: int
+) -> None:
+    shm_bytes = sum(p[1] for p in parts if isinstance(p, tuple))
+    pipe_bytes = data_len + sum(len(p) for p in parts if not isinstance(p, tuple))
+    with _traffic_lock:
+        _traffic[f"pipe_bytes_{direction}"] += pipe_bytes
+        _traffic[f"shm_bytes_{direction}"] += shm_bytes
+        _traffic[f"device_buffers_{direction}"] += devices
+        _traffic[f"device_bytes_{direction}"] += dev_bytes
+
+
+def count_sent(
+    data: bytes, parts: Sequence[Part] = (), devices: int = 0, dev_bytes: int = 0
+) -> None:
+    """Count a message this process sent (its pickle, its buffers, its device references)."""
+    _count("sent", len(data), parts, devices, dev_bytes)
+
+
+# --- device memory in pickles ----------------------------------------------------------
+
+
+class Session(Protocol):
+    """One side of a message's device memory (:mod:`.devmem`): ``reduce`` replaces a
+    device object by a reference when pickling, ``load`` resolves one when unpickling."""
+
+    error: BaseException | None
+    received: int
+    received_bytes: int
+
+    def reduce(self, obj: Any) -> Any: ...
+
+    def load(self, ref: devmem.DeviceRef) -> Any: ...
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, file: Any, session: Session, types: tuple[type, ...], **kwargs: Any) -> None:
+        super().__init__(file, **kwargs)
+        self._session = session
+        self._types = types
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, self._types):
+            return self._session.reduce(obj)
+        return NotImplemented
+
+
+_cloud_picklers: dict[Any, type] = {}
+
+
+def _cloud_pickler(cp: Any) -> type:
+    cls = _cloud_picklers.get(cp)
+    if cls is None:
+
+        class _CloudPickler(cp.Pickler):  # type: ignore[name-defined,misc]
+            def __init__(
+                self, file: Any, session: Session, types: tuple[type, ...], **kwargs: Any
+            ) -> None:
+                super().__init__(file, **kwargs)
+                self._session = session
+                self._types = types
+
+            def reducer_override(self, obj: Any) -> Any:
+                if isinstance(obj, self._types):
+                    return self._session.reduce(obj)
+                return super().reducer_override(obj)
+
+        cls = _cloud_picklers[cp] = _CloudPickler
+    return cls
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file: Any, session: Session | None, buffers: Any) -> None:
+        super().__init__(file, buffers=buffers)
+        self._session = session
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == devmem.__name__ and name == devmem.load_ref.__name__:
+            return self._session.load if self._session is not None else devmem.load_ref
+        return super().find_class(module, name)
 
 
 CLOUDPICKLE_HINT = (
@@ -115,19 +250,29 @@ def check_main(what: str) -> None:
 # --- encoding --------------------------------------------------------------------------
 
 
-def _dumps(obj: Any, by_value: bool, buffer_callback: Any) -> bytes:
-    if by_value:
-        cp = _cloudpickle()
+def _dumps(obj: Any, by_value: bool, buffer_callback: Any, session: Session | None = None) -> bytes:
+    cp = _cloudpickle() if by_value else None
+    types = devmem.device_types() if session is not None else ()
+    if not types:  # no device object can exist here: the plain (C-speed) picklers
         if cp is not None:
             return bytes(cp.dumps(obj, protocol=5, buffer_callback=buffer_callback))
-    return pickle.dumps(obj, protocol=5, buffer_callback=buffer_callback)
+        return pickle.dumps(obj, protocol=5, buffer_callback=buffer_callback)
+    cls = _cloud_pickler(cp) if cp is not None else _Pickler
+    out = io.BytesIO()
+    cls(out, session, types, protocol=5, buffer_callback=buffer_callback).dump(obj)
+    return out.getvalue()
 
 
-def dumps(what: str, obj: Any, by_value: bool = False) -> bytes:
-    """Pickle *obj* whole (no shared memory); ``TypeError`` naming *what* when it cannot be."""
+def dumps(what: str, obj: Any, by_value: bool = False, session: Session | None = None) -> bytes:
+    """Pickle *obj* whole (no shared memory); ``TypeError`` naming *what* when it cannot be.
+
+    Device objects go through *session*; its refusal (``session.error``) is raised as is.
+    """
     try:
-        return _dumps(obj, by_value, None)
+        return _dumps(obj, by_value, None, session)
     except Exception as exc:
+        if session is not None and session.error is not None:
+            raise session.error from None
         raise _not_picklable(what, exc) from exc
 
 
@@ -144,17 +289,30 @@ class Payload:
     ``data`` is the pickle; ``buffers`` its out-of-band buffers, views of the caller's
     memory until :meth:`snapshot` copies them. :meth:`parts` puts each buffer in a
     shared-memory block (or, without room, in the message) when the task is sent.
+    ``devices`` holds the device buffers and arrays among *obj*, which travel as IPC
+    references (``None`` when there are none).
     """
 
-    __slots__ = ("buffers", "data")
+    __slots__ = ("buffers", "data", "devices")
 
-    def __init__(self, data: bytes, buffers: list[memoryview | bytearray]) -> None:
+    def __init__(
+        self,
+        data: bytes,
+        buffers: list[memoryview | bytearray],
+        devices: devmem.Outgoing | None = None,
+    ) -> None:
         self.data = data
         self.buffers = buffers
+        self.devices = devices
 
     @classmethod
     def build(cls, what: str, obj: Any, threshold: int | None, by_value: bool) -> Payload:
-        """Pickle *obj*; buffers of *threshold* bytes or more stay out of band."""
+        """Pickle *obj*; buffers of *threshold* bytes or more stay out of band.
+
+        Raises the device layer's error as is (a device argument that cannot be shared:
+        ``ValueError``, ``TypeError``, ``ContextClosedError`` or the driver's
+        ``CudaError``); ``TypeError`` for anything else that cannot be pickled.
+        """
         found: list[pickle.PickleBuffer] = []
 
         def out_of_band(buf: pickle.PickleBuffer) -> bool:
@@ -163,18 +321,24 @@ class Payload:
             found.append(buf)
             return False
 
+        devices = devmem.Outgoing(what)
         try:
-            data = _dumps(obj, by_value, out_of_band)
+            data = _dumps(obj, by_value, out_of_band, devices)
         except Exception as exc:
+            if devices.error is not None:
+                raise devices.error from None
             cp = None if by_value else _cloudpickle()
             if cp is None:
                 raise _not_picklable(what, exc) from exc
             found.clear()
+            devices = devmem.Outgoing(what)
             try:  # a lambda among the arguments: cloudpickle can send that too
-                data = _dumps(obj, True, out_of_band)
+                data = _dumps(obj, True, out_of_band, devices)
             except Exception:
+                if devices.error is not None:
+                    raise devices.error from None
                 raise _not_picklable(what, exc) from exc
-        return cls(data, [b.raw() for b in found])
+        return cls(data, [b.raw() for b in found], devices if len(devices) else None)
 
     @property
     def nbytes(self) -> int:
@@ -214,12 +378,19 @@ class Payload:
         return parts, used
 
     def release(self) -> None:
+        """Drop the buffers and stop holding the device arguments."""
         self.buffers = []
+        if self.devices is not None:
+            self.devices.release()
 
 
-def encode(obj: Any, threshold: int | None = SHM_THRESHOLD) -> tuple[bytes, list[Part]]:
+def encode(
+    obj: Any, threshold: int | None = SHM_THRESHOLD, session: Session | None = None
+) -> tuple[bytes, list[Part]]:
     """Pickle *obj* now; buffers of *threshold* bytes or more go to shared-memory blocks,
-    or stay in the pickle where ``/dev/shm`` has no room. ``threshold=None``: no blocks."""
+    or stay in the pickle where ``/dev/shm`` has no room. ``threshold=None``: no blocks.
+    Device objects go through *session* (without one they are pickled as plain objects,
+    which fails)."""
     parts: list[Part] = []
 
     def out_of_band(buf: pickle.PickleBuffer) -> bool:
@@ -233,16 +404,16 @@ def encode(obj: Any, threshold: int | None = SHM_THRESHOLD) -> tuple[bytes, list
         return False
 
     try:
-        data = pickle.dumps(obj, protocol=5, buffer_callback=out_of_band)
+        data = _dumps(obj, False, out_of_band, session)
     except BaseException:
         shm.discard(parts)
         raise
     return data, parts
 
 
-def decode(data: bytes, parts: Sequence[Part]) -> Any:
+def decode(data: bytes, parts: Sequence[Part], session: Session | None = None) -> Any:
     """Inverse of :func:`encode` / :meth:`Payload.parts`; consumes the blocks, also when
-    it fails."""
+    it fails. Device references are resolved by *session* (``load``)."""
     buffers: list[Any] = []
     try:
         for part in parts:
@@ -250,19 +421,40 @@ def decode(data: bytes, parts: Sequence[Part]) -> Any:
     except BaseException:
         shm.discard(parts[len(buffers) :])
         raise
-    return pickle.loads(data, buffers=buffers)
+    before = _device_count(session)
+    try:
+        return _Unpickler(io.BytesIO(data), session, buffers).load()
+    finally:
+        devices, dev_bytes = _device_count(session)
+        _count("received", len(data), parts, devices - before[0], dev_bytes - before[1])
+
+
+def _device_count(session: Session | None) -> tuple[int, int]:
+    if session is None:
+        return 0, 0
+    return session.received, session.received_bytes
 
 
 def result_bytes(
-    fn: Any, ordinal: int, value: Any, threshold: int | None = SHM_THRESHOLD
+    fn: Any,
+    ordinal: int,
+    value: Any,
+    threshold: int | None = SHM_THRESHOLD,
+    session: Any = None,
 ) -> tuple[bytes, list[Part]]:
+    """Pickle a task's result for the parent; device memory goes through *session*
+    (a :class:`~ctxkit.procs.devmem.ChildSession`), whose refusal is raised as is."""
+    label = f"the result of {getattr(fn, '__qualname__', fn)!r} on device {ordinal}"
+    if session is not None:
+        session.label = label
     try:
-        return encode(value, threshold)
+        return encode(value, threshold, session)
     except Exception as exc:
+        if session is not None and session.error is not None:
+            raise session.error from None
         raise TypeError(
-            f"the result of {getattr(fn, '__qualname__', fn)!r} on device {ordinal} cannot be "
-            f"pickled back to the parent ({exc}); return host data (numpy arrays, numbers), "
-            "not device objects"
+            f"{label} cannot be pickled back to the parent ({exc}); return host data (numpy "
+            "arrays, numbers) or ctxkit device buffers and arrays"
         ) from exc
 
 

@@ -1,4 +1,16 @@
-"""The process side of a ``DevicePool`` worker: set up once, then run tasks until told to stop."""
+"""The process side of a ``DevicePool`` worker: set up once, then run tasks until told to stop.
+
+Messages from the parent: ``(task_id, data, parts, releases)`` (a task, after the
+leases it releases), ``("release", leases)`` (sent while the worker is idle) and
+``None`` (exit). Replies: ``("ready", pid)``, ``("init_error", desc)`` and
+``("result", task_id, out, restart)`` with ``out`` = ``("ok", data, parts, leases)``
+(``leases``: the device memory of the result this worker now keeps for the parent) or
+``("error", desc)``.
+
+A worker that must restart (a sticky CUDA error) while it still keeps memory for the
+parent waits for the parent's ``None``: the parent closes its mappings of that memory
+first (:mod:`.leases`).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +20,7 @@ import pickle
 from typing import Any
 
 from ..errors import CudaError
-from . import child, shm, wire
+from . import child, devmem, shm, wire
 
 __all__ = ["worker_main"]
 
@@ -39,12 +51,33 @@ def worker_main(
                 result_w.send(("init_error", wire.describe_exception(exc)))
             return
         result_w.send(("ready", os.getpid()))
-        _serve(task_r, result_w, ordinal, ctx, threshold)
+        _serve(task_r, result_w, ordinal, ctx, threshold, devmem.WorkerLeases())
 
 
-def _serve(task_r: Any, result_w: Any, ordinal: int, ctx: Any, threshold: int | None) -> None:
-    from ..errors import STICKY_CODES, ContextPoisonedError
+def _serve(
+    task_r: Any,
+    result_w: Any,
+    ordinal: int,
+    ctx: Any,
+    threshold: int | None,
+    leases: devmem.WorkerLeases,
+) -> None:
+    """Run tasks until told to stop; what is still lent is freed on the way out (while
+    the context is bound)."""
+    try:
+        _serve_tasks(task_r, result_w, ordinal, ctx, threshold, leases)
+    finally:
+        leases.clear()
 
+
+def _serve_tasks(
+    task_r: Any,
+    result_w: Any,
+    ordinal: int,
+    ctx: Any,
+    threshold: int | None,
+    leases: devmem.WorkerLeases,
+) -> None:
     while True:
         try:
             msg = task_r.recv()
@@ -52,25 +85,75 @@ def _serve(task_r: Any, result_w: Any, ordinal: int, ctx: Any, threshold: int | 
             return
         if msg is None:
             return
-        task_id, data, parts = msg
-        restart = False
-        try:
-            fn, args, kwargs = wire.decode(data, parts)
-            value = fn(*args, **kwargs)
-            out: tuple[Any, ...] = ("ok", *wire.result_bytes(fn, ordinal, value, threshold))
-        except BaseException as exc:
-            out = ("error", wire.describe_exception(exc))
-            restart = isinstance(exc, ContextPoisonedError) or (
-                isinstance(exc, CudaError) and exc.code in STICKY_CODES
-            )
-        fn = args = kwargs = value = msg = data = parts = None
-        if ctx is not None and ctx.poisoned:
-            restart = True
+        if msg[0] == "release":
+            leases.release(msg[1])
+            continue
+        task_id, data, parts, releases = msg
+        msg = None
+        leases.release(releases)
+        session = devmem.ChildSession(ctx, leases, ordinal)
+        out, restart = run_task(data, parts, ordinal, ctx, threshold, session)
+        data = parts = None
         try:
             result_w.send(("result", task_id, out, restart))
         except (OSError, ValueError):
             if out[0] == "ok":
                 shm.discard(out[2])
+                leases.release(out[3])
             return
+        if out[0] == "ok":
+            wire.count_sent(out[1], out[2], session.sent, session.sent_bytes)
+        del session, out
         if restart:
+            if len(leases):
+                _wait_for_stop(task_r, leases)
             return
+
+
+def run_task(
+    data: bytes,
+    parts: list[shm.Part],
+    ordinal: int,
+    ctx: Any,
+    threshold: int | None,
+    session: devmem.ChildSession,
+) -> tuple[tuple[Any, ...], bool]:
+    """Run one task; returns the reply's ``out`` and whether the worker must restart."""
+    from ..errors import STICKY_CODES, ContextPoisonedError
+
+    restart = False
+    out_parts: list[shm.Part] = []
+    try:
+        fn, args, kwargs = wire.decode(data, parts, session)
+        value = fn(*args, **kwargs)
+        out_data, out_parts = wire.result_bytes(fn, ordinal, value, threshold, session)
+        fn = args = kwargs = value = None
+        session.finish()
+        out: tuple[Any, ...] = ("ok", out_data, out_parts, list(session.new_leases))
+    except BaseException as exc:
+        shm.discard(out_parts)
+        fn = args = kwargs = value = None
+        session.abandon()
+        out = ("error", wire.describe_exception(exc))
+        restart = isinstance(exc, ContextPoisonedError) or (
+            isinstance(exc, CudaError) and exc.code in STICKY_CODES
+        )
+    if ctx is not None and ctx.poisoned:
+        restart = True
+    return out, restart
+
+
+def _wait_for_stop(task_r: Any, leases: devmem.WorkerLeases) -> None:
+    """Keep the memory lent to the parent until it has unmapped it: the parent answers a
+    restart with releases and then ``None`` (or dies: EOF)."""
+    while len(leases):
+        try:
+            msg = task_r.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        if msg[0] == "release":
+            leases.release(msg[1])
+        elif len(msg) == 4:
+            leases.release(msg[3])

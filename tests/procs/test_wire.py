@@ -209,3 +209,31 @@ def test_describe_exception_survives_a_str_that_raises():
     assert desc["type"].endswith("StrRaises") and "Traceback" in desc["traceback"]
     err = wire.error_from(desc, 0, 123, None, 1, "task t on device 0")
     assert "task t on device 0: " in str(err) and "str is broken" in str(err)
+
+
+# --- traffic counters -------------------------------------------------------------------
+
+
+def test_traffic_counts_pipe_and_shared_memory_bytes_both_ways():
+    large, small = np.arange(MiB // 4, dtype=np.float32), np.arange(10)
+    data, parts = wire.encode((large, small), threshold=1024)
+    before = wire.traffic()
+    wire.count_sent(data, parts)
+    out = wire.decode(data, parts)
+    got = wire.traffic() - before
+    assert np.array_equal(out[0], large)
+    assert got.shm_bytes_sent == got.shm_bytes_received == large.nbytes
+    assert got.pipe_bytes_sent == got.pipe_bytes_received == len(data) < large.nbytes
+    assert got.device_buffers_sent == got.device_bytes_received == 0
+
+
+def test_without_device_objects_the_plain_pickler_is_used(monkeypatch):
+    def no_custom(*args, **kwargs):
+        raise AssertionError("the device-aware pickler was used")
+
+    monkeypatch.setattr(wire, "_Pickler", no_custom)
+    monkeypatch.setattr(wire.devmem, "device_types", lambda: ())
+    payload = wire.Payload.build("test", (module_level, (np.arange(4),), {}), MiB, False)
+    assert payload.devices is None
+    fn, args, _kw = wire.decode(payload.data, [])
+    assert fn is module_level and np.array_equal(args[0], np.arange(4))

@@ -1,0 +1,521 @@
+"""Device memory in ``ctxkit.procs`` messages: CUDA IPC handles instead of bytes.
+
+A :class:`~ctxkit.memory.DeviceBuffer` or :class:`~ctxkit.memory.DeviceArray` among the
+arguments of ``run_per_device`` or ``DevicePool.submit``/``submit_to`` is never pickled.
+The message carries a :class:`DeviceRef` instead: a ``cuIpcGetMemHandle`` handle (64
+bytes) with the size, shape and dtype; the child maps the parent's memory into its own
+context (``cuIpcOpenMemHandle``) and the task gets an ``ImportedBuffer`` (an array of
+the same shape and dtype for a ``DeviceArray``). No byte of the memory goes through a
+pipe or shared memory (``ctxkit.procs.traffic()`` counts what does).
+
+Rules a task can rely on:
+
+* **Ordering.** ``submit``/``run_per_device`` synchronize the context of every device
+  argument (``cuCtxSynchronize``) before the task is sent: whatever the parent queued
+  on that memory before the call, on any stream, is complete when the child sees it.
+  (ctxkit cannot know every stream that writes a buffer; one host wait covers them
+  all.) Work the parent queues on it *after* the call races with the task.
+* **Lifetime of arguments.** The parent keeps every device argument alive until the
+  task has finished. The child maps it for the duration of the task: when the function
+  returns, the child synchronizes its contexts (so the task's kernels are done and the
+  parent sees their writes once the future is done) and unmaps the memory. A task that
+  keeps an argument buffer past its return finds it closed.
+* **Which context.** The memory is mapped into the child's bound context (the task's
+  device). Memory on another device is mapped through peer access, which is allowed
+  only when the task's device can access that device (``cuDeviceCanAccessPeer``) and
+  the child can see it (not ``isolate=True``); otherwise the call raises
+  ``ValueError`` before anything is sent.
+* **Results.** A task that returns one of its device arguments, or a view of one, gives
+  the parent its own object back (or the same view of it). Device memory *allocated in
+  the child* can come back only from a ``DevicePool``: the worker exports it and keeps it
+  alive, and the parent gets a :class:`~ctxkit.procs.workerbuffer.WorkerBuffer` mapped over it
+  (see :mod:`.leases` for when the worker lets it go). ``run_per_device`` children exit
+  when they return, so such a result is refused there with a ``TypeError`` naming the
+  fixes.
+* **What cannot travel.** Memory legacy CUDA IPC cannot share (managed memory,
+  stream-ordered pool allocations, VMM) is refused with ``export_buffer``'s reason;
+  a ``VirtualBuffer`` is refused with a ``TypeError``.
+
+``ctxkit.memory`` is imported only when device objects are involved, so a process that
+sends only host data starts as fast as before (a spawned child does not load numpy
+or the memory family for it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import sys
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+from ..device import Device
+from ..errors import ContextClosedError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..memory.device import DeviceBuffer
+    from ..memory.ipc import IpcBufferHandle
+    from .leases import LeaseBook, WorkerKey
+
+__all__ = [
+    "ChildSession",
+    "DeviceRef",
+    "Outgoing",
+    "ResultLoader",
+    "WorkerLeases",
+    "device_types",
+    "load_ref",
+    "process_token",
+]
+
+
+_types: tuple[type, ...] = ()
+
+
+def device_types() -> tuple[type, ...]:
+    """The classes a message carries as a :class:`DeviceRef` (``VirtualBuffer`` to
+    refuse it); ``()`` while ``ctxkit.memory`` is not loaded, when none can exist."""
+    global _types
+    if not _types and "ctxkit.memory.device" in sys.modules:
+        from ..memory.device import DeviceArray, DeviceBuffer
+        from ..memory.vmm import VirtualBuffer
+
+        _types = (DeviceBuffer, DeviceArray, VirtualBuffer)
+    return _types
+
+
+_TAG = uuid.uuid4().hex
+
+
+def process_token() -> str:
+    """Names this process in the references it sends (a pid alone repeats across
+    PID namespaces)."""
+    return f"{os.getpid()}:{_TAG}"
+
+
+@dataclass(frozen=True)
+class DeviceRef:
+    """A device buffer or array in a message: where its memory is, never its bytes.
+
+    Attributes
+    ----------
+    index : int
+        Its number among the message's device objects (argument ``k``).
+    nbytes, device : int
+        Its size, and the sender's ordinal of the device that holds it.
+    shape, dtype
+        A ``DeviceArray``'s shape and dtype (``None`` for a ``DeviceBuffer``).
+    handle : IpcBufferHandle or None
+        Memory to map; ``None`` for an empty buffer or an ``arg`` reference.
+    arg, offset : int
+        A result that lies in the task's device argument ``arg``, at ``offset`` bytes.
+    lease, owner
+        Memory a pool worker keeps for the parent: its number there, and that worker's
+        :func:`process_token` (the worker itself resolves it without mapping).
+    """
+
+    index: int
+    nbytes: int
+    device: int
+    shape: tuple[int, ...] | None = None
+    dtype: Any = None
+    handle: IpcBufferHandle | None = None
+    arg: int | None = None
+    offset: int = 0
+    lease: int | None = None
+    owner: str = ""
+
+
+def load_ref(ref: DeviceRef) -> Any:
+    """The loader a pickled :class:`DeviceRef` names; only ``ctxkit.procs`` decoding
+    (``wire.decode``, which substitutes the receiving side's) can resolve one."""
+    raise TypeError(
+        f"{ref!r} is device memory sent by ctxkit.procs; it can only be received through "
+        "ctxkit.procs (wire.decode in a task's process), not by plain pickle.loads"
+    )
+
+
+def _split(obj: Any) -> tuple[DeviceBuffer, tuple[int, ...] | None, Any]:
+    from ..memory.device import DeviceArray
+
+    if isinstance(obj, DeviceArray):
+        return obj.buffer, obj.shape, obj.dtype
+    return obj, None, None
+
+
+def _wrap(buf: DeviceBuffer, ref: DeviceRef) -> Any:
+    from ..memory.device import DeviceArray
+
+    return buf if ref.shape is None else DeviceArray(buf, ref.shape, ref.dtype)
+
+
+def _empty(context: Any) -> DeviceBuffer:
+    from ..memory.device import DeviceBuffer
+
+    return DeviceBuffer(0, context=context)
+
+
+def _refuse_virtual(obj: Any, what: str) -> None:
+    from ..memory.vmm import VirtualBuffer
+
+    if isinstance(obj, VirtualBuffer):
+        raise TypeError(
+            f"{what}: {obj!r} cannot travel to another process as an argument or result; "
+            "pass a DeviceBuffer (cuMemAlloc memory), or share it yourself with "
+            "ctxkit.memory.export_buffer(vb) (a VirtualBuffer(..., shareable=True))"
+        )
+
+
+def _export(obj: Any, what: str) -> IpcBufferHandle:
+    from ..memory.ipc import IpcBufferHandle, export_buffer
+
+    try:
+        handle = export_buffer(obj)
+    except ValueError as exc:
+        raise ValueError(
+            f"{what}: {obj!r} cannot be handed to another process without a copy: {exc}"
+        ) from exc
+    assert isinstance(handle, IpcBufferHandle)
+    return handle
+
+
+def _unique_contexts(bufs: list[DeviceBuffer]) -> list[Any]:
+    seen: dict[int, Any] = {}
+    for b in bufs:
+        seen.setdefault(id(b.context), b.context)
+    return list(seen.values())
+
+
+# --- the parent's arguments -----------------------------------------------------------
+
+
+class Outgoing:
+    """The device memory among one task's arguments, found while they are pickled.
+
+    :attr:`objects` holds each such object (argument ``k`` at index ``k``) until
+    :meth:`release`: the parent keeps the memory alive while the task may use it.
+    """
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.objects: list[Any] = []
+        self.ordinals: list[int] = []
+        self.nbytes = 0
+        self._bufs: list[DeviceBuffer] = []
+        self.error: BaseException | None = None
+        self.received = self.received_bytes = 0  # (a session that only sends)
+
+    def __len__(self) -> int:
+        return len(self.ordinals)
+
+    def load(self, ref: DeviceRef) -> Any:  # pragma: no cover - the parent never loads args
+        raise TypeError("Outgoing only sends")
+
+    def reduce(self, obj: Any) -> tuple[Any, tuple[DeviceRef]]:
+        """``reducer_override`` of a device object: a reference in its place."""
+        try:
+            ref = self._ref(obj)
+        except BaseException as exc:
+            self.error = exc
+            raise
+        return (load_ref, (ref,))
+
+    def _ref(self, obj: Any) -> DeviceRef:
+        _refuse_virtual(obj, self.what)
+        buf, shape, dtype = _split(obj)
+        if buf.closed:
+            try:
+                buf.ptr  # noqa: B018 - raises the buffer's own reason
+            except ContextClosedError as exc:
+                raise ContextClosedError(
+                    f"{self.what}: a device argument is closed: {exc}"
+                ) from exc
+        handle, lease, owner = None, None, ""
+        if buf.nbytes:
+            from .workerbuffer import lease_of
+
+            lent = lease_of(buf)
+            if lent is not None:
+                handle, lease, owner = lent
+            else:
+                handle = _export(obj, self.what)
+        k = len(self.objects)
+        ordinal = buf.context.device.ordinal
+        self.objects.append(obj)
+        self.ordinals.append(ordinal)
+        self._bufs.append(buf)
+        self.nbytes += buf.nbytes
+        return DeviceRef(k, buf.nbytes, ordinal, shape, dtype, handle, lease=lease, owner=owner)
+
+    @property
+    def affinity(self) -> int | None:
+        """The device of the first device argument (where the task best runs)."""
+        return self.ordinals[0] if self.ordinals else None
+
+    def check_target(self, ordinal: int, isolate: bool) -> None:
+        """Raise ``ValueError`` unless a child on device *ordinal* can map every argument."""
+        for obj, where in zip(self.objects, self.ordinals, strict=True):
+            if where == ordinal:
+                continue
+            head = (
+                f"{self.what}: {obj!r} is on device {where}, but the task runs on device {ordinal}"
+            )
+            fix = (
+                f"copy it to device {ordinal} first (e.g. ck.DeviceBuffer(n, context={ordinal})"
+                f".copy_from(buf)), or run the task on device {where}"
+            )
+            if isolate:
+                raise ValueError(
+                    f"{head} in a process that sees only its own device (isolate=True), "
+                    f"which cannot map another device's memory: {fix}, or run without isolate"
+                )
+            if not Device(ordinal).can_access_peer(where):
+                raise ValueError(
+                    f"{head}, which cannot access device {where}'s memory "
+                    f"(cuDeviceCanAccessPeer({ordinal}, {where}) is 0), so the child could not "
+                    f"map it: {fix}"
+                )
+
+    def mappable_on(self, ordinals: list[int], isolate: bool) -> list[int]:
+        """The devices among *ordinals* whose child can map every argument."""
+        out = []
+        for o in ordinals:
+            try:
+                self.check_target(o, isolate)
+            except ValueError:
+                continue
+            out.append(o)
+        return out
+
+    def synchronize(self) -> None:
+        """Wait for the work queued in each argument's context (the ordering rule)."""
+        for ctx in _unique_contexts(self._bufs):
+            ctx.synchronize()
+
+    def rebuild(self, ref: DeviceRef) -> Any:
+        """The parent's object for a result that lies in device argument ``ref.arg``."""
+        import numpy as np
+
+        if ref.arg is None or not 0 <= ref.arg < len(self.objects):
+            raise RuntimeError(f"a result refers to device argument {ref.arg}, which was not sent")
+        base = self.objects[ref.arg]
+        buf, shape, dtype = _split(base)
+        whole = ref.offset == 0 and ref.nbytes == buf.nbytes
+        if whole and ref.shape == shape and (shape is None or np.dtype(ref.dtype) == dtype):
+            return base
+        part = buf if whole else buf[ref.offset : ref.offset + ref.nbytes]
+        return _wrap(part, ref)
+
+    def release(self) -> None:
+        """The task is over: stop holding the memory."""
+        self.objects = []
+        self._bufs = []
+
+
+# --- the child's side of one task -----------------------------------------------------
+
+
+class WorkerLeases:
+    """Device memory a pool worker returned, kept alive until the parent releases it."""
+
+    def __init__(self) -> None:
+        self._kept: dict[int, tuple[Any, IpcBufferHandle]] = {}
+        self._ids = itertools.count(1)
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def keep(self, obj: Any, handle: IpcBufferHandle) -> int:
+        lease = next(self._ids)
+        self._kept[lease] = (obj, handle)
+        return lease
+
+    def view(self, lease: int, handle: IpcBufferHandle, nbytes: int) -> DeviceBuffer:
+        """This worker's own memory, sent back to it: the bytes *handle* names."""
+        try:
+            obj, mine = self._kept[lease]
+        except KeyError:
+            raise RuntimeError(
+                f"the parent sent memory of lease {lease}, which this worker has already released"
+            ) from None
+        root = _split(obj)[0]
+        rel = handle.offset - mine.offset
+        if rel == 0 and nbytes == root.nbytes:
+            return root
+        return root[rel : rel + nbytes]
+
+    def release(self, leases: list[int] | tuple[int, ...]) -> None:
+        for lease in leases:
+            self._kept.pop(lease, None)
+
+    def clear(self) -> None:
+        self._kept.clear()
+
+
+class ChildSession:
+    """Device memory of one task in its child: the arguments it maps, the results it
+    exports (pool workers) or refuses (``run_per_device``, *leases* ``None``).
+
+    *context* is where arguments are mapped (``None``: the registry's context of the
+    memory's device); *ordinal* the task's device as the parent numbers it.
+    """
+
+    def __init__(self, context: Any, leases: WorkerLeases | None, ordinal: int | None) -> None:
+        self.context = context
+        self.leases = leases
+        self.ordinal = ordinal
+        self.label = "the task's result"
+        self.args: dict[int, tuple[Any, DeviceBuffer]] = {}
+        self.imports: list[DeviceBuffer] = []
+        self.exported: list[DeviceBuffer] = []
+        self.new_leases: list[int] = []
+        self.received = self.received_bytes = 0
+        self.sent = self.sent_bytes = 0
+        self._count = itertools.count()
+        self.error: BaseException | None = None
+
+    @property
+    def used(self) -> bool:
+        return bool(self.args or self.exported)
+
+    # receiving the arguments
+    def load(self, ref: DeviceRef) -> Any:
+        buf = self._map(ref)
+        obj = _wrap(buf, ref)
+        self.args[ref.index] = (obj, buf)
+        self.received += 1
+        self.received_bytes += ref.nbytes
+        return obj
+
+    def _map(self, ref: DeviceRef) -> DeviceBuffer:
+        if ref.handle is None:
+            return _empty(self.context)
+        if ref.lease is not None and ref.owner == process_token() and self.leases is not None:
+            return self.leases.view(ref.lease, ref.handle, ref.nbytes)
+        from ..memory.ipc import import_buffer
+
+        buf = cast("DeviceBuffer", import_buffer(ref.handle, self.context))
+        self.imports.append(buf)
+        return buf
+
+    # sending the result
+    def reduce(self, obj: Any) -> tuple[Any, tuple[DeviceRef]]:
+        try:
+            ref = self._result_ref(obj)
+        except BaseException as exc:
+            self.error = exc
+            raise
+        return (load_ref, (ref,))
+
+    def _result_ref(self, obj: Any) -> DeviceRef:
+        _refuse_virtual(obj, self.label)
+        buf, shape, dtype = _split(obj)
+        ptr, n = buf.ptr, buf.nbytes
+        index = next(self._count)
+        self.sent += 1
+        self.sent_bytes += n
+        ordinal = self.ordinal if self.ordinal is not None else buf.context.device.ordinal
+        for k, (arg, abuf) in self.args.items():
+            if arg is obj or abuf is buf:
+                return DeviceRef(index, n, ordinal, shape, dtype, arg=k)
+        if n == 0:
+            return DeviceRef(index, 0, ordinal, shape, dtype)
+        for k, (_arg, abuf) in self.args.items():
+            if abuf.closed or not abuf.nbytes:
+                continue
+            if abuf.ptr <= ptr and ptr + n <= abuf.ptr + abuf.nbytes:
+                return DeviceRef(index, n, ordinal, shape, dtype, arg=k, offset=ptr - abuf.ptr)
+        if self.leases is None:
+            raise TypeError(
+                f"run_per_device: {self.label} holds {obj!r}, device memory allocated in the "
+                "child, which is freed when the child exits. Return host data (.to_host(), "
+                ".copy_to_host()), write into a buffer passed as an argument (its memory is "
+                "the parent's), or use a DevicePool, whose workers keep returned device memory "
+                "alive for the parent"
+            )
+        handle = _export(obj, self.label)
+        lease = self.leases.keep(obj, handle)
+        self.new_leases.append(lease)
+        self.exported.append(buf)
+        return DeviceRef(
+            index, n, ordinal, shape, dtype, handle, lease=lease, owner=process_token()
+        )
+
+    # the end of the task
+    def finish(self) -> None:
+        """The task returned: wait for the work it queued on device memory in every
+        context involved (``cuCtxSynchronize``), then unmap the arguments."""
+        if self.used:
+            for ctx in self._contexts():
+                ctx.synchronize()
+        self._close()
+
+    def abandon(self) -> None:
+        """The task failed: best-effort :meth:`finish`, and forget what it exported."""
+        with contextlib.suppress(Exception):
+            if self.used:
+                for ctx in self._contexts():
+                    ctx.synchronize()
+        self._close()
+        if self.leases is not None:
+            self.leases.release(self.new_leases)
+        self.new_leases = []
+        self.exported = []
+
+    def _contexts(self) -> list[Any]:
+        bufs = [b for _o, b in self.args.values()] + self.exported
+        ctxs = _unique_contexts(bufs)
+        if self.context is not None and all(c is not self.context for c in ctxs):
+            ctxs.append(self.context)
+        return ctxs
+
+    def _close(self) -> None:
+        imports, self.imports = self.imports, []
+        self.args = {}
+        for buf in imports:
+            buf.close()
+
+
+# --- the parent receiving a result ----------------------------------------------------
+
+
+class ResultLoader:
+    """Device memory in a task's result, as objects of the parent.
+
+    An argument reference gives the parent's own object (:meth:`Outgoing.rebuild`); a
+    pool worker's memory a :class:`~ctxkit.procs.workerbuffer.WorkerBuffer` from *book*.
+    ``adopted`` lists the leases that became buffers (the others must be released when
+    loading fails).
+    """
+
+    def __init__(
+        self, sent: Outgoing | None, book: LeaseBook | None, key: WorkerKey | None
+    ) -> None:
+        self.sent = sent
+        self.book = book
+        self.key = key
+        self.adopted: set[int] = set()
+        self.error: BaseException | None = None
+        self.received = self.received_bytes = 0
+
+    def reduce(self, obj: Any) -> Any:  # pragma: no cover - a loader never pickles
+        raise TypeError("ResultLoader only loads")
+
+    def load(self, ref: DeviceRef) -> Any:
+        self.received += 1
+        self.received_bytes += ref.nbytes
+        if ref.arg is not None:
+            if self.sent is None:
+                raise RuntimeError("a result refers to a device argument, but none was sent")
+            return self.sent.rebuild(ref)
+        if ref.handle is None:
+            return _wrap(_empty(ref.device), ref)
+        if self.book is None or self.key is None or ref.lease is None:
+            raise RuntimeError(
+                "a result holds device memory of the child, which only a DevicePool can receive"
+            )
+        buf = self.book.adopt(self.key, ref.handle, ref.lease, ref.owner)
+        self.adopted.add(ref.lease)
+        return _wrap(buf, ref)

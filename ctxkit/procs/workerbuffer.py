@@ -1,0 +1,93 @@
+"""The parent's handle on device memory a ``DevicePool`` worker lent it (see :mod:`.leases`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ContextClosedError
+from ..memory.device import DeviceBuffer
+from ..memory.ipc import ImportedBuffer, IpcBufferHandle
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .leases import LeaseBook, WorkerKey
+
+__all__ = ["Info", "Lease", "WorkerBuffer", "lease_of", "release"]
+
+
+class Lease:
+    """What a ``WorkerBuffer`` holds: when it goes, the memory is released."""
+
+    __slots__ = ("__weakref__",)
+
+
+class Info:
+    """A ``WorkerBuffer``'s lease: the worker's handle, the lease, the worker's token,
+    and why the pool closed it (``""`` while open)."""
+
+    __slots__ = ("handle", "lease", "owner", "why")
+
+    def __init__(self, handle: IpcBufferHandle, lease: int, owner: str) -> None:
+        self.handle = handle
+        self.lease = lease
+        self.owner = owner
+        self.why = ""
+
+
+class WorkerBuffer(ImportedBuffer):
+    """Device memory a :class:`~ctxkit.procs.DevicePool` task returned, mapped from the
+    worker that keeps it alive.
+
+    A :class:`~ctxkit.memory.DeviceBuffer` in every respect (an ``ImportedBuffer``);
+    :meth:`close` or garbage collection unmaps it and lets the worker free the memory.
+    It is closed by the pool when its worker exits (shutdown, crash, timeout, replacement
+    after a sticky error); using it then raises ``ContextClosedError`` with the reason.
+    Made by ``DevicePool`` only.
+    """
+
+    __slots__ = ("_info",)
+
+    _info: Info
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("WorkerBuffer is made by DevicePool when a task returns device memory")
+
+    @property
+    def worker_pid(self) -> int:
+        """The worker process that holds the memory."""
+        info = self._lease_info()
+        return info.handle.pid if info is not None else -1
+
+    def _root(self) -> DeviceBuffer:
+        return self._base if self._base is not None else self
+
+    def _lease_info(self) -> Info | None:
+        return getattr(self._root(), "_info", None)
+
+    def _closed_error(self, what: str) -> ContextClosedError:
+        info = self._lease_info()
+        if info is not None and info.why:
+            return ContextClosedError(f"WorkerBuffer.{what}: {info.why}")
+        return ContextClosedError(
+            f"WorkerBuffer.{what}: the buffer was closed, so its worker may have freed the "
+            "memory; keep a WorkerBuffer open while you use it"
+        )
+
+
+def lease_of(buf: DeviceBuffer) -> tuple[IpcBufferHandle, int, str] | None:
+    """For memory a pool worker lent (a ``WorkerBuffer`` or a view of one): the handle
+    of exactly *buf*'s bytes, the lease and the worker's process token."""
+    if not isinstance(buf, WorkerBuffer):
+        return None
+    info = buf._lease_info()
+    if info is None:
+        return None
+    offset = info.handle.offset + (buf.ptr - buf._root().ptr)
+    handle = dataclasses.replace(info.handle, offset=offset, nbytes=buf.nbytes)
+    return handle, info.lease, info.owner
+
+
+def release(imp: DeviceBuffer, book: LeaseBook, key: WorkerKey, lease: int) -> None:
+    """Finalizer of a ``WorkerBuffer``'s lease: unmap, then queue the release."""
+    imp.close()  # unmapped here before the worker may free it
+    book.enqueue(key, [lease])
