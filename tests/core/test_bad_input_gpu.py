@@ -133,7 +133,9 @@ def buffer_in_thread_without_context(env: Env) -> None:
 
 @case(ck.NoCurrentContextError, "needs a current CUDA context", "ContextExecutor")
 def launch_in_thread_without_context(env: Env) -> None:
-    in_thread(lambda: env.vadd.launch(4, 256, *vadd_args(env)))
+    # Without strict mode the kernel binds its buffers' context; strict mode refuses.
+    with mock.patch.object(ck.registry.default, "strict", True):
+        in_thread(lambda: env.vadd.launch(4, 256, *vadd_args(env)))
 
 
 # --- memory ----------------------------------------------------------------------------------

@@ -17,6 +17,14 @@ from tests.support.helpers import in_thread, raw_current
 
 numba_cuda = pytest.importorskip("numba.cuda")
 
+N = 10_007
+
+
+def _handle(h: Any) -> int:
+    """A Numba context handle as an int (ctypes ``c_void_p`` or cuda.bindings object)."""
+    value = getattr(h, "value", None)
+    return int(value if value is not None else h)
+
 
 @pytest.fixture(autouse=True)
 def _numba_leaves_nothing_current():
@@ -27,7 +35,6 @@ def _numba_leaves_nothing_current():
         (err, _) = drv.cuCtxPopCurrent()
         if err:
             break
-
 
 
 def _handle(h: Any) -> int:

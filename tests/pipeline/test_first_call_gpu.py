@@ -59,6 +59,14 @@ def test_first_calls_of_one_gib_plus_three_elements(kern, out):
     assert allocations[1] == allocations[0]
 
 
+def own_pages(n: int, dtype: type) -> np.ndarray:
+    """A 1-D array in an anonymous mapping of its own (whole pages, shared with nothing)."""
+    import mmap
+
+    nbytes = n * np.dtype(dtype).itemsize
+    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=n)
+
+
 def test_many_pipelines_share_the_pool_within_one_budget(kern):
     pool = ck.pinned_pool()
     pipes = [
@@ -74,8 +82,11 @@ def test_many_pipelines_share_the_pool_within_one_budget(kern):
             st = pool.stats()
             assert st.held_bytes + st.claimed_bytes <= budget
         assert pool.stats().in_use_bytes == 48 * MiB
-        x = random_array(4 << 20, np.float32, 99)  # 16 MiB, seen by every pipeline
-        out = np.empty_like(x)
+        # 16 MiB in and out, seen by every pipeline, each on pages of its own (malloc may put
+        # arrays this size next to each other on a shared page, which pin on reuse won't hold)
+        x = own_pages(4 << 20, np.float32)
+        x[:] = random_array(4 << 20, np.float32, 99)
+        out = own_pages(4 << 20, np.float32)
         for _ in range(2):
             for p in pipes:
                 out[:] = 0

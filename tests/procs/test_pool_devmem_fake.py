@@ -249,7 +249,8 @@ def test_a_task_goes_to_the_device_that_holds_its_memory(vfake, vctx0, vctx1):
         assert vfake.calls("ctxsync")[-1][1] == vctx1.handle  # synchronized at submit
 
 
-def test_a_task_no_pool_device_can_map_is_refused_at_submit(vfake, vctx1):
+def test_a_task_no_pool_device_can_map_is_refused_at_submit(vfake, vctx1, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # isolate=True reads it
     buf = ck.DeviceBuffer(4096, context=vctx1)
     vfake.no_peer = True
     with DevicePool([0], _bind=False) as pool:
