@@ -641,6 +641,9 @@ def gpu_fixture(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeGPU]:
     from ctxkit.memory import hostpool
 
     monkeypatch.setattr(hostpool, "_process_pool", None)  # blocks of earlier fakes are gone
+    from ctxkit.pipeline import pincache
+
+    monkeypatch.setattr(pincache, "_process", None)  # and so are their pin-on-reuse records
     monkeypatch.setattr(registry_mod, "default", ContextRegistry())
     st = thread_state()
     saved = (st.top, list(st.stack))
