@@ -1,42 +1,6 @@
-"""Device, managed and page-locked host memory; copies; peer access.
-
-Every allocation is made inside its context (the one passed in, or the caller's current
-one), remembers it in ``.context`` and is freed inside it from whatever thread drops the
-last reference, or by ``close()``. Copies check sizes, dtypes and contiguity before the
-driver is called and raise ``ValueError`` on a mismatch; zero-size copies do nothing.
-
-Synchronous unless a stream is given
-------------------------------------
-Without ``stream=`` a copy, memset or peer copy has completed when the call returns,
-so the next operation may use the memory from any stream or context. (The driver runs
-memsets, device-to-device and peer copies asynchronously to the host on the context's
-legacy default stream, which ``ctxkit.Stream()``, non-blocking by default, does not wait
-for; ctxkit waits for that stream before returning.) With ``stream=`` the operation is
-enqueued on that stream and the call returns at once; order it against other streams
-with events (``Stream.wait``), and keep the memory alive until the stream has reached
-it: memory freed while a copy into it is still queued in *another* context (a peer copy
-on a stream) faults that context.
-
-Honest async
-------------
-An asynchronous copy (``stream=`` given) from or to *pageable* host memory is not
-asynchronous: the driver blocks the calling thread for the whole copy (measured on an
-H200: 1 GiB pageable ``cuMemcpyHtoDAsync`` blocked the host for the whole copy at
-~7.8 GB/s; from pinned memory it returned at once and ran at ~55 GB/s). ctxkit therefore
-emits a :class:`PageableCopyWarning` (once per call site) for such a copy, or raises
-:class:`PageableCopyError` in strict mode (:func:`set_strict_async` or the environment
-variable ``CTXKIT_STRICT_ASYNC=1``). Use :func:`pinned_empty` or :func:`register_host`;
-:func:`is_pinned` tells which memory you have.
-
-Interoperability
-----------------
-:class:`DeviceArray` (and :class:`DeviceBuffer`, as bytes) export
-``__cuda_array_interface__`` v3 and DLPack, so CuPy, PyTorch and Numba use ctxkit memory
-without a copy; copies accept their arrays (anything with ``__cuda_array_interface__``)
-as sources and targets. ``DeviceArray.stream`` names the stream with pending writes
-(set by ctxkit's async copies, or by you after launching a kernel); it is exported as the
-interface's ``"stream"`` entry and honoured by ``__dlpack__(stream=...)``.
-"""
+"""Device memory: :class:`DeviceBuffer` (linear memory in one context, ``cuMemAlloc`` or
+stream-ordered) and :class:`DeviceArray` (a typed view), with copies and the CUDA Array
+Interface / DLPack exports (the family's overview is in :mod:`ctxkit.memory`)."""
 
 from __future__ import annotations
 

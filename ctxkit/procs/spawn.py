@@ -1,19 +1,5 @@
-"""One process per GPU: spawned children, a long-lived device pool, and MPI binding.
-
-Why processes: a fault that poisons a context (illegal address, trap) takes down every
-later call in that process; with one process per GPU it costs one device's work, which
-is reported and can be retried, while the other devices carry on. It is also the model
-that scales past one machine: the same per-device function runs under MPI.
-
-Why **spawn** only: a child created with ``fork`` inherits a copy of the parent's CUDA
-state that the driver cannot use (``cuInit`` in the parent makes every CUDA call in a
-forked child fail), and forking a multithreaded parent can deadlock on locks held by
-other threads. ``spawn`` starts a fresh interpreter that initialises CUDA itself. The
-cost is start-up time (interpreter + imports + context), which is why :class:`DevicePool`
-exists for repeated work. Programs that use these APIs need the usual
-``if __name__ == "__main__":`` guard. What travels and how: :mod:`.wire` (pickles, shared
-memory) and :mod:`.devmem` (device buffers as CUDA IPC handles).
-"""
+"""``run_per_device``: one spawned process per GPU, results in order (the family's
+overview is in :mod:`ctxkit.procs`)."""
 
 from __future__ import annotations
 
