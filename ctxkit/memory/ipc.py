@@ -195,6 +195,7 @@ class IpcBufferHandle:
 
     @property
     def pid(self) -> int:
+        """The id of the process that exported the handle."""
         return self.origin.pid
 
     def open(self, context: Any = None) -> ImportedBuffer:
@@ -416,6 +417,7 @@ class IpcVirtualBufferHandle:
 
     @property
     def pid(self) -> int:
+        """The id of the process that exported the handle."""
         return self.origin.pid
 
     def open(self, context: Any = None) -> VirtualBuffer:
@@ -491,6 +493,7 @@ class IpcEventHandle:
 
     @property
     def pid(self) -> int:
+        """The id of the process that exported the handle."""
         return self.origin.pid
 
     def open(self, context: Any = None) -> Event:

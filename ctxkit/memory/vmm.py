@@ -326,6 +326,7 @@ class VirtualBuffer:
 
     @property
     def closed(self) -> bool:
+        """True after :meth:`close` (the mappings and the address range are released)."""
         return self._closed
 
     @property
