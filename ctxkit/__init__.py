@@ -23,6 +23,7 @@ _EXPORTS: dict[str, str] = {
     "CompileError": "errors",
     "ContextPoisonedError": "errors",
     "ForkError": "errors",
+    "GraphUpdateError": "errors",
     "LaunchArgumentError": "errors",
     "WrongContextError": "errors",
     "KernelNotFoundError": "errors",
@@ -52,6 +53,8 @@ _EXPORTS: dict[str, str] = {
     "PreparedLaunch": "module",
     "LaunchConfig": "module",
     "Graph": "graph",
+    "GraphExec": "graph",
+    "GraphNode": "graph",
     "capture": "graph",
     "kernel_source": "compiler",
     # memory, streams
@@ -120,6 +123,7 @@ from .errors import (  # noqa: E402
     DeviceTaskError,
     DriverNotFoundError,
     ForkError,
+    GraphUpdateError,
     KernelCacheWarning,
     KernelNotFoundError,
     LaunchArgumentError,
@@ -153,7 +157,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # pragma: no cover
     from . import procs as procs
     from .compiler import ObjectCode, Program, compile, kernel_source
-    from .graph import Graph, capture
+    from .graph import Graph, GraphExec, GraphNode, capture
     from .memory import (
         DeviceArray,
         DeviceBuffer,

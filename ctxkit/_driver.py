@@ -358,3 +358,34 @@ def pointer_device_ordinal(ptr: int) -> tuple[int, int]:
     out = ctypes.c_int(-1)
     err = fn(ctypes.pointer(out), POINTER_ATTRIBUTE_DEVICE_ORDINAL, int(ptr))
     return int(err), int(out.value)
+
+
+class _UpdateResultInfo(ctypes.Structure):
+    """``CUgraphExecUpdateResultInfo``: why ``cuGraphExecUpdate`` refused, and where."""
+
+    _fields_ = [
+        ("result", ctypes.c_int),
+        ("errorNode", ctypes.c_void_p),
+        ("errorFromNode", ctypes.c_void_p),
+    ]
+
+
+def graph_exec_update_info(exe: Any, graph: Any) -> tuple[int, int, int] | None:
+    """``(CUresult, CUgraphExecUpdateResult, error node address)`` of
+    ``cuGraphExecUpdate(exe, graph)`` called through libcuda directly, or ``None`` where
+    libcuda cannot be reached that way. Call it with the context bound.
+
+    cuda-bindings returns no ``CUgraphExecUpdateResultInfo`` when the update fails, which
+    is the one case it is needed for; asking again is safe (a refused update changes
+    nothing).
+    """
+    name = "nvcuda.dll" if os.name == "nt" else "libcuda.so.1"
+    try:
+        fn = ctypes.CDLL(name).cuGraphExecUpdate_v2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(_UpdateResultInfo)]
+    fn.restype = ctypes.c_int
+    info = _UpdateResultInfo()
+    err = fn(int(exe), int(graph), ctypes.byref(info))
+    return int(err), int(info.result), int(info.errorNode or 0)

@@ -18,6 +18,7 @@ __all__ = [
     "CudaError",
     "DriverNotFoundError",
     "ForkError",
+    "GraphUpdateError",
     "LaunchArgumentError",
     "NoCurrentContextError",
     "OutOfMemoryError",
@@ -367,3 +368,25 @@ def _rebuild_task_error(message: str) -> DeviceTaskError:
     err = DeviceTaskError.__new__(DeviceTaskError)
     Exception.__init__(err, message)
     return err
+
+
+class GraphUpdateError(CudaError):
+    """``GraphExec.update`` was refused: the graph differs from the executable graph in a
+    way ``cuGraphExecUpdate`` cannot apply.
+
+    Attributes
+    ----------
+    reason : str
+        The ``CUgraphExecUpdateResult`` in lower case without its prefix:
+        ``"topology_changed"``, ``"node_type_changed"``, ``"function_changed"``,
+        ``"parameters_changed"``, ``"not_supported"``, ...
+    node : GraphNode or None
+        The node of the new graph the driver named (also in the message).
+    """
+
+    def __init__(
+        self, message: str, code: int = 0, name: str = "", *, reason: str = "", node: Any = None
+    ) -> None:
+        super().__init__(message, code, name)
+        self.reason = reason
+        self.node = node

@@ -99,10 +99,15 @@ def resources_in(ctx: ck.Context, k: dict[str, Any]) -> list[Any]:
         with ck.capture(s) as graph:
             bound_fill.launch(4, 256, arr, 3.0, arr.size, stream=s)
         graph.launch(s)
+        built = ck.Graph()
+        built.kernel(bound_fill, 4, 256, arr, 4.0, arr.size)
+        copy = graph.clone()
+        built_exec = built.instantiate()
+        built_exec.launch(s)
         arr.copy_to_host(pinned, stream=s)
         ev2.record(s)
         out += [s, buf, arr, ev, ev2, pinned, zeros, managed, managed_view, bound_mod]
-        out += [bound_fill, prepared, graph]
+        out += [bound_fill, prepared, graph, built, copy, built_exec]
     return out
 
 
@@ -135,6 +140,9 @@ class Ledger:
         "cuEventCreate": "cuEventDestroy",
         "cuModuleLoadDataEx": "cuModuleUnload",
         "cuGraphInstantiate": "cuGraphExecDestroy",
+        "cuGraphCreate": "cuGraphDestroy",
+        "cuGraphClone": "cuGraphDestroy",
+        "cuStreamEndCapture": "cuGraphDestroy",
     }
 
     def __init__(self, drv: Any) -> None:

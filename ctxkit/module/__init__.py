@@ -14,8 +14,9 @@ records launches on a stream into a replayable :class:`Graph`.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from ..errors import KernelNotFoundError
-from ..graph import Graph, capture
 from .image import jit_detail, missing_kernel_message, read_image
 from .kernel import Kernel
 from .launch import LaunchConfig
@@ -34,3 +35,16 @@ __all__ = [
     "missing_kernel_message",
     "read_image",
 ]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..graph import Graph, capture
+
+
+def __getattr__(name: str) -> Any:
+    """``Graph`` and ``capture`` live in :mod:`ctxkit.graph` (which builds on modules):
+    re-exported here on first use so that this package never imports it."""
+    if name in ("Graph", "capture"):
+        from .. import graph
+
+        return getattr(graph, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

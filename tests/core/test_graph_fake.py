@@ -63,7 +63,8 @@ class Junk:
             "cuMemFreeHost": (gpu.mem, host.ctypes.data),
             "cuStreamDestroy": (gpu.streams, int(stream.handle)),
             "cuEventDestroy": (gpu.events, int(event.handle)),
-            "cuGraphExecDestroy": (gpu.graphs, int(graph._exec)),
+            "cuGraphExecDestroy": (gpu.graphs, int(graph._exec.handle)),
+            "cuGraphDestroy": (gpu.graphs, int(graph.handle)),
             "cuLibraryUnload": (gpu.libraries, int(mod._handle)),
         }
         cycle: list[Any] = [buf, host, stream, event, graph, mod]

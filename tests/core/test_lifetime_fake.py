@@ -54,6 +54,18 @@ class ModuleAndGraphCalls:
     def cuGraphExecDestroy(self, exec_: Any) -> tuple[int]:
         return (0,)
 
+    def cuGraphCreate(self, flags: int) -> tuple[int, Any]:
+        return (0, FakeHandle(next(self.ids)))
+
+    def cuGraphClone(self, graph: Any) -> tuple[int, Any]:
+        return (0, FakeHandle(next(self.ids)))
+
+    def cuStreamEndCapture(self, stream: Any) -> tuple[int, Any]:
+        return (0, FakeHandle(next(self.ids)))
+
+    def cuGraphDestroy(self, graph: Any) -> tuple[int]:
+        return (0,)
+
 
 @pytest.fixture
 def env(fake: Any, ctx0: Any, ctx1: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
@@ -64,6 +76,10 @@ def env(fake: Any, ctx0: Any, ctx1: Any, monkeypatch: pytest.MonkeyPatch) -> Any
         "cuModuleUnload",
         "cuGraphInstantiate",
         "cuGraphExecDestroy",
+        "cuGraphCreate",
+        "cuGraphClone",
+        "cuStreamEndCapture",
+        "cuGraphDestroy",
     ):
         monkeypatch.setattr(fake, name, getattr(extra, name), raising=False)
     return SimpleNamespace(drv=fake, c0=ctx0, c1=ctx1)

@@ -196,7 +196,7 @@ def test_capture_records_launches_and_replays(fake):
         for _ in range(3):
             pl()
         k.launch(1, 1, 0, 0, 0, 0, stream=s)
-    assert g.num_nodes == 4 and fake.graph_nodes == {}  # the CUgraph is destroyed
+    assert g.num_nodes == 4 and len(fake.graph_nodes) == 1  # the CUgraph is kept
     assert fake.capture_mode.name == "CU_STREAM_CAPTURE_MODE_THREAD_LOCAL"
     with ctx:
         g.launch(s)
@@ -214,6 +214,7 @@ def test_capture_records_launches_and_replays(fake):
     g.close()
     g.close()
     assert fake.exec_destroyed and fake.exec_destroyed[0][1] == ctx.handle
+    assert fake.graph_nodes == {}  # close() destroys the CUgraph too
     with pytest.raises(ck.CudaError, match="graph is empty"):
         g.launch()
     with pytest.raises(ck.CudaError, match="graph is empty"):

@@ -15,7 +15,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from cuda.bindings import driver as _real
+
 from tests.support.fakedriver import FakeHandle
+from tests.support.fakegraph import FakeGraph, GraphNodes, Node
 
 INVALID_VALUE = 1
 INVALID_HANDLE = 400
@@ -27,6 +30,7 @@ STREAM_CAPTURE_WRONG_THREAD = 908
 STREAM_NON_BLOCKING = 1
 CAPTURE_GLOBAL, CAPTURE_THREAD_LOCAL, CAPTURE_RELAXED = 0, 1, 2
 LEGACY_STREAMS = (0, 1)  # the legacy default stream and CU_STREAM_LEGACY
+_KERNEL = _real.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL
 
 
 class Capture:
@@ -49,15 +53,16 @@ class Capture:
         return self.mode == CAPTURE_GLOBAL
 
 
-class CaptureRules:
+class CaptureRules(GraphNodes):
     """Mixed into FakeGPU, which supplies ``streams`` (with ``ctx``/``flags``),
-    ``current()``, ``_handles`` and ``_submit``."""
+    ``current()``, ``_handles`` and ``_submit``; explicitly built graphs come from
+    tests/support/fakegraph.py."""
 
     def init_capture_rules(self) -> None:
         self.captures: dict[int, Capture] = {}  # stream handle -> its open capture
         self.invalidations: list[str] = []  # what invalidated which capture
         self.after_begin_capture: Callable[[], None] | None = None
-        self.graphs: dict[int, list[Callable[[], None]]] = {}  # CUgraph and CUgraphExec
+        self.init_graph_nodes()
         self.libraries: set[int] = set()
         self._clock = threading.Lock()
 
@@ -129,34 +134,13 @@ class CaptureRules:
         if cap.invalidated_by:
             return (STREAM_CAPTURE_INVALIDATED, None)
         g = FakeHandle(next(self._handles))
-        self.graphs[int(g)] = cap.nodes
+        graph = FakeGraph(cap.ctx)
+        for i, op in enumerate(cap.nodes):  # one stream: each node after the one before
+            graph.nodes.append(Node(_KERNEL, [i - 1] if i else [], op))
+        self.graphs[int(g)] = graph
         return (0, g)
 
     # --- graphs ----------------------------------------------------------------------
-
-    def cuGraphGetNodes(self, g: Any, n: int) -> tuple[int, None, int]:
-        nodes = self.graphs.get(int(g))
-        if nodes is None:
-            return (INVALID_VALUE, None, 0)
-        return (0, None, len(nodes))
-
-    def cuGraphInstantiate(self, g: Any, flags: int) -> tuple[int, FakeHandle | None]:
-        nodes = self.graphs.get(int(g))
-        if nodes is None:
-            return (INVALID_VALUE, None)
-        h = FakeHandle(next(self._handles))
-        self.graphs[int(h)] = list(nodes)
-        return (0, h)
-
-    def cuGraphLaunch(self, exe: Any, h: Any) -> tuple[int]:
-        nodes = self.graphs.get(int(exe))
-        if nodes is None:
-            return (INVALID_VALUE,)
-        for op in nodes:
-            err = self._submit(h, op, "cuGraphLaunch")
-            if err:
-                return (err,)
-        return (0,)
 
     def cuGraphUpload(self, exe: Any, h: Any) -> tuple[int]:
         if int(exe) not in self.graphs:
@@ -166,13 +150,16 @@ class CaptureRules:
         return (0,)
 
     def cuGraphDestroy(self, g: Any) -> tuple[int]:
+        err = self.unsafe("cuGraphDestroy")
+        if err:
+            return (err,)
         return (0,) if self.graphs.pop(int(g), None) is not None else (INVALID_VALUE,)
 
     def cuGraphExecDestroy(self, exe: Any) -> tuple[int]:
         err = self.unsafe("cuGraphExecDestroy")
         if err:
             return (err,)
-        return self.cuGraphDestroy(exe)
+        return (0,) if self.graphs.pop(int(exe), None) is not None else (INVALID_VALUE,)
 
     # --- libraries (context-independent modules) ----------------------------------------
 
@@ -196,4 +183,6 @@ class CaptureRules:
     def cuLibraryGetKernel(self, lib: Any, name: bytes) -> tuple[int, FakeHandle | None]:
         if int(lib) not in self.libraries:
             return (INVALID_HANDLE, None)
-        return (0, FakeHandle(next(self._handles)))
+        h = FakeHandle(next(self._handles))
+        self.kernel_names[int(h)] = name.decode() if isinstance(name, bytes) else str(name)
+        return (0, h)

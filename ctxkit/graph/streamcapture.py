@@ -1,21 +1,21 @@
-"""CUDA graphs: record the work enqueued on a stream, replay it with one call."""
+"""Stream capture: record the work enqueued on a stream into a :class:`Graph`."""
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from . import _driver
-from ._driver import call, drv
-from .context import Context, require_current, thread_state
-from .errors import CudaError
-from .lifetime import capture_begins, capture_ends, finalizer
-from .registry import guard
-from .stream import stream_for
+from .. import _driver
+from .._driver import drv
+from ..context import Context, require_current
+from ..lifetime import capture_begins, capture_ends
+from ..registry import guard
+from ..stream import stream_for
+from .exec import GraphExec
+from .graph import Graph
 
-__all__ = ["Graph", "capture"]
+__all__ = ["capture"]
 
 
 _CAPTURE_MODES = {
@@ -28,86 +28,19 @@ _CAPTURE_MODES = {
 _SPECIAL_STREAMS = (0, 1, 2)  # legacy default, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD
 
 
-class Graph:
-    """An instantiated CUDA graph from :func:`capture`; replay with :meth:`launch`.
-
-    Attributes
-    ----------
-    context : Context
-    num_nodes : int
-        Nodes captured (one per kernel launch or copy).
-    """
-
-    def __init__(self, context: Context) -> None:
-        self.context = context
-        self.num_nodes = 0
-        self._exec: Any = None
-        self._fin: weakref.finalize | None = None
-
-    def _instantiate(self, graph: Any) -> None:
-        res = drv.cuGraphGetNodes(graph, 0)
-        if not res[0]:
-            self.num_nodes = int(res[-1])
-        self._exec = call(drv.cuGraphInstantiate, graph, 0, what="cuGraphInstantiate")
-        self._fin = finalizer(self, self.context, drv.cuGraphExecDestroy, self._exec)
-
-    def launch(self, stream: Any = None) -> None:
-        """Replay the graph on *stream* (``None``: the context's legacy default stream).
-
-        Runs in the graph's own context, bound for the call when another one is current.
-
-        Raises
-        ------
-        NoCurrentContextError
-            The calling thread has no current context.
-        CudaError
-            The graph is empty (capture unfinished, or closed).
-        """
-        self._enqueue(drv.cuGraphLaunch, stream, "Graph.launch")
-
-    def upload(self, stream: Any = None) -> None:
-        """Upload the graph to the device ahead of its first launch (``cuGraphUpload``).
-
-        Optional: the first :meth:`launch` uploads it otherwise. Ordered on *stream*.
-        """
-        self._enqueue(drv.cuGraphUpload, stream, "Graph.upload")
-
-    def _enqueue(self, fn: Any, stream: Any, what: str) -> None:
-        if self._exec is None:
-            raise CudaError(
-                "the graph is empty: its capture block has not finished, or it was closed"
-            )
-        ctx = self.context
-        hs = 0 if stream is None else stream_for(stream, ctx, "graph")
-        if thread_state().top is ctx:
-            (err,) = fn(self._exec, hs)
-        else:
-            with guard(ctx, what):
-                (err,) = fn(self._exec, hs)
-        if err:
-            raise ctx.note_error(int(err), getattr(fn, "__name__", what))
-
-    def close(self) -> None:
-        """Free the executable graph (in its context). Idempotent."""
-        if self._fin is not None:
-            self._fin()
-        self._exec = None
-
-    def __repr__(self) -> str:
-        state = "ready" if self._exec is not None else "empty"
-        return f"<Graph {self.num_nodes} nodes {state} in {self.context!r}>"
-
-
 @contextmanager
 def capture(stream: Any, *, mode: str = "thread_local") -> Iterator[Graph]:
     """Record the work enqueued on *stream* inside the block into a :class:`Graph`.
 
     ``with capture(s) as g: k.launch(..., stream=s)`` -- after the block ``g.launch()``
-    replays it. The stream's context is bound for the block. Work inside must be
-    asynchronous and on *stream* (no synchronize, no pageable copies, no allocation).
-    ctxkit objects closed or garbage collected inside the block (the collector runs at
-    any allocation) are freed after it: a ``cuMemFree`` there would invalidate the
-    capture. In ``global`` mode that holds for frees in every thread.
+    replays it (an executable graph is made as the block ends, so what cannot be
+    instantiated fails there). The graph is kept: clone it, list its nodes, instantiate it
+    again, or capture the same work with other pointers and ``exe.update(g2)``. The
+    stream's context is bound for the block. Work inside must be asynchronous and on
+    *stream* (no synchronize, no pageable copies, no allocation). ctxkit objects closed or
+    garbage collected inside the block (the collector runs at any allocation) are freed
+    after it: a ``cuMemFree`` there would invalidate the capture. In ``global`` mode that
+    holds for frees in every thread.
 
     Parameters
     ----------
@@ -137,7 +70,7 @@ def capture(stream: Any, *, mode: str = "thread_local") -> Iterator[Graph]:
     hs = stream_for(stream, ctx, "graph")
     if int(hs) in _SPECIAL_STREAMS:
         raise ValueError("the default stream cannot be captured; capture a ck.Stream()")
-    graph = Graph(ctx)
+    graph = Graph._pending(ctx)
     tracked, global_mode = mode != "relaxed", mode == "global"
     with guard(ctx, "graph capture"):
         _begin(hs, mode_enum, tracked, global_mode)
@@ -159,10 +92,10 @@ def capture(stream: Any, *, mode: str = "thread_local") -> Iterator[Graph]:
                 "mode='global', another thread made such a call; enqueue everything "
                 "asynchronously on the captured stream",
             )
-        try:
-            graph._instantiate(cu_graph)
-        finally:
-            drv.cuGraphDestroy(cu_graph)
+        graph._own(cu_graph)
+        graph.num_nodes  # noqa: B018  (remembered: repr and num_nodes after close)
+        graph._exec = GraphExec(graph)
+        graph._exec_version = graph._version
 
 
 def _begin(hs: Any, mode_enum: Any, tracked: bool, global_mode: bool) -> None:
