@@ -9,9 +9,11 @@
   ``cuMemcpyPeer`` (target >= 0.95x raw), timed only once the copies have completed
   (synchronous copies by wall clock, stream copies by events);
 * allocate + free of 1 MiB and 256 MiB, 5,000 times: ctxkit stream-ordered
-  (``DeviceBuffer(n, stream=s)`` + ``close()``) vs CuPy's memory pool (``cupy.empty``) and
-  PyTorch's caching allocator (``torch.empty``) when installed (target <= 1.3x each), and
-  ctxkit's synchronous ``DeviceBuffer(n)`` for reference;
+  (``DeviceBuffer(n, stream=s)`` + ``close()``, served by ctxkit's block cache) vs CuPy's
+  memory pool (``cupy.empty``) and PyTorch's caching allocator (``torch.empty``) when
+  installed (target <= 1.3x each), with the raw ``cuMemAllocAsync`` + ``cuMemFreeAsync``
+  pair and ctxkit's synchronous ``DeviceBuffer(n)`` for reference; once per round the last
+  block is memset and read back (a CHECK line);
 * freeing while the device is busy (a ~100 ms kernel on another stream): how long
   ``close()`` of a synchronous buffer (``cuMemFree`` waits for the device) and of a
   stream-ordered one (``cuMemFreeAsync``: target <= 1 ms) block the caller.
@@ -37,7 +39,7 @@ import ctxkit as ck
 from ctxkit._driver import drv
 from ctxkit.cli.bench import Line, emit, info, median, skipped, target
 from ctxkit.cli.bench import check as check_line
-from ctxkit.memory import PageableCopyWarning
+from ctxkit.memory import PageableCopyWarning, blockcache
 
 MiB = 1 << 20
 
@@ -404,15 +406,38 @@ def size_label(size: int) -> str:
     return f"{size >> 20}mib" if size >= MiB else f"{size >> 10}kib"
 
 
+def _block_usable(buf: ck.DeviceBuffer, s: ck.Stream, value: int) -> bool:
+    """Memset the buffer on *s* and copy its last 4 KiB back: is the block real memory?"""
+    buf.memset(value, stream=s)
+    s.synchronize()
+    tail = buf[max(0, buf.nbytes - 4096) : buf.nbytes].copy_to_host()
+    return bool((tail == value).all())
+
+
 def _alloc_variants(
     size: int, count: int, s: ck.Stream
-) -> tuple[dict[str, Callable[[], None]], dict[str, str]]:
+) -> tuple[dict[str, Callable[[], None]], dict[str, Any]]:
     """Allocate+free pairs of *size* bytes, *count* per call (a tenth of that for the
-    synchronous reference), for every allocator here; why an allocator is missing."""
+    synchronous reference), for every allocator here: ctxkit's ``DeviceBuffer(n,
+    stream=s)`` + ``close()`` (the user's call; once per call the last buffer is memset and
+    read back), the raw ``cuMemAllocAsync`` + ``cuMemFreeAsync`` pair, CuPy, torch; why an
+    allocator is missing; ``usable``: the read-back results."""
 
     def ck_ordered() -> None:
-        for _ in range(count):
+        for _ in range(count - 1):
             ck.DeviceBuffer(size, stream=s).close()
+        last = ck.DeviceBuffer(size, stream=s)
+        usable.append(_block_usable(last, s, len(usable) % 200 + 1))
+        last.close()
+        s.synchronize()
+
+    sh = s.handle
+
+    def raw_ordered() -> None:
+        for _ in range(count):
+            err, ptr = drv.cuMemAllocAsync(size, sh)
+            check((err,))
+            check(drv.cuMemFreeAsync(ptr, sh))
         s.synchronize()
 
     def ck_sync() -> None:
@@ -420,8 +445,13 @@ def _alloc_variants(
             ck.DeviceBuffer(size).close()
 
     sync_count = max(1, count // 10)  # cuMemAlloc/cuMemFree: a reference, and slow
-    fns: dict[str, Callable[[], None]] = {"ctxkit": ck_ordered, "ctxkit_sync": ck_sync}
-    notes: dict[str, str] = {"ctxkit_sync_count": str(sync_count)}
+    usable: list[bool] = []
+    fns: dict[str, Callable[[], None]] = {
+        "ctxkit": ck_ordered,
+        "raw": raw_ordered,
+        "ctxkit_sync": ck_sync,
+    }
+    notes: dict[str, Any] = {"ctxkit_sync_count": str(sync_count), "usable": usable}
     try:
         import cupy as cp
 
@@ -472,11 +502,13 @@ def bench_alloc(count: int, rounds: int) -> dict[str, Any]:
             for who, t in times.items():
                 pairs = int(notes["ctxkit_sync_count"]) if who == "ctxkit_sync" else count
                 r[f"alloc_{size_label(size)}_{who}"] = [x / pairs * 1e6 for x in t]
+            usable = notes["usable"]
+            r["alloc_usable"] = r.get("alloc_usable", True) and bool(usable) and all(usable)
     print(f"allocate + free, {count} times (us per pair, median of {rounds} rounds):")
     for size in ALLOC_SIZES:
         row = ", ".join(
             f"{who} {median(r[k]):.2f}"
-            for who in ("ctxkit", "ctxkit_sync", "cupy", "torch")
+            for who in ("ctxkit", "raw", "ctxkit_sync", "cupy", "torch")
             if (k := f"alloc_{size_label(size)}_{who}") in r
         )
         print(f"  {size_label(size):>7s}: {row}")
@@ -508,6 +540,10 @@ def bench_free_busy(size: int = 64 * MiB) -> dict[str, Any]:
             t0 = time.perf_counter()
             buf.close()
             out[f"free_busy_{kind}_ms"] = (time.perf_counter() - t0) * 1e3
+            if kind == "ordered":  # close() cached the block; giving it back to the pool:
+                t0 = time.perf_counter()
+                blockcache.flush(device=0)
+                out["free_busy_flush_ms"] = (time.perf_counter() - t0) * 1e3
             end = busy.record()
             end.synchronize()
             s.synchronize()
@@ -515,7 +551,8 @@ def bench_free_busy(size: int = 64 * MiB) -> dict[str, Any]:
     print(
         f"close() while a {out['free_busy_kernel_ms']:.0f} ms kernel runs on another stream: "
         f"synchronous buffer {out['free_busy_sync_ms']:.2f} ms, stream-ordered "
-        f"{out['free_busy_ordered_ms']:.3f} ms"
+        f"{out['free_busy_ordered_ms']:.3f} ms (into the block cache; giving the block "
+        f"back with cuMemFreeAsync {out.get('free_busy_flush_ms', 0.0):.3f} ms)"
     )
     return out
 
@@ -538,6 +575,16 @@ def alloc_verdicts(r: Mapping[str, Any]) -> list[Line]:
                 f"stream-ordered allocate+free pair; median of {len(mine)}",
             )
         )
+        raw = r.get(f"alloc_{label}_raw")
+        if raw:
+            lines.append(
+                info(
+                    f"memory.alloc_raw_{label}_us",
+                    median(raw),
+                    "us",
+                    "raw cuMemAllocAsync + cuMemFreeAsync pair (reference)",
+                )
+            )
         sync = r[f"alloc_{label}_ctxkit_sync"]
         lines.append(
             info(
@@ -556,6 +603,11 @@ def alloc_verdicts(r: Mapping[str, Any]) -> list[Line]:
             value = median(mine) / median(theirs)
             note = f"vs {desc} {median(theirs):.2f}us; medians of {len(mine)} rounds"
             lines.append(target(name, value, "<=", ALLOC_TARGET, "x", note))
+    if "alloc_usable" in r:
+        what = "1 = the last block of every round held the memset bytes when read back"
+        lines.append(
+            check_line("memory.alloc_block_usable", float(r["alloc_usable"]), ">=", 1, "", what)
+        )
     if "free_busy_ordered_ms" in r:
         kernel = r["free_busy_kernel_ms"]
         lines.append(
@@ -568,6 +620,15 @@ def alloc_verdicts(r: Mapping[str, Any]) -> list[Line]:
                 f"stream-ordered close() while a {kernel:.0f} ms kernel runs on another stream",
             )
         )
+        if "free_busy_flush_ms" in r:
+            lines.append(
+                info(
+                    "memory.free_while_busy_flush_ms",
+                    r["free_busy_flush_ms"],
+                    "ms",
+                    "the cached block given back (cuMemFreeAsync) while the kernel runs",
+                )
+            )
         lines.append(
             info(
                 "memory.free_while_busy_sync_ms",

@@ -8,6 +8,8 @@
   devices that access pageable memory (HMM/ATS).
 - ``CTXKIT_PINNED_POOL_BYTES``: the pinned host pool's budget in bytes (default: a quarter
   of RAM, at most 64 GiB).
+- ``CTXKIT_ALLOC_CACHE``: ``0``: no cache of freed stream-ordered blocks; a number: its bound
+  in bytes per device (default: a quarter of the device's memory).
 - ``CTXKIT_NVTX``: ``0``: no NVTX ranges even when the nvtx package is installed.
 """
 

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 from . import _driver
 
-__all__ = ["FailedFree", "failed_frees", "held_back_frees"]
+__all__ = ["FailedFree", "context_closing", "failed_frees", "held_back_frees", "on_context_close"]
 
 
 class FailedFree(NamedTuple):
@@ -210,3 +210,24 @@ def finalizer(
     fin = weakref.finalize(owner, free_quietly, ctx, fn, *args)
     fin.atexit = False
     return fin
+
+
+# --- before a context is closed ------------------------------------------------------
+
+_context_close_hooks: list[Callable[[Context], None]] = []
+
+
+def on_context_close(fn: Callable[[Context], None]) -> None:
+    """Call ``fn(ctx)`` when a context is about to be closed (while it still exists), e.g.
+    to free memory a cache holds in it."""
+    _context_close_hooks.append(fn)
+
+
+def context_closing(ctx: Context) -> None:
+    """Run the :func:`on_context_close` hooks for *ctx*; never raises (a failure is
+    recorded in :func:`failed_frees`)."""
+    for fn in list(_context_close_hooks):
+        try:
+            fn(ctx)
+        except Exception as exc:
+            _note_failed_free(ctx, getattr(fn, "__name__", "hook"), str(exc))

@@ -11,16 +11,18 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .._driver import drv
-from ..context import Context
+from ..context import Context, thread_state
 from ..device import Device
 from ..errors import (
     ContextClosedError,
     CudaError,
     OutOfMemoryError,
 )
-from ..lifetime import finalizer, free_quietly
+from ..lifetime import finalizer
 from ..registry import guard, resolve_context
 from ..stream import Event, Stream, implicit_stream, stream_handle
+from . import blockcache
+from .blockcache import Block
 from .copies import (
     Mem,
     c_strides,
@@ -67,7 +69,10 @@ class DeviceBuffer:
         default pool or *pool*; the memory is usable by work enqueued on that stream
         after this call, and :meth:`close` frees it with ``cuMemFreeAsync`` on the same
         stream (or ``close(stream=)``). Inside ``with stream:`` a ``DeviceBuffer(n)``
-        without *stream* is stream-ordered on the current stream.
+        without *stream* is stream-ordered on the current stream. Freed stream-ordered
+        blocks are cached for reuse on their stream, like PyTorch's caching allocator:
+        :meth:`MemoryPool.trim` gives them back to the driver, ``CTXKIT_ALLOC_CACHE=0``
+        disables the cache (:mod:`ctxkit.memory.blockcache`).
     pool : MemoryPool, optional
         The pool to allocate from (``cuMemAllocFromPoolAsync``); implies stream-ordered
         allocation (on the current stream when *stream* is not given).
@@ -97,13 +102,34 @@ class DeviceBuffer:
     _ptr: int | None
     _base: DeviceBuffer | None
     _stream: Stream | None
-    _fin: weakref.finalize | None
+    _fin: weakref.finalize | Block | None
     context: Context
     nbytes: int
 
     def __init__(
         self, nbytes: int, context: Any = None, *, stream: Any = None, pool: Any = None
     ) -> None:
+        # Fast path: DeviceBuffer(n, stream=s) / `with s: DeviceBuffer(n)` served from the
+        # block cache of s: no resolver, no push/pop, no driver call.
+        if pool is None and type(nbytes) is int and nbytes > 0 and self._pooled_ok:
+            s = stream
+            if s is None and context is None:
+                top = thread_state().top
+                if top is not None:
+                    s = implicit_stream(top)
+            if type(s) is Stream and (context is None or context is s.context):
+                blk = blockcache.take(s, nbytes)
+                if blk is not None:
+                    self.context = s.context
+                    self.nbytes = nbytes
+                    self._base = None
+                    self._stream = s
+                    self._ptr = blk.ptr
+                    self._fin = blk
+                    return
+        self._init(nbytes, context, stream, pool)
+
+    def _init(self, nbytes: int, context: Any, stream: Any, pool: Any) -> None:
         what = f"{type(self).__name__}({nbytes})"
         n = nbytes_arg(nbytes, what)
         if context is None and isinstance(stream, Stream):
@@ -134,18 +160,18 @@ class DeviceBuffer:
     def _alloc_ordered(self, ctx: Context, n: int, stream: Any, pool: Any, what: str) -> None:
         s = stream if isinstance(stream, Stream) else Stream.from_handle(stream or 0, ctx)
         sh = stream_for(s, ctx, what)
-        with ctx:
-            if pool is None:
-                err, ptr = drv.cuMemAllocAsync(n, sh)
-            else:
-                err, ptr = drv.cuMemAllocFromPoolAsync(n, pool.handle, sh)
-        if err:
-            raise _alloc_error(ctx, err, n, f"{what} (stream-ordered)")
-        self._ptr = int(ptr)
+        ph = None if pool is None else pool.handle
+        blk = blockcache.take_from(s, n, ph)
+        if blk is None:
+            with ctx:
+                err, blk = blockcache.allocate(ctx, n, s, sh, ph)
+            if err or blk is None:
+                raise _alloc_error(ctx, err, n, f"{what} (stream-ordered)")
+        self._ptr = blk.ptr
         self._stream = s
-        # The finalizer holds the stream: it outlives the buffer, so the free is ordered
-        # after every use enqueued on it.
-        self._fin = finalizer(self, ctx, _free_async, ptr, s)
+        # The block holds the stream while the buffer lives, so the free (or the return to
+        # the stream's cache) is ordered after every use enqueued on it.
+        self._fin = blk
 
     @staticmethod
     def _alloc(n: int) -> tuple[Any, Any]:
@@ -221,22 +247,24 @@ class DeviceBuffer:
     def close(self, stream: Any = None) -> None:
         """Free the memory now (inside its context, from any thread). Idempotent.
 
-        Stream-ordered memory is freed with ``cuMemFreeAsync`` on its allocation stream,
-        or on *stream* when given (the free is then ordered after the work on *stream*
-        only: make sure nothing else still uses the memory). Closing a slice view only
-        invalidates the view.
+        Stream-ordered memory goes back to the block cache of its allocation stream, or
+        of *stream* when given (a later allocation on that stream reuses it, ordered
+        after the work on that stream only: make sure nothing else still uses the
+        memory); the cache frees it with ``cuMemFreeAsync`` on that stream
+        (:mod:`ctxkit.memory.blockcache`). Closing a slice view only invalidates the view.
         """
         fin = self._fin
         if self._base is None and fin is not None:
-            if stream is not None and self._stream is not None and fin.alive:
-                fin.detach()
-                ptr = self._ptr
-                s = (
-                    stream
-                    if isinstance(stream, Stream)
-                    else Stream.from_handle(stream, self.context)
-                )
-                free_quietly(self.context, _free_async, ptr, s)
+            if isinstance(fin, Block):
+                self._fin = None
+                s = None
+                if stream is not None:
+                    s = (
+                        stream
+                        if isinstance(stream, Stream)
+                        else Stream.from_handle(stream, self.context)
+                    )
+                blockcache.give_back(fin, s)
             else:
                 fin()
         self._ptr = None
@@ -361,17 +389,6 @@ class DeviceBuffer:
     def __dlpack_device__(self) -> tuple[int, int]:
         """``(kDLCUDA, ordinal)``; ``(kDLCUDAManaged, ordinal)`` for managed memory."""
         return (self._dlpack_device_type, self.context.device.ordinal)
-
-
-def _free_async(ptr: Any, stream: Stream) -> Any:
-    """Free stream-ordered memory on *stream* (call with its context bound)."""
-    handle = stream.handle
-    if handle is None:  # the stream was closed: wait for everything, then free
-        (err,) = drv.cuCtxSynchronize()
-        if err:
-            return (err,)
-        handle = drv.CUstream(0)
-    return drv.cuMemFreeAsync(ptr, handle)
 
 
 def _keep(owner: Any) -> None:

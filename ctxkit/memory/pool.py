@@ -5,7 +5,10 @@ A :class:`MemoryPool` is a device's default pool (``cuDeviceGetDefaultMemPool``,
 or one another library made (:meth:`MemoryPool.from_handle`, e.g. a pool CuPy or PyTorch
 uses). Freed memory returns to the pool in stream order and is reused without a driver
 allocation, which is what makes allocating per iteration cheap; the release threshold
-says how much unused memory the pool keeps across synchronizations.
+says how much unused memory the pool keeps across synchronizations. On top of it, ctxkit
+caches freed blocks per stream for reuse without a driver call, like PyTorch's caching
+allocator (:mod:`ctxkit.memory.blockcache`): they count as used in the driver's statistics
+and in :attr:`MemoryPool.cached_bytes`; :meth:`MemoryPool.trim` gives them back.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from ..device import Device
 from ..errors import ContextClosedError
 from ..lifetime import finalizer
 from ..registry import ContextLike, resolve_context
+from . import blockcache
 from .device import DeviceBuffer
 
 __all__ = ["MemoryPool"]
@@ -49,6 +53,10 @@ class MemoryPool:
     -----
     ``MemoryPool(0)`` creates a new, private pool; ``MemoryPool.default(0)`` is the
     device's default pool, shared with every ``cuMemAllocAsync`` user of the process.
+    Freed stream-ordered buffers keep their block in ctxkit's cache of their stream for
+    the next allocation of that size there (no driver call): those blocks count in
+    :attr:`used_bytes` and :attr:`cached_bytes` until :meth:`trim` (or
+    ``CTXKIT_ALLOC_CACHE=0``, which disables the cache) gives them back.
     """
 
     __slots__ = ("__weakref__", "_fin", "context", "handle", "owned")
@@ -139,8 +147,21 @@ class MemoryPool:
 
     @property
     def used_bytes(self) -> int:
-        """Memory handed out to allocations that are not freed yet."""
+        """Memory handed out to allocations that are not freed yet (the driver's count:
+        blocks in ctxkit's cache, :attr:`cached_bytes`, are included)."""
         return self._get("USED_MEM_CURRENT")
+
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes of freed buffers ctxkit's block cache holds for reuse from this pool."""
+        self._check_open()
+        dev = self.context.device
+        total = blockcache.cached_bytes(dev.ordinal, int(self.handle))
+        with self.context:
+            err, default = drv.cuDeviceGetDefaultMemPool(dev.handle)
+        if not err and int(default) == int(self.handle):
+            total += blockcache.cached_bytes(dev.ordinal, 0)
+        return total
 
     @property
     def reserved_high(self) -> int:
@@ -162,10 +183,14 @@ class MemoryPool:
     def trim(self, keep: int = 0) -> None:
         """Release unused memory, keeping at least *keep* bytes reserved (``cuMemPoolTrimTo``).
 
-        Memory freed in stream order counts as in use until that free has completed:
-        synchronize the freeing stream first to release it.
+        The blocks ctxkit's cache holds on the device are freed first, on their
+        streams, and the device's contexts with cached blocks are synchronized so those
+        frees complete: afterwards :attr:`used_bytes` and :attr:`reserved_bytes` have
+        dropped. Other memory freed in stream order counts as in use until that free
+        has completed: synchronize the freeing stream first to release it.
         """
         self._check_open()
+        blockcache.flush(device=self.context.device.ordinal, sync=True)
         (err,) = drv.cuMemPoolTrimTo(self.handle, _nonnegative(keep, "keep"))
         if err:
             raise self.context.note_error(err, f"cuMemPoolTrimTo({keep})")
@@ -185,9 +210,12 @@ class MemoryPool:
 
     def close(self) -> None:
         """Destroy an owned pool (its allocations must be freed first); idempotent.
-        A borrowed or default pool is only forgotten."""
+        A borrowed or default pool is only forgotten. Blocks of an owned pool in
+        ctxkit's cache are freed first."""
         fin = self._fin
         if fin is not None:
+            if fin.alive:
+                blockcache.flush(device=self.context.device.ordinal, sync=True)
             fin()
         self.handle = None
 

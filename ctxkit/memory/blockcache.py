@@ -1,0 +1,459 @@
+"""The cache of freed stream-ordered device blocks (what PyTorch's caching allocator does).
+
+``close()`` (or garbage collection) of a stream-ordered :class:`~ctxkit.DeviceBuffer`
+puts its block in the cache of the stream it is freed on, with no driver call; a new
+``DeviceBuffer(n, stream=s)`` takes a block of that size class from the cache of *s*,
+again with no driver call. Reuse on the same stream is safe by stream order: every use
+of the old buffer was enqueued on *s* before the new one's. A block is never handed to
+another stream.
+
+Caches are per (context, pool, stream). Size classes are multiples of 512 bytes (at most
+511 bytes of slack per buffer, like PyTorch's small-size rounding): a loop that allocates
+the same shapes every iteration hits; other sizes go to the driver's pool, which reuses
+memory itself, only slower (a driver call).
+
+The driver is called on a miss (``cuMemAllocAsync`` / ``cuMemAllocFromPoolAsync``) and
+when blocks are given back (``cuMemFreeAsync`` on the block's stream): by
+:meth:`MemoryPool.trim <ctxkit.MemoryPool.trim>`, by an allocation that fails with
+out-of-memory (the device's blocks are freed, the device synchronized, the allocation
+retried once), when a device's cached bytes exceed the bound (``CTXKIT_ALLOC_CACHE``:
+bytes per device, default a quarter of the device's memory; ``0`` disables the cache;
+over the bound the device's cache is emptied), when the stream is garbage collected (its
+blocks are freed on it before it is destroyed) and when the context is closed. A stream
+closed with ``close()`` keeps its blocks until one of those; they are then freed after a
+``cuCtxSynchronize`` (the stream handle is gone). At interpreter exit cached blocks are
+dropped without driver calls (the process teardown frees them, as for every other
+resource). While a ctxkit stream capture is open the cache hands out nothing (captured
+allocations become graph allocations, as without the cache) and blocks allocated then are
+never cached; gives back during a capture are held back by :mod:`ctxkit.lifetime`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from .. import lifetime
+from .._driver import drv
+from ..lifetime import free_quietly
+from ..stream import Stream
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..context import Context
+
+__all__ = ["Block", "cached_bytes", "enabled", "flush", "limit_bytes"]
+
+ENV = "CTXKIT_ALLOC_CACHE"
+_GRAIN = 512
+_PER_THREAD_STREAM = 2
+_OUT_OF_MEMORY = 2
+
+# The hot paths (take, give back) take no lock: a block changes hands only by list.pop()
+# and list.append(), which are atomic (with the GIL and in free-threaded builds), so a block
+# is held by exactly one buffer or one cache list. The lock guards the cache structure
+# (new caches, flushes). Re-entrant: a Block's __del__ may run inside it (the GC).
+_lock = threading.RLock()
+_capturing = lifetime._capturing_threads  # the dict itself: lifetime mutates it in place
+_caches: dict[Any, StreamCache] = {}  # key -> cache (see _key)
+_held: dict[int, int] = {}  # device ordinal -> cached bytes
+_limits: dict[int, int] = {}  # device ordinal -> bound (default: a quarter of its memory)
+
+
+def _read_env() -> tuple[bool, int | None]:
+    raw = os.environ.get(ENV, "").strip().lower()
+    if raw in ("", "1", "on", "true", "yes"):
+        return True, None
+    if raw in ("0", "off", "false", "no"):
+        return False, None
+    try:
+        value = int(raw, 0)
+    except ValueError:
+        raise ValueError(
+            f"{ENV}={raw!r}: expected 0/off (no cache), 1/on (default bound) or the "
+            "bound in bytes per device (e.g. 4294967296)"
+        ) from None
+    if value < 0:
+        raise ValueError(f"{ENV}={raw!r}: the bound in bytes must not be negative")
+    return value > 0, value
+
+
+def _env_settings() -> tuple[bool, int | None, ValueError | None]:
+    """The settings, or (off, the error): a bad value is raised by the first stream-ordered
+    allocation, not by ``import ctxkit``."""
+    try:
+        on, bound = _read_env()
+    except ValueError as exc:
+        return False, None, exc
+    return on, bound, None
+
+
+_enabled, _bound, _env_error = _env_settings()
+
+
+def enabled() -> bool:
+    """True when freed stream-ordered blocks are cached (``CTXKIT_ALLOC_CACHE`` not 0)."""
+    return _enabled
+
+
+def configure() -> None:
+    """Re-read ``CTXKIT_ALLOC_CACHE`` (the cache is flushed first)."""
+    global _enabled, _bound, _env_error
+    flush()
+    _enabled, _bound, _env_error = _env_settings()
+    _limits.clear()
+
+
+def size_class(n: int) -> int:
+    """The block size cached for an *n*-byte buffer (a multiple of 512)."""
+    return (n + _GRAIN - 1) & -_GRAIN
+
+
+def limit_bytes(ctx: Context) -> int:
+    """The most bytes the cache keeps for *ctx*'s device."""
+    dev = ctx.device.ordinal
+    limit = _limits.get(dev)
+    if limit is None:
+        if _bound is not None:
+            limit = _bound
+        else:
+            try:
+                limit = ctx.memory_info()[1] // 4
+            except Exception:
+                limit = 0
+        _limits[dev] = limit
+    return limit
+
+
+class StreamCache:
+    """The freed blocks of one (context, pool, stream): size class -> blocks."""
+
+    __slots__ = ("blocks", "context", "device", "fin", "handle", "key", "pool", "ref", "strong")
+
+    def __init__(self, key: Any, stream: Stream, pool: Any, strong: bool) -> None:
+        self.key = key
+        self.context = stream.context
+        self.device = stream.context.device.ordinal
+        self.pool = pool
+        self.handle = stream.handle
+        self.fin = stream._fin  # the stream's destroy; alive while the handle is valid
+        self.blocks: dict[int, list[Block]] = {}
+        self.strong: Stream | None = stream if strong else None
+        self.ref: Any = None if strong else weakref.ref(stream, _stream_dropped(key))
+
+    def stream(self) -> Stream | None:
+        """The stream (``None`` once it was garbage collected)."""
+        return self.strong if self.strong is not None else self.ref()
+
+
+class Block:
+    """A stream-ordered allocation owned by one buffer (or waiting in a cache).
+
+    ``stream`` holds the buffer's stream while the block is in use, so a buffer dropped
+    without ``close()`` can still give the block back on it (``__del__``).
+    """
+
+    __slots__ = ("home", "ptr", "size", "stream", "token")
+
+    def __init__(self, ptr: int, size: int, home: StreamCache | None, stream: Stream) -> None:
+        self.ptr = ptr
+        self.size = size
+        self.home = home
+        self.stream: Stream | None = stream
+        # Non-empty while a buffer owns the block; giving it back pops it (atomically, so
+        # two threads closing one buffer give it back once).
+        self.token = [True]
+
+    @property
+    def live(self) -> bool:
+        """True while a buffer owns the block."""
+        return bool(self.token)
+
+    def __del__(self) -> None:
+        # The buffer was dropped without close(). A finalizer runs once per object, so
+        # the cache gets a fresh Block, never this one.
+        if self.token:
+            try:
+                self.token.clear()
+                give_back(Block(self.ptr, self.size, self.home, self.stream), None)  # type: ignore[arg-type]
+            except Exception:  # pragma: no cover - interpreter teardown
+                pass
+
+
+def _key(stream: Stream, pool: Any) -> tuple[Any, bool] | None:
+    """The cache key of *stream* and whether the cache holds the stream strongly;
+    ``None``: not cacheable."""
+    h = int(stream.handle)
+    p = 0 if pool is None else int(pool)
+    if stream.owned:
+        return (id(stream) if not p else (id(stream), p)), False
+    if h == _PER_THREAD_STREAM:
+        return None  # one handle, a different stream in every thread
+    # Borrowed (another library's stream, the legacy stream): one cache per handle, which
+    # holds the first wrapper (and so the foreign stream) until its context is closed.
+    return ("borrowed", stream.context.handle, h, p), True
+
+
+def _cache_for(stream: Stream, pool: Any) -> StreamCache | None:
+    found = _key(stream, pool)
+    if found is None:
+        return None
+    key, strong = found
+    sc = _caches.get(key)
+    if sc is None or (sc.strong is None and sc.ref() is not stream):
+        with _lock:
+            sc = _caches.get(key)
+            if sc is None or (sc.strong is None and sc.ref() is not stream):
+                sc = _caches[key] = StreamCache(key, stream, pool, strong)
+    return sc
+
+
+def take(stream: Stream, n: int) -> Block | None:
+    """A cached block for an *n*-byte buffer on *stream* (default pool), or ``None``."""
+    if not _enabled or _capturing or stream.handle is None:
+        return None
+    ctx = stream.context
+    if ctx.closed or ctx._poison is not None:
+        return None
+    sc = _caches.get(id(stream))
+    if sc is None:
+        if stream.owned:
+            return None
+        sc = _cache_for(stream, None)
+        if sc is None:
+            return None
+    return _pop(sc, (n + _GRAIN - 1) & -_GRAIN, stream)
+
+
+def _pop(sc: StreamCache, size: int, stream: Stream) -> Block | None:
+    blocks = sc.blocks.get(size)
+    if not blocks:
+        return None
+    try:
+        blk = blocks.pop()
+    except IndexError:  # another thread took the last one
+        return None
+    blk.token.append(True)
+    blk.stream = stream
+    _held[sc.device] = _held.get(sc.device, 0) - size  # not atomic: a flush recounts
+    return blk
+
+
+def take_from(stream: Stream, n: int, pool: Any) -> Block | None:
+    """As :func:`take` for a given pool handle (``None``: the device's pool)."""
+    if not _enabled or _capturing or stream.handle is None:
+        return None
+    sc = _cache_for(stream, pool)
+    return None if sc is None else _pop(sc, size_class(n), stream)
+
+
+def allocate(ctx: Context, n: int, stream: Stream, sh: Any, pool: Any) -> tuple[Any, Block | None]:
+    """Allocate a new block for an *n*-byte buffer on *stream* (handle *sh*) with *ctx*
+    bound; on out-of-memory free the device's cached blocks and retry once.
+
+    Returns ``(error, block)``: the driver's error (0 on success) and the block.
+    """
+    if _env_error is not None:
+        raise _env_error
+    capturing = bool(_capturing)
+    size = size_class(n) if _enabled else n
+    err, ptr = _driver_alloc(size, sh, pool)
+    if int(err) == _OUT_OF_MEMORY and not capturing and _held.get(ctx.device.ordinal):
+        flush(device=ctx.device.ordinal, sync=True)
+        err, ptr = _driver_alloc(size, sh, pool)
+    if err:
+        return err, None
+    home = None if capturing or not _enabled else _cache_for(stream, pool)
+    return 0, Block(int(ptr), size, home, stream)
+
+
+def _driver_alloc(size: int, sh: Any, pool: Any) -> tuple[Any, Any]:
+    if pool is None:
+        return drv.cuMemAllocAsync(size, sh)  # type: ignore[no-any-return]
+    return drv.cuMemAllocFromPoolAsync(size, pool, sh)  # type: ignore[no-any-return]
+
+
+def give_back(blk: Block, stream: Stream | None) -> None:
+    """The buffer of *blk* was closed (freed on *stream*; ``None``: its own stream)."""
+    try:
+        blk.token.pop()
+    except IndexError:  # given back already (a second close, or another thread's)
+        return
+    home = blk.home
+    if stream is None and home is not None and _enabled:
+        blocks = home.blocks.get(blk.size)
+        if blocks is not None and _caches.get(home.key) is home:
+            # the common case: back to the cache of its own stream
+            blk.stream = None
+            blocks.append(blk)
+            dev = home.device
+            held = _held[dev] = _held.get(dev, 0) + blk.size  # not atomic: a flush recounts
+            limit = _limits.get(dev)
+            if held > (limit if limit is not None else limit_bytes(home.context)):
+                flush(device=dev)
+            return
+    _give_back_slow(blk, stream)
+
+
+def _give_back_slow(blk: Block, stream: Stream | None) -> None:
+    own = blk.stream
+    blk.stream = None
+    home = blk.home
+    if stream is not None and stream is not own and home is not None:
+        same = stream.handle is not None and stream.context is home.context
+        home = _cache_for(stream, home.pool) if same else None
+    if home is not None and _caches.get(home.key) is not home:  # dropped meanwhile
+        s = stream if stream is not None else own
+        usable = s is not None and s.handle is not None and not s.context.closed
+        home = _cache_for(s, home.pool) if usable and s is not None else None
+    if home is None or not _enabled:
+        target = stream if stream is not None else own
+        if target is not None:
+            free_quietly(target.context, free_async, blk.ptr, target)
+        return
+    fresh: list[Block] = []  # made outside the lock: creating it may run the GC
+    with _lock:
+        blk.home = home
+        home.blocks.setdefault(blk.size, fresh).append(blk)
+        held = _held[home.device] = _held.get(home.device, 0) + blk.size
+    if held > limit_bytes(home.context):
+        flush(device=home.device)
+
+
+def free_async(ptr: int, stream: Any) -> Any:
+    """``cuMemFreeAsync`` on *stream* (call with the context bound): a Stream (its handle
+    is read now: the free may have been held back by a capture), a ``CUstream``, or
+    ``None`` -- the stream is gone, so wait for the whole context first and free on the
+    legacy stream."""
+    handle = stream.handle if isinstance(stream, Stream) else stream
+    if handle is None:
+        (err,) = drv.cuCtxSynchronize()
+        if err:
+            return (err,)
+        handle = drv.CUstream(0)
+    return drv.cuMemFreeAsync(ptr, handle)
+
+
+def _drain(sc: StreamCache) -> list[Block]:
+    """Take every block out of *sc* (call with the lock held). The garbage collector may
+    run in between and put a block back re-entrantly: nothing is iterated that it could
+    change, and nothing it adds is lost (it stays cached)."""
+    out: list[Block] = []
+    for size in list(sc.blocks):
+        lst = sc.blocks.get(size)
+        while lst:
+            try:
+                out.append(lst.pop())  # one at a time: a concurrent take gets the others
+            except IndexError:
+                break
+    return out
+
+
+def _recount(device: int) -> None:
+    """Set the device's held bytes from the caches (call with the lock held)."""
+    _held[device] = sum(
+        b.size
+        for sc in list(_caches.values())
+        if sc.device == device
+        for lst in list(sc.blocks.values())
+        for b in list(lst)
+    )
+
+
+def _take_all(match: Any) -> list[tuple[StreamCache, list[Block]]]:
+    out = []
+    with _lock:
+        for sc in list(_caches.values()):
+            if sc.blocks and match(sc):
+                blocks = _drain(sc)
+                if blocks:
+                    out.append((sc, blocks))
+        for dev in {sc.device for sc, _b in out}:
+            _recount(dev)
+    return out
+
+
+def _free_blocks(sc: StreamCache, blocks: list[Block], stream: Any) -> None:
+    ctx = sc.context
+    for b in blocks:
+        b.home = None
+        free_quietly(ctx, free_async, b.ptr, stream)
+
+
+def flush(*, device: int | None = None, context: Any = None, sync: bool = False) -> int:
+    """Free the cached blocks (of one device or context; all when neither is given) on
+    their streams; with *sync* wait for those frees. Returns the bytes given back."""
+
+    def match(sc: StreamCache) -> bool:
+        if device is not None and sc.device != device:
+            return False
+        return context is None or sc.context is context
+
+    freed = 0
+    contexts = []
+    for sc, blocks in _take_all(match):
+        _free_blocks(sc, blocks, sc.stream())
+        freed += sum(b.size for b in blocks)
+        if sc.context not in contexts:
+            contexts.append(sc.context)
+    if sync:
+        for ctx in contexts:
+            if not ctx.closed and not ctx.poisoned:
+                ctx.synchronize()
+    return freed
+
+
+def cached_bytes(device: int, pool: Any = 0) -> int:
+    """Bytes the cache holds on *device* for the pool with handle *pool* (0: the device's
+    pool ``cuMemAllocAsync`` uses)."""
+    p = int(pool)
+    with _lock:
+        return sum(
+            b.size
+            for sc in list(_caches.values())
+            if sc.device == device and (0 if sc.pool is None else int(sc.pool)) == p
+            for lst in list(sc.blocks.values())
+            for b in list(lst)
+        )
+
+
+def _stream_dropped(key: Any) -> Any:
+    def dropped(_ref: Any) -> None:
+        with _lock:
+            sc = _caches.pop(key, None)
+        if sc is None:
+            return
+        with _lock:
+            blocks = _drain(sc)
+            _recount(sc.device)
+        if not blocks:
+            return
+        # This callback runs before the stream's own finalizer destroys it (a newer weak
+        # reference); should it not, the handle is gone and free_async synchronizes.
+        alive = sc.fin is not None and sc.fin.alive
+        _free_blocks(sc, blocks, sc.handle if alive else None)
+
+    return dropped
+
+
+def context_closing(ctx: Context) -> None:
+    """*ctx* is about to be closed: free its cached blocks while it still exists."""
+    flush(context=ctx)
+    with _lock:
+        for key in [k for k, sc in _caches.items() if sc.context is ctx]:
+            del _caches[key]
+
+
+def _at_exit() -> None:
+    """Interpreter exit: stop caching and drop the blocks (the teardown frees them)."""
+    global _enabled
+    _enabled = False
+    with _lock:
+        _caches.clear()
+        _held.clear()
+
+
+atexit.register(_at_exit)
+lifetime.on_context_close(context_closing)
