@@ -88,6 +88,16 @@ class _RawWith:
             raise RuntimeError(err)
 
 
+class _EmptyWith:
+    """A context manager that does nothing: the floor of any ``with`` (reference only)."""
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
 def raw_with(cu: object) -> Callable[[int], None]:
     cm = _RawWith(cu)
 
@@ -133,11 +143,13 @@ def bench_switching(n: int, rounds: int) -> tuple[dict[str, list[float]], str]:
     subtracted), variants interleaved within each round; and the torch note."""
     ctx = ck.registry.context(0)
     bind = ck.bind
+    empty_cm = _EmptyWith()
     variants: dict[str, Callable[[int], None]] = {
         "base": empty_loop,
         "raw": raw_pair(ctx._cu),
         "raw_checked": raw_pair_checked(ctx._cu),
         "raw_with": raw_with(ctx._cu),
+        "empty_with": with_cm(lambda: empty_cm),
         "enter": with_cm(lambda: ctx),
         "bind_cold": with_cm(lambda: bind(ctx)),
     }
@@ -327,6 +339,8 @@ def print_tables(r: Mapping[str, Any]) -> None:
     print(f"  raw cuCtxPushCurrent+cuCtxPopCurrent : {raw:.3f}")
     print(f"    + int(popped) == handle check      : {med['raw_checked']:.3f}")
     print(f"    as a minimal Python `with` class   : {med['raw_with']:.3f}")
+    if "empty_with" in med:
+        print(f"  an empty Python `with` (no driver)   : {med['empty_with']:.3f}")
     print(
         f"  with ctx: (not current)              : {med['enter']:.3f} ({med['enter'] / raw:.2f}x)"
     )

@@ -80,6 +80,11 @@ _all_lock = threading.Lock()
 _tls = _Local()
 
 
+_fast = threading.local()
+"""The same per-thread state as ``_tls.s``, read through a plain ``threading.local``:
+cheaper than the subclass on every Python version; filled on a thread's first use."""
+
+
 _shutting_down = False
 
 
@@ -94,7 +99,15 @@ atexit.register(begin_shutdown)
 
 def thread_state() -> _ThreadState:
     """This thread's ctxkit context bookkeeping (internal)."""
-    return _tls.s
+    try:
+        return _fast.s  # type: ignore[no-any-return]
+    except AttributeError:
+        return _first_use()
+
+
+def _first_use() -> _ThreadState:
+    st = _fast.s = _tls.s
+    return st
 
 
 def entry_context(entry: Any) -> Context:
@@ -125,7 +138,7 @@ def thread_bindings() -> dict[str, list[Context]]:
 
 def current_handle() -> int:
     """Handle of this thread's current context according to the driver (0 when none)."""
-    top = _tls.s.top
+    top = thread_state().top
     if top is not None:
         return top.handle
     _driver.init()
@@ -147,6 +160,21 @@ def current_context() -> Context | None:
     if known is not None and not known.closed:
         return known
     return Context._adopt_current(cu)
+
+
+def _compares_by_value(cu: Any) -> bool:
+    """True when ``!=`` on handles of *cu*'s type compares their values.
+
+    cuda-bindings 13 handles do (``!=`` costs a fraction of ``int()``); 12.8 handles
+    compare by identity, so a popped handle is checked with ``int()`` there.
+    """
+    try:
+        kind, value = type(cu), int(cu)
+        differs_from_same = kind(value) != cu
+        differs_from_other = kind(value ^ 1) != cu
+        return bool(differs_from_other and not differs_from_same)
+    except Exception:
+        return False
 
 
 class Context:
@@ -171,14 +199,26 @@ class Context:
     _primaries: ClassVar[dict[int, Context]] = {}
     _class_lock: ClassVar[threading.RLock] = threading.RLock()
 
-    __slots__ = ("__weakref__", "_cu", "_kind", "_poison", "closed", "device", "handle")
+    __slots__ = (
+        "__weakref__",
+        "_by_value",
+        "_cu",
+        "_kind",
+        "_poison",
+        "_unusable",
+        "closed",
+        "device",
+        "handle",
+    )
 
     def __init__(self, cu: Any, device: Device, kind: str) -> None:
         self._cu = cu
         self.handle = int(cu)
         self.device = device
         self._kind = kind
+        self._by_value = _compares_by_value(cu)
         self._poison: CudaError | None = None
+        self._unusable = False  # closed or poisoned: one flag for the push path
         self.closed = False
         Context._known[self.handle] = self
 
@@ -277,12 +317,15 @@ class Context:
     # --- push / pop ----------------------------------------------------------------
 
     def __enter__(self) -> Context:
-        st = _tls.s
+        try:
+            st = _fast.s
+        except AttributeError:
+            st = _first_use()
         top = st.top
         if top is self:
             st.stack.append(self)
             return self
-        if self.closed or self._poison is not None:
+        if self._unusable:
             self._raise_unusable()
         (err,) = drv.cuCtxPushCurrent(self._cu)
         if err:
@@ -292,22 +335,26 @@ class Context:
         return self
 
     def __exit__(self, et: object, ev: object, tb: object) -> None:
-        st = _tls.s
-        stack = st.stack
-        entry = stack[-1] if stack else None
+        try:
+            st = _fast.s
+        except AttributeError:
+            st = _first_use()
+        try:
+            entry = st.stack.pop()
+        except IndexError:
+            entry = None
         if entry is self:
-            stack.pop()
             return
         if type(entry) is not tuple or entry[0] is not self:
-            raise self._order_error(stack)
-        stack.pop()
+            if entry is not None:
+                st.stack.append(entry)
+            raise self._order_error(st.stack)
         err, popped = drv.cuCtxPopCurrent()
         if err:
             st.top = None
             raise self._error(err, "cuCtxPopCurrent")
-        got = int(popped)
-        if got != self.handle:
-            self._restore_foreign(st, entry, popped, got)
+        if (popped != self._cu) if self._by_value else (int(popped) != self.handle):
+            self._restore_foreign(st, entry, popped, int(popped))
         st.top = entry[1]
 
     def push(self) -> None:
@@ -384,11 +431,12 @@ class Context:
         exc = _driver.from_result(int(err), f"{what} on {self!r}")
         if int(err) in STICKY_CODES and self._poison is None:
             self._poison = exc
+            self._unusable = True
         return exc
 
     def check_usable(self) -> None:
         """Raise ``ContextClosedError``/``ContextPoisonedError`` if it cannot be used."""
-        if self.closed or self._poison is not None:
+        if self._unusable:
             self._raise_unusable()
 
     def note_error(self, err: Any, what: str) -> CudaError:
@@ -442,6 +490,7 @@ class Context:
         """
         if self.closed:
             return
+        lifetime.context_closing(self)  # caches give back what they hold in it, while it exists
         with Context._class_lock:
             if self.closed:
                 return
@@ -459,6 +508,7 @@ class Context:
 
     def _release(self) -> None:
         self.closed = True
+        self._unusable = True
         Context._known.pop(self.handle, None)
         if self._kind == _OWNED:
             call(drv.cuCtxDestroy, self._cu, what=f"cuCtxDestroy({self.handle:#x})")
@@ -481,12 +531,16 @@ class Context:
         never freed in whatever context happens to be current. A closed context freed its
         resources already, and at interpreter exit the process teardown does; both skip.
         """
-        if self.closed or self._poison is not None or _shutting_down:
+        if self._unusable or _shutting_down:
             return
         if not lifetime.begin_free(self, fn, args):
             return  # an open stream capture forbids it: it runs when the capture ends
         try:
-            if _tls.s.top is self:
+            try:
+                top = _fast.s.top
+            except AttributeError:
+                top = _first_use().top
+            if top is self:
                 _check_free(fn(*args), fn)
                 return
             with self:
@@ -525,7 +579,10 @@ def require_current(what: str) -> Context:
     Called before operations that the driver would otherwise refuse with
     ``CUDA_ERROR_INVALID_CONTEXT``.
     """
-    top = _tls.s.top
+    try:
+        top = _fast.s.top
+    except AttributeError:
+        top = _first_use().top
     if top is not None:
         return top
     ctx = current_context()

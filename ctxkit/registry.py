@@ -196,8 +196,16 @@ def resolve_context(target: ContextLike | None, what: str) -> Context:
     fix when it has none); a Device or ordinal means the registry's context of that device.
     The context must be usable (not closed, not poisoned).
     """
-    ctx = require_current(what) if target is None else default.resolve(target)
-    ctx.check_usable()
+    if type(target) is Context:
+        ctx = target
+    elif target is None:
+        ctx = require_current(what)
+    elif type(target) is int and (hit := default._contexts.get(target)) is not None:
+        ctx = hit if not hit.closed else default.resolve(target)
+    else:
+        ctx = default.resolve(target)
+    if ctx._unusable:
+        ctx.check_usable()
     return ctx
 
 
@@ -239,11 +247,14 @@ def bind(target: ContextLike) -> Context:
 
     ``with ctxkit.bind(0): ...`` binds the registry's context for device 0; a Context
     binds itself. Already current -> no driver call. Nestable, exception-safe; the
-    previous context is restored on exit.
+    previous context is restored on exit. Returns the Context itself (``bind(x)`` also
+    resolves *x* without binding it).
     """
+    if type(target) is Context:
+        return target
     if type(target) is int:
         ctx = default._contexts.get(target)
-        if ctx is not None and ctx._poison is None and not ctx.closed:
+        if ctx is not None and not ctx._unusable:
             return ctx
     elif isinstance(target, Context):
         return target
@@ -254,12 +265,22 @@ def bound(target: ContextLike) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """Decorator: run the function with *target*'s context bound (resolved per call)."""
 
     def deco(fn: Callable[P, R]) -> Callable[P, R]:
+        if isinstance(target, Context):
+            ctx = target
+
+            @functools.wraps(fn)
+            def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+                with ctx:
+                    return fn(*args, **kwargs)
+
+            return wrapper
+
         @functools.wraps(fn)
-        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        def resolving(*args: P.args, **kwargs: P.kwargs) -> R:
             with bind(target):
                 return fn(*args, **kwargs)
 
-        return wrapper
+        return resolving
 
     return deco
 

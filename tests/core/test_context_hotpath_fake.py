@@ -1,0 +1,244 @@
+"""The cheap paths of ``with ctx:``: re-entry, thread-local state, popped-handle checks.
+
+``__enter__``/``__exit__`` take shortcuts (a plain ``threading.local`` beside the one
+other modules read, a popped handle compared by value where the bindings allow it, one
+"unusable" flag); these tests pin down that the shortcuts keep every rule of a push/pop.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+import ctxkit as ck
+from ctxkit import context as context_mod
+from ctxkit.context import Context, thread_state
+from tests.support.fakedriver import FakeDriver, FakeHandle, swap_driver
+from tests.support.helpers import in_thread
+
+
+class IdentityHandle:
+    """A handle like cuda-bindings 12.8's ``CUcontext``: ``int()`` gives the value, but
+    ``==`` is identity, so two objects for one context never compare equal."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __int__(self) -> int:
+        return self.value
+
+
+class FreshHandleDriver(FakeDriver):
+    """Answers every call with a new handle object of *handle_type*, as the bindings do."""
+
+    def __init__(self, handle_type: Any) -> None:
+        super().__init__(ndev=2)
+        self.handle_type = handle_type
+
+    def cuDevicePrimaryCtxRetain(self, dev: Any) -> tuple[int, Any]:
+        err, h = super().cuDevicePrimaryCtxRetain(dev)
+        return err, self.handle_type(int(h))
+
+    def cuCtxPopCurrent(self) -> tuple[int, Any]:
+        err, h = super().cuCtxPopCurrent()
+        return err, self.handle_type(int(h))
+
+    def cuCtxGetCurrent(self) -> tuple[int, Any]:
+        err, h = super().cuCtxGetCurrent()
+        return err, self.handle_type(int(h))
+
+
+def _real_handle_type() -> Any:
+    from cuda.bindings import driver
+
+    return driver.CUcontext
+
+
+@pytest.fixture(params=["identity", "by-value", "cuda-bindings"])
+def fresh_driver(request: pytest.FixtureRequest, fake_driver: FakeDriver, monkeypatch):
+    """The fake driver, but every popped handle is a new object (three handle kinds)."""
+    kinds = {"identity": IdentityHandle, "by-value": FakeHandle}
+    handle_type = kinds.get(request.param) or _real_handle_type()
+    fake = FreshHandleDriver(handle_type)
+    swap_driver(monkeypatch, fake)
+    return fake
+
+
+def test_a_fresh_popped_handle_of_the_same_context_is_accepted(fresh_driver):
+    a, b = Context.primary(0), Context.primary(1)
+    for _ in range(3):
+        with a:
+            with b:
+                assert fresh_driver.current() == b.handle
+            assert fresh_driver.current() == a.handle
+    assert fresh_driver.current() == 0 and thread_state().stack == []
+
+
+def test_a_foreign_push_is_detected_whatever_the_handle_type(fresh_driver):
+    ctx = Context.primary(0)
+    foreign = fresh_driver.handle_type(0xF00)
+    with pytest.raises(ck.ContextStackError, match="expected to pop") as ei, ctx:
+        fresh_driver.stack().append(foreign)
+    assert "0xf00" in str(ei.value)
+    assert fresh_driver.current() == 0xF00  # put back, not popped
+    fresh_driver.stack().pop()
+    ctx.pop()
+    assert fresh_driver.current() == 0 and thread_state().stack == []
+
+
+def test_a_foreign_pop_is_detected_whatever_the_handle_type(fresh_driver):
+    outer, inner = Context.primary(1), Context.primary(0)
+    with outer:
+        with pytest.raises(ck.ContextStackError, match="popped this context"), inner:
+            fresh_driver.stack().pop()
+        assert fresh_driver.current() == outer.handle
+    assert fresh_driver.current() == 0
+
+
+def test_reentries_that_raise_leave_one_real_push(fake_driver):
+    ctx = Context.primary(0)
+    with ctx:
+        pushes = fake_driver.calls["cuCtxPushCurrent"]
+        for depth in range(1, 4):
+            with pytest.raises(KeyError):
+                for _ in range(depth):
+                    ctx.__enter__()
+                try:
+                    raise KeyError(depth)
+                finally:
+                    for _ in range(depth):
+                        ctx.__exit__(KeyError, None, None)
+            assert len(thread_state().stack) == 1 and thread_state().top is ctx
+        with pytest.raises(ValueError), ctx, ctx, ctx:
+            raise ValueError
+        assert len(thread_state().stack) == 1
+        assert fake_driver.calls["cuCtxPushCurrent"] == pushes
+        assert fake_driver.current() == ctx.handle
+    assert fake_driver.current() == 0 and thread_state().top is None
+    assert fake_driver.calls["cuCtxPopCurrent"] == 1
+
+
+def test_reentry_counts_in_the_stack_and_pops_in_order(fake_driver):
+    """Re-entries are recorded like pushes (executors and diagnostics count them)."""
+    a, b = Context.primary(0), Context.primary(1)
+    a.push()
+    a.push()  # re-entry
+    b.push()
+    assert len(thread_state().stack) == 3
+    with pytest.raises(ck.ContextStackError, match="innermost"):
+        a.pop()
+    assert [context_mod.entry_context(e) for e in thread_state().stack] == [a, a, b]
+    b.pop()
+    a.pop()
+    assert fake_driver.current() == a.handle  # only the re-entry ended
+    a.pop()
+    assert fake_driver.current() == 0
+    with pytest.raises(ck.ContextStackError, match="pushed nothing"):
+        a.pop()
+    assert thread_state().stack == []
+
+
+def test_a_refused_pop_leaves_the_record_as_it_was(fake_driver):
+    a, b = Context.primary(0), Context.primary(1)
+    with a:
+        b.push()
+        before = list(thread_state().stack)
+        with pytest.raises(ck.ContextStackError):
+            a.pop()
+        assert thread_state().stack == before and thread_state().top is b
+        b.pop()
+    assert fake_driver.current() == 0
+
+
+def test_reentry_in_one_thread_is_a_real_push_in_another(fake_driver):
+    ctx = Context.primary(0)
+    with ctx:
+        main_stack = list(thread_state().stack)
+
+        def worker() -> tuple[Any, int, int]:
+            top_before = thread_state().top
+            with ctx:
+                inside = fake_driver.current()
+                with ctx:
+                    pass
+            return top_before, inside, fake_driver.current()
+
+        top_before, inside, after = in_thread(worker, name="other")
+        assert top_before is None and inside == ctx.handle and after == 0
+        assert fake_driver.pushes_by_thread["other"] == 1  # the re-entry cost nothing
+        assert thread_state().stack == main_stack and thread_state().top is ctx
+        assert fake_driver.current() == ctx.handle
+
+
+def test_every_view_of_the_thread_state_is_one_object(fake_driver):
+    """``_tls.s`` (read by launch paths) and ``thread_state()`` agree in a new thread,
+    whichever is touched first."""
+    ctx = Context.primary(0)
+
+    def with_first() -> bool:
+        with ctx:
+            st = context_mod._tls.s
+            return st is thread_state() and st.top is ctx
+
+    def subclass_first() -> bool:
+        st = context_mod._tls.s
+        with ctx:
+            return st is thread_state() and st.top is ctx and len(st.stack) == 1
+
+    assert in_thread(with_first) is True
+    assert in_thread(subclass_first) is True
+
+
+def test_a_thread_is_listed_once_its_first_push_is_made(fake_driver):
+    ctx = Context.primary(0)
+    inside = threading.Event()
+    leave = threading.Event()
+
+    def worker() -> None:
+        with ctx:
+            inside.set()
+            leave.wait(10)
+
+    t = threading.Thread(target=worker, name="lister")
+    t.start()
+    try:
+        assert inside.wait(10)
+        assert any(k.startswith("lister") for k in ck.registry.bindings())
+        with pytest.raises(ck.ContextInUseError, match="lister"):
+            ctx.close()
+    finally:
+        leave.set()
+        t.join()
+
+
+def test_closed_and_poisoned_contexts_refuse_a_push(fake_driver):
+    owned = Context.create(0)
+    owned.close()
+    with pytest.raises(ck.ContextClosedError, match="closed"), owned:
+        pass
+    with pytest.raises(ck.ContextClosedError):
+        owned.check_usable()
+    ctx = Context.primary(1)
+    fake_driver.fault = 700
+    with pytest.raises(ck.ContextPoisonedError):
+        ctx.synchronize()
+    pushes = fake_driver.calls["cuCtxPushCurrent"]
+    with pytest.raises(ck.ContextPoisonedError), ctx:
+        pass
+    assert fake_driver.calls["cuCtxPushCurrent"] == pushes
+    with pytest.raises(ck.ContextPoisonedError):
+        ctx.check_usable()
+    assert thread_state().stack == [] and fake_driver.current() == 0
+
+
+def test_free_in_the_current_context_makes_no_push(fake_driver):
+    ctx = Context.primary(0)
+    with ctx:
+        pushes = fake_driver.calls["cuCtxPushCurrent"]
+        ctx.free(fake_driver.fake_free, 7)
+        assert fake_driver.calls["cuCtxPushCurrent"] == pushes
+    assert fake_driver.freed_in == [(7, ctx.handle)]
