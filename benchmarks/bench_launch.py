@@ -18,7 +18,10 @@ includes the final wait. Variants, interleaved round by round (best round kept):
   this ctxkit has a current stream
 * a 2-pointer empty kernel launched with a torch tensor and a CuPy array (ctxkit orders
   the launch after their producer streams) vs the same launch with two ctxkit buffers,
-  when both libraries are installed
+  when both libraries are installed; the target is on the non-blocking stream above
+  (the legacy default stream torch and CuPy use is not ordered before it, so ctxkit
+  asks whether it has pending work). The same pair on a *blocking* ctxkit stream,
+  which CUDA orders after the legacy default stream itself, is printed for reference
 
 Graph replay: 100 and 1000 empty kernels captured into one graph (ctxkit ``capture`` vs
 raw ``cuStreamBeginCapture``), replayed R times after a warm-up; the steady-state time per
@@ -320,7 +323,9 @@ def foreign_args_variants(
 ) -> tuple[dict[str, Callable[[int], None]], str]:
     """``two_buffers`` and ``torch_cupy``: ``Kernel.launch`` of a 2-pointer kernel with two
     ctxkit buffers, and with a torch tensor and a CuPy array (each launch imports them
-    and orders itself after their streams); ``({}, reason)`` without torch or CuPy."""
+    and orders itself after their streams), on *stream*; ``two_buffers_blocking`` and
+    ``torch_cupy_blocking`` the same on a blocking stream; ``({}, reason)`` without torch
+    or CuPy."""
     try:
         import cupy as cp
         import torch
@@ -335,17 +340,24 @@ def foreign_args_variants(
         c = cp.empty(256, dtype=cp.uint8)
     torch.cuda.synchronize()
 
-    def run(x: Any, y: Any) -> Callable[[int], None]:
+    def run(x: Any, y: Any, s: ck.Stream) -> Callable[[int], None]:
         def go(n: int) -> None:
             launch = kernel.launch
             for _ in range(n):
-                launch(1, 32, x, y, stream=stream)
-            stream.synchronize()
+                launch(1, 32, x, y, stream=s)
+            s.synchronize()
 
         return go
 
+    blocking = ck.Stream(nonblocking=False)
     note = f"torch {torch.__version__} tensor + CuPy {cp.__version__} array"
-    return {"two_buffers": run(a, b), "torch_cupy": run(t, c)}, note
+    variants = {
+        "two_buffers": run(a, b, stream),
+        "torch_cupy": run(t, c, stream),
+        "two_buffers_blocking": run(a, b, blocking),
+        "torch_cupy_blocking": run(t, c, blocking),
+    }
+    return variants, note
 
 
 def rounds_us(
@@ -402,6 +414,17 @@ def verdicts(r: Mapping[str, Any]) -> list[Line]:
             _ratio(r, "launch.kernel_launch_vs_cuda_core", "kernel_launch", "cuda_core", 1.0, note)
         )
         lines.append(_ratio(r, "launch.prepared_vs_cuda_core", "prepared", "cuda_core", 0.85, note))
+        lines.append(
+            _ratio(
+                r,
+                "launch.raw_bindings_vs_cuda_core",
+                "raw_address",
+                "cuda_core",
+                None,
+                f"the floor through cuda.bindings: cuLaunchKernel with a pre-built void** vs "
+                f"{note} (compiled, calls the driver directly)",
+            )
+        )
     else:
         for name in ("launch.kernel_launch_vs_cuda_core", "launch.prepared_vs_cuda_core"):
             lines.append(skipped(name, r.get("cuda_core_note", "cuda.core not measured")))
@@ -433,6 +456,18 @@ def verdicts(r: Mapping[str, Any]) -> list[Line]:
         )
     else:
         lines.append(skipped("launch.foreign_args_vs_ctxkit_buffers", r.get("foreign_note", "")))
+    if r.get("torch_cupy_blocking"):
+        lines.append(
+            _ratio(
+                r,
+                "launch.foreign_args_blocking_stream_vs_ctxkit_buffers",
+                "torch_cupy_blocking",
+                "two_buffers_blocking",
+                None,
+                "the same on a blocking ctxkit stream (ordered after torch's and CuPy's "
+                "legacy default stream by CUDA itself: no stream query)",
+            )
+        )
     lines.append(_ratio(r, "launch.prepared_vs_raw", "prepared", "raw_address", None, "void**"))
     n = GRAPH_TARGET_NODES
     mine, raw = r[f"graph{n}_steady_ctxkit"], r[f"graph{n}_steady_raw"]

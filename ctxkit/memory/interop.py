@@ -15,6 +15,13 @@ say how the consumer orders itself after the producer:
 
 ctxkit's own objects need nothing: their users order them. Each type's way is worked
 out once and cached, so the launch hot path pays one dictionary lookup per argument.
+
+An event is recorded and waited on only where CUDA does not already order the two
+streams: not for the same stream; not between the legacy default stream (torch's and
+CuPy's default) and a *blocking* stream of the same context (created without
+``CU_STREAM_NON_BLOCKING``), which the driver synchronizes implicitly; not when the
+producer stream has no work left (``cuStreamQuery``). Several arguments of one
+producer stream cost one wait, and the event is reused (one per thread and context).
 """
 
 from __future__ import annotations
@@ -24,32 +31,58 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
+
 from .._driver import drv
 from ..context import Context
 from ..lifetime import finalizer
-from ..stream import _context_of_cu
+from ..stream import Stream, _context_of_cu, implicit_stream
 
 __all__ = ["order_after_producer", "order_after_producers", "producer_stream"]
 
 _EVENT_DISABLE_TIMING = 2
+_STREAM_NON_BLOCKING = 1
 _DLPACK_CPU = 1
-_LEGACY = (0, 1)  # CAI v3 says 1 for the legacy default stream; the driver handle is 0
+_LEGACY = 0  # the driver's handle of the legacy default stream; CAI v3 and DLPack say 1
+_PER_THREAD = 2  # CU_STREAM_PER_THREAD: a blocking stream of the calling thread
+_LEGACY_HANDLE: Any = drv.CUstream(0) if drv is not None else None
 
-#: per type: None (nothing to order) or a function (value, consumer int, ctx) -> None
-_orderers: dict[type, Callable[[Any, int, Context], None] | None] = {}
+#: per type: how to find the producer stream of a value (see :func:`_classify`)
+_StreamOf = Callable[[Any], "int | None"]
+_Dlpack = Callable[[Any, int], None]
+_kinds: dict[type, tuple[_StreamOf | None, _Dlpack | None] | None] = {}
 _lock = threading.Lock()
 
 
-def _torch_stream(t: Any) -> int | None:
-    if not getattr(t, "is_cuda", False):
-        return None
+def _torch_stream_getter() -> _StreamOf:
+    """``tensor -> torch's current raw stream of its device``, the cheapest way this
+    torch offers (``torch._C._cuda_getCurrentRawStream``, else the public API)."""
     torch = sys.modules["torch"]
-    return int(torch.cuda.current_stream(t.device).cuda_stream)
+    raw = getattr(getattr(torch, "_C", None), "_cuda_getCurrentRawStream", None)
+    if callable(raw):
+
+        def fast(t: Any) -> int | None:
+            index = t.get_device()
+            return None if index < 0 else int(raw(index))
+
+        return fast
+
+    def public(t: Any) -> int | None:
+        if not t.is_cuda:
+            return None
+        return int(torch.cuda.current_stream(t.device).cuda_stream)
+
+    return public
 
 
-def _cupy_stream(a: Any) -> int | None:
-    cupy = sys.modules["cupy"]
-    return int(cupy.cuda.get_current_stream().ptr)
+def _cupy_stream_getter() -> _StreamOf:
+    """``array -> CuPy's current stream`` (``get_current_stream_ptr`` where it exists)."""
+    cuda = sys.modules["cupy"].cuda
+    ptr = getattr(getattr(cuda, "stream", None), "get_current_stream_ptr", None)
+    if callable(ptr):
+        return lambda a: int(ptr())
+    current = cuda.get_current_stream
+    return lambda a: int(current().ptr)
 
 
 def _cai_stream(a: Any) -> int | None:
@@ -57,114 +90,197 @@ def _cai_stream(a: Any) -> int | None:
     return None if value is None else int(value)
 
 
+def _order_dlpack(v: Any, consumer: int) -> None:
+    """DLPack >= 1.0: the producer makes *consumer* wait (1 means the legacy stream).
+
+    The device is asked on every call: one type may hold host and device arrays.
+    """
+    if int(v.__dlpack_device__()[0]) != _DLPACK_CPU:
+        v.__dlpack__(stream=consumer or 1)
+
+
+_PLAIN = frozenset({int, float, bool, complex, str, bytes, bytearray, memoryview, type(None)})
+
+
+def _classify(v: Any) -> tuple[_StreamOf | None, _Dlpack | None] | None:
+    """``(stream_of, None)`` for arrays whose producer stream can be read,
+    ``(None, dlpack_orderer)`` for DLPack producers that order the consumer themselves,
+    ``None`` for values that need nothing (numbers, host arrays, ctxkit objects)."""
+    t = type(v)
+    mod = t.__module__ or ""
+    if mod == "ctxkit" or mod.startswith("ctxkit.") or t in _PLAIN:
+        return None
+    if isinstance(v, (np.ndarray, np.generic)):
+        return None  # host memory (pinned or managed arrays have no producer stream)
+    if mod.startswith("torch") and hasattr(v, "data_ptr") and hasattr(v, "is_cuda"):
+        return _torch_stream_getter(), None
+    if mod.startswith("cupy") and hasattr(getattr(v, "data", None), "ptr"):
+        return _cupy_stream_getter(), None
+    if hasattr(v, "__cuda_array_interface__"):
+        return _cai_stream, None
+    if hasattr(v, "__dlpack__") and hasattr(v, "__dlpack_device__"):
+        return None, _order_dlpack
+    return None
+
+
+def _kind(v: Any) -> tuple[_StreamOf | None, _Dlpack | None] | None:
+    t = type(v)
+    try:
+        return _kinds[t]
+    except KeyError:
+        pass
+    kind = _classify(v)
+    with _lock:
+        _kinds[t] = kind
+    return kind
+
+
 def producer_stream(v: Any) -> int | None:
-    """The stream (int handle; 1 = legacy default) a foreign array is ready on.
+    """The stream (int handle; 0 or 1 = legacy default) a foreign array is ready on.
 
     ``None`` when nothing has to be ordered: ctxkit objects, numbers, host arrays, CAI
     objects without a ``stream`` entry, and DLPack producers (they order themselves
     through ``__dlpack__(stream=)``).
     """
-    getter = _stream_getter(type(v), v)
-    return None if getter is None else getter(v)
-
-
-def _stream_getter(t: type, v: Any) -> Callable[[Any], int | None] | None:
-    mod = t.__module__ or ""
-    if mod == "ctxkit" or mod.startswith("ctxkit."):
+    kind = _kind(v)
+    if kind is None or kind[0] is None:
         return None
-    if mod.startswith("torch") and hasattr(v, "data_ptr") and hasattr(v, "is_cuda"):
-        return _torch_stream
-    if mod.startswith("cupy") and hasattr(getattr(v, "data", None), "ptr"):
-        return _cupy_stream
-    if hasattr(v, "__cuda_array_interface__"):
-        return _cai_stream
-    return None
+    return kind[0](v)
 
 
-def _classify(v: Any) -> Callable[[Any, int, Context], None] | None:
-    t = type(v)
-    getter = _stream_getter(t, v)
-    if getter is not None:
+def order_after_producer(
+    v: Any, consumer: Any, ctx: Context | None, consumer_stream: Any = None
+) -> None:
+    """Make stream *consumer* wait until *v* is ready.
 
-        def order(value: Any, consumer: int, ctx: Context) -> None:
-            producer = getter(value)
-            if producer is not None:
-                _wait(ctx, producer, consumer)
-
-        return order
-    mod = t.__module__ or ""
-    if mod == "ctxkit" or mod.startswith("ctxkit."):
-        return None
-    if hasattr(v, "__dlpack__") and hasattr(v, "__dlpack_device__"):
-        try:
-            on_host = int(v.__dlpack_device__()[0]) == _DLPACK_CPU
-        except Exception:
-            return None
-        return None if on_host else _order_dlpack
-    return None
+    Parameters
+    ----------
+    v : Any
+        A kernel argument or copy end; numbers, host arrays and ctxkit objects need nothing.
+    consumer : CUstream, int or None
+        The consumer stream's handle, in *ctx* (``None`` or 0: the legacy default stream).
+    ctx : Context
+        The calling thread's current context (``None``: nothing is ordered).
+    consumer_stream : Stream or another library's stream, optional
+        The stream object *consumer* came from (``None``: the thread's current stream);
+        its flags decide whether the legacy default stream is ordered before it anyway.
+    """
+    order_after_producers((v,), consumer, ctx, consumer_stream)
 
 
-def _order_dlpack(v: Any, consumer: int, ctx: Context) -> None:
-    # DLPack >= 1.0: the producer makes *consumer* wait; 1 means the legacy stream.
-    v.__dlpack__(stream=consumer or 1)
-
-
-def order_after_producer(v: Any, consumer: int, ctx: Context) -> None:
-    """Make stream *consumer* (int handle, in *ctx*) wait until *v* is ready."""
-    t = type(v)
-    try:
-        order = _orderers[t]
-    except KeyError:
-        order = _classify(v)
-        with _lock:
-            _orderers[t] = order
-    if order is not None:
-        order(v, consumer, ctx)
-
-
-def order_after_producers(values: Iterable[Any], consumer: int, ctx: Context) -> None:
-    """:func:`order_after_producer` for each of *values* (kernel arguments, copy ends)."""
-    orderers = _orderers
+def order_after_producers(
+    values: Iterable[Any], consumer: Any, ctx: Context | None, consumer_stream: Any = None
+) -> None:
+    """:func:`order_after_producer` for each of *values*: one wait per distinct producer
+    stream."""
+    kinds = _kinds
+    first: int | None = None
+    more: list[int] | None = None
     for v in values:
-        order = orderers.get(type(v), _MISSING)
-        if order is None:
+        try:
+            kind = kinds[type(v)]
+        except KeyError:
+            kind = _kind(v)
+        if kind is None:
             continue
-        order_after_producer(v, consumer, ctx)
-
-
-_MISSING: Any = object()
-
-
-class _Holder:
-    """Lives as long as its thread's state: the events die with it."""
-
-
-class _Events(threading.local):
-    """One reusable event per context and thread, for recording producer streams."""
-
-    def __init__(self) -> None:
-        self.by_context: dict[int, Any] = {}
-        self.holder = _Holder()
-
-
-_events = _Events()
-
-
-def _wait(ctx: Context, producer: int, consumer: int) -> None:
-    """Order *consumer* after the work enqueued on *producer* so far (event record/wait)."""
-    if producer == consumer or (producer in _LEGACY and consumer in _LEGACY):
+        stream_of, dlpack = kind
+        if stream_of is None:
+            if ctx is not None:
+                dlpack(v, 0 if consumer is None else int(consumer))  # type: ignore[misc]
+            continue
+        p = stream_of(v)
+        if p is None:
+            continue
+        if p == 1:
+            p = _LEGACY
+        if first is None:
+            first = p
+        elif p != first:
+            if more is None:
+                more = [p]
+            elif p not in more:
+                more.append(p)
+    if first is None or ctx is None:
         return
-    handle = drv.CUstream(0 if producer in _LEGACY else producer)
-    owner = ctx if producer in _LEGACY else _stream_context(handle, ctx)
-    with owner:
-        event = _event(owner)
-        (err,) = drv.cuEventRecord(event, handle)
-        if err:
-            raise owner.note_error(err, f"cuEventRecord on the producer stream {producer:#x}")
-    with ctx:
-        (err,) = drv.cuStreamWaitEvent(drv.CUstream(consumer), event, 0)
+    c = 0 if consumer is None else int(consumer)
+    if c == 1:
+        c = _LEGACY
+    _wait(ctx, first, c, consumer_stream)
+    if more is not None:
+        for p in more:
+            _wait(ctx, p, c, consumer_stream)
+
+
+def _wait(ctx: Context, producer: int, consumer: int, consumer_stream: Any) -> None:
+    """Order *consumer* after the work enqueued on *producer* so far, unless CUDA already
+    does (same stream; legacy default vs a blocking stream) or *producer* is idle."""
+    if producer == consumer:
+        return
+    if producer in (_LEGACY, _PER_THREAD):
+        if consumer == _LEGACY or (
+            producer == _LEGACY and _consumer_blocking(consumer, consumer_stream, ctx)
+        ):
+            return
+        owner = ctx
+        handle = _LEGACY_HANDLE if producer == _LEGACY else drv.CUstream(producer)
+    else:
+        handle = drv.CUstream(producer)
+        owner = _stream_context(handle, ctx)
+        if consumer == _LEGACY and owner is ctx and _blocking(handle):
+            return
+    if owner is ctx:
+        (err,) = drv.cuStreamQuery(handle)
+        if not err:
+            return  # nothing pending: every write to the array has completed
+        event = _record(ctx, handle, producer)
+    else:
+        with owner:
+            (err,) = drv.cuStreamQuery(handle)
+            if not err:
+                return
+            event = _record(owner, handle, producer)
+    _wait_event(ctx, event, producer, consumer)
+
+
+def _record(owner: Context, handle: Any, producer: int) -> Any:
+    """This thread's event of *owner* (current), recorded on the producer stream."""
+    event = _event(owner)
+    (err,) = drv.cuEventRecord(event, handle)
+    if err:
+        raise owner.note_error(err, f"cuEventRecord on the producer stream {producer:#x}")
+    return event
+
+
+def _wait_event(ctx: Context, event: Any, producer: int, consumer: int) -> None:
+    """Make *consumer* (a stream of *ctx*, the current context) wait for *event*."""
+    target = _LEGACY_HANDLE if consumer == _LEGACY else drv.CUstream(consumer)
+    (err,) = drv.cuStreamWaitEvent(target, event, 0)
     if err:
         raise ctx.note_error(err, f"cuStreamWaitEvent({consumer:#x}) after producer {producer:#x}")
+
+
+def _consumer_blocking(consumer: int, stream: Any, ctx: Context) -> bool:
+    """Whether the (non-legacy) consumer stream synchronizes with the legacy default stream.
+
+    A ctxkit stream knows its flags; ``None`` stands for the thread's current stream;
+    another library's stream is asked (``cuStreamGetFlags``) on every call, because the
+    driver reuses the handles of destroyed streams.
+    """
+    if isinstance(stream, Stream):
+        return not stream.nonblocking
+    if stream is None:
+        cur = implicit_stream(ctx)
+        if cur is not None and int(cur.handle or 0) == consumer:
+            return not cur.nonblocking
+    if consumer == _PER_THREAD:
+        return True
+    return _blocking(drv.CUstream(consumer))
+
+
+def _blocking(handle: Any) -> bool:
+    """True for a stream created without ``CU_STREAM_NON_BLOCKING`` (False if unknown)."""
+    err, flags = drv.cuStreamGetFlags(handle)
+    return not err and not int(flags) & _STREAM_NON_BLOCKING
 
 
 def _stream_context(handle: Any, fallback: Context) -> Context:
@@ -176,13 +292,37 @@ def _stream_context(handle: Any, fallback: Context) -> Context:
     return _context_of_cu(cu)
 
 
+class _Holder:
+    """Lives as long as its thread's state: the events die with it."""
+
+
+class _Events(threading.local):
+    """One reusable event per context and thread, for recording producer streams.
+
+    One is enough: ``cuStreamWaitEvent`` waits for the event's state when it is called,
+    so recording the same event again later does not change an earlier wait.
+    """
+
+    def __init__(self) -> None:
+        self.by_context: dict[int, tuple[Context, Any]] = {}
+        self.holder = _Holder()
+
+
+_events = _Events()
+
+
 def _event(ctx: Context) -> Any:
+    """This thread's event of *ctx* (current), created at its first use.
+
+    Kept with its context object: a later context that gets the same handle gets its own.
+    """
     events = _events.by_context
-    ev = events.get(ctx.handle)
-    if ev is None:
-        err, ev = drv.cuEventCreate(_EVENT_DISABLE_TIMING)
-        if err:
-            raise ctx.note_error(err, "cuEventCreate for producer-stream ordering")
-        events[ctx.handle] = ev
-        finalizer(_events.holder, ctx, drv.cuEventDestroy, ev)
+    hit = events.get(ctx.handle)
+    if hit is not None and hit[0] is ctx:
+        return hit[1]
+    err, ev = drv.cuEventCreate(_EVENT_DISABLE_TIMING)
+    if err:
+        raise ctx.note_error(err, "cuEventCreate for producer-stream ordering")
+    events[ctx.handle] = (ctx, ev)
+    finalizer(_events.holder, ctx, drv.cuEventDestroy, ev)
     return ev

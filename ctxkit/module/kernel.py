@@ -17,8 +17,8 @@ from ..context import Context, current_handle, require_current
 from ..context import _tls as _thread_local
 from ..errors import STICKY_CODES, CudaError, LaunchArgumentError
 from ..registry import guard
+from ..stream import Stream, stream_for
 from ..stream import _current as _current_streams
-from ..stream import stream_for
 from .image import JIT_CODES
 from .launch import (
     DIM_MAX,
@@ -334,10 +334,17 @@ class Kernel:
         else:
             bx, by, bz = normalize_dims(block, "block")
         if stream is None:
-            hs = stream_for(None, ctx, "launch") if _current_streams.by_context else LEGACY_STREAM
+            current = _current_streams.by_context
+            cur = current.get(ctx.handle) if current else None
+            if cur is None:
+                hs = LEGACY_STREAM
+            elif (hs := cur.handle) is None:
+                hs = stream_for(None, ctx, "launch")  # closed: says so
+        elif type(stream) is Stream and stream.context is ctx and stream.handle is not None:
+            hs = stream.handle
         else:
             hs = stream_for(stream, ctx, "launch")
-        addr = (self._address or self._require_packer().address)(args, ctx, hs)
+        addr = (self._address or self._require_packer().address)(args, ctx, hs, stream)
         if cooperative or cluster is not None or config is not None:
             cfg = config_for(config, cooperative, cluster)
             if not cfg.empty:

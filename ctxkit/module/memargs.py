@@ -29,18 +29,16 @@ __all__ = ["OWN_TYPES", "foreign_arrays", "order_foreign", "pointer_of", "rememb
 pointer_of: dict[type, Callable[[Any, Any], int]] = {}
 
 
-def remember_pointer_type(t: type, g: Callable[[Any], int]) -> Callable[[Any, Any], int]:
+def remember_pointer_type(t: type, g: Callable[..., int]) -> Callable[[Any, Any], int]:
     """Record how a pointer of type *t* is read (*g*: its :mod:`~ctxkit.module.pointers`
-    getter); ctxkit buffers and arrays also get the device check."""
+    getter, which takes ``(value, ctx)``); ctxkit buffers and arrays also get the device
+    check."""
     if issubclass(t, DeviceBuffer):
         two: Callable[[Any, Any], int] = _buffer_pointer
     elif issubclass(t, DeviceArray):
         two = _array_pointer
     else:
-
-        def two(v: Any, ctx: Any, g: Callable[[Any], int] = g) -> int:
-            return g(v)
-
+        two = g
     pointer_of[t] = two
     return two
 
@@ -95,12 +93,12 @@ def foreign_arrays(args: Sequence[Any]) -> list[Any]:
     ]
 
 
-def order_foreign(args: Sequence[Any], stream: Any, ctx: Context | None) -> None:
+def order_foreign(
+    args: Sequence[Any], stream: Any, ctx: Context | None, consumer: Any = None
+) -> None:
     """Make *stream* (a handle; ``None``: the legacy default) wait for the producers of the
     foreign arrays among *args* (``__cuda_array_interface__`` streams, DLPack, PyTorch,
-    CuPy; see :mod:`ctxkit.memory.interop`)."""
-    if ctx is None:
-        return
-    foreign = foreign_arrays(args)
-    if foreign:
-        order_after_producers(foreign, 0 if stream is None else int(stream), ctx)
+    CuPy; see :mod:`ctxkit.memory.interop`). *consumer* is the stream object the launch
+    was given (``None``: the current stream), whose flags spare waits CUDA makes anyway.
+    Numbers, host arrays and ctxkit buffers cost one dictionary lookup each."""
+    order_after_producers(args, stream, ctx, consumer)

@@ -24,7 +24,8 @@ import numpy as np
 from ..context import Context
 from ..errors import LaunchArgumentError
 from ..memory.device import DeviceArray, DeviceBuffer
-from .memargs import OWN_TYPES, order_foreign, pointer_of, remember_pointer_type
+from ..memory.interop import order_after_producers
+from .memargs import OWN_TYPES, pointer_of, remember_pointer_type
 from .pointers import Refused, pointer_getter, short_repr
 from .ptxsig import (
     BITS,
@@ -209,7 +210,8 @@ def _inline(p: Param, i: int) -> str:
     A Python ``int`` or ``float`` is packed as it is when :mod:`struct` checks the same
     range the converter would (a failure is explained argument by argument afterwards);
     an ``int`` of unknown sign goes through the converter only when it is negative. A
-    ctxkit buffer or array of the launch's own context costs two attribute reads.
+    ctxkit buffer or array of the launch's own context costs two attribute reads; a
+    memory type seen before (CuPy, PyTorch, CAI objects) one dictionary lookup.
     """
     a, t, c = f"a{i}", f"t{i}", f"c{i}(a{i}, ctx)"
     if p.kind == INT and not p.count:
@@ -220,6 +222,7 @@ def _inline(p: Param, i: int) -> str:
             f"({a} if ({t} := type({a})) is int{guard} "
             f"else {a}.ptr if {t} is DeviceBuffer and {a}.context is ctx "
             f"else {a}.buffer.ptr if {t} is DeviceArray and {a}.buffer.context is ctx "
+            f"else pointer_of[{t}]({a}, ctx) if {t} in pointer_of "
             f"else {c})"
         )
     if p.kind == FLOAT:
@@ -236,14 +239,15 @@ def _compile_packers(
     count_error: Callable[[Sequence[Any]], Exception],
     explain: Callable[[Sequence[Any], Any, BaseException], BaseException],
 ) -> tuple[Any, Any]:
-    """``fill(data, args, ctx)`` and ``address(args, ctx, stream)``, each one generated
-    function.
+    """``fill(data, args, ctx)`` and ``address(args, ctx, hs, stream=None)``, each one
+    generated function.
 
     Generated so the hot path has no per-argument loop or call for plain numbers (about
     half the cost of a comprehension); the source contains only generated names, never
     user input. ``address`` packs into the calling thread's reusable buffer and, when an
-    argument is a foreign array (not a number or a ctxkit buffer), orders *stream* after
-    its producer (:func:`order_foreign`).
+    argument is a foreign array (not a number or a ctxkit buffer), orders *hs* (the
+    handle of *stream*, the launch's stream object) after its producer
+    (:func:`~ctxkit.memory.interop.order_after_producers`).
     """
     n = len(params)
     names = "".join(f"a{i}, " for i in range(n))
@@ -252,8 +256,9 @@ def _compile_packers(
     namespace.update(
         DeviceBuffer=DeviceBuffer,
         DeviceArray=DeviceArray,
+        pointer_of=pointer_of,
         plain=OWN_TYPES,
-        order=order_foreign,
+        order=order_after_producers,
         pack_into=pack_into,
         local=local,
         new_buffer=new_buffer,
@@ -277,8 +282,8 @@ def _compile_packers(
         for i, p in enumerate(params)
         if p.accepts_pointer
     ]
-    order = f"    if not ({' and '.join(own)}):\n        order(a, hs, ctx)\n" if own else ""
-    src = f"def fill(d, a, ctx):\n{unpack}{pack}\ndef address(a, ctx, hs):\n{unpack}" + (
+    order = f"    if not ({' and '.join(own)}):\n        order(a, hs, ctx, so)\n" if own else ""
+    src = f"def fill(d, a, ctx):\n{unpack}{pack}\ndef address(a, ctx, hs, so=None):\n{unpack}" + (
         "    try:\n        d, address, _ = local.buf\n    except AttributeError:\n"
         "        b = new_buffer()\n        d, address, _ = local.buf = (b.data, b.address, b)\n"
         f"{pack}{order}    return address\n"
@@ -443,17 +448,23 @@ class ArgPacker:
         self._one[index].pack_into(buf.data, self.sig.params[index].offset, x)
 
     def address_for(
-        self, args: Sequence[Any], ctx: Context | None = None, stream: Any = None
+        self,
+        args: Sequence[Any],
+        ctx: Context | None = None,
+        stream: Any = None,
+        consumer: Any = None,
     ) -> int:
         """Pack *args* into this thread's reusable buffer; return its ``void**`` address.
 
         The buffer is reused by the next call in the same thread, which is safe because
         ``cuLaunchKernel`` copies the parameters before it returns. With a context,
         *stream* (a handle, ``None``: legacy default) is ordered after the producers of
-        foreign array arguments. :attr:`address` is the same function without the
-        method call (the launch hot path uses it).
+        foreign array arguments; *consumer* is the stream object it came from (its flags
+        can make a wait unnecessary; ``None``: the thread's current stream).
+        :attr:`address` is the same function without the method call (the launch hot
+        path uses it).
         """
-        return self.address(args, ctx, stream)  # type: ignore[no-any-return]
+        return self.address(args, ctx, stream, consumer)  # type: ignore[no-any-return]
 
     def index_of(self, key: int | str) -> int:
         """Parameter index for an index or a PTX parameter name."""

@@ -38,7 +38,7 @@ _HOST_ARRAY_FIX = (
 )
 
 
-def _ndarray_pointer(arr: np.ndarray) -> int:
+def _ndarray_pointer(arr: np.ndarray, ctx: Any = None) -> int:
     ptr = host_device_pointer(arr)
     if ptr is None:
         raise Refused(
@@ -48,21 +48,21 @@ def _ndarray_pointer(arr: np.ndarray) -> int:
     return int(ptr)
 
 
-def _torch_pointer(t: Any) -> int:
+def _torch_pointer(t: Any, ctx: Any = None) -> int:
     if not t.is_cuda:
         raise Refused(f"got a torch tensor on {t.device} (host memory); move it with .cuda()")
     return int(t.data_ptr())
 
 
-def _cupy_pointer(a: Any) -> int:
+def _cupy_pointer(a: Any, ctx: Any = None) -> int:
     return int(a.data.ptr)
 
 
-def _attr_pointer(a: Any) -> int:
+def _attr_pointer(a: Any, ctx: Any = None) -> int:
     return int(a.ptr)
 
 
-def _cai_pointer(a: Any) -> int:
+def _cai_pointer(a: Any, ctx: Any = None) -> int:
     return int(a.__cuda_array_interface__["data"][0] or 0)
 
 
@@ -92,7 +92,7 @@ def dlpack_pointer(obj: Any) -> int:
     return data + ctypes.c_uint64.from_address(base + _DLTENSOR_BYTE_OFFSET).value
 
 
-def _dlpack_device_pointer(obj: Any) -> int:
+def _dlpack_device_pointer(obj: Any, ctx: Any = None) -> int:
     dev_type = int(obj.__dlpack_device__()[0])
     if dev_type not in _DLPACK_DEVICE_TYPES:
         where = "host memory" if dev_type == _DLPACK_HOST else f"DLPack device type {dev_type}"
@@ -100,13 +100,14 @@ def _dlpack_device_pointer(obj: Any) -> int:
     return dlpack_pointer(obj)
 
 
-getters: dict[type, Callable[[Any], int] | None] = {}
+#: type -> ``getter(value, ctx=None)`` of its device address (``None``: not memory)
+getters: dict[type, Callable[..., int] | None] = {}
 
 
 _lock = threading.Lock()
 
 
-def _classify(v: Any) -> Callable[[Any], int] | None:
+def _classify(v: Any) -> Callable[..., int] | None:
     t = type(v)
     if isinstance(v, np.ndarray):
         return _ndarray_pointer
@@ -126,7 +127,10 @@ def _classify(v: Any) -> Callable[[Any], int] | None:
     return None
 
 
-def pointer_getter(v: Any) -> Callable[[Any], int] | None:
+def pointer_getter(v: Any) -> Callable[..., int] | None:
+    """How to read *v*'s device address, worked out once per type: ``getter(v)`` (it
+    also takes the launch context as a second argument, which it ignores), or ``None``
+    when *v* is not a memory object."""
     t = type(v)
     try:
         return getters[t]

@@ -13,10 +13,11 @@ from .._driver import drv
 from ..context import Context
 from ..context import _tls as _thread_local
 from ..errors import CudaError
+from ..memory.interop import order_after_producers
 from ..registry import guard
-from ..stream import stream_for
+from ..stream import implicit_stream, stream_for
 from .launch import LaunchConfig, native_config, normalize_dims, shared_mem_arg
-from .memargs import foreign_arrays, order_foreign
+from .memargs import foreign_arrays
 from .params import ParamBuffer
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ class PreparedLaunch:
         "_args",
         "_buf",
         "_call",
+        "_consumer",
         "_kernel",
         "_launch",
         "_module",
@@ -80,11 +82,9 @@ class PreparedLaunch:
         self._buf = ParamBuffer(packer.sig)
         packer.pack_into(self._buf, args, ctx)
         self._args = list(args)
-        if stream is None:
-            hs = stream_for(None, ctx, "launch")
-        else:
-            hs = stream_for(stream, ctx, "launch")
+        hs = stream_for(stream, ctx, "launch")
         self._stream = hs
+        self._consumer = stream if stream is not None else implicit_stream(ctx)
         if cfg.empty:
             self._launch = drv.cuLaunchKernel
             self._call: tuple[Any, ...] = (
@@ -106,13 +106,15 @@ class PreparedLaunch:
 
     def _wire(self) -> None:
         """Order after the producers of foreign arguments at each call, only if there are any."""
-        if not foreign_arrays(self._args):
+        foreign = foreign_arrays(self._args)
+        if not foreign:
             self._launch = self._raw
             return
-        raw, args, hs, ctx = self._raw, self._args, self._stream, self.context
+        raw, ctx, consumer = self._raw, self.context, self._consumer
+        hs = int(self._stream)
 
         def ordered_launch(*call: Any) -> Any:
-            order_foreign(args, hs, ctx)
+            order_after_producers(foreign, hs, ctx, consumer)
             return raw(*call)
 
         self._launch = ordered_launch

@@ -154,3 +154,129 @@ def test_torch_streams(ctx0, torch, k):
         k.fill.launch(grid(N), 256, out, np.float32(7.0), N, stream=ts)
         ts.synchronize()
         assert float(out.sum()) == 7.0 * N
+
+
+# --- stream order shortcuts: what CUDA orders by itself needs no event ---------------------
+
+SPIN = 200_000_000  # ~0.1 s of clock64() ticks on an H200
+
+
+@pytest.fixture
+def events(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """``(producer, consumer)`` of every event wait ctxkit enqueues for a foreign array
+    (none where CUDA orders the streams itself, or the producer had nothing pending)."""
+    from ctxkit.memory import interop
+
+    seen: list[tuple[int, int]] = []
+    real = interop._wait_event
+
+    def spy(ctx: Any, event: Any, producer: int, consumer: int) -> None:
+        seen.append((producer, consumer))
+        real(ctx, event, producer, consumer)
+
+    monkeypatch.setattr(interop, "_wait_event", spy)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def spin() -> Any:
+    from ctxkit.compiler import kernel_source
+
+    with ck.registry.context(0):
+        return ck.Module.load(ck.compile(kernel_source("spin.cu"))).function("spin")
+
+
+def _torch_default_stream_case(ctx0: ck.Context, torch: Any, k: Any, ours: ck.Stream) -> Any:
+    """A tensor filled on torch's default (legacy) stream behind ~0.1 s of torch work,
+    then read by a ctxkit kernel on *ours*; returns what the kernel wrote."""
+    assert torch.cuda.current_stream(0).cuda_stream == 0, "torch's default is the legacy stream"
+    x = torch.zeros(N, device="cuda:0")
+    y = torch.empty(N, device="cuda:0")
+    torch.cuda._sleep(1000)  # warm-up: torch's sleep and fill kernels, ctxkit's scale
+    x.fill_(0.5)
+    with ctx0:
+        k.scale.launch(grid(N), 256, x, y, N, np.float32(1.0), stream=ours)
+    torch.cuda.synchronize()
+    ours.synchronize()
+    torch.cuda._sleep(SPIN)  # the device is busy; the fill below waits behind it
+    x.fill_(3.0)
+    with ctx0:
+        k.scale.launch(grid(N), 256, x, y, N, np.float32(2.0), stream=ours)
+    ours.synchronize()
+    return y
+
+
+def test_torch_default_stream_then_blocking_stream_needs_no_event(ctx0, torch, k, events):
+    with ctx0:
+        ours = ck.Stream(nonblocking=False)
+    y = _torch_default_stream_case(ctx0, torch, k, ours)
+    assert torch.all(y == 6.0).item(), "the kernel read the tensor before torch wrote it"
+    assert events == []  # CUDA orders a blocking stream after the legacy stream itself
+
+
+def test_torch_default_stream_then_non_blocking_stream_waits(ctx0, torch, k, events):
+    with ctx0:
+        ours = ck.Stream()  # CU_STREAM_NON_BLOCKING: no implicit order, an event is needed
+    y = _torch_default_stream_case(ctx0, torch, k, ours)
+    assert torch.all(y == 6.0).item(), "the kernel read the tensor before torch wrote it"
+    assert (0, int(ours.handle)) in events
+
+
+@pytest.mark.parametrize("nonblocking", [False, True], ids=["blocking", "non_blocking"])
+def test_cupy_default_stream_array(ctx0, cp, k, spin, events, nonblocking):
+    with ctx0:
+        assert cp.cuda.get_current_stream().ptr == 0, "CuPy's default is the legacy stream"
+        ours = ck.Stream(nonblocking=nonblocking)
+        x = cp.zeros(N, dtype=cp.float32)
+        y = cp.empty(N, dtype=cp.float32)
+        x.fill(0.5)  # warm-up: CuPy's fill, ctxkit's spin and scale
+        spin.launch(1, 1, 1, 0)
+        k.scale.launch(grid(N), 256, x, y, N, np.float32(1.0), stream=ours)
+        ctx0.synchronize()
+        spin.launch(1, 1, SPIN, 0)  # the legacy default stream is busy for ~0.1 s
+        x.fill(3.0)  # CuPy's default stream: after the spin
+        k.scale.launch(grid(N), 256, x, y, N, np.float32(2.0), stream=ours)
+        ours.synchronize()
+        assert bool((y == 6.0).all()), "the kernel read the array before CuPy wrote it"
+    if nonblocking:
+        assert (0, int(ours.handle)) in events
+    else:
+        assert events == []
+
+
+def test_blocking_cupy_stream_then_legacy_consumer_needs_no_event(ctx0, cp, k, spin, events):
+    with ctx0:
+        side = cp.cuda.Stream(non_blocking=False)  # CuPy's default flags: blocking
+        x = cp.zeros(N, dtype=cp.float32)
+        y = cp.empty(N, dtype=cp.float32)
+        with side:
+            x.fill(0.5)
+            spin.launch(1, 1, 1, 0, stream=side.ptr)
+            k.scale.launch(grid(N), 256, x, y, N, np.float32(1.0))
+        ctx0.synchronize()
+        with side:
+            spin.launch(1, 1, SPIN, 0, stream=side.ptr)
+            x.fill(3.0)
+            k.scale.launch(grid(N), 256, x, y, N, np.float32(2.0))  # legacy default stream
+        ctx0.synchronize()
+        assert bool((y == 6.0).all()), "the kernel read the array before CuPy wrote it"
+    assert events == []  # the legacy stream waits for blocking streams by itself
+
+
+def test_busy_non_blocking_cupy_stream_then_legacy_consumer_waits(ctx0, cp, k, spin, events):
+    with ctx0:
+        side = cp.cuda.Stream(non_blocking=True)
+        x = cp.zeros(N, dtype=cp.float32)
+        y = cp.empty(N, dtype=cp.float32)
+        with side:
+            x.fill(0.5)
+            spin.launch(1, 1, 1, 0, stream=side.ptr)
+            k.scale.launch(grid(N), 256, x, y, N, np.float32(1.0))
+        ctx0.synchronize()
+        with side:
+            spin.launch(1, 1, SPIN, 0, stream=side.ptr)
+            x.fill(3.0)
+            k.scale.launch(grid(N), 256, x, y, N, np.float32(2.0))
+        ctx0.synchronize()
+        assert bool((y == 6.0).all()), "the kernel read the array before CuPy wrote it"
+    assert (side.ptr, 0) in events

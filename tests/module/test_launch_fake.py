@@ -393,24 +393,7 @@ def test_closed_buffer_argument_says_it_is_closed(mem_fake):
     assert mem_fake.launches == []
 
 
-# --- stream order: the current stream and producers of foreign arrays ---------------------
-
-
-class CaiArray:
-    """A foreign array (``__cuda_array_interface__`` v3) written on *stream*."""
-
-    def __init__(self, ptr: int, stream: int | None) -> None:
-        self._ptr, self._stream = ptr, stream
-
-    @property
-    def __cuda_array_interface__(self) -> dict:
-        return {
-            "shape": (16,),
-            "typestr": "<f4",
-            "data": (self._ptr, False),
-            "version": 3,
-            "stream": self._stream,
-        }
+# --- stream order: the current stream (foreign producers: test_foreign_order_fake.py) ------
 
 
 def test_stream_none_means_the_current_stream(mem_fake):
@@ -430,34 +413,32 @@ def test_stream_none_means_the_current_stream(mem_fake):
     assert [x["stream"] for x in mem_fake.launches] == [0, sh, sh, 0, sh]
 
 
-def _waits(mem_fake: ModuleDriver) -> list[tuple[int, int]]:
-    return [d for call, _ctx, d in mem_fake.mem.log if call == "wait"]
-
-
-def _records(mem_fake: ModuleDriver) -> list[tuple[int, int]]:
-    return [d for call, _ctx, d in mem_fake.mem.log if call == "record"]
-
-
-def test_launch_waits_for_the_producer_stream_of_a_foreign_array(mem_fake):
+def test_closed_stream_is_refused_explicit_or_current(mem_fake):
     k = load().function("vector_add")
     c0 = ck.registry.context(0)
     with c0:
-        producer, consumer = ck.Stream(), ck.Stream()
         buf = ck.DeviceBuffer(64)
-        written = CaiArray(buf.ptr, int(producer.handle))
-        k.launch(1, 32, written, buf, buf, 4, stream=consumer)
-        (event, recorded_on), waits = _records(mem_fake)[-1], _waits(mem_fake)
-        assert recorded_on == int(producer.handle)
-        assert waits == [(int(consumer.handle), event)]
-        k.launch(1, 32, buf, buf, buf, 4, stream=consumer)  # ctxkit's own: nothing to wait for
-        k.launch(1, 32, CaiArray(buf.ptr, None), buf, buf, 4, stream=consumer)  # no stream
-        k.launch(1, 32, CaiArray(buf.ptr, int(consumer.handle)), buf, buf, 4, stream=consumer)
-        assert len(_waits(mem_fake)) == 1
-        pl = k.prepare(1, 32, written, buf, buf, 4, stream=consumer)
-        pl()
-        pl()
-        assert len(_waits(mem_fake)) == 3  # every call of a prepared launch orders again
-        pl.set_arg(0, buf)
-        pl()
-        assert len(_waits(mem_fake)) == 3
-    assert [as_u64(x["values"][0]) for x in mem_fake.launches] == [buf.ptr] * 7
+        s = ck.Stream()
+        s.close()
+        with pytest.raises(ck.ContextClosedError, match="stream was closed"):
+            k.launch(1, 32, buf, buf, buf, 4, stream=s)
+        cur = ck.Stream()
+        with cur:
+            cur.close()  # closed while current: stream=None must not fall back silently
+            with pytest.raises(ck.ContextClosedError, match="stream was closed"):
+                k.launch(1, 32, buf, buf, buf, 4)
+    assert mem_fake.launches == []
+
+
+def test_ctxkit_stream_of_another_context_is_refused(mem_fake):
+    k = load().function("vector_add")
+    c0, c1 = ck.registry.context(0), ck.registry.context(1)
+    with c1:
+        theirs = ck.Stream()
+    with c0:
+        buf = ck.DeviceBuffer(64)
+        with pytest.raises(ck.WrongContextError, match="belongs to"):
+            k.launch(1, 32, buf, buf, buf, 4, stream=theirs)
+        with pytest.raises(ck.WrongContextError, match="belongs to"):
+            k.prepare(1, 32, buf, buf, buf, 4, stream=theirs)
+    assert mem_fake.launches == []
