@@ -393,15 +393,7 @@ class Stream:
 
     def query(self) -> bool:
         """True when all work in the stream has completed (``cuStreamQuery``)."""
-        handle = self._open_handle("Stream.query")
-        ctx = self.context
-        with guard(ctx, "Stream.query"):
-            (err,) = drv.cuStreamQuery(handle)
-        if err == _NOT_READY:
-            return False
-        if err:
-            raise ctx.note_error(err, "cuStreamQuery")
-        return True
+        return _query(self.context, self._open_handle("Stream.query"), "Stream.query")
 
     def wait(self, event_or_stream: Event | Stream | Any) -> None:
         """Make later work in this stream wait for an event or for another stream's work.
@@ -566,15 +558,7 @@ class Event:
 
     def query(self) -> bool:
         """True when the work before the recorded point has completed."""
-        handle = self._open_handle("Event.query")
-        ctx = self.context
-        with guard(ctx, "Event.query"):
-            (err,) = drv.cuEventQuery(handle)
-        if err == _NOT_READY:
-            return False
-        if err:
-            raise ctx.note_error(err, "cuEventQuery")
-        return True
+        return _query(self.context, self._open_handle("Event.query"), "Event.query")
 
     def synchronize(self) -> None:
         """Wait until the recorded work has completed (GIL released while waiting)."""
@@ -640,3 +624,15 @@ def check_elapsed(start: Event, end: Event) -> None:
             f"elapsed_ms: the events belong to different contexts ({start.context!r} and "
             f"{end.context!r}) of device {d0}; create both in one context"
         )
+
+
+def _query(ctx: Context, handle: Any, what: str) -> bool:
+    """``cuStreamQuery``/``cuEventQuery`` (by *what*) in *ctx*: done, or still running."""
+    name = "cuStreamQuery" if what.startswith("Stream") else "cuEventQuery"
+    with guard(ctx, what):
+        (err,) = getattr(drv, name)(handle)
+    if err == _NOT_READY:
+        return False
+    if err:
+        raise ctx.note_error(err, name)
+    return True

@@ -177,47 +177,50 @@ def wait_for(ctx: Context, stream: Any, what: str) -> None:
 
 
 def htod(ctx: Context, dst: int, src: np.ndarray, stream: Any, what: str) -> None:
-    n = src.nbytes
+    """Copy host array *src* to device address *dst* (``stream=None``: see :func:`implicit`)."""
+    _host_copy(ctx, src, (dst, _host_address(src)), "HtoD", stream, what)
+
+
+def dtoh(ctx: Context, dst: np.ndarray, src: int, stream: Any, what: str) -> None:
+    """Copy device address *src* into host array *dst* (``stream=None``: see :func:`implicit`)."""
+    _host_copy(ctx, dst, (_host_address(dst), src), "DtoH", stream, what)
+
+
+_COPY_FNS = {
+    "HtoD": ("cuMemcpyHtoD", "cuMemcpyHtoDAsync"),
+    "DtoH": ("cuMemcpyDtoH", "cuMemcpyDtoHAsync"),
+}
+
+
+def _host_address(arr: np.ndarray) -> int:
+    return int(arr.__array_interface__["data"][0])
+
+
+def _host_copy(
+    ctx: Context, host: np.ndarray, ends: tuple[int, int], kind: str, stream: Any, what: str
+) -> None:
+    """``cuMemcpy<kind>`` of ``host.nbytes`` between *ends* (dst, src): synchronous on the
+    legacy default stream, else async on the stream (waited for when it is the implicit
+    current stream; a pageable host array is refused for an explicit stream)."""
+    n = host.nbytes
     if n == 0:
         return
-    host = src.__array_interface__["data"][0]
     stream, wait = implicit(ctx, stream)
     if stream is None:
         with guard(ctx, what):
-            (err,) = drv.cuMemcpyHtoD(dst, host, n)
-            if not err:
+            (err,) = getattr(drv, _COPY_FNS[kind][0])(*ends, n)
+            if not err and kind == "HtoD":
                 finish_default_stream(ctx, what)
     else:
         sh = stream_for(stream, ctx, what)
         if not wait:
-            check_async_host(src, what)
+            check_async_host(host, what)
         with guard(ctx, what):
-            (err,) = drv.cuMemcpyHtoDAsync(dst, host, n, sh)
+            (err,) = getattr(drv, _COPY_FNS[kind][1])(*ends, n, sh)
             if not err and wait:
                 wait_for(ctx, stream, what)
     if err:
-        raise ctx.note_error(err, f"{what}: cuMemcpyHtoD ({n} bytes)")
-
-
-def dtoh(ctx: Context, dst: np.ndarray, src: int, stream: Any, what: str) -> None:
-    n = dst.nbytes
-    if n == 0:
-        return
-    host = dst.__array_interface__["data"][0]
-    stream, wait = implicit(ctx, stream)
-    if stream is None:
-        with guard(ctx, what):
-            (err,) = drv.cuMemcpyDtoH(host, src, n)
-    else:
-        sh = stream_for(stream, ctx, what)
-        if not wait:
-            check_async_host(dst, what)
-        with guard(ctx, what):
-            (err,) = drv.cuMemcpyDtoHAsync(host, src, n, sh)
-            if not err and wait:
-                wait_for(ctx, stream, what)
-    if err:
-        raise ctx.note_error(err, f"{what}: cuMemcpyDtoH ({n} bytes)")
+        raise ctx.note_error(err, f"{what}: cuMemcpy{kind} ({n} bytes)")
 
 
 def copy_device(dst: Mem, src: Mem, n: int, stream: Any, what: str) -> bool:

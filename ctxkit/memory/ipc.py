@@ -115,6 +115,17 @@ class _Origin:
     ordinal: int
 
 
+class _Exported:
+    """What every IPC handle says about its origin (the dataclasses hold ``origin``)."""
+
+    origin: _Origin
+
+    @property
+    def pid(self) -> int:
+        """The id of the process that exported the handle."""
+        return self.origin.pid
+
+
 def _origin(dev: Device) -> _Origin:
     err, raw = drv.cuDeviceGetUuid(dev.handle)
     _driver.raise_for(err, f"cuDeviceGetUuid(device {dev.ordinal})")
@@ -172,7 +183,7 @@ def _from_bytes(cls: Any, data: bytes) -> Any:
 
 
 @dataclass(frozen=True)
-class IpcBufferHandle:
+class IpcBufferHandle(_Exported):
     """What another process needs to open an exported buffer (:func:`import_buffer`).
 
     A small picklable value (send it through a ``multiprocessing`` queue or pipe, a
@@ -192,11 +203,6 @@ class IpcBufferHandle:
     offset: int
     nbytes: int
     origin: _Origin = field(repr=False)
-
-    @property
-    def pid(self) -> int:
-        """The id of the process that exported the handle."""
-        return self.origin.pid
 
     def open(self, context: Any = None) -> ImportedBuffer:
         """:func:`import_buffer` (self, context)."""
@@ -395,7 +401,7 @@ _POSIX_FD = 1  # CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 
 
 @dataclass(frozen=True)
-class IpcVirtualBufferHandle:
+class IpcVirtualBufferHandle(_Exported):
     """What another process needs to map a shareable :class:`VirtualBuffer`.
 
     Holds one POSIX file descriptor per physical chunk; pass it to the other process
@@ -414,11 +420,6 @@ class IpcVirtualBufferHandle:
     nbytes: int
     stripe: int
     origin: _Origin = field(repr=False)
-
-    @property
-    def pid(self) -> int:
-        """The id of the process that exported the handle."""
-        return self.origin.pid
 
     def open(self, context: Any = None) -> VirtualBuffer:
         """:func:`import_buffer` (self, context)."""
@@ -485,16 +486,11 @@ def _import_virtual(handle: IpcVirtualBufferHandle, context: Any, what: str) -> 
 
 
 @dataclass(frozen=True)
-class IpcEventHandle:
+class IpcEventHandle(_Exported):
     """What another process needs to open an exported event (:func:`import_event`)."""
 
     handle: bytes = field(repr=False)
     origin: _Origin = field(repr=False)
-
-    @property
-    def pid(self) -> int:
-        """The id of the process that exported the handle."""
-        return self.origin.pid
 
     def open(self, context: Any = None) -> Event:
         """:func:`import_event` (self, context)."""

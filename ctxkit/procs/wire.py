@@ -120,26 +120,16 @@ class Session(Protocol):
     def load(self, ref: devmem.DeviceRef) -> Any: ...
 
 
-class _Pickler(pickle.Pickler):
-    def __init__(self, file: Any, session: Session, types: tuple[type, ...], **kwargs: Any) -> None:
-        super().__init__(file, **kwargs)
-        self._session = session
-        self._types = types
-
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, self._types):
-            return self._session.reduce(obj)
-        return NotImplemented
+_session_picklers: dict[type, type] = {}
 
 
-_cloud_picklers: dict[Any, type] = {}
-
-
-def _cloud_pickler(cp: Any) -> type:
-    cls = _cloud_picklers.get(cp)
+def _session_pickler(base: type) -> type:
+    """A subclass of the pickler class *base* (``pickle.Pickler`` or cloudpickle's) that
+    reduces the session's device objects through :meth:`Session.reduce`."""
+    cls = _session_picklers.get(base)
     if cls is None:
 
-        class _CloudPickler(cp.Pickler):  # type: ignore[name-defined,misc]
+        class _SessionPickler(base):  # type: ignore[valid-type,misc]
             def __init__(
                 self, file: Any, session: Session, types: tuple[type, ...], **kwargs: Any
             ) -> None:
@@ -150,9 +140,10 @@ def _cloud_pickler(cp: Any) -> type:
             def reducer_override(self, obj: Any) -> Any:
                 if isinstance(obj, self._types):
                     return self._session.reduce(obj)
-                return super().reducer_override(obj)
+                inherited = getattr(super(), "reducer_override", None)
+                return NotImplemented if inherited is None else inherited(obj)
 
-        cls = _cloud_picklers[cp] = _CloudPickler
+        cls = _session_picklers[base] = _SessionPickler
     return cls
 
 
@@ -257,7 +248,7 @@ def _dumps(obj: Any, by_value: bool, buffer_callback: Any, session: Session | No
         if cp is not None:
             return bytes(cp.dumps(obj, protocol=5, buffer_callback=buffer_callback))
         return pickle.dumps(obj, protocol=5, buffer_callback=buffer_callback)
-    cls = _cloud_pickler(cp) if cp is not None else _Pickler
+    cls = _session_pickler(pickle.Pickler if cp is None else cp.Pickler)
     out = io.BytesIO()
     cls(out, session, types, protocol=5, buffer_callback=buffer_callback).dump(obj)
     return out.getvalue()

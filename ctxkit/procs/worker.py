@@ -65,49 +65,45 @@ def _serve(
     """Run tasks until told to stop; what is still lent is freed on the way out (while
     the context is bound)."""
     try:
-        _serve_tasks(task_r, result_w, ordinal, ctx, threshold, leases)
+        while (msg := _receive(task_r)) is not None:
+            if msg[0] == "release":
+                leases.release(msg[1])
+                continue
+            box, msg = [msg], None  # only the box holds the payload: dropped once decoded
+            if _answer(box, task_r, result_w, ordinal, ctx, threshold, leases):
+                return
     finally:
         leases.clear()
 
 
-def _serve_tasks(
+def _answer(
+    box: list[tuple[Any, ...]],
     task_r: Any,
     result_w: Any,
     ordinal: int,
     ctx: Any,
     threshold: int | None,
     leases: devmem.WorkerLeases,
-) -> None:
-    while True:
-        try:
-            msg = task_r.recv()
-        except (EOFError, OSError):
-            return
-        if msg is None:
-            return
-        if msg[0] == "release":
-            leases.release(msg[1])
-            continue
-        task_id, data, parts, releases = msg
-        msg = None
-        leases.release(releases)
-        session = devmem.ChildSession(ctx, leases, ordinal)
-        out, restart = run_task(data, parts, ordinal, ctx, threshold, session)
-        data = parts = None
-        try:
-            result_w.send(("result", task_id, out, restart))
-        except (OSError, ValueError):
-            if out[0] == "ok":
-                shm.discard(out[2])
-                leases.release(out[3])
-            return
+) -> bool:
+    """Run the task taken out of *box* and send its result; True when the worker must stop."""
+    task_id, data, parts, releases = box.pop()
+    leases.release(releases)
+    session = devmem.ChildSession(ctx, leases, ordinal)
+    out, restart = run_task(data, parts, ordinal, ctx, threshold, session)
+    del data, parts
+    try:
+        result_w.send(("result", task_id, out, restart))
+    except (OSError, ValueError):
         if out[0] == "ok":
-            wire.count_sent(out[1], out[2], session.sent, session.sent_bytes)
-        del session, out
-        if restart:
-            if len(leases):
-                _wait_for_stop(task_r, leases)
-            return
+            shm.discard(out[2])
+            leases.release(out[3])
+        return True
+    if out[0] == "ok":
+        wire.count_sent(out[1], out[2], session.sent, session.sent_bytes)
+    del session, out
+    if restart and len(leases):
+        _wait_for_stop(task_r, leases)
+    return restart
 
 
 def run_task(
@@ -143,14 +139,19 @@ def run_task(
     return out, restart
 
 
+def _receive(task_r: Any) -> Any:
+    """The parent's next message; ``None`` when it said stop or the pipe closed."""
+    try:
+        return task_r.recv()
+    except (EOFError, OSError):
+        return None
+
+
 def _wait_for_stop(task_r: Any, leases: devmem.WorkerLeases) -> None:
     """Keep the memory lent to the parent until it has unmapped it: the parent answers a
     restart with releases and then ``None`` (or dies: EOF)."""
     while len(leases):
-        try:
-            msg = task_r.recv()
-        except (EOFError, OSError):
-            return
+        msg = _receive(task_r)
         if msg is None:
             return
         if msg[0] == "release":

@@ -231,7 +231,7 @@ def test_without_device_objects_the_plain_pickler_is_used(monkeypatch):
     def no_custom(*args, **kwargs):
         raise AssertionError("the device-aware pickler was used")
 
-    monkeypatch.setattr(wire, "_Pickler", no_custom)
+    monkeypatch.setattr(wire, "_session_pickler", no_custom)
     monkeypatch.setattr(wire.devmem, "device_types", lambda: ())
     payload = wire.Payload.build("test", (module_level, (np.arange(4),), {}), MiB, False)
     assert payload.devices is None
