@@ -11,6 +11,7 @@ Import the fixtures: ``from tests.memory.fakepool import ctx0, ctx1, pfake  # no
 from __future__ import annotations
 
 import gc
+import threading
 from typing import Any
 
 import pytest
@@ -48,6 +49,12 @@ class FakePoolDriver(FakeMemDriver):
         self.pool_of: dict[int, int] = {}  # address -> pool
         self.pending: dict[int, list[int]] = {}  # stream -> addresses freed, not reached
         self.fail_next_async_oom = 0
+        # the log and the memory counters are shared by every thread of a test
+        self._lock = threading.RLock()
+
+    def note(self, call: str, detail: Any = None) -> None:
+        with self._lock:
+            super().note(call, detail)
 
     def _pool(self, handle: int) -> dict[str, int]:
         return self.pools.setdefault(handle, {"used": 0, "reserved": 0, "threshold": 0})
@@ -76,14 +83,15 @@ class FakePoolDriver(FakeMemDriver):
         if self.fail_next_async_oom:
             self.fail_next_async_oom -= 1
             return (OUT_OF_MEMORY, 0)
-        err, addr = self._alloc(n, "async")
-        if err:
-            return (err, 0)
-        self.log[-1] = ("allocasync", self.cur(), (addr, n, int(s)))
-        st = self._pool(pool)
-        st["used"] += n
-        st["reserved"] = max(st["reserved"], st["used"])
-        self.pool_of[addr] = pool
+        with self._lock:  # the entry _alloc logs is the last one until the lock is let go
+            err, addr = self._alloc(n, "async")
+            if err:
+                return (err, 0)
+            self.log[-1] = ("allocasync", self.cur(), (addr, n, int(s)))
+            st = self._pool(pool)
+            st["used"] += n
+            st["reserved"] = max(st["reserved"], st["used"])
+            self.pool_of[addr] = pool
         return (OK, addr)
 
     def cuMemAllocAsync(self, n: int, s: Any) -> tuple[int, int]:
@@ -106,10 +114,11 @@ class FakePoolDriver(FakeMemDriver):
         return (OK,)
 
     def _complete(self, stream: int) -> None:
-        for p in self.pending.pop(stream, []):
-            _buf, n, _ctx, _kind = self.allocs.pop(p)
-            self.used -= n
-            self._pool(self.pool_of.pop(p))["used"] -= n
+        with self._lock:
+            for p in self.pending.pop(stream, []):
+                _buf, n, _ctx, _kind = self.allocs.pop(p)
+                self.used -= n
+                self._pool(self.pool_of.pop(p))["used"] -= n
 
     def cuStreamSynchronize(self, h: Any) -> tuple[int]:
         res = super().cuStreamSynchronize(h)

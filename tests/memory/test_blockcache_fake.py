@@ -278,7 +278,7 @@ def test_threads_allocate_and_free_concurrently(pfake, ctx0, big_bound):
     finally:
         sys.setswitchinterval(switch)
     gc.collect()
-    assert errors == []
+    assert errors == [], errors
     cached = [b for sc in blockcache._caches.values() for lst in sc.blocks.values() for b in lst]
     # every block is either in a cache or was given back, and only once
     assert len(pfake.async_allocs()) == len(pfake.async_frees()) + len(cached)
