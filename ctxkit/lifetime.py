@@ -121,6 +121,25 @@ def _others_freeing(tid: int) -> bool:
     return any(t != tid for t in _frees_running)
 
 
+#: stream handle -> open ctxkit captures on it, in every mode (``relaxed`` included)
+captured_streams: dict[int, int] = {}
+
+
+def stream_capture_begins(handle: int) -> None:
+    """ctxkit begins capturing the stream *handle* (any mode): memory handed out for use
+    on it must come from the driver now (a graph keeps the address)."""
+    with _capture_cond:
+        captured_streams[handle] = captured_streams.get(handle, 0) + 1
+
+
+def stream_capture_ends(handle: int) -> None:
+    """The capture of :func:`stream_capture_begins` on *handle* ended."""
+    with _capture_cond:
+        depth = captured_streams.pop(handle, 1) - 1
+        if depth:
+            captured_streams[handle] = depth
+
+
 def capture_begins(global_mode: bool) -> None:
     """A ``thread_local`` or ``global`` stream capture is about to begin in this thread.
 

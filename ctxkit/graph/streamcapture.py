@@ -9,7 +9,7 @@ from typing import Any
 from .. import _driver
 from .._driver import drv
 from ..context import Context, require_current
-from ..lifetime import capture_begins, capture_ends
+from ..lifetime import capture_begins, capture_ends, stream_capture_begins, stream_capture_ends
 from ..registry import guard
 from ..stream import stream_for
 from .exec import GraphExec
@@ -99,20 +99,19 @@ def capture(stream: Any, *, mode: str = "thread_local") -> Iterator[Graph]:
 
 
 def _begin(hs: Any, mode_enum: Any, tracked: bool, global_mode: bool) -> None:
-    """Mark the capture open (frees are held back from now on), then begin it: a free
-    between the two -- the garbage collector runs at any allocation -- would invalidate
-    it."""
+    """Mark the capture open (frees are held back from now on; the block cache hands
+    nothing out for the stream), then begin it: a free between the two -- the garbage
+    collector runs at any allocation -- would invalidate it."""
     if tracked:
         capture_begins(global_mode)
+    stream_capture_begins(int(hs))
     try:
         (err,) = drv.cuStreamBeginCapture(hs, mode_enum)
     except BaseException:
-        if tracked:
-            capture_ends(global_mode)
+        _forget(hs, tracked, global_mode)
         raise
     if err:
-        if tracked:
-            capture_ends(global_mode)
+        _forget(hs, tracked, global_mode)
         raise _driver.from_result(int(err), "cuStreamBeginCapture")
 
 
@@ -121,5 +120,10 @@ def _end(hs: Any, tracked: bool, global_mode: bool) -> Any:
     try:
         return drv.cuStreamEndCapture(hs)
     finally:
-        if tracked:
-            capture_ends(global_mode)
+        _forget(hs, tracked, global_mode)
+
+
+def _forget(hs: Any, tracked: bool, global_mode: bool) -> None:
+    stream_capture_ends(int(hs))
+    if tracked:
+        capture_ends(global_mode)

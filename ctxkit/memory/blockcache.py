@@ -57,6 +57,7 @@ _OUT_OF_MEMORY = 2
 # (new caches, flushes). Re-entrant: a Block's __del__ may run inside it (the GC).
 _lock = threading.RLock()
 _capturing = lifetime._capturing_threads  # the dict itself: lifetime mutates it in place
+_captured = lifetime.captured_streams  # likewise: streams ctxkit captures, in any mode
 _caches: dict[Any, StreamCache] = {}  # key -> cache (see _key)
 _held: dict[int, int] = {}  # device ordinal -> cached bytes
 _limits: dict[int, int] = {}  # device ordinal -> bound (default: a quarter of its memory)
@@ -210,9 +211,21 @@ def _cache_for(stream: Stream, pool: Any) -> StreamCache | None:
     return sc
 
 
+def _in_capture(stream: Stream) -> bool:
+    """True while *stream* is being captured into a graph (which keeps the address of
+    any memory allocated on it, so it must come from the driver): by ctxkit in any mode,
+    or -- for another library's stream -- by anyone (``cuStreamIsCapturing``)."""
+    if _captured and int(stream.handle) in _captured:
+        return True
+    if stream.owned:
+        return False
+    err, status = drv.cuStreamIsCapturing(stream.handle)
+    return bool(err) or int(status) != 0
+
+
 def take(stream: Stream, n: int) -> Block | None:
     """A cached block for an *n*-byte buffer on *stream* (default pool), or ``None``."""
-    if not _enabled or _capturing or stream.handle is None:
+    if not _enabled or _capturing or stream.handle is None or _in_capture(stream):
         return None
     ctx = stream.context
     if ctx.closed or ctx._poison is not None:
@@ -243,7 +256,7 @@ def _pop(sc: StreamCache, size: int, stream: Stream) -> Block | None:
 
 def take_from(stream: Stream, n: int, pool: Any) -> Block | None:
     """As :func:`take` for a given pool handle (``None``: the device's pool)."""
-    if not _enabled or _capturing or stream.handle is None:
+    if not _enabled or _capturing or stream.handle is None or _in_capture(stream):
         return None
     sc = _cache_for(stream, pool)
     return None if sc is None else _pop(sc, size_class(n), stream)
@@ -257,7 +270,7 @@ def allocate(ctx: Context, n: int, stream: Stream, sh: Any, pool: Any) -> tuple[
     """
     if _env_error is not None:
         raise _env_error
-    capturing = bool(_capturing)
+    capturing = bool(_capturing) or (_enabled and stream.handle is not None and _in_capture(stream))
     size = size_class(n) if _enabled else n
     err, ptr = _driver_alloc(size, sh, pool)
     if int(err) == _OUT_OF_MEMORY and not capturing and _held.get(ctx.device.ordinal):

@@ -305,6 +305,45 @@ def test_capture_bypasses_the_cache_and_holds_back_flushes(pfake, ctx0):
     assert blockcache.cached_bytes(0) == 0
 
 
+def test_a_relaxed_capture_of_the_stream_bypasses_the_cache(pfake, ctx0):
+    # relaxed mode holds no frees back, but a block handed out on the captured stream
+    # would be baked into the graph and later reused under it
+    with ctx0:
+        s, other = ck.Stream(), ck.Stream()
+        DeviceBuffer(4096, stream=s).close()
+        DeviceBuffer(4096, stream=other).close()
+        lifetime.stream_capture_begins(int(s.handle))
+        try:
+            inside = DeviceBuffer(4096, stream=s)
+            assert len(pfake.async_allocs()) == 3  # from the driver, not the cache
+            beside = DeviceBuffer(4096, stream=other)  # another stream: still cached
+            assert len(pfake.async_allocs()) == 3
+            inside.close()
+            assert blockcache.cached_bytes(0) == 4096  # s's old block only: never cached
+        finally:
+            lifetime.stream_capture_ends(int(s.handle))
+        beside.close()
+        again = DeviceBuffer(4096, stream=s)
+    assert len(pfake.async_allocs()) == 3 and again.stream is s  # the cache serves s again
+
+
+def test_a_foreign_stream_being_captured_bypasses_the_cache(pfake, ctx0, monkeypatch):
+    capturing = {"now": False}
+    monkeypatch.setattr(
+        pfake, "cuStreamIsCapturing", lambda h: (0, int(capturing["now"])), raising=False
+    )
+    with ctx0:
+        mine = ck.Stream()
+        theirs = ck.Stream.from_handle(int(mine.handle), ctx0)  # as torch's would come
+        DeviceBuffer(4096, stream=theirs).close()
+        capturing["now"] = True
+        DeviceBuffer(4096, stream=theirs).close()  # from the driver, freed: not cached
+        assert len(pfake.async_allocs()) == 2 and len(pfake.async_frees()) == 1
+        capturing["now"] = False
+        DeviceBuffer(4096, stream=theirs)
+    assert len(pfake.async_allocs()) == 2  # the block cached before the capture
+
+
 def test_environment_switch_disables_the_cache(pfake, ctx0, monkeypatch):
     monkeypatch.setenv(blockcache.ENV, "0")
     _reset_cache()
