@@ -255,8 +255,9 @@ def torch_pinned_variant(
 
 def bench_first_calls(kernel: Any, base: np.ndarray, calls: int, results: Results) -> None:
     """GB/s in+out of calls on arrays never seen, variants taking turns call by call:
-    a new 1-GPU Pipeline per call (default ``out``), the naive pattern (8 chunks) on
-    fresh arrays, torch's pinned path. One untimed warm-up round first."""
+    a new 1-GPU Pipeline per call (default ``out``; and with ``host_path="split"`` for
+    the input), the naive pattern (8 chunks) on fresh arrays, torch's pinned path. One
+    untimed warm-up round first."""
     print(
         f"first calls on arrays never seen ({base.nbytes / GiB:.2f} GiB, fresh input each "
         f"call, default out; median of {calls}, GB/s in+out):",
@@ -271,6 +272,10 @@ def bench_first_calls(kernel: Any, base: np.ndarray, calls: int, results: Result
             results["path_new_pipeline_1gpu"] = p.last_stats.path
         return out
 
+    def new_pipeline_split(x: np.ndarray) -> np.ndarray:
+        with ck.Pipeline([0], host_path=("split", "auto")) as p:
+            return p.map(kernel, x, args=(ALPHA,))
+
     def naive_fresh(x: np.ndarray) -> np.ndarray:
         out = np.empty_like(x)
         naive.run(x, out, (ALPHA,), 8)
@@ -278,6 +283,9 @@ def bench_first_calls(kernel: Any, base: np.ndarray, calls: int, results: Result
 
     variants: dict[str, Callable[[np.ndarray], np.ndarray]] = {
         "new_pipeline_1gpu_io": new_pipeline,
+        # informational: input registered from the far end while staged from the near
+        # one (host_path="split"), to decide whether "auto" should take it
+        "new_pipeline_1gpu_split_io": new_pipeline_split,
         "naive_1gpu_8chunk_fresh_io": naive_fresh,
     }
     torch_run, results["torch_note"] = torch_pinned_variant(base)

@@ -8,11 +8,13 @@ busy at once:
   device's shared context), so a call that blocks on one device never stalls another;
 * pageable input and output are never copied synchronously: by default (``host_path=
   "auto"``, i.e. ``"staged"``) they go through pinned staging buffers
-  (``staging_buffers`` per device, filled and drained by a pool of host threads,
-  overlapped with the transfers and kernels of neighbouring chunks);
-  ``host_path="register"`` instead registers the pages of each chunk just in time and
-  DMAs them directly (only the partial pages at the ends are bounced through a tiny
-  pinned buffer);
+  (``staging_buffers`` per device, filled and drained in pieces by a pool of host
+  threads that takes fills first; the fills of several chunks, the transfers and
+  kernels of others and the drains of earlier ones all overlap, with no per-chunk
+  barrier); ``host_path="register"`` instead registers the pages of each chunk just in
+  time and DMAs them directly (only the partial pages at the ends are bounced through a
+  tiny pinned buffer); ``host_path="split"`` registers the input from its far end while
+  staging it from the near end, meeting in the middle;
 * pinned input/output (``ctxkit.pinned_empty``, ``register_host``) is copied directly,
   fully asynchronously (the zero-copy path); ``out="pinned"`` returns the output in
   page-locked memory of the process's pinned pool (``ctxkit.pinned_pool``);

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 
 from .._driver import describe, drv
 from ..context import Context
 from ..trace import Recorder
-from .staging import HostPool, thread_label
+from .hostthreads import HostPool, thread_label
 
 __all__ = [
     "NO_USABLE_CONTEXT",
@@ -139,6 +139,24 @@ class Registrar:
             self._segments.setdefault(seg.device, []).append(seg)
         seg._reg = self.pool.submit(self._register, seg)
 
+    def register_here(self, seg: Segment, claim: Callable[[], bool]) -> bool:
+        """Register *seg* in the calling thread if ``claim()`` (called under the
+        registrar's lock, so the two cannot cross :meth:`finish`) says so; False when it
+        did not (then *seg* is not the registrar's)."""
+        fut: Future[bool] = Future()
+        seg._reg = fut  # before claim(): whoever sees the segment may wait for it
+        with self._lock:
+            if not claim():
+                return False
+            self._segments.setdefault(seg.device, []).append(seg)
+        try:
+            ok = self._register(seg)
+        except BaseException as exc:
+            fut.set_exception(exc)
+            raise
+        fut.set_result(ok)
+        return True
+
     def wait(self, seg: Segment) -> bool:
         """Wait for *seg*'s registration: True when its pages are locked; False when the
         driver refused (``seg.error`` says why) or the run stopped first."""
@@ -148,7 +166,7 @@ class Registrar:
     def release(self, seg: Segment) -> None:
         """Queue the unregistration of a registered *seg* whose DMA has completed."""
         if seg._unreg is None and self.wait(seg):
-            seg._unreg = self.pool.submit(self._unregister, seg)
+            seg._unreg = self.pool.submit(self._unregister, seg, urgent=False)
 
     def finish(self, device: int) -> list[BaseException]:
         """Once *device*'s streams are idle: wait for each of its registrations, undo

@@ -31,7 +31,15 @@ from ..trace import Recorder, Timeline
 from .hostreg import Registrar
 from .launch import make_launcher, unblock_if_not_run
 from .pincache import Held, PinClaims, process_pins
-from .plan import MapOptions, addr, check_host_path, plan_map, prepare_io, row_bytes
+from .plan import (
+    DEFAULT_STAGING_BUFFERS,
+    MapOptions,
+    addr,
+    check_host_path,
+    plan_map,
+    prepare_io,
+    row_bytes,
+)
 from .progressbar import make_bar
 from .run import Run, drain, feed, run_stats
 from .stages import StageHandle, Stages
@@ -53,27 +61,34 @@ class Pipeline:
         The devices to use (default: all visible). Ints and Devices use the registry's
         shared context of the device; a Context is used as given.
     chunk_bytes : int, optional
-        Default chunk size in bytes (per :meth:`map` overridable). Default: 32 MiB, less
-        when a device would get fewer than 4 chunks.
+        Default chunk size in bytes (per :meth:`map` overridable). Default: 64 MiB, less
+        when a device would get fewer than 8 chunks.
     staging_buffers : int
-        Slots per device (3 = triple buffering): each has a stream, an input and an
-        output device buffer and, for pageable data, pinned staging (or small bounce)
-        buffers. Allocated at the first :meth:`map` that needs them, reused, grown when
-        a later call needs bigger chunks, freed by :meth:`close`. A device keeps at most
-        this many chunks in flight (twice as many when they use no slot buffer), which
-        also bounds what an interrupted :meth:`map` waits for.
+        Slots per device (default 6): each has a stream, an input and an output device
+        buffer and, for pageable data, pinned staging (or small bounce) buffers. A
+        slot's buffers are allocated when a :meth:`map` first uses it (pinned ones come
+        from the process's pinned pool), reused, grown when a later call needs bigger
+        chunks, freed by :meth:`close` (pinned ones back to the pool). The staged inputs
+        of all slots fill at once on the host pool while the GPU works and earlier
+        outputs drain. A device keeps at most this many chunks in flight (twice as many
+        when they use no slot buffer), which also bounds what an interrupted
+        :meth:`map` waits for.
     host_threads : int, optional
         Threads of the host pool (staging copies, page registration). Default: 16, at
         most the usable CPUs minus two per device minus one, at least 2.
-    host_path : {"auto", "staged", "register"} or (input, output) pair of them
+    host_path : {"auto", "staged", "register", "split"} or (input, output) pair of them
         How pageable arrays reach the devices (pinned arrays are always copied
         directly): ``"staged"`` copies each chunk through pinned staging buffers (two
         host memory copies per byte); ``"register"`` page-locks the chunk's own pages
         just in time (``cuMemHostRegister``, in parallel on the host pool, a few chunks
         ahead) and DMAs straight from/to them, bouncing only the partial pages at the
         array's ends and chunk boundaries; the pages are unregistered once the chunk's
-        D2H completed, before :meth:`map` returns. ``"auto"``: staging, and pin on
-        reuse (see *pin_cache_bytes*). Per-call override: ``map(host_path=...)``.
+        D2H completed, before :meth:`map` returns. ``"split"`` (input only; the output
+        is staged): one host thread registers the input's chunks from the last one
+        backwards while the others stage them from the first one forwards, meeting in
+        the middle (static schedule; staged under the dynamic one). ``"auto"``:
+        staging, and pin on reuse (see *pin_cache_bytes*). Per-call override:
+        ``map(host_path=...)``.
     pin_cache_bytes : int, optional
         Pin on reuse, for ``host_path="auto"``: a pageable array (16 MiB or more) that a
         later :meth:`map` call sees again is page-locked once (``cuMemHostRegister``)
@@ -124,7 +139,7 @@ class Pipeline:
         self,
         devices: Sequence[int | Device | Context] | None = None,
         chunk_bytes: int | None = None,
-        staging_buffers: int = 3,
+        staging_buffers: int = DEFAULT_STAGING_BUFFERS,
         host_threads: int | None = None,
         *,
         schedule: str = "static",
@@ -286,7 +301,7 @@ class Pipeline:
             ``"managed"`` runs :meth:`map_managed` (x must be unified memory).
         schedule : {"static", "dynamic"}, optional
             Override the pipeline's schedule for this call.
-        host_path : {"auto", "staged", "register"} or (input, output) pair, optional
+        host_path : {"auto", "staged", "register", "split"} or (input, output) pair, optional
             Override the pipeline's ``host_path`` for this call.
         progress : bool
             Show a progress bar of the finished chunks: tqdm when installed, else one

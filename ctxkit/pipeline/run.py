@@ -4,7 +4,14 @@ Per device, a feeder thread enqueues every chunk (host input -> H2D -> kernel ->
 and a drain thread waits for each chunk's last event, finishes its host output and
 unregisters its pages. Both run with the device's context current.
 
-Host data of a side (input or output) moves one of four ways (the map's
+Nothing waits chunk by chunk on the host pool: the feeder queues the input fills of
+every chunk whose slot is free (:class:`Starter`) and enqueues chunk *k*'s H2D as soon
+as *k*'s pieces are done (helping with fill pieces meanwhile); the drain thread queues
+chunk *k*'s output drain after its D2H and moves on; the slot is free again when that
+drain's last piece finishes (:class:`~ctxkit.pipeline.staging.Progress`). A slot's
+buffers are allocated at its first chunk.
+
+Host data of a side (input or output) moves one of five ways (the map's
 :class:`~ctxkit.pipeline.plan.MapPlan` says which):
 
 * ``pinned``: the user's array is page-locked already; copies use it directly;
@@ -14,7 +21,10 @@ Host data of a side (input or output) moves one of four ways (the map's
   (output) by the host copy pool;
 * ``register``: the chunk's whole pages are registered ahead of time by the host pool
   and DMAed directly; the partial pages at the chunk's ends go through the slot's small
-  bounce buffer. A chunk whose pages the driver refuses to register is staged instead.
+  bounce buffer. A chunk whose pages the driver refuses to register is staged instead;
+* ``split`` (input): ``register`` for the chunks a host-pool thread registered from the
+  device's last chunk backwards before the feeder got there, ``staged`` for the rest
+  (:mod:`ctxkit.pipeline.split`).
 
 A device never has more than ``staging_buffers`` chunks (twice that when nothing is
 staged) past their D2H enqueue and not yet drained, so stopping a run waits for at most
@@ -24,6 +34,7 @@ those chunks.
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import queue
 import threading
@@ -40,34 +51,38 @@ from ..nvtx import range as nvtx_range
 from ..stream import Event
 from ..trace import Recorder
 from .hostreg import Registrar, Segment
+from .hostthreads import CopyBatch, HostPool
 from .launch import Stopped, tagged
 from .plan import PAGE, Chunk, HostPieces, MapPlan, addr, host_pieces, row_bytes
 from .progressbar import Bar
+from .split import Split
 from .staging import (
     DeviceState,
-    HostPool,
     Progress,
     Slot,
     calibrate,
-    ensure_buffers,
+    ensure_slot,
+    event_ready,
     grow_pinned,
     sync_event,
 )
 from .types import DeviceStats, RunStats, chunk_error
 
-__all__ = ["ChunkJob", "Run", "drain", "feed", "run_stats"]
+__all__ = ["ChunkJob", "Run", "Starter", "drain", "feed", "run_stats"]
 
 
 DIRECT = ("pinned", "held")
 
 
 class ChunkJob:
-    """One chunk as its device processes it: pieces and segments of registered sides."""
+    """One chunk as its device processes it: the staging copy of its input queued on the
+    host pool, pieces and segments of registered sides."""
 
-    __slots__ = ("chunk", "in_pieces", "in_seg", "out_pieces", "out_seg")
+    __slots__ = ("chunk", "fill", "in_pieces", "in_seg", "out_pieces", "out_seg")
 
     def __init__(self, chunk: Chunk) -> None:
         self.chunk = chunk
+        self.fill: CopyBatch | None = None
         self.in_pieces: HostPieces | None = None
         self.out_pieces: HostPieces | None = None
         self.in_seg: Segment | None = None
@@ -124,11 +139,6 @@ class Run:
         finished run for its trace events)."""
         self.x = self.out = self.x_bytes = self.out_bytes = np.empty(0, np.uint8)
 
-    def copy(self, dst: np.ndarray, src: np.ndarray, trace: tuple[Any, ...] | None) -> None:
-        """A staging copy through the host pool."""
-        assert self.pool is not None
-        self.pool.copy(dst, src, trace)
-
     def chunk_finished(self) -> None:
         """Advance the progress bar (drain threads of every device call this)."""
         if self.bar is not None:
@@ -170,31 +180,91 @@ def _check_copy(dev: DeviceState, err: Any, what: str, step: str) -> None:
         raise exc
 
 
+class Starter:
+    """The chunks a feeder started and has not enqueued yet, oldest first.
+
+    Starting a chunk claims it, begins registering its registered sides and queues the
+    staging copy of a staged input on the host pool (fill work), so the fills of up to
+    ``plan.ahead`` chunks run while the feeder waits for the oldest one. A staged input
+    needs its slot's input buffer: chunk ``p`` starts once chunk ``p - staging_buffers``
+    (the slot's previous user) was enqueued and its H2D has read the buffer.
+    """
+
+    def __init__(self, run: Run, dev: DeviceState, split: Split | None = None) -> None:
+        self.run = run
+        self.dev = dev
+        self.split = split
+        self.jobs: collections.deque[ChunkJob] = collections.deque()
+        self._claimed = run.chunks_for(dev.part)
+        self._next = 0
+        self._exhausted = False
+
+    def top_up(self, enqueued: int) -> None:
+        """Start chunks while the plan allows; *enqueued* chunks were enqueued so far."""
+        run, dev = self.run, self.dev
+        n_slots = len(dev.slots)
+        stage_in = run.plan.stage_in
+        while not self._exhausted and len(self.jobs) < run.plan.ahead:
+            p = self._next
+            slot = dev.slots[p % n_slots]
+            if stage_in and not self._input_free(slot, p, enqueued):
+                return
+            c = next(self._claimed, None)
+            if c is None:
+                self._exhausted = True
+                return
+            if p < n_slots and not run.plan.managed:
+                _setup_slot(run, dev, slot)
+            job = _claim(run, dev, c)
+            self.jobs.append(job)  # before the fill: settle() must see its batch
+            self._next += 1
+            got = self.split.take(c) if self.split is not None else None
+            if got is not None:  # registered from the far end: DMAed directly
+                job.in_pieces, job.in_seg = got
+            elif stage_in:
+                job.fill = _fill(run, dev, slot, c)
+
+    def _input_free(self, slot: Slot, p: int, enqueued: int) -> bool:
+        if p - len(self.dev.slots) >= enqueued:
+            return False
+        if slot.h2d_done is None:
+            return True
+        if self.jobs:
+            return event_ready(self.dev, slot.h2d_done)
+        _wait_h2d(self.dev, slot, p)
+        return True
+
+    def settle(self) -> None:
+        """Wait for the started fills (skipped once the run stopped) to leave the pool."""
+        for job in self.jobs:
+            if job.fill is not None:
+                job.fill.settle()
+
+
 def feed(run: Run, dev: DeviceState, q: queue.SimpleQueue[Any]) -> None:
     """Worker thread of *dev*: enqueue every chunk (runs with dev's context current)."""
     chunk: Chunk | None = None
     stats = run.stats[dev.ordinal]
     run.started[dev.ordinal] = time.perf_counter()
+    starter = Starter(run, dev)
     try:
         _prepare_device(run, dev)
-        claimed = run.chunks_for(dev.part)
-        ahead: collections.deque[ChunkJob] = collections.deque()
+        if run.in_mode == "split":
+            starter.split = Split(run, dev, run.plan.for_part(dev.part))
+        n_slots = len(dev.slots)
         k = 0
         while not run.stop.is_set():
-            while len(ahead) < run.plan.ahead:
-                nxt = next(claimed, None)
-                if nxt is None:
-                    break
-                ahead.append(_claim(run, dev, nxt))
-            if not ahead:
+            starter.top_up(k)
+            if not starter.jobs:
                 break
-            job = ahead.popleft()
+            job = starter.jobs[0]
             chunk = job.chunk
-            slot = dev.slots[k % len(dev.slots)]
+            slot = dev.slots[k % n_slots]
             if run.plan.managed:
                 _enqueue_managed(run, dev, slot, chunk, q, k)
             else:
                 _enqueue(run, dev, slot, job, q, k)
+            starter.jobs.popleft()
             k += 1
             stats.chunks += 1
             stats.rows += chunk.rows
@@ -205,6 +275,9 @@ def feed(run: Run, dev: DeviceState, q: queue.SimpleQueue[Any]) -> None:
     except BaseException as exc:
         run.fail(dev, chunk, getattr(exc, "_ctxkit_step", "enqueue"), exc)
     finally:
+        if starter.split is not None:
+            starter.split.settle()
+        starter.settle()
         q.put(None)
 
 
@@ -212,21 +285,39 @@ def _prepare_device(run: Run, dev: DeviceState) -> None:
     try:
         for slot in dev.slots:
             slot.h2d_done = None
-        plan = run.plan
-        if not plan.managed:
-            ensure_buffers(
-                dev,
-                plan.in_chunk_bytes,
-                plan.out_chunk_bytes,
-                plan.stage_in,
-                plan.stage_out,
-                plan.registers,
-            )
         if run.rec is not None and not run.rec.calibrated(dev.ordinal):
             calibrate(dev, run.rec)
     except BaseException as exc:
         exc._ctxkit_step = "setup"  # type: ignore[attr-defined]
         raise
+
+
+def _setup_slot(run: Run, dev: DeviceState, slot: Slot) -> None:
+    """The slot's buffers for this run, at its first chunk (the first chunk starts after
+    one slot's allocations, not all of them)."""
+    plan = run.plan
+    try:
+        ensure_slot(
+            dev, slot, plan.in_chunk_bytes, plan.out_chunk_bytes, plan.stage_in, plan.registers
+        )
+    except BaseException as exc:
+        exc._ctxkit_step = "setup"  # type: ignore[attr-defined]
+        raise
+    out = slot.pin_out
+    if plan.stage_out and (out is None or out.nbytes < plan.out_chunk_bytes):
+        # Allocated on the host pool while the chunk fills, ready by its D2H.
+        assert run.pool is not None
+        slot.pin_out_next = run.pool.submit(grow_pinned, out, plan.out_chunk_bytes, dev.ctx)
+
+
+def _fill(run: Run, dev: DeviceState, slot: Slot, c: Chunk) -> CopyBatch:
+    """Queue the staging copy of chunk *c*'s input into *slot* (fill work)."""
+    nb, b0 = c.rows * run.in_row, c.row0 * run.in_row
+    assert run.pool is not None and slot.pin_in is not None
+    trace = (run.rec, "fill", dev.ordinal, c.index) if run.rec is not None else None
+    return run.pool.copy_async(
+        slot.pin_in[:nb], run.x_bytes[b0 : b0 + nb], trace, name="fill", stop=run.stop
+    )
 
 
 def _claim(run: Run, dev: DeviceState, c: Chunk) -> ChunkJob:
@@ -295,7 +386,7 @@ def _enqueue(
             (err,) = drv.cuMemcpyDtoHAsync(dst, slot.d_out.ptr + off, n, sh)
             _check_copy(dev, err, "cuMemcpyDtoHAsync", "d2h")
     e3 = dev.take_event(timing, taken).record(s)
-    q.put((job, slot, e3, out_mode))
+    q.put((job, slot, e3, out_mode, k))
     if rec is not None:
         rec.mark("h2d", dev.ordinal, slot.label, c.index, e0, e1)
         rec.mark("kernel", dev.ordinal, slot.label, c.index, e1, e2)
@@ -309,23 +400,25 @@ def _input(run: Run, dev: DeviceState, slot: Slot, job: ChunkJob) -> list[tuple[
     if run.in_mode in DIRECT:
         return [(0, run.x_ptr + b0, nb)]
     pc = job.in_pieces
-    if run.in_mode == "register" and pc is not None and _registered(run, job.in_seg):
+    registered = run.in_mode in ("register", "split") and job.fill is None
+    if registered and pc is not None and _registered(run, job.in_seg):
         if pc.bounced:
-            _wait_h2d(dev, slot, c)
+            _wait_h2d(dev, slot, c.index)
             bounce = slot.bounce_in
             src = run.x_bytes[b0 : b0 + nb]
             bounce[: pc.head] = src[: pc.head]
             bounce[PAGE : PAGE + pc.tail] = src[nb - pc.tail :]
         return _pieces(pc, addr(slot.bounce_in) if pc.bounced else 0, run.x_ptr + b0)
     try:
-        _wait_h2d(dev, slot, c)
-        slot.pin_in = grow_pinned(slot.pin_in, nb, dev.ctx)
+        if job.fill is None:  # a registration the driver refused: staged here
+            _wait_h2d(dev, slot, c.index)
+            slot.pin_in = grow_pinned(slot.pin_in, nb, dev.ctx)
+            job.fill = _fill(run, dev, slot, c)
+        assert run.pool is not None and slot.pin_in is not None
+        run.pool.help_until(job.fill)
     except BaseException as exc:
         exc._ctxkit_step = "fill"  # type: ignore[attr-defined]
         raise
-    trace = (run.rec, "fill", dev.ordinal, c.index) if run.rec is not None else None
-    with nvtx_range("fill", "yellow"):
-        tagged(run.copy, "fill", slot.pin_in[:nb], run.x_bytes[b0 : b0 + nb], trace)
     return [(0, addr(slot.pin_in), nb)]
 
 
@@ -344,6 +437,9 @@ def _output(
     _wait_window(run, dev, k, into_slot)
     if mode == "staged":
         try:
+            if slot.pin_out_next is not None:
+                nxt, slot.pin_out_next = slot.pin_out_next, None
+                slot.pin_out = nxt.result()
             slot.pin_out = grow_pinned(slot.pin_out, nb, dev.ctx)
         except BaseException as exc:
             exc._ctxkit_step = "d2h"  # type: ignore[attr-defined]
@@ -379,10 +475,11 @@ def _pieces(pc: HostPieces, bounce: int, host: int) -> list[tuple[int, int, int]
     return out
 
 
-def _wait_h2d(dev: DeviceState, slot: Slot, c: Chunk) -> None:
-    """Wait until the slot's previous H2D has read its host buffers."""
+def _wait_h2d(dev: DeviceState, slot: Slot, index: int) -> None:
+    """Wait until the slot's previous H2D has read its host buffers (before chunk
+    *index* uses them)."""
     if slot.h2d_done is not None:
-        sync_event(dev, slot.h2d_done, f"waiting for the H2D copy before chunk {c.index}")
+        sync_event(dev, slot.h2d_done, f"waiting for the H2D copy before chunk {index}")
 
 
 def _enqueue_managed(
@@ -407,7 +504,7 @@ def _enqueue_managed(
     if to_host:
         tagged(_driver.mem_prefetch, "prefetch", p_out, nb_out, "cpu", s.handle)
     e3 = dev.take_event(timing, taken).record(s)
-    q.put((ChunkJob(c), slot, e3, "managed"))
+    q.put((ChunkJob(c), slot, e3, "managed", k))
     if rec is not None:
         rec.mark("prefetch", dev.ordinal, slot.label, c.index, e0, e1)
         rec.mark("kernel", dev.ordinal, slot.label, c.index, e1, e2)
@@ -415,20 +512,29 @@ def _enqueue_managed(
 
 
 def drain(run: Run, dev: DeviceState, q: queue.SimpleQueue[Any]) -> None:
-    """Drain thread of *dev*: wait for each chunk, finish its host output, unregister its
-    pages (runs with dev's context current)."""
+    """Drain thread of *dev*: wait for each chunk's D2H, then queue the staging copy of
+    its output on the host pool (drain work; it finishes the chunk when done) or finish
+    it here, unregister its pages (runs with dev's context current)."""
     progress = run.progress[dev.ordinal]
+    copies: collections.deque[CopyBatch] = collections.deque()
     try:
         while True:
             item = q.get()
             if item is None:
                 break
-            job, slot, ev, mode = item
+            job, slot, ev, mode, k = item
+            queued = False
             try:
                 if run.stop.is_set():
                     continue
                 sync_event(dev, ev, f"cuEventSynchronize after chunk {job.chunk.index}")
-                _finish_output(run, dev, slot, job, mode)
+                if mode == "staged":
+                    copies.append(_drain_staged(run, dev, slot, job.chunk, k))
+                    queued = True
+                    while copies and copies[0].done:
+                        copies.popleft()
+                else:
+                    _finish_output(run, dev, slot, job, mode)
                 if run.registrar is not None:
                     for seg in job.segments():
                         run.registrar.release(seg)
@@ -436,22 +542,47 @@ def drain(run: Run, dev: DeviceState, q: queue.SimpleQueue[Any]) -> None:
                 step = "drain" if mode in ("staged", "register") else "kernel"
                 run.fail(dev, job.chunk, step, exc)
             finally:
-                progress.advance()
-                run.chunk_finished()
+                if not queued:
+                    progress.advance(k)
+                    run.chunk_finished()
     finally:
+        for batch in copies:
+            batch.settle()
         _finish_device(run, dev)
+
+
+def _drain_staged(run: Run, dev: DeviceState, slot: Slot, c: Chunk, k: int) -> CopyBatch:
+    """Queue the copy of chunk *c*'s output from *slot* into the user's array; the slot
+    is free for chunk ``k + staging_buffers`` once it is done."""
+    nb, b0 = c.rows * run.out_row, c.row0 * run.out_row
+    assert run.pool is not None and slot.pin_out is not None
+    trace = (run.rec, "drain", dev.ordinal, c.index) if run.rec is not None else None
+    done = functools.partial(_drained, run, dev, c, k)
+    return run.pool.copy_async(
+        run.out_bytes[b0 : b0 + nb],
+        slot.pin_out[:nb],
+        trace,
+        name="drain",
+        urgent=False,
+        stop=run.stop,
+        on_done=done,
+    )
+
+
+def _drained(run: Run, dev: DeviceState, c: Chunk, k: int, batch: CopyBatch) -> None:
+    try:
+        if batch.error is not None:
+            run.fail(dev, c, "drain", batch.error)
+        run.chunk_finished()
+    finally:
+        run.progress[dev.ordinal].advance(k)
 
 
 def _finish_output(run: Run, dev: DeviceState, slot: Slot, job: ChunkJob, mode: str) -> None:
     c = job.chunk
     nb, b0 = c.rows * run.out_row, c.row0 * run.out_row
     dst = run.out_bytes[b0 : b0 + nb]
-    if mode == "staged":
-        assert slot.pin_out is not None
-        trace = (run.rec, "drain", dev.ordinal, c.index) if run.rec is not None else None
-        with nvtx_range("drain", "orange"):
-            run.copy(dst, slot.pin_out[:nb], trace)
-    elif mode == "register":
+    if mode == "register":
         pc = job.out_pieces
         if pc is not None and pc.bounced:
             bounce = slot.bounce_out

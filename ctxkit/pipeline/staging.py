@@ -1,17 +1,14 @@
 """Staging machinery of ``ctxkit.pipeline``: per-device state (worker threads, streams,
-slots of device and pinned buffers, an event pool) and the host thread pool."""
+slots of device and pinned buffers, an event pool); the host threads are in
+:mod:`ctxkit.pipeline.hostthreads`."""
 
 from __future__ import annotations
 
-import functools
-import itertools
-import os
-import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import Future
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
@@ -22,114 +19,17 @@ from ..executor import ContextExecutor
 from ..memory.device import DeviceBuffer
 from ..memory.hostpool import pinned_pool
 from ..stream import Event, Stream
-from ..trace import HOST_PREFIX, Recorder
-from .plan import PAGE, MiB, round_up
+from ..trace import Recorder
+from .hostthreads import HostPool, default_host_threads
+from .plan import PAGE, round_up
 
-__all__ = ["DeviceState", "HostPool", "Progress", "Slot"]
-
-
-MIN_PIECE_BYTES = 1 * MiB
+__all__ = ["DeviceState", "HostPool", "Progress", "Slot", "default_host_threads"]
 
 
 BOUNCE_BYTES = 4 * PAGE
 
 
-T = TypeVar("T")
-
-
-class HostPool:
-    """Host threads for the pipeline: parallel numpy copies (``np.copyto`` releases the
-    GIL for large copies) and jobs such as page registration (:meth:`submit`)."""
-
-    def __init__(self, n_threads: int, prefix: str = "ctxkit-stage") -> None:
-        self.size = n_threads
-        self._q: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._threads = [
-            threading.Thread(target=self._work, name=f"{prefix}_{i}", daemon=True)
-            for i in range(n_threads)
-        ]
-        for t in self._threads:
-            t.start()
-
-    def _work(self) -> None:
-        while True:
-            job = self._q.get()
-            if job is None:
-                return
-            job()
-            del job  # an idle thread must not keep the last job's arrays alive
-
-    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
-        """Run ``fn(*args)`` on a pool thread; its result or exception lands in the Future."""
-        fut: Future[T] = Future()
-
-        def job() -> None:
-            try:
-                result = fn(*args)
-            except BaseException as exc:
-                fut.set_exception(exc)
-            else:
-                fut.set_result(result)
-
-        self._q.put(job)
-        return fut
-
-    def copy(self, dst: np.ndarray, src: np.ndarray, trace: tuple[Any, ...] | None) -> None:
-        """Copy *src* into *dst* (1-D uint8, same length) in parallel pieces; the calling
-        thread copies one piece itself."""
-        n = dst.shape[0]
-        pieces = max(1, min(self.size + 1, n // MIN_PIECE_BYTES))
-        bounds = [(i * n // pieces) & ~63 if i < pieces else n for i in range(pieces + 1)]
-        done: queue.SimpleQueue[BaseException | None] = queue.SimpleQueue()
-        for a, b in itertools.pairwise(bounds[1:]):
-            self._q.put(functools.partial(_pool_piece, dst[a:b], src[a:b], trace, done))
-        first: BaseException | None = None
-        try:
-            copy_piece(dst[: bounds[1]], src[: bounds[1]], trace, thread_label())
-        except BaseException as exc:
-            first = exc
-        for _ in range(pieces - 1):
-            err = done.get()
-            if err is not None and first is None:
-                first = err
-        if first is not None:
-            raise first
-
-    def close(self) -> None:
-        """Stop and join the threads (queued jobs run first)."""
-        for _ in self._threads:
-            self._q.put(None)
-        for t in self._threads:
-            t.join()
-
-
-def thread_label() -> str:
-    """The trace stream name of the calling host thread."""
-    return f"{HOST_PREFIX} {threading.current_thread().name}"
-
-
-def _pool_piece(
-    dst: np.ndarray,
-    src: np.ndarray,
-    trace: tuple[Any, ...] | None,
-    done: queue.SimpleQueue[BaseException | None],
-) -> None:
-    try:
-        copy_piece(dst, src, trace, thread_label())
-    except BaseException as exc:
-        done.put(exc)
-    else:
-        done.put(None)
-
-
-def copy_piece(dst: np.ndarray, src: np.ndarray, trace: tuple[Any, ...] | None, label: str) -> None:
-    if trace is None:
-        np.copyto(dst, src)
-        return
-    rec, name, device, chunk = trace
-    t0 = time.perf_counter()
-    np.copyto(dst, src)
-    rec.host(name, device, label, chunk, t0, time.perf_counter())
+NOT_READY = 600
 
 
 class Slot:
@@ -148,6 +48,8 @@ class Slot:
         self.d_out: DeviceBuffer | None = None
         self.pin_in: np.ndarray | None = None
         self.pin_out: np.ndarray | None = None
+        #: the output staging buffer being allocated on the host pool (first use)
+        self.pin_out_next: Future[np.ndarray] | None = None
         self.bounce: np.ndarray | None = None
         self.h2d_done: Event | None = None
 
@@ -171,26 +73,34 @@ class Slot:
                 buf.close()
         self.d_in = self.d_out = None
         self.pin_in = self.pin_out = self.bounce = None
+        self.pin_out_next = None
         self.h2d_done = None
         self.stream.close()
 
 
 class Progress:
-    """How many of a device's chunks the drain thread has finished in this run."""
+    """Which of a device's chunks (numbered in the order its feeder enqueues them) are
+    finished in this run; ``done`` counts the finished prefix: chunks ``0 .. done - 1``
+    (drains finish out of order once their copies run on the host pool)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
+        self._ahead: set[int] = set()
         self.done = 0
 
-    def advance(self) -> None:
-        """One more chunk finished."""
+    def advance(self, k: int | None = None) -> None:
+        """Chunk *k* finished (default: the next one in order)."""
         with self._cond:
-            self.done += 1
+            self._ahead.add(self.done if k is None else k)
+            while self.done in self._ahead:
+                self._ahead.discard(self.done)
+                self.done += 1
             self._cond.notify_all()
 
     def wait_for(self, n: int, stop: threading.Event) -> bool:
-        """Wait until *n* chunks finished; False if *stop* was set first (checked every
-        10 ms, so an interrupted run never waits on a drain that will not come)."""
+        """Wait until chunks ``0 .. n - 1`` finished; False if *stop* was set first
+        (checked every 10 ms, so an interrupted run never waits on a drain that will
+        not come)."""
         with self._cond:
             while self.done < n:
                 if stop.is_set():
@@ -301,23 +211,22 @@ def calibrate(dev: DeviceState, rec: Recorder) -> None:
     dev.clock = (rec, ev, host_s)
 
 
-def ensure_buffers(
-    dev: DeviceState, in_bytes: int, out_bytes: int, stage_in: bool, stage_out: bool, bounce: bool
+def ensure_slot(
+    dev: DeviceState, slot: Slot, in_bytes: int, out_bytes: int, stage_in: bool, bounce: bool
 ) -> None:
-    """Grow the slots' device buffers (and the pinned staging/bounce buffers needed)."""
+    """Grow *slot*'s device buffers (and its input staging or bounce buffer when needed)
+    at its first use in a run; its output staging buffer grows when its first D2H is
+    enqueued (:func:`grow_pinned`), so the first chunk waits for one slot only."""
     try:
-        for slot in dev.slots:
-            slot.d_in = grow_device(slot.d_in, in_bytes, dev.ctx)
-            slot.d_out = grow_device(slot.d_out, out_bytes, dev.ctx)
-            if stage_in:
-                slot.pin_in = grow_pinned(slot.pin_in, in_bytes, dev.ctx)
-            if stage_out:
-                slot.pin_out = grow_pinned(slot.pin_out, out_bytes, dev.ctx)
-            if bounce and slot.bounce is None:
-                slot.bounce = pinned_pool().empty((BOUNCE_BYTES,), np.uint8, context=dev.ctx)
+        slot.d_in = grow_device(slot.d_in, in_bytes, dev.ctx)
+        slot.d_out = grow_device(slot.d_out, out_bytes, dev.ctx)
+        if stage_in:
+            slot.pin_in = grow_pinned(slot.pin_in, in_bytes, dev.ctx)
+        if bounce and slot.bounce is None:
+            slot.bounce = pinned_pool().empty((BOUNCE_BYTES,), np.uint8, context=dev.ctx)
     except OutOfMemoryError as exc:
         raise OutOfMemoryError(
-            f"Pipeline: cannot allocate {len(dev.slots)} staging slots of {in_bytes} + "
+            f"Pipeline: cannot allocate staging slot {slot.index} of {in_bytes} + "
             f"{out_bytes} bytes on device {dev.ordinal}: {exc}. Use a smaller chunk_bytes "
             "or fewer staging_buffers",
             exc.code,
@@ -348,18 +257,11 @@ def grow_pinned(arr: np.ndarray | None, need: int, ctx: Context) -> np.ndarray:
     return pinned_pool().empty((round_up(max(need, 1)),), np.uint8, context=ctx)
 
 
-def default_host_threads(n_devices: int) -> int:
-    """Host threads: 16, leaving one CPU per device worker thread (feeder, drainer) and one
-    for the caller; at least 2.
-
-    The staging copies are bound by host memory bandwidth, which every device shares, so
-    the count does not grow with the devices. Measured on 2x H200 with 32 CPUs (2 GiB
-    float32 pageable in and out, staged, 32 MiB chunks): 1 GPU 17.5 GB/s with 12 threads,
-    21.1 GB/s with 16, 15.0 GB/s with 24; 2 GPUs 22.2-23.0 GB/s with 16 and 16.0 GB/s with
-    24 (over-subscribed next to the spinning event waits of feeders and drainers).
-    """
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = os.cpu_count() or 2
-    return max(2, min(cpus - 2 * n_devices - 1, 16))
+def event_ready(dev: DeviceState, ev: Event) -> bool:
+    """True when *ev* completed, False while its work runs (``cuEventQuery``, no wait)."""
+    (err,) = drv.cuEventQuery(ev.handle)
+    if err == NOT_READY:
+        return False
+    if err:
+        raise dev.ctx.note_error(err, "cuEventQuery")
+    return True

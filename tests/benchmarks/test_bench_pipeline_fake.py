@@ -109,7 +109,8 @@ def test_benchmark_runs_every_section_on_the_simulated_gpu(
         "host memcpy", "cuMemHostRegister", "naive_1gpu_8chunk", "ctxkit_1gpu_pageable_auto",
         "ctxkit_1gpu_pageable_in-register-out-staged", "ctxkit_2gpu_pageable_register_dynamic",
         "raw_2gpu_pinned_4events", "ctxkit_1gpu_pinned_notrace", "managed_2gpu",
-        "new_pipeline_1gpu_io", "naive_1gpu_8chunk_fresh_io", "fresh_2gpu_io",
+        "new_pipeline_1gpu_io", "new_pipeline_1gpu_split_io", "naive_1gpu_8chunk_fresh_io",
+        "fresh_2gpu_io",
     ):  # fmt: skip
         assert needle in text, needle
     names = {

@@ -19,7 +19,13 @@ import ctxkit as ck
 from ctxkit.memory.host import host_pointer_kind
 from ctxkit.pipeline import Pipeline
 from ctxkit.pipeline.pincache import process_pins
-from tests.pipeline.gpu_support import kern, random_array, scaled  # noqa: F401
+from tests.pipeline.gpu_support import (  # noqa: F401
+    assert_unregistered,
+    kern,
+    need_devices,
+    random_array,
+    scaled,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
@@ -59,6 +65,46 @@ def test_first_calls_of_one_gib_plus_three_elements(kern, out):
     assert allocations[1] == allocations[0]
 
 
+@pytest.mark.parametrize("slots", [2, 6, 12])
+@pytest.mark.parametrize(
+    "ndev,schedule", [(1, "static"), pytest.param(2, "dynamic", marks=pytest.mark.multigpu)]
+)
+def test_many_small_chunks_in_flight_are_exact(kern, slots, ndev, schedule):
+    """64 MiB + 5 elements in 1 MiB chunks: the fills and drains of many chunks run on the
+    host pool at once, slots are reused as soon as their drains finish."""
+    with Pipeline(need_devices(ndev), chunk_bytes=MiB, staging_buffers=slots) as p:
+        for seed in range(2):  # a new pipeline's first call, then fresh arrays again
+            x = random_array((16 << 20) + 5, np.float32, 11 + seed)
+            y = p.map(kern["scale_f32"], x, args=(2.0,), schedule=schedule)
+            assert p.last_stats.path == "in=staged, out=staged"
+            assert np.array_equal(y, scaled(x, 2.0))
+            tl = p.trace()
+            assert {i.chunk for i in tl.select(name="fill")} == set(range(65))
+            assert {i.chunk for i in tl.select(name="drain")} == set(range(65))
+            del x, y
+    assert ck.pinned_pool().stats().in_use_blocks == 0
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 1_000_003, (16 << 20) + 5])
+def test_split_input_is_exact_and_leaves_nothing_registered(kern, n):
+    """``host_path="split"``: the input registered from its far end, staged from its near
+    end; every chunk lands once and no page stays locked."""
+    with Pipeline([0], chunk_bytes=MiB) as p:
+        for seed in range(2):
+            x = random_array(n, np.float32, 21 + seed)
+            y = p.map(kern["scale_f32"], x, args=(2.0,), host_path=("split", "auto"))
+            assert np.array_equal(y, scaled(x, 2.0))
+            assert_unregistered(x)
+            if n >= 2 * MiB:
+                assert p.last_stats.path == "in=split, out=staged"
+                tl = p.trace()
+                staged = {i.chunk for i in tl.select(name="fill")}
+                registered = {i.chunk for i in tl.select(name="register")}
+                assert staged | registered == set(range(len(p._run.plan.chunks)))
+                if not p.last_stats.fallbacks:  # no registration refused: one way each
+                    assert not staged & registered
+
+
 def own_pages(n: int, dtype: type) -> np.ndarray:
     """A 1-D array in an anonymous mapping of its own (whole pages, shared with nothing)."""
     import mmap
@@ -70,7 +116,7 @@ def own_pages(n: int, dtype: type) -> np.ndarray:
 def test_many_pipelines_share_the_pool_within_one_budget(kern):
     pool = ck.pinned_pool()
     pipes = [
-        Pipeline([0], chunk_bytes=MiB, host_threads=2) for _ in range(8)
+        Pipeline([0], chunk_bytes=MiB, staging_buffers=3, host_threads=2) for _ in range(8)
     ]  # 8 x 3 x 2 MiB staging
     room = 40 * MiB  # two 16 MiB arrays (and their partial pages) may be held
     budget = 48 * MiB + room

@@ -13,8 +13,6 @@ import itertools
 import random
 import signal
 import threading
-import time
-from concurrent.futures import Future
 
 import numpy as np
 import pytest
@@ -23,15 +21,14 @@ import ctxkit as ck
 from ctxkit.module import Kernel
 from ctxkit.pipeline import HostPieces, Pipeline, PipelineError, host_pieces
 from ctxkit.pipeline import plan as _plan
-from ctxkit.pipeline import staging as _staging
 from ctxkit.pipeline.hostreg import REGISTER_READ_ONLY, Registrar, Segment
+from ctxkit.pipeline.hostthreads import HostPool
 from ctxkit.pipeline.plan import (
     AUTO_HOST_PATH,
     AUTO_REGISTER_MIN_BYTES,
     check_host_path,
     choose_host_path,
 )
-from ctxkit.pipeline.staging import HostPool, Progress, default_host_threads
 from tests.support.fakegpu import ALREADY_REGISTERED, gpu_fixture, scale_body  # noqa: F401
 
 PAGE = 4096
@@ -109,47 +106,6 @@ def test_host_path_options():
     assert choose_host_path("auto", AUTO_REGISTER_MIN_BYTES - 1) == "staged"
     with pytest.raises(ValueError, match="host_path"):
         Pipeline(devices=[0], host_path="fast")
-
-
-def test_default_host_threads(monkeypatch):
-    monkeypatch.setattr(_staging.os, "sched_getaffinity", lambda pid: set(range(32)))
-    assert default_host_threads(1) == 16
-    assert default_host_threads(2) == 16
-    assert default_host_threads(8) == 15
-    monkeypatch.setattr(_staging.os, "sched_getaffinity", lambda pid: set(range(8)))
-    assert default_host_threads(2) == 3
-    monkeypatch.setattr(_staging.os, "sched_getaffinity", lambda pid: {0})
-    assert default_host_threads(1) == 2
-
-
-# --- host pool and progress -----------------------------------------------------------------
-
-
-def test_host_pool_submit_returns_results_and_exceptions():
-    pool = HostPool(2, prefix="test-pool")
-    try:
-        ok: Future[int] = pool.submit(lambda a, b: a + b, 2, 3)
-        bad = pool.submit(lambda: 1 / 0)
-        assert ok.result(5) == 5
-        with pytest.raises(ZeroDivisionError):
-            bad.result(5)
-        src = np.arange(3 << 20, dtype=np.uint8)
-        dst = np.empty_like(src)
-        pool.copy(dst, src, None)
-        assert np.array_equal(dst, src)
-    finally:
-        pool.close()
-
-
-def test_progress_waits_for_drained_chunks_and_gives_up_on_stop():
-    prog, stop = Progress(), threading.Event()
-    assert prog.wait_for(0, stop)
-    threading.Timer(0.02, prog.advance).start()
-    assert prog.wait_for(1, stop) and prog.done == 1
-    threading.Timer(0.02, stop.set).start()
-    t0 = time.perf_counter()
-    assert not prog.wait_for(5, stop)
-    assert time.perf_counter() - t0 < 1.0
 
 
 # --- whole runs, host_path="register" -----------------------------------------------------

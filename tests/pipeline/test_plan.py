@@ -20,7 +20,7 @@ from ctxkit.pipeline import (
     prepare_io,
     split_rows,
 )
-from ctxkit.pipeline.plan import AUTO_REGISTER_MIN_BYTES
+from ctxkit.pipeline.plan import AUTO_REGISTER_MIN_BYTES, DEFAULT_STAGING_BUFFERS
 
 MiB = 1 << 20
 
@@ -46,11 +46,26 @@ def test_split_rows_rejects_bad_arguments():
 
 
 def test_default_chunk_bytes():
-    assert default_chunk_bytes(2 << 30, 1) == 32 * MiB
-    assert default_chunk_bytes(40 * MiB, 1) == 10 * MiB  # at least 4 chunks per device
-    assert default_chunk_bytes(40 * MiB, 2) == 5 * MiB
+    assert default_chunk_bytes(2 << 30, 1) == 64 * MiB  # big inputs: 64 MiB chunks
+    assert default_chunk_bytes(1 << 30, 2) == 64 * MiB  # 8 per device
+    assert default_chunk_bytes(256 * MiB, 1) == 32 * MiB  # at least 8 chunks per device
+    assert default_chunk_bytes(80 * MiB, 2) == 5 * MiB
     assert default_chunk_bytes(100, 2) == MiB  # never below 1 MiB
     assert default_chunk_bytes(0, 1) == MiB
+
+
+@pytest.mark.parametrize("total_mib", [8, 64, 100, 512, 1024, 4096])
+@pytest.mark.parametrize("devices", [1, 2, 8])
+def test_default_chunks_keep_every_device_busy(total_mib, devices):
+    """Every device gets at least 8 chunks to overlap (unless chunks hit the 1 MiB floor),
+    and chunks are only made smaller than 64 MiB to get there."""
+    nbytes = total_mib * MiB
+    plan = plan_map(nbytes // 4, (4, 4), devices)
+    per_device = [len(plan.for_part(d)) for d in range(devices)]
+    chunk = plan.in_chunk_bytes
+    assert MiB <= chunk <= 64 * MiB
+    assert min(per_device) >= 8 or chunk == MiB
+    assert chunk in (MiB, 64 * MiB) or max(per_device) <= 9  # no smaller than needed
 
 
 def test_grid_size():
@@ -179,7 +194,15 @@ def test_registering_feeders_claim_a_few_chunks_ahead():
     assert plan_map(1 << 20, (4, 4), 4, opts).ahead == 4  # 16 threads over 4 devices
     few = dataclasses.replace(opts, host_threads=2)
     assert plan_map(1 << 20, (4, 4), 2, few).ahead == 3  # at least staging_buffers
-    assert plan_map(1 << 20, (4, 4), 2).ahead == 1  # staged: nothing registers ahead
+    staged = MapOptions(staging_buffers=4)
+    assert plan_map(1 << 20, (4, 4), 2, staged).ahead == 4  # every slot's input fills at once
+    assert plan_map(1 << 20, (4, 4), 2).ahead == DEFAULT_STAGING_BUFFERS
+    dynamic = MapOptions(staging_buffers=6, schedule="dynamic")
+    assert plan_map(1 << 20, (4, 4), 2, dynamic).ahead == 3  # leaves chunks to steal
+    pinned_in = plan_map(1 << 20, (4, 4), 2, staged, host=("pinned", "pageable"))
+    assert pinned_in.ahead == 1  # nothing to fill or register ahead
+    mixed = MapOptions(host_path=("staged", "register"), staging_buffers=2, host_threads=16)
+    assert plan_map(1 << 20, (4, 4), 1, mixed).ahead == 4  # registrations go further
 
 
 # --- options ----------------------------------------------------------------------------------

@@ -188,7 +188,11 @@ class FakeGPU(CaptureRules, FakeDriver):
             "CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS": 1,
         }
         self._handles = itertools.count(0x100000)
-        self._mlock = threading.Lock()
+        # Re-entrant, and readers scan copies: a collection inside a locked section may
+        # run a finalizer that frees or unregisters memory in the same thread (a dropped
+        # pool's blocks, a dead array's pages), which must neither deadlock nor change a
+        # dict being scanned.
+        self._mlock = threading.RLock()
 
     # --- helpers -------------------------------------------------------------------
 
@@ -240,7 +244,7 @@ class FakeGPU(CaptureRules, FakeDriver):
     def reset_context(self, ctx: int) -> None:
         """Reset/destroy: the context's memory, streams and events are gone."""
         with self._mlock:
-            for ptr in [p for p, c in self.mem_ctx.items() if c == ctx]:
+            for ptr in [p for p, c in self.mem_ctx.copy().items() if c == ctx]:
                 self.mem.pop(ptr, None)
                 self.mem_ctx.pop(ptr, None)
         for h in [h for h, st in self.streams.items() if st.ctx == ctx]:
@@ -255,11 +259,13 @@ class FakeGPU(CaptureRules, FakeDriver):
             base, arr, kind = hit
             return kind == "host" and ptr + n <= base + arr.nbytes
         with self._mlock:
-            return any(b <= ptr and ptr + n <= b + m for b, (m, _) in self.registered.items())
+            return any(
+                b <= ptr and ptr + n <= b + m for b, (m, _) in self.registered.copy().items()
+            )
 
     def allocation(self, ptr: int) -> tuple[int, np.ndarray, str] | None:
         with self._mlock:
-            for base, (arr, kind) in self.mem.items():
+            for base, (arr, kind) in self.mem.copy().items():
                 if base <= ptr < base + max(arr.nbytes, 1):
                     return base, arr, kind
         return None
@@ -488,10 +494,10 @@ class FakeGPU(CaptureRules, FakeDriver):
         if err:
             return (err,)
         with self._mlock:
-            if any(b < p + n and p < b + m for b, (m, _) in self.registered.items()):
+            if any(b < p + n and p < b + m for b, (m, _) in self.registered.copy().items()):
                 return (ALREADY_REGISTERED,)
             self.registered[p] = (n, int(flags))
-            total = sum(m for m, _ in self.registered.values())
+            total = sum(m for m, _ in self.registered.copy().values())
             self.max_registered = max(self.max_registered, total)
         return (0,)
 
