@@ -64,7 +64,7 @@ class Pipeline:
         Default chunk size in bytes (per :meth:`map` overridable). Default: 64 MiB, less
         when a device would get fewer than 8 chunks.
     staging_buffers : int
-        Slots per device (default 6): each has a stream, an input and an output device
+        Slots per device (default 4): each has a stream, an input and an output device
         buffer and, for pageable data, pinned staging (or small bounce) buffers. A
         slot's buffers are allocated when a :meth:`map` first uses it (pinned ones come
         from the process's pinned pool), reused, grown when a later call needs bigger
