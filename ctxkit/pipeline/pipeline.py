@@ -29,6 +29,7 @@ from ..registry import check_devices
 from ..stream import Event, Stream
 from ..trace import Recorder, Timeline
 from .hostreg import Registrar
+from .hostthreads import HostPool, default_host_threads
 from .launch import make_launcher, unblock_if_not_run
 from .pincache import Held, PinClaims, process_pins
 from .plan import (
@@ -43,7 +44,7 @@ from .plan import (
 from .progressbar import make_bar
 from .run import Run, drain, feed, run_stats
 from .stages import StageHandle, Stages
-from .staging import DeviceState, HostPool, Progress, default_host_threads, quiet_sync, shutdown_all
+from .staging import DeviceState, Progress, quiet_sync, shutdown_all
 from .types import DeviceStats, RunStats
 
 __all__ = ["Pipeline"]

@@ -20,10 +20,10 @@ from ..memory.device import DeviceBuffer
 from ..memory.hostpool import pinned_pool
 from ..stream import Event, Stream
 from ..trace import Recorder
-from .hostthreads import HostPool, default_host_threads
+from .hostthreads import HostPool
 from .plan import PAGE, round_up
 
-__all__ = ["DeviceState", "HostPool", "Progress", "Slot", "default_host_threads"]
+__all__ = ["DeviceState", "Progress", "Slot"]
 
 
 BOUNCE_BYTES = 4 * PAGE

@@ -20,7 +20,7 @@ from cuda.bindings import driver as real
 import ctxkit as ck
 from ctxkit.context import Context
 from ctxkit.memory import blockcache
-from tests.support.fakedriver import FakeHandle, swap_driver
+from tests.support.fakedriver import FakeHandle
 from tests.support.fakemem import (
     INVALID_CONTEXT,
     INVALID_HANDLE,
@@ -28,6 +28,7 @@ from tests.support.fakemem import (
     OK,
     OUT_OF_MEMORY,
     FakeMemDriver,
+    install,
 )
 
 DEFAULT_POOL = 0x7000
@@ -171,17 +172,7 @@ class FakePoolDriver(FakeMemDriver):
 @pytest.fixture
 def pfake(fake_driver, monkeypatch):
     """The memory fake with pools, patched everywhere, and an empty enabled block cache."""
-    from ctxkit import _driver
-    from ctxkit.memory import copies as _copies
-    from ctxkit.memory import host as _hostmem
-    from ctxkit.memory import managed as _managed
-
-    f = FakePoolDriver(fake_driver)
-    swap_driver(monkeypatch, f)
-    monkeypatch.setattr(_managed, "_concurrent_managed", {})
-    monkeypatch.setattr(_copies, "_peer_pairs", {})
-    monkeypatch.setattr(_hostmem, "_strict", False)
-    monkeypatch.setattr(_driver, "_raw_pointer_get_attribute", False)
+    f = install(monkeypatch, FakePoolDriver(fake_driver))
     monkeypatch.delenv(blockcache.ENV, raising=False)
     _reset_cache()
     yield f

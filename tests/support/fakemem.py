@@ -401,20 +401,26 @@ class FakeMemDriver:
         return (OK,)
 
 
-@pytest.fixture
-def fake(fake_driver, monkeypatch):
-    """The context fake of conftest, extended with memory/streams, patched everywhere."""
+def install(monkeypatch: pytest.MonkeyPatch, f: Any) -> Any:
+    """Patch the memory fake *f* into every ctxkit module for one test, with the memory
+    family's per-process records (peer pairs, concurrent-managed answers, strict copies,
+    the raw pointer query) reset; returns *f*."""
     from ctxkit import _driver
     from ctxkit.memory import copies as _copies
     from ctxkit.memory import managed as _managed
 
-    f = FakeMemDriver(fake_driver)
     swap_driver(monkeypatch, f)
     monkeypatch.setattr(_managed, "_concurrent_managed", {})
     monkeypatch.setattr(_copies, "_peer_pairs", {})
     monkeypatch.setattr(_hostmem, "_strict", False)
     monkeypatch.setattr(_driver, "_raw_pointer_get_attribute", False)
-    yield f
+    return f
+
+
+@pytest.fixture
+def fake(fake_driver, monkeypatch):
+    """The context fake of conftest, extended with memory/streams, patched everywhere."""
+    yield install(monkeypatch, FakeMemDriver(fake_driver))
     gc.collect()
 
 

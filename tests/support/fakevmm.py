@@ -29,8 +29,8 @@ from ctxkit.memory import host as _hostmem
 from ctxkit.memory import hostaccess as _hostaccess  # noqa: F401 - patched by swap_driver
 from ctxkit.memory import ipc as _ipc
 from ctxkit.memory import vmm as _vmm  # noqa: F401 - patched by swap_driver
-from tests.support.fakedriver import FakeHandle, swap_driver
-from tests.support.fakemem import FakeMemDriver
+from tests.support.fakedriver import FakeHandle
+from tests.support.fakemem import FakeMemDriver, install
 
 OK = 0
 INVALID_VALUE = 1
@@ -369,19 +369,10 @@ class FakeVmmDriver(FakeMemDriver):
 @pytest.fixture
 def vfake(fake_driver, monkeypatch):
     """FakeVmmDriver patched into every ctxkit module for one test."""
-    from ctxkit import _driver
-    from ctxkit.memory import copies as _copies
-    from ctxkit.memory import managed as _managed
-
-    f = FakeVmmDriver(fake_driver)
-    swap_driver(monkeypatch, f)
-    monkeypatch.setattr(_managed, "_concurrent_managed", {})
-    monkeypatch.setattr(_copies, "_peer_pairs", {})
-    monkeypatch.setattr(_hostmem, "_strict", False)
+    f = install(monkeypatch, FakeVmmDriver(fake_driver))
     monkeypatch.setattr(_hostmem, "_pageable_access", {})
     monkeypatch.setattr(_hostmem, "_pageable_kernel_args", False)
     monkeypatch.setattr(_hostmem, "_registered", {})
-    monkeypatch.setattr(_driver, "_raw_pointer_get_attribute", False)
     yield f
     gc.collect()
 
