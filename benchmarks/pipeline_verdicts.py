@@ -71,6 +71,25 @@ def first_call_verdicts(r: Mapping[str, Any]) -> list[Line]:
             "ck.Pipeline([0]).map(k, x), a new Pipeline per call, fresh x, default out",
         ),
     ]
+    if r.get("new_pipeline_1gpu_pageable_out_io"):
+        lines.append(
+            median_info(
+                "pipeline.1gpu_first_call_pageable_out_gbps",
+                r["new_pipeline_1gpu_pageable_out_io"],
+                IO,
+                'the same with out="pageable" (fresh output pages, drained through staging)',
+            )
+        )
+    warm = r.get("warmup_round_io", {}).get("new_pipeline_1gpu_io")
+    if warm is not None:
+        lines.append(
+            info(
+                "pipeline.1gpu_first_call_warmup_gbps",
+                warm,
+                IO,
+                "the untimed warm-up call before those: its output block is new to the pool",
+            )
+        )
     if r.get("torch_pinned_1gpu_io"):
         lines.append(
             _ratio(

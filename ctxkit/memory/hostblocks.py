@@ -18,6 +18,7 @@ from .. import lifetime
 from .._driver import drv
 from ..context import Context
 from ..stream import Event, Stream
+from .pagelock import LockedPages
 
 __all__ = [
     "DEFAULT_CAP",
@@ -190,12 +191,13 @@ class PinnedPoolStats:
 class Block:
     """One page-locked block and what must complete before it is reused."""
 
-    __slots__ = ("ctx", "events", "nbytes", "ptr", "streams")
+    __slots__ = ("ctx", "events", "nbytes", "pages", "ptr", "streams")
 
-    def __init__(self, ptr: int, nbytes: int, ctx: Context) -> None:
-        self.ptr = ptr
-        self.nbytes = nbytes
-        self.ctx = ctx
+    def __init__(self, pages: LockedPages, nbytes: int) -> None:
+        self.pages = pages
+        self.ptr = pages.ptr
+        self.nbytes = nbytes  # the size class; the pages may be a little more
+        self.ctx = pages.ctx
         self.streams: list[Stream] = []
         #: ``(event, owned)``: owned events are the pool's (recorded at return time)
         self.events: list[tuple[Event, bool]] = []

@@ -55,11 +55,10 @@ import numpy as np
 from .. import context as _context
 from .. import lifetime
 from .. import registry as _registry
-from .._driver import drv
 from ..context import Context
 from ..errors import OutOfMemoryError
 from ..stream import Event
-from .host import MEMHOST_PORTABLE, HostMemory, _shape_of, host_context
+from .host import HostMemory, _shape_of, host_context
 from .hostblocks import (
     POOL_ENV,
     Block,
@@ -75,6 +74,7 @@ from .hostblocks import (
     human,
     size_class,
 )
+from .pagelock import LockedPages, LockFailed, lock_new
 
 __all__ = [
     "POOL_ENV",
@@ -183,6 +183,26 @@ class PinnedPool:
         if nbytes == 0:
             return np.empty(shp, dt)
         block = self._acquire(nbytes, context, "PinnedPool.empty")
+        block.streams = streams
+        return self._wrap(block, nbytes).view(dt).reshape(shp)
+
+    def try_empty(
+        self, shape: Any, dtype: Any = np.float64, *, stream: Any = None, context: Any = None
+    ) -> np.ndarray | None:
+        """:meth:`empty`, or ``None`` where it would wait or raise: the block fits the
+        budget only after stream work completes, does not fit at all, or the OS refuses
+        to page-lock more. Cached blocks are still freed to make room. For callers with
+        a pageable fallback (a pipeline's default output)."""
+        dt = np.dtype(dtype)
+        shp = _shape_of(shape)
+        nbytes = int(np.prod(shp, dtype=np.int64)) * dt.itemsize
+        streams = as_streams(stream, "PinnedPool.try_empty")
+        if nbytes == 0:
+            return np.empty(shp, dt)
+        try:
+            block = self._acquire(nbytes, context, "PinnedPool.try_empty", wait=False)
+        except OutOfMemoryError:
+            return None
         block.streams = streams
         return self._wrap(block, nbytes).view(dt).reshape(shp)
 
@@ -336,7 +356,7 @@ class PinnedPool:
 
     # --- handing out ---------------------------------------------------------------
 
-    def _acquire(self, nbytes: int, context: Any, what: str) -> Block:
+    def _acquire(self, nbytes: int, context: Any, what: str, wait: bool = True) -> Block:
         cls = size_class(nbytes)
         if context is not None:  # a wrong context= fails even when the cache serves it
             host_context(context, what)
@@ -346,7 +366,7 @@ class PinnedPool:
             block = self._take_cached_locked(cls)
         if block is not None:
             return block
-        return self._allocate(cls, context, what)
+        return self._allocate(cls, context, what, wait=wait)
 
     def _take_cached_locked(self, cls: int) -> Block | None:
         best: Block | None = None
@@ -356,8 +376,9 @@ class PinnedPool:
                 dead.append(block)
             elif fits(block.nbytes, cls) and (best is None or block.nbytes <= best.nbytes):
                 best = block
-        for block in dead:  # their context was closed: the driver freed the memory
+        for block in dead:  # their context was closed: only our own mapping is left
             self._pop_cached_locked(block.ptr)
+            block.pages.release()
         if best is None:
             return None
         self._pop_cached_locked(best.ptr)
@@ -365,27 +386,30 @@ class PinnedPool:
         self._count["hits"] += 1
         return best
 
-    def _allocate(self, cls: int, context: Any, what: str, reuse: bool = True) -> Block:
+    def _allocate(
+        self, cls: int, context: Any, what: str, reuse: bool = True, wait: bool = True
+    ) -> Block:
         """A new block of *cls* bytes, in use, within the budget (or, with *reuse*, a
-        cached one that waiting for stream work made available)."""
+        cached one that waiting for stream work made available; no waiting without
+        *wait*: OutOfMemoryError instead)."""
         ctx = self._alloc_context(context, what)
-        cached = self._reserve(cls, what, reuse)
+        cached = self._reserve(cls, what, reuse, wait)
         if cached is not None:
             return cached
         try:
-            ptr = self._host_alloc_retrying(cls, ctx, what)
+            pages = self._host_alloc_retrying(cls, ctx, what)
         except BaseException:
             with self._lock:
                 self._bytes["inflight"] -= cls
             raise
-        block = Block(ptr, cls, ctx)
+        block = Block(pages, cls)
         with self._lock:
             self._bytes["inflight"] -= cls
             self._add_locked(block, "in_use")
             self._count["allocations"] += 1
         return block
 
-    def _reserve(self, cls: int, what: str, reuse: bool) -> Block | None:
+    def _reserve(self, cls: int, what: str, reuse: bool, wait: bool = True) -> Block | None:
         """Count *cls* bytes as being allocated, freeing cached blocks and then waiting
         for pending ones to make room; OutOfMemoryError when they cannot fit. Returns a
         cached block instead when waiting made one that fits available (*reuse*)."""
@@ -405,7 +429,7 @@ class PinnedPool:
             self._free(victims)
             if ok:
                 return None
-            if waited or not pending:
+            if waited or not pending or not wait:
                 raise self._over_budget(cls, what)
             self._wait(pending)
             waited = True
@@ -416,9 +440,9 @@ class PinnedPool:
         shared.check_usable()
         return shared
 
-    def _host_alloc_retrying(self, nbytes: int, ctx: Context, what: str) -> int:
-        """``cuMemHostAlloc``; when the OS refuses, free every cached block and try once
-        more."""
+    def _host_alloc_retrying(self, nbytes: int, ctx: Context, what: str) -> LockedPages:
+        """New page-locked memory (:func:`~ctxkit.memory.pagelock.lock_new`); when the OS
+        refuses, free every cached block and try once more."""
         try:
             return self._host_alloc(nbytes, ctx, what)
         except OutOfMemoryError:
@@ -426,25 +450,24 @@ class PinnedPool:
                 raise
         return self._host_alloc(nbytes, ctx, what)
 
-    def _host_alloc(self, nbytes: int, ctx: Context, what: str) -> int:
-        with ctx:
-            err, ptr = drv.cuMemHostAlloc(nbytes, MEMHOST_PORTABLE)
-        if not err:
-            return int(ptr)
-        if int(err) == _OUT_OF_MEMORY:
+    def _host_alloc(self, nbytes: int, ctx: Context, what: str) -> LockedPages:
+        try:
+            return lock_new(nbytes, ctx)
+        except LockFailed as exc:
+            if exc.code != _OUT_OF_MEMORY:
+                raise ctx.note_error(exc.code, f"{exc.call}({nbytes}, PORTABLE)") from None
             with self._lock:
                 held = self._held_locked()
             raise OutOfMemoryError(
                 f"{what}: the OS refused to page-lock {nbytes} bytes ({gib(nbytes)}) of host "
-                f"memory (cuMemHostAlloc: CUDA_ERROR_OUT_OF_MEMORY) although the pinned pool "
+                f"memory ({exc.call}: out of memory) although the pinned pool "
                 f"holds only {held} of its {self._budget}-byte budget. "
                 "Page-locked memory is limited by physical RAM: lower the budget "
                 f"({POOL_ENV} or ctxkit.pinned_pool().set_budget()) or drop arrays you no "
                 "longer need",
                 _OUT_OF_MEMORY,
                 "CUDA_ERROR_OUT_OF_MEMORY",
-            )
-        raise ctx.note_error(err, f"cuMemHostAlloc({nbytes}, PORTABLE)")
+            ) from None
 
     def _over_budget(self, cls: int, what: str) -> OutOfMemoryError:
         b = self._bytes
@@ -558,9 +581,9 @@ class PinnedPool:
                     self._events.give(ev)
             block.events = []
             if block.usable():
-                lifetime.free_quietly(block.ctx, drv.cuMemFreeHost, block.ptr)
                 with self._lock:
                     self._count["frees"] += 1
+            block.pages.release()
             freed += block.nbytes
         return freed
 

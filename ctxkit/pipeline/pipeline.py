@@ -22,6 +22,7 @@ from ..context import Context
 from ..device import Device, device_count
 from ..errors import ContextPoisonedError, CudaError, PipelineError
 from ..memory.host import host_pointer_kind, is_pinned
+from ..memory.hostpool import pinned_pool
 from ..memory.managed import ManagedBuffer
 from ..module.kernel import Kernel
 from ..module.module import Module
@@ -284,14 +285,17 @@ class Pipeline:
         x : numpy.ndarray
             Input; split along the first axis. Pinned (``ctxkit.pinned_empty``) input is
             copied directly; pageable input takes the pipeline's ``host_path``.
-        out : numpy.ndarray or "pinned", optional
-            Output, ``np.empty_like(x)`` by default. It may differ from *x* in dtype and
-            row shape (same number of rows); each chunk's kernel writes the matching
-            rows. ``out=x`` works in place. ``out="pinned"``: a new array shaped like
-            *x* in page-locked memory of the process's pinned pool
-            (:func:`ctxkit.pinned_pool`), written by DMA directly (no staging copy, no
-            first touch of fresh pages); its block goes back to the pool when the caller
-            drops the array (and every view of it), and a later map reuses it.
+        out : numpy.ndarray, "pinned" or "pageable", optional
+            Output. It may differ from *x* in dtype and row shape (same number of rows);
+            each chunk's kernel writes the matching rows. ``out=x`` works in place.
+            ``out="pinned"``: a new array shaped like *x* in page-locked memory of the
+            process's pinned pool (:func:`ctxkit.pinned_pool`), written by DMA directly
+            (no staging copy, no first touch of fresh pages); its block goes back to the
+            pool when the caller drops the array (and every view of it), and a later map
+            reuses it. Default (``None``): the same when *x* has at least 4 MiB, the
+            pool has room without waiting (its budget, ``CTXKIT_PINNED_POOL_BYTES``) and
+            the output's ``host_path`` is ``"auto"``, else ``np.empty_like(x)``;
+            ``out="pageable"`` always takes the latter.
         args : sequence
             Extra kernel (or body) arguments after ``(d_in, d_out, n)``.
         chunk_bytes : int, optional
@@ -329,10 +333,13 @@ class Pipeline:
         if mode != "auto":
             raise ValueError(f"mode must be 'auto' or 'managed', not {mode!r}")
         options = self._options_for(chunk_bytes, block, schedule, host_path=host_path)
-        pooled = isinstance(out, str)
-        if pooled:
-            self._check_usable()
+        if out is None and options.host_path[1] != "auto":
+            out = "pageable"  # the output's host path was asked for: it applies
+        new_out = out is None or isinstance(out, str)
+        if new_out:
+            self._check_usable()  # before anything is allocated for a closed pipeline
         x, out = prepare_io(x, out, context=self._devices[0].ctx)
+        pooled = new_out and out.nbytes > 0 and pinned_pool().owns(out)
         return self._map(kernel, x, out, args, options, progress, pooled)
 
     def map_managed(

@@ -19,6 +19,7 @@ import ctxkit as ck
 from ctxkit.memory.host import host_pointer_kind
 from ctxkit.pipeline import Pipeline
 from ctxkit.pipeline.pincache import process_pins
+from ctxkit.pipeline.plan import POOLED_OUT_BYTES
 from tests.pipeline.gpu_support import (  # noqa: F401
     assert_unregistered,
     kern,
@@ -41,8 +42,10 @@ def first_calls(kern, n: int, calls: int, out: str | None) -> list[int]:
         with Pipeline([0]) as p:
             y = p.map(kern["scale_f32"], x, args=(2.0,), **({"out": out} if out else {}))
             if n:
-                want = "in=staged, out=" + ("pinned" if out else "staged")
+                pooled = out == "pinned" or (out is None and x.nbytes >= POOLED_OUT_BYTES)
+                want = "in=staged, out=" + ("pinned" if pooled else "staged")
                 assert p.last_stats.path == want
+                assert ck.pinned_pool().owns(y) == pooled
         assert y.shape == x.shape and y.dtype == x.dtype
         assert np.array_equal(y, scaled(x, 2.0))
         del x, y
@@ -50,8 +53,8 @@ def first_calls(kern, n: int, calls: int, out: str | None) -> list[int]:
     return allocations
 
 
-@pytest.mark.parametrize("out", [None, "pinned"])
-@pytest.mark.parametrize("n", [0, 1, 7, 1_000_003])
+@pytest.mark.parametrize("out", [None, "pinned", "pageable"])
+@pytest.mark.parametrize("n", [0, 1, 7, 1_000_003, (8 << 20) // 4 + 3])
 def test_first_calls_on_new_pipelines_are_exact_and_page_lock_once(kern, n, out):
     allocations = first_calls(kern, n, 3, out)
     assert allocations[1] == allocations[2] == allocations[0]  # later pipelines reuse
@@ -59,10 +62,41 @@ def test_first_calls_on_new_pipelines_are_exact_and_page_lock_once(kern, n, out)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("out", [None, "pinned"])
+@pytest.mark.parametrize("out", [None, "pinned", "pageable"])
 def test_first_calls_of_one_gib_plus_three_elements(kern, out):
     allocations = first_calls(kern, (1 << 30) // 4 + 3, 2, out)
     assert allocations[1] == allocations[0]
+
+
+def test_default_outputs_come_from_the_pool_and_fall_back_when_it_is_full(kern):
+    """A stream of fresh 64 MiB batches: each default output is a pool block, written by
+    DMA (no drain), reused once the caller drops the previous one; with the budget full
+    the output is pageable and still exact."""
+    pool = ck.pinned_pool()
+    n = (64 << 20) // 4
+    with Pipeline([0]) as p:
+        ptrs = set()
+        for seed in range(3):
+            x = random_array(n, np.float32, 40 + seed)
+            y = p.map(kern["scale_f32"], x, args=(2.0,))
+            assert p.last_stats.path == "in=staged, out=pinned" and pool.owns(y)
+            assert host_pointer_kind(int(y.ctypes.data)) == "pinned"
+            assert not p.trace().select(name="drain")
+            assert np.array_equal(y, scaled(x, 2.0))
+            ptrs.add(int(y.ctypes.data))
+            del x, y
+        assert len(ptrs) == 1  # one block served every call
+        budget = pool.budget
+        keep = p.map(kern["scale_f32"], random_array(n, np.float32, 50), args=(2.0,))
+        pool.set_budget(pool.stats().in_use_bytes)
+        try:
+            x = random_array(n, np.float32, 51)
+            y = p.map(kern["scale_f32"], x, args=(3.0,))
+            assert not pool.owns(y) and p.last_stats.path == "in=staged, out=staged"
+            assert np.array_equal(y, scaled(x, 3.0))
+        finally:
+            pool.set_budget(budget)
+        assert pool.owns(keep)
 
 
 @pytest.mark.parametrize("slots", [2, 6, 12])
@@ -75,7 +109,7 @@ def test_many_small_chunks_in_flight_are_exact(kern, slots, ndev, schedule):
     with Pipeline(need_devices(ndev), chunk_bytes=MiB, staging_buffers=slots) as p:
         for seed in range(2):  # a new pipeline's first call, then fresh arrays again
             x = random_array((16 << 20) + 5, np.float32, 11 + seed)
-            y = p.map(kern["scale_f32"], x, args=(2.0,), schedule=schedule)
+            y = p.map(kern["scale_f32"], x, args=(2.0,), schedule=schedule, out="pageable")
             assert p.last_stats.path == "in=staged, out=staged"
             assert np.array_equal(y, scaled(x, 2.0))
             tl = p.trace()
@@ -126,7 +160,8 @@ def test_many_pipelines_share_the_pool_within_one_budget(kern):
     try:
         for seed, p in enumerate(pipes):  # fresh arrays: staged, buffers from the pool
             x = random_array(1 << 20, np.float32, seed)
-            assert np.array_equal(p.map(kern["scale_f32"], x, args=(2.0,)), scaled(x, 2.0))
+            y = p.map(kern["scale_f32"], x, args=(2.0,), out="pageable")
+            assert np.array_equal(y, scaled(x, 2.0))
             st = pool.stats()
             assert st.held_bytes + st.claimed_bytes <= budget
         assert pool.stats().in_use_bytes == 48 * MiB

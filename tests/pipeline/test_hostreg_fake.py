@@ -201,15 +201,19 @@ def test_auto_stages_and_registration_is_explicit(gpu, monkeypatch):
     big = np.arange(AUTO_REGISTER_MIN_BYTES // 4, dtype=np.float32)
     small = np.arange(1000, dtype=np.float32)
     with Pipeline([0, 1], chunk_bytes=1 << 20, host_threads=3) as p:
-        np.testing.assert_array_equal(p.map(scale_body(gpu, 2.0), big), big * 2)
+        np.testing.assert_array_equal(p.map(scale_body(gpu, 2.0), big, out="pageable"), big * 2)
         assert p.last_stats.path == "in=staged, out=staged" and not gpu.register_calls
+        np.testing.assert_array_equal(p.map(scale_body(gpu, 2.0), big), big * 2)
+        assert p.last_stats.path == "in=staged, out=pinned"  # default out: the pool
         np.testing.assert_array_equal(
             p.map(scale_body(gpu, 2.0), big, host_path="register"), big * 2
         )
         assert p.last_stats.path == "in=registered, out=registered"
         monkeypatch.setattr(_plan, "AUTO_HOST_PATH", "register")
-        np.testing.assert_array_equal(p.map(scale_body(gpu, 2.0), big), big * 2)
+        np.testing.assert_array_equal(p.map(scale_body(gpu, 2.0), big, out="pageable"), big * 2)
         assert p.last_stats.path == "in=registered, out=registered"
+        np.testing.assert_array_equal(p.map(scale_body(gpu, 2.0), big), big * 2)
+        assert p.last_stats.path == "in=registered, out=pinned"
         np.testing.assert_array_equal(p.map(scale_body(gpu, 2.0), small), small * 2)
         assert p.last_stats.path == "in=staged, out=staged"
     assert_clean(gpu)

@@ -16,7 +16,10 @@ import pytest
 import ctxkit as ck
 import ctxkit.nvtx as cn
 from ctxkit.pipeline import Pipeline
+from ctxkit.pipeline.plan import POOLED_OUT_BYTES
 from tests.support.fakegpu import gpu_fixture, scale_body  # noqa: F401
+
+MiB = 1 << 20
 
 
 def host_allocs(gpu) -> int:
@@ -80,8 +83,60 @@ def test_pinned_output_does_not_fit_the_budget(gpu):
             p.map(scale_body(gpu, 1), x, out="pinned")
 
 
-@pytest.mark.parametrize("bad", ["pageable", "", "PINNED"])
-def test_out_strings_other_than_pinned_are_refused(gpu, bad):
+# --- the default output ----------------------------------------------------------------------
+
+
+def test_default_output_of_a_large_map_is_pooled_and_reused(gpu):
+    x = np.arange(POOLED_OUT_BYTES // 4 + 5, dtype=np.float32)  # just over the threshold
+    pool = ck.pinned_pool()
+    with Pipeline([0, 1], chunk_bytes=MiB, host_threads=2) as p:
+        out = p.map(scale_body(gpu, 2.0), x)
+        assert pool.owns(out) and p.last_stats.path == "in=staged, out=pinned"
+        np.testing.assert_array_equal(out, x * 2)
+        ptr = out.ctypes.data
+        del out
+        gc.collect()
+        allocs = pool.stats().allocations
+        again = p.map(scale_body(gpu, 3.0), x)
+        assert again.ctypes.data == ptr and pool.stats().allocations == allocs
+        kept = p.map(scale_body(gpu, 4.0), x)  # `again` is alive: another block
+        assert kept.ctypes.data != ptr
+        np.testing.assert_array_equal(again, x * 3)
+        np.testing.assert_array_equal(kept, x * 4)
+    assert not gpu.pageable_dma
+
+
+def test_default_output_of_a_small_map_is_an_ordinary_array(gpu):
+    x = np.arange(POOLED_OUT_BYTES // 4 - 1, dtype=np.float32)
+    with Pipeline([0], chunk_bytes=MiB, host_threads=2) as p:
+        out = p.map(scale_body(gpu, 2.0), x)
+        assert not ck.pinned_pool().owns(out) and p.last_stats.path == "in=staged, out=staged"
+    np.testing.assert_array_equal(out, x * 2)
+
+
+def test_default_output_without_room_in_the_pool_is_pageable_not_an_error(gpu):
+    x = np.ones(POOLED_OUT_BYTES // 4, dtype=np.float32)
+    pool = ck.pinned_pool()
+    with Pipeline([0], chunk_bytes=MiB, host_threads=2) as p:
+        p.map(scale_body(gpu, 1.0), x, out="pageable")  # every staging buffer first
+        pool.set_budget(pool.stats().in_use_bytes)
+        out = p.map(scale_body(gpu, 2.0), x)
+        assert not pool.owns(out) and p.last_stats.path == "in=staged, out=staged"
+        np.testing.assert_array_equal(out, x * 2)
+        with pytest.raises(ck.OutOfMemoryError):  # asked for explicitly: the pool's error
+            p.map(scale_body(gpu, 2.0), x, out="pinned")
+
+
+def test_pageable_output_is_never_pooled(gpu):
+    x = np.ones(POOLED_OUT_BYTES // 4, dtype=np.float32)
+    with Pipeline([0], chunk_bytes=MiB, host_threads=2) as p:
+        out = p.map(scale_body(gpu, 2.0), x, out="pageable")
+        assert not ck.pinned_pool().owns(out) and p.last_stats.path == "in=staged, out=staged"
+    np.testing.assert_array_equal(out, x * 2)
+
+
+@pytest.mark.parametrize("bad", ["", "PINNED", "managed"])
+def test_unknown_out_strings_are_refused(gpu, bad):
     with Pipeline([0]) as p, pytest.raises(ValueError, match='"pinned"'):
         p.map(scale_body(gpu, 1.0), np.ones(4), out=bad)
 

@@ -88,7 +88,7 @@ def test_a_slot_is_written_again_only_after_its_drain(gpu, monkeypatch):
     monkeypatch.setattr(gpu, "cuMemcpyDtoHAsync", d2h)
     x = np.random.default_rng(3).random(12 * MiB // 8)
     with Pipeline([0, 1], chunk_bytes=MiB, staging_buffers=2, host_threads=3) as p:
-        out = p.map(scale_body(gpu, 2.0), x)
+        out = p.map(scale_body(gpu, 2.0), x, out="pageable")
     np.testing.assert_array_equal(out, x * 2)
     assert not clashes, clashes[:3]
     assert pieces.most_at_once("drain") >= 2  # drains do overlap each other
@@ -100,7 +100,7 @@ def test_a_failing_piece_is_reported_with_its_chunk(gpu, monkeypatch, step):
     x = np.arange(8 * MiB // 4, dtype=np.float32)
     with Pipeline([0], chunk_bytes=MiB, staging_buffers=3, host_threads=3) as p:
         with pytest.raises(PipelineError) as info:
-            p.map(scale_body(gpu, 2.0), x)
+            p.map(scale_body(gpu, 2.0), x, out="pageable")
         err = info.value
         assert (err.device, err.chunk, err.step) == (0, 5, step)
         assert "chunk 5" in str(err) and isinstance(err.__cause__, MemoryError)
@@ -130,7 +130,7 @@ def test_the_first_chunk_fills_before_every_slot_is_allocated(gpu, monkeypatch):
     allocs = Allocs(gpu, monkeypatch, delay=0.03)
     x = np.arange(8 * MiB // 4, dtype=np.float32)
     with Pipeline([0], chunk_bytes=MiB, staging_buffers=4, host_threads=2) as p:
-        np.testing.assert_array_equal(p.map(scale_body(gpu, 2.0), x), x * 2)
+        np.testing.assert_array_equal(p.map(scale_body(gpu, 2.0), x, out="pageable"), x * 2)
     first_fill = min(t0 for n, _, t0, _ in pieces.rows if n == "fill")
     assert len(allocs.times) == 8  # an input and an output buffer per slot
     assert first_fill < allocs.times[2]  # after one slot's input buffer, not all eight
@@ -163,12 +163,12 @@ def test_a_dropped_pipeline_leaves_its_blocks_to_the_next(gpu, monkeypatch):
     blocks in the process's pinned pool and page-locks nothing."""
     x = np.arange(4 * MiB // 4, dtype=np.float32)
     np.testing.assert_array_equal(
-        Pipeline([0], chunk_bytes=MiB).map(scale_body(gpu, 2.0), x), x * 2
+        Pipeline([0], chunk_bytes=MiB).map(scale_body(gpu, 2.0), x, out="pageable"), x * 2
     )
     gc.collect()
     allocs = Allocs(gpu, monkeypatch)
     for k in range(3):
-        out = Pipeline([0], chunk_bytes=MiB).map(scale_body(gpu, k), x)
+        out = Pipeline([0], chunk_bytes=MiB).map(scale_body(gpu, k), x, out="pageable")
         np.testing.assert_array_equal(out, x * k)
         gc.collect()
     assert allocs.times == []

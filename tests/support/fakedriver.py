@@ -232,10 +232,15 @@ def swap_driver(monkeypatch: Any, fake: Any) -> None:
     """Make *fake* the driver of every ctxkit module for one test (undone by monkeypatch).
 
     Every family is imported first, so a module loaded later in the test cannot pick up
-    the real driver; then each module's ``drv`` global is replaced.
+    the real driver; then each module's ``drv`` global is replaced. New pinned pool
+    blocks come from ``cuMemHostAlloc`` (``CTXKIT_PINNED_ALLOC=hostalloc``), so tests
+    count registrations of the caller's arrays only; the tests of the registering
+    allocator (``tests/memory/test_pagelock_fake.py``) set ``register`` themselves.
     """
     import importlib
     import sys
+
+    from ctxkit.memory import pagelock
 
     for name in (
         "ctxkit.memory",
@@ -252,3 +257,5 @@ def swap_driver(monkeypatch: Any, fake: Any) -> None:
     for name, mod in list(sys.modules.items()):
         if (name == "ctxkit" or name.startswith("ctxkit.")) and hasattr(mod, "drv"):
             monkeypatch.setattr(mod, "drv", fake)
+    monkeypatch.setenv(pagelock.ALLOC_ENV, "hostalloc")
+    monkeypatch.setattr(pagelock, "_refused", False)

@@ -1,0 +1,114 @@
+"""New page-locked memory by ``mmap`` + parallel first touch + ``cuMemHostRegister``
+(ctxkit/memory/pagelock.py) on the simulated GPU: alignment, flags, the fallback to
+``cuMemHostAlloc``, out-of-memory, release in and after its context, and the pinned pool
+drawing its blocks from it."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+import ctxkit as ck
+from ctxkit.errors import OutOfMemoryError
+from ctxkit.memory import pagelock
+from ctxkit.memory.hostpool import PinnedPool
+from tests.support.fakegpu import gpu_fixture  # noqa: F401
+
+MiB = 1 << 20
+PORTABLE = 1
+
+
+@pytest.fixture
+def registering(gpu, monkeypatch):
+    monkeypatch.setenv(pagelock.ALLOC_ENV, "register")
+    return gpu
+
+
+def host_allocs(gpu) -> int:
+    return sum(1 for _arr, kind in gpu.mem.values() if kind == "host")
+
+
+def as_bytes(pages: pagelock.LockedPages) -> np.ndarray:
+    return np.ctypeslib.as_array(
+        (np.ctypeslib.ctypes.c_uint8 * pages.nbytes).from_address(pages.ptr)
+    )
+
+
+@pytest.mark.parametrize("nbytes", [4096, 3 * MiB, 40 * MiB])  # touched in parallel: 40 MiB
+def test_register_path_pins_aligned_usable_pages(registering, nbytes):
+    ctx = ck.registry.context(0)
+    pages = pagelock.lock_new(nbytes, ctx)
+    assert pages.registered and pages.nbytes >= nbytes and pages.ctx is ctx
+    assert pages.ptr % (2 * MiB if nbytes >= 2 * MiB else 4096) == 0
+    assert registering.register_calls[-1] == (pages.ptr, pages.nbytes, PORTABLE)
+    assert registering.page_locked(pages.ptr, nbytes) and host_allocs(registering) == 0
+    mem = as_bytes(pages)
+    mem[::4096] = 7
+    assert int(mem[::4096].sum()) == 7 * (pages.nbytes // 4096)
+    pages.release()
+    assert pages.ptr not in registering.registered
+
+
+def test_method_follows_the_environment(gpu, monkeypatch):
+    monkeypatch.setenv(pagelock.ALLOC_ENV, "hostalloc")
+    assert pagelock.method() == "hostalloc"
+    pages = pagelock.lock_new(MiB, ck.registry.context(0))
+    assert not pages.registered and host_allocs(gpu) == 1 and not gpu.register_calls
+    pages.release()
+    assert host_allocs(gpu) == 0
+    monkeypatch.setenv(pagelock.ALLOC_ENV, "pin-it")
+    with pytest.raises(ValueError, match="CTXKIT_PINNED_ALLOC"):
+        pagelock.method()
+
+
+def test_a_refused_registration_falls_back_to_host_alloc_for_good(registering):
+    registering.register_error = lambda p, n, f: 801  # CUDA_ERROR_NOT_SUPPORTED
+    ctx = ck.registry.context(0)
+    pages = pagelock.lock_new(4 * MiB, ctx)
+    assert not pages.registered and host_allocs(registering) == 1
+    assert pagelock.method() == "hostalloc"
+    calls = len(registering.register_calls)
+    pagelock.lock_new(MiB, ctx).release()
+    assert len(registering.register_calls) == calls  # not tried again
+    pages.release()
+
+
+def test_out_of_memory_on_registering_is_typed_and_unmapped(registering):
+    registering.register_error = lambda p, n, f: 2  # CUDA_ERROR_OUT_OF_MEMORY
+    with pytest.raises(pagelock.LockFailed) as info:
+        pagelock.lock_new(4 * MiB, ck.registry.context(0))
+    assert info.value.code == 2 and info.value.call == "cuMemHostRegister"
+    assert pagelock.method() == "register"  # memory, not a refusal of the method
+    with pytest.raises(OutOfMemoryError, match="CTXKIT_PINNED_POOL_BYTES"):
+        PinnedPool(budget=64 * MiB).empty(MiB)
+
+
+def test_release_after_its_context_closed_only_unmaps(registering):
+    ctx = ck.Context.create(0)
+    pages = pagelock.lock_new(MiB, ctx)
+    ctx.close()  # the driver dropped the registration with the context
+    registering.registered.pop(pages.ptr, None)
+    unregisters = []
+    real = registering.cuMemHostUnregister
+    registering.cuMemHostUnregister = lambda p: unregisters.append(p) or real(p)
+    pages.release()
+    assert unregisters == []
+
+
+def test_the_pool_draws_registered_blocks_and_frees_them_on_trim(registering):
+    pool = PinnedPool(budget=256 * MiB)
+    a = pool.empty(40 * MiB, np.uint8)
+    assert ck.is_pinned(a) and host_allocs(registering) == 0
+    a[:] = 3
+    assert int(a[::MiB].sum()) == 120
+    ptr = a.ctypes.data
+    del a
+    gc.collect()
+    assert pool.stats().cached_blocks == 1 and ptr in registering.registered
+    b = pool.empty(40 * MiB, np.uint8)
+    assert b.ctypes.data == ptr  # reused, not registered again
+    del b
+    gc.collect()
+    assert pool.trim() == 40 * MiB and ptr not in registering.registered
