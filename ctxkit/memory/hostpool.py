@@ -187,12 +187,20 @@ class PinnedPool:
         return self._wrap(block, nbytes).view(dt).reshape(shp)
 
     def try_empty(
-        self, shape: Any, dtype: Any = np.float64, *, stream: Any = None, context: Any = None
+        self,
+        shape: Any,
+        dtype: Any = np.float64,
+        *,
+        stream: Any = None,
+        context: Any = None,
+        headroom: int = 0,
     ) -> np.ndarray | None:
         """:meth:`empty`, or ``None`` where it would wait or raise: the block fits the
         budget only after stream work completes, does not fit at all, or the OS refuses
         to page-lock more. Cached blocks are still freed to make room. For callers with
-        a pageable fallback (a pipeline's default output)."""
+        a pageable fallback (a pipeline's default output). A new block must leave
+        *headroom* bytes of the budget free (what the fallback itself would allocate:
+        a pipeline's staging buffers)."""
         dt = np.dtype(dtype)
         shp = _shape_of(shape)
         nbytes = int(np.prod(shp, dtype=np.int64)) * dt.itemsize
@@ -200,7 +208,9 @@ class PinnedPool:
         if nbytes == 0:
             return np.empty(shp, dt)
         try:
-            block = self._acquire(nbytes, context, "PinnedPool.try_empty", wait=False)
+            block = self._acquire(
+                nbytes, context, "PinnedPool.try_empty", wait=False, headroom=headroom
+            )
         except OutOfMemoryError:
             return None
         block.streams = streams
@@ -356,7 +366,9 @@ class PinnedPool:
 
     # --- handing out ---------------------------------------------------------------
 
-    def _acquire(self, nbytes: int, context: Any, what: str, wait: bool = True) -> Block:
+    def _acquire(
+        self, nbytes: int, context: Any, what: str, wait: bool = True, headroom: int = 0
+    ) -> Block:
         cls = size_class(nbytes)
         if context is not None:  # a wrong context= fails even when the cache serves it
             host_context(context, what)
@@ -366,7 +378,7 @@ class PinnedPool:
             block = self._take_cached_locked(cls)
         if block is not None:
             return block
-        return self._allocate(cls, context, what, wait=wait)
+        return self._allocate(cls, context, what, wait=wait, headroom=headroom)
 
     def _take_cached_locked(self, cls: int) -> Block | None:
         best: Block | None = None
@@ -387,13 +399,19 @@ class PinnedPool:
         return best
 
     def _allocate(
-        self, cls: int, context: Any, what: str, reuse: bool = True, wait: bool = True
+        self,
+        cls: int,
+        context: Any,
+        what: str,
+        reuse: bool = True,
+        wait: bool = True,
+        headroom: int = 0,
     ) -> Block:
-        """A new block of *cls* bytes, in use, within the budget (or, with *reuse*, a
-        cached one that waiting for stream work made available; no waiting without
-        *wait*: OutOfMemoryError instead)."""
+        """A new block of *cls* bytes, in use, within the budget less *headroom* (or,
+        with *reuse*, a cached one that waiting for stream work made available; no
+        waiting without *wait*: OutOfMemoryError instead)."""
         ctx = self._alloc_context(context, what)
-        cached = self._reserve(cls, what, reuse, wait)
+        cached = self._reserve(cls, what, reuse, wait, headroom)
         if cached is not None:
             return cached
         try:
@@ -409,11 +427,14 @@ class PinnedPool:
             self._count["allocations"] += 1
         return block
 
-    def _reserve(self, cls: int, what: str, reuse: bool, wait: bool = True) -> Block | None:
+    def _reserve(
+        self, cls: int, what: str, reuse: bool, wait: bool = True, headroom: int = 0
+    ) -> Block | None:
         """Count *cls* bytes as being allocated, freeing cached blocks and then waiting
         for pending ones to make room; OutOfMemoryError when they cannot fit. Returns a
         cached block instead when waiting made one that fits available (*reuse*)."""
-        if cls > self._budget - self._claimed:
+        need = cls + headroom
+        if need > self._budget - self._claimed:
             raise self._over_budget(cls, what)
         waited = False
         while True:
@@ -421,8 +442,8 @@ class PinnedPool:
                 block = self._take_cached_locked(cls) if waited and reuse else None
                 if block is not None:
                     return block
-                victims = self._evict_locked(self._budget - cls)
-                ok = self._held_locked() + cls <= self._budget
+                victims = self._evict_locked(self._budget - need)
+                ok = self._held_locked() + need <= self._budget
                 if ok:
                     self._bytes["inflight"] += cls
                 pending = list(self._pending)

@@ -38,6 +38,7 @@ from .plan import (
     MapOptions,
     addr,
     check_host_path,
+    default_chunk_bytes,
     plan_map,
     prepare_io,
     row_bytes,
@@ -263,7 +264,7 @@ class Pipeline:
         self,
         kernel: Any,
         x: Any,
-        out: np.ndarray | None = None,
+        out: np.ndarray | str | None = None,
         args: Sequence[Any] = (),
         chunk_bytes: int | None = None,
         block: int = 256,
@@ -338,9 +339,17 @@ class Pipeline:
         new_out = out is None or isinstance(out, str)
         if new_out:
             self._check_usable()  # before anything is allocated for a closed pipeline
-        x, out = prepare_io(x, out, context=self._devices[0].ctx)
+        x, out = prepare_io(x, out, self._devices[0].ctx, self._staging_bytes(x, options))
         pooled = new_out and out.nbytes > 0 and pinned_pool().owns(out)
         return self._map(kernel, x, out, args, options, progress, pooled)
+
+    def _staging_bytes(self, x: Any, opts: MapOptions) -> int:
+        """Bytes of input and output staging buffers a map of *x* may use on every device:
+        the headroom a pooled default output leaves in the pool's budget (so the
+        staging of this map, or of a later pageable output, still fits)."""
+        nbytes = getattr(x, "nbytes", 0)
+        chunk = opts.chunk_bytes or default_chunk_bytes(nbytes, len(self._devices))
+        return 2 * len(self._devices) * opts.staging_buffers * min(chunk, nbytes)
 
     def map_managed(
         self,

@@ -326,7 +326,7 @@ OUT_KINDS = ("pinned", "pageable")
 POOLED_OUT_BYTES = 4 << 20
 
 
-def _default_out(x: np.ndarray, context: Any) -> np.ndarray:
+def _default_out(x: np.ndarray, context: Any, headroom: int) -> np.ndarray:
     """The output of ``out=None``: an array of the process's pinned pool when *x* is
     large enough to gain from it and the pool has room without waiting, else
     ``np.empty_like(x)``.
@@ -334,17 +334,20 @@ def _default_out(x: np.ndarray, context: Any) -> np.ndarray:
     A pooled output is written by DMA directly: no staging copy and no first touch of
     fresh pages, which together cost about as much as the transfers themselves. Its
     block goes back to the pool when the caller drops the array, so a stream of calls
-    keeps reusing the same page-locked memory.
+    keeps reusing the same page-locked memory. A new block must leave *headroom* bytes
+    of the pool's budget free: the staging buffers a pageable output would need.
     """
     if x.nbytes < POOLED_OUT_BYTES:
         return np.empty_like(x)
     from ..memory.hostpool import pinned_pool
 
-    arr = pinned_pool().try_empty(x.shape, x.dtype, context=context)
+    arr = pinned_pool().try_empty(x.shape, x.dtype, context=context, headroom=headroom)
     return np.empty_like(x) if arr is None else arr
 
 
-def prepare_io(x: Any, out: Any = None, context: Any = None) -> tuple[np.ndarray, np.ndarray]:
+def prepare_io(
+    x: Any, out: Any = None, context: Any = None, headroom: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
     """Check the input and output arrays of a map; return ``(x, out)``.
 
     *x* must be a numpy array with at least one dimension (a non-contiguous one is
@@ -372,7 +375,7 @@ def prepare_io(x: Any, out: Any = None, context: Any = None) -> tuple[np.ndarray
     if not x.flags.c_contiguous:
         x = np.ascontiguousarray(x)
     if out is None:
-        return x, _default_out(x, context)
+        return x, _default_out(x, context, headroom)
     if isinstance(out, str):
         if out == "pageable":
             return x, np.empty_like(x)

@@ -127,6 +127,31 @@ def test_default_output_without_room_in_the_pool_is_pageable_not_an_error(gpu):
             p.map(scale_body(gpu, 2.0), x, out="pinned")
 
 
+def test_default_output_leaves_room_for_the_staging_of_a_fallback(gpu):
+    """Outputs kept by the caller fill the pool only up to where the staging buffers a
+    pageable output needs still fit: the call after that falls back and works."""
+    x = np.ones(8 * MiB // 4, dtype=np.float32)
+    pool = ck.pinned_pool()
+    with Pipeline([0], chunk_bytes=MiB, staging_buffers=2, host_threads=2) as p:
+        staging = 2 * 2 * MiB  # in and out, 2 slots of 1 MiB: held, or kept free
+        pool.set_budget(3 * x.nbytes + 2 * staging)
+        kept = [p.map(scale_body(gpu, float(k)), x) for k in range(4)]
+        assert [pool.owns(y) for y in kept] == [True, True, True, False]
+        assert p.last_stats.path == "in=staged, out=staged"
+        assert pool.stats().peak_bytes <= pool.budget
+        for k, y in enumerate(kept):
+            np.testing.assert_array_equal(y, x * k)
+
+
+def test_try_empty_never_waits_and_keeps_the_headroom(gpu):
+    pool = ck.PinnedPool(budget=8 * MiB)
+    assert pool.try_empty(4 * MiB, np.uint8, headroom=5 * MiB) is None
+    a = pool.try_empty(4 * MiB, np.uint8, headroom=4 * MiB)
+    assert a is not None and pool.owns(a)
+    assert pool.try_empty(5 * MiB, np.uint8) is None  # over budget: None, not an error
+    assert pool.try_empty(0, np.uint8).size == 0
+
+
 def test_pageable_output_is_never_pooled(gpu):
     x = np.ones(POOLED_OUT_BYTES // 4, dtype=np.float32)
     with Pipeline([0], chunk_bytes=MiB, host_threads=2) as p:
