@@ -176,15 +176,7 @@ class PinnedPool:
         -----
         A zero-size request returns an ordinary empty numpy array.
         """
-        dt = np.dtype(dtype)
-        shp = _shape_of(shape)
-        nbytes = int(np.prod(shp, dtype=np.int64)) * dt.itemsize
-        streams = as_streams(stream, "PinnedPool.empty")
-        if nbytes == 0:
-            return np.empty(shp, dt)
-        block = self._acquire(nbytes, context, "PinnedPool.empty")
-        block.streams = streams
-        return self._wrap(block, nbytes).view(dt).reshape(shp)
+        return self._array(shape, dtype, stream, context, "PinnedPool.empty")
 
     def try_empty(
         self,
@@ -201,18 +193,30 @@ class PinnedPool:
         a pageable fallback (a pipeline's default output). A new block must leave
         *headroom* bytes of the budget free (what the fallback itself would allocate:
         a pipeline's staging buffers)."""
+        try:
+            return self._array(shape, dtype, stream, context, "PinnedPool.try_empty", headroom)
+        except OutOfMemoryError:
+            return None
+
+    def _array(
+        self,
+        shape: Any,
+        dtype: Any,
+        stream: Any,
+        context: Any,
+        what: str,
+        headroom: int | None = None,
+    ) -> np.ndarray:
+        """An array in a block: waiting for stream work when needed, or (with a
+        *headroom*) never waiting and leaving that much of the budget free."""
         dt = np.dtype(dtype)
         shp = _shape_of(shape)
         nbytes = int(np.prod(shp, dtype=np.int64)) * dt.itemsize
-        streams = as_streams(stream, "PinnedPool.try_empty")
+        streams = as_streams(stream, what)
         if nbytes == 0:
             return np.empty(shp, dt)
-        try:
-            block = self._acquire(
-                nbytes, context, "PinnedPool.try_empty", wait=False, headroom=headroom
-            )
-        except OutOfMemoryError:
-            return None
+        wait = headroom is None
+        block = self._acquire(nbytes, context, what, wait=wait, headroom=headroom or 0)
         block.streams = streams
         return self._wrap(block, nbytes).view(dt).reshape(shp)
 
