@@ -214,3 +214,14 @@ def _touch_threads() -> ThreadPoolExecutor:
             n = max(1, min(_MAX_TOUCH_THREADS, os.cpu_count() or 1))
             _touch_pool = ThreadPoolExecutor(n, thread_name_prefix="ctxkit-pagetouch")
         return _touch_pool
+
+
+def _forget_threads_in_child() -> None:
+    """A forked child has none of the parent's threads: a new pool when it needs one."""
+    global _touch_pool, _touch_lock
+    _touch_pool = None
+    _touch_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_threads_in_child)

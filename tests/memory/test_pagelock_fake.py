@@ -6,6 +6,7 @@ drawing its blocks from it."""
 from __future__ import annotations
 
 import gc
+import time
 
 import numpy as np
 import pytest
@@ -112,3 +113,29 @@ def test_the_pool_draws_registered_blocks_and_frees_them_on_trim(registering):
     del b
     gc.collect()
     assert pool.trim() == 40 * MiB and ptr not in registering.registered
+
+
+def test_a_forked_child_touches_pages_with_threads_of_its_own(registering):
+    """The parent's touch threads do not exist after fork: the child's first big block
+    starts a pool of its own instead of queueing work nobody runs."""
+    import os
+
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork on this platform")
+    pagelock.lock_new(40 * MiB, ck.registry.context(0)).release()  # parent pool started
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through its exit status
+        try:
+            pages = np.empty(40 * MiB, np.uint8)
+            pagelock._touch(-(-pages.ctypes.data // 4096) * 4096, 32 * MiB)
+            os._exit(0 if pagelock._touch_pool is not None else 3)
+        except BaseException:
+            os._exit(4)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if done[0] == 0:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung touching pages")
+    assert os.WIFEXITED(done[1]) and os.WEXITSTATUS(done[1]) == 0
