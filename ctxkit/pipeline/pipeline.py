@@ -339,7 +339,8 @@ class Pipeline:
         new_out = out is None or isinstance(out, str)
         if new_out:
             self._check_usable()  # before anything is allocated for a closed pipeline
-        x, out = prepare_io(x, out, self._devices[0].ctx, self._staging_bytes(x, options))
+        headroom = self._staging_bytes(x, options) if out is None else 0
+        x, out = prepare_io(x, out, self._devices[0].ctx, headroom)
         pooled = new_out and out.nbytes > 0 and pinned_pool().owns(out)
         return self._map(kernel, x, out, args, options, progress, pooled)
 

@@ -11,19 +11,7 @@ from ctxkit import _driver
 from ctxkit.graph import CONDITIONAL_DEVICE_API, ConditionalHandle, Graph
 from ctxkit.memory import to_device
 from ctxkit.stream import Stream
-from tests.graph.fakekernels import install
 from tests.support.fakegpu import FakeGPU, gpu_fixture  # noqa: F401
-
-
-@pytest.fixture
-def ctx(gpu: FakeGPU) -> ck.Context:
-    return ck.registry.context(0)
-
-
-@pytest.fixture
-def k(gpu: FakeGPU, ctx: ck.Context) -> dict[str, ck.Kernel]:
-    with ctx:
-        return install(gpu)
 
 
 def _countdown(k, start: int):

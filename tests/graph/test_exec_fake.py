@@ -11,7 +11,7 @@ from ctxkit import _driver
 from ctxkit.graph import Graph, GraphUpdateError, capture
 from ctxkit.memory import to_device
 from ctxkit.stream import Stream
-from tests.graph.fakekernels import f32, install
+from tests.graph.fakekernels import f32
 from tests.support.fakegpu import FakeGPU, gpu_fixture  # noqa: F401
 
 N = 32
@@ -22,12 +22,6 @@ def ctx(gpu: FakeGPU, monkeypatch: pytest.MonkeyPatch) -> ck.Context:
     # cuda-bindings gives no result info for a refused update: ctxkit asks libcuda
     monkeypatch.setattr(_driver, "graph_exec_update_info", gpu.graph_exec_update_info)
     return ck.registry.context(0)
-
-
-@pytest.fixture
-def k(gpu: FakeGPU, ctx: ck.Context) -> dict[str, ck.Kernel]:
-    with ctx:
-        return install(gpu)
 
 
 def _affine_graph(k, y, mul, add):

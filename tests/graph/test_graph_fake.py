@@ -17,22 +17,10 @@ from ctxkit.graph import Graph, GraphExec, GraphNode
 from ctxkit.graph import host as _host
 from ctxkit.memory import to_device
 from ctxkit.stream import Event, Stream
-from tests.graph.fakekernels import install
 from tests.support.fakegpu import FakeGPU, gpu_fixture  # noqa: F401
 from tests.support.helpers import in_thread
 
 N = 64
-
-
-@pytest.fixture
-def ctx(gpu: FakeGPU) -> ck.Context:
-    return ck.registry.context(0)
-
-
-@pytest.fixture
-def k(gpu: FakeGPU, ctx: ck.Context) -> dict[str, ck.Kernel]:
-    with ctx:
-        return install(gpu)
 
 
 def test_h2d_memset_kernel_d2h_graph_computes_saxpy(gpu, ctx, k):

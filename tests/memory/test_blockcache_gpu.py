@@ -32,6 +32,14 @@ def _cache_frees_failed() -> list[lifetime.FailedFree]:
     return [f for f in lifetime.failed_frees() if f.function == "free_async"]
 
 
+def trimmed_default_pool() -> tuple[ck.MemoryPool, int]:
+    """Device 0's default pool with nothing cached, and its used bytes then (the level
+    every test returns to)."""
+    pool = ck.MemoryPool.default(0)
+    pool.trim()
+    return pool, pool.used_bytes
+
+
 def test_reuse_in_stream_order_gives_correct_values_every_time(ctx0, fill_kernel):
     n, rounds = 1024, 1000
     with ctx0:
@@ -67,9 +75,7 @@ def test_same_stream_same_address_other_stream_another(ctx0):
 
 def test_trim_returns_cached_memory_to_the_driver(ctx0):
     with ctx0:
-        pool = ck.MemoryPool.default(0)
-        pool.trim()
-        used0 = pool.used_bytes
+        pool, used0 = trimmed_default_pool()
         s = ck.Stream()
         bufs = [ck.DeviceBuffer(8 * MiB, stream=s) for _ in range(8)]
         for b in bufs:
@@ -85,10 +91,8 @@ def test_trim_returns_cached_memory_to_the_driver(ctx0):
 
 def test_free_from_another_thread_and_by_gc_goes_to_the_cache(ctx0):
     with ctx0:
-        pool = ck.MemoryPool.default(0)
+        pool, used0 = trimmed_default_pool()
         s = ck.Stream()
-        pool.trim()
-        used0 = pool.used_bytes
         buf = ck.DeviceBuffer(4 * MiB, stream=s)
         ptr = buf.ptr
         in_thread(buf.close)
@@ -106,9 +110,7 @@ def test_free_from_another_thread_and_by_gc_goes_to_the_cache(ctx0):
 
 def test_collected_stream_gives_its_blocks_back(ctx0):
     with ctx0:
-        pool = ck.MemoryPool.default(0)
-        pool.trim()
-        used0 = pool.used_bytes
+        pool, used0 = trimmed_default_pool()
         s = ck.Stream()
         ck.DeviceBuffer(16 * MiB, stream=s).close()
         assert pool.cached_bytes >= 16 * MiB
@@ -121,9 +123,7 @@ def test_collected_stream_gives_its_blocks_back(ctx0):
 
 def test_closed_stream_blocks_are_given_back_by_trim(ctx0):
     with ctx0:
-        pool = ck.MemoryPool.default(0)
-        pool.trim()
-        used0 = pool.used_bytes
+        pool, used0 = trimmed_default_pool()
         s = ck.Stream()
         ck.DeviceBuffer(16 * MiB, stream=s).close()
         s.close()
