@@ -3,9 +3,11 @@
     PYTHONPATH=. python3 benchmarks/bench_context.py [--quick]
 
 * per-operation cost of a context switch: raw ``cuCtxPushCurrent``/``cuCtxPopCurrent``,
-  a minimal Python ``with`` around them, ``with ctx:`` and ``with ck.bind(ctx):`` (not
-  current / already current), and PyTorch's ``with torch.cuda.device(0):`` when torch is
-  installed; all variants interleaved round by round, the empty loop subtracted;
+  a minimal Python ``with`` around them, ``with ctx:`` and ``with ck.bind(ctx):`` (from
+  another context / already current), and ``with ctx:`` beside PyTorch's
+  ``with torch.cuda.device(0):`` (when torch is installed) with the primary context
+  already current in the thread, as torch leaves it; all variants interleaved round by
+  round, the empty loop subtracted;
 * launch throughput of N threads: raw threads (each with the context pushed, its own
   module and stream) vs ``ContextExecutor`` workers (prepared launches on their own
   stream). Both sides time the same work: set-up (module load, stream creation, thread
@@ -27,7 +29,16 @@ from typing import Any
 
 import ctxkit as ck
 from ctxkit._driver import drv
-from ctxkit.cli.bench import Line, emit, median, median_info, median_target, skipped, target
+from ctxkit.cli.bench import (
+    Line,
+    emit,
+    info,
+    median,
+    median_info,
+    median_target,
+    skipped,
+    target,
+)
 
 THREAD_COUNTS = (1, 4, 8)
 
@@ -140,12 +151,31 @@ def torch_device_variant() -> tuple[Callable[[int], None] | None, str]:
 
 def bench_switching(n: int, rounds: int) -> tuple[dict[str, list[float]], str]:
     """Per-round microseconds of every variant (the empty loop of the same round
-    subtracted), variants interleaved within each round; and the torch note."""
+    subtracted), variants interleaved within each round; and the torch note.
+
+    Three situations, each as a user meets it:
+
+    * a switch (``raw``, ``enter``, ``bind_cold``, ...): another ctxkit context is
+      current (an owned one on the same device), so every variant really pushes and pops;
+    * ``enter_current`` beside ``torch_device``: device 0's primary context is current in
+      the thread already, as PyTorch leaves it (torch then skips ``cudaSetDevice``, ctxkit
+      the push), while ctxkit has nothing pushed;
+    * ``reenter``/``bind_hot``: ctxkit has the context on top already.
+    """
     ctx = ck.registry.context(0)
+    other = ck.Context.create(0)
+    try:
+        return _switching_rounds(ctx, other, n, rounds)
+    finally:
+        other.close()
+
+
+def _switching_rounds(
+    ctx: ck.Context, other: ck.Context, n: int, rounds: int
+) -> tuple[dict[str, list[float]], str]:
     bind = ck.bind
     empty_cm = _EmptyWith()
-    variants: dict[str, Callable[[int], None]] = {
-        "base": empty_loop,
+    switch: dict[str, Callable[[int], None]] = {
         "raw": raw_pair(ctx._cu),
         "raw_checked": raw_pair_checked(ctx._cu),
         "raw_with": raw_with(ctx._cu),
@@ -153,24 +183,44 @@ def bench_switching(n: int, rounds: int) -> tuple[dict[str, list[float]], str]:
         "enter": with_cm(lambda: ctx),
         "bind_cold": with_cm(lambda: bind(ctx)),
     }
+    current: dict[str, Callable[[int], None]] = {"enter_current": with_cm(lambda: ctx)}
     torch_run, torch_note = torch_device_variant()
     if torch_run is not None:
-        variants["torch_device"] = torch_run
+        current["torch_device"] = torch_run
     hot: dict[str, Callable[[int], None]] = {
         "reenter": with_cm(lambda: ctx),
         "bind_hot": with_cm(lambda: bind(ctx)),
     }
-    t: dict[str, list[float]] = {k: [] for k in [*variants, *hot] if k != "base"}
-    for fn in variants.values():
-        fn(min(n, 1000))
+    t: dict[str, list[float]] = {k: [] for k in [*switch, *current, *hot]}
+    with _driver_current(ctx):
+        for fn in current.values():
+            fn(min(n, 1000))
     for _ in range(rounds):
-        us = {name: per_call_us(fn, n) for name, fn in variants.items()}
+        base = per_call_us(empty_loop, n)
+        with other:
+            us = {name: per_call_us(fn, n) for name, fn in switch.items()}
+        with _driver_current(ctx):
+            us.update({name: per_call_us(fn, n) for name, fn in current.items()})
         with ctx:
             us.update({name: per_call_us(fn, n) for name, fn in hot.items()})
-        base = us.pop("base")
         for name, v in us.items():
             t[name].append(v - base)
     return t, torch_note
+
+
+class _driver_current:
+    """*ctx* current in the driver but not pushed by ctxkit: what torch leaves behind."""
+
+    def __init__(self, ctx: ck.Context) -> None:
+        self.ctx = ctx
+
+    def __enter__(self) -> None:
+        (err,) = drv.cuCtxPushCurrent(self.ctx._cu)
+        if err:
+            raise RuntimeError(err)
+
+    def __exit__(self, *exc: object) -> None:
+        drv.cuCtxPopCurrent()
 
 
 # --- launch throughput from several threads ------------------------------------------
@@ -336,6 +386,7 @@ def print_tables(r: Mapping[str, Any]) -> None:
     med = {k: median(v) for k, v in r.items() if isinstance(v, list)}
     raw = med["raw"]
     print(f"context switches, us per operation (median of {len(r['raw'])} rounds):")
+    print("  (switches start from another ctxkit context on the device)")
     print(f"  raw cuCtxPushCurrent+cuCtxPopCurrent : {raw:.3f}")
     print(f"    + int(popped) == handle check      : {med['raw_checked']:.3f}")
     print(f"    as a minimal Python `with` class   : {med['raw_with']:.3f}")
@@ -345,13 +396,15 @@ def print_tables(r: Mapping[str, Any]) -> None:
         f"  with ctx: (not current)              : {med['enter']:.3f} ({med['enter'] / raw:.2f}x)"
     )
     print(f"  with ctx: (already current)          : {med['reenter']:.3f}")
+    if "enter_current" in med:
+        print(f"  with ctx: (current in the driver)    : {med['enter_current']:.3f}")
     print(
         f"  with ck.bind(ctx): (not current)     : {med['bind_cold']:.3f} "
         f"({med['bind_cold'] / raw:.2f}x)"
     )
     print(f"  with ck.bind(ctx): (already current) : {med['bind_hot']:.3f}")
     if "torch_device" in med:
-        print(f"  with torch.cuda.device(0):           : {med['torch_device']:.3f}")
+        print(f"  with torch.cuda.device(0): (current) : {med['torch_device']:.3f}")
     print("threads | raw launches/s | ctxkit ContextExecutor launches/s | ratio (medians)")
     for n in THREAD_COUNTS:
         a, b = med.get(f"raw_threads{n}"), med.get(f"ctxkit_threads{n}")
@@ -372,28 +425,32 @@ def verdicts(r: Mapping[str, Any]) -> list[Line]:
     """The SUMMARY lines of this benchmark from its measurements (pure: no GPU).
 
     *r* holds per-round microseconds per variant (``raw``, ``enter``, ``reenter``,
-    ``bind_cold``, ``bind_hot``, optional ``torch_device``), launch rates per thread count
-    (``raw_threads<N>``, ``ctxkit_threads<N>``) and ``torch_note``.
+    ``bind_cold``, ``bind_hot``, ``enter_current``, optional ``torch_device``), launch
+    rates per thread count (``raw_threads<N>``, ``ctxkit_threads<N>``) and ``torch_note``.
     """
     lines = [
         _ratio_line(
-            "context.with_vs_raw_pair", r["enter"], r["raw"], "<=", 1.3, "with ctx: (not current)"
+            "context.with_vs_raw_pair",
+            r["enter"],
+            r["raw"],
+            "<=",
+            1.3,
+            "with ctx: switching from another context",
         ),
         median_target("context.reenter_us", r["reenter"], "<=", 0.3, "us"),
-        _ratio_line(
-            "registry.bind_cold_vs_raw", r["bind_cold"], r["raw"], "<=", 1.3, "not current"
-        ),
+        _ratio_line("registry.bind_cold_vs_raw", r["bind_cold"], r["raw"], "<=", 1.3, "switching"),
         median_target("registry.bind_hot_us", r["bind_hot"], "<=", 0.3, "us"),
     ]
     if r.get("torch_device"):
         lines.append(
             _ratio_line(
                 "context.with_vs_torch_device",
-                r["enter"],
+                r["enter_current"],
                 r["torch_device"],
                 "<=",
                 1.0,
-                "with ctx: vs with torch.cuda.device(0):",
+                "with ctx: vs with torch.cuda.device(0):, device 0's primary context "
+                "current in the thread for both (as torch leaves it)",
             )
         )
     else:
@@ -413,6 +470,26 @@ def verdicts(r: Mapping[str, Any]) -> list[Line]:
     else:
         lines.append(skipped("registry.executor_vs_raw_threads", "thread throughput not measured"))
     lines.append(median_info("context.raw_pair_us", r["raw"], "us", higher=False))
+    if r.get("raw_with"):
+        lines.append(
+            info(
+                "context.python_with_floor_vs_raw_pair",
+                median(r["raw_with"]) / median(r["raw"]),
+                "x",
+                "the floor of any Python `with` that pushes and pops: a minimal class "
+                "around the raw pair, vs the raw pair",
+            )
+        )
+    if r.get("empty_with"):
+        lines.append(
+            median_info(
+                "context.empty_with_us",
+                r["empty_with"],
+                "us",
+                higher=False,
+                what="a Python `with` that does nothing: the floor under reenter and bind_hot",
+            )
+        )
     return lines
 
 

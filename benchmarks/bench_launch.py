@@ -349,11 +349,26 @@ def foreign_args_variants(
 
         return go
 
+    def floor(n: int) -> None:
+        """Two ctxkit buffers plus the least any event-based ordering costs: one raw
+        cuEventRecord on the legacy stream and one cuStreamWaitEvent."""
+        launch, record, wait = kernel.launch, drv.cuEventRecord, drv.cuStreamWaitEvent
+        legacy, target = drv.CUstream(0), stream.handle
+        for _ in range(n):
+            launch(1, 32, a, b, stream=stream)
+            record(event, legacy)
+            wait(target, event, 0)
+        stream.synchronize()
+
+    err, event = drv.cuEventCreate(2)  # CU_EVENT_DISABLE_TIMING
+    if err:
+        raise RuntimeError(f"cuEventCreate: {err}")
     blocking = ck.Stream(nonblocking=False)
     note = f"torch {torch.__version__} tensor + CuPy {cp.__version__} array"
     variants = {
         "two_buffers": run(a, b, stream),
         "torch_cupy": run(t, c, stream),
+        "two_buffers_event_floor": floor,
         "two_buffers_blocking": run(a, b, blocking),
         "torch_cupy_blocking": run(t, c, blocking),
     }
@@ -456,6 +471,18 @@ def verdicts(r: Mapping[str, Any]) -> list[Line]:
         )
     else:
         lines.append(skipped("launch.foreign_args_vs_ctxkit_buffers", r.get("foreign_note", "")))
+    if r.get("two_buffers_event_floor") and r.get("two_buffers"):
+        lines.append(
+            _ratio(
+                r,
+                "launch.event_order_floor_vs_ctxkit_buffers",
+                "two_buffers_event_floor",
+                "two_buffers",
+                None,
+                "the floor of ordering after the legacy stream with an event: the same "
+                "launch plus one raw cuEventRecord + cuStreamWaitEvent",
+            )
+        )
     if r.get("torch_cupy_blocking"):
         lines.append(
             _ratio(

@@ -79,7 +79,11 @@ def main() -> None:
     ap.add_argument(
         "--threads", type=int, default=None, help="host_threads (default: the pipeline's)"
     )
-    ap.add_argument("--host-path", default=None, help='e.g. "split" (default: the pipeline\'s)')
+    ap.add_argument(
+        "--host-path",
+        default=None,
+        help='e.g. "staged" or an input,output pair "split,auto" (default: the pipeline\'s)',
+    )
     ap.add_argument("--no-trace", action="store_true")
     ap.add_argument("--new", type=int, default=3, help="first calls of new pipelines")
     args = ap.parse_args()
@@ -93,7 +97,9 @@ def main() -> None:
     if args.threads:
         kw["host_threads"] = args.threads
     if args.host_path:
-        kw["host_path"] = args.host_path
+        kw["host_path"] = (
+            tuple(args.host_path.split(",")) if "," in args.host_path else args.host_path
+        )
     ctx = ck.registry.context(0)
     with ctx:
         scale = ck.Module.load(ck.compile(ck.kernel_source("scale.cu"))).function("scale_f32")

@@ -3,7 +3,9 @@
 The driver keeps one context stack per thread. ctxkit mirrors only what it pushed
 itself, in thread-local state, so that
 
-* re-entering the context already on top costs no driver call,
+* re-entering the context already on top costs no driver call, and a context another
+  library (PyTorch, CuPy, the runtime API) already made current costs one
+  ``cuCtxGetCurrent`` instead of a push and a pop,
 * every pop is verified against the handle the driver actually popped, and a
   foreign push/pop inside a ``with`` block is reported, never silently "fixed",
 * resources can be freed inside their own context from any thread.
@@ -47,7 +49,9 @@ class _ThreadState:
 
     ``top`` is the context ctxkit believes current (``None``: unknown or none);
     ``stack`` holds one entry per open ``with``/push: ``(ctx, previous top)`` for a real
-    push, or the context itself for a re-entry that cost no driver call.
+    push, the context itself for a re-entry that cost no driver call, and
+    ``(ctx, None, False)`` for a context the driver already had current when ctxkit had
+    nothing pushed (another library made it current: nothing to push or pop).
     """
 
     __slots__ = ("stack", "top")
@@ -185,7 +189,10 @@ class Context:
     PyTorch, CuPy and Numba; :meth:`close` releases ctxkit's reference).
 
     Contexts compare and hash by handle. ``with`` blocks nest to any depth and across
-    devices; re-entering the context already on top costs no driver call.
+    devices; re-entering the context already on top costs no driver call. When ctxkit
+    has nothing pushed in the thread and the driver already has this context current
+    (PyTorch or CuPy made its primary context current), ``with ctx:`` uses it as it is:
+    nothing is pushed or popped, so a foreign change inside such a block is not reported.
 
     Attributes
     ----------
@@ -327,6 +334,12 @@ class Context:
             return self
         if self._unusable:
             self._raise_unusable()
+        if top is None:
+            err, cu = drv.cuCtxGetCurrent()
+            if not err and ((cu == self._cu) if self._by_value else (int(cu) == self.handle)):
+                st.stack.append((self, None, False))
+                st.top = self
+                return self
         (err,) = drv.cuCtxPushCurrent(self._cu)
         if err:
             raise self._error(err, "cuCtxPushCurrent")
@@ -349,6 +362,9 @@ class Context:
             if entry is not None:
                 st.stack.append(entry)
             raise self._order_error(st.stack)
+        if len(entry) == 3:
+            st.top = entry[1]
+            return
         err, popped = drv.cuCtxPopCurrent()
         if err:
             st.top = None

@@ -19,9 +19,11 @@ out once and cached, so the launch hot path pays one dictionary lookup per argum
 An event is recorded and waited on only where CUDA does not already order the two
 streams: not for the same stream; not between the legacy default stream (torch's and
 CuPy's default) and a *blocking* stream of the same context (created without
-``CU_STREAM_NON_BLOCKING``), which the driver synchronizes implicitly; not when the
-producer stream has no work left (``cuStreamQuery``). Several arguments of one
-producer stream cost one wait, and the event is reused (one per thread and context).
+``CU_STREAM_NON_BLOCKING``), which the driver synchronizes implicitly. Elsewhere the
+event is recorded whether or not the producer has work left: ``cuEventRecord`` plus
+``cuStreamWaitEvent`` cost less than one ``cuStreamQuery`` (measured on an H200 host
+between launches: 1.26 vs 1.75 us). Several arguments of one producer stream cost one
+wait, and the event is reused (one per thread and context).
 """
 
 from __future__ import annotations
@@ -213,12 +215,16 @@ def order_after_producers(
 
 def _wait(ctx: Context, producer: int, consumer: int, consumer_stream: Any) -> None:
     """Order *consumer* after the work enqueued on *producer* so far, unless CUDA already
-    does (same stream; legacy default vs a blocking stream) or *producer* is idle."""
+    does (same stream; legacy default vs a blocking stream)."""
     if producer == consumer:
         return
     if producer in (_LEGACY, _PER_THREAD):
-        if consumer == _LEGACY or (
-            producer == _LEGACY and _consumer_blocking(consumer, consumer_stream, ctx)
+        if consumer == _LEGACY:
+            return
+        if producer == _LEGACY and (
+            not consumer_stream.nonblocking
+            if type(consumer_stream) is Stream
+            else _consumer_blocking(consumer, consumer_stream, ctx)
         ):
             return
         owner = ctx
@@ -229,15 +235,9 @@ def _wait(ctx: Context, producer: int, consumer: int, consumer_stream: Any) -> N
         if consumer == _LEGACY and owner is ctx and _blocking(handle):
             return
     if owner is ctx:
-        (err,) = drv.cuStreamQuery(handle)
-        if not err:
-            return  # nothing pending: every write to the array has completed
         event = _record(ctx, handle, producer)
     else:
         with owner:
-            (err,) = drv.cuStreamQuery(handle)
-            if not err:
-                return
             event = _record(owner, handle, producer)
     _wait_event(ctx, event, producer, consumer)
 
@@ -253,10 +253,23 @@ def _record(owner: Context, handle: Any, producer: int) -> Any:
 
 def _wait_event(ctx: Context, event: Any, producer: int, consumer: int) -> None:
     """Make *consumer* (a stream of *ctx*, the current context) wait for *event*."""
-    target = _LEGACY_HANDLE if consumer == _LEGACY else drv.CUstream(consumer)
+    target = _LEGACY_HANDLE if consumer == _LEGACY else _stream_object(consumer)
     (err,) = drv.cuStreamWaitEvent(target, event, 0)
     if err:
         raise ctx.note_error(err, f"cuStreamWaitEvent({consumer:#x}) after producer {producer:#x}")
+
+
+_stream_objects: dict[int, Any] = {}
+
+
+def _stream_object(value: int) -> Any:
+    """A ``CUstream`` of *value*, made once (a handle object only wraps the value)."""
+    h = _stream_objects.get(value)
+    if h is None:
+        if len(_stream_objects) > 256:
+            _stream_objects.clear()
+        h = _stream_objects[value] = drv.CUstream(value)
+    return h
 
 
 def _consumer_blocking(consumer: int, stream: Any, ctx: Context) -> bool:

@@ -43,6 +43,7 @@ def context_good() -> dict[str, Any]:
         "raw_checked": [0.45, 0.46, 0.47],
         "raw_with": [0.60, 0.62, 0.64],
         "enter": [0.48, 0.50, 0.52],
+        "enter_current": [0.50, 0.52, 0.55],
         "reenter": [0.10, 0.12, 0.20],
         "bind_cold": [0.50, 0.52, 0.54],
         "bind_hot": [0.10, 0.20, 0.25],
@@ -68,6 +69,7 @@ def launch_good() -> dict[str, Any]:
         "cuda_core_note": "cuda.core 0.3 (cuda.core.experimental)",
         "current_stream_note": "with stream:",
         "two_buffers": [5.5, 5.6, 5.7],
+        "two_buffers_event_floor": [6.7, 6.8, 6.9],
         "torch_cupy": [6.0, 6.2, 6.4],
         "foreign_note": "torch 2.5 tensor + CuPy 13 array",
     }
@@ -233,7 +235,7 @@ FAIL_CASES: dict[str, dict[str, Callable[[dict[str, Any]], None]]] = {
         "context.reenter_us": _set("reenter", [0.5, 0.5, 0.5]),
         "registry.bind_cold_vs_raw": _set("bind_cold", [0.9, 0.9, 0.9]),
         "registry.bind_hot_us": _set("bind_hot", [0.86, 0.86, 0.86]),
-        "context.with_vs_torch_device": _set("torch_device", [0.40, 0.42, 0.44]),
+        "context.with_vs_torch_device": _set("enter_current", [0.90, 0.92, 0.94]),
         "registry.executor_vs_raw_threads": _set("ctxkit_threads4", [200_000.0] * 3),
     },
     "launch": {
@@ -389,6 +391,15 @@ def test_sanity_bounds_are_checks_not_performance_lines():
     for name in ("memory.peer_staged_gbps", "memory.peer_p2p_gbps", "memory.peer_data_ok"):
         assert lines[name].kind == "check", name
         assert lines[name].text().startswith(f"CHECK {name} ") and lines[name].verdict == "ok"
+
+
+def test_the_event_floor_is_shown_beside_the_foreign_target_and_judges_nothing():
+    r = launch_good()
+    lines = verdict_lines("launch", r)
+    floor = lines["launch.event_order_floor_vs_ctxkit_buffers"]
+    assert floor.verdict == "INFO" and floor.value == pytest.approx(6.8 / 5.6)
+    r["two_buffers_event_floor"] = [60.0, 60.0, 60.0]
+    assert all(ln.verdict != "FAIL" for ln in verdict_lines("launch", r).values())
 
 
 def test_optional_comparisons_skip_with_their_reason():

@@ -242,3 +242,76 @@ def test_free_in_the_current_context_makes_no_push(fake_driver):
         ctx.free(fake_driver.fake_free, 7)
         assert fake_driver.calls["cuCtxPushCurrent"] == pushes
     assert fake_driver.freed_in == [(7, ctx.handle)]
+
+
+def _foreign_made_current(driver: FakeDriver, ctx: Context) -> None:
+    """What PyTorch or CuPy leave behind: *ctx* current in the driver, nothing in ctxkit."""
+    driver.stack().append(FakeHandle(ctx.handle))
+
+
+def test_a_context_another_library_made_current_is_used_without_push_or_pop(fresh_driver):
+    ctx = Context.primary(0)
+    fresh_driver.stack().append(fresh_driver.handle_type(ctx.handle))
+    pushes, pops = fresh_driver.calls["cuCtxPushCurrent"], fresh_driver.calls["cuCtxPopCurrent"]
+    for _ in range(3):
+        with ctx as entered:
+            assert entered is ctx and thread_state().top is ctx
+            assert ck.current_context() is ctx
+            with ctx:  # a re-entry inside it: no driver call either
+                assert len(thread_state().stack) == 2
+        assert thread_state().top is None and thread_state().stack == []
+    assert fresh_driver.calls["cuCtxPushCurrent"] == pushes
+    assert fresh_driver.calls["cuCtxPopCurrent"] == pops
+    assert fresh_driver.current() == ctx.handle  # still the other library's
+
+
+def test_another_context_current_in_the_driver_is_pushed_over_and_restored(fake_driver):
+    a, b = Context.primary(0), Context.primary(1)
+    _foreign_made_current(fake_driver, b)
+    with a:
+        assert fake_driver.current() == a.handle
+    assert fake_driver.current() == b.handle
+    assert fake_driver.calls["cuCtxPushCurrent"] == 1 and fake_driver.calls["cuCtxPopCurrent"] == 1
+
+
+def test_switching_inside_an_adopted_block_pushes_and_comes_back(fake_driver):
+    a, b = Context.primary(0), Context.primary(1)
+    _foreign_made_current(fake_driver, a)
+    with a:
+        with b:
+            assert fake_driver.current() == b.handle and thread_state().top is b
+            with a:  # ctxkit has b on top: a real push again
+                assert fake_driver.current() == a.handle
+        assert fake_driver.current() == a.handle and thread_state().top is a
+    assert fake_driver.stack() == [FakeHandle(a.handle)]
+    assert fake_driver.calls["cuCtxPushCurrent"] == 2 and fake_driver.calls["cuCtxPopCurrent"] == 2
+
+
+def test_an_adopted_context_is_in_use_and_pops_in_order(fake_driver):
+    a, b = Context.primary(0), Context.primary(1)
+    _foreign_made_current(fake_driver, a)
+    a.push()
+    assert thread_bindings_of_this_thread() == [a]
+    with pytest.raises(ck.ContextInUseError, match="current in thread"):
+        a.close()
+    b.push()
+    with pytest.raises(ck.ContextStackError, match="reverse order"):
+        a.pop()
+    b.pop()
+    a.pop()
+    assert thread_state().stack == [] and fake_driver.current() == a.handle
+
+
+def test_an_adopted_closed_context_still_refuses(fake_driver):
+    ctx = Context.primary(0)
+    handle = ctx.handle
+    ctx.close()
+    fake_driver.stack().append(FakeHandle(handle))
+    with pytest.raises(ck.ContextClosedError), ctx:
+        pass
+    assert thread_state().stack == []
+
+
+def thread_bindings_of_this_thread() -> list[Context]:
+    me = threading.current_thread()
+    return next(v for k, v in ck.context.thread_bindings().items() if k.startswith(me.name))

@@ -164,7 +164,7 @@ SPIN = 200_000_000  # ~0.1 s of clock64() ticks on an H200
 @pytest.fixture
 def events(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     """``(producer, consumer)`` of every event wait ctxkit enqueues for a foreign array
-    (none where CUDA orders the streams itself, or the producer had nothing pending)."""
+    (none where CUDA orders the streams itself)."""
     from ctxkit.memory import interop
 
     seen: list[tuple[int, int]] = []
