@@ -6,8 +6,9 @@
   a minimal Python ``with`` around them, ``with ctx:`` and ``with ck.bind(ctx):`` (from
   another context / already current), and ``with ctx:`` beside PyTorch's
   ``with torch.cuda.device(0):`` (when torch is installed) with the primary context
-  already current in the thread, as torch leaves it; all variants interleaved round by
-  round, the empty loop subtracted;
+  already current in the thread, as torch leaves it; each variant times the statement a
+  user writes (``with ck.bind(ctx): pass`` in a loop, no wrapper call), all interleaved
+  round by round, the empty loop subtracted;
 * launch throughput of N threads: raw threads (each with the context pushed, its own
   module and stream) vs ``ContextExecutor`` workers (prepared launches on their own
   stream). Both sides time the same work: set-up (module load, stream creation, thread
@@ -120,12 +121,23 @@ def raw_with(cu: object) -> Callable[[int], None]:
     return run
 
 
-def with_cm(make: Callable[[], Any]) -> Callable[[int], None]:
-    """``with make(): pass`` n times (``make`` returns the context manager)."""
+def with_cm(cm: Any) -> Callable[[int], None]:
+    """``with cm: pass`` n times: the statement itself, no call around it."""
 
     def run(n: int) -> None:
         for _ in range(n):
-            with make():
+            with cm:
+                pass
+
+    return run
+
+
+def with_call(fn: Callable[[Any], Any], arg: Any) -> Callable[[int], None]:
+    """``with fn(arg): pass`` n times (``with ck.bind(ctx):``, ``with torch.cuda.device(0):``)."""
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            with fn(arg):
                 pass
 
     return run
@@ -145,8 +157,7 @@ def torch_device_variant() -> tuple[Callable[[int], None] | None, str]:
     if not torch.cuda.is_available():
         return None, "torch sees no CUDA device"
     torch.cuda.init()
-    device = torch.cuda.device
-    return with_cm(lambda: device(0)), f"torch {torch.__version__}"
+    return with_call(torch.cuda.device, 0), f"torch {torch.__version__}"
 
 
 def bench_switching(n: int, rounds: int) -> tuple[dict[str, list[float]], str]:
@@ -179,17 +190,17 @@ def _switching_rounds(
         "raw": raw_pair(ctx._cu),
         "raw_checked": raw_pair_checked(ctx._cu),
         "raw_with": raw_with(ctx._cu),
-        "empty_with": with_cm(lambda: empty_cm),
-        "enter": with_cm(lambda: ctx),
-        "bind_cold": with_cm(lambda: bind(ctx)),
+        "empty_with": with_cm(empty_cm),
+        "enter": with_cm(ctx),
+        "bind_cold": with_call(bind, ctx),
     }
-    current: dict[str, Callable[[int], None]] = {"enter_current": with_cm(lambda: ctx)}
+    current: dict[str, Callable[[int], None]] = {"enter_current": with_cm(ctx)}
     torch_run, torch_note = torch_device_variant()
     if torch_run is not None:
         current["torch_device"] = torch_run
     hot: dict[str, Callable[[int], None]] = {
-        "reenter": with_cm(lambda: ctx),
-        "bind_hot": with_cm(lambda: bind(ctx)),
+        "reenter": with_cm(ctx),
+        "bind_hot": with_call(bind, ctx),
     }
     t: dict[str, list[float]] = {k: [] for k in [*switch, *current, *hot]}
     with _driver_current(ctx):

@@ -6,6 +6,7 @@ import multiprocessing as mp
 import threading
 import time
 
+import numpy as np
 import pytest
 
 import ctxkit as ck
@@ -183,6 +184,46 @@ def test_current_context_sees_torch_primary():
     t.start()
     t.join()
     assert out["ctx"] is Context.primary(0)
+
+
+def test_a_primary_context_torch_made_current_is_used_without_push_or_pop():
+    """In a thread where torch made device 0's primary context current, ``with ctx:``
+    pushes and pops nothing: a ctxkit kernel reads torch's tensor, and torch's entry on
+    the driver's stack is the only one afterwards."""
+    torch = pytest.importorskip("torch")
+    from ctxkit.compiler import kernel_source
+
+    ctx = ck.registry.context(0)
+    with ctx:
+        scale = ck.Module.load(ck.compile(kernel_source("scale.cu"))).function("scale_f32")
+    out: dict[str, object] = {}
+
+    def worker() -> None:
+        torch.cuda.set_device(0)
+        t = torch.full((256,), 1.5, dtype=torch.float32, device="cuda:0")
+        torch.cuda.synchronize()
+        out["current_before"] = raw_current()
+        with ctx:
+            out["adopted"] = thread_state().stack == [(ctx, None, False)]
+            y = ck.DeviceBuffer(256 * 4)
+            scale.launch(1, 256, t, y, 256, np.float32(2.0))
+            out["y"] = np.frombuffer(y.copy_to_host(), np.float32).copy()
+            y.close()
+        out["stack_after"] = list(thread_state().stack)
+        err, popped = drv.cuCtxPopCurrent()  # torch's entry, the only one
+        out["popped"] = (int(err), int(popped))
+        out["current_after_pop"] = raw_current()
+        drv.cuCtxPushCurrent(popped)  # give torch its context back
+        out["torch_after"] = float(t.sum().item())
+
+    th = threading.Thread(target=worker)
+    th.start()
+    th.join()
+    assert out["current_before"] == ctx.handle and out["adopted"] is True
+    assert np.all(out["y"] == 3.0)
+    assert out["stack_after"] == []
+    assert out["popped"] == (0, ctx.handle) and out["current_after_pop"] == 0
+    assert out["torch_after"] == 1.5 * 256
 
 
 def _child_after_fork(q) -> None:
