@@ -123,3 +123,12 @@ class LeaseBook:
             b._info.why = why
             b.close()
         return len(bufs)
+
+
+def _gone(key: WorkerKey, why: str) -> str:
+    ordinal, pid = key
+    return (
+        f"{why}: the worker of device {ordinal} (pid {pid}) held this memory, which this "
+        "process may no longer use. Copy what must outlive the worker (copy_to_host, "
+        "copy_to, a new DeviceBuffer) while the pool still runs"
+    )
