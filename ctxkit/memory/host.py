@@ -1,6 +1,16 @@
-"""Host memory: page-locked allocations, in-place pinning, and the honest-async check.
+"""Host memory: pinning in place and the honest-async check, with the process-wide
+state they share.
 
-Re-exported by :mod:`ctxkit.memory`; documented there.
+:func:`register_host` (``cuMemHostRegister``) and its table of registered blocks; strict
+async mode (:func:`set_strict_async`) and the warning for async copies from pageable
+memory; :func:`host_device_pointer`, the kernel-argument address of a host array, with
+the switch for pageable arrays on HMM/ATS devices (:func:`allow_pageable_kernel_args`).
+That state is looked up here by name, so it stays in this module.
+
+Allocations (:func:`pinned_empty`, :class:`HostMemory`) are in
+:mod:`ctxkit.memory.hostalloc` and pointer queries (:func:`host_pointer_kind`,
+:func:`is_pinned`, :func:`host_array`) in :mod:`ctxkit.memory.hostptr`; both are
+importable from here. Re-exported by :mod:`ctxkit.memory`; documented there.
 """
 
 from __future__ import annotations
@@ -14,19 +24,29 @@ from typing import Any
 
 import numpy as np
 
-from .. import _driver
 from .._driver import drv
 from .._env import env_flag
 from ..context import Context, current_context, require_current, thread_state
 from ..device import Device
 from ..errors import (
     CudaError,
-    OutOfMemoryError,
     PageableCopyError,
     PageableCopyWarning,
 )
-from ..lifetime import finalizer
-from ..registry import bind, resolve_context
+from .hostalloc import MEMHOST_DEVICEMAP as MEMHOST_DEVICEMAP
+from .hostalloc import MEMHOST_PORTABLE as MEMHOST_PORTABLE
+from .hostalloc import MEMHOST_REGISTER_READ_ONLY as MEMHOST_REGISTER_READ_ONLY
+from .hostalloc import MEMHOST_WRITECOMBINED as MEMHOST_WRITECOMBINED
+from .hostalloc import (
+    HostMemory,
+    _bits,
+    _flag_names,
+    host_context,
+    pinned_empty,
+    pinned_zeros,
+)
+from .hostalloc import _shape_of as _shape_of
+from .hostptr import _INVALID_VALUE, _address, host_array, host_pointer_kind, is_pinned
 
 __all__ = [
     "HostMemory",
@@ -45,34 +65,10 @@ __all__ = [
 ]
 
 
-MEMHOST_PORTABLE = 1  # CU_MEMHOSTALLOC_PORTABLE (= CU_MEMHOSTREGISTER_PORTABLE)
-
-
-MEMHOST_DEVICEMAP = 2  # CU_MEMHOSTALLOC_DEVICEMAP (= CU_MEMHOSTREGISTER_DEVICEMAP)
-
-
-MEMHOST_WRITECOMBINED = 4  # CU_MEMHOSTALLOC_WRITECOMBINED
-
-
-MEMHOST_REGISTER_READ_ONLY = 8  # CU_MEMHOSTREGISTER_READ_ONLY
-
-
 _NOT_SUPPORTED = 801
 
 
-_INVALID_VALUE = 1
-
-
-_OUT_OF_MEMORY = 2
-
-
-_INVALID_CONTEXT = 201
-
-
 _HOST_ALREADY_REGISTERED = 712
-
-
-_MEMORYTYPE_HOST, _MEMORYTYPE_DEVICE, _MEMORYTYPE_ARRAY, _MEMORYTYPE_UNIFIED = 1, 2, 3, 4
 
 
 PAGEABLE_NOTE = (
@@ -124,99 +120,6 @@ def pageable_async(what: str) -> None:
     warnings.warn(msg, PageableCopyWarning, stacklevel=_stacklevel())
 
 
-def host_pointer_kind(ptr: int) -> str:
-    """What the driver knows about a host-side address.
-
-    Returns ``"pinned"`` (page-locked: ``cuMemHostAlloc`` or ``cuMemHostRegister``),
-    ``"managed"`` (unified memory), ``"device"`` or ``"pageable"`` (unknown to CUDA).
-    """
-    if not ptr:
-        return "pageable"
-    _driver.init()
-    err, value = drv.cuPointerGetAttribute(_attr("MEMORY_TYPE"), ptr)
-    if err == _INVALID_CONTEXT:
-        with bind(0):
-            err, value = drv.cuPointerGetAttribute(_attr("MEMORY_TYPE"), ptr)
-    if err == _INVALID_VALUE:
-        return "pageable"
-    _driver.raise_for(err, f"cuPointerGetAttribute(MEMORY_TYPE, {ptr:#x})")
-    kind = int(value)
-    if kind == _MEMORYTYPE_HOST:
-        return "pinned"
-    if kind == _MEMORYTYPE_UNIFIED:
-        return "managed"
-    err, managed = drv.cuPointerGetAttribute(_attr("IS_MANAGED"), ptr)
-    return "managed" if not err and managed else "device"
-
-
-def _attr(name: str) -> Any:
-    return getattr(drv.CUpointer_attribute, "CU_POINTER_ATTRIBUTE_" + name)
-
-
-def host_array(arr: Any, what: str, *, writable: bool = False) -> np.ndarray:
-    """*arr* as a C-contiguous numpy array without copying, or a clear error.
-
-    Accepts numpy arrays and objects with the buffer protocol (bytes, bytearray,
-    memoryview, array.array).
-
-    Raises
-    ------
-    TypeError
-        *arr* is not an array or buffer.
-    ValueError
-        It is not C-contiguous, or not writable when *writable*.
-    """
-    if not isinstance(arr, np.ndarray):
-        try:
-            arr = np.frombuffer(arr, dtype=np.uint8) if _is_buffer(arr) else None
-        except (TypeError, ValueError):
-            arr = None
-        if arr is None:
-            raise TypeError(
-                f"{what}: expected a numpy array or a buffer (bytes, bytearray, memoryview); "
-                "convert with np.asarray(...) first"
-            )
-    if not arr.flags.c_contiguous:
-        raise ValueError(
-            f"{what}: the host array is not C-contiguous (strides {arr.strides}); pass "
-            "np.ascontiguousarray(arr)"
-        )
-    if writable and not arr.flags.writeable:
-        raise ValueError(f"{what}: the destination host array is read-only")
-    return arr
-
-
-def _is_buffer(obj: Any) -> bool:
-    try:
-        memoryview(obj)
-    except TypeError:
-        return False
-    return True
-
-
-def _address(arr: np.ndarray) -> int:
-    return int(arr.__array_interface__["data"][0])
-
-
-def is_pinned(arr: Any) -> bool:
-    """True when the array's memory is page-locked (``pinned_empty``/``register_host``
-    or another library's pinned allocator); False for ordinary pageable memory.
-
-    Both its first and its last byte are checked: an array that merely shares its first
-    page with a neighbour's registration is not pinned.
-
-    Async copies need pinned memory: from pageable memory the driver blocks the host for
-    the whole copy. :func:`ctxkit.memory.hostaccess.host_memory_flags` tells how it is
-    pinned.
-    """
-    a = host_array(arr, "is_pinned") if not isinstance(arr, np.ndarray) else arr
-    if a.size == 0:
-        return False
-    first = _address(a)
-    last = first + a.nbytes - 1
-    return host_pointer_kind(first) == "pinned" and host_pointer_kind(last) == "pinned"
-
-
 #: ctxkit's live register_host blocks, start address -> (end address, flags passed); read
 #: by hostaccess.host_memory_flags
 _registered: dict[int, tuple[int, int]] = {}
@@ -229,167 +132,6 @@ def check_async_host(arr: np.ndarray, what: str) -> None:
     """Warn/raise when an async copy with *arr* would secretly be synchronous."""
     if arr.nbytes and host_pointer_kind(_address(arr)) == "pageable":
         pageable_async(what)
-
-
-class HostMemory:
-    """Host-addressable memory exposed to numpy (``np.asarray(mem)`` is a uint8 view).
-
-    The numpy arrays built on it keep it (and its *owner*) alive through their ``.base``
-    chain; pinned allocations are freed when the last array dies.
-    """
-
-    __slots__ = ("__weakref__", "_fin", "context", "nbytes", "owner", "ptr")
-
-    def __init__(self, ptr: int, nbytes: int, owner: Any = None, context: Any = None):
-        self.ptr = int(ptr)
-        self.nbytes = int(nbytes)
-        self.owner = owner
-        self.context = context
-        self._fin: Any = None
-
-    @property
-    def __array_interface__(self) -> dict[str, Any]:
-        return {
-            "shape": (self.nbytes,),
-            "typestr": "|u1",
-            "data": (self.ptr, False),
-            "version": 3,
-        }
-
-    def __repr__(self) -> str:
-        return f"<HostMemory {self.ptr:#x} nbytes={self.nbytes}>"
-
-
-def _shape_of(shape: Any) -> tuple[int, ...]:
-    shp = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
-    out = []
-    for s in shp:
-        if isinstance(s, bool) or not isinstance(s, (int, np.integer)):
-            raise TypeError(f"shape entries must be ints, got {shape!r}")
-        if s < 0:
-            raise ValueError(f"negative dimension in shape {shape!r}")
-        out.append(int(s))
-    return tuple(out)
-
-
-def host_context(context: Any, what: str) -> Context:
-    """The context for a host allocation: the one given, the current one, or device 0's."""
-    if context is not None:
-        return resolve_context(context, what)
-    ctx = thread_state().top or current_context()
-    if ctx is None:
-        ctx = bind(0)
-    ctx.check_usable()
-    return ctx
-
-
-def pinned_empty(
-    shape: Any,
-    dtype: Any = np.float64,
-    *,
-    context: Any = None,
-    mapped: bool = False,
-    write_combined: bool = False,
-    portable: bool = True,
-) -> np.ndarray:
-    """A numpy array in page-locked host memory (``cuMemHostAlloc``).
-
-    Copies from/to it are truly asynchronous and run at full bus speed. The memory is
-    freed (``cuMemFreeHost``, inside the allocating context, from any thread) when the
-    array and every view of it are gone.
-
-    Parameters
-    ----------
-    shape : int or tuple of int
-    dtype : numpy dtype
-    context : Context, Device or int, optional
-        The context to allocate in. Default: the calling thread's current context, or,
-        when the thread has none, the registry's context of device 0.
-    mapped : bool
-        ``CU_MEMHOSTALLOC_DEVICEMAP``: map it into the device address space, so kernels
-        read and write it in place (zero-copy); the address is
-        :func:`~ctxkit.memory.hostaccess.device_pointer`.
-    write_combined : bool
-        ``CU_MEMHOSTALLOC_WRITECOMBINED``: not cached by the CPU, so transfers to the
-        device can be faster, but CPU *reads* from it are very slow: for buffers the host
-        only writes.
-    portable : bool
-        ``CU_MEMHOSTALLOC_PORTABLE`` (default): pinned for every context, not only the
-        allocating one.
-
-    Raises
-    ------
-    OutOfMemoryError
-        The OS refused to page-lock that much memory.
-
-    Notes
-    -----
-    A zero-size request returns an ordinary empty numpy array.
-    """
-    dt = np.dtype(dtype)
-    shp = _shape_of(shape)
-    nbytes = int(np.prod(shp, dtype=np.int64)) * dt.itemsize
-    flags = _bits(portable=portable, mapped=mapped, write_combined=write_combined)
-    if nbytes == 0:
-        return np.empty(shp, dt)
-    ctx = host_context(context, "pinned_empty")
-    with ctx:
-        err, ptr = drv.cuMemHostAlloc(nbytes, flags)
-    if err:
-        raise _host_alloc_error(ctx, err, nbytes, flags)
-    mem = HostMemory(ptr, nbytes, context=ctx)
-    mem._fin = finalizer(mem, ctx, drv.cuMemFreeHost, ptr)
-    return np.asarray(mem).view(dt).reshape(shp)
-
-
-def _bits(**flags: bool) -> int:
-    """``CU_MEMHOST*`` bits of boolean options (refusing non-bools, e.g. a stray int)."""
-    bits = {
-        "portable": MEMHOST_PORTABLE,
-        "mapped": MEMHOST_DEVICEMAP,
-        "write_combined": MEMHOST_WRITECOMBINED,
-        "read_only": MEMHOST_REGISTER_READ_ONLY,
-    }
-    out = 0
-    for name, value in flags.items():
-        if not isinstance(value, (bool, np.bool_)):
-            raise TypeError(f"{name} must be True or False, got {value!r}")
-        out |= bits[name] if value else 0
-    return out
-
-
-def _flag_names(flags: int, register: bool = False) -> str:
-    names = [
-        (MEMHOST_PORTABLE, "PORTABLE"),
-        (MEMHOST_DEVICEMAP, "DEVICEMAP"),
-        (
-            MEMHOST_REGISTER_READ_ONLY if register else MEMHOST_WRITECOMBINED,
-            "READ_ONLY" if register else "WRITECOMBINED",
-        ),
-    ]
-    return "|".join(n for bit, n in names if flags & bit) or "0"
-
-
-def _host_alloc_error(ctx: Context, err: Any, nbytes: int, flags: int) -> Exception:
-    if int(err) == _OUT_OF_MEMORY:
-        return OutOfMemoryError(
-            f"pinned_empty: cannot page-lock {nbytes} bytes ({nbytes / 2**30:.2f} GiB) of host "
-            "memory (cuMemHostAlloc: CUDA_ERROR_OUT_OF_MEMORY). Pinned memory is limited by "
-            "physical RAM and the locked-memory limit (ulimit -l); use smaller staging "
-            "buffers and reuse them",
-            _OUT_OF_MEMORY,
-            "CUDA_ERROR_OUT_OF_MEMORY",
-        )
-    return ctx.note_error(err, f"cuMemHostAlloc({nbytes}, {_flag_names(flags)})")
-
-
-def pinned_zeros(
-    shape: Any, dtype: Any = np.float64, *, context: Any = None, **flags: bool
-) -> np.ndarray:
-    """:func:`pinned_empty` (same options) filled with zeros."""
-    arr = pinned_empty(shape, dtype, context=context, **flags)
-    arr[...] = 0
-    return arr
 
 
 @contextlib.contextmanager

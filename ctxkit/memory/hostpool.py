@@ -40,6 +40,12 @@ thread (the collector's included). The pool's lock guards only its bookkeeping; 
 driver call is made while it is held. Work that needs the driver while a stream capture
 forbids it (recording the events of returned blocks, querying them) waits for the
 capture to end (:func:`ctxkit.lifetime.begin_free`).
+
+This module holds the pool's interface, how it hands blocks out, and :func:`pinned_pool`.
+Its base classes hold the rest: :class:`~ctxkit.memory.hostledger.PinnedLedger` the
+books (where each block is, bytes against the budget, eviction, new pages and frees),
+:class:`~ctxkit.memory.hostreuse.PinnedReuse` the way a block comes back for reuse;
+:mod:`ctxkit.memory.hostblocks` the blocks, size classes, budget default and events.
 """
 
 from __future__ import annotations
@@ -47,18 +53,15 @@ from __future__ import annotations
 import collections
 import threading
 import weakref
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from .. import context as _context
-from .. import lifetime
 from .. import registry as _registry
 from ..context import Context
 from ..errors import OutOfMemoryError
 from ..stream import Event
-from .host import HostMemory, _shape_of, host_context
+from .host import _shape_of, host_context
 from .hostblocks import (
     POOL_ENV,
     Block,
@@ -67,14 +70,13 @@ from .hostblocks import (
     as_streams,
     check_bytes,
     default_budget,
-    event_done,
     fits,
     free_left,
-    gib,
     human,
     size_class,
 )
-from .pagelock import LockedPages, LockFailed, lock_new
+from .hostreuse import PinnedReuse
+from .pagelock import LockedPages
 
 __all__ = [
     "POOL_ENV",
@@ -86,10 +88,7 @@ __all__ = [
 ]
 
 
-_OUT_OF_MEMORY = 2
-
-
-class PinnedPool:
+class PinnedPool(PinnedReuse):
     """A cache of page-locked host blocks handed out as numpy arrays.
 
     Use the process-wide pool, :func:`pinned_pool`; a separate instance has its own
@@ -384,24 +383,6 @@ class PinnedPool:
             return block
         return self._allocate(cls, context, what, wait=wait, headroom=headroom)
 
-    def _take_cached_locked(self, cls: int) -> Block | None:
-        best: Block | None = None
-        dead = []
-        for block in self._cached.values():
-            if not block.usable():
-                dead.append(block)
-            elif fits(block.nbytes, cls) and (best is None or block.nbytes <= best.nbytes):
-                best = block
-        for block in dead:  # their context was closed: only our own mapping is left
-            self._pop_cached_locked(block.ptr)
-            block.pages.release()
-        if best is None:
-            return None
-        self._pop_cached_locked(best.ptr)
-        self._add_locked(best, "in_use")
-        self._count["hits"] += 1
-        return best
-
     def _allocate(
         self,
         cls: int,
@@ -474,226 +455,6 @@ class PinnedPool:
             if not self.trim(0):
                 raise
         return self._host_alloc(nbytes, ctx, what)
-
-    def _host_alloc(self, nbytes: int, ctx: Context, what: str) -> LockedPages:
-        try:
-            return lock_new(nbytes, ctx)
-        except LockFailed as exc:
-            if exc.code != _OUT_OF_MEMORY:
-                raise ctx.note_error(exc.code, f"{exc.call}({nbytes}, PORTABLE)") from None
-            with self._lock:
-                held = self._held_locked()
-            raise OutOfMemoryError(
-                f"{what}: the OS refused to page-lock {nbytes} bytes ({gib(nbytes)}) of host "
-                f"memory ({exc.call}: out of memory) although the pinned pool "
-                f"holds only {held} of its {self._budget}-byte budget. "
-                "Page-locked memory is limited by physical RAM: lower the budget "
-                f"({POOL_ENV} or ctxkit.pinned_pool().set_budget()) or drop arrays you no "
-                "longer need",
-                _OUT_OF_MEMORY,
-                "CUDA_ERROR_OUT_OF_MEMORY",
-            ) from None
-
-    def _over_budget(self, cls: int, what: str) -> OutOfMemoryError:
-        b = self._bytes
-        return OutOfMemoryError(
-            f"{what}: a block of {cls} bytes ({gib(cls)}) does not fit the pinned pool's "
-            f"budget of {self._budget} bytes ({gib(self._budget)}): {b['in_use']} bytes are "
-            f"in use by live arrays, {b['pending']} wait for stream work, {self._claimed} "
-            f"are claimed by registrations, {b['inflight']} are being allocated. Drop "
-            "arrays you no longer need, or raise the budget: "
-            f"{POOL_ENV}=<bytes> or ctxkit.pinned_pool().set_budget(<bytes>)"
-        )
-
-    def _wrap(self, block: Block, nbytes: int) -> np.ndarray:
-        mem = HostMemory(block.ptr, nbytes, owner=block, context=block.ctx)
-        mem._fin = lifetime.finalizer(mem, None, self._give_back, block)
-        return np.asarray(mem)
-
-    def _give_back(self, block: Block) -> int:
-        """Finalizer of an array's memory (any thread, also inside the collector, even
-        while this thread holds the pool's lock, so it takes none of it): record an event
-        on each of the block's streams now, then queue the block for :meth:`_settle`. An
-        open stream capture holds it back until it ends (:func:`lifetime.free_quietly`)."""
-        try:
-            if not _context._shutting_down:
-                streams, block.streams = block.streams, []  # no array is left to add more
-                for s in streams:
-                    if s.handle is None:  # closed: waiting for its context blocks, and
-                        block.streams.append(s)  # this thread may hold a lock; later
-                        continue
-                    ev = self._events.record(s)
-                    if ev is not None:
-                        block.events.append((ev, True))
-        finally:
-            self._returned.append(block)
-        return 0
-
-    def _block_of(self, arr: Any, what: str) -> Block:
-        if not isinstance(arr, np.ndarray):
-            raise TypeError(f"PinnedPool.{what}: expected a numpy array, got {type(arr).__name__}")
-        base: Any = arr
-        while base is not None:
-            if isinstance(base, HostMemory) and isinstance(base.owner, Block):
-                block = base.owner
-                with self._lock:
-                    if self._in_use.get(block.ptr) is block:
-                        return block
-                break
-            base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
-        ptr = int(arr.__array_interface__["data"][0] or 0)
-        with self._lock:
-            for block in self._in_use.values():
-                if block.ptr <= ptr < block.ptr + block.nbytes:
-                    return block
-        raise ValueError(
-            f"PinnedPool.{what}: the array at {ptr:#x} is not in a block of this pool "
-            "(allocate it with ctxkit.pinned_pool().empty())"
-        )
-
-    # --- bookkeeping (callers hold the lock) ---------------------------------------
-
-    def _held_locked(self) -> int:
-        b = self._bytes
-        return b["in_use"] + b["cached"] + b["pending"] + b["inflight"] + self._claimed
-
-    def _add_locked(self, block: Block, where: str) -> None:
-        if where == "in_use":
-            self._in_use[block.ptr] = block
-        elif where == "cached":
-            self._cached[block.ptr] = block
-        else:
-            self._pending.append(block)
-        self._bytes[where] += block.nbytes
-        held = self._held_locked() - self._claimed - self._bytes["inflight"]
-        self._count["peak"] = max(self._count["peak"], held)
-
-    def _remove_locked(self, block: Block, where: str) -> None:
-        if where == "in_use":
-            del self._in_use[block.ptr]
-        elif where == "cached":
-            del self._cached[block.ptr]
-        else:
-            self._pending.remove(block)
-        self._bytes[where] -= block.nbytes
-
-    def _move_locked(self, block: Block, src: str, dst: str) -> None:
-        self._remove_locked(block, src)
-        self._add_locked(block, dst)
-
-    def _pop_cached_locked(self, ptr: int) -> Block:
-        block = self._cached[ptr]
-        self._remove_locked(block, "cached")
-        return block
-
-    def _evict_locked(self, limit: int) -> list[Block]:
-        """Take cached blocks, least recently returned first, until the pool holds at
-        most *limit* bytes (or nothing is cached); the caller frees them."""
-        victims = []
-        while self._cached and self._held_locked() > limit:
-            victims.append(self._pop_cached_locked(next(iter(self._cached))))
-            self._count["evictions"] += 1
-        return victims
-
-    # --- driver work outside the lock ----------------------------------------------
-
-    def _free(self, blocks: Sequence[Block]) -> int:
-        """``cuMemFreeHost`` each block in its context (never raising); the bytes."""
-        freed = 0
-        for block in blocks:
-            for ev, owned in block.events:
-                if owned:
-                    self._events.give(ev)
-            block.events = []
-            if block.usable():
-                with self._lock:
-                    self._count["frees"] += 1
-            block.pages.release()
-            freed += block.nbytes
-        return freed
-
-    def _settle(self) -> None:
-        """Wait-list the returned blocks; cache those whose stream work completed."""
-        if not (self._returned or self._pending) or _context._shutting_down:
-            return
-        if not lifetime.begin_free(None, self._settle_after_capture, ()):
-            return  # a capture forbids driver calls here; this runs when it ends
-        try:
-            while self._returned:
-                try:
-                    block = self._returned.popleft()
-                except IndexError:
-                    break
-                self._return(block)
-            self._collect()
-        finally:
-            lifetime.end_free()
-
-    def _settle_after_capture(self) -> int:
-        self._settle()
-        return 0
-
-    def _return(self, block: Block) -> None:
-        """The last array of *block* died (its events are recorded): wait-list it."""
-        for s in block.streams:  # closed before the array died: wait for its context
-            self._events.record(s)
-        block.streams = []
-        with self._lock:
-            if not block.usable():
-                self._remove_locked(block, "in_use")
-                dead = True
-            else:
-                self._move_locked(block, "in_use", "pending" if block.events else "cached")
-                dead = False
-        if dead:
-            self._free([block])
-
-    def _collect(self) -> None:
-        """Cache the pending blocks whose events have all completed (cuEventQuery)."""
-        with self._lock:
-            pending = list(self._pending)
-        done = []
-        for block in pending:
-            with self._lock:
-                events = list(block.events)
-            if all(event_done(ev) for ev, _ in events):
-                done.append(block)
-        dead, spent_all = [], []
-        with self._lock:
-            for block in done:
-                if block not in self._pending:
-                    continue
-                spent, block.events = block.events, []
-                spent_all.extend(spent)
-                if block.usable():
-                    self._move_locked(block, "pending", "cached")
-                else:
-                    self._remove_locked(block, "pending")
-                    dead.append(block)
-        for ev, owned in spent_all:
-            if owned:
-                self._events.give(ev)
-        self._free(dead)
-
-    def _wait(self, blocks: Sequence[Block]) -> None:
-        """Wait for the events of *blocks* (GIL released), then collect them."""
-        if not blocks:
-            return
-        if not lifetime.begin_free(None, self._settle_after_capture, ()):
-            return
-        try:
-            for block in blocks:
-                with self._lock:
-                    events = list(block.events)
-                for ev, _ in events:
-                    try:
-                        with ev.context:  # bound explicitly (strict mode)
-                            ev.synchronize()
-                    except Exception:
-                        pass  # a closed event or a poisoned context: _collect decides
-            self._collect()
-        finally:
-            lifetime.end_free()
 
 
 _process_pool: PinnedPool | None = None
