@@ -4,13 +4,18 @@ Node builders return :class:`~ctxkit.graph.nodes.GraphNode` objects; ``depends_o
 wires the edges (default: none, a root node). Everything a node uses -- packed kernel
 arguments and the buffers among them, the arrays of copies, host callbacks, events --
 is kept alive by the graph and by every executable graph made from it.
+
+Here: the graph's state, adding a node with its dependencies, the nodes that hold other
+graphs (child, conditional) and the whole-graph operations (clone, instantiate, launch).
+The builders of the other nodes are in :class:`~ctxkit.graph.builders.NodeBuilders`, its
+base class.
 """
 
 from __future__ import annotations
 
 import os
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .. import _driver
 from .._driver import drv
@@ -18,7 +23,7 @@ from ..context import Context
 from ..errors import ContextClosedError, CudaError, WrongContextError
 from ..lifetime import finalizer
 from ..registry import ContextLike, guard, resolve_context
-from ..stream import Event
+from .builders import NodeBuilders
 from .conditional import (
     ConditionalHandle,
     add_node_args,
@@ -28,22 +33,8 @@ from .conditional import (
     node_params,
 )
 from .exec import GraphExec
-from .host import HOST_FN_ADDR, HostCallback
-from .nodes import (
-    GraphNode,
-    HostSide,
-    KernelSpec,
-    copy_nbytes,
-    copy_side,
-    dependency_handles,
-    kernel_spec,
-    memcpy_params,
-    memset_params,
-    node_type_name,
-)
-
-if TYPE_CHECKING:
-    from ..module.kernel import Kernel
+from .host import HostCallback
+from .nodes import GraphNode, KernelSpec, dependency_handles, node_type_name
 
 __all__ = ["Graph"]
 
@@ -51,7 +42,7 @@ _INVALID_HANDLE = 400
 _EMPTY = "the graph is empty: its capture block has not finished, or it was closed"
 
 
-class Graph:
+class Graph(NodeBuilders):
     """A CUDA graph (``CUgraph``) in its own context.
 
     ``g = ck.Graph()`` creates an empty graph in the current context (or *context*);
@@ -211,192 +202,7 @@ class Graph:
         self._specs[int(node.handle)] = spec
         self._bump()
 
-    # --- node builders ---------------------------------------------------------------
-
-    def kernel(
-        self,
-        kernel: Kernel,
-        grid: int | tuple[int, ...],
-        block: int | tuple[int, ...],
-        *args: Any,
-        shared_mem: int = 0,
-        depends_on: Any = None,
-    ) -> GraphNode:
-        """A kernel node (``cuGraphAddKernelNode``); arguments as for ``Kernel.launch``.
-
-        The arguments are checked and packed now, exactly as a launch would, and kept
-        (with the buffers among them) while the graph or an executable graph of it lives.
-        A :class:`~ctxkit.graph.conditional.ConditionalHandle` passes as its value.
-
-        Raises
-        ------
-        LaunchArgumentError
-            The arguments do not fit the kernel's parameters (named in the message).
-        CudaError
-            The kernel's module is bound to another context, or is closed.
-        """
-        what = f"Graph.kernel({getattr(kernel, 'name', kernel)!r})"
-        self._open(what)
-        ctx = self.context
-        with guard(ctx, what):
-            spec = kernel_spec(kernel, ctx, grid, block, args, shared_mem)
-            params = spec.params(ctx)
-        return self._add(
-            what,
-            drv.cuGraphAddKernelNode,
-            params,
-            depends_on=depends_on,
-            kind="kernel",
-            spec=spec,
-        )
-
-    def memcpy(
-        self, dst: Any, src: Any, nbytes: int | None = None, *, depends_on: Any = None
-    ) -> GraphNode:
-        """A copy node (``cuGraphAddMemcpyNode``): device to device, pinned host to
-        device or device to pinned host.
-
-        *dst* and *src* are ctxkit buffers/arrays (of the graph's context), other
-        libraries' device arrays (``__cuda_array_interface__``) or page-locked numpy
-        arrays (``ck.pinned_empty``, ``ck.register_host``). *nbytes* defaults to the size
-        both sides share.
-
-        Raises
-        ------
-        PageableCopyError
-            A numpy array is pageable: graphs copy host memory asynchronously.
-        WrongContextError
-            A ctxkit buffer belongs to another context.
-        ValueError
-            Sizes differ (without *nbytes*), *nbytes* exceeds a side, or nothing to copy.
-        """
-        what = "Graph.memcpy"
-        ctx = self.context
-        self._open(what)
-        d = copy_side(dst, ctx, what, "destination", write=True)
-        s = copy_side(src, ctx, what, "source", write=False)
-        if isinstance(d, HostSide) and isinstance(s, HostSide):
-            raise ValueError(f"{what}: both sides are host memory; copy them with numpy")
-        n = copy_nbytes(d, s, nbytes, what)
-        if n == 0:
-            raise ValueError(
-                f"{what}: nothing to copy (0 bytes); use graph.empty() for a node that does nothing"
-            )
-        return self._add(
-            what,
-            drv.cuGraphAddMemcpyNode,
-            memcpy_params(d, s, n),
-            ctx._cu,
-            depends_on=depends_on,
-            kind="memcpy",
-            keep=(dst, src),
-        )
-
-    def memset(
-        self,
-        dst: Any,
-        value: int,
-        count: int | None = None,
-        element_size: int = 1,
-        *,
-        depends_on: Any = None,
-    ) -> GraphNode:
-        """A memset node (``cuGraphAddMemsetNode``): *count* elements of *element_size*
-        (1, 2 or 4) bytes of device memory *dst* set to *value* (the element's bit
-        pattern); *count* defaults to the whole of *dst*."""
-        what = "Graph.memset"
-        ctx = self.context
-        self._open(what)
-        if not hasattr(dst, "__cuda_array_interface__") and not hasattr(dst, "_ctxkit_mem"):
-            raise TypeError(
-                f"{what}: dst must be device memory (a ctxkit buffer/array or a device "
-                f"array of another library), got {type(dst).__name__}"
-            )
-        mem = copy_side(dst, ctx, what, "destination", write=True)
-        assert not isinstance(mem, HostSide)
-        params = memset_params(mem, value, count, element_size, what)
-        if not params.width:
-            raise ValueError(f"{what}: nothing to set (0 elements)")
-        return self._add(
-            what,
-            drv.cuGraphAddMemsetNode,
-            params,
-            ctx._cu,
-            depends_on=depends_on,
-            kind="memset",
-            keep=(dst,),
-        )
-
-    def host(self, fn: Any, *args: Any, depends_on: Any = None) -> GraphNode:
-        """A host node (``cuGraphAddHostNode``): ``fn(*args)`` runs on a driver thread at
-        every launch, when the nodes it depends on have completed.
-
-        ``fn`` must not call CUDA. An exception it raises is re-raised by the next
-        ``synchronize()`` of the ctxkit stream the graph was launched on (logged for
-        other streams). ``fn`` stays alive while the graph or an executable graph of it
-        does.
-        """
-        what = "Graph.host"
-        if not callable(fn):
-            raise TypeError(f"{what}: fn must be callable, got {type(fn).__name__}")
-        self._open(what)
-        cb = HostCallback(fn, args)
-        params = drv.CUDA_HOST_NODE_PARAMS()
-        params.fn = drv.CUhostFn(HOST_FN_ADDR)
-        params.userData = cb.key
-        node = self._add(
-            what, drv.cuGraphAddHostNode, params, depends_on=depends_on, kind="host", keep=(cb,)
-        )
-        self._callbacks.append(cb)
-        return node
-
-    def _event(self, event: Any, what: str, *, same_context: bool) -> Any:
-        if not isinstance(event, Event):
-            raise TypeError(f"{what}: expected a ctxkit.Event, got {type(event).__name__}")
-        handle = event._open_handle(what)
-        if same_context and event.context.handle != self.context.handle:
-            raise WrongContextError(
-                f"{what}: {event!r} belongs to {event.context!r}, but the graph belongs to "
-                f"{self.context!r}; create the event in the graph's context "
-                "(ck.Event(context=graph.context))",
-                _INVALID_HANDLE,
-                "CUDA_ERROR_INVALID_HANDLE",
-            )
-        return handle
-
-    def event_record(self, event: Event, *, depends_on: Any = None) -> GraphNode:
-        """An event record node (``cuGraphAddEventRecordNode``); *event* must belong to
-        the graph's context."""
-        what = "Graph.event_record"
-        handle = self._event(event, what, same_context=True)
-        return self._add(
-            what,
-            drv.cuGraphAddEventRecordNode,
-            handle,
-            depends_on=depends_on,
-            kind="event_record",
-            keep=(event,),
-        )
-
-    def event_wait(self, event: Event, *, depends_on: Any = None) -> GraphNode:
-        """An event wait node (``cuGraphAddEventWaitNode``): the nodes after it wait for
-        the work before *event*'s latest record (of any context)."""
-        what = "Graph.event_wait"
-        handle = self._event(event, what, same_context=False)
-        return self._add(
-            what,
-            drv.cuGraphAddEventWaitNode,
-            handle,
-            depends_on=depends_on,
-            kind="event_wait",
-            keep=(event,),
-        )
-
-    def empty(self, *, depends_on: Any = None) -> GraphNode:
-        """A node that does nothing (``cuGraphAddEmptyNode``): a join point of edges."""
-        return self._add(
-            "Graph.empty", drv.cuGraphAddEmptyNode, depends_on=depends_on, kind="empty"
-        )
+    # --- child and conditional nodes -------------------------------------------------
 
     def child(self, graph: Graph, *, depends_on: Any = None) -> GraphNode:
         """A child graph node (``cuGraphAddChildGraphNode``): a copy of *graph* as it is

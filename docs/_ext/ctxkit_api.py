@@ -75,13 +75,25 @@ def documented_here(module: str, name: str) -> bool:
 def undocumented_members(cls: type) -> list[str]:
     """Public methods and properties *cls* defines without a docstring."""
     missing = []
-    for name, value in vars(cls).items():
+    members = {k: v for c in (*implementation_bases(cls), cls) for k, v in vars(c).items()}
+    for name, value in members.items():
         if name.startswith("_"):
             continue
         func = value.fget if isinstance(value, property) else getattr(value, "__func__", value)
         if (isinstance(value, property) or inspect.isfunction(func)) and not inspect.getdoc(func):
             missing.append(name)
     return missing
+
+
+def implementation_bases(cls: type) -> list[type]:
+    """The non-public ctxkit classes *cls* inherits from (``Graph``'s ``NodeBuilders``,
+    ``Event``'s ``EventBase``): their members are documented as the class's own."""
+    public = {n for m in DOCUMENTED for n in public_names(m)}
+    return [
+        b
+        for b in cls.__mro__[1:]
+        if b.__module__.startswith("ctxkit.") and b.__name__ not in public
+    ]
 
 
 def directive_for(obj: Any) -> str:
@@ -124,6 +136,10 @@ class CtxkitModule(Directive):
                 for member in undocumented_members(obj):
                     self._warn(f"{module}.{name}.{member} is public but has no docstring")
                 lines.append("   :members:")
+                private = implementation_bases(obj)
+                if private:
+                    others = [b.__name__ for b in obj.__mro__[1:] if b not in private]
+                    lines.append(f"   :inherited-members: {', '.join(others)}")
                 if not issubclass(obj, BaseException):
                     lines.append("   :special-members: __call__, __enter__, __exit__")
             lines.append("")
