@@ -440,15 +440,20 @@ def scenario_wrong_thread_free() -> None:
             cycle: list[Any] = [ck.DeviceBuffer(1 << 16), ck.Stream(), ck.Event()]
             cycle.append(cycle)
     hold = threading.Event()
+    holding = threading.Semaphore(0)
 
     def keeper(c: ck.Context) -> None:  # a daemon thread holding objects, no context current
         with ck.bind(c):
             objs = [ck.DeviceBuffer(1 << 16), ck.Stream()]
+        holding.release()
         hold.wait()
         del objs
 
     for c in ctxs:
         threading.Thread(target=keeper, args=(c,), daemon=True).start()
+    for _ in ctxs:  # the objects exist before exit begins (a slow thread start made them late)
+        if not holding.acquire(timeout=60):
+            raise AssertionError("a keeper thread did not make its objects within 60 s")
     _KEEP.extend([owned, hold])
 
 
