@@ -211,30 +211,22 @@ class NodeBuilders:
     def event_record(self, event: Event, *, depends_on: Any = None) -> GraphNode:
         """An event record node (``cuGraphAddEventRecordNode``); *event* must belong to
         the graph's context."""
-        what = "Graph.event_record"
-        handle = self._event(event, what, same_context=True)
-        return self._add(
-            what,
-            drv.cuGraphAddEventRecordNode,
-            handle,
-            depends_on=depends_on,
-            kind="event_record",
-            keep=(event,),
-        )
+        return self._event_node(event, depends_on, "event_record", same_context=True)
 
     def event_wait(self, event: Event, *, depends_on: Any = None) -> GraphNode:
         """An event wait node (``cuGraphAddEventWaitNode``): the nodes after it wait for
         the work before *event*'s latest record (of any context)."""
-        what = "Graph.event_wait"
-        handle = self._event(event, what, same_context=False)
-        return self._add(
-            what,
-            drv.cuGraphAddEventWaitNode,
-            handle,
-            depends_on=depends_on,
-            kind="event_wait",
-            keep=(event,),
+        return self._event_node(event, depends_on, "event_wait", same_context=False)
+
+    def _event_node(
+        self, event: Event, depends_on: Any, kind: str, *, same_context: bool
+    ) -> GraphNode:
+        what = f"Graph.{kind}"
+        handle = self._event(event, what, same_context=same_context)
+        add = (
+            drv.cuGraphAddEventRecordNode if kind == "event_record" else drv.cuGraphAddEventWaitNode
         )
+        return self._add(what, add, handle, depends_on=depends_on, kind=kind, keep=(event,))
 
     def empty(self, *, depends_on: Any = None) -> GraphNode:
         """A node that does nothing (``cuGraphAddEmptyNode``): a join point of edges."""
