@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,12 +31,18 @@ def ok(res: Any, what: str) -> Any:
     return res[1] if len(res) == 2 else res[1:]
 
 
-def parallel_copy(dst: np.ndarray, src: np.ndarray, threads: int) -> None:
-    """``dst[:] = src`` with *threads* threads (np.copyto releases the GIL)."""
+def parallel_copy(
+    dst: np.ndarray,
+    src: np.ndarray,
+    threads: int,
+    copy: Callable[[np.ndarray, np.ndarray], None] = np.copyto,
+) -> None:
+    """``dst[:] = src`` with *threads* threads (*copy*: np.copyto, or ctxkit's streaming
+    copy; both release the GIL)."""
     n = dst.shape[0]
     bounds = [i * n // threads for i in range(threads + 1)]
     workers = [
-        threading.Thread(target=np.copyto, args=(dst[a:b], src[a:b]))
+        threading.Thread(target=copy, args=(dst[a:b], src[a:b]))
         for a, b in itertools.pairwise(bounds)
     ]
     for w in workers:

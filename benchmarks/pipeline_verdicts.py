@@ -125,6 +125,19 @@ def first_call_verdicts(r: Mapping[str, Any]) -> list[Line]:
             "one Pipeline, a fresh x every call, default out",
         )
     )
+    if r.get("fresh_1gpu_plain_copy_io"):
+        lines.append(
+            _ratio(
+                r,
+                "pipeline.1gpu_long_lived_streaming_vs_plain_copy",
+                "fresh_1gpu_io",
+                "fresh_1gpu_plain_copy_io",
+                None,
+                0,
+                "the same long-lived calls with the staging copies made by np.copyto, "
+                "taking turns",
+            )
+        )
     return lines
 
 
@@ -179,9 +192,9 @@ def held_verdicts(r: Mapping[str, Any]) -> list[Line]:
         ),
         info(
             "pipeline.1gpu_first_call_vs_staged_ceiling",
-            first / (r["host_memcpy_best"] / 2),
+            first / (r.get("host_copy_best", r["host_memcpy_best"]) / 2),
             "x",
-            "staged ceiling = best host memcpy / 2",
+            "staged ceiling = best host copy / 2",
         ),
         median_info(
             "pipeline.1gpu_ceiling_gbps",
@@ -281,6 +294,17 @@ def verdicts(r: Mapping[str, Any]) -> list[Line]:
             f"{r.get('host_memcpy_best_median', math.nan):.1f} GB/s",
         )
     ]
+    if r.get("host_streaming_best"):
+        lines.append(
+            info(
+                "pipeline.host_streaming_copy_best",
+                r["host_streaming_best"],
+                "GB/s",
+                f"ctxkit's staging copy ({r.get('streaming_copy', '?')}), pageable->pinned, best "
+                f"thread count, best of {reps}; its median "
+                f"{r.get('host_streaming_best_median', math.nan):.1f} GB/s",
+            )
+        )
     reg = r.get("register_best") or {}
     if reg.get("both"):
         lines += [

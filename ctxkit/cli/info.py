@@ -14,6 +14,7 @@ from typing import TextIO
 
 from .. import __version__, _driver
 from ..errors import CudaError, DriverNotFoundError
+from ..memory.streamcopy import streaming_copy_info
 
 __all__ = ["DISTRIBUTION", "compatibility_line", "install_hint", "print_info"]
 
@@ -125,6 +126,7 @@ def print_info(out: TextIO | None = None) -> int:
     print(f"NVRTC         : {_fmt(nvrtc)}", file=w)
     print(f"NVRTC targets : {_archs_line(archs)}", file=w)
     print(f"kernel cache  : {_cache_line()}", file=w)
+    print(f"host copies   : {streaming_copy_info().reason}", file=w)
     if not _driver.bindings_available():
         print("driver        : not checked (it is reached through cuda-bindings)", file=w)
         print("no GPU        : cuda-bindings is not installed (see above)", file=w)

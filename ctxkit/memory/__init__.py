@@ -76,6 +76,7 @@ from .ipc import (
 from .managed import ManagedBuffer
 from .peer import copy_peer, disable_peer_access, enable_peer_access, peer_access_enabled
 from .pool import MemoryPool
+from .streamcopy import StreamingCopyInfo, copy_streaming, set_streaming_copy, streaming_copy_info
 from .vmm import VirtualBuffer
 
 __all__ = [
@@ -93,9 +94,11 @@ __all__ = [
     "PageableCopyWarning",
     "PinnedPool",
     "PinnedPoolStats",
+    "StreamingCopyInfo",
     "VirtualBuffer",
     "allow_pageable_kernel_args",
     "copy_peer",
+    "copy_streaming",
     "device_array",
     "device_pointer",
     "disable_peer_access",
@@ -116,7 +119,9 @@ __all__ = [
     "pinned_zeros",
     "producer_stream",
     "register_host",
+    "set_streaming_copy",
     "set_strict_async",
+    "streaming_copy_info",
     "strict_async",
     "to_device",
 ]

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from ..memory.streamcopy import copy_streaming
 from ..nvtx import range as nvtx_range
 from ..trace import HOST_PREFIX
 from .plan import MiB
@@ -94,8 +95,8 @@ class CopyBatch:
 
 
 class HostPool:
-    """Host threads for the pipeline: parallel numpy copies (``np.copyto`` releases the
-    GIL for large copies) and jobs such as page registration (:meth:`submit`)."""
+    """Host threads for the pipeline: parallel copies (:func:`copy_streaming`, which
+    releases the GIL) and jobs such as page registration (:meth:`submit`)."""
 
     def __init__(self, n_threads: int, prefix: str = "ctxkit-stage") -> None:
         self.size = n_threads
@@ -234,14 +235,15 @@ def thread_label() -> str:
 
 
 def copy_piece(dst: np.ndarray, src: np.ndarray, trace: tuple[Any, ...] | None, label: str) -> None:
-    """Copy one piece, recording a host interval when *trace* is
+    """Copy one piece (with non-temporal stores where available: a staging buffer is read
+    by DMA next, a drained output rarely soon), recording a host interval when *trace* is
     ``(recorder, name, device, chunk)``."""
     if trace is None:
-        np.copyto(dst, src)
+        copy_streaming(dst, src)
         return
     rec, name, device, chunk = trace
     t0 = time.perf_counter()
-    np.copyto(dst, src)
+    copy_streaming(dst, src)
     rec.host(name, device, label, chunk, t0, time.perf_counter())
 
 

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from ctxkit.memory import streaming_copy_info
 from tests.cli.test_demo_fake import FakeScaleKernel
 from tests.support.fakedriver import FakeHandle
 from tests.support.fakegpu import FakeGPU, gpu_fixture  # noqa: F401
@@ -128,6 +129,11 @@ def test_benchmark_runs_every_section_on_the_simulated_gpu(
         "pipeline.register_thread_scaling", "pipeline.host_memcpy_best",
         "pipeline.um_vs_explicit_pinned_2gpu",
     } <= names  # fmt: skip
+    if streaming_copy_info().active:
+        assert {
+            "pipeline.host_streaming_copy_best", "pipeline.1gpu_long_lived_streaming_vs_plain_copy"
+        } <= names  # fmt: skip
+        assert "fresh_1gpu_plain_copy_io" in text
     held = next(ln for ln in text.splitlines() if ln.startswith("CHECK pipeline.1gpu_repeated_is"))
     assert held.endswith(" ok"), held
     assert not gpu.registered

@@ -467,3 +467,24 @@ def test_mpi_failure_is_a_failed_check_and_a_missing_mpi_a_skip():
     r = procs_good()
     r["pipeline_s"] = "Pipeline.map returned a wrong result"
     assert verdict_lines("procs", r)["procs.pipeline_result_ok"].verdict == "FAIL"
+
+
+def test_streaming_copy_lines_are_information_shown_only_when_measured():
+    r = pipeline_good()
+    lines = verdict_lines("pipeline", r)
+    assert "pipeline.host_streaming_copy_best" not in lines
+    assert "pipeline.1gpu_long_lived_streaming_vs_plain_copy" not in lines
+    r |= {
+        "host_streaming_best": 60.0,
+        "host_streaming_best_median": 58.0,
+        "host_copy_best": 60.0,
+        "streaming_copy": "non-temporal stores (llvmlite)",
+        "fresh_1gpu_plain_copy_io": [50.0, 52.0, 54.0],
+    }
+    lines = verdict_lines("pipeline", r)
+    host = lines["pipeline.host_streaming_copy_best"]
+    assert host.op is None and host.value == 60.0 and "non-temporal" in host.note
+    ratio = lines["pipeline.1gpu_long_lived_streaming_vs_plain_copy"]
+    assert ratio.op is None and ratio.value == pytest.approx(58.0 / 52.0)
+    ceiling = lines["pipeline.1gpu_first_call_vs_staged_ceiling"]
+    assert ceiling.value == pytest.approx(9.0 / 30.0)  # the first auto call / (best copy / 2)

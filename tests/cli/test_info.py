@@ -103,3 +103,10 @@ def test_compatibility_line() -> None:
     assert "--arch" in compatibility_line((13, 0), None)
     missing = compatibility_line(None, (13, 0))
     assert "NVRTC not found" in missing and install_hint() in missing
+
+
+def test_host_copies_line_says_how_staging_copies_are_made() -> None:
+    f = fields(info({"CTXKIT_STREAMING_COPY": "0"}).stdout)
+    assert f["host copies"] == "np.copyto (switched off)"
+    f = fields(info({"CTXKIT_STREAMING_COPY": "1"}).stdout)
+    assert f["host copies"].startswith(("non-temporal stores", "np.copyto ("))

@@ -247,3 +247,38 @@ def test_pool_kept_at_close_and_freed_cleanly_at_exit():
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == ["ok", "True", "True", "True"]
     assert res.stderr == ""
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+@pytest.mark.parametrize("out", [None, "pageable"])
+def test_staging_copies_with_and_without_non_temporal_stores_are_exact(kern, streaming, out):
+    """The DMA reads what the streaming copy wrote (its stores are fenced before the H2D is
+    enqueued), in odd-sized pieces at unaligned offsets; and a drained output is exact."""
+    n = (48 << 20) // 4 + 5
+    previous = ck.memory.set_streaming_copy(streaming)
+    try:
+        info = ck.memory.streaming_copy_info()
+        assert info.enabled == streaming
+        with Pipeline([0], chunk_bytes=3 * MiB + 4 * 11) as p:
+            for seed in range(2):
+                x = random_array(n + 1, np.float32, 60 + seed)[1:]  # not page aligned
+                y = p.map(kern["scale_f32"], x, args=(2.0,), **({"out": out} if out else {}))
+                assert p.last_stats.path.startswith("in=staged")
+                assert np.array_equal(y, scaled(x, 2.0))
+                del y
+    finally:
+        ck.memory.set_streaming_copy(previous)
+
+
+def test_the_gpu_machine_builds_the_streaming_copy():
+    """Where llvmlite is installed on x86-64 (the GPU check machine has it), the pipeline's
+    staging copies really use non-temporal stores."""
+    import platform
+
+    pytest.importorskip("llvmlite")
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the streaming copy is built for x86-64 only")
+    info = ck.memory.streaming_copy_info()
+    if not info.enabled:
+        pytest.skip("switched off (CTXKIT_STREAMING_COPY)")
+    assert info.active, info.reason
