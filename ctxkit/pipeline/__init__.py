@@ -22,7 +22,9 @@ busy at once:
   registrations against its budget: a new Pipeline page-locks nothing that an earlier
   one gave back, and all of them together stay within one process budget;
 * the chunk stages are NVTX ranges (``h2d``, ``kernel``, ``d2h``, ``fill``, ``drain``;
-  :mod:`ctxkit.nvtx`), and ``map(..., progress=True)`` shows a progress bar.
+  :mod:`ctxkit.nvtx`), and ``map(..., progress=True)`` shows a progress bar;
+* a closed Pipeline leaves its host threads idle for the next one
+  (:func:`close_idle_host_threads` joins them).
 
 How a map runs (chunks, devices, host paths) is decided before it starts by
 :func:`plan_map` from its :class:`MapOptions`, into a :class:`MapPlan`.
@@ -35,6 +37,7 @@ of the last run.
 from __future__ import annotations
 
 from ..errors import PipelineError
+from .hostthreads import close_idle_host_threads
 from .pipeline import Pipeline
 from .plan import (
     Chunk,
@@ -62,6 +65,7 @@ __all__ = [
     "PipelineError",
     "RunStats",
     "StageHandle",
+    "close_idle_host_threads",
     "default_chunk_bytes",
     "grid_size",
     "host_pieces",

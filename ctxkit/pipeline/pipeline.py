@@ -24,7 +24,7 @@ from ..registry import check_devices
 from ..stream import Event, Stream
 from ..trace import Recorder, Timeline
 from .arguments import _managed_array, _ordinal, _resolve_contexts
-from .hostthreads import HostPool, default_host_threads
+from .hostthreads import HostPool, default_host_threads, give_back_host_pool
 from .pincache import PinClaims, process_pins
 from .plan import DEFAULT_STAGING_BUFFERS, MapOptions, addr, check_host_path, prepare_io
 from .run import Run
@@ -114,9 +114,11 @@ class Pipeline(MapRunner):
     for the first time are staged (14.5-21 GB/s on 1 GPU; two host copies per byte, and
     ``np.copyto`` peaks near 50 GB/s there, so staging is capped near 25 GB/s of input);
     registering each chunk just in time reached only 6.9 GB/s (page-locking plus
-    unlocking runs at ~26 GB/s, for input and output). Arrays seen again are locked once
-    (the registering call ran at ~9.5 GB/s) and then DMAed directly: 46.7 GB/s on 1 GPU
-    and 64.5 GB/s on 2, 0.97x and 0.96x a hand-written pinned pipeline in the same run.
+    unlocking runs at ~26 GB/s, for input and output, and slows the DMA running beside
+    it). Arrays seen again are locked once (the registering call ran at ~9.5 GB/s) and
+    then DMAed directly: 46.7 GB/s on 1 GPU and 64.5 GB/s on 2, 0.97x and 0.96x a
+    hand-written pinned pipeline in the same run. Staging copies use non-temporal stores
+    where :func:`ctxkit.memory.copy_streaming` can (llvmlite, x86-64).
     """
 
     def __init__(
@@ -461,7 +463,9 @@ class Pipeline(MapRunner):
                 s.synchronize()
 
     def close(self) -> None:
-        """Stop the worker threads and free every buffer, stream and event. Idempotent."""
+        """Stop the device worker threads and free every buffer, stream and event; the
+        host copy threads are left idle for the next Pipeline
+        (:func:`~ctxkit.pipeline.close_idle_host_threads`). Idempotent."""
         with self._lock:
             if self._closed:
                 return
@@ -478,7 +482,7 @@ class Pipeline(MapRunner):
                 dev.release()
             self._pins.release()
             for p in self._host_pool:
-                p.close()
+                give_back_host_pool(p)
             self._host_pool.clear()
             self._kernels.clear()
             self._stages.clear()

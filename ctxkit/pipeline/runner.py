@@ -36,7 +36,7 @@ from .arguments import _memory_kind
 from .drainer import drain
 from .feeder import feed
 from .hostreg import Registrar
-from .hostthreads import HostPool
+from .hostthreads import HostPool, take_host_pool
 from .launch import make_launcher, unblock_if_not_run
 from .pincache import Held, PinClaims
 from .plan import MapOptions, addr, default_chunk_bytes, plan_map, row_bytes
@@ -191,7 +191,7 @@ class MapRunner:
 
     def _pool(self) -> HostPool:
         if not self._host_pool:
-            self._host_pool.append(HostPool(self.host_threads))
+            self._host_pool.append(take_host_pool(self.host_threads))
         return self._host_pool[0]
 
     def _host_kinds(

@@ -222,3 +222,91 @@ def test_a_failing_callback_becomes_the_batch_error_and_the_pool_lives_on(pool):
         batch.wait()
     for _ in range(3):  # both threads still answer
         assert pool.submit(lambda: 7).result(5) == 7
+
+
+# --- idle pools kept for later Pipelines ---------------------------------------------------
+
+
+@pytest.fixture
+def no_idle_pools():
+    _threads.close_idle_host_threads()
+    yield
+    _threads.close_idle_host_threads()
+
+
+def _threads_named(prefix: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith(prefix)]
+
+
+def test_a_pool_given_back_is_taken_again_with_its_threads(no_idle_pools):
+    first = _threads.take_host_pool(3)
+    threads = set(first._threads)
+    _threads.give_back_host_pool(first)
+    assert _threads.idle_host_pools() == 1
+    again = _threads.take_host_pool(3)
+    assert again is first and set(again._threads) == threads
+    assert _threads.idle_host_pools() == 0
+    src, dst = np.arange(1 << 20, dtype=np.uint8), np.zeros(1 << 20, np.uint8)
+    again.copy(dst, src, None)  # still works
+    np.testing.assert_array_equal(dst, src)
+    _threads.give_back_host_pool(again)
+
+
+def test_a_pool_of_another_size_is_not_taken(no_idle_pools):
+    two = _threads.take_host_pool(2)
+    _threads.give_back_host_pool(two)
+    three = _threads.take_host_pool(3)
+    assert three is not two and three.size == 3
+    assert _threads.idle_host_pools() == 1
+    three.close()
+
+
+def test_at_most_max_idle_pools_are_kept_the_rest_are_joined(no_idle_pools):
+    pools = [_threads.take_host_pool(2) for _ in range(_threads.MAX_IDLE_POOLS + 2)]
+    for p in pools:
+        _threads.give_back_host_pool(p)
+    assert _threads.idle_host_pools() == _threads.MAX_IDLE_POOLS
+    joined = pools[_threads.MAX_IDLE_POOLS :]
+    assert not any(t.is_alive() for p in joined for t in p._threads)
+    kept = pools[: _threads.MAX_IDLE_POOLS]
+    assert all(t.is_alive() for p in kept for t in p._threads)
+    assert _threads.close_idle_host_threads() == 2 * _threads.MAX_IDLE_POOLS
+    assert not any(t.is_alive() for p in kept for t in p._threads)
+    assert _threads.idle_host_pools() == 0
+
+
+def test_a_pool_with_queued_work_or_a_dead_thread_is_closed_not_kept(no_idle_pools):
+    busy = HostPool(1, prefix="test-busy")
+    gate = threading.Event()
+    busy.submit(gate.wait)
+    busy.submit(int)  # queued behind the blocked job
+    time.sleep(0.05)
+    assert not busy.reusable
+    gate.set()
+    busy.close()
+    assert not busy.reusable  # its threads are gone
+    _threads.give_back_host_pool(busy)
+    assert _threads.idle_host_pools() == 0
+
+
+def test_a_forked_child_forgets_the_parents_idle_pools(no_idle_pools):
+    _threads.give_back_host_pool(_threads.take_host_pool(2))
+    assert _threads.idle_host_pools() == 1
+    import os
+
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no parent threads, so no idle pool to hand out
+        try:
+            n = _threads.idle_host_pools()
+            fresh = _threads.take_host_pool(2)
+            ok = n == 0 and all(t.is_alive() for t in fresh._threads)
+            fresh.close()
+            os.write(w, b"1" if ok else b"0")
+        finally:
+            os._exit(0)
+    os.close(w)
+    _, status = os.waitpid(pid, 0)
+    assert os.read(r, 1) == b"1" and status == 0
+    os.close(r)
+    assert _threads.idle_host_pools() == 1

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import ctxkit as ck
-from ctxkit.pipeline import Pipeline
+from ctxkit.pipeline import Pipeline, close_idle_host_threads
 from tests.support.fakegpu import gpu_fixture, host_view, scale_body  # noqa: F401
 
 # --- whole runs on the simulated GPU ---------------------------------------------------------
@@ -248,7 +248,22 @@ def test_close_frees_every_buffer_and_stops_threads(gpu):
     assert stats.in_use_blocks == 0 and stats.cached_blocks == len(cached) > 0
     time.sleep(0.05)
     left = {t.name for t in threading.enumerate()} - threads_before
-    assert not [n for n in left if n.startswith(("ctxkit-pipeline", "ctxkit-stage"))]
+    assert not [n for n in left if n.startswith("ctxkit-pipeline")]
+    close_idle_host_threads()  # the copy threads were left idle for the next Pipeline
+    left = {t.name for t in threading.enumerate()} - threads_before
+    assert not [n for n in left if n.startswith("ctxkit-stage")]
+
+
+def test_a_new_pipeline_takes_the_host_threads_a_closed_one_left(gpu):
+    close_idle_host_threads()
+    x = np.arange(20_000, dtype=np.float32)
+    with Pipeline([0], chunk_bytes=4096, host_threads=3) as p:
+        np.testing.assert_array_equal(p.map(scale_body(gpu, 2.0), x), 2 * x)
+        first = set(p._host_pool[0]._threads)
+    with Pipeline([0], chunk_bytes=4096, host_threads=3) as p:
+        np.testing.assert_array_equal(p.map(scale_body(gpu, 3.0), x), 3 * x)
+        assert set(p._host_pool[0]._threads) == first
+    assert close_idle_host_threads() == 3
 
 
 def test_new_pipelines_reuse_the_staging_blocks_of_closed_ones(gpu):
