@@ -32,6 +32,7 @@ import numpy as np
 __all__ = [
     "MIN_STREAMING_BYTES",
     "StreamingCopyInfo",
+    "build_streaming_copy",
     "copy_streaming",
     "set_streaming_copy",
     "streaming_copy_info",
@@ -76,6 +77,7 @@ class _State:
         "off",
     )
     loaded = False
+    building = False
     fn: _CopyFn | None = None
     reason = "not loaded yet"
     keep: ClassVar[list[Any]] = []  # the JIT engine and the ctypes wrapper must outlive fn
@@ -164,12 +166,34 @@ def _compile() -> tuple[_CopyFn | None, str]:
     return cfn, f"non-temporal stores (llvmlite, LLVM {llvm_version}, {cpu})"
 
 
+def _build() -> None:
+    with _State.lock:
+        if not _State.loaded:
+            _State.fn, _State.reason = _compile()
+            _State.loaded = True
+
+
+def build_streaming_copy() -> None:
+    """Start building the copy loop in a background thread (importing llvmlite and
+    compiling take ~80 ms); :func:`copy_streaming` uses ``np.copyto`` until it is ready
+    instead of waiting. A Pipeline calls this when it is made."""
+    if _State.loaded or _State.building:
+        return
+    with _State.lock:
+        if _State.loaded or _State.building:
+            return
+        _State.building = True
+    try:
+        threading.Thread(target=_build, name="ctxkit-streamcopy-build", daemon=True).start()
+    except RuntimeError:  # no new threads at interpreter exit: copies stay plain
+        pass
+
+
 def _loop() -> _CopyFn | None:
     if not _State.loaded:
-        with _State.lock:
-            if not _State.loaded:
-                _State.fn, _State.reason = _compile()
-                _State.loaded = True
+        if _State.building:
+            return None  # being built: plain copies meanwhile
+        _build()
     return _State.fn if _State.enabled else None
 
 
@@ -185,10 +209,21 @@ def set_streaming_copy(enabled: bool) -> bool:
 
 
 def streaming_copy_info() -> StreamingCopyInfo:
-    """What :func:`copy_streaming` does on this machine (compiles the loop if needed)."""
-    _loop()
+    """What :func:`copy_streaming` does on this machine (builds the loop, or waits for
+    its build, first)."""
+    _build()
     reason = _State.reason if _State.enabled else "np.copyto (switched off)"
     return StreamingCopyInfo(_State.enabled, _State.fn is not None, reason)
+
+
+def _reset_in_child() -> None:
+    # A build thread of the parent does not exist in a forked child: build again there.
+    _State.lock = threading.Lock()
+    _State.building = False
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_in_child)
 
 
 def _flat_bytes(a: np.ndarray) -> np.ndarray:

@@ -18,6 +18,7 @@ from ..device import Device
 from ..memory.host import host_pointer_kind
 from ..memory.hostpool import pinned_pool
 from ..memory.managed import ManagedBuffer
+from ..memory.streamcopy import build_streaming_copy
 from ..module.kernel import Kernel
 from ..module.module import Module
 from ..registry import check_devices
@@ -157,6 +158,7 @@ class Pipeline(MapRunner):
         self._pins = pins
         self._fin = weakref.finalize(self, shutdown_all, self._devices, self._host_pool, self._pins)
         self._fin.atexit = False
+        build_streaming_copy()  # in the background: a staging copy never waits for it
         try:
             for dev in self._devices:
                 dev.start_threads()

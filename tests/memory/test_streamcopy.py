@@ -9,6 +9,7 @@ import platform
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -190,3 +191,30 @@ def test_without_llvmlite_copies_are_plain_and_the_reason_names_the_extra(
     assert (enabled, available) == ("True", "False"), out
     if X86_64:
         assert "install llvmlite" in reason and "ctxkit-cuda[fastcopy]" in reason, out
+
+
+def test_a_copy_while_the_loop_is_built_in_the_background_is_plain_and_does_not_wait(
+    monkeypatch,
+):
+    gate = threading.Event()
+    builds = []
+
+    def slow_compile():
+        builds.append(threading.current_thread().name)
+        gate.wait(10)
+        return None, "np.copyto (a slow build)"
+
+    monkeypatch.setattr(streamcopy, "_compile", slow_compile)
+    for name, value in (("loaded", False), ("building", False), ("fn", None), ("reason", "")):
+        monkeypatch.setattr(streamcopy._State, name, value)
+    streamcopy.build_streaming_copy()
+    streamcopy.build_streaming_copy()  # one build only
+    src = _bytes(MIN_STREAMING_BYTES * 4, seed=5)
+    dst = np.zeros_like(src)
+    t0 = time.perf_counter()
+    copy_streaming(dst, src)
+    assert time.perf_counter() - t0 < 5, "the copy waited for the build"
+    np.testing.assert_array_equal(dst, src)
+    gate.set()
+    assert streaming_copy_info().reason == "np.copyto (a slow build)"  # waits for it
+    assert builds == ["ctxkit-streamcopy-build"]
