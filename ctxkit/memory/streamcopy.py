@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
+import glob
 import os
 import platform
 import threading
@@ -30,18 +32,24 @@ from typing import Any, ClassVar
 import numpy as np
 
 __all__ = [
+    "DEFAULT_CACHE_BYTES",
     "MIN_STREAMING_BYTES",
     "StreamingCopyInfo",
     "build_streaming_copy",
     "copy_streaming",
+    "last_level_cache_bytes",
     "set_streaming_copy",
     "streaming_copy_info",
+    "streaming_pays",
 ]
 
 
 MIN_STREAMING_BYTES = 256 << 10
 """Smaller copies take ``np.copyto``: their destination may well be read from the cache
 soon, and the call overhead is not worth it."""
+
+DEFAULT_CACHE_BYTES = 32 << 20
+"""The last-level cache size assumed when the system does not say."""
 
 _ALIGN = 64  # the loop's stores are aligned to a cache line
 _STEP = 256  # bytes per loop iteration (four 64-byte vectors)
@@ -216,6 +224,46 @@ def streaming_copy_info() -> StreamingCopyInfo:
     return StreamingCopyInfo(_State.enabled, _State.fn is not None, reason)
 
 
+def _cache_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper()
+    if text and text[-1] in units:
+        return int(text[:-1]) * units[text[-1]]
+    return int(text)
+
+
+@functools.cache
+def last_level_cache_bytes() -> int:
+    """The size of the largest CPU cache (``sysconf``, else sysfs, else
+    :data:`DEFAULT_CACHE_BYTES`)."""
+    try:
+        size = os.sysconf("SC_LEVEL3_CACHE_SIZE")
+        if size > 0:
+            return size
+    except (ValueError, OSError, AttributeError):
+        pass
+    best = 0
+    for entry in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            with open(entry) as f:
+                best = max(best, _cache_size(f.read()))
+        except (OSError, ValueError):
+            continue
+    return best or DEFAULT_CACHE_BYTES
+
+
+def streaming_pays(total_bytes: int) -> bool:
+    """True when a copy of *total_bytes* in all (a map's whole input or output) is worth
+    non-temporal stores: at least the last-level cache.
+
+    Below it, an ordinary copy leaves the data in the cache, where the next reader, a
+    DMA engine included, finds it. Measured on an H200 host (300 MiB L3): a long-lived
+    Pipeline on fresh 256 MiB arrays ran 0.87x with streaming copies, on 1 GiB arrays
+    1.06-1.15x.
+    """
+    return total_bytes >= last_level_cache_bytes()
+
+
 def _reset_in_child() -> None:
     # A build thread of the parent does not exist in a forked child: build again there.
     _State.lock = threading.Lock()
@@ -250,8 +298,9 @@ def copy_streaming(dst: np.ndarray, src: np.ndarray) -> None:
     when both are C-contiguous arrays of one dtype and shape, at least
     :data:`MIN_STREAMING_BYTES`, apart in memory (anything else is ``np.copyto``).
 
-    For destinations the CPU will not read soon: pinned staging buffers the GPU reads,
-    big outputs. Releases the GIL like ``np.copyto``, so threads copy in parallel.
+    For destinations the CPU will not read soon, in copies that together exceed the
+    cache (:func:`streaming_pays`): pinned staging buffers the GPU reads, big outputs.
+    Releases the GIL like ``np.copyto``, so threads copy in parallel.
     """
     fn = _loop()
     if fn is None or not _streamable(dst, src):

@@ -79,6 +79,7 @@ def _drain_staged(run: Run, dev: DeviceState, slot: Slot, c: Chunk, k: int) -> C
         urgent=False,
         stop=run.stop,
         on_done=done,
+        streaming=run.stream_out,
     )
 
 

@@ -183,7 +183,12 @@ def _fill(run: Run, dev: DeviceState, slot: Slot, c: Chunk) -> CopyBatch:
     assert run.pool is not None and slot.pin_in is not None
     trace = (run.rec, "fill", dev.ordinal, c.index) if run.rec is not None else None
     return run.pool.copy_async(
-        slot.pin_in[:nb], run.x_bytes[b0 : b0 + nb], trace, name="fill", stop=run.stop
+        slot.pin_in[:nb],
+        run.x_bytes[b0 : b0 + nb],
+        trace,
+        name="fill",
+        stop=run.stop,
+        streaming=run.stream_in,
     )
 
 

@@ -180,16 +180,18 @@ class HostPool:
         urgent: bool = True,
         stop: threading.Event | None = None,
         on_done: Callable[[CopyBatch], None] | None = None,
+        streaming: bool = False,
     ) -> CopyBatch:
         """Queue the copy of *src* into *dst* (1-D uint8, same length) as pieces of at
-        least :data:`MIN_PIECE_BYTES`, one per thread at most; return its batch."""
+        least :data:`MIN_PIECE_BYTES`, one per thread at most; return its batch.
+        *streaming*: with non-temporal stores (:func:`copy_streaming`)."""
         n = dst.shape[0]
         pieces = max(1, min(self.size, n // MIN_PIECE_BYTES))
         batch = CopyBatch(pieces, stop, on_done)
         a = 0
         for i in range(1, pieces + 1):
             b = (i * n // pieces) & ~63 if i < pieces else n
-            self._put(_Piece(batch, dst[a:b], src[a:b], trace, name), urgent)
+            self._put(_Piece(batch, dst[a:b], src[a:b], trace, name, streaming), urgent)
             a = b
         return batch
 
@@ -288,7 +290,7 @@ if hasattr(os, "register_at_fork"):
 class _Piece:
     """One piece of a :class:`CopyBatch`, a pool job."""
 
-    __slots__ = ("batch", "dst", "name", "src", "trace")
+    __slots__ = ("batch", "dst", "name", "src", "streaming", "trace")
 
     def __init__(
         self,
@@ -297,8 +299,10 @@ class _Piece:
         src: np.ndarray,
         trace: tuple[Any, ...] | None,
         name: str,
+        streaming: bool,
     ) -> None:
         self.batch, self.dst, self.src, self.trace, self.name = batch, dst, src, trace, name
+        self.streaming = streaming
 
     def __call__(self) -> None:
         batch = self.batch
@@ -306,7 +310,7 @@ class _Piece:
         if batch.stop is None or not batch.stop.is_set():
             try:
                 with nvtx_range(self.name, NVTX_COLORS.get(self.name, "yellow")):
-                    copy_piece(self.dst, self.src, self.trace, thread_label())
+                    copy_piece(self.dst, self.src, self.trace, thread_label(), self.streaming)
             except BaseException as exc:
                 failure = exc
         batch.piece_done(failure)
@@ -317,16 +321,22 @@ def thread_label() -> str:
     return f"{HOST_PREFIX} {threading.current_thread().name}"
 
 
-def copy_piece(dst: np.ndarray, src: np.ndarray, trace: tuple[Any, ...] | None, label: str) -> None:
-    """Copy one piece (with non-temporal stores where available: a staging buffer is read
-    by DMA next, a drained output rarely soon), recording a host interval when *trace* is
-    ``(recorder, name, device, chunk)``."""
+def copy_piece(
+    dst: np.ndarray,
+    src: np.ndarray,
+    trace: tuple[Any, ...] | None,
+    label: str,
+    streaming: bool = False,
+) -> None:
+    """Copy one piece (with non-temporal stores when *streaming*), recording a host
+    interval when *trace* is ``(recorder, name, device, chunk)``."""
+    copy = copy_streaming if streaming else np.copyto
     if trace is None:
-        copy_streaming(dst, src)
+        copy(dst, src)
         return
     rec, name, device, chunk = trace
     t0 = time.perf_counter()
-    copy_streaming(dst, src)
+    copy(dst, src)
     rec.host(name, device, label, chunk, t0, time.perf_counter())
 
 

@@ -42,6 +42,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from ..errors import PipelineError
+from ..memory.streamcopy import streaming_pays
 from ..stream import Event
 from ..trace import Recorder
 from .hostreg import Registrar, Segment
@@ -95,6 +96,8 @@ class Run:
         self.x_ptr = addr(x)
         self.out_ptr = addr(out)
         self.in_place = self.x_ptr == self.out_ptr and x.nbytes == out.nbytes
+        self.stream_in = streaming_pays(x.nbytes)
+        self.stream_out = streaming_pays(out.nbytes)
         self.in_row = row_bytes(x)
         self.out_row = row_bytes(out)
         self.row_elems = math.prod(x.shape[1:])

@@ -218,3 +218,25 @@ def test_a_copy_while_the_loop_is_built_in_the_background_is_plain_and_does_not_
     gate.set()
     assert streaming_copy_info().reason == "np.copyto (a slow build)"  # waits for it
     assert builds == ["ctxkit-streamcopy-build"]
+
+
+def test_the_cache_size_is_read_from_the_system_or_a_default(monkeypatch):
+    assert streamcopy.last_level_cache_bytes() > 0
+    assert streamcopy._cache_size("307200K") == 300 << 20
+    assert streamcopy._cache_size("32M\n") == 32 << 20
+    assert streamcopy._cache_size("1G") == 1 << 30
+    assert streamcopy._cache_size("4096") == 4096
+    streamcopy.last_level_cache_bytes.cache_clear()
+    try:
+        monkeypatch.setattr(streamcopy.os, "sysconf", lambda name: 0)
+        monkeypatch.setattr(streamcopy.glob, "glob", lambda pattern: [])
+        assert streamcopy.last_level_cache_bytes() == streamcopy.DEFAULT_CACHE_BYTES
+    finally:
+        streamcopy.last_level_cache_bytes.cache_clear()
+
+
+def test_streaming_pays_from_the_last_level_cache_size_up(monkeypatch):
+    monkeypatch.setattr(streamcopy, "last_level_cache_bytes", lambda: 300 << 20)
+    assert not streamcopy.streaming_pays(256 << 20)
+    assert streamcopy.streaming_pays(300 << 20)
+    assert streamcopy.streaming_pays(1 << 30)

@@ -251,9 +251,15 @@ def test_pool_kept_at_close_and_freed_cleanly_at_exit():
 
 @pytest.mark.parametrize("streaming", [True, False])
 @pytest.mark.parametrize("out", [None, "pageable"])
-def test_staging_copies_with_and_without_non_temporal_stores_are_exact(kern, streaming, out):
+def test_staging_copies_with_and_without_non_temporal_stores_are_exact(
+    kern, streaming, out, monkeypatch
+):
     """The DMA reads what the streaming copy wrote (its stores are fenced before the H2D is
-    enqueued), in odd-sized pieces at unaligned offsets; and a drained output is exact."""
+    enqueued), in odd-sized pieces at unaligned offsets; and a drained output is exact.
+    The cache is said to be 1 MiB, so these 48 MiB maps take streaming copies."""
+    from ctxkit.memory import streamcopy
+
+    monkeypatch.setattr(streamcopy, "last_level_cache_bytes", lambda: MiB)
     n = (48 << 20) // 4 + 5
     previous = ck.memory.set_streaming_copy(streaming)
     try:

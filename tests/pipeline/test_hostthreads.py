@@ -95,10 +95,10 @@ def test_fill_work_runs_before_queued_drain_work():
 def test_a_failed_piece_fails_its_batch_only(pool, monkeypatch):
     real = _threads.copy_piece
 
-    def failing(dst, src, trace, label):
+    def failing(dst, src, trace, label, streaming=False):
         if trace is not None and trace[3] == 2:
             raise MemoryError("piece of chunk 2")
-        real(dst, src, trace, label)
+        real(dst, src, trace, label, streaming)
 
     monkeypatch.setattr(_threads, "copy_piece", failing)
 

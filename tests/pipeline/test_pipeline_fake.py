@@ -79,12 +79,12 @@ def test_map_with_slow_host_copies_stress(gpu, monkeypatch):
     real = _staging.copy_piece
     rng = np.random.default_rng(5)
 
-    def slow_piece(dst, src, trace, label):
+    def slow_piece(dst, src, trace, label, streaming=False):
         slow = 0.004 if trace[1] == "drain" else 0.0005
         if "-drain" in label:  # the drain thread's own piece: the slowest of all
             slow = 0.008
         time.sleep(float(rng.uniform(0, slow)))
-        real(dst, src, trace, label)
+        real(dst, src, trace, label, streaming)
 
     monkeypatch.setattr(_staging, "copy_piece", slow_piece)
     gpu.jitter = 0.0

@@ -29,11 +29,14 @@ class Pieces:
         self.fail = fail
         self.lock = threading.Lock()
         self.rows: list[tuple[str, int, float, float]] = []
+        self.streamed: set[tuple[str, bool]] = set()
         self.active: dict[int, tuple[int, int]] = {}  # id -> (src address, length)
         monkeypatch.setattr(_threads, "copy_piece", self.piece)
 
-    def piece(self, dst, src, trace, label):
+    def piece(self, dst, src, trace, label, streaming=False):
         name, chunk = trace[1], trace[3]
+        with self.lock:
+            self.streamed.add((name, streaming))
         if self.fail is not None and (name, chunk) == self.fail:
             raise MemoryError(f"{name} piece of chunk {chunk} failed")
         key = object()
@@ -42,7 +45,7 @@ class Pieces:
         t0 = time.perf_counter()
         time.sleep(self.delay.get(name, 0.0))
         try:
-            self.real(dst, src, trace, label)
+            self.real(dst, src, trace, label, streaming)
         finally:
             with self.lock:
                 del self.active[id(key)]
@@ -68,6 +71,25 @@ def test_fills_of_several_chunks_run_at_once(gpu, monkeypatch):
     np.testing.assert_array_equal(out, x * 2)
     assert sorted(c for n, c, _, _ in pieces.rows if n == "fill") == list(range(8))
     assert pieces.most_at_once("fill") >= 2  # no waiting for chunk k before filling k+1
+
+
+@pytest.mark.parametrize("cache_mib,streamed", [(4, True), (64, False)])
+def test_maps_bigger_than_the_cache_stage_with_streaming_copies(
+    gpu, monkeypatch, cache_mib, streamed
+):
+    """8 MiB in, 8 MiB out (staged): non-temporal copies when that is at least the
+    last-level cache, plain ones below it, and exact either way."""
+    from ctxkit.memory import streamcopy
+
+    monkeypatch.setattr(streamcopy, "last_level_cache_bytes", lambda: cache_mib * MiB)
+    pieces = Pieces(monkeypatch)
+    x = np.random.default_rng(9).random(8 * MiB // 4, dtype=np.float32)
+    out = np.zeros_like(x)
+    with Pipeline([0], chunk_bytes=MiB, host_threads=3) as p:
+        p.map(scale_body(gpu, 2.0), x, out)
+        assert p.last_stats.path == "in=staged, out=staged"
+    np.testing.assert_array_equal(out, x * 2)
+    assert pieces.streamed == {("fill", streamed), ("drain", streamed)}
 
 
 def test_a_slot_is_written_again_only_after_its_drain(gpu, monkeypatch):
