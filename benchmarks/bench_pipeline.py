@@ -542,7 +542,11 @@ def _interleaved(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, li
 def bench_pinned(
     obj: Any, kernel: Any, x: np.ndarray, counts: Sequence[int], rounds: int, results: Results
 ) -> None:
-    """ctxkit vs raw on pinned arrays, interleaved: GB/s of every round in *results*."""
+    """ctxkit vs raw on pinned arrays, interleaved: GB/s of every round in *results*.
+
+    The rounds also take turns with ``ctxkit_<n>gpu_held``: the pageable *x* mapped
+    again by a Pipeline that holds its pages (pin on reuse), so the held path is
+    compared with the raw pinned pipeline under the same conditions."""
     print(
         f"pinned in and out: ctxkit vs raw cuda.bindings pipeline ({rounds} interleaved "
         "rounds; median and best GB/s):",
@@ -552,12 +556,18 @@ def bench_pinned(
     xp = ck.pinned_empty(x.shape, x.dtype, context=ctx0)
     op = ck.pinned_empty(x.shape, x.dtype, context=ctx0)
     xp[...] = x
+    held_out = np.zeros_like(x)
     for nd in counts:
         chunk = plan_map(x.shape[0], (4, 4), nd).rows_per_chunk * 4
         raw = RawPinned(obj.code, list(range(nd)), chunk, ALPHA)
         raw_ev = RawPinned(obj.code, list(range(nd)), chunk, ALPHA, events=True)
+        devices = list(range(nd))
         try:
-            with ck.Pipeline(list(range(nd))) as p, ck.Pipeline(list(range(nd)), trace=False) as q:
+            with (
+                ck.Pipeline(devices) as p,
+                ck.Pipeline(devices, trace=False) as q,
+                ck.Pipeline(devices) as h,
+            ):
                 fns: dict[str, Callable[[], Any]] = {
                     f"raw_{nd}gpu_pinned": functools.partial(raw.run, xp, op),
                     f"ctxkit_{nd}gpu_pinned": functools.partial(
@@ -567,11 +577,18 @@ def bench_pinned(
                     f"ctxkit_{nd}gpu_pinned_notrace": functools.partial(
                         q.map, kernel, xp, op, args=(ALPHA,)
                     ),
+                    f"ctxkit_{nd}gpu_held": functools.partial(
+                        h.map, kernel, x, held_out, args=(ALPHA,)
+                    ),
                 }
+                for _ in range(2):  # the calls that stage, then lock the pages
+                    h.map(kernel, x, held_out, args=(ALPHA,))
                 for name, fn in fns.items():
-                    op.fill(0)
+                    dst = held_out if name.endswith("_held") else op
+                    dst.fill(0)
                     fn()
-                    verify(name, op, x)
+                    verify(name, dst, x)
+                results[f"path_ctxkit_{nd}gpu_held"] = h.last_stats.path
                 times = _interleaved(fns, rounds)
         finally:
             raw.close()

@@ -185,6 +185,8 @@ def pipeline_good(two_gpus: bool = True) -> dict[str, Any]:
         "ctxkit_1gpu_pinned": [45.5, 46.0, 46.5],
         "raw_1gpu_pinned_4events": [46.0] * 3,
         "ctxkit_1gpu_pinned_notrace": [46.0] * 3,
+        "ctxkit_1gpu_held": [45.0, 45.5, 46.0],
+        "path_ctxkit_1gpu_held": HELD,
         "managed_1gpu": [30.0] * 3,
     }
     if two_gpus:
@@ -196,6 +198,8 @@ def pipeline_good(two_gpus: bool = True) -> dict[str, Any]:
             "ctxkit_2gpu_auto_first_call": [12.0],
             "raw_2gpu_pinned": [80.0, 82.0, 84.0],
             "ctxkit_2gpu_pinned": [80.0, 81.0, 83.0],
+            "ctxkit_2gpu_held": [80.0, 81.0, 82.0],
+            "path_ctxkit_2gpu_held": HELD,
             "managed_2gpu": [50.0] * 3,
         }
     return r
@@ -291,6 +295,8 @@ FAIL_CASES: dict[str, dict[str, Callable[[dict[str, Any]], None]]] = {
         "pipeline.1gpu_repeated_held_vs_naive_chunked": _set("naive_1gpu_8chunk", [10.0] * 3),
         "pipeline.1gpu_auto_vs_fastest_other_path": _set("ctxkit_1gpu_pageable_staged", [50.0] * 3),
         "pipeline.1gpu_vs_ceiling": _set("raw_1gpu_pinned", [60.0] * 3),
+        "pipeline.1gpu_ceiling_rounds_held": _set("path_ctxkit_1gpu_held", "in=staged"),
+        "pipeline.2gpu_ceiling_rounds_held": _set("path_ctxkit_2gpu_held", "in=staged"),
         "pipeline.2gpu_scaling": _set("ctxkit_2gpu_pageable_auto", [60.0] * 3),
         "pipeline.2gpu_repeated_is_held": _set("path_ctxkit_2gpu_pageable_auto", "in=staged"),
         "pipeline.2gpu_fresh_scaling_vs_raw": _set("fresh_2gpu_io", [60.0] * 3),
@@ -488,3 +494,16 @@ def test_streaming_copy_lines_are_information_shown_only_when_measured():
     assert ratio.op is None and ratio.value == pytest.approx(58.0 / 52.0)
     ceiling = lines["pipeline.1gpu_first_call_vs_staged_ceiling"]
     assert ceiling.value == pytest.approx(9.0 / 30.0)  # the first auto call / (best copy / 2)
+
+
+def test_the_held_ceiling_ratio_uses_the_rounds_taken_in_turns_with_raw():
+    r = pipeline_good()
+    r["ctxkit_1gpu_pageable_auto"] = [38.0] * 3  # measured apart, at a worse moment
+    line = verdict_lines("pipeline", r)["pipeline.1gpu_vs_ceiling"]
+    assert line.value == pytest.approx(45.5 / 46.5) and line.verdict == "PASS"
+    assert "interleaved" in line.note
+    del r["ctxkit_1gpu_held"]
+    lines = verdict_lines("pipeline", r)
+    assert lines["pipeline.1gpu_vs_ceiling"].value == pytest.approx(38.0 / 46.5)
+    assert "measured apart" in lines["pipeline.1gpu_vs_ceiling"].note
+    assert "pipeline.1gpu_ceiling_rounds_held" not in lines
