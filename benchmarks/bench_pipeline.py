@@ -676,7 +676,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{cpus()} CPUs, {PAGE} B pages",
         flush=True,
     )
-    results: Results = {"counts": counts, "size_gib": size / GiB}
+    results: Results = {
+        "counts": counts,
+        "size_gib": size / GiB,
+        "first_call_gib": first_size / GiB,
+    }
 
     host_best = bench_host(min(size, GiB), repeats, results)
     bench_register(size, repeats, args.quick, results)

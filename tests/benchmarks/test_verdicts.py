@@ -507,3 +507,22 @@ def test_the_held_ceiling_ratio_uses_the_rounds_taken_in_turns_with_raw():
     assert lines["pipeline.1gpu_vs_ceiling"].value == pytest.approx(38.0 / 46.5)
     assert "measured apart" in lines["pipeline.1gpu_vs_ceiling"].note
     assert "pipeline.1gpu_ceiling_rounds_held" not in lines
+
+
+def test_first_call_targets_set_for_one_gib_are_information_on_smaller_arrays():
+    r = pipeline_good()
+    r["new_pipeline_1gpu_io"] = [20.0] * 3  # would fail its 45 GB/s target
+    r["first_call_gib"] = 0.25
+    lines = verdict_lines("pipeline", r)
+    for name in (
+        "pipeline.1gpu_first_call_new_pipeline_gbps",
+        "pipeline.1gpu_first_call_vs_torch_pinned",
+        "pipeline.1gpu_long_lived_fresh_arrays_gbps",
+    ):
+        assert lines[name].op is None and lines[name].text().endswith(" INFO"), name
+        assert "is for 1 GiB, this run 0.25 GiB" in lines[name].note
+    assert lines["pipeline.1gpu_first_call_vs_naive_chunked"].op == ">="  # any size
+    r["first_call_gib"] = 1.0
+    assert verdict_lines("pipeline", r)["pipeline.1gpu_first_call_new_pipeline_gbps"].verdict == (
+        "FAIL"
+    )
