@@ -60,7 +60,7 @@ def _held_check(r: Mapping[str, Any], nd: int) -> Line:
     )
 
 
-#: First-call targets that issue 16 sets for 1 GiB float32 arrays: information when the
+#: First-call targets that are set for 1 GiB float32 arrays: information when the
 #: first-call section ran on smaller ones (``--quick``, ``--first-call-gb``).
 SIZED_TARGETS = (
     "pipeline.1gpu_first_call_new_pipeline_gbps",
