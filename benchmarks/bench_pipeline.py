@@ -53,7 +53,12 @@ from pipeline_verdicts import IO, verdicts
 import ctxkit as ck
 from ctxkit.cli.bench import emit, median
 from ctxkit.cli.demo import NaivePattern, load_scale_kernel
-from ctxkit.memory.streamcopy import copy_streaming, set_streaming_copy, streaming_copy_info
+from ctxkit.memory.streamcopy import (
+    copy_streaming,
+    set_streaming_copy,
+    streaming_copy_info,
+    streaming_pays,
+)
 from ctxkit.pipeline.plan import PAGE, choose_host_path, plan_map
 
 MiB = 1 << 20
@@ -344,12 +349,12 @@ def bench_fresh_long_lived(
     of *calls* calls after one untimed warm-up call, on each device count. On 1 GPU,
     calls with the staging copies made by np.copyto take turns with them (the same
     pipeline, :func:`ctxkit.memory.set_streaming_copy` off), when streaming copies are
-    available."""
+    available and the arrays are big enough for the pipeline to use them."""
     print("long-lived Pipeline, fresh arrays every call (GB/s in+out):", flush=True)
     for nd in counts:
         name = f"fresh_{nd}gpu_io"
         variants = [(name, True)]
-        if nd == 1 and streaming_copy_info().active:
+        if nd == 1 and streaming_copy_info().active and streaming_pays(base.nbytes):
             variants.append(("fresh_1gpu_plain_copy_io", False))
         with ck.Pipeline(list(range(nd))) as p:
             for i in range(calls + 1):

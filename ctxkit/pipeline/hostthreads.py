@@ -113,8 +113,9 @@ class CopyBatch:
 
 
 class HostPool:
-    """Host threads for the pipeline: parallel copies (:func:`copy_streaming`, which
-    releases the GIL) and jobs such as page registration (:meth:`submit`)."""
+    """Host threads for the pipeline: parallel copies (``np.copyto``, or
+    :func:`copy_streaming` when asked; both release the GIL) and jobs such as page
+    registration (:meth:`submit`)."""
 
     def __init__(self, n_threads: int, prefix: str = "ctxkit-stage") -> None:
         self.size = n_threads
