@@ -21,7 +21,7 @@ from ..nvtx import range as nvtx_range
 from .hostreg import Segment
 from .hostthreads import CopyBatch
 from .launch import Stopped, tagged
-from .plan import PAGE, Chunk, HostPieces, addr, host_pieces
+from .plan import PAGE, Chunk, HostPieces, addr, cut_at, host_pieces
 from .run import ChunkJob, Run
 from .split import Split
 from .staging import (
@@ -270,7 +270,8 @@ def _input(run: Run, dev: DeviceState, slot: Slot, job: ChunkJob) -> list[tuple[
     c = job.chunk
     nb, b0 = c.rows * run.in_row, c.row0 * run.in_row
     if run.in_mode in DIRECT:
-        return [(0, run.x_ptr + b0, nb)]
+        base = run.x_ptr + b0
+        return [(o, base + o, m) for o, m in cut_at(base, nb, run.cuts)]
     pc = job.in_pieces
     registered = run.in_mode in ("register", "split") and job.fill is None
     if registered and pc is not None and _registered(run, job.in_seg):
@@ -317,7 +318,8 @@ def _output(
             exc._ctxkit_step = "d2h"  # type: ignore[attr-defined]
             raise
     if mode in DIRECT:
-        return mode, [(run.out_ptr + b0, 0, nb)]
+        dst = run.out_ptr + b0
+        return mode, [(dst + o, o, m) for o, m in cut_at(dst, nb, run.cuts)]
     if mode == "staged":
         assert slot.pin_out is not None
         return mode, [(addr(slot.pin_out), 0, nb)]

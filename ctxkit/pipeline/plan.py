@@ -18,6 +18,7 @@ __all__ = [
     "MapPlan",
     "check_host_path",
     "choose_host_path",
+    "cut_at",
     "default_chunk_bytes",
     "grid_size",
     "host_pieces",
@@ -484,3 +485,21 @@ def host_pieces(base: int, total: int, b0: int, b1: int, page: int = PAGE) -> Ho
         return HostPieces(b1 - b0, 0, 0, 0, 0)
     end = min(a1, s1)
     return HostPieces(s0 - a0, end - s0, a1 - end, s0, s1 - s0)
+
+
+def cut_at(host: int, n: int, cuts: tuple[int, ...]) -> list[tuple[int, int]]:
+    """``(offset, length)`` pieces of the host bytes ``[host, host + n)``, cut at each
+    address of the sorted *cuts* that falls strictly inside them.
+
+    A direct copy is cut where one registration ends and the next begins, so every
+    piece the driver sees lies in one registration (see :mod:`.pincache`).
+    """
+    pieces, at = [], host
+    for c in cuts:
+        if host + n <= c:
+            break
+        if at < c:
+            pieces.append((at - host, c - at))
+            at = c
+    pieces.append((at - host, host + n - at))
+    return pieces

@@ -77,7 +77,8 @@ class ChunkJob:
 
 class Run:
     """The state shared by the worker threads of one map call, carried out as *plan*
-    says (its modes, chunks and how far feeders claim ahead)."""
+    says (its modes, chunks and how far feeders claim ahead); direct copies are cut at
+    the host addresses *cuts* (:meth:`~.pincache.PinCache.edges_inside`)."""
 
     def __init__(
         self,
@@ -86,6 +87,7 @@ class Run:
         plan: MapPlan,
         launch: Callable[..., None],
         recorder: Recorder | None,
+        cuts: tuple[int, ...] = (),
     ) -> None:
         self.pool: HostPool | None = None
         self.registrar: Registrar | None = None
@@ -96,6 +98,7 @@ class Run:
         self.x_ptr = addr(x)
         self.out_ptr = addr(out)
         self.in_place = self.x_ptr == self.out_ptr and x.nbytes == out.nbytes
+        self.cuts = cuts
         self.stream_in = streaming_pays(x.nbytes)
         self.stream_out = streaming_pays(out.nbytes)
         self.in_row = row_bytes(x)

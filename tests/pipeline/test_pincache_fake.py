@@ -203,17 +203,88 @@ def test_array_over_a_foreign_buffer_is_held_while_the_array_lives(gpu):
     assert len(raw) == (N + 2 * PAGE) * 4
 
 
-def test_neighbour_sharing_a_page_with_a_held_array_is_staged(gpu):
+def _neighbours() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Two arrays of one heap-like buffer that share the page at the first one's end."""
     raw = np.zeros(3 * N + 4 * PAGE, np.float32)
     start = (-raw.ctypes.data % PAGE) // 4
-    x = raw[start + 16 : start + 16 + N]  # x and out share the page at x's end
+    x = raw[start + 16 : start + 16 + N]
     out = raw[start + 16 + N : start + 16 + 2 * N]
     x[:] = np.arange(N)
-    with Pipeline([0], host_threads=2) as p:
+    return raw, x, out
+
+
+def test_neighbour_sharing_a_page_with_a_held_array_is_held_without_that_page(gpu):
+    _raw, x, out = _neighbours()
+    with Pipeline([0], chunk_bytes=8 * PAGE, host_threads=2) as p:
         for _ in range(3):
+            out[:] = 0
             p.map(scale_body(gpu, 2.0), x, out)
             np.testing.assert_array_equal(out, np.arange(N, dtype=np.float32) * 2)
+        assert p.last_stats.path == "in=held, out=held"
+        spans = sorted((b, b + n) for b, (n, _f) in gpu.registered.items())
+        assert len(spans) == 2 and spans[0][1] == spans[1][0]  # the shared page once
+        assert not gpu.pageable_dma  # each copy was cut at the registrations' edge
+    assert not gpu.registered
+
+
+def test_array_pinned_by_two_neighbouring_ranges_is_copied_in_pieces(gpu):
+    _raw, x, out = _neighbours()
+    with Pipeline([0], chunk_bytes=8 * PAGE, host_threads=2) as p:
+        for _ in range(2):
+            p.map(scale_body(gpu, 2.0), x, out)
+        assert ck.is_pinned(out)  # its first byte is on x's registration, its last on its own
+        out[:] = 0
+        p.map(scale_body(gpu, 3.0), x, out, host_path="staged")  # not through the cache
+        assert p.last_stats.path == "pinned"
+        np.testing.assert_array_equal(out, np.arange(N, dtype=np.float32) * 3)
+        assert not gpu.pageable_dma  # no copy spanned the two registrations
+
+
+def test_edges_inside_names_only_registration_edges_within_the_arrays(gpu):
+    _raw, x, out = _neighbours()
+    cache = _pincache.process_pins()
+    with Pipeline([0], host_threads=2) as p:
+        assert cache.edges_inside(x, out) == ()
+        for _ in range(2):
+            p.map(scale_body(gpu, 2.0), x, out)
+        first_own = -(-out.ctypes.data // PAGE) * PAGE  # out's first page of its own
+        assert cache.edges_inside(out) == (first_own,)
+        assert cache.edges_inside(x) == () and cache.edges_inside(data()) == ()
+        assert cache.edges_inside(x, out) == (first_own,)
+
+
+def test_edge_page_moves_as_pageable_once_the_neighbour_is_released(gpu):
+    _raw, x, out = _neighbours()
+    z = data()
+    with Pipeline([0], host_threads=2) as pa, Pipeline([0], host_threads=2) as pb:
+        for _ in range(2):
+            pa.map(scale_body(gpu, 1.0), z, x)  # x held for pa only
+        for _ in range(2):
+            pb.map(scale_body(gpu, 2.0), z, out)  # out held without the shared page
+        assert pb.last_stats.path == "in=held, out=held"
+        assert pa.release_pinned() > 0
+        gpu.pageable_dma.clear()
+        out[:] = 0
+        pb.map(scale_body(gpu, 2.0), z, out)
+        assert pb.last_stats.path == "in=held, out=held"
+        np.testing.assert_array_equal(out, z * 2)
+        assert gpu.pageable_dma  # the bytes on the shared page only: correct, not locked
+        assert all(int(e.rsplit("+", 1)[1]) < PAGE for e in gpu.pageable_dma)
+
+
+def test_range_overlapping_a_held_one_further_in_is_staged(gpu):
+    raw, x, _out = _neighbours()
+    inner = raw[x.ctypes.data // 4 - raw.ctypes.data // 4 + N // 2 :][:N]  # x's second half on
+    with Pipeline([0], host_threads=2) as p:
+        for _ in range(2):
+            p.map(scale_body(gpu, 2.0), x, zeros())
         assert p.last_stats.path == "in=held, out=staged"
+        src = data()
+        for _ in range(2):
+            inner[:] = 0
+            p.map(scale_body(gpu, 2.0), src, inner)
+        assert p.last_stats.path == "in=held, out=staged"  # inner is x's pages: not held
+        np.testing.assert_array_equal(inner, src * 2)
         assert not gpu.pageable_dma
 
 

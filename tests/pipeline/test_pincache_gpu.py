@@ -53,6 +53,30 @@ def test_pin_on_reuse_holds_reused_arrays_and_releases_them(kern, ndev):
     assert_unregistered(y, out)  # close() unlocked them
 
 
+def test_neighbours_sharing_a_page_are_both_held_and_stay_correct(kern):
+    n = (32 << 20) // 4 + 5  # not a whole number of pages: x and out share one
+    raw = random_array(2 * n + 64, np.float32, 23)
+    x, out = raw[16 : 16 + n], raw[16 + n : 16 + 2 * n]
+    z = random_array(n, np.float32, 24)
+    with Pipeline(need_devices(1), chunk_bytes=4 << 20) as pa, Pipeline(need_devices(1)) as pb:
+        for _ in range(3):
+            out[:] = 0
+            pa.map(kern["scale_f32"], x, out, args=(2.0,))
+            np.testing.assert_array_equal(out, x * np.float32(2))
+        assert pa.last_stats.path == "in=held, out=held"
+        assert pa.release_pinned() > 0
+        for _ in range(2):
+            pa.map(kern["scale_f32"], z, x, args=(1.0,))  # x held for pa only
+            pb.map(kern["scale_f32"], z, out, args=(3.0,))  # out without the shared page
+        assert pb.last_stats.path == "in=held, out=held"
+        pa.release_pinned()  # the shared page is locked no more: its bytes move pageable
+        out[:] = 0
+        pb.map(kern["scale_f32"], z, out, args=(3.0,))
+        assert pb.last_stats.path == "in=held, out=held"
+        np.testing.assert_array_equal(out, z * np.float32(3))
+    assert_unregistered(x, out, z)
+
+
 @pytest.mark.parametrize("mode", ["thread_local", "global"])
 def test_pin_on_reuse_array_dying_inside_a_capture_is_unregistered_at_once(kern, mode):
     n = (32 << 20) // 4

@@ -280,3 +280,26 @@ def test_prepare_io_read_only_and_partial_overlap():
     big = np.zeros(9)
     with pytest.raises(ValueError, match="partially overlaps"):
         prepare_io(big[:8], big[1:])
+
+
+@pytest.mark.parametrize(
+    ("cuts", "pieces"),
+    [
+        ((), [(0, 100)]),
+        ((1000, 1100), [(0, 100)]),  # edges at or past the end are not inside
+        ((1040,), [(0, 40), (40, 60)]),
+        ((900, 1040, 1070, 2000), [(0, 40), (40, 30), (70, 30)]),
+        ((1099,), [(0, 99), (99, 1)]),
+    ],
+)
+def test_cut_at_splits_a_copy_at_registration_edges_inside_it(cuts, pieces):
+    from ctxkit.pipeline.plan import cut_at
+
+    assert cut_at(1000, 100, cuts) == pieces
+    assert sum(n for _o, n in pieces) == 100
+
+
+def test_cut_at_an_empty_copy_is_one_empty_piece():
+    from ctxkit.pipeline.plan import cut_at
+
+    assert cut_at(1000, 0, (1000,)) == [(0, 0)]
