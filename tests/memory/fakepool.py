@@ -176,6 +176,9 @@ def pfake(fake_driver, monkeypatch):
     monkeypatch.delenv(blockcache.ENV, raising=False)
     _reset_cache()
     yield f
+    # This teardown runs before monkeypatch's undo: drop a value the test set, or the
+    # cache would keep its settings (or its error) for the tests after this one.
+    monkeypatch.delenv(blockcache.ENV, raising=False)
     _reset_cache()
     gc.collect()
 
