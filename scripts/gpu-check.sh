@@ -45,6 +45,19 @@ export PYTHONUNBUFFERED=1
 export CTXKIT_CACHE_DIR="${CTXKIT_CACHE_DIR:-/tmp/ctxkit-cache}"
 OUT="${OUT:-/tmp/ctxkit-gpu-check}"
 BENCH_DIR="${BENCH_DIR:-benchmarks}"
+if [ -n "${BENCH:-}" ] && [ "$BENCH" != none ]; then
+    for name in $BENCH; do
+        if [ ! -e "$BENCH_DIR/bench_$name.py" ]; then
+            valid=$(for b in "$BENCH_DIR"/bench_*.py; do
+                b=$(basename "$b" .py)
+                printf ' %s' "${b#bench_}"
+            done)
+            echo "gpu-check.sh: BENCH names '$name', which is not a benchmark in $BENCH_DIR;" \
+                "valid names:$valid (or BENCH=none)" >&2
+            exit 2
+        fi
+    done
+fi
 mkdir -p "$OUT"
 rm -f "$OUT/junit.xml" "$OUT/full-junit.xml"
 QUICK_FLAG=""

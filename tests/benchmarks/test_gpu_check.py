@@ -208,3 +208,14 @@ def test_script_rejects_unknown_arguments_and_prints_help(tmp_path):
     assert res.returncode == 2 and "unknown argument" in res.stderr
     res = gpu_check(tmp_path, "--help")
     assert res.returncode == 0 and "--no-fail-on-bench" in res.stdout and "FULL=1" in res.stdout
+
+
+@needs_bash
+def test_a_mistyped_benchmark_name_exits_2_naming_the_valid_ones(tmp_path):
+    d = stand_ins(tmp_path, good=([PASS], 0), other=([PASS], 0))
+    res = gpu_check(tmp_path, BENCH_DIR=str(d), BENCH="good piepline")
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "'piepline'" in res.stderr and "good" in res.stderr and "other" in res.stderr
+    assert not (tmp_path / "out" / "bench.log").exists()  # nothing ran
+    res = gpu_check(tmp_path, BENCH_DIR=str(d), BENCH="none")
+    assert res.returncode == 0, res.stdout + res.stderr

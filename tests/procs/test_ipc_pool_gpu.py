@@ -20,6 +20,7 @@ import ctxkit as ck
 from ctxkit.errors import ContextClosedError, CudaError
 from ctxkit.memory import ImportedBuffer, VirtualBuffer
 from ctxkit.procs import DevicePool, DeviceTaskError, WorkerBuffer, run_per_device, traffic
+from tests.support.helpers import ipc_refused
 
 SOURCE = r"""
 extern "C" __global__ void iota_u32(unsigned int* x, size_t n)
@@ -133,7 +134,7 @@ def submit(pool: DevicePool, target: Any, fn: Any, *args: Any) -> Any:
     try:
         return pool.submit_to(target, fn, *args)
     except CudaError as exc:
-        if exc.code:
+        if ipc_refused(exc):
             pytest.skip(f"the driver refuses CUDA IPC here: {exc}")
         raise
 
@@ -143,7 +144,7 @@ def result(future: Any) -> Any:
     try:
         return future.result(TIMEOUT)
     except DeviceTaskError as err:
-        if err.code and "cuIpc" in str(err):
+        if ipc_refused(err):
             pytest.skip(f"the driver refuses CUDA IPC here: {err.child_exception or err}")
         raise
 
@@ -224,11 +225,11 @@ def test_run_per_device_children_write_the_parents_buffer(ctx0):
             fill_and_return, devices=[0], args=(buf, 7), isolate=True, timeout=TIMEOUT
         )
     except CudaError as exc:
-        if exc.code:
+        if ipc_refused(exc):
             pytest.skip(f"the driver refuses CUDA IPC here: {exc}")
         raise
     except DeviceTaskError as err:
-        if err.code and "cuIpc" in str(err):
+        if ipc_refused(err):
             pytest.skip(f"the driver refuses CUDA IPC here: {err.child_exception or err}")
         raise
     assert kind == "ImportedBuffer" and same is buf

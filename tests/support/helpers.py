@@ -50,3 +50,17 @@ def load_file_module(path: Any, name: str, register: bool = False) -> Any:
         sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
+
+
+#: The driver's answers that mean "this machine does not offer CUDA IPC / shareable handles"
+#: (containers without a shared PID namespace, drivers without the feature). Any other
+#: failure is a bug, and the IPC GPU tests fail on it instead of skipping.
+IPC_REFUSALS = frozenset(
+    {"CUDA_ERROR_NOT_SUPPORTED", "CUDA_ERROR_NOT_PERMITTED", "CUDA_ERROR_OPERATING_SYSTEM"}
+)
+
+
+def ipc_refused(exc: BaseException) -> bool:
+    """Whether *exc* is the driver refusing IPC here (a documented "not supported" answer)."""
+    name = getattr(exc, "name", "") or ""
+    return name in IPC_REFUSALS or any(n in str(exc) for n in IPC_REFUSALS)
