@@ -7,7 +7,8 @@
 * Fake-driver tests (files ``test_*_fake.py`` and tests using the ``fake_driver`` /
   ``gpu`` fixtures, marker ``fake``) never share a process with a real driver: where a
   real GPU is visible they are skipped here and run by ``tests/test_fake_isolation.py`` in
-  a child process that sees no device.
+  a child process that sees no device. That holds on a machine whose GPU is present but
+  broken too: its GPU tests fail, and the fakes never stand in for it in the same process.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ def _gpu_count() -> tuple[int, str, str]:
 
 
 GPU_COUNT, NO_GPU_REASON, GPU_ERROR = _gpu_count()
+#: A machine with an NVIDIA GPU, usable or not: the real driver may be loaded in this process,
+#: so fake-driver tests never run here (a broken GPU fails the GPU tests loudly instead).
+GPU_MACHINE = GPU_COUNT > 0 or bool(GPU_ERROR)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -87,7 +91,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.skip(reason=NO_GPU_REASON))
         elif _is_fake(item):
             item.add_marker(pytest.mark.fake)
-            if GPU_COUNT > 0:
+            if GPU_MACHINE:
                 item.add_marker(
                     pytest.mark.skip(
                         reason="fake-driver test: a real GPU is visible here, so it runs in a "

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import GPU_COUNT
+from .conftest import GPU_MACHINE
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.skipif(
-    GPU_COUNT == 0, reason="no real GPU here: fake-driver tests ran in this process"
+    not GPU_MACHINE, reason="no real GPU here: fake-driver tests ran in this process"
 )
 def test_fake_driver_tests_pass_in_their_own_process(tmp_path):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", CTXKIT_CACHE_DIR=str(tmp_path / "cache"))
