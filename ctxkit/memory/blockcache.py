@@ -40,6 +40,7 @@ from .. import lifetime
 from .._driver import drv
 from ..lifetime import free_quietly
 from ..stream import Stream
+from .sizes import SIZE_MAX
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..context import Context
@@ -271,7 +272,7 @@ def allocate(ctx: Context, n: int, stream: Stream, sh: Any, pool: Any) -> tuple[
     if _env_error is not None:
         raise _env_error
     capturing = bool(_capturing) or (_enabled and stream.handle is not None and _in_capture(stream))
-    size = size_class(n) if _enabled else n
+    size = min(size_class(n), SIZE_MAX) if _enabled else n  # the driver refuses SIZE_MAX
     err, ptr = _driver_alloc(size, sh, pool)
     if int(err) == _OUT_OF_MEMORY and not capturing and _held.get(ctx.device.ordinal):
         flush(device=ctx.device.ordinal, sync=True)

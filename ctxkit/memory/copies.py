@@ -16,26 +16,10 @@ from ..registry import guard
 from ..stream import Stream, _context_of_cu, implicit_stream, stream_for, stream_handle
 from .host import check_async_host
 from .interop import producer_stream
+from .sizes import nbytes_arg as nbytes_arg
+from .sizes import shape_arg as shape_arg
 
 __all__ = ["Mem", "copy_device", "device_mem", "dtoh", "htod"]
-
-
-def nbytes_arg(nbytes: Any, what: str) -> int:
-    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)):
-        raise TypeError(f"{what}: nbytes must be an int, got {type(nbytes).__name__}")
-    if nbytes < 0:
-        raise ValueError(f"{what}: nbytes must be >= 0, got {nbytes}")
-    return int(nbytes)
-
-
-def shape_arg(shape: Any) -> tuple[int, ...]:
-    shp = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
-    for s in shp:
-        if isinstance(s, bool) or not isinstance(s, (int, np.integer)):
-            raise TypeError(f"shape entries must be ints, got {shape!r}")
-        if s < 0:
-            raise ValueError(f"negative dimension in shape {shape!r}")
-    return tuple(int(s) for s in shp)
 
 
 def gib(n: int) -> str:

@@ -6,7 +6,6 @@ family's overview is in :mod:`ctxkit.memory`)."""
 
 from __future__ import annotations
 
-import math
 import weakref
 from typing import Any
 
@@ -36,7 +35,6 @@ from .copies import (
     htod,
     implicit,
     nbytes_arg,
-    shape_arg,
     stream_for,
     wait_for,
 )
@@ -45,6 +43,7 @@ from .dlpack import KDL_CUDA
 from .host import (
     host_array,
 )
+from .sizes import shape_nbytes
 
 __all__ = ["DeviceArray", "DeviceBuffer", "cai_stream", "device_array", "to_device"]
 
@@ -418,8 +417,8 @@ def _alloc_error(ctx: Context, err: Any, n: int, what: str) -> Exception:
 def device_array(shape: Any, dtype: Any = np.float64, context: Any = None) -> DeviceArray:
     """An uninitialised :class:`DeviceArray` (``DeviceBuffer(nbytes, context).view``)."""
     dt = np.dtype(dtype)
-    shp = shape_arg(shape)
-    return DeviceBuffer(math.prod(shp) * dt.itemsize, context).view(shp, dt)
+    shp, nbytes = shape_nbytes(shape, dt, "device_array")
+    return DeviceBuffer(nbytes, context).view(shp, dt)
 
 
 def to_device(arr: Any, context: Any = None, stream: Any = None) -> DeviceArray:

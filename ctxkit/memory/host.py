@@ -45,7 +45,6 @@ from .hostalloc import (
     pinned_empty,
     pinned_zeros,
 )
-from .hostalloc import _shape_of as _shape_of
 from .hostptr import _INVALID_VALUE, _address, host_array, host_pointer_kind, is_pinned
 
 __all__ = [

@@ -19,6 +19,7 @@ from ..context import Context, current_context, thread_state
 from ..errors import OutOfMemoryError
 from ..lifetime import finalizer
 from ..registry import bind, resolve_context
+from .sizes import shape_nbytes
 
 __all__ = ["HostMemory", "pinned_empty", "pinned_zeros"]
 
@@ -65,18 +66,6 @@ class HostMemory:
 
     def __repr__(self) -> str:
         return f"<HostMemory {self.ptr:#x} nbytes={self.nbytes}>"
-
-
-def _shape_of(shape: Any) -> tuple[int, ...]:
-    shp = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
-    out = []
-    for s in shp:
-        if isinstance(s, bool) or not isinstance(s, (int, np.integer)):
-            raise TypeError(f"shape entries must be ints, got {shape!r}")
-        if s < 0:
-            raise ValueError(f"negative dimension in shape {shape!r}")
-        out.append(int(s))
-    return tuple(out)
 
 
 def host_context(context: Any, what: str) -> Context:
@@ -134,8 +123,7 @@ def pinned_empty(
     A zero-size request returns an ordinary empty numpy array.
     """
     dt = np.dtype(dtype)
-    shp = _shape_of(shape)
-    nbytes = int(np.prod(shp, dtype=np.int64)) * dt.itemsize
+    shp, nbytes = shape_nbytes(shape, dt, "pinned_empty")
     flags = _bits(portable=portable, mapped=mapped, write_combined=write_combined)
     if nbytes == 0:
         return np.empty(shp, dt)

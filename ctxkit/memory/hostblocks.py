@@ -11,14 +11,13 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from .. import context as _context
 from .. import lifetime
 from .._driver import drv
 from ..context import Context
 from ..stream import Event, Stream
 from .pagelock import LockedPages
+from .sizes import nbytes_arg
 
 __all__ = [
     "DEFAULT_CAP",
@@ -121,11 +120,7 @@ def default_budget() -> int:
 
 
 def check_bytes(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{what} must be an int number of bytes, got {value!r}")
-    if value < 0:
-        raise ValueError(f"{what} must be >= 0, got {value}")
-    return int(value)
+    return nbytes_arg(value, what, "")
 
 
 def gib(n: int) -> str:

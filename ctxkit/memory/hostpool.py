@@ -61,7 +61,7 @@ from .. import registry as _registry
 from ..context import Context
 from ..errors import OutOfMemoryError
 from ..stream import Event
-from .host import _shape_of, host_context
+from .host import host_context
 from .hostblocks import (
     POOL_ENV,
     Block,
@@ -77,6 +77,7 @@ from .hostblocks import (
 )
 from .hostreuse import PinnedReuse
 from .pagelock import LockedPages
+from .sizes import shape_nbytes
 
 __all__ = [
     "POOL_ENV",
@@ -209,8 +210,7 @@ class PinnedPool(PinnedReuse):
         """An array in a block: waiting for stream work when needed, or (with a
         *headroom*) never waiting and leaving that much of the budget free."""
         dt = np.dtype(dtype)
-        shp = _shape_of(shape)
-        nbytes = int(np.prod(shp, dtype=np.int64)) * dt.itemsize
+        shp, nbytes = shape_nbytes(shape, dt, what)
         streams = as_streams(stream, what)
         if nbytes == 0:
             return np.empty(shp, dt)

@@ -55,6 +55,7 @@ from .ipcwire import (
     _SharedFd,
     _to_bytes,
 )
+from .sizes import nbytes_arg
 from .vmm import Chunk, VirtualBuffer
 
 __all__ = [
@@ -185,7 +186,8 @@ def export_buffer(buf: Any) -> IpcBufferHandle | IpcVirtualBufferHandle:
 def export_pointer(ptr: int, nbytes: int, context: Any) -> IpcBufferHandle:
     """:func:`export_buffer` for ``nbytes`` of raw device memory at *ptr* of *context*."""
     what = "export_pointer"
-    if nbytes <= 0:
+    nbytes = nbytes_arg(nbytes, what)
+    if nbytes == 0:
         raise ValueError(f"{what}: nothing to share ({nbytes} bytes)")
     ctx = resolve_context(context, what)
     with guard(ctx, what):

@@ -24,10 +24,9 @@ from ..lifetime import finalizer
 from ..registry import ContextLike, resolve_context
 from . import blockcache
 from .device import DeviceBuffer
+from .sizes import nbytes_arg
 
 __all__ = ["MemoryPool"]
-
-_UINT64_MAX = (1 << 64) - 1
 
 
 def _pool_attr(name: str) -> Any:
@@ -77,7 +76,7 @@ class MemoryPool:
         props.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         props.location.id = ctx.device.ordinal
         if max_size:
-            props.maxSize = _nonnegative(max_size, "max_size")
+            props.maxSize = nbytes_arg(max_size, "MemoryPool", "max_size")
         with ctx:
             err, handle = drv.cuMemPoolCreate(props)
         if err:
@@ -138,7 +137,7 @@ class MemoryPool:
 
     @release_threshold.setter
     def release_threshold(self, nbytes: int) -> None:
-        self._set("RELEASE_THRESHOLD", min(_nonnegative(nbytes, "release_threshold"), _UINT64_MAX))
+        self._set("RELEASE_THRESHOLD", nbytes_arg(nbytes, "MemoryPool", "release_threshold"))
 
     @property
     def reserved_bytes(self) -> int:
@@ -191,7 +190,7 @@ class MemoryPool:
         """
         self._check_open()
         blockcache.flush(device=self.context.device.ordinal, sync=True)
-        (err,) = drv.cuMemPoolTrimTo(self.handle, _nonnegative(keep, "keep"))
+        (err,) = drv.cuMemPoolTrimTo(self.handle, nbytes_arg(keep, "MemoryPool.trim", "keep"))
         if err:
             raise self.context.note_error(err, f"cuMemPoolTrimTo({keep})")
 
@@ -224,9 +223,3 @@ class MemoryPool:
             return "<MemoryPool closed>"
         kind = "owned" if self.owned else "borrowed"
         return f"<MemoryPool {int(self.handle):#x} {kind} device={self.device.ordinal}>"
-
-
-def _nonnegative(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{what} must be a non-negative int (bytes), got {value!r}")
-    return int(value)

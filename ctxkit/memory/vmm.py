@@ -137,14 +137,14 @@ class VirtualBuffer:
         _check_support(devs, acc, shareable, what)
         gran = max(allocation_granularity(d, shareable=shareable) for d in (*devs, *acc))
         want = stripe if stripe is not None else -(-max(n, 1) // len(devs))
-        self.stripe = _round_up(nbytes_arg(want, what) or gran, gran)
+        self.stripe = _round_up(nbytes_arg(want, what, "stripe") or gran, gran)
         self.context = ctx
         self.devices = tuple(Device(d) for d in devs)
         self.granularity = gran
         self.shareable = bool(shareable)
         self.space = _Space(acc)
         self.nbytes = 0
-        self._reserve = _round_up(nbytes_arg(reserve, what), self.stripe)
+        self._reserve = _round_up(nbytes_arg(reserve, what, "reserve"), self.stripe)
         self._closed = False
         self._lock = threading.RLock()
         self._views: weakref.WeakSet[DeviceBuffer] = weakref.WeakSet()

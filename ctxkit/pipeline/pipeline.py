@@ -47,9 +47,9 @@ class Pipeline(MapRunner):
         shared context of the device; a Context is used as given.
     chunk_bytes : int, optional
         Default chunk size in bytes (per :meth:`map` overridable). Default: 64 MiB, less
-        when a device would get fewer than 8 chunks.
+        when a device would get fewer than 8 chunks; a map runs at most 65536 chunks.
     staging_buffers : int
-        Slots per device (default 4): each has a stream, an input and an output device
+        Slots per device (default 4, at most 64): each has a stream, an input and an output device
         buffer and, for pageable data, pinned staging (or small bounce) buffers. A
         slot's buffers are allocated when a :meth:`map` first uses it (pinned ones come
         from the process's pinned pool), reused, grown when a later call needs bigger
@@ -59,8 +59,8 @@ class Pipeline(MapRunner):
         when they use no slot buffer), which also bounds what an interrupted
         :meth:`map` waits for.
     host_threads : int, optional
-        Threads of the host pool (staging copies, page registration). Default: 16, at
-        most the usable CPUs minus two per device minus one, at least 2.
+        Threads of the host pool (staging copies, page registration), at most 256.
+        Default: 16, at most the usable CPUs minus two per device minus one, at least 2.
     host_path : {"auto", "staged", "register", "split"} or (input, output) pair of them
         How pageable arrays reach the devices (pinned arrays are always copied
         directly): ``"staged"`` copies each chunk through pinned staging buffers (two

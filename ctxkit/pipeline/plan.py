@@ -47,6 +47,14 @@ MIN_CHUNKS_PER_DEVICE = 8
 DEFAULT_STAGING_BUFFERS = 4
 
 
+#: Bounds of the Pipeline knobs: each slot is a stream with buffers of a chunk, each host
+#: thread an OS thread; a map runs at most ``MAX_CHUNKS`` chunks (each costs a few driver
+#: calls and host-pool jobs, so a tiny ``chunk_bytes`` would run for hours).
+MAX_STAGING_BUFFERS = 64
+MAX_HOST_THREADS = 256
+MAX_CHUNKS = 1 << 16
+
+
 SCHEDULES = ("static", "dynamic")
 
 
@@ -148,8 +156,8 @@ class MapOptions:
 
     def __post_init__(self) -> None:
         _check_count(self.chunk_bytes, "chunk_bytes", none_ok=True)
-        _check_count(self.staging_buffers, "staging_buffers")
-        _check_count(self.host_threads, "host_threads")
+        _check_count(self.staging_buffers, "staging_buffers", MAX_STAGING_BUFFERS)
+        _check_count(self.host_threads, "host_threads", MAX_HOST_THREADS)
         block = self.block
         if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= 1024:
             raise ValueError(f"block must be an int in 1..1024, got {block!r}")
@@ -158,13 +166,14 @@ class MapOptions:
         object.__setattr__(self, "host_path", check_host_path(self.host_path))
 
 
-def _check_count(value: Any, label: str, none_ok: bool = False) -> None:
+def _check_count(value: Any, label: str, most: int | None = None, none_ok: bool = False) -> None:
     if value is None and none_ok:
         return
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{label} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{label} must be >= 1, got {value}")
+    if value < 1 or (most is not None and value > most):
+        allowed = ">= 1" if most is None else f"in 1..{most}"
+        raise ValueError(f"{label} must be {allowed}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -280,7 +289,14 @@ def plan_map(
         raise ValueError(f"host kinds must be in {HOST_KINDS}, not {host!r}")
     row = max(row_bytes)
     chunk_bytes = options.chunk_bytes or default_chunk_bytes(n_rows * row, n_devices)
-    rpc = max(1, chunk_bytes // row) if row else max(1, n_rows)
+    rpc = max(1, min(chunk_bytes // row if row else n_rows, n_rows))
+    fewest = -(-n_rows // max(1, MAX_CHUNKS - n_devices))  # rows per chunk, at least
+    if rpc < fewest and options.chunk_bytes is not None:
+        raise ValueError(
+            f"chunk_bytes={chunk_bytes} cuts {n_rows} rows of {row} bytes into more than "
+            f"{MAX_CHUNKS} chunks, the most one map runs: pass chunk_bytes >= {fewest * row}"
+        )
+    rpc = max(rpc, fewest)
     parts = tuple(split_rows(n_rows, n_devices))
     static = options.schedule == "static"
     chunks: list[Chunk] = []

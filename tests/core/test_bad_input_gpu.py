@@ -156,6 +156,16 @@ def buffer_10_tib(env: Env) -> None:
     ck.DeviceBuffer(10 << 40)
 
 
+@case(ValueError, "above 2**64 - 1")
+def buffer_2_pow_64(env: Env) -> None:
+    ck.DeviceBuffer(2**64)
+
+
+@case(ValueError, "above 2**64 - 1")
+def pinned_empty_overflowing_shape(env: Env) -> None:
+    ck.pinned_empty((2**40, 2**40), np.uint8)
+
+
 @case(ValueError, "sizes must match")
 def copy_from_host_wrong_size(env: Env) -> None:
     ck.DeviceBuffer(16).copy_from_host(np.zeros(3, np.float32))

@@ -219,3 +219,23 @@ def test_maps_in_daemon_threads_at_exit_are_quiet():
     )
     assert res.returncode == 0 and res.stderr == "", res.stderr[-3000:]
     assert "main returns" in res.stdout
+
+
+# --- knobs that could explode ---------------------------------------------------------
+
+
+def test_pipeline_knobs_past_their_limits_are_refused_before_anything_starts(gpu):
+    threads = threading.active_count()
+    with pytest.raises(ValueError, match=r"staging_buffers must be in 1\.\.64, got 1099511627776"):
+        Pipeline([0], staging_buffers=2**40)
+    with pytest.raises(ValueError, match=r"host_threads must be in 1\.\.256, got 100000"):
+        Pipeline([0], host_threads=100_000)
+    assert threading.active_count() == threads
+
+
+def test_map_with_a_chunk_per_byte_is_refused_with_the_smallest_chunk_allowed(gpu):
+    x = np.zeros(1 << 20, np.float32)
+    with Pipeline([0]) as p:
+        with pytest.raises(ValueError, match=r"chunk_bytes=1 .* pass chunk_bytes >= 68"):
+            p.map(scale_body(gpu, 2.0), x, chunk_bytes=1)
+        np.testing.assert_array_equal(p.map(scale_body(gpu, 2.0), x[:1000], chunk_bytes=1), 0)

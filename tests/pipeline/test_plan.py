@@ -20,7 +20,7 @@ from ctxkit.pipeline import (
     prepare_io,
     split_rows,
 )
-from ctxkit.pipeline.plan import AUTO_REGISTER_MIN_BYTES, DEFAULT_STAGING_BUFFERS
+from ctxkit.pipeline.plan import AUTO_REGISTER_MIN_BYTES, DEFAULT_STAGING_BUFFERS, MAX_CHUNKS
 
 MiB = 1 << 20
 
@@ -218,7 +218,9 @@ def test_map_options_normalise_the_host_path():
 @pytest.mark.parametrize(
     "kw,exc,match",
     [
-        ({"staging_buffers": 0}, ValueError, "staging_buffers must be >= 1"),
+        ({"staging_buffers": 0}, ValueError, "staging_buffers must be in 1..64, got 0"),
+        ({"staging_buffers": 2**40}, ValueError, "staging_buffers must be in 1..64, got 1099"),
+        ({"host_threads": 257}, ValueError, "host_threads must be in 1..256, got 257"),
         ({"chunk_bytes": 1.5}, TypeError, "chunk_bytes must be an int"),
         ({"chunk_bytes": 0}, ValueError, "chunk_bytes must be >= 1"),
         ({"host_threads": 0}, ValueError, "host_threads"),
@@ -233,6 +235,26 @@ def test_map_options_normalise_the_host_path():
 def test_map_options_errors(kw, exc, match):
     with pytest.raises(exc, match=match):
         MapOptions(**kw)
+
+
+def test_chunk_bytes_that_cut_a_map_into_too_many_chunks_are_refused():
+    with pytest.raises(ValueError, match=r"chunk_bytes=1 cuts .* 65536 chunks.*chunk_bytes >= "):
+        plan_map(1 << 20, (4, 4), 1, MapOptions(chunk_bytes=1))
+    fewest = -(-(1 << 20) // (MAX_CHUNKS - 2)) * 4
+    plan = plan_map(1 << 20, (4, 4), 2, MapOptions(chunk_bytes=fewest))
+    assert len(plan.chunks) <= MAX_CHUNKS
+
+
+def test_default_chunks_of_a_huge_map_stay_under_the_chunk_limit():
+    plan = plan_map(1 << 40, (64, 64), 3)
+    assert len(plan.chunks) <= MAX_CHUNKS
+    assert plan.rows_per_chunk * 64 >= (1 << 46) // MAX_CHUNKS
+
+
+def test_chunk_bytes_beyond_the_array_size_slot_buffers_by_the_array():
+    plan = plan_map(10, (4, 8), 1, MapOptions(chunk_bytes=2**62))
+    assert (plan.rows_per_chunk, plan.in_chunk_bytes, plan.out_chunk_bytes) == (10, 40, 80)
+    assert plan_map(0, (4, 4), 1, MapOptions(chunk_bytes=2**62)).chunks == ()
 
 
 # --- arrays -------------------------------------------------------------------------------

@@ -121,6 +121,7 @@ class FakeMemDriver:
 
     # device memory ----------------------------------------------------------------
     def _alloc(self, n: int, kind: str) -> tuple[int, int]:
+        _size_t(n)
         if not self.cur():
             return (INVALID_CONTEXT, 0)
         if self.used + n > self.total:
@@ -221,6 +222,7 @@ class FakeMemDriver:
 
     # host memory ------------------------------------------------------------------
     def cuMemHostAlloc(self, n: int, flags: int) -> tuple[int, int]:
+        _size_t(n)
         if not self.cur():
             return (INVALID_CONTEXT, 0)
         if self.host_oom:
@@ -454,3 +456,9 @@ def in_thread(fn: Any) -> Any:
     if "error" in out:
         raise out["error"]
     return out.get("value")
+
+
+def _size_t(n: int) -> None:
+    """The bindings refuse a size that does not fit a ``size_t``, as OverflowError."""
+    if not 0 <= n < 1 << 64:
+        raise OverflowError(f"size {n} does not fit a size_t")
