@@ -45,6 +45,7 @@ from .dlpack import KDL_CUDA
 from .host import (
     host_array,
 )
+from .hostptr import plain_dtype
 
 __all__ = ["DeviceArray", "DeviceBuffer", "cai_stream", "device_array", "to_device"]
 
@@ -417,7 +418,7 @@ def _alloc_error(ctx: Context, err: Any, n: int, what: str) -> Exception:
 
 def device_array(shape: Any, dtype: Any = np.float64, context: Any = None) -> DeviceArray:
     """An uninitialised :class:`DeviceArray` (``DeviceBuffer(nbytes, context).view``)."""
-    dt = np.dtype(dtype)
+    dt = plain_dtype(dtype, "device_array")
     shp = shape_arg(shape)
     return DeviceBuffer(math.prod(shp) * dt.itemsize, context).view(shp, dt)
 

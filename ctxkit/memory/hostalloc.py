@@ -19,6 +19,7 @@ from ..context import Context, current_context, thread_state
 from ..errors import OutOfMemoryError
 from ..lifetime import finalizer
 from ..registry import bind, resolve_context
+from .hostptr import plain_dtype
 
 __all__ = ["HostMemory", "pinned_empty", "pinned_zeros"]
 
@@ -133,7 +134,7 @@ def pinned_empty(
     -----
     A zero-size request returns an ordinary empty numpy array.
     """
-    dt = np.dtype(dtype)
+    dt = plain_dtype(dtype, "pinned_empty")
     shp = _shape_of(shape)
     nbytes = int(np.prod(shp, dtype=np.int64)) * dt.itemsize
     flags = _bits(portable=portable, mapped=mapped, write_combined=write_combined)
