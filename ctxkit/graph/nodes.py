@@ -19,6 +19,7 @@ from ..context import Context
 from ..errors import PageableCopyError, WrongContextError
 from ..memory.copies import Mem, device_mem
 from ..memory.host import is_pinned
+from ..memory.hostptr import plain_dtype
 from ..registry import guard
 from .conditional import ConditionalHandle
 
@@ -261,6 +262,7 @@ class HostSide:
 def copy_side(obj: Any, ctx: Context, what: str, name: str, write: bool) -> Mem | HostSide:
     """One side of a memcpy node: device memory of *ctx*, or a pinned numpy array."""
     if isinstance(obj, np.ndarray):
+        plain_dtype(obj.dtype, what)
         if not obj.flags.c_contiguous:
             raise ValueError(f"{what}: the {name} array is not C-contiguous; pass a contiguous one")
         if write and not obj.flags.writeable:

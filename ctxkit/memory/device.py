@@ -43,6 +43,7 @@ from .dlpack import KDL_CUDA
 from .host import (
     host_array,
 )
+from .hostptr import plain_dtype
 from .sizes import shape_nbytes
 
 __all__ = ["DeviceArray", "DeviceBuffer", "cai_stream", "device_array", "to_device"]
@@ -416,7 +417,7 @@ def _alloc_error(ctx: Context, err: Any, n: int, what: str) -> Exception:
 
 def device_array(shape: Any, dtype: Any = np.float64, context: Any = None) -> DeviceArray:
     """An uninitialised :class:`DeviceArray` (``DeviceBuffer(nbytes, context).view``)."""
-    dt = np.dtype(dtype)
+    dt = plain_dtype(dtype, "device_array")
     shp, nbytes = shape_nbytes(shape, dt, "device_array")
     return DeviceBuffer(nbytes, context).view(shp, dt)
 

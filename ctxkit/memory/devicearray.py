@@ -23,6 +23,7 @@ from ..stream import Event, Stream, stream_handle
 from .copies import Mem, c_strides, check_same_size, copy_device, device_mem, dtoh, htod, shape_arg
 from .dlpack import to_capsule
 from .host import host_array
+from .hostptr import plain_dtype
 
 if TYPE_CHECKING:  # pragma: no cover
     from .device import DeviceBuffer
@@ -61,9 +62,7 @@ class DeviceArray:
     def __init__(self, buffer: DeviceBuffer, shape: Any, dtype: Any, stream: Any = None):
         if not isinstance(buffer, BufferBase):
             raise TypeError(f"buffer must be a DeviceBuffer, got {type(buffer).__name__}")
-        dt = np.dtype(dtype)
-        if dt.hasobject:
-            raise TypeError("a DeviceArray cannot hold Python objects")
+        dt = plain_dtype(dtype, "DeviceArray")
         shp = shape_arg(shape)
         need = math.prod(shp) * dt.itemsize
         if need != buffer.nbytes:

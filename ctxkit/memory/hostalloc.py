@@ -19,6 +19,7 @@ from ..context import Context, current_context, thread_state
 from ..errors import OutOfMemoryError
 from ..lifetime import finalizer
 from ..registry import bind, resolve_context
+from .hostptr import plain_dtype
 from .sizes import shape_nbytes
 
 __all__ = ["HostMemory", "pinned_empty", "pinned_zeros"]
@@ -122,7 +123,7 @@ def pinned_empty(
     -----
     A zero-size request returns an ordinary empty numpy array.
     """
-    dt = np.dtype(dtype)
+    dt = plain_dtype(dtype, "pinned_empty")
     shp, nbytes = shape_nbytes(shape, dt, "pinned_empty")
     flags = _bits(portable=portable, mapped=mapped, write_combined=write_combined)
     if nbytes == 0:

@@ -75,6 +75,7 @@ from .hostblocks import (
     human,
     size_class,
 )
+from .hostptr import plain_dtype
 from .hostreuse import PinnedReuse
 from .pagelock import LockedPages
 from .sizes import shape_nbytes
@@ -209,7 +210,7 @@ class PinnedPool(PinnedReuse):
     ) -> np.ndarray:
         """An array in a block: waiting for stream work when needed, or (with a
         *headroom*) never waiting and leaving that much of the budget free."""
-        dt = np.dtype(dtype)
+        dt = plain_dtype(dtype, what)
         shp, nbytes = shape_nbytes(shape, dt, what)
         streams = as_streams(stream, what)
         if nbytes == 0:

@@ -3,7 +3,8 @@
 :func:`host_pointer_kind` asks the driver (``cuPointerGetAttribute``) whether an address
 is pinned, managed, device or pageable memory; :func:`is_pinned` applies it to both ends
 of an array; :func:`host_array` turns a host argument into a C-contiguous numpy array (or
-a clear error) without copying. Every host copy, the honest-async check and
+a clear error) without copying; :func:`plain_dtype` refuses dtypes holding Python objects
+wherever memory is read or written as bytes. Every host copy, the honest-async check and
 :mod:`ctxkit.memory.hostaccess` build on these; they change no driver state.
 
 Re-exported by :mod:`ctxkit.memory.host` and :mod:`ctxkit.memory`.
@@ -19,7 +20,7 @@ from .. import _driver
 from .._driver import drv
 from ..registry import bind
 
-__all__ = ["host_array", "host_pointer_kind", "is_pinned"]
+__all__ = ["host_array", "host_pointer_kind", "is_pinned", "plain_dtype"]
 
 
 _INVALID_VALUE = 1
@@ -60,6 +61,30 @@ def _attr(name: str) -> Any:
     return getattr(drv.CUpointer_attribute, "CU_POINTER_ATTRIBUTE_" + name)
 
 
+def plain_dtype(dtype: Any, what: str) -> np.dtype[Any]:
+    """*dtype* as a numpy dtype, refused when its items hold Python objects.
+
+    An object array (``dtype=object``, or a structured dtype with an object field) stores
+    references into the interpreter's heap: copied to a device they are meaningless
+    addresses, and device bytes copied into one become references that crash the
+    interpreter. Every ctxkit path that reads or writes memory as bytes (copies, page
+    locking, numpy views of pinned, managed or device memory, the pipeline) asks here.
+
+    Raises
+    ------
+    TypeError
+        ``dtype.hasobject``.
+    """
+    dt = np.dtype(dtype)
+    if dt.hasobject:
+        raise TypeError(
+            f"{what}: dtype {dt} holds Python objects (references into the interpreter's "
+            "heap), which cannot go to or come from a GPU as bytes; use a numeric, bool or "
+            "fixed-width string dtype (e.g. arr.astype(np.float64), arr.astype('U16'))"
+        )
+    return dt
+
+
 def host_array(arr: Any, what: str, *, writable: bool = False) -> np.ndarray:
     """*arr* as a C-contiguous numpy array without copying, or a clear error.
 
@@ -69,7 +94,8 @@ def host_array(arr: Any, what: str, *, writable: bool = False) -> np.ndarray:
     Raises
     ------
     TypeError
-        *arr* is not an array or buffer.
+        *arr* is not an array or buffer, or its dtype holds Python objects
+        (:func:`plain_dtype`).
     ValueError
         It is not C-contiguous, or not writable when *writable*.
     """
@@ -83,6 +109,7 @@ def host_array(arr: Any, what: str, *, writable: bool = False) -> np.ndarray:
                 f"{what}: expected a numpy array or a buffer (bytes, bytearray, memoryview); "
                 "convert with np.asarray(...) first"
             )
+    plain_dtype(arr.dtype, what)
     if not arr.flags.c_contiguous:
         raise ValueError(
             f"{what}: the host array is not C-contiguous (strides {arr.strides}); pass "

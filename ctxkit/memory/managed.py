@@ -29,6 +29,7 @@ from .host import (
     HostMemory,
     device_of,
 )
+from .hostptr import plain_dtype
 
 __all__ = ["ManagedBuffer"]
 
@@ -113,7 +114,7 @@ class ManagedBuffer(DeviceBuffer):
         Synchronizes the context first on devices without ``concurrentManagedAccess``.
         """
         ptr = self.ptr
-        dt = np.dtype(dtype)
+        dt = plain_dtype(dtype, "ManagedBuffer.as_numpy")
         if shape is None:
             if self.nbytes % dt.itemsize:
                 raise ValueError(f"as_numpy: {self.nbytes} bytes is not a multiple of {dt}")

@@ -24,6 +24,7 @@ import numpy as np
 from ..context import Context
 from ..errors import LaunchArgumentError
 from ..memory.device import DeviceArray, DeviceBuffer
+from ..memory.hostptr import plain_dtype
 from ..memory.interop import order_after_producers
 from .memargs import OWN_TYPES, pointer_of, remember_pointer_type
 from .pointers import Refused, pointer_getter, short_repr
@@ -148,6 +149,7 @@ def _to_bytes(p: Param, v: Any) -> bytes:
     if isinstance(v, (bytes, bytearray, memoryview)):
         data = bytes(v)
     elif isinstance(v, (np.generic, np.ndarray)):
+        plain_dtype(v.dtype, "kernel argument")
         if isinstance(v, np.ndarray) and not (v.flags.c_contiguous or v.flags.f_contiguous):
             raise Refused(f"got a non-contiguous array {v.shape} {v.dtype}")
         data = v.tobytes()

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..errors import LaunchArgumentError
 from ..memory.host import host_device_pointer
+from ..memory.hostptr import plain_dtype
 
 __all__ = [
     "Refused",
@@ -39,6 +40,7 @@ _HOST_ARRAY_FIX = (
 
 
 def _ndarray_pointer(arr: np.ndarray, ctx: Any = None) -> int:
+    plain_dtype(arr.dtype, "kernel argument")
     ptr = host_device_pointer(arr)
     if ptr is None:
         raise Refused(

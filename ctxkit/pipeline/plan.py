@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from ..memory.hostptr import plain_dtype
+
 __all__ = [
     "HOST_PATHS",
     "Chunk",
@@ -387,8 +389,7 @@ def prepare_io(
         )
     if x.ndim == 0:
         raise ValueError("Pipeline.map needs an array with at least one dimension, got a 0-d one")
-    if x.dtype.hasobject:
-        raise TypeError("Pipeline.map cannot copy object arrays to a GPU; use a numeric dtype")
+    plain_dtype(x.dtype, "Pipeline.map: x")
     if not x.flags.c_contiguous:
         x = np.ascontiguousarray(x)
     if out is None:
@@ -401,8 +402,7 @@ def prepare_io(
         return x, pinned_pool().empty(x.shape, x.dtype, context=context)
     if not isinstance(out, np.ndarray):
         raise TypeError(f"out must be a numpy array, got {type(out).__name__}")
-    if out.dtype.hasobject:
-        raise TypeError("out cannot be an object array")
+    plain_dtype(out.dtype, "Pipeline.map: out")
     if out.ndim == 0 or out.shape[0] != x.shape[0]:
         raise ValueError(
             f"out must have as many rows as x (first axis): x.shape={x.shape}, "

@@ -31,6 +31,7 @@ from tests.core.badinput import (  # noqa: F401
     still_works,
     vadd_args,
 )
+from tests.support.helpers import object_array
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -243,6 +244,38 @@ def register_host_non_contiguous(env: Env) -> None:
     # them): both outcomes are checked in test_memory.py::test_register_host_neighbours_in_one_page.
     with ck.register_host(np.zeros(4 * 4096, np.uint8)[::2]):
         pass
+
+
+@case(TypeError, "copy_from_host", "dtype object holds Python objects", "astype")
+def copy_from_host_object_array(env: Env) -> None:
+    ck.DeviceBuffer(512).copy_from_host(object_array("object", 512))
+
+
+@case(TypeError, "copy_to_host", "dtype [('f0', '<f8'), ('f1', 'O')] holds Python objects")
+def copy_to_host_object_field(env: Env) -> None:
+    buf = ck.DeviceBuffer(512)
+    buf.memset(0xFF)  # would be references to nowhere
+    buf.copy_to_host(object_array("f8,O", 512), stream=ck.Stream())
+
+
+@case(TypeError, "register_host", "dtype object holds Python objects")
+def register_host_object_array(env: Env) -> None:
+    with ck.register_host(object_array("object", 1 << 16)):
+        pass
+
+
+@case(TypeError, "Pipeline.map: x", "dtype [('f0', '<f8'), ('f1', 'O')] holds Python objects")
+def pipeline_map_object_field(env: Env) -> None:
+    with ck.Pipeline(devices=[0]) as p:
+        p.map(env.scale, object_array("f8,O", 1 << 16), args=(2.0,))
+
+
+@case(TypeError, "Pipeline.map: out", "dtype object holds Python objects")
+def pipeline_map_into_object_array(env: Env) -> None:
+    with ck.Pipeline(devices=[0]) as p:
+        p.map(
+            env.scale, np.zeros(4096, np.float32), out=object_array("object", 1 << 15), args=(2.0,)
+        )
 
 
 # --- streams and events ----------------------------------------------------------------------

@@ -18,7 +18,7 @@ from ctxkit.graph import host as _host
 from ctxkit.memory import to_device
 from ctxkit.stream import Event, Stream
 from tests.support.fakegpu import FakeGPU, gpu_fixture  # noqa: F401
-from tests.support.helpers import in_thread
+from tests.support.helpers import OBJECT_DTYPES, in_thread, object_array, object_dtype_message
 
 N = 64
 
@@ -398,3 +398,15 @@ def test_host_callbacks_of_another_thread_are_independent(gpu, ctx):
         s.synchronize()
     assert hits == ["b", "a"]
     assert isinstance(a.instantiate(), GraphExec)
+
+
+@pytest.mark.parametrize("dtype", OBJECT_DTYPES)
+def test_memcpy_nodes_refuse_python_objects(gpu, ctx, dtype):
+    arr = object_array(dtype, 4 * N)
+    with ctx:
+        d = ck.device_array(N, np.float32)
+        g = Graph()
+        for call in (lambda: g.memcpy(d, arr), lambda: g.memcpy(arr, d)):
+            with pytest.raises(TypeError, match=object_dtype_message(dtype)):
+                call()
+        assert g.num_nodes == 0

@@ -34,6 +34,7 @@ from tests.support.fakemem import (  # noqa: F401
     in_thread,
     rand_bytes,
 )
+from tests.support.helpers import OBJECT_DTYPES, object_array, object_dtype_message
 
 # DeviceArray, CUDA Array Interface, DLPack
 # ======================================================================================
@@ -255,3 +256,23 @@ class FakeOrdinalBindings:
     def cuPointerGetAttribute(self, attr: Any, ptr: int) -> tuple[int, int]:
         assert attr == real.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
         return (OK, 1)
+
+
+@pytest.mark.parametrize("dtype", OBJECT_DTYPES)
+def test_device_arrays_and_their_host_copies_refuse_python_objects(fake, ctx0, dtype):
+    arr = object_array(dtype, 64)
+    with ctx0:
+        a = ck.device_array(8, np.float64)
+        s = Stream()
+    allocs = len(fake.calls("alloc"))
+    for call in (
+        lambda: a.copy_from_host(arr),
+        lambda: a.copy_to_host(arr, stream=s),
+        lambda: a.buffer.view((4,), dtype),
+        lambda: DeviceArray(a.buffer, (4,), dtype),
+        lambda: ck.device_array(4, dtype, context=ctx0),
+    ):
+        with pytest.raises(TypeError, match=object_dtype_message(dtype)):
+            call()
+    assert len(fake.calls("alloc")) == allocs
+    assert not fake.calls("HtoD") and not fake.calls("DtoHAsync")

@@ -44,6 +44,7 @@ from tests.support.fakemem import (  # noqa: F401
     in_thread,
     rand_bytes,
 )
+from tests.support.helpers import OBJECT_DTYPES, object_array, object_dtype_message
 
 # ======================================================================================
 # DeviceBuffer against the fake driver
@@ -397,6 +398,30 @@ def test_strict_mode_refuses_before_copying(fake, ctx0):
             buf.copy_from_host(np.ones(8, np.uint8), stream=s)
         buf.copy_from_host(ck.pinned_zeros(8, np.uint8), stream=s)
     assert len(fake.calls("HtoDAsync")) == 1
+
+
+@pytest.mark.parametrize("dtype", OBJECT_DTYPES)
+def test_host_copies_refuse_arrays_of_python_objects(fake, ctx0, dtype):
+    """Object references are heap addresses: they never go to a device or come back."""
+    arr = object_array(dtype, 64)
+    objects = list(arr["f1"] if arr.dtype.names else arr)
+    with ctx0:
+        buf = DeviceBuffer(64)
+        buf.copy_from_host(np.zeros(64, np.uint8))
+        s = Stream()
+    for call in (
+        lambda: buf.copy_from_host(arr),
+        lambda: buf.copy_from_host(arr, stream=s),
+        lambda: buf.copy_to_host(arr),
+        lambda: buf.copy_to_host(arr, stream=s),
+        lambda: ck.to_device(arr, context=ctx0),
+        lambda: ck.to_device(arr, context=ctx0, stream=s),
+    ):
+        with pytest.raises(TypeError, match=object_dtype_message(dtype)):
+            call()
+    assert len(fake.calls("HtoD")) == 1 and not fake.calls("HtoDAsync")
+    assert not fake.calls("DtoH") and not fake.calls("DtoHAsync")
+    assert all(a is b for a, b in zip(arr["f1"] if arr.dtype.names else arr, objects))
 
 
 # ======================================================================================

@@ -45,6 +45,7 @@ from tests.support.fakemem import (  # noqa: F401
     in_thread,
     rand_bytes,
 )
+from tests.support.helpers import OBJECT_DTYPES, object_array, object_dtype_message
 
 
 def test_pageable_warning_points_at_the_caller_once_per_call_site():
@@ -216,3 +217,18 @@ def test_async_copy_inside_register_host_does_not_warn(fake, ctx0):
 
 
 # ======================================================================================
+
+
+@pytest.mark.parametrize("dtype", OBJECT_DTYPES)
+def test_pinning_and_pinned_allocation_refuse_python_objects(fake, ctx0, dtype):
+    arr = object_array(dtype, 2 * PAGE)
+    with pytest.raises(TypeError, match=object_dtype_message(dtype)), ck.register_host(arr):
+        pass
+    for call in (
+        lambda: ck.pinned_empty(8, dtype, context=ctx0),
+        lambda: ck.pinned_zeros((2, 4), dtype, context=ctx0),
+        lambda: memory.pageable_arg(arr),
+    ):
+        with pytest.raises(TypeError, match=object_dtype_message(dtype)):
+            call()
+    assert not fake.calls("register") and not fake.calls("hostalloc")

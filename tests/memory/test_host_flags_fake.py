@@ -23,6 +23,7 @@ from ctxkit.memory.hostaccess import (
 )
 from ctxkit.module import pointers
 from tests.support.fakevmm import A, vctx0, vctx1, vfake  # noqa: F401
+from tests.support.helpers import OBJECT_DTYPES, object_array, object_dtype_message
 
 UVA_BIT = 1 << 46  # the fake's device addresses of pinned memory differ from the host's
 
@@ -161,6 +162,20 @@ def test_pageable_arrays_are_refused_unless_allowed(vfake, vctx0):
         host.allow_pageable_kernel_args(False)
         with pytest.raises(LaunchArgumentError):
             pointers.device_pointer(arr)
+
+
+@pytest.mark.parametrize("dtype", OBJECT_DTYPES)
+def test_arrays_of_python_objects_are_never_kernel_arguments(vfake, vctx0, dtype):
+    hmm(vfake, True)
+    arr = object_array(dtype, 64)
+    host.allow_pageable_kernel_args(True)
+    try:
+        with vctx0, pytest.raises(TypeError, match=object_dtype_message(dtype)):
+            pointers.device_pointer(arr)
+    finally:
+        host.allow_pageable_kernel_args(False)
+    with pytest.raises(TypeError, match=object_dtype_message(dtype)):
+        pageable_arg(arr)
 
 
 def test_allowed_pageable_arrays_are_still_refused_where_the_device_cannot(vfake, vctx0, vctx1):

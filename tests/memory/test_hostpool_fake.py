@@ -24,6 +24,7 @@ from tests.support.fakemem import (  # noqa: F401
     fake,
     in_thread,
 )
+from tests.support.helpers import OBJECT_DTYPES, object_dtype_message
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -308,3 +309,16 @@ def test_a_bad_context_fails_even_when_the_cache_could_serve(fake, ctx0):
     with pytest.raises(TypeError, match="expected a ctxkit.Context"):
         pool.empty(100, np.uint8, context="gpu0")
     assert pool.stats().cached_blocks == 1  # nothing was taken or evicted
+
+
+@pytest.mark.parametrize("dtype", OBJECT_DTYPES)
+def test_pool_arrays_refuse_python_objects(fake, ctx0, dtype):
+    pool = PinnedPool()
+    for call in (
+        lambda: pool.empty(8, dtype, context=ctx0),
+        lambda: pool.try_empty(8, dtype, context=ctx0),
+        lambda: pool.zeros((2, 4), dtype, context=ctx0),
+    ):
+        with pytest.raises(TypeError, match=object_dtype_message(dtype)):
+            call()
+    assert not fake.calls("hostalloc")

@@ -19,6 +19,7 @@ from ctxkit.errors import ContextClosedError, CudaError
 from ctxkit.memory import ipc, ipcwire
 from ctxkit.memory.vmm import VirtualBuffer
 from tests.support.fakevmm import GRANULARITY, A, other_process, vctx0, vctx1, vfake  # noqa: F401
+from tests.support.helpers import OBJECT_DTYPES, object_array, object_dtype_message
 
 
 def rand(n: int, seed: int = 0) -> np.ndarray:
@@ -274,3 +275,20 @@ def test_a_failed_import_releases_what_it_imported(vfake, vctx0, monkeypatch):
         h.open()
     vb.close()
     assert not vfake.handles  # the one imported handle was released too
+
+
+@pytest.mark.parametrize("dtype", OBJECT_DTYPES)
+def test_imported_memory_refuses_python_objects(vfake, vctx0, monkeypatch, dtype):
+    buf = ck.DeviceBuffer(4096, context=vctx0)
+    h = pickle.loads(pickle.dumps(ipc.export_buffer(buf)))
+    other_process(monkeypatch)
+    imported = ipc.import_buffer(h)
+    arr = object_array(dtype, 4096)
+    for call in (
+        lambda: imported.copy_from_host(arr),
+        lambda: imported.copy_to_host(arr),
+        lambda: imported.view((256,), dtype),
+    ):
+        with pytest.raises(TypeError, match=object_dtype_message(dtype)):
+            call()
+    imported.close()

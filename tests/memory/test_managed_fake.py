@@ -31,6 +31,7 @@ from tests.support.fakemem import (  # noqa: F401
     in_thread,
     rand_bytes,
 )
+from tests.support.helpers import OBJECT_DTYPES, object_dtype_message
 
 # managed memory
 # ======================================================================================
@@ -131,3 +132,13 @@ def test_managed_prefetch_and_advise(fake, ctx0, ctx1):
 
 
 # ======================================================================================
+
+
+@pytest.mark.parametrize("dtype", OBJECT_DTYPES)
+def test_managed_views_refuse_python_objects(fake, ctx0, dtype):
+    with ctx0:
+        m = ManagedBuffer(64)
+    for call in (lambda: m.as_numpy(dtype), lambda: m.as_numpy(dtype, (4,))):
+        with pytest.raises(TypeError, match=object_dtype_message(dtype)):
+            call()
+    m.close()  # no view was made

@@ -15,6 +15,7 @@ from ctxkit.errors import ContextClosedError, CudaError, OutOfMemoryError
 from ctxkit.memory.vmm import VirtualBuffer, allocation_granularity
 from ctxkit.module.pointers import device_pointer
 from tests.support.fakevmm import GRANULARITY, A, vctx0, vctx1, vfake  # noqa: F401
+from tests.support.helpers import OBJECT_DTYPES, object_array, object_dtype_message
 
 G = GRANULARITY
 
@@ -242,3 +243,18 @@ def test_device_buffer_surface(vfake, vctx0):
 def test_allocation_granularity(vfake, vctx0):
     assert allocation_granularity(0) == G
     assert allocation_granularity(vctx0, shareable=True) == G
+
+
+@pytest.mark.parametrize("dtype", OBJECT_DTYPES)
+def test_host_copies_and_views_refuse_python_objects(vfake, vctx0, dtype):
+    with vctx0:
+        vb = VirtualBuffer(G)
+    arr = object_array(dtype, G)
+    for call in (
+        lambda: vb.copy_from_host(arr),
+        lambda: vb.copy_to_host(arr),
+        lambda: vb.view((G // 16,), dtype),
+    ):
+        with pytest.raises(TypeError, match=object_dtype_message(dtype)):
+            call()
+    assert not vfake.calls("HtoD") and not vfake.calls("DtoH")

@@ -25,6 +25,7 @@ from tests.module.ptx_samples import (
     entries,
     packer,
 )
+from tests.support.helpers import OBJECT_DTYPES, object_array, object_dtype_message
 
 # --- packing ----------------------------------------------------------------------------
 
@@ -199,6 +200,14 @@ def test_hand_written_type_errors(index, value, why):
     with pytest.raises(LaunchArgumentError, match=f"argument {index} does not fit") as info:
         pk.pack(good)
     assert why in str(info.value)
+
+
+@pytest.mark.parametrize("dtype", OBJECT_DTYPES)
+def test_arrays_of_python_objects_are_not_passed_by_value(dtype):
+    pk = packer("typed", HAND_PTX)
+    args = [FakeBuffer(1), 1, 1, 1.0, 1, 1, 1, object_array(dtype, 16), bytes(5), 1.0]
+    with pytest.raises(LaunchArgumentError, match=object_dtype_message(dtype)):
+        pk.pack(args)
 
 
 def test_half_struct_hint_and_non_contiguous_array():

@@ -19,6 +19,7 @@ import pytest
 import ctxkit as ck
 from ctxkit.pipeline import Pipeline, close_idle_host_threads
 from tests.support.fakegpu import gpu_fixture, host_view, scale_body  # noqa: F401
+from tests.support.helpers import OBJECT_DTYPES, object_array, object_dtype_message
 
 # --- whole runs on the simulated GPU ---------------------------------------------------------
 
@@ -340,6 +341,23 @@ def test_map_managed(gpu):
         with pytest.raises(TypeError, match="ManagedBuffer"):
             p.map_managed(scale_body(gpu, 2.0), [1, 2])
         del xm, out
+
+
+@pytest.mark.parametrize("dtype", OBJECT_DTYPES)
+def test_map_refuses_python_objects_in_and_out(gpu, dtype):
+    arr = object_array(dtype, 4096)
+    with Pipeline([0]) as p:
+        buf = ck.ManagedBuffer(4096, context=p.contexts[0])
+        for call in (
+            lambda: p.map(scale_body(gpu, 2.0), arr),
+            lambda: p.map(scale_body(gpu, 2.0), arr, out="pinned"),
+            lambda: p.map(scale_body(gpu, 2.0), np.zeros(len(arr)), out=arr),
+            lambda: p.map_managed(scale_body(gpu, 2.0), buf, dtype=dtype),
+            lambda: p.map_managed(scale_body(gpu, 2.0), buf, arr, dtype=np.float64),
+        ):
+            with pytest.raises(TypeError, match=object_dtype_message(dtype)):
+                call()
+        assert p.last_stats.nbytes == 0  # nothing ran
 
 
 # --- tests/benchmarks/test_bench_pipeline_fake.py imports this stand-in for scale_f32 ----

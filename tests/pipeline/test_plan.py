@@ -21,6 +21,7 @@ from ctxkit.pipeline import (
     split_rows,
 )
 from ctxkit.pipeline.plan import AUTO_REGISTER_MIN_BYTES, DEFAULT_STAGING_BUFFERS, MAX_CHUNKS
+from tests.support.helpers import OBJECT_DTYPES, object_array, object_dtype_message
 
 MiB = 1 << 20
 
@@ -291,6 +292,14 @@ def test_prepare_io_accepts_other_out_dtype_and_row_shape():
 def test_prepare_io_errors(x, out, exc, match):
     with pytest.raises(exc, match=match):
         prepare_io(x, out)
+
+
+@pytest.mark.parametrize("dtype", OBJECT_DTYPES)
+def test_prepare_io_refuses_python_objects_naming_the_dtype(dtype):
+    arr = object_array(dtype, 64)
+    for x, out in ((arr, None), (arr, "pageable"), (np.zeros(len(arr)), arr)):
+        with pytest.raises(TypeError, match=object_dtype_message(dtype)):
+            prepare_io(x, out)
 
 
 def test_prepare_io_read_only_and_partial_overlap():

@@ -13,6 +13,7 @@ import pytest
 
 from ctxkit.procs import wire
 from tests.procs.proctools import SHM, own_blocks
+from tests.support.helpers import OBJECT_DTYPES
 
 MiB = 1 << 20
 
@@ -45,6 +46,16 @@ def test_encode_keeps_small_buffers_in_band_and_moves_large_ones():
     out["l"][0] = 7.0  # writable, owns its memory after the name is gone
     assert own_blocks() == set()
     assert wire.encode(large, threshold=None)[1] == []
+
+
+@pytest.mark.parametrize("dtype", OBJECT_DTYPES)
+def test_arrays_of_python_objects_travel_by_value_never_as_bytes(dtype):
+    arr = np.empty(1 << 16, dtype)
+    arr[...] = (1.5, "x") if arr.dtype.names else "x"
+    data, parts = wire.encode(arr, threshold=1)
+    assert parts == [] and own_blocks() == set()  # no shared-memory block of references
+    out = wire.decode(data, parts)
+    assert out.dtype == arr.dtype and out.tolist() == arr.tolist()
 
 
 def test_encode_without_room_in_dev_shm_keeps_the_buffer_in_the_pickle(monkeypatch):

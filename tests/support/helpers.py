@@ -64,3 +64,32 @@ def ipc_refused(exc: BaseException) -> bool:
     """Whether *exc* is the driver refusing IPC here (a documented "not supported" answer)."""
     name = getattr(exc, "name", "") or ""
     return name in IPC_REFUSALS or any(n in str(exc) for n in IPC_REFUSALS)
+
+
+#: dtypes whose items hold Python objects: what every host memory path refuses
+OBJECT_DTYPES = ("object", "f8,O")
+
+
+def object_array(dtype: str, nbytes: int) -> Any:
+    """A numpy array of *dtype* (one of :data:`OBJECT_DTYPES`) filled with live objects,
+    *nbytes* bytes long."""
+    import numpy as np
+
+    dt = np.dtype(dtype)
+    arr = np.empty(nbytes // dt.itemsize, dt)
+    field = "f1" if dt.names else None
+    for i in range(arr.shape[0]):
+        if field:
+            arr[i] = (float(i), object())
+        else:
+            arr[i] = object()
+    return arr
+
+
+def object_dtype_message(dtype: str) -> str:
+    """A regex matching a refusal that names *dtype*."""
+    import re
+
+    import numpy as np
+
+    return re.escape(f"dtype {np.dtype(dtype)} holds Python objects")
