@@ -62,23 +62,37 @@ class _ThreadState:
 
 
 class _Local(threading.local):
-    """Holds one :class:`_ThreadState` per thread (one thread-local lookup per operation)."""
+    """Holds one :class:`_ThreadState` per thread (one thread-local lookup per operation).
+
+    Built at the thread's first use. The garbage collector may run a finalizer -- a free,
+    which needs this state -- at any allocation, also inside ``__init__`` before ``s`` is
+    set; :func:`_first_use` then builds the state, and ``__init__`` keeps that one.
+    """
 
     s: _ThreadState
 
     def __init__(self) -> None:
-        t = threading.current_thread()
-        self.s = _ThreadState()
-        with _all_lock:
-            _all_threads[threading.get_ident()] = (weakref.ref(t), t.name, self.s.stack)
-            for ident in [i for i, v in _all_threads.items() if v[0]() is None]:
+        _new_state(self)
+
+
+def _new_state(local: _Local) -> _ThreadState:
+    """Give this thread its state in *local* (an existing one is kept) and list it."""
+    st: _ThreadState = local.__dict__.setdefault("s", _ThreadState())
+    t = threading.current_thread()
+    with _all_lock:
+        _all_threads[threading.get_ident()] = (weakref.ref(t), t.name, st.stack)
+        for ident, v in _all_threads.copy().items():
+            if v[0]() is None:
                 del _all_threads[ident]
+    return st
 
 
 _all_threads: dict[int, tuple[weakref.ref[threading.Thread], str, list[Any]]] = {}
 
 
-_all_lock = threading.Lock()
+# Re-entrant: a finalizer run by the collector while this thread holds it may be the
+# thread's first use of ctxkit, which lists the thread. Readers iterate over a copy.
+_all_lock = threading.RLock()
 
 
 _tls = _Local()
@@ -110,7 +124,11 @@ def thread_state() -> _ThreadState:
 
 
 def _first_use() -> _ThreadState:
-    st = _fast.s = _tls.s
+    try:
+        st = _tls.s
+    except AttributeError:  # a finalizer runs inside this thread's _Local.__init__
+        st = _new_state(_tls)
+    _fast.s = st
     return st
 
 
@@ -129,9 +147,9 @@ def thread_bindings() -> dict[str, list[Context]]:
     For diagnostics: foreign pushes (PyTorch, raw cuda.bindings) are not listed.
     """
     with _all_lock:
-        states = list(_all_threads.items())
+        states = _all_threads.copy()
     out: dict[str, list[Context]] = {}
-    for ident, (ref, name, stack) in states:
+    for ident, (ref, name, stack) in states.items():
         if ref() is None:
             continue
         ctxs = _pushed_contexts(stack)
@@ -488,10 +506,10 @@ class Context:
 
     def _current_elsewhere(self) -> list[str]:
         with _all_lock:
-            states = list(_all_threads.values())
+            states = _all_threads.copy()
         return [
             name
-            for ref, name, stack in states
+            for ref, name, stack in states.values()
             if ref() is not None and any(c is self for c in _pushed_contexts(stack))
         ]
 
