@@ -453,7 +453,7 @@ class Context:
             _, under = drv.cuCtxGetCurrent()
             pushed_over = int(under) == self.handle
             popped = True
-        if popped:
+        if popped and got:
             drv.cuCtxPushCurrent(top)
         where = threading.current_thread().name
         if pushed_over:
