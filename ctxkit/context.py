@@ -51,7 +51,8 @@ class _ThreadState:
     ``stack`` holds one entry per open ``with``/push: ``(ctx, previous top)`` for a real
     push, the context itself for a re-entry that cost no driver call, and
     ``(ctx, None, False)`` for a context the driver already had current when ctxkit had
-    nothing pushed (another library made it current: nothing to push or pop).
+    nothing pushed (another library made it current: nothing to push or pop; the exit
+    checks it is still current).
     """
 
     __slots__ = ("stack", "top")
@@ -62,23 +63,37 @@ class _ThreadState:
 
 
 class _Local(threading.local):
-    """Holds one :class:`_ThreadState` per thread (one thread-local lookup per operation)."""
+    """Holds one :class:`_ThreadState` per thread (one thread-local lookup per operation).
+
+    Built at the thread's first use. The garbage collector may run a finalizer -- a free,
+    which needs this state -- at any allocation, also inside ``__init__`` before ``s`` is
+    set; :func:`_first_use` then builds the state, and ``__init__`` keeps that one.
+    """
 
     s: _ThreadState
 
     def __init__(self) -> None:
-        t = threading.current_thread()
-        self.s = _ThreadState()
-        with _all_lock:
-            _all_threads[threading.get_ident()] = (weakref.ref(t), t.name, self.s.stack)
-            for ident in [i for i, v in _all_threads.items() if v[0]() is None]:
+        _new_state(self)
+
+
+def _new_state(local: _Local) -> _ThreadState:
+    """Give this thread its state in *local* (an existing one is kept) and list it."""
+    st: _ThreadState = local.__dict__.setdefault("s", _ThreadState())
+    t = threading.current_thread()
+    with _all_lock:
+        _all_threads[threading.get_ident()] = (weakref.ref(t), t.name, st.stack)
+        for ident, v in _all_threads.copy().items():
+            if v[0]() is None:
                 del _all_threads[ident]
+    return st
 
 
 _all_threads: dict[int, tuple[weakref.ref[threading.Thread], str, list[Any]]] = {}
 
 
-_all_lock = threading.Lock()
+# Re-entrant: a finalizer run by the collector while this thread holds it may be the
+# thread's first use of ctxkit, which lists the thread. Readers iterate over a copy.
+_all_lock = threading.RLock()
 
 
 _tls = _Local()
@@ -110,7 +125,11 @@ def thread_state() -> _ThreadState:
 
 
 def _first_use() -> _ThreadState:
-    st = _fast.s = _tls.s
+    try:
+        st = _tls.s
+    except AttributeError:  # a finalizer runs inside this thread's _Local.__init__
+        st = _new_state(_tls)
+    _fast.s = st
     return st
 
 
@@ -129,9 +148,9 @@ def thread_bindings() -> dict[str, list[Context]]:
     For diagnostics: foreign pushes (PyTorch, raw cuda.bindings) are not listed.
     """
     with _all_lock:
-        states = list(_all_threads.items())
+        states = _all_threads.copy()
     out: dict[str, list[Context]] = {}
-    for ident, (ref, name, stack) in states:
+    for ident, (ref, name, stack) in states.items():
         if ref() is None:
             continue
         ctxs = _pushed_contexts(stack)
@@ -192,7 +211,9 @@ class Context:
     devices; re-entering the context already on top costs no driver call. When ctxkit
     has nothing pushed in the thread and the driver already has this context current
     (PyTorch or CuPy made its primary context current), ``with ctx:`` uses it as it is:
-    nothing is pushed or popped, so a foreign change inside such a block is not reported.
+    nothing is pushed or popped, and one ``cuCtxGetCurrent`` at exit checks that it is
+    still current. A foreign push or pop inside any block is reported at its exit with
+    :class:`~ctxkit.errors.ContextStackError`, and the stack is left as foreign code left it.
 
     Attributes
     ----------
@@ -363,14 +384,19 @@ class Context:
                 st.stack.append(entry)
             raise self._order_error(st.stack)
         if len(entry) == 3:
-            st.top = entry[1]
+            err, cu = drv.cuCtxGetCurrent()
+            st.top = None
+            if err:
+                raise self._error(err, "cuCtxGetCurrent")
+            if (cu != self._cu) if self._by_value else (int(cu) != self.handle):
+                self._restore_foreign(st, entry, cu, popped=False)
             return
         err, popped = drv.cuCtxPopCurrent()
         if err:
             st.top = None
             raise self._error(err, "cuCtxPopCurrent")
         if (popped != self._cu) if self._by_value else (int(popped) != self.handle):
-            self._restore_foreign(st, entry, popped, int(popped))
+            self._restore_foreign(st, entry, popped, popped=True)
         st.top = entry[1]
 
     def push(self) -> None:
@@ -402,33 +428,54 @@ class Context:
         return ContextStackError(msg)
 
     def _restore_foreign(
-        self, st: _ThreadState, entry: tuple[Context, Context | None], popped: Any, got: int
+        self, st: _ThreadState, entry: tuple[Any, ...], top: Any, popped: bool
     ) -> None:
-        """Put back a context ctxkit did not push, then report the foreign change.
+        """Foreign code changed the stack inside this block: leave it as that code left it,
+        then report the change.
 
-        If foreign code pushed on top of this context, this context is still on the
-        driver's stack beneath it, so ctxkit keeps its record: once the foreign code pops
-        its context, ``ctx.pop()`` completes. If foreign code popped this context, the
-        record is dropped.
+        *top* is the driver's top where this context was expected: popped by ctxkit
+        already (*popped*, a block that pushed) or still on the stack (a block that used
+        the context another library made current). If foreign code pushed on top of this
+        context, this context is still beneath it, so ctxkit keeps its record: once the
+        foreign code pops its context, ``ctx.pop()`` completes. If foreign code popped
+        this context, the record is dropped.
         """
-        drv.cuCtxPushCurrent(popped)
+        got = int(top)
         st.top = None
         prev = entry[1]
-        popped_ours = prev is not None and got == prev.handle
+        if prev is not None and got == prev.handle:
+            pushed_over = False
+        elif not got:
+            pushed_over = False  # nothing current: this context was popped
+        else:  # look one entry beneath the top (error path: the calls do not matter)
+            if not popped:
+                drv.cuCtxPopCurrent()
+            _, under = drv.cuCtxGetCurrent()
+            pushed_over = int(under) == self.handle
+            popped = True
+        if popped and got:
+            drv.cuCtxPushCurrent(top)
         where = threading.current_thread().name
-        if popped_ours:
-            detail = "foreign code popped this context inside the block"
-        else:
+        if pushed_over:
             st.stack.append(entry)
             detail = (
                 "foreign code pushed a context inside the block and did not pop it; this "
                 "context is still beneath it: pop the foreign context, then call ctx.pop()"
             )
+        else:
+            detail = "foreign code popped this context inside the block"
+        own = len(entry) == 2
+        expected = "expected to pop" if own else "expected to find"
+        kept = (
+            f"ctxkit put {got:#x} back and did not pop it"
+            if own
+            else "ctxkit pushed nothing here (another library had made this context current)"
+            " and popped nothing"
+        )
         raise ContextStackError(
-            f"context stack changed under ctxkit in thread {where!r}: expected to pop "
+            f"context stack changed under ctxkit in thread {where!r}: {expected} "
             f"{self.handle:#x} ({self._kind}, device {self.device.ordinal}) but the top was "
-            f"{got:#x}; {detail}. ctxkit put {got:#x} back and did not pop it. Keep every "
-            "push/pop inside a ctxkit block balanced."
+            f"{got:#x}; {detail}. {kept}. Keep every push/pop inside a ctxkit block balanced."
         )
 
     # --- lifetime ------------------------------------------------------------------
@@ -488,10 +535,10 @@ class Context:
 
     def _current_elsewhere(self) -> list[str]:
         with _all_lock:
-            states = list(_all_threads.values())
+            states = _all_threads.copy()
         return [
             name
-            for ref, name, stack in states
+            for ref, name, stack in states.values()
             if ref() is not None and any(c is self for c in _pushed_contexts(stack))
         ]
 

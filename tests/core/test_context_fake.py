@@ -13,6 +13,7 @@ from ctxkit import lifetime
 from ctxkit.context import Context, current_context, thread_bindings, thread_state
 from tests.support.fakedriver import FakeHandle
 from tests.support.fakegpu import gpu_fixture  # noqa: F401
+from tests.support.helpers import in_thread
 
 
 def test_create_does_not_stay_current(fake_driver):
@@ -403,3 +404,76 @@ def test_resources_of_a_reset_primary_context_are_not_freed_again(gpu):
     del buf
     gc.collect()
     assert [f for f in lifetime.failed_frees()[before:] if f.context == ctx.handle] == []
+
+
+class _Res:
+    """Stands for a buffer: its finalizer frees it in its context."""
+
+
+def _collected_while_state_is_built(monkeypatch, fake_driver, ctx, handle):
+    """A resource whose last reference goes while a thread builds its ctxkit state (as
+    the collector may free it at that allocation); returns what keeps it until then."""
+    held = [_Res()]
+    lifetime.finalizer(held[0], ctx, fake_driver.fake_free, handle)
+
+    class CollectingState(context_mod._ThreadState):
+        __slots__ = ()
+
+        def __init__(self) -> None:
+            held.clear()
+            super().__init__()
+
+    monkeypatch.setattr(context_mod, "_ThreadState", CollectingState)
+    return held
+
+
+def _fresh_thread_drops(res: list) -> None:
+    """A thread that never used ctxkit drops the last reference to a resource."""
+    in_thread(res.clear, name="never-used-ctxkit")
+
+
+def _ctxkit_worker_starts(ctx: Context) -> None:
+    """A ctxkit worker thread binds its context for its whole life at start."""
+    with ck.ContextExecutor(ctx, max_workers=1) as ex:
+        ex.submit(int).result()
+
+
+@pytest.mark.parametrize("where", ["a thread that never used ctxkit", "a ctxkit worker"])
+def test_a_free_run_while_a_thread_builds_its_state_is_made(fake_driver, monkeypatch, where):
+    """The collector may run a finalizer at any allocation, also while a thread builds
+    its context state (a new pipeline or executor thread, or a free that is the thread's
+    first use of ctxkit): the free is made in its context, none fails."""
+    ctx = Context.primary(1)
+    failed = len(lifetime.failed_frees())
+    _collected_while_state_is_built(monkeypatch, fake_driver, ctx, 7)
+    if where == "a ctxkit worker":
+        _ctxkit_worker_starts(ctx)
+        expected = [(7, ctx.handle)]
+    else:
+        first = [_Res()]
+        lifetime.finalizer(first[0], ctx, fake_driver.fake_free, 8)
+        _fresh_thread_drops(first)
+        expected = [(7, ctx.handle), (8, ctx.handle)]
+    assert lifetime.failed_frees()[failed:] == []
+    assert sorted(fake_driver.freed_in) == expected
+    assert fake_driver.current() == 0
+
+
+def test_a_free_run_while_a_new_thread_lists_the_bindings_is_made(fake_driver, monkeypatch):
+    """A finalizer that runs while a thread reads the bindings of all threads (under
+    their lock) may be that thread's first use of ctxkit, which lists the thread."""
+    ctx = Context.primary(0)
+    held = [_Res()]
+    lifetime.finalizer(held[0], ctx, fake_driver.fake_free, 9)
+
+    class CollectingDict(dict):
+        def copy(self) -> dict:
+            held.clear()
+            return dict(self)
+
+    monkeypatch.setattr(context_mod, "_all_threads", CollectingDict(context_mod._all_threads))
+    t = threading.Thread(target=thread_bindings, name="lists-bindings", daemon=True)
+    t.start()
+    t.join(5)
+    assert not t.is_alive(), "the thread waits for the lock it holds"
+    assert fake_driver.freed_in == [(9, ctx.handle)]

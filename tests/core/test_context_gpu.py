@@ -117,7 +117,35 @@ def test_worker_thread_invalid_context_bug_and_fix(ctx0):
     assert results["bound_alloc"] == 0
 
 
-def test_foreign_push_inside_block_is_reported_and_recoverable(ctx0):
+@pytest.fixture
+def emptied():
+    """This thread's driver stack emptied for the test (an earlier test may have left
+    torch's or CuPy's context current here) and put back after."""
+    assert thread_state().stack == [], "an earlier test left a ctxkit push in this thread"
+    saved = []
+    while raw_current():
+        err, cu = drv.cuCtxPopCurrent()
+        assert not err
+        saved.append(cu)
+    yield
+    st = thread_state()
+    st.stack.clear()
+    st.top = None
+    while raw_current():
+        drv.cuCtxPopCurrent()
+    for cu in reversed(saved):
+        drv.cuCtxPushCurrent(cu)
+
+
+@pytest.mark.parametrize("primary_current", [True, False], ids=["primary current", "nothing"])
+def test_foreign_push_inside_block_is_reported_and_recoverable(ctx0, emptied, primary_current):
+    """With the primary context already current (a raw push, as torch or CuPy leave it)
+    ``with ctx0:`` pushes nothing; with nothing current it pushes: both report a foreign
+    push left inside the block, and ``ctx0.pop()`` completes once it is popped."""
+    if primary_current:
+        (err,) = drv.cuCtxPushCurrent(ctx0._cu)
+        assert not err
+    below = raw_current()
     other = Context.create(0)
     try:
         with pytest.raises(ck.ContextStackError, match="did not pop it"):
@@ -130,8 +158,29 @@ def test_foreign_push_inside_block_is_reported_and_recoverable(ctx0):
         assert raw_current() == ctx0.handle
         ctx0.pop()  # ctxkit's record completes
         assert thread_state().stack == []
+        assert raw_current() == below
     finally:
         other.close()
+
+
+@pytest.mark.parametrize("primary_current", [True, False], ids=["primary current", "another"])
+def test_foreign_pop_inside_block_leaves_what_was_beneath(ctx0, emptied, primary_current):
+    """A foreign pop of the block's context is reported whether the block pushed it or
+    found it current, and the context beneath stays current."""
+    outer = Context.create(0)
+    try:
+        (err,) = drv.cuCtxPushCurrent(outer._cu)
+        assert not err
+        if primary_current:
+            (err,) = drv.cuCtxPushCurrent(ctx0._cu)
+            assert not err
+        with pytest.raises(ck.ContextStackError, match="popped this context"):
+            with ctx0:
+                drv.cuCtxPopCurrent()
+        assert raw_current() == outer.handle and thread_state().stack == []
+        drv.cuCtxPopCurrent()
+    finally:
+        outer.close()
 
 
 def test_foreign_pop_inside_block_is_reported(ctx0):

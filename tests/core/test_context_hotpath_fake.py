@@ -315,3 +315,57 @@ def test_an_adopted_closed_context_still_refuses(fake_driver):
 def thread_bindings_of_this_thread() -> list[Context]:
     me = threading.current_thread()
     return next(v for k, v in ck.context.thread_bindings().items() if k.startswith(me.name))
+
+
+@pytest.fixture(params=["made current by another library", "nothing current"])
+def before(request: pytest.FixtureRequest, fresh_driver: FreshHandleDriver) -> str:
+    """The driver's stack in this thread before ``with ctx:``: ctx already current (the
+    block pushes nothing), or empty (the block pushes)."""
+    if request.param != "nothing current":
+        fresh_driver.stack().append(fresh_driver.handle_type(Context.primary(0).handle))
+    return str(request.param)
+
+
+def test_a_foreign_push_inside_a_block_is_reported_and_recoverable(fresh_driver, before):
+    ctx = Context.primary(0)
+    below = list(fresh_driver.stack())
+    with pytest.raises(ck.ContextStackError, match="did not pop it") as ei, ctx:
+        fresh_driver.stack().append(fresh_driver.handle_type(0xF00))  # raw push, never popped
+    assert f"{ctx.handle:#x}" in str(ei.value) and "0xf00" in str(ei.value)
+    assert fresh_driver.current() == 0xF00  # ctxkit popped nothing of it
+    assert thread_state().top is None
+    assert [context_mod.entry_context(e) for e in thread_state().stack] == [ctx]
+    fresh_driver.stack().pop()  # the foreign code balances its push
+    ctx.pop()  # ctxkit's record completes
+    assert thread_state().stack == [] and thread_state().top is None
+    assert [int(h) for h in fresh_driver.stack()] == [int(h) for h in below]
+
+
+def test_a_foreign_pop_inside_a_block_is_reported(fresh_driver, before):
+    """Foreign code pops the context of the block; what was beneath stays current."""
+    ctx, other = Context.primary(0), Context.primary(1)
+    fresh_driver.stack().insert(0, fresh_driver.handle_type(other.handle))
+    with pytest.raises(ck.ContextStackError, match="popped this context"), ctx:
+        fresh_driver.stack().pop()
+    assert thread_state().stack == [] and thread_state().top is None
+    assert [int(h) for h in fresh_driver.stack()] == [other.handle]
+    with ctx:  # the thread's state is sound: a push and a pop
+        assert fresh_driver.current() == ctx.handle
+    assert [int(h) for h in fresh_driver.stack()] == [other.handle]
+
+
+def test_a_foreign_pop_of_the_only_context_inside_a_block_that_pushed_nothing(fresh_driver):
+    ctx = Context.primary(0)
+    fresh_driver.stack().append(fresh_driver.handle_type(ctx.handle))
+    with pytest.raises(ck.ContextStackError, match="popped this context"), ctx:
+        fresh_driver.stack().pop()
+    assert thread_state().stack == [] and fresh_driver.stack() == []
+
+
+def test_a_block_that_pushed_nothing_costs_one_driver_call_at_each_end(fake_driver):
+    ctx = Context.primary(0)
+    _foreign_made_current(fake_driver, ctx)
+    with ctx:
+        assert fake_driver.calls["cuCtxGetCurrent"] == 1
+    assert fake_driver.calls["cuCtxGetCurrent"] == 2
+    assert fake_driver.calls["cuCtxPushCurrent"] == fake_driver.calls["cuCtxPopCurrent"] == 0
