@@ -170,6 +170,11 @@ def order_after_producer(
 ) -> None:
     """Make stream *consumer* wait until *v* is ready.
 
+    On a capturing *consumer* a replayed graph never waits for foreign producers again,
+    so a producer outside the capture has its work so far finished on the host before
+    the caller records its work; order what it enqueues later before each replay (see
+    the module docstring).
+
     Parameters
     ----------
     v : Any
@@ -181,6 +186,12 @@ def order_after_producer(
     consumer_stream : Stream or another library's stream, optional
         The stream object *consumer* came from (``None``: the thread's current stream);
         its flags decide whether the legacy default stream is ordered before it anyway.
+
+    Raises
+    ------
+    CaptureOrderError
+        *consumer* is capturing and no order with the producer exists: it captures into
+        another graph, or the capture was begun outside ctxkit.
     """
     order_after_producers((v,), consumer, ctx, consumer_stream)
 
