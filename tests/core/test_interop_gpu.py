@@ -186,10 +186,24 @@ def spin() -> Any:
         return ck.Module.load(ck.compile(kernel_source("spin.cu"))).function("spin")
 
 
+def _assert_torch_runs_in(ctx0: ck.Context) -> None:
+    """torch's legacy-stream work goes to the context current on this thread (the primary
+    one if none is): a context an earlier test left current would take it out of ctx0's
+    stream order, and the ordering checks below would fail for a reason not theirs."""
+    from ctxkit._driver import drv
+
+    err, cur = drv.cuCtxGetCurrent()
+    assert not err and int(cur) in (0, ctx0.handle), (
+        f"context {int(cur):#x} is current on this thread, not {ctx0!r}: an earlier test "
+        "left it there"
+    )
+
+
 def _torch_default_stream_case(ctx0: ck.Context, torch: Any, k: Any, ours: ck.Stream) -> Any:
     """A tensor filled on torch's default (legacy) stream behind ~0.1 s of torch work,
     then read by a ctxkit kernel on *ours*; returns what the kernel wrote."""
     assert torch.cuda.current_stream(0).cuda_stream == 0, "torch's default is the legacy stream"
+    _assert_torch_runs_in(ctx0)
     x = torch.zeros(N, device="cuda:0")
     y = torch.empty(N, device="cuda:0")
     torch.cuda._sleep(1000)  # warm-up: torch's sleep and fill kernels, ctxkit's scale
@@ -290,6 +304,7 @@ def _capture_scale(ctx0: ck.Context, k: Any, x: Any, y: Any, mode: str) -> None:
 @pytest.mark.parametrize("mode", CAPTURE_MODES)
 def test_torch_default_stream_tensor_into_a_capture(ctx0, torch, k, mode):
     assert torch.cuda.current_stream(0).cuda_stream == 0, "torch's default is the legacy stream"
+    _assert_torch_runs_in(ctx0)
     x = torch.zeros(N, device="cuda:0")
     y = torch.zeros(N, device="cuda:0")
     torch.cuda.synchronize()
