@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     # errors
     "CudaError": "errors",
+    "CaptureOrderError": "errors",
     "DriverNotFoundError": "errors",
     "NoCurrentContextError": "errors",
     "ContextStackError": "errors",
@@ -114,6 +115,7 @@ from . import registry  # noqa: E402
 from .context import Context, current_context  # noqa: E402
 from .device import Device, device_count, devices  # noqa: E402
 from .errors import (  # noqa: E402
+    CaptureOrderError,
     CompileError,
     ContextClosedError,
     ContextInUseError,

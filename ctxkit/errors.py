@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "CaptureOrderError",
     "CompileError",
     "ContextClosedError",
     "ContextInUseError",
@@ -368,6 +369,12 @@ def _rebuild_task_error(message: str) -> DeviceTaskError:
     err = DeviceTaskError.__new__(DeviceTaskError)
     Exception.__init__(err, message)
     return err
+
+
+class CaptureOrderError(CudaError):
+    """A foreign array's producer stream cannot be ordered before a capturing stream (it
+    captures into another graph, or the capture was begun outside ctxkit); the message
+    says how to order it."""
 
 
 class GraphUpdateError(CudaError):

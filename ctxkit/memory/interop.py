@@ -24,6 +24,17 @@ event is recorded whether or not the producer has work left: ``cuEventRecord`` p
 ``cuStreamWaitEvent`` cost less than one ``cuStreamQuery`` (measured on an H200 host
 between launches: 1.26 vs 1.75 us). Several arguments of one producer stream cost one
 wait, and the event is reused (one per thread and context).
+
+Inside a stream capture (asked of the driver only while a ``ck.capture`` is open in the
+process) a wait on uncaptured work is illegal (``CUDA_ERROR_STREAM_CAPTURE_ISOLATION``),
+and a replayed graph never waits for foreign producers anyway. So a producer stream in
+the consumer's capture gets the usual record and wait (a graph edge); an uncaptured
+producer's work enqueued so far is *finished* before the launch is recorded (the host
+waits for an event recorded on it, with the thread's capture interaction mode relaxed for
+that one call), so the capture and every replay come after it. Work the producer
+enqueues after the capture is the caller's to order before each replay. The legacy
+default stream cannot be touched while a blocking stream of the context is captured:
+its work is the caller's to finish before the capture begins.
 """
 
 from __future__ import annotations
@@ -37,7 +48,8 @@ import numpy as np
 
 from .._driver import drv
 from ..context import Context
-from ..lifetime import finalizer
+from ..errors import CaptureOrderError
+from ..lifetime import captured_streams, finalizer
 from ..stream import Stream, _context_of_cu, implicit_stream
 
 __all__ = ["order_after_producer", "order_after_producers", "producer_stream"]
@@ -48,6 +60,9 @@ _DLPACK_CPU = 1
 _LEGACY = 0  # the driver's handle of the legacy default stream; CAI v3 and DLPack say 1
 _PER_THREAD = 2  # CU_STREAM_PER_THREAD: a blocking stream of the calling thread
 _LEGACY_HANDLE: Any = drv.CUstream(0) if drv is not None else None
+_RELAXED_MODE: Any = (
+    drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED if drv is not None else None
+)
 
 #: per type: how to find the producer stream of a value (see :func:`_classify`)
 _StreamOf = Callable[[Any], "int | None"]
@@ -155,6 +170,11 @@ def order_after_producer(
 ) -> None:
     """Make stream *consumer* wait until *v* is ready.
 
+    On a capturing *consumer* a replayed graph never waits for foreign producers again,
+    so a producer outside the capture has its work so far finished on the host before
+    the caller records its work; order what it enqueues later before each replay (see
+    the module docstring).
+
     Parameters
     ----------
     v : Any
@@ -166,6 +186,12 @@ def order_after_producer(
     consumer_stream : Stream or another library's stream, optional
         The stream object *consumer* came from (``None``: the thread's current stream);
         its flags decide whether the legacy default stream is ordered before it anyway.
+
+    Raises
+    ------
+    CaptureOrderError
+        *consumer* is capturing and no order with the producer exists: it captures into
+        another graph, or the capture was begun outside ctxkit.
     """
     order_after_producers((v,), consumer, ctx, consumer_stream)
 
@@ -234,12 +260,84 @@ def _wait(ctx: Context, producer: int, consumer: int, consumer_stream: Any) -> N
         owner = _stream_context(handle, ctx)
         if consumer == _LEGACY and owner is ctx and _blocking(handle):
             return
+    if captured_streams and consumer != _LEGACY and _capturing(consumer):
+        _order_in_capture(ctx, owner, handle, producer, consumer)
+        return
     if owner is ctx:
         event = _record(ctx, handle, producer)
     else:
         with owner:
             event = _record(owner, handle, producer)
     _wait_event(ctx, event, producer, consumer)
+
+
+_CAPTURE_NONE = 0
+_CAPTURE_ACTIVE = 1
+_CAPTURE_ISOLATION = 905  # CUDA_ERROR_STREAM_CAPTURE_ISOLATION
+
+
+def _capture_info(handle: Any) -> tuple[int, int]:
+    """``(capture status, capture id)`` of a stream (``(0, 0)`` if the driver refuses)."""
+    res = drv.cuStreamGetCaptureInfo(handle)
+    if res[0]:
+        return _CAPTURE_NONE, 0
+    return int(res[1]), int(res[2])
+
+
+def _capturing(consumer: int) -> bool:
+    """Whether the (non-legacy) consumer stream is capturing; asked only while ctxkit has a
+    capture open, so launches outside captures pay nothing."""
+    err, status = drv.cuStreamIsCapturing(_stream_object(consumer))
+    return not err and int(status) != _CAPTURE_NONE
+
+
+def _order_in_capture(
+    ctx: Context, owner: Context, handle: Any, producer: int, consumer: int
+) -> None:
+    """Order a capturing *consumer* after *producer* the ways the driver allows.
+
+    The same capture: record and wait, a graph edge. An uncaptured producer: its work so
+    far is finished now, so the graph is made (and every replay runs) after it. Another
+    capture: no order is possible, a :class:`CaptureOrderError`.
+    """
+    status, cid = _capture_info(_stream_object(consumer))
+    if status != _CAPTURE_ACTIVE:
+        return  # invalidated already: cuStreamEndCapture reports why
+    p_status, p_cid = (_CAPTURE_NONE, 0) if producer == _LEGACY else _capture_info(handle)
+    if p_status == _CAPTURE_ACTIVE and p_cid == cid:
+        _wait_event(ctx, _record(ctx, handle, producer), producer, consumer)
+        return
+    if p_status != _CAPTURE_NONE:
+        raise CaptureOrderError(
+            f"a foreign array's producer stream {producer:#x} is capturing into another "
+            f"graph than the consumer stream {consumer:#x}: no order between two captures "
+            "exists; finish the producer's capture first, or capture both on one stream"
+        )
+    if owner is ctx:
+        _finish(ctx, _record(ctx, handle, producer), producer)
+    else:
+        with owner:
+            _finish(owner, _record(owner, handle, producer), producer)
+
+
+def _finish(owner: Context, event: Any, producer: int) -> None:
+    """Wait on the host for *event* (recorded on an uncaptured stream of *owner*, current).
+
+    A capture in ``global`` or ``thread_local`` mode forbids ``cuEventSynchronize`` in
+    this thread; it is safe here (the event depends on no captured work), so the thread's
+    capture interaction mode is relaxed for this one call.
+    """
+    err, mode = drv.cuThreadExchangeStreamCaptureMode(_RELAXED_MODE)
+    if err:
+        raise owner.note_error(err, "cuThreadExchangeStreamCaptureMode")
+    try:
+        (err,) = drv.cuEventSynchronize(event)
+    finally:
+        drv.cuThreadExchangeStreamCaptureMode(mode)
+    if err:
+        raise owner.note_error(
+            err, f"cuEventSynchronize on the producer stream {producer:#x} during a capture"
+        )
 
 
 def _record(owner: Context, handle: Any, producer: int) -> Any:
@@ -255,6 +353,15 @@ def _wait_event(ctx: Context, event: Any, producer: int, consumer: int) -> None:
     """Make *consumer* (a stream of *ctx*, the current context) wait for *event*."""
     target = _LEGACY_HANDLE if consumer == _LEGACY else _stream_object(consumer)
     (err,) = drv.cuStreamWaitEvent(target, event, 0)
+    if err == _CAPTURE_ISOLATION:
+        raise CaptureOrderError(
+            f"the consumer stream {consumer:#x} is capturing (a capture begun outside "
+            f"ctxkit) and a foreign array's producer stream {producer:#x} is not in it: "
+            "the wait made the capture invalid. Finish the producer's work before the "
+            "capture begins, or capture with ck.capture, which orders it",
+            int(err),
+            "CUDA_ERROR_STREAM_CAPTURE_ISOLATION",
+        )
     if err:
         raise ctx.note_error(err, f"cuStreamWaitEvent({consumer:#x}) after producer {producer:#x}")
 

@@ -186,10 +186,24 @@ def spin() -> Any:
         return ck.Module.load(ck.compile(kernel_source("spin.cu"))).function("spin")
 
 
+def _assert_torch_runs_in(ctx0: ck.Context) -> None:
+    """torch's legacy-stream work goes to the context current on this thread (the primary
+    one if none is): a context an earlier test left current would take it out of ctx0's
+    stream order, and the ordering checks below would fail for a reason not theirs."""
+    from ctxkit._driver import drv
+
+    err, cur = drv.cuCtxGetCurrent()
+    assert not err and int(cur) in (0, ctx0.handle), (
+        f"context {int(cur):#x} is current on this thread, not {ctx0!r}: an earlier test "
+        "left it there"
+    )
+
+
 def _torch_default_stream_case(ctx0: ck.Context, torch: Any, k: Any, ours: ck.Stream) -> Any:
     """A tensor filled on torch's default (legacy) stream behind ~0.1 s of torch work,
     then read by a ctxkit kernel on *ours*; returns what the kernel wrote."""
     assert torch.cuda.current_stream(0).cuda_stream == 0, "torch's default is the legacy stream"
+    _assert_torch_runs_in(ctx0)
     x = torch.zeros(N, device="cuda:0")
     y = torch.empty(N, device="cuda:0")
     torch.cuda._sleep(1000)  # warm-up: torch's sleep and fill kernels, ctxkit's scale
@@ -268,3 +282,104 @@ def test_busy_cupy_stream_then_legacy_consumer(ctx0, cp, k, spin, events, non_bl
         assert (side.ptr, 0) in events
     else:
         assert events == []
+
+
+# --- foreign arrays in a stream capture: every mode, the producer's order kept -------------
+
+CAPTURE_MODES = ["global", "thread_local", "relaxed"]
+
+
+def _capture_scale(ctx0: ck.Context, k: Any, x: Any, y: Any, mode: str) -> None:
+    """Capture ``y = 2 * x`` on a ctxkit (non-blocking) stream right after *x*'s producer
+    enqueued a slow write, then replay the graph at once: the replay is ordered after the
+    write only if the capture kept the producer's order."""
+    with ctx0:
+        s = ck.Stream()
+        with ck.capture(s, mode=mode) as g:
+            k.scale.launch(grid(N), 256, x, y, N, np.float32(2.0), stream=s)
+        g.launch(s)
+        s.synchronize()
+
+
+@pytest.mark.parametrize("mode", CAPTURE_MODES)
+def test_torch_default_stream_tensor_into_a_capture(ctx0, torch, k, mode):
+    assert torch.cuda.current_stream(0).cuda_stream == 0, "torch's default is the legacy stream"
+    _assert_torch_runs_in(ctx0)
+    x = torch.zeros(N, device="cuda:0")
+    y = torch.zeros(N, device="cuda:0")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(SPIN)  # the legacy default stream is busy for ~0.1 s
+    x.fill_(3.0)
+    _capture_scale(ctx0, k, x, y, mode)
+    assert torch.all(y == 6.0).item(), "the graph read the tensor before torch wrote it"
+
+
+@pytest.mark.parametrize("mode", CAPTURE_MODES)
+def test_torch_side_stream_tensor_into_a_capture(ctx0, torch, k, mode):
+    x = torch.zeros(N, device="cuda:0")
+    y = torch.zeros(N, device="cuda:0")
+    side = torch.cuda.Stream(device=0)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):  # torch's current stream: the producer ctxkit orders after
+        torch.cuda._sleep(SPIN)
+        x.fill_(3.0)
+        _capture_scale(ctx0, k, x, y, mode)
+    torch.cuda.synchronize()
+    assert torch.all(y == 6.0).item(), "the graph read the tensor before torch wrote it"
+
+
+@pytest.mark.parametrize("mode", CAPTURE_MODES)
+def test_cupy_default_stream_array_into_a_capture(ctx0, cp, k, spin, mode):
+    with ctx0:
+        assert cp.cuda.get_current_stream().ptr == 0, "CuPy's default is the legacy stream"
+        x = cp.zeros(N, dtype=cp.float32)
+        y = cp.zeros(N, dtype=cp.float32)
+        spin.launch(1, 1, 1, 0)  # warm-up
+        ctx0.synchronize()
+        spin.launch(1, 1, SPIN, 0)  # the legacy default stream is busy for ~0.1 s
+        x.fill(3.0)
+    _capture_scale(ctx0, k, x, y, mode)
+    assert bool((y == 6.0).all()), "the graph read the array before CuPy wrote it"
+
+
+@pytest.mark.parametrize("mode", CAPTURE_MODES)
+def test_cupy_side_stream_array_into_a_capture(ctx0, cp, k, spin, mode):
+    with ctx0:
+        side = cp.cuda.Stream(non_blocking=True)
+        x = cp.zeros(N, dtype=cp.float32)
+        y = cp.zeros(N, dtype=cp.float32)
+        spin.launch(1, 1, 1, 0)  # warm-up
+        ctx0.synchronize()
+        with side:  # CuPy's current stream: the producer ctxkit orders after
+            spin.launch(1, 1, SPIN, 0, stream=side.ptr)
+            x.fill(3.0)
+            _capture_scale(ctx0, k, x, y, mode)
+        side.synchronize()
+    assert bool((y == 6.0).all()), "the graph read the array before CuPy wrote it"
+
+
+@pytest.mark.parametrize("mode", CAPTURE_MODES)
+def test_producer_joined_into_the_capture_is_an_edge(ctx0, cp, k, mode, events):
+    """A CuPy stream forked from the capturing stream writes the input inside the capture:
+    the order is a graph edge (an event wait), and the replay computes from the write."""
+    with ctx0:
+        side = cp.cuda.Stream(non_blocking=True)
+        x = cp.zeros(N, dtype=cp.float32)
+        y = cp.zeros(N, dtype=cp.float32)
+        with side:
+            x.fill(0.0)  # warm-up: CuPy loads its fill kernel outside the capture
+        ctx0.synchronize()
+        s = ck.Stream()
+        fork, join = ck.Event(), ck.Event()
+        with ck.capture(s, mode=mode) as g:
+            fork.record(s)
+            cp.cuda.runtime.streamWaitEvent(side.ptr, int(fork.handle))  # side joins
+            with side:
+                x.fill(3.0)
+                k.scale.launch(grid(N), 256, x, y, N, np.float32(2.0), stream=s)
+            join.record(side.ptr)
+            s.wait(join)  # side's work is joined back before the capture ends
+        g.launch(s)
+        s.synchronize()
+        assert bool((y == 6.0).all())
+    assert (side.ptr, int(s.handle)) in events

@@ -6,11 +6,16 @@ legacy default stream, ``cuCtxSynchronize``) made by a thread the capture's mode
 -- the capturing thread in ``thread_local``/``global`` mode, every thread while a
 ``global`` capture is open -- fails with ``CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`` and
 invalidates the capture, as does waiting for the capturing stream in any mode;
-``cuStreamEndCapture`` then fails with ``CUDA_ERROR_STREAM_CAPTURE_INVALIDATED``.
+``cuStreamEndCapture`` then fails with ``CUDA_ERROR_STREAM_CAPTURE_INVALIDATED``. A thread
+relaxes what it may call with ``cuThreadExchangeStreamCaptureMode`` (its own interaction
+mode, ``global`` by default, as on the driver). A capturing stream that waits for an event
+recorded outside its capture fails with ``CUDA_ERROR_STREAM_CAPTURE_ISOLATION`` and
+invalidates the capture (measured on an H200: every mode).
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -25,12 +30,14 @@ INVALID_HANDLE = 400
 ILLEGAL_STATE = 401
 STREAM_CAPTURE_UNSUPPORTED = 900
 STREAM_CAPTURE_INVALIDATED = 901
+STREAM_CAPTURE_ISOLATION = 905
 STREAM_CAPTURE_IMPLICIT = 906
 STREAM_CAPTURE_WRONG_THREAD = 908
 STREAM_NON_BLOCKING = 1
 CAPTURE_GLOBAL, CAPTURE_THREAD_LOCAL, CAPTURE_RELAXED = 0, 1, 2
 LEGACY_STREAMS = (0, 1)  # the legacy default stream and CU_STREAM_LEGACY
 _KERNEL = _real.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL
+_capture_ids = itertools.count(1)
 
 
 class Capture:
@@ -41,16 +48,20 @@ class Capture:
         self.ctx = ctx
         self.mode = mode
         self.blocking = blocking
+        self.id = next(_capture_ids)
         self.tid = threading.get_ident()
         self.thread = threading.current_thread().name
         self.nodes: list[Callable[[], None]] = []
         self.invalidated_by = ""
 
-    def forbids(self, tid: int) -> bool:
-        """True when an unsafe call made by thread *tid* conflicts with this capture."""
+    def forbids(self, tid: int, thread_mode: int = CAPTURE_GLOBAL) -> bool:
+        """True when an unsafe call made by thread *tid*, whose interaction mode is
+        *thread_mode*, conflicts with this capture."""
+        if thread_mode == CAPTURE_RELAXED:
+            return False
         if tid == self.tid:
             return self.mode != CAPTURE_RELAXED
-        return self.mode == CAPTURE_GLOBAL
+        return self.mode == CAPTURE_GLOBAL and thread_mode == CAPTURE_GLOBAL
 
 
 class CaptureRules(GraphNodes):
@@ -62,6 +73,7 @@ class CaptureRules(GraphNodes):
         self.captures: dict[int, Capture] = {}  # stream handle -> its open capture
         self.invalidations: list[str] = []  # what invalidated which capture
         self.after_begin_capture: Callable[[], None] | None = None
+        self.thread_modes: dict[int, int] = {}  # cuThreadExchangeStreamCaptureMode
         self.init_graph_nodes()
         self.libraries: set[int] = set()
         self._clock = threading.Lock()
@@ -78,16 +90,18 @@ class CaptureRules(GraphNodes):
         """A call that is unsafe during stream capture: refused, and the captures that
         forbid it in this thread are invalidated (0 when no capture forbids it)."""
         tid = threading.get_ident()
+        mode = self.thread_modes.get(tid, CAPTURE_GLOBAL)
         with self._clock:
-            hit = [c for c in self.captures.values() if c.forbids(tid)]
+            hit = [c for c in self.captures.values() if c.forbids(tid, mode)]
             for cap in hit:
                 self._invalidate(cap, what)
         return STREAM_CAPTURE_UNSUPPORTED if hit else 0
 
-    def _legacy(self, what: str) -> int:
-        """Work on (or a wait for) the legacy default stream: unsafe, and an implicit
-        dependency on every capturing *blocking* stream of the context."""
-        err = self.unsafe(f"{what} on the legacy default stream")
+    def _legacy(self, what: str, unsafe: bool = True) -> int:
+        """Work on (or a wait for) the legacy default stream: unsafe (not so an event
+        record: *unsafe* False), and an implicit dependency on every capturing *blocking*
+        stream of the context."""
+        err = self.unsafe(f"{what} on the legacy default stream") if unsafe else 0
         ctx = self.current()
         with self._clock:
             joined = [c for c in self.captures.values() if c.blocking and c.ctx == ctx]
@@ -103,6 +117,38 @@ class CaptureRules(GraphNodes):
         with self._clock:
             self._invalidate(cap, what)
         return STREAM_CAPTURE_UNSUPPORTED
+
+    def isolation(self, h: Any, captured_by: Capture | None) -> int:
+        """A wait of stream *h* for an event recorded in *captured_by* (``None``: outside
+        any capture): ``CUDA_ERROR_STREAM_CAPTURE_ISOLATION`` when *h* captures and the
+        event is not of its capture (the capture is invalidated), else 0."""
+        cap = self.captures.get(int(h))
+        if cap is None or captured_by is cap:
+            return 0
+        with self._clock:
+            self._invalidate(cap, "cuStreamWaitEvent for uncaptured work")
+        return STREAM_CAPTURE_ISOLATION
+
+    def cuThreadExchangeStreamCaptureMode(self, mode: Any) -> tuple[int, Any]:
+        tid = threading.get_ident()
+        prev = self.thread_modes.get(tid, CAPTURE_GLOBAL)
+        self.thread_modes[tid] = int(mode)
+        return (0, _real.CUstreamCaptureMode(prev))
+
+    def _capture_status(self, h: Any) -> tuple[int, Capture | None]:
+        cap = self.captures.get(int(h))
+        if cap is None:
+            return 0, None
+        return (2 if cap.invalidated_by else 1), cap
+
+    def cuStreamIsCapturing(self, h: Any) -> tuple[int, Any]:
+        status, _cap = self._capture_status(h)
+        return (0, _real.CUstreamCaptureStatus(status))
+
+    def cuStreamGetCaptureInfo(self, h: Any) -> tuple[Any, ...]:
+        status, cap = self._capture_status(h)
+        cid = 0 if cap is None else cap.id
+        return (0, _real.CUstreamCaptureStatus(status), cid, None, [], [], 0)
 
     def cuStreamBeginCapture(self, h: Any, mode: Any) -> tuple[int]:
         key = int(h)

@@ -353,6 +353,14 @@ class FakeGPU(CaptureRules, FakeDriver):
         s.stop()
         return (0,)
 
+    def cuStreamGetFlags(self, h: Any) -> tuple[int, int]:
+        s = self.streams.get(int(h))
+        return (INVALID_HANDLE, 0) if s is None else (0, s.flags)
+
+    def cuStreamGetCtx(self, h: Any) -> tuple[int, Any]:
+        s = self.streams.get(int(h))
+        return (INVALID_HANDLE, None) if s is None else (0, FakeHandle(s.ctx))
+
     def _wait_for_stream(self, h: Any, what: str) -> int:
         key = int(h)
         err = self._conflicts(h, f"{what} of the capturing stream")
@@ -388,8 +396,9 @@ class FakeGPU(CaptureRules, FakeDriver):
             raise AssertionError("fake: joining another stream into a capture is not modelled")
         if self._sticky(0):
             return (ILLEGAL_ADDRESS,)
-        if int(h) in self.captures:
-            return (0,)  # an outside event is already complete for the graph
+        err = self.isolation(h, e.captured_by)
+        if err or int(h) in self.captures:
+            return (err,)  # an event of this capture: an edge, in program order here
         gen = e.gen
         return (self._submit(h, lambda: e.wait(gen), "cuStreamWaitEvent", always=True),)
 
@@ -419,7 +428,7 @@ class FakeGPU(CaptureRules, FakeDriver):
             return (ILLEGAL_ADDRESS,)
         key = int(h)
         if key in LEGACY_STREAMS:
-            err = self._legacy("cuEventRecord")
+            err = self._legacy("cuEventRecord", unsafe=False)
             if err:
                 return (err,)
         elif key not in self.streams:
@@ -439,7 +448,7 @@ class FakeGPU(CaptureRules, FakeDriver):
 
     def cuEventSynchronize(self, ev: Any) -> tuple[int]:
         e = self.events[int(ev)]
-        err = self._event_conflict(e, "cuEventSynchronize")
+        err = self._event_conflict(e, "cuEventSynchronize") or self.unsafe("cuEventSynchronize")
         if err:
             return (err,)
         e.wait(e.gen)
