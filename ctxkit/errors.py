@@ -301,6 +301,11 @@ class PipelineError(CudaError):
             self.__cause__ = cause
 
 
+class BlockIdentityError(RuntimeError):
+    """A shared-memory name of ``ctxkit.procs`` no longer holds the block its sender made:
+    another process re-created it. The block is neither read nor unlinked."""
+
+
 class DeviceTaskError(CudaError):
     """Work for one device failed in its child process.
 

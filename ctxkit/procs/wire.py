@@ -352,15 +352,15 @@ class Payload:
         try:
             for buf in self.buffers:
                 raw = memoryview(buf).cast("B")
-                name = None
+                block = None
                 if reserve(raw.nbytes):
-                    name = shm.create(raw)
-                    if name is None:
+                    block = shm.create(raw)
+                    if block is None:
                         unreserve(raw.nbytes)
-                if name is None:
+                if block is None:
                     parts.append(bytearray(raw))
                 else:
-                    parts.append((name, raw.nbytes))
+                    parts.append(block)
                     used += raw.nbytes
         except BaseException:
             shm.discard(parts)
@@ -388,10 +388,10 @@ def encode(
         raw = buf.raw()
         if threshold is None or raw.nbytes < max(threshold, 1):
             return True
-        name = shm.create(raw)
-        if name is None:
+        block = shm.create(raw)
+        if block is None:
             return True
-        parts.append((name, raw.nbytes))
+        parts.append(block)
         return False
 
     try:

@@ -4,17 +4,21 @@ parent."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
 import shutil
 import subprocess
 import sys
 import textwrap
+from multiprocessing import shared_memory
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from ctxkit.procs import shm
+from ctxkit.errors import BlockIdentityError
+from ctxkit.procs import shm, wire
 from tests.procs.proctools import SHM, own_blocks
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,11 +32,12 @@ def _raw(nbytes: int) -> memoryview:
 @needs_dev_shm
 def test_create_reserves_the_whole_block_then_attach_unlinks_it():
     raw = _raw(3 << 20)
-    name = shm.create(raw)
-    assert name is not None and name.startswith(shm.prefix() + "-")
+    block = shm.create(raw)
+    assert block is not None and block[0].startswith(shm.prefix() + "-")
+    name = block[0]
     st = os.stat(SHM / name)
     assert st.st_size == raw.nbytes and st.st_blocks * 512 >= raw.nbytes  # allocated, not sparse
-    buf = shm.attach(name, raw.nbytes)
+    buf = shm.attach(*block)
     assert not (SHM / name).exists() and bytes(buf[:5]) == bytes(raw[:5])
     buf[0] = 255  # the mapping is writable
 
@@ -58,10 +63,11 @@ def test_create_propagates_unexpected_errors(monkeypatch):
 
 @needs_dev_shm
 def test_discard_unlinks_undelivered_blocks_once():
-    parts = [(shm.create(_raw(4096)), 4096), bytearray(3)]
-    assert (SHM / parts[0][0]).exists()  # type: ignore[index]
-    shm.discard(parts)  # type: ignore[arg-type]
-    shm.discard(parts)  # type: ignore[arg-type] # already gone: no error
+    block = shm.create(_raw(4096))
+    assert block is not None and (SHM / block[0]).exists()
+    parts: list[shm.Part] = [block, bytearray(3)]
+    shm.discard(parts)
+    shm.discard(parts)  # already gone: no error
     assert own_blocks() == set()
 
 
@@ -70,6 +76,7 @@ def test_sweep_removes_a_childs_blocks_and_its_childrens_only():
     child = shm.child_prefix()
     assert child.startswith(shm.prefix() + ".")
     mine = shm.create(_raw(64))
+    assert mine is not None
     leftovers = [SHM / f"{child}-0", SHM / f"{child}-7", SHM / f"{child}.2-0"]
     for path in leftovers:
         path.write_bytes(b"x")
@@ -78,10 +85,10 @@ def test_sweep_removes_a_childs_blocks_and_its_childrens_only():
     try:
         assert shm.sweep(child) == 3
         assert not any(p.exists() for p in leftovers)
-        assert other.exists() and (SHM / mine).exists()  # type: ignore[operator]
+        assert other.exists() and (SHM / mine[0]).exists()
     finally:
         other.unlink()
-        shm.discard([(mine, 64)])  # type: ignore[list-item]
+        shm.discard([mine])
 
 
 def test_prefix_is_renewed_in_a_forked_child():
@@ -99,14 +106,113 @@ def test_prefix_is_renewed_in_a_forked_child():
 
 def test_without_dev_shm_blocks_are_portable_shared_memory(monkeypatch):
     raw = _raw(8192)
-    name = shm.create(raw)  # made where /dev/shm exists, read as if it did not
     monkeypatch.setattr(shm, "_SHM_DIR", "/nonexistent-shm-dir")
-    assert name is not None
-    assert bytes(shm.attach(name, raw.nbytes)) == bytes(raw)
+    block = shm.create(raw)
+    assert block is not None and bytes(shm.attach(*block)) == bytes(raw)
     assert own_blocks() == set()
-    name = shm.create(raw)
-    assert name is not None and bytes(shm.attach(name, raw.nbytes)) == bytes(raw)
+    block = shm.create(raw)
+    assert block is not None
+    shm.discard([block])
+    assert own_blocks() == set()
     assert shm.space() == (0, 0)
+
+
+# --- names squatted by another process ---------------------------------------------------
+
+
+@pytest.fixture
+def squat():
+    """Make blocks the way another process would, at names it chose; removed at the end."""
+    made: list[shared_memory.SharedMemory] = []
+
+    def make(name: str, size: int = 4096) -> shared_memory.SharedMemory:
+        block = shared_memory.SharedMemory(name=name, create=True, size=size)
+        block.buf[:6] = b"SQUAT!"  # type: ignore[index]
+        made.append(block)
+        return block
+
+    yield make
+    for block in made:
+        block.close()
+        with contextlib.suppress(FileNotFoundError):
+            block.unlink()
+
+
+def _names(monkeypatch: pytest.MonkeyPatch, *names: str) -> None:
+    """The names ctxkit tries next, in order (then the last one again)."""
+    queue = list(names)
+    pick = lambda: queue.pop(0) if len(queue) > 1 else queue[0]  # noqa: E731
+    monkeypatch.setattr(shm, "_fresh_name", pick, raising=False)
+
+
+def _taken(prefix: str) -> str:
+    return f"{prefix}-squat{secrets.token_hex(4)}"
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["dev_shm", "portable"])
+def test_create_takes_a_fresh_name_when_its_first_is_squatted(monkeypatch, squat, portable):
+    if portable:
+        monkeypatch.setattr(shm, "_SHM_DIR", "/nonexistent-shm-dir")
+    taken, free = _taken(shm.prefix()), _taken(shm.prefix())
+    theirs = squat(taken)
+    _names(monkeypatch, taken, free)
+    raw = _raw(8192)
+    block = shm.create(raw)
+    assert block is not None and block[0] == free
+    assert bytes(theirs.buf[:6]) == b"SQUAT!"  # type: ignore[index] # not written over
+    assert bytes(shm.attach(*block)) == bytes(raw)  # ours, not theirs
+    assert (SHM / taken).exists() or portable  # theirs is left alone
+
+
+def test_create_warns_and_uses_the_pipe_when_every_name_is_squatted(monkeypatch, squat):
+    taken = _taken(shm.prefix())
+    theirs = squat(taken)
+    _names(monkeypatch, taken)
+    with pytest.warns(RuntimeWarning, match=r"were all taken by another process; 8192 bytes go "):
+        assert shm.create(_raw(8192)) is None
+    assert bytes(theirs.buf[:6]) == b"SQUAT!"  # type: ignore[index]
+
+
+def test_encode_under_squatted_names_sends_through_the_pipe_and_says_so(monkeypatch, squat):
+    taken = _taken(shm.prefix())
+    squat(taken)
+    _names(monkeypatch, taken)
+    a = np.arange(1 << 18, dtype=np.float64)
+    with pytest.warns(RuntimeWarning, match="squatting"):
+        data, parts = wire.encode(a, threshold=1 << 20)
+    assert parts == []
+    assert np.array_equal(wire.decode(data, parts), a)
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["dev_shm", "portable"])
+def test_a_block_re_made_by_another_process_is_refused_and_left_alone(monkeypatch, squat, portable):
+    if portable:
+        monkeypatch.setattr(shm, "_SHM_DIR", "/nonexistent-shm-dir")
+    a = np.arange(1 << 18, dtype=np.float64)
+    data, parts = wire.encode(a, threshold=1 << 20)
+    (name, size, _key) = parts[0]  # type: ignore[misc]
+    mine = shared_memory.SharedMemory(name=name)  # the sender's block is removed ...
+    mine.close()
+    mine.unlink()
+    theirs = squat(name, size + 64)  # ... and another process makes one at its name
+    with pytest.raises(BlockIdentityError, match="not the block its sender made"):
+        wire.decode(data, parts)
+    assert bytes(theirs.buf[:6]) == b"SQUAT!"  # type: ignore[index]
+    shared_memory.SharedMemory(name=name).close()  # still there: not unlinked by ctxkit
+    shm.discard(parts)
+    shared_memory.SharedMemory(name=name).close()
+
+
+@needs_dev_shm
+def test_a_block_of_the_right_size_re_made_at_its_name_is_refused(squat):
+    raw = _raw(4096)
+    block = shm.create(raw)
+    assert block is not None
+    os.unlink(SHM / block[0])
+    squat(block[0], 4096)
+    with pytest.raises(BlockIdentityError):
+        shm.attach(*block)
+    assert (SHM / block[0]).exists()
 
 
 # --- a real full /dev/shm: a private 1 MiB tmpfs in a mount namespace -----------------

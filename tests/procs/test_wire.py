@@ -39,8 +39,8 @@ def test_encode_keeps_small_buffers_in_band_and_moves_large_ones():
     data, parts = wire.encode({"s": small, "l": large}, threshold=2 << 20)
     assert parts == []
     data, parts = wire.encode({"s": small, "l": large}, threshold=1 << 10)
-    assert [size for _, size in parts] == [large.nbytes]  # type: ignore[misc]
-    assert {name for name, _ in parts} <= own_blocks()  # type: ignore[misc]
+    assert [size for _, size, _ in parts] == [large.nbytes]  # type: ignore[misc]
+    assert {name for name, _, _ in parts} <= own_blocks()  # type: ignore[misc]
     out = wire.decode(data, parts)
     assert np.array_equal(out["s"], small) and np.array_equal(out["l"], large)
     out["l"][0] = 7.0  # writable, owns its memory after the name is gone
