@@ -18,7 +18,7 @@ import sys
 import threading
 import types
 from collections.abc import Callable, Sequence
-from typing import Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from ._env import env_flag, env_off
 from .context import (
@@ -186,6 +186,11 @@ class _RegistryModule(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _RegistryModule
+
+if TYPE_CHECKING:  # what _RegistryModule forwards, as type checkers read a module
+    context = default.context
+
+    def __getattr__(name: str) -> Any: ...
 
 
 def resolve_context(target: ContextLike | None, what: str) -> Context:

@@ -11,6 +11,9 @@ from .compile import DESCRIPTION as COMPILE_DESCRIPTION
 from .compile import add_arguments as add_compile_arguments
 
 EXIT_NO_GPU = 2
+#: The status of a command whose reader went away (``ctxkit info | head -1``): 128 + SIGPIPE,
+#: what a shell reports for a program that SIGPIPE ended.
+EXIT_BROKEN_PIPE = 128 + 13
 
 DESCRIPTION = """\
 ctxkit: explicit CUDA contexts, run-time compiled kernels and multi-GPU pipelines.
@@ -133,7 +136,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         "demo": cmd_demo,
         "bench": cmd_bench,
     }[args.command]
-    return handler(args)
+    try:
+        status = handler(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return _reader_gone()
+    return status
+
+
+def _reader_gone() -> int:
+    """Exit quietly when stdout's reader closed the pipe (``ctxkit info | head -1``).
+
+    stdout is pointed at /dev/null, so the interpreter's last flush at exit does not raise
+    again (the recipe of the Python documentation's "Note on SIGPIPE").
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

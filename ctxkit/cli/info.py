@@ -74,6 +74,12 @@ def _nvrtc() -> tuple[tuple[int, int] | None, tuple[int, ...]]:
         return None, ()
 
 
+def _nvrtc_line(nvrtc: tuple[int, int] | None) -> str:
+    if nvrtc is not None:
+        return _fmt(nvrtc)
+    return f"not found: the cu13 or cu12 extra installs it; {install_hint()}"
+
+
 def _archs_line(archs: tuple[int, ...]) -> str:
     return " ".join(f"sm_{a}" for a in archs) if archs else "not available (no NVRTC)"
 
@@ -117,13 +123,19 @@ def _print_devices(w: TextIO) -> int:
     return n
 
 
+def _no_gpu_line(nvrtc: tuple[int, int] | None) -> str:
+    if nvrtc is None:
+        return "kernels can be neither compiled here (no NVRTC, see above) nor run"
+    return "kernels can be compiled here (ctxkit compile --arch sm_90), not run"
+
+
 def print_info(out: TextIO | None = None) -> int:
     """Print versions, NVRTC's architectures, the cache, devices and peer access; return 0."""
     w = out or sys.stdout
     nvrtc, archs = _nvrtc() if _driver.bindings_available() else (None, ())
     print(f"ctxkit        : {__version__} (distribution {DISTRIBUTION})", file=w)
     print(f"cuda-bindings : {_bindings_line()}", file=w)
-    print(f"NVRTC         : {_fmt(nvrtc)}", file=w)
+    print(f"NVRTC         : {_nvrtc_line(nvrtc)}", file=w)
     print(f"NVRTC targets : {_archs_line(archs)}", file=w)
     print(f"kernel cache  : {_cache_line()}", file=w)
     print(f"host copies   : {streaming_copy_info().reason}", file=w)
@@ -136,10 +148,7 @@ def print_info(out: TextIO | None = None) -> int:
     except DriverNotFoundError as exc:
         print(f"driver        : {exc}", file=w)
         print(f"compatibility : {compatibility_line(nvrtc, None)}", file=w)
-        print(
-            "no GPU        : kernels can be compiled here (ctxkit compile --arch sm_90), not run",
-            file=w,
-        )
+        print(f"no GPU        : {_no_gpu_line(nvrtc)}", file=w)
         return 0
     drv_ver = _driver.driver_version()
     print(f"driver (CUDA) : {_fmt(drv_ver)}", file=w)

@@ -18,6 +18,7 @@ import numpy as np
 
 from .. import _driver
 from .._driver import drv
+from ..errors import DriverNotFoundError
 from ..registry import bind
 
 __all__ = ["host_array", "host_pointer_kind", "is_pinned", "plain_dtype"]
@@ -132,6 +133,14 @@ def _address(arr: np.ndarray) -> int:
     return int(arr.__array_interface__["data"][0])
 
 
+def _driver_present() -> bool:
+    try:
+        _driver.init()
+    except DriverNotFoundError:
+        return False
+    return True
+
+
 def is_pinned(arr: Any) -> bool:
     """True when the array's memory is page-locked (``pinned_empty``/``register_host``
     or another library's pinned allocator); False for ordinary pageable memory.
@@ -141,10 +150,10 @@ def is_pinned(arr: Any) -> bool:
 
     Async copies need pinned memory: from pageable memory the driver blocks the host for
     the whole copy. :func:`ctxkit.memory.hostaccess.host_memory_flags` tells how it is
-    pinned.
+    pinned. Without a driver (or cuda-bindings) no memory is pinned: False.
     """
     a = host_array(arr, "is_pinned") if not isinstance(arr, np.ndarray) else arr
-    if a.size == 0:
+    if a.size == 0 or not _driver_present():
         return False
     first = _address(a)
     last = first + a.nbytes - 1

@@ -110,3 +110,34 @@ def test_host_copies_line_says_how_staging_copies_are_made() -> None:
     assert f["host copies"] == "np.copyto (switched off)"
     f = fields(info({"CTXKIT_STREAMING_COPY": "1"}).stdout)
     assert f["host copies"].startswith(("non-temporal stores", "np.copyto ("))
+
+
+def test_without_nvrtc_it_says_what_is_missing_and_which_extra_adds_it(monkeypatch) -> None:
+    import io
+
+    from ctxkit.cli import info as info_mod
+    from ctxkit.compiler import nvrtc
+    from ctxkit.errors import CompileError
+
+    def no_nvrtc() -> None:
+        raise CompileError("the NVRTC library could not be loaded (libnvrtc.so.13: not found)")
+
+    monkeypatch.setattr(nvrtc, "load_nvrtc", no_nvrtc)
+    nvrtc.nvrtc_version.cache_clear()
+    nvrtc.supported_archs.cache_clear()
+    try:
+        out = io.StringIO()
+        assert info_mod.print_info(out) == 0
+    finally:
+        nvrtc.nvrtc_version.cache_clear()
+        nvrtc.supported_archs.cache_clear()
+    text = out.getvalue()
+    f = fields(text)
+    assert f["NVRTC"].startswith("not found") and "cu13" in f["NVRTC"], text
+    assert install_hint() in f["NVRTC"]
+    assert f["NVRTC targets"] == "not available (no NVRTC)"
+    assert "can be compiled" not in text, text
+    if "no GPU" in f:
+        assert "neither compiled" in f["no GPU"], text
+    else:
+        assert f["compatibility"].startswith("NVRTC not found"), text

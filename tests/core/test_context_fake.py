@@ -270,7 +270,7 @@ def test_free_skips_closed_context(fake_driver):
     assert fake_driver.calls["fake_free"] == 0
 
 
-def test_free_raises_on_failure_and_free_quietly_does_not(fake_driver):
+def test_free_raises_on_failure_and_free_quietly_does_not(fake_driver, monkeypatch):
     ctx = Context.primary(0)
 
     def bad(_h: int) -> tuple[int]:
@@ -278,7 +278,11 @@ def test_free_raises_on_failure_and_free_quietly_does_not(fake_driver):
 
     with pytest.raises(ck.CudaError):
         ctx.free(bad, 1)
-    lifetime.free_quietly(ctx, bad, 1)
+    monkeypatch.setattr(lifetime, "_warned_failed_free", False)
+    before = len(lifetime.failed_frees())
+    with pytest.warns(ResourceWarning, match="failed while a finalizer freed a resource"):
+        lifetime.free_quietly(ctx, bad, 1)
+    assert [f.context for f in lifetime.failed_frees()[before:]] == [ctx.handle]
 
 
 def test_finalizer_frees_in_owner_context_from_other_thread(fake_driver):

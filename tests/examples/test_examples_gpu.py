@@ -13,6 +13,8 @@ from tests.support.mpi_launch import MPIEXEC, child_env, mpiexec_cmd
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted(p for p in (REPO / "examples").glob("*.py") if not p.name.startswith("_"))
 MPI = {"mpi_pipeline.py"}
+#: Examples of an optional library, each with its own test that needs the library.
+OPTIONAL = {"cuda_core_interop.py"}
 #: Smaller sizes than the defaults where an example takes them, to keep the suite quick.
 ARGS = {
     "multi_device_streams.py": ["--mb", "64"],
@@ -36,9 +38,18 @@ def _check(proc: subprocess.CompletedProcess[str], name: str) -> None:
     assert "FAILED" not in out
 
 
-@pytest.mark.parametrize("path", [p for p in EXAMPLES if p.name not in MPI], ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path", [p for p in EXAMPLES if p.name not in MPI | OPTIONAL], ids=lambda p: p.name
+)
 def test_example(path: Path) -> None:
     _run_and_check([sys.executable, str(path), *ARGS.get(path.name, [])], path.name)
+
+
+def test_cuda_core_interop_example() -> None:
+    """cuda.core streams and buffers in ctxkit launches, ctxkit's in cuda.core copies."""
+    pytest.importorskip("cuda.core", reason="cuda.core is not installed (pip install cuda-core)")
+    name = "cuda_core_interop.py"
+    _run_and_check([sys.executable, str(REPO / "examples" / name)], name)
 
 
 @pytest.mark.parametrize("path", [p for p in EXAMPLES if p.name in MPI], ids=lambda p: p.name)
