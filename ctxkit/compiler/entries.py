@@ -337,7 +337,7 @@ def parse(data: bytes, key: str) -> tuple[dict[str, Any], dict[str, bytes]] | No
     line, sep, payload = rest.partition(b"\n")
     try:
         header = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deep to be ours
         return None
     if not sep or not isinstance(header, dict) or header.get("key") != key:
         return None

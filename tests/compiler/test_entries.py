@@ -196,6 +196,24 @@ def test_parse_rejects_malformed_headers(head: bytes) -> None:
     assert _entries.parse(_raw("K", head, b"abc"), "K") is None
 
 
+def test_parse_rejects_a_header_nested_too_deep() -> None:
+    head = b'{"key": "K", "blobs": [], "x": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+    assert _entries.parse(_raw("K", head, b""), "K") is None
+
+
+def test_entry_nested_too_deep_is_discarded_and_recompiled(cache: Path) -> None:
+    src = unique("deep")
+    good = ctxkit.compile(src, arch="sm_90")
+    (entry,) = entries(cache)
+    key = entry.name.removesuffix(".ctxobj")
+    entry.write_bytes(_raw(key, b'{"x": ' + b"[" * 200_000 + b"]" * 200_000 + b"}", b""))
+    _cache._memo.clear()
+    before = dict(_cache.stats)
+    obj = ctxkit.compile(src, arch="sm_90")
+    assert not obj.from_cache and obj.code == good.code and delta(before)["compiled"] == 1
+    assert _entries.parse(entry.read_bytes(), key) is not None  # replaced by a good entry
+
+
 def test_parse_accepts_a_written_entry() -> None:
     data = _entries.encode("K", {"x": 1}, {"code": b"abc", "ptx": b"de"})
     header, blobs = _entries.parse(data, "K")  # type: ignore[misc]
