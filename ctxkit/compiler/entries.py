@@ -185,6 +185,16 @@ class CacheDir:
             return False
         return True
 
+    def remove(self, name: str) -> bool:
+        """Unlink *name*, or remove it if it is an empty directory; False when it stays."""
+        if self.unlink(name):
+            return True
+        try:
+            os.rmdir(self._at(name), dir_fd=self.fd)
+        except OSError:
+            return False
+        return True
+
     def replace(self, src: str, dst: str) -> None:
         os.replace(self._at(src), self._at(dst), src_dir_fd=self.fd, dst_dir_fd=self.fd)
 
@@ -205,7 +215,7 @@ class CacheDir:
                 return
             if (now.st_ino, now.st_dev) != (seen.st_ino, seen.st_dev):
                 return
-        self.unlink(name)
+        self.remove(name)
 
 
 def open_dir(path: Path, create: bool = True) -> CacheDir | None:
@@ -373,19 +383,32 @@ def encode(key: str, header: dict[str, Any], blobs: dict[str, bytes]) -> bytes:
 def write_entry(d: CacheDir, key: str, data: bytes) -> bool:
     """Store *data* as the entry of *key* atomically; False (one warning) when not writable."""
     tmp = f".{key[:16]}.{secrets.token_hex(8)}{TMP_SUFFIX}"
+    name = _entry_name(key)
     try:
         fd = d.open(tmp, _CREATE_FLAGS, 0o600)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
-            d.replace(tmp, _entry_name(key))
+            d.replace(tmp, name)
         except BaseException:
             d.unlink(tmp)
             raise
     except OSError as exc:
-        _warn_unusable(d.path, exc)
+        if exc.errno in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST):
+            _warn_blocked(d.path / name)
+        else:
+            _warn_unusable(d.path, exc)
         return False
     return True
+
+
+def _warn_blocked(path: Path) -> None:
+    _warn_once(
+        path,
+        "blocked",
+        f"ctxkit: {path} is a directory that is not empty, not a kernel cache entry; this "
+        "kernel is compiled without the disk cache until that directory is removed.",
+    )
 
 
 def evict(d: CacheDir, max_bytes: int, keep: str = "") -> int:
@@ -403,8 +426,8 @@ def evict(d: CacheDir, max_bytes: int, keep: str = "") -> int:
         if name.endswith(ENTRY_SUFFIX):
             if stat.S_ISREG(st.st_mode):
                 entries.append((st.st_mtime_ns, name, st.st_size))
-            elif not stat.S_ISDIR(st.st_mode):
-                removed += d.unlink(name)
+            else:
+                removed += d.remove(name)
         elif name.endswith((TMP_SUFFIX, LOCK_SUFFIX)) and st.st_mtime_ns < old:
             removed += d.unlink(name)
     total = sum(size for _t, _n, size in entries)

@@ -155,6 +155,40 @@ def test_entry_larger_than_the_cap_is_not_read(
     }
 
 
+def test_empty_directory_at_an_entry_is_replaced_by_the_entry(cache: Path) -> None:
+    src = unique("dir-entry")
+    key = ctxkit.Program(src)._cache_key("sm_90", "auto")
+    cache.mkdir(mode=0o700)
+    (cache / f"{key}.ctxobj").mkdir()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ctxkit.compile(src, arch="sm_90")
+    assert (cache / f"{key}.ctxobj").is_file()
+    _cache._memo.clear()
+    assert ctxkit.compile(src, arch="sm_90").from_cache
+
+
+def test_full_directory_at_an_entry_compiles_without_caching_and_says_so(cache: Path) -> None:
+    src = unique("full-dir-entry")
+    key = ctxkit.Program(src)._cache_key("sm_90", "auto")
+    cache.mkdir(mode=0o700)
+    blocker = cache / f"{key}.ctxobj"
+    blocker.mkdir()
+    (blocker / "something").write_text("the user's")
+    with pytest.warns(KernelCacheWarning, match=rf"{key}\.ctxobj is a directory") as rec:
+        obj = ctxkit.compile(src, arch="sm_90")
+    assert len(rec) == 1 and not obj.from_cache and obj.code[:4] == b"\x7fELF"
+    assert (blocker / "something").read_text() == "the user's"
+    _cache._memo.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        assert not ctxkit.compile(src, arch="sm_90").from_cache
+        other = unique("next-to-full-dir")
+        ctxkit.compile(other, arch="sm_90")
+        _cache._memo.clear()
+        assert ctxkit.compile(other, arch="sm_90").from_cache  # the rest of the cache works
+
+
 @pytest.mark.skipif(not IS_ROOT, reason="needs root to give a file to another user")
 def test_entry_owned_by_another_user_is_discarded(cache: Path) -> None:
     src = unique("owner")
@@ -251,9 +285,12 @@ def test_evict_removes_entries_that_are_not_files(tmp_path: Path) -> None:
     _fake_entries(d, {"a": (10, 1)})
     os.mkfifo(d / "f.ctxobj")
     (d / "l.ctxobj").symlink_to(d / "a.ctxobj")
+    (d / "e.ctxobj").mkdir()
+    (d / "full.ctxobj").mkdir()
+    (d / "full.ctxobj" / "x").write_text("kept")
     with _entries.open_dir(d) as cd:  # type: ignore[union-attr]
-        _entries.evict(cd, 1 << 20)
-    assert sorted(os.listdir(d)) == ["a.ctxobj"]
+        assert _entries.evict(cd, 1 << 20) == 3
+    assert sorted(os.listdir(d)) == ["a.ctxobj", "full.ctxobj"]
 
 
 # --- the lock between processes -------------------------------------------------------
