@@ -119,6 +119,10 @@ _NOT_AN_ENTRY = frozenset(
 _warned: set[tuple[str, str]] = set()
 
 
+# (st_dev, st_ino) of the lock files this process holds (see _remove_unheld_lock).
+_held: set[tuple[int, int]] = set()
+
+
 def _euid() -> int:
     return os.geteuid() if _POSIX else -1
 
@@ -414,12 +418,11 @@ def _warn_blocked(path: Path) -> None:
 def evict(d: CacheDir, max_bytes: int, keep: str = "") -> int:
     """Remove least recently used entries until they total at most *max_bytes*.
 
-    Also removes temporary and lock files older than :data:`TMP_MAX_AGE_S`, and entries
-    that are not regular files. The entry of *keep* (just written) stays. Returns the
-    number of files removed.
+    Also removes what :func:`_sweep` says was left behind, and entries that are not
+    regular files. The entry of *keep* (just written) stays. Returns the number of files
+    removed.
     """
-    now = time.time_ns()
-    old = now - int(TMP_MAX_AGE_S * 1e9)
+    old = _left_before()
     removed = 0
     entries: list[tuple[int, str, int]] = []
     for name, st in d.scan():
@@ -428,8 +431,8 @@ def evict(d: CacheDir, max_bytes: int, keep: str = "") -> int:
                 entries.append((st.st_mtime_ns, name, st.st_size))
             else:
                 removed += d.remove(name)
-        elif name.endswith((TMP_SUFFIX, LOCK_SUFFIX)) and st.st_mtime_ns < old:
-            removed += d.unlink(name)
+        else:
+            removed += _sweep(d, name, st, old)
     total = sum(size for _t, _n, size in entries)
     keep_name = _entry_name(keep) if keep else ""
     for _mtime, name, size in sorted(entries):
@@ -442,12 +445,63 @@ def evict(d: CacheDir, max_bytes: int, keep: str = "") -> int:
 
 
 def clear(d: CacheDir) -> int:
-    """Remove every entry and temporary file; return how many were removed."""
+    """Remove every entry and what :func:`_sweep` says was left behind; return the count."""
+    old = _left_before()
     removed = 0
-    for name, _st in d.scan():
-        if name.endswith((ENTRY_SUFFIX, TMP_SUFFIX)):
-            removed += d.unlink(name)
+    for name, st in d.scan():
+        if name.endswith(ENTRY_SUFFIX):
+            removed += d.remove(name)
+        else:
+            removed += _sweep(d, name, st, old)
     return removed
+
+
+def _left_before() -> int:
+    """The ``st_mtime_ns`` before which a temporary or lock file was left by a dead process."""
+    return time.time_ns() - int(TMP_MAX_AGE_S * 1e9)
+
+
+def _sweep(d: CacheDir, name: str, st: os.stat_result, old: int) -> int:
+    """Remove *name* (1) when it is a temporary or lock file last changed before *old*.
+
+    A younger one may belong to a process at work. A lock file is also kept while any
+    process holds it (a process stopped mid-compile holds it for as long as it is stopped).
+    """
+    if st.st_mtime_ns >= old:
+        return 0
+    if name.endswith(TMP_SUFFIX):
+        return int(d.unlink(name))
+    if name.endswith(LOCK_SUFFIX):
+        return int(_remove_unheld_lock(d, name, st))
+    return 0
+
+
+def _remove_unheld_lock(d: CacheDir, name: str, seen: os.stat_result) -> bool:
+    """Unlink the lock file *name* while holding it; False when a process holds it.
+
+    Never opens a lock file that this process holds: closing any descriptor of a file
+    drops the process's record locks on it.
+    """
+    if fcntl is None or _file_id(seen) in _held:
+        return False
+    try:
+        fd = d.open(name, _LOCK_FLAGS & ~os.O_CREAT)
+    except OSError:
+        return False
+    try:
+        if _file_id(os.fstat(fd)) != _file_id(seen):
+            return False  # replaced since the scan
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    else:
+        return d.unlink(name)
+    finally:
+        os.close(fd)
+
+
+def _file_id(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
 
 
 @contextlib.contextmanager
@@ -461,12 +515,17 @@ def process_lock(d: CacheDir, key: str, timeout: float = LOCK_TIMEOUT_S) -> Iter
     """
     name = f".{key}{LOCK_SUFFIX}"
     fd = _acquire(d, name, time.monotonic() + timeout) if fcntl is not None else None
+    held = _file_id(os.fstat(fd)) if fd is not None else None
+    if held is not None:
+        _held.add(held)
     try:
         yield fd is not None
     finally:
         if fd is not None:
             d.unlink(name)  # before unlocking: a waiter on this file sees it is gone
             os.close(fd)
+        if held is not None:
+            _held.discard(held)
 
 
 def _acquire(d: CacheDir, name: str, deadline: float) -> int | None:

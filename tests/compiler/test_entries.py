@@ -293,6 +293,81 @@ def test_evict_removes_entries_that_are_not_files(tmp_path: Path) -> None:
     assert sorted(os.listdir(d)) == ["a.ctxobj", "full.ctxobj"]
 
 
+def _age(path: Path, seconds: float) -> None:
+    then = time.time_ns() - int(seconds * 1e9)
+    os.utime(path, ns=(then, then))
+
+
+HOLD_LOCK = """
+import sys, time
+from pathlib import Path
+from ctxkit.compiler import entries
+with entries.open_dir(Path(sys.argv[1])) as cd:
+    with entries.process_lock(cd, sys.argv[2]):
+        print("locked", flush=True)
+        time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("sweep", ["evict", "clear"])
+def test_sweeps_keep_a_lock_another_process_holds(tmp_path: Path, sweep: str) -> None:
+    d = tmp_path / "c"
+    _fake_entries(d, {"a": (10, 1)})
+    key = "h" * 64
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(d), key],
+        env=child_env(d),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        held, dead = d / f".{key}.lock", d / f".{'d' * 64}.lock"
+        dead.write_bytes(b"")
+        for p in (held, dead):
+            _age(p, 2 * _entries.TMP_MAX_AGE_S)  # e.g. a holder stopped for hours
+        with _entries.open_dir(d) as cd:  # type: ignore[union-attr]
+            if sweep == "evict":
+                _entries.evict(cd, 1 << 20)
+            else:
+                _entries.clear(cd)
+        assert held.exists() and not dead.exists()
+        with _entries.open_dir(d) as cd:  # type: ignore[union-attr]
+            with _entries.process_lock(cd, key, timeout=0.2) as got:
+                assert got is False  # still held by the other process
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.parametrize("sweep", ["evict", "clear"])
+def test_sweeps_keep_a_lock_this_process_holds(tmp_path: Path, sweep: str) -> None:
+    d = tmp_path / "c"
+    _fake_entries(d, {"a": (10, 1)})
+    key = "m" * 64
+    with _entries.open_dir(d) as cd:  # type: ignore[union-attr]
+        with _entries.process_lock(cd, key) as got:
+            assert got
+            _age(d / f".{key}.lock", 2 * _entries.TMP_MAX_AGE_S)
+            if sweep == "evict":
+                _entries.evict(cd, 1 << 20)
+            else:
+                _entries.clear(cd)
+            assert (d / f".{key}.lock").exists()
+        assert not (d / f".{key}.lock").exists()  # removed by its holder
+
+
+def test_clear_keeps_temporary_files_a_writer_may_still_use(tmp_path: Path) -> None:
+    d = tmp_path / "c"
+    _fake_entries(d, {"a": (10, 1)})
+    (d / ".fresh.x.tmp").write_bytes(b"partial")
+    (d / ".dead.y.tmp").write_bytes(b"partial")
+    _age(d / ".dead.y.tmp", 2 * _entries.TMP_MAX_AGE_S)
+    with _entries.open_dir(d) as cd:  # type: ignore[union-attr]
+        assert _entries.clear(cd) == 2
+    assert os.listdir(d) == [".fresh.x.tmp"]
+
+
 # --- the lock between processes -------------------------------------------------------
 
 
