@@ -55,6 +55,7 @@ except ImportError:  # Windows: no cross-process lock
 __all__ = [
     "ENTRY_SUFFIX",
     "LOCK_TIMEOUT_S",
+    "LOCK_WARN_S",
     "TMP_MAX_AGE_S",
     "TMP_SUFFIX",
     "CacheDir",
@@ -82,6 +83,10 @@ TMP_MAX_AGE_S = 3600.0
 
 #: How long a process waits for another one compiling the same program (seconds).
 LOCK_TIMEOUT_S = 120.0
+
+
+#: After this long waiting for another process's lock (seconds), a warning says so.
+LOCK_WARN_S = 5.0
 
 
 _MAGIC = b"CTXKIT1 "
@@ -142,10 +147,14 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _user_stacklevel() -> int:
-    """The ``stacklevel``, for our caller's ``warnings.warn``, of the first frame outside ctxkit."""
+    """The ``stacklevel``, for our caller's ``warnings.warn``, of the first frame outside ctxkit
+    (and :mod:`contextlib`, which runs ``with`` blocks)."""
     frame = sys._getframe(1)
     level = 1
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+    while frame.f_back is not None and (
+        frame.f_code.co_filename.startswith(_PACKAGE_DIR)
+        or frame.f_code.co_filename == contextlib.__file__
+    ):
         frame = frame.f_back
         level += 1
     return level
@@ -505,16 +514,19 @@ def _file_id(st: os.stat_result) -> tuple[int, int]:
 
 
 @contextlib.contextmanager
-def process_lock(d: CacheDir, key: str, timeout: float = LOCK_TIMEOUT_S) -> Iterator[bool]:
+def process_lock(d: CacheDir, key: str, timeout: float | None = None) -> Iterator[bool]:
     """Hold the lock of *key* against other processes (yields False when not held).
 
-    Waits up to *timeout* seconds for a process compiling the same program; after that,
+    Waits up to *timeout* seconds (default :data:`LOCK_TIMEOUT_S`) for a process
+    compiling the same program, with a warning after :data:`LOCK_WARN_S` (a stopped or
+    hung process can hold the lock that long) and another one on giving up; after that,
     or where file locks are unavailable, proceeds without the lock (a duplicate compile,
     never a wrong result). Threads of one process must not ask for the same key at once
     (the in-process lock of :func:`ctxkit.compiler.cache.cached` sees to that).
     """
     name = f".{key}{LOCK_SUFFIX}"
-    fd = _acquire(d, name, time.monotonic() + timeout) if fcntl is not None else None
+    wait = _Wait(d.path / name, LOCK_TIMEOUT_S if timeout is None else timeout)
+    fd = _acquire(d, name, wait) if fcntl is not None else None
     held = _file_id(os.fstat(fd)) if fd is not None else None
     if held is not None:
         _held.add(held)
@@ -528,7 +540,38 @@ def process_lock(d: CacheDir, key: str, timeout: float = LOCK_TIMEOUT_S) -> Iter
             _held.discard(held)
 
 
-def _acquire(d: CacheDir, name: str, deadline: float) -> int | None:
+class _Wait:
+    """One wait for another process's lock: when to say so, when to give up."""
+
+    def __init__(self, path: Path, timeout: float) -> None:
+        self.path = path
+        self.timeout = timeout
+        self.start = time.monotonic()
+        self.warned = False
+
+    def over(self) -> bool:
+        """True when the time is up (with a warning); warns once past :data:`LOCK_WARN_S`."""
+        waited = time.monotonic() - self.start
+        if waited >= self.timeout:
+            self._warn(
+                f"ctxkit: gave up after {waited:.1f} s waiting for {self.path}, the lock of "
+                "another process compiling the same kernel; compiling it here too."
+            )
+            return True
+        if waited >= LOCK_WARN_S and not self.warned:
+            self.warned = True
+            self._warn(
+                f"ctxkit: waiting for {self.path} for {waited:.1f} s: another process is "
+                "compiling the same kernel (or is stopped or hung holding its lock); "
+                f"waiting up to {self.timeout:g} s in all, then compiling it here."
+            )
+        return False
+
+    def _warn(self, message: str) -> None:
+        warnings.warn(message, KernelCacheWarning, stacklevel=_user_stacklevel())
+
+
+def _acquire(d: CacheDir, name: str, wait: _Wait) -> int | None:
     while True:
         try:
             fd = d.open(name, _LOCK_FLAGS, 0o600)
@@ -538,7 +581,7 @@ def _acquire(d: CacheDir, name: str, deadline: float) -> int | None:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or not _owned_by_me(st):
                 raise OSError(errno.EPERM, "not a lock file")
-            if not _lock_until(fd, deadline):
+            if not _lock_until(fd, wait):
                 raise TimeoutError
             now = d.lstat(name)
         except FileNotFoundError:
@@ -547,24 +590,28 @@ def _acquire(d: CacheDir, name: str, deadline: float) -> int | None:
         except OSError:
             os.close(fd)
             return None
+        except BaseException:  # e.g. the wait's warning, turned into an error
+            os.close(fd)
+            raise
         if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
             return fd
         os.close(fd)
 
 
-def _lock_until(fd: int, deadline: float) -> bool:
-    """Take the POSIX record lock of *fd*, polling until *deadline*.
+def _lock_until(fd: int, wait: _Wait) -> bool:
+    """Take the POSIX record lock of *fd*, polling until *wait* is over.
 
     A record lock (``lockf``) rather than ``flock``: it belongs to the process, so a
     child forked while a compile runs does not keep it held; it also works on NFS.
     """
-    assert fcntl is not None
+    if fcntl is None:
+        return False
     pause = 0.001
     while True:
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
-            if exc.errno not in (errno.EACCES, errno.EAGAIN) or time.monotonic() >= deadline:
+            if exc.errno not in (errno.EACCES, errno.EAGAIN) or wait.over():
                 return False
             time.sleep(pause)
             pause = min(pause * 2, 0.02)

@@ -333,8 +333,9 @@ def test_sweeps_keep_a_lock_another_process_holds(tmp_path: Path, sweep: str) ->
                 _entries.clear(cd)
         assert held.exists() and not dead.exists()
         with _entries.open_dir(d) as cd:  # type: ignore[union-attr]
-            with _entries.process_lock(cd, key, timeout=0.2) as got:
-                assert got is False  # still held by the other process
+            with pytest.warns(KernelCacheWarning, match="gave up"):
+                with _entries.process_lock(cd, key, timeout=0.2) as got:
+                    assert got is False  # still held by the other process
     finally:
         holder.kill()
         holder.wait()
@@ -419,8 +420,11 @@ def test_process_lock_times_out_without_the_lock(tmp_path: Path) -> None:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
         with _entries.open_dir(d) as cd:  # type: ignore[union-attr]
             t0 = time.monotonic()
-            with _entries.process_lock(cd, "t" * 64, timeout=0.3) as held:
-                waited = time.monotonic() - t0
+            with pytest.warns(
+                KernelCacheWarning, match=r"gave up after 0\.3 s waiting for .*\.lock"
+            ):
+                with _entries.process_lock(cd, "t" * 64, timeout=0.3) as held:
+                    waited = time.monotonic() - t0
         assert held is False and 0.25 < waited < 5
     finally:
         holder.kill()
