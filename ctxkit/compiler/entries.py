@@ -235,16 +235,30 @@ def open_dir(path: Path, create: bool = True) -> CacheDir | None:
     """The verified cache directory at *path*, or ``None`` (with one warning) when unusable.
 
     Creates it (mode 0700) when missing and *create* is true. Refuses a directory that
-    is not owned by the effective user, or that group or others can write.
+    is not owned by the effective user, that group or others can write, or that is
+    reached through a symbolic link of another user (see :func:`_follow`).
     """
-    if create and not path.is_dir():
+    if not _POSIX:
+        if create and not path.is_dir():
+            try:
+                _make_private_dir(path)
+            except OSError as exc:
+                _warn_unusable(path, exc)
+                return None
+        return CacheDir(path, None) if path.is_dir() else None
+    link, seen = _follow(path)
+    if not link and seen is None and create:
         try:
             _make_private_dir(path)
         except OSError as exc:
             _warn_unusable(path, exc)
             return None
-    if not _POSIX:
-        return CacheDir(path, None) if path.is_dir() else None
+        link, seen = _follow(path)
+    if link:
+        _warn_unsafe(
+            path, link, "set CTXKIT_CACHE_DIR to a directory reached through no other user's link"
+        )
+        return None
     try:
         fd = os.open(path, _DIR_FLAGS)
     except OSError as exc:
@@ -258,18 +272,66 @@ def open_dir(path: Path, create: bool = True) -> CacheDir | None:
         os.close(fd)
         _warn_unusable(path, exc)
         return None
+    if not problem and (seen is None or _file_id(st) != _file_id(seen)):
+        problem = "was replaced while it was checked"
     if problem:
         os.close(fd)
-        _warn_once(
+        _warn_unsafe(
             path,
-            "unsafe",
-            f"ctxkit: not using the kernel cache in {path}: it {problem}, so another user "
-            "could plant compiled code there. Kernels are compiled without the disk cache. "
-            f"Fix: `chmod 700 {path}` if it is yours, or set CTXKIT_CACHE_DIR to a "
-            "directory of your own (or to 'off').",
+            f"it {problem}",
+            f"`chmod 700 {path}` if it is yours, or set CTXKIT_CACHE_DIR to a directory of "
+            "your own",
         )
         return None
     return CacheDir(path, fd)
+
+
+def _warn_unsafe(path: Path, problem: str, fix: str) -> None:
+    _warn_once(
+        path,
+        "unsafe",
+        f"ctxkit: not using the kernel cache in {path}: {problem}, so another user could "
+        "plant compiled code there. Kernels are compiled without the disk cache. "
+        f"Fix: {fix} (or to 'off').",
+    )
+
+
+_MAX_LINKS = 40  # as Linux's ELOOP
+
+
+def _follow(path: Path) -> tuple[str, os.stat_result | None]:
+    """Walk *path* as the kernel resolves it, trusting only this user's and root's links.
+
+    Returns ``(problem, None)`` at a symbolic link owned by another user (who could point
+    it anywhere, now or later), else ``("", lstat of the place it leads to)``, with
+    ``None`` when that does not exist (or cannot be looked at: opening it will say why).
+    """
+    links = 0
+    try:
+        todo = list(reversed((Path.cwd() / path).parts))
+        current = todo.pop()
+        while todo:
+            part = todo.pop()
+            if part == "..":
+                current = os.path.dirname(current)
+                continue
+            here = os.path.join(current, part)
+            st = os.lstat(here)
+            if not stat.S_ISLNK(st.st_mode):
+                current = here
+                continue
+            if st.st_uid not in (_euid(), 0):
+                return f"{here} is a symbolic link owned by uid {st.st_uid}", None
+            links += 1
+            if links > _MAX_LINKS:
+                return "", None
+            target = Path(os.readlink(here))
+            todo.extend(reversed(target.parts))
+            if target.is_absolute():
+                current = todo.pop()
+        return "", os.lstat(current)
+    except OSError:
+        return "", None
 
 
 def _make_private_dir(path: Path) -> None:

@@ -67,6 +67,85 @@ def test_untrusted_directory_is_not_used(
     assert not again.from_cache
 
 
+def _foreign_link(link: Path, target: Path) -> None:
+    """*link* -> *target*, a symbolic link owned by another user (needs root)."""
+    link.symlink_to(target)
+    os.lchown(link, 65534, 65534)
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="needs root to give a link to another user")
+@pytest.mark.parametrize("where", ["final", "parent"])
+def test_directory_reached_through_another_users_link_is_not_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    victim = unique(f"foreign-link-{where}")
+    planted = _plant(mine / "kernels", victim, ATTACKER)
+    (mine / "kernels").chmod(0o700)
+    if where == "final":
+        _foreign_link(tmp_path / "cache", mine / "kernels")
+        path = tmp_path / "cache"
+    else:
+        _foreign_link(tmp_path / "shared", mine)
+        path = tmp_path / "shared" / "kernels"
+    link = tmp_path / ("cache" if where == "final" else "shared")
+    monkeypatch.setenv("CTXKIT_CACHE_DIR", str(path))
+    with pytest.warns(KernelCacheWarning, match=rf"{link} is a symbolic link owned by uid 65534"):
+        obj = ctxkit.compile(victim, arch="sm_90")
+    assert not obj.from_cache and obj.code != planted
+    assert len(entries(mine / "kernels")) == 1  # nothing written there, nothing removed
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="needs root to give a link to another user")
+def test_cache_is_not_created_through_another_users_link(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "theirs").mkdir()
+    _foreign_link(tmp_path / "planted", tmp_path / "theirs")
+    monkeypatch.setenv("CTXKIT_CACHE_DIR", str(tmp_path / "planted" / "sub" / "kernels"))
+    with pytest.warns(KernelCacheWarning, match="planted is a symbolic link owned by uid 65534"):
+        ctxkit.compile(unique("create-through-link"), arch="sm_90")
+    assert not list((tmp_path / "theirs").iterdir())
+
+
+def test_directory_reached_through_own_links_is_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "real" / "deep").mkdir(parents=True)
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / ".cache").symlink_to("../real/deep")  # a relative link, with ..
+    (tmp_path / "alias").symlink_to(tmp_path / "home")
+    monkeypatch.setenv("CTXKIT_CACHE_DIR", str(tmp_path / "alias" / ".cache" / "kernels"))
+    src = unique("own-links")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ctxkit.compile(src, arch="sm_90")
+        _cache._memo.clear()
+        assert ctxkit.compile(src, arch="sm_90").from_cache
+    d = tmp_path / "real" / "deep" / "kernels"
+    assert len(entries(d)) == 1 and (d.stat().st_mode & 0o777) == 0o700
+
+
+def test_directory_swapped_while_checked_is_not_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d, other = tmp_path / "c", tmp_path / "other-private"
+    d.mkdir(mode=0o700)
+    other.mkdir(mode=0o700)
+    follow = _entries._follow
+
+    def swap_after_the_check(path: Path) -> tuple[str, os.stat_result | None]:
+        found = follow(path)
+        d.rename(tmp_path / "moved")
+        d.symlink_to(other)  # a link of this user's, to another private directory
+        return found
+
+    monkeypatch.setattr(_entries, "_follow", swap_after_the_check)
+    with pytest.warns(KernelCacheWarning, match="was replaced while it was checked"):
+        assert _entries.open_dir(d) is None
+
+
 def test_private_directory_readable_by_others_is_used(tmp_path: Path) -> None:
     d = tmp_path / "mine"
     d.mkdir(mode=0o755)
