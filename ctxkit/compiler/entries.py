@@ -9,24 +9,33 @@ An entry is one file ``<key>.ctxobj``::
 Nothing is ever unpickled. The digest is written by the writer, so it only catches
 corruption; what keeps other users' code out is the directory itself. A directory is
 used only when it is owned by the effective user and not writable by group or others
-(the rule of ssh's ``StrictModes`` and pip's cache): otherwise ctxkit warns once
-(:class:`KernelCacheWarning`) and compiles without the disk cache, reading nothing
-from there. The directory is opened once per operation and every entry is reached
-through that descriptor, so swapping the path for another directory afterwards
-changes nothing.
+(the rule of ssh's ``StrictModes`` and pip's cache), and when every symbolic link on
+the way to it belongs to the user or root (another user's link could be pointed
+anywhere): otherwise ctxkit warns once (:class:`KernelCacheWarning`) and compiles
+without the disk cache, reading nothing from there. A missing directory is created
+with mode 0700. The directory is opened once per operation, checked to be the one
+the path led to, and every entry is reached through that descriptor, so swapping the
+path for another directory afterwards changes nothing.
 
 Entries are opened without following symbolic links and without blocking, and read
 only when ``fstat`` says they are a regular file of the effective user no larger than
-the cap; anything else (a FIFO, a link to ``/dev/zero``, a truncated or malformed
-file) is a miss and is removed. Entries are written to a private temporary file and
-moved into place with ``os.replace``, so readers see no entry or a complete one.
+the cap; anything else (a FIFO, a link to ``/dev/zero``, an empty directory, a
+truncated, malformed or absurdly nested file) is a miss and is removed. A directory
+that is not empty is left alone: its kernel is compiled without the disk cache, with
+one warning naming it. Entries are written to a private temporary file and moved into
+place with ``os.replace``, so readers see no entry or a complete one.
 
 The directory stays under a size cap (:func:`ctxkit.compiler.cache.max_bytes`): after
 each write the least recently used entries (a hit refreshes an entry's mtime) are
-removed, and temporary files older than :data:`TMP_MAX_AGE_S` (left by a killed
-writer) are swept. A lock file per key, held while one process
-compiles (a POSIX record lock), lets other processes wait for its result instead of
-compiling the same program; lock files are removed by their holder.
+removed. Eviction and :func:`clear` remove a temporary file only when it is older than
+:data:`TMP_MAX_AGE_S` (left by a killed writer; a younger one may be another process's
+write in progress), and a lock file only when it is that old and no process holds it.
+
+A lock file per key, held while one process compiles (a POSIX record lock), lets other
+processes wait for its result instead of compiling the same program; its holder
+removes it. A waiter warns after :data:`LOCK_WARN_S` seconds (naming the lock file,
+the wait so far and the limit: a stopped or hung process holds the lock as long as
+it lives) and compiles on its own after :data:`LOCK_TIMEOUT_S`, with a second warning.
 """
 
 from __future__ import annotations
