@@ -9,13 +9,20 @@ PTX; an architecture this NVRTC does not know is an error. Template kernels need
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import stat
 import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DESCRIPTION", "add_arguments", "cli_compile", "run"]
+__all__ = ["DESCRIPTION", "MAX_SOURCE_BYTES", "add_arguments", "cli_compile", "run"]
+
+
+#: The largest source file ``ctxkit compile`` reads (bytes); NVRTC takes far longer
+#: on anything near it.
+MAX_SOURCE_BYTES = 64 << 20
 
 
 #: The ``compile`` subcommand's description (plain text, for ``--help``).
@@ -94,10 +101,14 @@ def run(args: argparse.Namespace) -> int:
 
     src_path = Path(args.file)
     try:
-        source = src_path.read_text(encoding="utf-8")
+        source = _read_source(src_path)
     except (OSError, UnicodeDecodeError) as exc:
         return _fail(f"cannot read {src_path}: {exc}")
+    except _Usage as exc:
+        return _fail(str(exc))
     try:
+        if args.output:
+            _refuse_source(Path(args.output), src_path, f"-o {args.output}")
         arch, target = _arch_and_target(args.arch, args.target)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", PtxVersionWarning)
@@ -111,8 +122,6 @@ def run(args: argparse.Namespace) -> int:
         print(str(exc), file=sys.stderr)
         return _fail(f"{src_path} failed to compile ({exc.name})")
     except ValueError as exc:
-        if args.arch is None:
-            return _fail(f"{exc}\nctxkit compile: pass --arch, e.g. --arch sm_90")
         return _fail(str(exc))
     try:
         obj.save(out)
@@ -129,6 +138,62 @@ def run(args: argparse.Namespace) -> int:
     for expr, mangled in obj.lowered_names.items():
         print(f"  {expr} -> {mangled}")
     return 0
+
+
+def _read_source(path: Path) -> str:
+    """The text of *path*, a regular file of at most :data:`MAX_SOURCE_BYTES`.
+
+    Opened without blocking, so a FIFO without a writer is refused rather than waited on.
+
+    Raises
+    ------
+    _Usage
+        *path* is not a regular file (a FIFO, a device such as ``/dev/zero``, a
+        directory) or is larger than the limit.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise _Usage(f"{path} is {_file_kind(mode)}, not a source file; pass a .cu file")
+        chunks: list[bytes] = []
+        left = MAX_SOURCE_BYTES + 1
+        while left > 0 and (chunk := os.read(fd, left)):
+            chunks.append(chunk)
+            left -= len(chunk)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > MAX_SOURCE_BYTES:
+        mib, rest = divmod(MAX_SOURCE_BYTES, 1 << 20)
+        limit = f"{mib} MiB" if mib and not rest else f"{MAX_SOURCE_BYTES} bytes"
+        raise _Usage(f"{path} is larger than {limit}, the most ctxkit compile reads as a source")
+    return data.decode("utf-8")
+
+
+def _file_kind(mode: int) -> str:
+    kinds = {
+        stat.S_ISDIR: "a directory",
+        stat.S_ISFIFO: "a FIFO",
+        stat.S_ISCHR: "a character device",
+        stat.S_ISBLK: "a block device",
+        stat.S_ISSOCK: "a socket",
+    }
+    return next((text for test, text in kinds.items() if test(mode)), "not a regular file")
+
+
+def _refuse_source(out: Path, src_path: Path, flag: str) -> None:
+    """Raise :class:`_Usage` when writing *out* would overwrite the source file."""
+    try:
+        same = os.path.samefile(out, src_path)  # also a hard link or a symlink to it
+    except OSError:
+        same = out.resolve() == src_path.resolve()
+    if same:
+        raise _Usage(
+            f"{flag} would overwrite the source file {src_path}; name another output "
+            f"file, e.g. -o {src_path.stem}.cubin"
+        )
 
 
 def _fail(message: str) -> int:
@@ -163,11 +228,17 @@ def _arch_and_target(arch: str | None, target: str | None) -> tuple[str | None, 
         An arch this NVRTC does not know, or a cubin asked for a virtual arch.
     """
     if arch is None:
-        return None, target or "auto"
+        return _device_arch(), target or "auto"
     from ..compiler.nvrtc import arch_number, normalize_arch, nvrtc_version, supported_archs
 
     virtual = arch.strip().lower().startswith("compute_")
-    real = normalize_arch(arch)  # ValueError names the accepted spellings
+    try:
+        real = normalize_arch(arch)
+    except ValueError:
+        raise _Usage(
+            f"--arch {arch} is not an architecture; pass sm_XY for a cubin or compute_XY "
+            "for PTX, e.g. --arch sm_90 or --arch compute_90"
+        ) from None
     known = supported_archs()
     if arch_number(real) not in known:
         nv = "{}.{}".format(*nvrtc_version())
@@ -186,12 +257,24 @@ def _arch_and_target(arch: str | None, target: str | None) -> tuple[str | None, 
     return real, "ptx"
 
 
+def _device_arch() -> str:
+    """The arch of this machine's GPU, for a compile without ``--arch``."""
+    from ..compiler.program import device_arch
+
+    try:
+        return device_arch()
+    except ValueError as exc:
+        raise _Usage(
+            f"no --arch given and no GPU here ({exc}); pass --arch, e.g. --arch sm_90 "
+            "(cubin) or --arch compute_90 (PTX)"
+        ) from None
+
+
 def _output_path(output: str | None, src_path: Path, target: str) -> Path:
     if output:
         return Path(output)
     out = Path(f"{src_path.stem}.{target}")
-    if out.resolve() == src_path.resolve():
-        raise _Usage(f"the output would overwrite {src_path}; name another file with -o")
+    _refuse_source(out, src_path, f"the default output {out}")
     return out
 
 

@@ -2,8 +2,9 @@
 
 Where: ``CTXKIT_CACHE_DIR``, else ``kernels/`` under the user cache directory
 (``$XDG_CACHE_HOME/ctxkit`` or ``~/.cache/ctxkit`` on Linux); ``CTXKIT_CACHE_DIR=off``
-disables it. The directory must belong to the user and be closed to group and others;
-otherwise ctxkit warns once and compiles without the disk cache (see
+disables it. The directory must belong to the user, be closed to group and others and
+be reached through no other user's symbolic link; otherwise ctxkit warns once and
+compiles without the disk cache (see
 :mod:`ctxkit.compiler.entries`, which also describes the file format).
 
 How big: ``CTXKIT_CACHE_MAX_BYTES`` (bytes, or with a ``K``/``M``/``G`` suffix; default

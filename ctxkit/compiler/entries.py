@@ -9,24 +9,33 @@ An entry is one file ``<key>.ctxobj``::
 Nothing is ever unpickled. The digest is written by the writer, so it only catches
 corruption; what keeps other users' code out is the directory itself. A directory is
 used only when it is owned by the effective user and not writable by group or others
-(the rule of ssh's ``StrictModes`` and pip's cache): otherwise ctxkit warns once
-(:class:`KernelCacheWarning`) and compiles without the disk cache, reading nothing
-from there. The directory is opened once per operation and every entry is reached
-through that descriptor, so swapping the path for another directory afterwards
-changes nothing.
+(the rule of ssh's ``StrictModes`` and pip's cache), and when every symbolic link on
+the way to it belongs to the user or root (another user's link could be pointed
+anywhere): otherwise ctxkit warns once (:class:`KernelCacheWarning`) and compiles
+without the disk cache, reading nothing from there. A missing directory is created
+with mode 0700. The directory is opened once per operation, checked to be the one
+the path led to, and every entry is reached through that descriptor, so swapping the
+path for another directory afterwards changes nothing.
 
 Entries are opened without following symbolic links and without blocking, and read
 only when ``fstat`` says they are a regular file of the effective user no larger than
-the cap; anything else (a FIFO, a link to ``/dev/zero``, a truncated or malformed
-file) is a miss and is removed. Entries are written to a private temporary file and
-moved into place with ``os.replace``, so readers see no entry or a complete one.
+the cap; anything else (a FIFO, a link to ``/dev/zero``, an empty directory, a
+truncated, malformed or absurdly nested file) is a miss and is removed. A directory
+that is not empty is left alone: its kernel is compiled without the disk cache, with
+one warning naming it. Entries are written to a private temporary file and moved into
+place with ``os.replace``, so readers see no entry or a complete one.
 
 The directory stays under a size cap (:func:`ctxkit.compiler.cache.max_bytes`): after
 each write the least recently used entries (a hit refreshes an entry's mtime) are
-removed, and temporary files older than :data:`TMP_MAX_AGE_S` (left by a killed
-writer) are swept. A lock file per key, held while one process
-compiles (a POSIX record lock), lets other processes wait for its result instead of
-compiling the same program; lock files are removed by their holder.
+removed. Eviction and :func:`clear` remove a temporary file only when it is older than
+:data:`TMP_MAX_AGE_S` (left by a killed writer; a younger one may be another process's
+write in progress), and a lock file only when it is that old and no process holds it.
+
+A lock file per key, held while one process compiles (a POSIX record lock), lets other
+processes wait for its result instead of compiling the same program; its holder
+removes it. A waiter warns after :data:`LOCK_WARN_S` seconds (naming the lock file,
+the wait so far and the limit: a stopped or hung process holds the lock as long as
+it lives) and compiles on its own after :data:`LOCK_TIMEOUT_S`, with a second warning.
 """
 
 from __future__ import annotations
@@ -55,6 +64,7 @@ except ImportError:  # Windows: no cross-process lock
 __all__ = [
     "ENTRY_SUFFIX",
     "LOCK_TIMEOUT_S",
+    "LOCK_WARN_S",
     "TMP_MAX_AGE_S",
     "TMP_SUFFIX",
     "CacheDir",
@@ -82,6 +92,10 @@ TMP_MAX_AGE_S = 3600.0
 
 #: How long a process waits for another one compiling the same program (seconds).
 LOCK_TIMEOUT_S = 120.0
+
+
+#: After this long waiting for another process's lock (seconds), a warning says so.
+LOCK_WARN_S = 5.0
 
 
 _MAGIC = b"CTXKIT1 "
@@ -119,6 +133,10 @@ _NOT_AN_ENTRY = frozenset(
 _warned: set[tuple[str, str]] = set()
 
 
+# (st_dev, st_ino) of the lock files this process holds (see _remove_unheld_lock).
+_held: set[tuple[int, int]] = set()
+
+
 def _euid() -> int:
     return os.geteuid() if _POSIX else -1
 
@@ -138,10 +156,14 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _user_stacklevel() -> int:
-    """The ``stacklevel``, for our caller's ``warnings.warn``, of the first frame outside ctxkit."""
+    """The ``stacklevel``, for our caller's ``warnings.warn``, of the first frame outside ctxkit
+    (and :mod:`contextlib`, which runs ``with`` blocks)."""
     frame = sys._getframe(1)
     level = 1
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+    while frame.f_back is not None and (
+        frame.f_code.co_filename.startswith(_PACKAGE_DIR)
+        or frame.f_code.co_filename == contextlib.__file__
+    ):
         frame = frame.f_back
         level += 1
     return level
@@ -185,6 +207,16 @@ class CacheDir:
             return False
         return True
 
+    def remove(self, name: str) -> bool:
+        """Unlink *name*, or remove it if it is an empty directory; False when it stays."""
+        if self.unlink(name):
+            return True
+        try:
+            os.rmdir(self._at(name), dir_fd=self.fd)
+        except OSError:
+            return False
+        return True
+
     def replace(self, src: str, dst: str) -> None:
         os.replace(self._at(src), self._at(dst), src_dir_fd=self.fd, dst_dir_fd=self.fd)
 
@@ -205,23 +237,37 @@ class CacheDir:
                 return
             if (now.st_ino, now.st_dev) != (seen.st_ino, seen.st_dev):
                 return
-        self.unlink(name)
+        self.remove(name)
 
 
 def open_dir(path: Path, create: bool = True) -> CacheDir | None:
     """The verified cache directory at *path*, or ``None`` (with one warning) when unusable.
 
     Creates it (mode 0700) when missing and *create* is true. Refuses a directory that
-    is not owned by the effective user, or that group or others can write.
+    is not owned by the effective user, that group or others can write, or that is
+    reached through a symbolic link of another user (see :func:`_follow`).
     """
-    if create and not path.is_dir():
+    if not _POSIX:
+        if create and not path.is_dir():
+            try:
+                _make_private_dir(path)
+            except OSError as exc:
+                _warn_unusable(path, exc)
+                return None
+        return CacheDir(path, None) if path.is_dir() else None
+    link, seen = _follow(path)
+    if not link and seen is None and create:
         try:
             _make_private_dir(path)
         except OSError as exc:
             _warn_unusable(path, exc)
             return None
-    if not _POSIX:
-        return CacheDir(path, None) if path.is_dir() else None
+        link, seen = _follow(path)
+    if link:
+        _warn_unsafe(
+            path, link, "set CTXKIT_CACHE_DIR to a directory reached through no other user's link"
+        )
+        return None
     try:
         fd = os.open(path, _DIR_FLAGS)
     except OSError as exc:
@@ -235,18 +281,66 @@ def open_dir(path: Path, create: bool = True) -> CacheDir | None:
         os.close(fd)
         _warn_unusable(path, exc)
         return None
+    if not problem and (seen is None or _file_id(st) != _file_id(seen)):
+        problem = "was replaced while it was checked"
     if problem:
         os.close(fd)
-        _warn_once(
+        _warn_unsafe(
             path,
-            "unsafe",
-            f"ctxkit: not using the kernel cache in {path}: it {problem}, so another user "
-            "could plant compiled code there. Kernels are compiled without the disk cache. "
-            f"Fix: `chmod 700 {path}` if it is yours, or set CTXKIT_CACHE_DIR to a "
-            "directory of your own (or to 'off').",
+            f"it {problem}",
+            f"`chmod 700 {path}` if it is yours, or set CTXKIT_CACHE_DIR to a directory of "
+            "your own",
         )
         return None
     return CacheDir(path, fd)
+
+
+def _warn_unsafe(path: Path, problem: str, fix: str) -> None:
+    _warn_once(
+        path,
+        "unsafe",
+        f"ctxkit: not using the kernel cache in {path}: {problem}, so another user could "
+        "plant compiled code there. Kernels are compiled without the disk cache. "
+        f"Fix: {fix} (or to 'off').",
+    )
+
+
+_MAX_LINKS = 40  # as Linux's ELOOP
+
+
+def _follow(path: Path) -> tuple[str, os.stat_result | None]:
+    """Walk *path* as the kernel resolves it, trusting only this user's and root's links.
+
+    Returns ``(problem, None)`` at a symbolic link owned by another user (who could point
+    it anywhere, now or later), else ``("", lstat of the place it leads to)``, with
+    ``None`` when that does not exist (or cannot be looked at: opening it will say why).
+    """
+    links = 0
+    try:
+        todo = list(reversed((Path.cwd() / path).parts))
+        current = todo.pop()
+        while todo:
+            part = todo.pop()
+            if part == "..":
+                current = os.path.dirname(current)
+                continue
+            here = os.path.join(current, part)
+            st = os.lstat(here)
+            if not stat.S_ISLNK(st.st_mode):
+                current = here
+                continue
+            if st.st_uid not in (_euid(), 0):
+                return f"{here} is a symbolic link owned by uid {st.st_uid}", None
+            links += 1
+            if links > _MAX_LINKS:
+                return "", None
+            target = Path(os.readlink(here))
+            todo.extend(reversed(target.parts))
+            if target.is_absolute():
+                current = todo.pop()
+        return "", os.lstat(current)
+    except OSError:
+        return "", None
 
 
 def _make_private_dir(path: Path) -> None:
@@ -337,7 +431,7 @@ def parse(data: bytes, key: str) -> tuple[dict[str, Any], dict[str, bytes]] | No
     line, sep, payload = rest.partition(b"\n")
     try:
         header = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested too deep to be ours
         return None
     if not sep or not isinstance(header, dict) or header.get("key") != key:
         return None
@@ -373,40 +467,52 @@ def encode(key: str, header: dict[str, Any], blobs: dict[str, bytes]) -> bytes:
 def write_entry(d: CacheDir, key: str, data: bytes) -> bool:
     """Store *data* as the entry of *key* atomically; False (one warning) when not writable."""
     tmp = f".{key[:16]}.{secrets.token_hex(8)}{TMP_SUFFIX}"
+    name = _entry_name(key)
     try:
         fd = d.open(tmp, _CREATE_FLAGS, 0o600)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
-            d.replace(tmp, _entry_name(key))
+            d.replace(tmp, name)
         except BaseException:
             d.unlink(tmp)
             raise
     except OSError as exc:
-        _warn_unusable(d.path, exc)
+        if exc.errno in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST):
+            _warn_blocked(d.path / name)
+        else:
+            _warn_unusable(d.path, exc)
         return False
     return True
+
+
+def _warn_blocked(path: Path) -> None:
+    _warn_once(
+        path,
+        "blocked",
+        f"ctxkit: {path} is a directory that is not empty, not a kernel cache entry; this "
+        "kernel is compiled without the disk cache until that directory is removed.",
+    )
 
 
 def evict(d: CacheDir, max_bytes: int, keep: str = "") -> int:
     """Remove least recently used entries until they total at most *max_bytes*.
 
-    Also removes temporary and lock files older than :data:`TMP_MAX_AGE_S`, and entries
-    that are not regular files. The entry of *keep* (just written) stays. Returns the
-    number of files removed.
+    Also removes what :func:`_sweep` says was left behind, and entries that are not
+    regular files. The entry of *keep* (just written) stays. Returns the number of files
+    removed.
     """
-    now = time.time_ns()
-    old = now - int(TMP_MAX_AGE_S * 1e9)
+    old = _left_before()
     removed = 0
     entries: list[tuple[int, str, int]] = []
     for name, st in d.scan():
         if name.endswith(ENTRY_SUFFIX):
             if stat.S_ISREG(st.st_mode):
                 entries.append((st.st_mtime_ns, name, st.st_size))
-            elif not stat.S_ISDIR(st.st_mode):
-                removed += d.unlink(name)
-        elif name.endswith((TMP_SUFFIX, LOCK_SUFFIX)) and st.st_mtime_ns < old:
-            removed += d.unlink(name)
+            else:
+                removed += d.remove(name)
+        else:
+            removed += _sweep(d, name, st, old)
     total = sum(size for _t, _n, size in entries)
     keep_name = _entry_name(keep) if keep else ""
     for _mtime, name, size in sorted(entries):
@@ -419,34 +525,124 @@ def evict(d: CacheDir, max_bytes: int, keep: str = "") -> int:
 
 
 def clear(d: CacheDir) -> int:
-    """Remove every entry and temporary file; return how many were removed."""
+    """Remove every entry and what :func:`_sweep` says was left behind; return the count."""
+    old = _left_before()
     removed = 0
-    for name, _st in d.scan():
-        if name.endswith((ENTRY_SUFFIX, TMP_SUFFIX)):
-            removed += d.unlink(name)
+    for name, st in d.scan():
+        if name.endswith(ENTRY_SUFFIX):
+            removed += d.remove(name)
+        else:
+            removed += _sweep(d, name, st, old)
     return removed
 
 
+def _left_before() -> int:
+    """The ``st_mtime_ns`` before which a temporary or lock file was left by a dead process."""
+    return time.time_ns() - int(TMP_MAX_AGE_S * 1e9)
+
+
+def _sweep(d: CacheDir, name: str, st: os.stat_result, old: int) -> int:
+    """Remove *name* (1) when it is a temporary or lock file last changed before *old*.
+
+    A younger one may belong to a process at work. A lock file is also kept while any
+    process holds it (a process stopped mid-compile holds it for as long as it is stopped).
+    """
+    if st.st_mtime_ns >= old:
+        return 0
+    if name.endswith(TMP_SUFFIX):
+        return int(d.unlink(name))
+    if name.endswith(LOCK_SUFFIX):
+        return int(_remove_unheld_lock(d, name, st))
+    return 0
+
+
+def _remove_unheld_lock(d: CacheDir, name: str, seen: os.stat_result) -> bool:
+    """Unlink the lock file *name* while holding it; False when a process holds it.
+
+    Never opens a lock file that this process holds: closing any descriptor of a file
+    drops the process's record locks on it.
+    """
+    if fcntl is None or _file_id(seen) in _held:
+        return False
+    try:
+        fd = d.open(name, _LOCK_FLAGS & ~os.O_CREAT)
+    except OSError:
+        return False
+    try:
+        if _file_id(os.fstat(fd)) != _file_id(seen):
+            return False  # replaced since the scan
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    else:
+        return d.unlink(name)
+    finally:
+        os.close(fd)
+
+
+def _file_id(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
 @contextlib.contextmanager
-def process_lock(d: CacheDir, key: str, timeout: float = LOCK_TIMEOUT_S) -> Iterator[bool]:
+def process_lock(d: CacheDir, key: str, timeout: float | None = None) -> Iterator[bool]:
     """Hold the lock of *key* against other processes (yields False when not held).
 
-    Waits up to *timeout* seconds for a process compiling the same program; after that,
+    Waits up to *timeout* seconds (default :data:`LOCK_TIMEOUT_S`) for a process
+    compiling the same program, with a warning after :data:`LOCK_WARN_S` (a stopped or
+    hung process can hold the lock that long) and another one on giving up; after that,
     or where file locks are unavailable, proceeds without the lock (a duplicate compile,
     never a wrong result). Threads of one process must not ask for the same key at once
     (the in-process lock of :func:`ctxkit.compiler.cache.cached` sees to that).
     """
     name = f".{key}{LOCK_SUFFIX}"
-    fd = _acquire(d, name, time.monotonic() + timeout) if fcntl is not None else None
+    wait = _Wait(d.path / name, LOCK_TIMEOUT_S if timeout is None else timeout)
+    fd = _acquire(d, name, wait) if fcntl is not None else None
+    held = _file_id(os.fstat(fd)) if fd is not None else None
+    if held is not None:
+        _held.add(held)
     try:
         yield fd is not None
     finally:
         if fd is not None:
             d.unlink(name)  # before unlocking: a waiter on this file sees it is gone
             os.close(fd)
+        if held is not None:
+            _held.discard(held)
 
 
-def _acquire(d: CacheDir, name: str, deadline: float) -> int | None:
+class _Wait:
+    """One wait for another process's lock: when to say so, when to give up."""
+
+    def __init__(self, path: Path, timeout: float) -> None:
+        self.path = path
+        self.timeout = timeout
+        self.start = time.monotonic()
+        self.warned = False
+
+    def over(self) -> bool:
+        """True when the time is up (with a warning); warns once past :data:`LOCK_WARN_S`."""
+        waited = time.monotonic() - self.start
+        if waited >= self.timeout:
+            self._warn(
+                f"ctxkit: gave up after {waited:.1f} s waiting for {self.path}, the lock of "
+                "another process compiling the same kernel; compiling it here too."
+            )
+            return True
+        if waited >= LOCK_WARN_S and not self.warned:
+            self.warned = True
+            self._warn(
+                f"ctxkit: waiting for {self.path} for {waited:.1f} s: another process is "
+                "compiling the same kernel (or is stopped or hung holding its lock); "
+                f"waiting up to {self.timeout:g} s in all, then compiling it here."
+            )
+        return False
+
+    def _warn(self, message: str) -> None:
+        warnings.warn(message, KernelCacheWarning, stacklevel=_user_stacklevel())
+
+
+def _acquire(d: CacheDir, name: str, wait: _Wait) -> int | None:
     while True:
         try:
             fd = d.open(name, _LOCK_FLAGS, 0o600)
@@ -456,7 +652,7 @@ def _acquire(d: CacheDir, name: str, deadline: float) -> int | None:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or not _owned_by_me(st):
                 raise OSError(errno.EPERM, "not a lock file")
-            if not _lock_until(fd, deadline):
+            if not _lock_until(fd, wait):
                 raise TimeoutError
             now = d.lstat(name)
         except FileNotFoundError:
@@ -465,24 +661,28 @@ def _acquire(d: CacheDir, name: str, deadline: float) -> int | None:
         except OSError:
             os.close(fd)
             return None
+        except BaseException:  # e.g. the wait's warning, turned into an error
+            os.close(fd)
+            raise
         if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
             return fd
         os.close(fd)
 
 
-def _lock_until(fd: int, deadline: float) -> bool:
-    """Take the POSIX record lock of *fd*, polling until *deadline*.
+def _lock_until(fd: int, wait: _Wait) -> bool:
+    """Take the POSIX record lock of *fd*, polling until *wait* is over.
 
     A record lock (``lockf``) rather than ``flock``: it belongs to the process, so a
     child forked while a compile runs does not keep it held; it also works on NFS.
     """
-    assert fcntl is not None
+    if fcntl is None:
+        return False
     pause = 0.001
     while True:
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
-            if exc.errno not in (errno.EACCES, errno.EAGAIN) or time.monotonic() >= deadline:
+            if exc.errno not in (errno.EACCES, errno.EAGAIN) or wait.over():
                 return False
             time.sleep(pause)
             pause = min(pause * 2, 0.02)

@@ -101,38 +101,62 @@ def versions_line() -> str:
 _ARCH_RE = re.compile(r"^(?:sm_|compute_|lto_)?(\d{2,3})([af]?)$")
 
 
+ARCH_FORMS = (
+    "'sm_90' (cubin), 'compute_90' (PTX), 'sm_90a', '9.0', 90, (9, 0) or a ctxkit.Device "
+    "(compile(): None for the current device)"
+)
+
+
 def normalize_arch(arch: Any) -> str:
     """``"sm_XY"`` for an arch given as ``"sm_90"``, ``"compute_90"``, ``"90"``, ``"9.0"``,
     ``(9, 0)``, ``90`` or a :class:`~ctxkit.Device`; arch-specific suffixes stay (``"sm_90a"``).
 
     Raises
     ------
+    TypeError
+        *arch* is none of those types.
     ValueError
-        The value does not name an architecture.
+        The value does not name an architecture (e.g. ``1000`` or ``(100, 0)``).
     """
     if hasattr(arch, "compute_capability"):
         arch = arch.compute_capability
-    if isinstance(arch, tuple) and len(arch) == 2 and all(isinstance(v, int) for v in arch):
-        return f"sm_{arch[0]}{arch[1]}"
-    if isinstance(arch, int) and not isinstance(arch, bool) and arch > 0:
-        return f"sm_{arch}"
+    text = _arch_text(arch)
+    m = _ARCH_RE.match(text)
+    if m is None:
+        raise ValueError(f"cannot understand arch={arch!r}: not an architecture; use {ARCH_FORMS}")
+    return f"sm_{m.group(1)}{m.group(2)}"
+
+
+def _arch_text(arch: Any) -> str:
+    """*arch* as the text ``_ARCH_RE`` reads ('' for a number that names no arch)."""
     if isinstance(arch, str):
         text = arch.strip().lower()
-        if re.fullmatch(r"\d+\.\d", text):
-            text = text.replace(".", "")
-        m = _ARCH_RE.match(text)
-        if m:
-            return f"sm_{m.group(1)}{m.group(2)}"
-    raise ValueError(
-        f"cannot understand arch={arch!r}; use a string like 'sm_90', a (major, minor) tuple "
-        "or a ctxkit.Device"
-    )
+        return text.replace(".", "") if re.fullmatch(r"\d+\.\d", text) else text
+    if isinstance(arch, tuple) and len(arch) == 2 and all(_is_int(v) for v in arch):
+        major, minor = arch
+        return f"{major}{minor}" if major > 0 and 0 <= minor <= 9 else ""
+    if _is_int(arch):
+        return str(arch)
+    if isinstance(arch, tuple):
+        return ""
+    raise TypeError(f"cannot understand arch={arch!r} ({type(arch).__name__}); use {ARCH_FORMS}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def arch_number(arch: str) -> int:
-    """``90`` for ``"sm_90"`` / ``"sm_90a"`` (a normalised arch)."""
+    """``90`` for ``"sm_90"`` / ``"sm_90a"`` (a normalised arch).
+
+    Raises
+    ------
+    ValueError
+        *arch* is not a normalised arch.
+    """
     m = _ARCH_RE.match(arch)
-    assert m is not None
+    if m is None:
+        raise ValueError(f"{arch!r} is not an architecture; use {ARCH_FORMS}")
     return int(m.group(1))
 
 

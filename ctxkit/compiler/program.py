@@ -31,22 +31,36 @@ from .nvrtc import (
 )
 from .objectcode import TARGETS, ObjectCode, _warn_if_ptx_too_new
 
-__all__ = ["Program", "compile"]
+__all__ = ["Program", "compile", "device_arch"]
 
 
 def _default_arch() -> str:
     """The arch of the current context's device, else device 0's."""
+    try:
+        return device_arch()
+    except ValueError as exc:
+        raise ValueError(_no_gpu_arch_message(str(exc))) from None
+
+
+def device_arch() -> str:
+    """The arch of the current context's device, else device 0's.
+
+    Raises
+    ------
+    ValueError
+        There is no GPU; the message says why (no driver, no device).
+    """
     from ..context import current_context
     from ..device import Device, device_count
 
     try:
         ctx = current_context()
     except DriverNotFoundError as exc:
-        raise ValueError(_no_gpu_arch_message(str(exc))) from None
+        raise ValueError(str(exc)) from None
     if ctx is not None:
         return ctx.device.arch
     if device_count() == 0:
-        raise ValueError(_no_gpu_arch_message("the driver reports no CUDA device"))
+        raise ValueError("the driver reports no CUDA device")
     return Device(0).arch
 
 

@@ -57,7 +57,9 @@ def compile_cli(*argv: str | Path) -> int:
     return run(p.parse_args([str(a) for a in argv]))
 
 
-def cli(env_cache: Path, *args: str | Path, cwd: Path) -> subprocess.CompletedProcess[str]:
+def cli(
+    env_cache: Path, *args: str | Path, cwd: Path, timeout: float = 240
+) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "CTXKIT_CACHE_DIR": str(env_cache)}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return subprocess.run(
@@ -65,9 +67,17 @@ def cli(env_cache: Path, *args: str | Path, cwd: Path) -> subprocess.CompletedPr
         env=env,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=timeout,
         cwd=cwd,
+        preexec_fn=_limit_memory if sys.platform.startswith("linux") else None,
     )
+
+
+def _limit_memory() -> None:
+    """In the child: at most 2 GiB of address space, so an unbounded read fails fast."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
 
 
 # --- where the output goes --------------------------------------------------------------
@@ -104,6 +114,58 @@ def test_output_never_overwrites_the_source(workdir: Path, capsys: pytest.Captur
     assert compile_cli("k.ptx", "--arch", "sm_90", "--target", "ptx") == 1
     assert "would overwrite" in capsys.readouterr().err
     assert (workdir / "k.ptx").read_text() == C.kernel_source("saxpy.cu")
+
+
+@pytest.mark.parametrize("how", ["same", "dotted", "hard_link", "symlink"])
+def test_output_naming_the_source_is_refused(
+    workdir: Path, capsys: pytest.CaptureFixture, how: str
+) -> None:
+    source = C.kernel_source("saxpy.cu")
+    (workdir / "k.cu").write_text(source)
+    out = {"same": "k.cu", "dotted": f"../{workdir.name}/./k.cu"}.get(how, "out.cubin")
+    if how == "hard_link":
+        os.link(workdir / "k.cu", workdir / out)
+    elif how == "symlink":
+        (workdir / out).symlink_to(workdir / "k.cu")
+    assert compile_cli("k.cu", "--arch", "sm_90", "-o", out) == 1
+    err = capsys.readouterr().err
+    assert f"-o {out} would overwrite the source file k.cu" in err
+    assert (workdir / "k.cu").read_text() == source
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_fifo_source_is_refused_at_once(workdir: Path, private_cache: Path) -> None:
+    os.mkfifo(workdir / "k.cu")
+    r = cli(private_cache, "k.cu", "--arch", "sm_90", cwd=workdir, timeout=60)
+    assert r.returncode == 1
+    assert "k.cu is a FIFO, not a source file" in r.stderr
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="needs /dev/zero")
+def test_device_source_is_refused_without_reading_it(workdir: Path, private_cache: Path) -> None:
+    r = cli(private_cache, "/dev/zero", "--arch", "sm_90", cwd=workdir, timeout=60)
+    assert r.returncode == 1
+    assert "/dev/zero is a character device, not a source file" in r.stderr
+
+
+def test_directory_source_is_refused(workdir: Path, capsys: pytest.CaptureFixture) -> None:
+    (workdir / "k.cu").mkdir()
+    assert compile_cli("k.cu", "--arch", "sm_90") == 1
+    assert "k.cu is a directory, not a source file" in capsys.readouterr().err
+
+
+def test_source_larger_than_the_limit_is_refused(
+    workdir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    import ctxkit.cli.compile
+
+    (workdir / "k.cu").write_text(C.kernel_source("saxpy.cu"))
+    monkeypatch.setattr(ctxkit.cli.compile, "MAX_SOURCE_BYTES", 100)
+    assert compile_cli("k.cu", "--arch", "sm_90") == 1
+    assert "k.cu is larger than 100 bytes, the most ctxkit compile reads" in (
+        capsys.readouterr().err
+    )
+    assert not (workdir / "k.cubin").exists()
 
 
 def test_unwritable_output_exit_1(
@@ -149,7 +211,9 @@ def test_unknown_arch_is_an_error_not_a_fallback(
 
 def test_unreadable_arch_exit_1(workdir: Path, srcdir: Path, capsys: pytest.CaptureFixture) -> None:
     assert compile_cli(srcdir / "saxpy.cu", "--arch", "hopper") == 1
-    assert "cannot understand arch" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--arch hopper is not an architecture" in err and "--arch sm_90" in err
+    assert "arch=" not in err  # the Python API's wording
 
 
 @pytest.mark.skipif(GPU_COUNT > 0, reason="this machine has a GPU: no --arch is fine here")
@@ -170,7 +234,8 @@ def test_no_arch_without_gpu_exit_1(
     monkeypatch.setattr(ctxkit.context, "current_context", no_driver)
     assert compile_cli(srcdir / "saxpy.cu", "--no-cache") == 1
     err = capsys.readouterr().err
-    assert "pass --arch" in err and "no GPU" in err
+    assert "no --arch given and no GPU here (no NVIDIA driver found); pass --arch" in err
+    assert "arch=" not in err and "compile(" not in err  # the Python API's wording
 
 
 # --- templates and entry points ---------------------------------------------------------

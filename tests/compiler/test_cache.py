@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -102,9 +103,13 @@ def test_unwritable_cache_warns_once_and_still_compiles(
 def test_clear_cache(cache: Path) -> None:
     ctxkit.compile(unique("clear1"), arch="sm_90")
     ctxkit.compile(unique("clear2"), arch="sm_90")
-    (cache / ".leftover.tmp").write_bytes(b"x")
+    left, writing = cache / ".leftover.tmp", cache / ".writing.tmp"
+    for p in (left, writing):
+        p.write_bytes(b"x")
+    hours_ago = time.time_ns() - 2 * 3600 * 10**9
+    os.utime(left, ns=(hours_ago, hours_ago))
     assert C.clear_cache() == 3
-    assert not list(cache.iterdir())
+    assert os.listdir(cache) == [writing.name]  # another process may be writing it
     assert C.clear_cache() == 0
 
 
@@ -350,6 +355,45 @@ def test_processes_and_threads_compile_each_program_once(cache: Path, tmp_path: 
     assert outs[0][1:] == outs[1][1:]
     assert len(entries(cache)) == 5
     assert not list(cache.glob("*.tmp")) and not list(cache.glob(".*.lock"))
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGSTOP"), reason="needs SIGSTOP")
+def test_lock_of_a_stopped_process_is_waited_for_with_warnings_and_a_bound(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = unique("stopped-holder")
+    key = ctxkit.Program(src)._cache_key("sm_90", "auto")
+    hold = textwrap.dedent(
+        f"""
+        import time
+        from ctxkit.compiler import cache_dir, entries
+        with entries.open_dir(cache_dir()) as cd, entries.process_lock(cd, {key!r}):
+            print("locked", flush=True)
+            time.sleep(60)
+        """
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", hold], env=child_env(cache), stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        os.kill(holder.pid, signal.SIGSTOP)
+        monkeypatch.setattr(_entries, "LOCK_WARN_S", 0.3)
+        monkeypatch.setattr(_entries, "LOCK_TIMEOUT_S", 1.5)
+        t0 = time.monotonic()
+        with pytest.warns(KernelCacheWarning) as rec:
+            obj = ctxkit.compile(src, arch="sm_90")
+        waited = time.monotonic() - t0
+    finally:
+        holder.kill()
+        holder.wait()
+    assert obj.code[:4] == b"\x7fELF" and 1.5 <= waited < 30
+    lock = str(cache / f".{key}.lock")
+    first, last = (str(w.message) for w in rec)
+    assert first.startswith(f"ctxkit: waiting for {lock} for 0.")
+    assert "up to 1.5 s in all" in first
+    assert last.startswith("ctxkit: gave up after 1.") and lock in last
+    assert all(w.filename == __file__ for w in rec)  # they name the caller, not ctxkit
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")

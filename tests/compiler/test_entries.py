@@ -67,6 +67,85 @@ def test_untrusted_directory_is_not_used(
     assert not again.from_cache
 
 
+def _foreign_link(link: Path, target: Path) -> None:
+    """*link* -> *target*, a symbolic link owned by another user (needs root)."""
+    link.symlink_to(target)
+    os.lchown(link, 65534, 65534)
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="needs root to give a link to another user")
+@pytest.mark.parametrize("where", ["final", "parent"])
+def test_directory_reached_through_another_users_link_is_not_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    victim = unique(f"foreign-link-{where}")
+    planted = _plant(mine / "kernels", victim, ATTACKER)
+    (mine / "kernels").chmod(0o700)
+    if where == "final":
+        _foreign_link(tmp_path / "cache", mine / "kernels")
+        path = tmp_path / "cache"
+    else:
+        _foreign_link(tmp_path / "shared", mine)
+        path = tmp_path / "shared" / "kernels"
+    link = tmp_path / ("cache" if where == "final" else "shared")
+    monkeypatch.setenv("CTXKIT_CACHE_DIR", str(path))
+    with pytest.warns(KernelCacheWarning, match=rf"{link} is a symbolic link owned by uid 65534"):
+        obj = ctxkit.compile(victim, arch="sm_90")
+    assert not obj.from_cache and obj.code != planted
+    assert len(entries(mine / "kernels")) == 1  # nothing written there, nothing removed
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="needs root to give a link to another user")
+def test_cache_is_not_created_through_another_users_link(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "theirs").mkdir()
+    _foreign_link(tmp_path / "planted", tmp_path / "theirs")
+    monkeypatch.setenv("CTXKIT_CACHE_DIR", str(tmp_path / "planted" / "sub" / "kernels"))
+    with pytest.warns(KernelCacheWarning, match="planted is a symbolic link owned by uid 65534"):
+        ctxkit.compile(unique("create-through-link"), arch="sm_90")
+    assert not list((tmp_path / "theirs").iterdir())
+
+
+def test_directory_reached_through_own_links_is_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "real" / "deep").mkdir(parents=True)
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / ".cache").symlink_to("../real/deep")  # a relative link, with ..
+    (tmp_path / "alias").symlink_to(tmp_path / "home")
+    monkeypatch.setenv("CTXKIT_CACHE_DIR", str(tmp_path / "alias" / ".cache" / "kernels"))
+    src = unique("own-links")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ctxkit.compile(src, arch="sm_90")
+        _cache._memo.clear()
+        assert ctxkit.compile(src, arch="sm_90").from_cache
+    d = tmp_path / "real" / "deep" / "kernels"
+    assert len(entries(d)) == 1 and (d.stat().st_mode & 0o777) == 0o700
+
+
+def test_directory_swapped_while_checked_is_not_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d, other = tmp_path / "c", tmp_path / "other-private"
+    d.mkdir(mode=0o700)
+    other.mkdir(mode=0o700)
+    follow = _entries._follow
+
+    def swap_after_the_check(path: Path) -> tuple[str, os.stat_result | None]:
+        found = follow(path)
+        d.rename(tmp_path / "moved")
+        d.symlink_to(other)  # a link of this user's, to another private directory
+        return found
+
+    monkeypatch.setattr(_entries, "_follow", swap_after_the_check)
+    with pytest.warns(KernelCacheWarning, match="was replaced while it was checked"):
+        assert _entries.open_dir(d) is None
+
+
 def test_private_directory_readable_by_others_is_used(tmp_path: Path) -> None:
     d = tmp_path / "mine"
     d.mkdir(mode=0o755)
@@ -155,6 +234,40 @@ def test_entry_larger_than_the_cap_is_not_read(
     }
 
 
+def test_empty_directory_at_an_entry_is_replaced_by_the_entry(cache: Path) -> None:
+    src = unique("dir-entry")
+    key = ctxkit.Program(src)._cache_key("sm_90", "auto")
+    cache.mkdir(mode=0o700)
+    (cache / f"{key}.ctxobj").mkdir()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ctxkit.compile(src, arch="sm_90")
+    assert (cache / f"{key}.ctxobj").is_file()
+    _cache._memo.clear()
+    assert ctxkit.compile(src, arch="sm_90").from_cache
+
+
+def test_full_directory_at_an_entry_compiles_without_caching_and_says_so(cache: Path) -> None:
+    src = unique("full-dir-entry")
+    key = ctxkit.Program(src)._cache_key("sm_90", "auto")
+    cache.mkdir(mode=0o700)
+    blocker = cache / f"{key}.ctxobj"
+    blocker.mkdir()
+    (blocker / "something").write_text("the user's")
+    with pytest.warns(KernelCacheWarning, match=rf"{key}\.ctxobj is a directory") as rec:
+        obj = ctxkit.compile(src, arch="sm_90")
+    assert len(rec) == 1 and not obj.from_cache and obj.code[:4] == b"\x7fELF"
+    assert (blocker / "something").read_text() == "the user's"
+    _cache._memo.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        assert not ctxkit.compile(src, arch="sm_90").from_cache
+        other = unique("next-to-full-dir")
+        ctxkit.compile(other, arch="sm_90")
+        _cache._memo.clear()
+        assert ctxkit.compile(other, arch="sm_90").from_cache  # the rest of the cache works
+
+
 @pytest.mark.skipif(not IS_ROOT, reason="needs root to give a file to another user")
 def test_entry_owned_by_another_user_is_discarded(cache: Path) -> None:
     src = unique("owner")
@@ -196,6 +309,24 @@ def test_parse_rejects_malformed_headers(head: bytes) -> None:
     assert _entries.parse(_raw("K", head, b"abc"), "K") is None
 
 
+def test_parse_rejects_a_header_nested_too_deep() -> None:
+    head = b'{"key": "K", "blobs": [], "x": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+    assert _entries.parse(_raw("K", head, b""), "K") is None
+
+
+def test_entry_nested_too_deep_is_discarded_and_recompiled(cache: Path) -> None:
+    src = unique("deep")
+    good = ctxkit.compile(src, arch="sm_90")
+    (entry,) = entries(cache)
+    key = entry.name.removesuffix(".ctxobj")
+    entry.write_bytes(_raw(key, b'{"x": ' + b"[" * 200_000 + b"]" * 200_000 + b"}", b""))
+    _cache._memo.clear()
+    before = dict(_cache.stats)
+    obj = ctxkit.compile(src, arch="sm_90")
+    assert not obj.from_cache and obj.code == good.code and delta(before)["compiled"] == 1
+    assert _entries.parse(entry.read_bytes(), key) is not None  # replaced by a good entry
+
+
 def test_parse_accepts_a_written_entry() -> None:
     data = _entries.encode("K", {"x": 1}, {"code": b"abc", "ptx": b"de"})
     header, blobs = _entries.parse(data, "K")  # type: ignore[misc]
@@ -233,9 +364,88 @@ def test_evict_removes_entries_that_are_not_files(tmp_path: Path) -> None:
     _fake_entries(d, {"a": (10, 1)})
     os.mkfifo(d / "f.ctxobj")
     (d / "l.ctxobj").symlink_to(d / "a.ctxobj")
+    (d / "e.ctxobj").mkdir()
+    (d / "full.ctxobj").mkdir()
+    (d / "full.ctxobj" / "x").write_text("kept")
     with _entries.open_dir(d) as cd:  # type: ignore[union-attr]
-        _entries.evict(cd, 1 << 20)
-    assert sorted(os.listdir(d)) == ["a.ctxobj"]
+        assert _entries.evict(cd, 1 << 20) == 3
+    assert sorted(os.listdir(d)) == ["a.ctxobj", "full.ctxobj"]
+
+
+def _age(path: Path, seconds: float) -> None:
+    then = time.time_ns() - int(seconds * 1e9)
+    os.utime(path, ns=(then, then))
+
+
+HOLD_LOCK = """
+import sys, time
+from pathlib import Path
+from ctxkit.compiler import entries
+with entries.open_dir(Path(sys.argv[1])) as cd:
+    with entries.process_lock(cd, sys.argv[2]):
+        print("locked", flush=True)
+        time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("sweep", ["evict", "clear"])
+def test_sweeps_keep_a_lock_another_process_holds(tmp_path: Path, sweep: str) -> None:
+    d = tmp_path / "c"
+    _fake_entries(d, {"a": (10, 1)})
+    key = "h" * 64
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, str(d), key],
+        env=child_env(d),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        held, dead = d / f".{key}.lock", d / f".{'d' * 64}.lock"
+        dead.write_bytes(b"")
+        for p in (held, dead):
+            _age(p, 2 * _entries.TMP_MAX_AGE_S)  # e.g. a holder stopped for hours
+        with _entries.open_dir(d) as cd:  # type: ignore[union-attr]
+            if sweep == "evict":
+                _entries.evict(cd, 1 << 20)
+            else:
+                _entries.clear(cd)
+        assert held.exists() and not dead.exists()
+        with _entries.open_dir(d) as cd:  # type: ignore[union-attr]
+            with pytest.warns(KernelCacheWarning, match="gave up"):
+                with _entries.process_lock(cd, key, timeout=0.2) as got:
+                    assert got is False  # still held by the other process
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+@pytest.mark.parametrize("sweep", ["evict", "clear"])
+def test_sweeps_keep_a_lock_this_process_holds(tmp_path: Path, sweep: str) -> None:
+    d = tmp_path / "c"
+    _fake_entries(d, {"a": (10, 1)})
+    key = "m" * 64
+    with _entries.open_dir(d) as cd:  # type: ignore[union-attr]
+        with _entries.process_lock(cd, key) as got:
+            assert got
+            _age(d / f".{key}.lock", 2 * _entries.TMP_MAX_AGE_S)
+            if sweep == "evict":
+                _entries.evict(cd, 1 << 20)
+            else:
+                _entries.clear(cd)
+            assert (d / f".{key}.lock").exists()
+        assert not (d / f".{key}.lock").exists()  # removed by its holder
+
+
+def test_clear_keeps_temporary_files_a_writer_may_still_use(tmp_path: Path) -> None:
+    d = tmp_path / "c"
+    _fake_entries(d, {"a": (10, 1)})
+    (d / ".fresh.x.tmp").write_bytes(b"partial")
+    (d / ".dead.y.tmp").write_bytes(b"partial")
+    _age(d / ".dead.y.tmp", 2 * _entries.TMP_MAX_AGE_S)
+    with _entries.open_dir(d) as cd:  # type: ignore[union-attr]
+        assert _entries.clear(cd) == 2
+    assert os.listdir(d) == [".fresh.x.tmp"]
 
 
 # --- the lock between processes -------------------------------------------------------
@@ -289,8 +499,11 @@ def test_process_lock_times_out_without_the_lock(tmp_path: Path) -> None:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
         with _entries.open_dir(d) as cd:  # type: ignore[union-attr]
             t0 = time.monotonic()
-            with _entries.process_lock(cd, "t" * 64, timeout=0.3) as held:
-                waited = time.monotonic() - t0
+            with pytest.warns(
+                KernelCacheWarning, match=r"gave up after 0\.3 s waiting for .*\.lock"
+            ):
+                with _entries.process_lock(cd, "t" * 64, timeout=0.3) as held:
+                    waited = time.monotonic() - t0
         assert held is False and 0.25 < waited < 5
     finally:
         holder.kill()

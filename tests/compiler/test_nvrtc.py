@@ -37,9 +37,17 @@ def test_normalize_arch(value: Any, expected: str) -> None:
     assert C.normalize_arch(value) == expected
 
 
-@pytest.mark.parametrize("value", ["hopper", "sm_9", "", (9,), True, -1, 3.5, None])
+@pytest.mark.parametrize(
+    "value", ["hopper", "sm_9", "", (9,), -1, 5, 1000, (100, 0), (9, 10), (-1, 0), (9, "0")]
+)
 def test_normalize_arch_rejects(value: Any) -> None:
-    with pytest.raises(ValueError, match="cannot understand arch"):
+    with pytest.raises(ValueError, match=r"cannot understand arch=.*'sm_90'.*\(9, 0\)"):
+        C.normalize_arch(value)
+
+
+@pytest.mark.parametrize("value", [True, 3.5, None, b"sm_90", [9, 0]])
+def test_normalize_arch_rejects_other_types(value: Any) -> None:
+    with pytest.raises(TypeError, match=r"cannot understand arch=.*'sm_90'.*\(9, 0\)"):
         C.normalize_arch(value)
 
 

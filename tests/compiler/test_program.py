@@ -8,6 +8,7 @@ import sys
 import textwrap
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -241,6 +242,20 @@ def test_arch_older_than_nvrtc_supports() -> None:
         pytest.skip("this NVRTC still supports sm_35")
     with pytest.raises(ValueError, match="cannot compile for sm_35"):
         ctxkit.compile(SAXPY, arch=too_old, cache=False)
+
+
+@pytest.mark.parametrize("arch", [1000, (100, 0), (9, 10), 5, "sm_9000"])
+def test_arch_that_names_no_architecture_is_a_value_error(arch: Any) -> None:
+    with pytest.raises(
+        ValueError, match=r"cannot understand arch=.*'sm_90'.*'compute_90'.*\(9, 0\)"
+    ):
+        ctxkit.compile(SAXPY, arch=arch, cache=False)
+
+
+@pytest.mark.parametrize("arch", [9.0, [9, 0], b"sm_90"])
+def test_arch_of_another_type_is_a_type_error(arch: Any) -> None:
+    with pytest.raises(TypeError, match=r"cannot understand arch=.*\(9, 0\).*None"):
+        ctxkit.compile(SAXPY, arch=arch, cache=False)
 
 
 def test_arch_option_in_options_is_used() -> None:
