@@ -190,14 +190,14 @@ def _fill(run: Run, dev: DeviceState, slot: Slot, c: Chunk) -> CopyBatch:
 
 
 def _claim(run: Run, dev: DeviceState, c: Chunk) -> ChunkJob:
-    """A job for chunk *c*; the pages of its registered sides start registering now."""
+    """A job for chunk *c*: the pieces of its held sides; the pages of its registered
+    sides start registering now."""
     job = ChunkJob(c)
     if run.plan.managed:
         return job
     if run.in_mode == "held":
-        job.in_pieces = held_pieces(
-            run.x_ptr, run.x.nbytes, c.row0 * run.in_row, c.row1 * run.in_row
-        )
+        b0, b1 = c.row0 * run.in_row, c.row1 * run.in_row
+        job.in_pieces = held_pieces(run.x_ptr, run.x.nbytes, b0, b1)
     if run.out_mode == "held":
         b0, b1 = c.row0 * run.out_row, c.row1 * run.out_row
         job.out_pieces = held_pieces(run.out_ptr, run.out.nbytes, b0, b1)
