@@ -150,10 +150,17 @@ def register_host(
     and memory CUDA already manages (a ``ManagedBuffer.as_numpy()`` view) are yielded
     unchanged (the flags do not apply) and left alone on exit.
 
-    Page rules: the driver locks whole pages. Where it refuses an array that shares a page
-    with memory already registered elsewhere, ctxkit raises ``ValueError`` (the CUDA 13.0
-    driver accepts such arrays); to be portable, give each array its own pages, e.g.
-    register one big array and use slices of it.
+    Page rules: the driver locks whole pages, so the registration also covers whatever
+    shares the array's partial first and last page, such as the ends of its heap
+    neighbours (arrays below glibc's mmap threshold sit back to back). While the block
+    runs, the driver refuses (``CUDA_ERROR_INVALID_VALUE``) every copy whose host range
+    spans the registration's edge: a pageable copy of such a neighbour, by ctxkit,
+    PyTorch or CuPy, fails. Where it refuses an array that shares a page with memory
+    already registered elsewhere, ctxkit raises ``ValueError`` (the CUDA 13.0 driver
+    accepts such arrays). So give an array you register pages of its own: allocate with
+    :func:`pinned_empty`, or register one big array and use slices of it. (Pin on reuse
+    in ``Pipeline.map``, which registers on its own initiative, locks only the whole
+    pages inside an array.)
 
     Parameters
     ----------

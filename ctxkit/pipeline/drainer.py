@@ -96,7 +96,7 @@ def _finish_output(run: Run, dev: DeviceState, slot: Slot, job: ChunkJob, mode: 
     c = job.chunk
     nb, b0 = c.rows * run.out_row, c.row0 * run.out_row
     dst = run.out_bytes[b0 : b0 + nb]
-    if mode == "register":
+    if mode in ("held", "register"):
         pc = job.out_pieces
         if pc is not None and pc.bounced:
             bounce = slot.bounce_out

@@ -21,7 +21,7 @@ from ..nvtx import range as nvtx_range
 from .hostreg import Segment
 from .hostthreads import CopyBatch
 from .launch import Stopped, tagged
-from .plan import PAGE, Chunk, HostPieces, addr, cut_at, host_pieces
+from .plan import PAGE, Chunk, HostPieces, addr, held_pieces, host_pieces
 from .run import ChunkJob, Run
 from .split import Split
 from .staging import (
@@ -35,9 +35,6 @@ from .staging import (
 )
 
 __all__ = ["Starter", "feed"]
-
-
-DIRECT = ("pinned", "held")
 
 
 def _check_copy(dev: DeviceState, err: Any, what: str, step: str) -> None:
@@ -165,7 +162,7 @@ def _setup_slot(run: Run, dev: DeviceState, slot: Slot) -> None:
     plan = run.plan
     try:
         ensure_slot(
-            dev, slot, plan.in_chunk_bytes, plan.out_chunk_bytes, plan.stage_in, plan.registers
+            dev, slot, plan.in_chunk_bytes, plan.out_chunk_bytes, plan.stage_in, plan.bounces
         )
     except BaseException as exc:
         exc._ctxkit_step = "setup"  # type: ignore[attr-defined]
@@ -193,10 +190,17 @@ def _fill(run: Run, dev: DeviceState, slot: Slot, c: Chunk) -> CopyBatch:
 
 
 def _claim(run: Run, dev: DeviceState, c: Chunk) -> ChunkJob:
-    """A job for chunk *c*; the pages of its registered sides start registering now."""
+    """A job for chunk *c*: the pieces of its held sides; the pages of its registered
+    sides start registering now."""
     job = ChunkJob(c)
     if run.plan.managed:
         return job
+    if run.in_mode == "held":
+        b0, b1 = c.row0 * run.in_row, c.row1 * run.in_row
+        job.in_pieces = held_pieces(run.x_ptr, run.x.nbytes, b0, b1)
+    if run.out_mode == "held":
+        b0, b1 = c.row0 * run.out_row, c.row1 * run.out_row
+        job.out_pieces = held_pieces(run.out_ptr, run.out.nbytes, b0, b1)
     if run.in_mode == "register":
         job.in_pieces, job.in_seg = _side(run, dev, c, run.x_ptr, run.x.nbytes, run.in_row, True)
     if run.out_mode == "register":
@@ -269,11 +273,10 @@ def _input(run: Run, dev: DeviceState, slot: Slot, job: ChunkJob) -> list[tuple[
     """Prepare the chunk's input on the host; the H2D copies ``(d_in offset, src, n)``."""
     c = job.chunk
     nb, b0 = c.rows * run.in_row, c.row0 * run.in_row
-    if run.in_mode in DIRECT:
-        base = run.x_ptr + b0
-        return [(o, base + o, m) for o, m in cut_at(base, nb, run.cuts)]
+    if run.in_mode == "pinned":
+        return [(0, run.x_ptr + b0, nb)]
     pc = job.in_pieces
-    registered = run.in_mode in ("register", "split") and job.fill is None
+    registered = run.in_mode in ("held", "register", "split") and job.fill is None
     if registered and pc is not None and _registered(run, job.in_seg):
         if pc.bounced:
             _wait_h2d(dev, slot, c.index)
@@ -306,7 +309,7 @@ def _output(
     pc = job.out_pieces
     if mode == "register" and (pc is None or not _registered(run, job.out_seg)):
         mode = "staged"
-    into_slot = mode == "staged" or (mode == "register" and pc is not None and pc.bounced > 0)
+    into_slot = mode == "staged" or (pc is not None and pc.bounced > 0)
     _wait_window(run, dev, k, into_slot)
     if mode == "staged":
         try:
@@ -317,9 +320,8 @@ def _output(
         except BaseException as exc:
             exc._ctxkit_step = "d2h"  # type: ignore[attr-defined]
             raise
-    if mode in DIRECT:
-        dst = run.out_ptr + b0
-        return mode, [(dst + o, o, m) for o, m in cut_at(dst, nb, run.cuts)]
+    if mode == "pinned":
+        return mode, [(run.out_ptr + b0, 0, nb)]
     if mode == "staged":
         assert slot.pin_out is not None
         return mode, [(addr(slot.pin_out), 0, nb)]

@@ -7,8 +7,9 @@ buffers, a training or serving loop) pays neither if the arrays stay page-locked
 calls, the way MPI libraries keep a registration cache. :class:`PinCache` does that:
 
 * the first call that sees a pageable array only notes it (it is staged);
-* a later call that sees the same memory again page-locks the array's whole pages once
-  (``cuMemHostRegister(PORTABLE)``), and from then on its chunks are DMAed directly;
+* a later call that sees the same memory again page-locks the whole pages inside the
+  array once (``cuMemHostRegister(PORTABLE)``), and from then on its chunks are DMAed
+  directly;
 * a registration is undone when the array's memory owner is collected (its weak
   reference fires before numpy frees the memory), when the cache needs room (least
   recently used first), and when no Pipeline keeps it any more
@@ -25,15 +26,15 @@ and held arrays together never exceed the budget. Each Pipeline's claims
 
 The memory owner is the last ndarray of the array's ``.base`` chain: it owns the memory
 or keeps the object that does alive, and numpy refuses to ``resize`` an array that has
-weak references, so the held pages stay the array's own. Arrays smaller than the
-mmap threshold come from the heap and can share their first or last page with a
-neighbour: when that page is held for the neighbour already, the array is held without
-it (:attr:`Held.span` is the array's pages, ``start``/``end`` its own registration), and
-its copies are cut at the registration's edge, so each piece lies in one registration
-(the bytes on the shared page move under the neighbour's, or as pageable memory once
-that one is gone). Ranges that overlap a held range further in, and pages the driver
-refuses (registered elsewhere, locked-memory limit), are never held: those arrays keep
-the pipeline's other host path.
+weak references, so the held pages stay the array's own. Only the whole pages inside the
+array are registered, never its partial first and last page: arrays smaller than the
+mmap threshold come from the heap, back to back with other memory, and a registration
+rounded out to pages would cover a neighbour's bytes. The driver refuses any copy whose
+host range spans a registration's edge, so a pageable copy of that neighbour by anyone
+(PyTorch, CuPy, ctxkit) would fail. The pipeline moves the bytes on the partial pages
+through its pinned bounce buffer (:func:`~.plan.held_pieces`). Ranges that overlap a
+held range, and pages the driver refuses (registered elsewhere, locked-memory limit),
+are never held: those arrays keep the pipeline's other host path.
 
 When the owner dies its pages are unregistered at once, never later: freed memory that
 stayed registered would make a new array numpy places there look pinned, and the device
@@ -90,8 +91,9 @@ def memory_owner(arr: np.ndarray) -> np.ndarray:
     return owner
 
 
-def _page_range(ptr: int, nbytes: int) -> tuple[int, int]:
-    return ptr // PAGE * PAGE, -(-(ptr + nbytes) // PAGE) * PAGE
+def _whole_pages(ptr: int, nbytes: int) -> tuple[int, int]:
+    """The whole pages inside ``[ptr, ptr + nbytes)``, as ``(start, end)``."""
+    return -(-ptr // PAGE) * PAGE, (ptr + nbytes) // PAGE * PAGE
 
 
 @dataclass(eq=False)
@@ -101,8 +103,7 @@ class Held:
     *contexts* may unregister it (the registering one first); *claims* are the
     pipelines keeping it; *users* the map calls using it now (it is not released
     while they run); a *stranded* range can no longer be unregistered (see
-    :meth:`PinCache.strand_poisoned`); *span* is the array's pages when an edge page
-    was left out because a neighbour's range holds it (see the module notes).
+    :meth:`PinCache.strand_poisoned`).
     """
 
     start: int
@@ -115,15 +116,13 @@ class Held:
     claims: weakref.WeakSet[PinClaims] = field(default_factory=weakref.WeakSet)
     stranded: bool = False
     pool: PinnedPool | None = None  # whose budget counts the range (claimed)
-    span: tuple[int, int] | None = None
 
     @property
     def nbytes(self) -> int:
         return self.end - self.start
 
     def covers(self, start: int, end: int) -> bool:
-        lo, hi = self.span or (self.start, self.end)
-        return lo <= start and end <= hi
+        return self.start <= start and end <= self.end
 
 
 class PinCache:
@@ -170,14 +169,6 @@ class PinCache:
         """Bytes of the ranges *claims* keeps."""
         return sum(h.nbytes for h in self._entries() if h.registered and claims in h.claims)
 
-    def edges_inside(self, *arrays: np.ndarray) -> tuple[int, ...]:
-        """Where direct copies of *arrays* must be cut: the edges of held ranges that
-        fall strictly inside one of them (a neighbour's range holding its shared page),
-        sorted; empty when their bytes each lie in one registration."""
-        spans = [(addr(a), addr(a) + a.nbytes) for a in arrays if a.nbytes]
-        edges = {e for h in self._entries() if h.registered for e in (h.start, h.end)}
-        return tuple(sorted(e for e in edges if any(lo < e < hi for lo, hi in spans)))
-
     def acquire(
         self, arr: np.ndarray, contexts: list[Context], read_only: bool, claims: PinClaims
     ) -> Held | None:
@@ -186,7 +177,9 @@ class PinCache:
         limit = min(self.budget, claims.limit)
         if limit <= 0 or arr.nbytes < MIN_HOLD_BYTES:
             return None
-        start, end = _page_range(addr(arr), arr.nbytes)
+        start, end = _whole_pages(addr(arr), arr.nbytes)
+        if end <= start:
+            return None
         owner = memory_owner(arr)
         with self._lock:
             self._clock += 1
@@ -306,44 +299,26 @@ class PinCache:
     ) -> Held | None:
         if self._was_refused(owner, start, end):
             return None
-        if not self._make_room(end - start, claims, end - start, limit):
+        nbytes = end - start
+        if not self._make_room(nbytes, claims, nbytes, limit):
             return None
-        own = self._unshared(start, end)
-        if own is None:
+        if any(h.start < end and start < h.end for h in self._entries() if h.registered):
             return None
-        lo, hi = own
-        nbytes = hi - lo
         pool = self.pool
         if not self._claim(pool, nbytes):
             return None
         with contexts[0]:
-            err = register_pages(lo, nbytes, read_only)
+            err = register_pages(start, nbytes, read_only)
         if err:
             pool.unclaim(nbytes)
             key = (id(owner), start, end)
             self._refused[key] = self._note(self._refused, key, owner)
             return None
-        held = Held(lo, hi, list(contexts), pool=pool)
-        if own != (start, end):
-            held.span = (start, end)
+        held = Held(start, end, list(contexts), pool=pool)
         held.claims.add(claims)
         held.ref = weakref.ref(owner, self._on_owner_death(held))
         self._held.setdefault(id(owner), []).append(held)
         return held
-
-    def _unshared(self, start: int, end: int) -> tuple[int, int] | None:
-        """The pages of ``[start, end)`` to register: less its first or last page when a
-        held range has it already (a heap neighbour); None when a held range overlaps
-        further in, or no page is left."""
-        ranges = [(h.start, h.end) for h in self._entries() if h.registered]
-        lo, hi = start, end
-        if any(s <= lo < e for s, e in ranges):
-            lo += PAGE
-        if any(s < hi <= e for s, e in ranges):
-            hi -= PAGE
-        if hi <= lo or any(s < hi and lo < e for s, e in ranges):
-            return None
-        return lo, hi
 
     def _on_owner_death(self, held: Held) -> Any:
         """Weak-reference callback: numpy runs it before it frees the owner's memory."""

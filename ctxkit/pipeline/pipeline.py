@@ -78,9 +78,11 @@ class Pipeline(MapRunner):
         Pin on reuse, for ``host_path="auto"``: a pageable array (16 MiB or more) that a
         later :meth:`map` call sees again is page-locked once (``cuMemHostRegister``)
         and kept locked while its memory lives, so every further call DMAs it directly,
-        as if it were pinned. This bounds the bytes this pipeline keeps locked (least
-        recently used arrays are released first); 0 turns it off. Default: the process
-        budget. See :meth:`release_pinned`.
+        as if it were pinned. Only the whole pages inside the array are locked (the
+        bytes on its partial end pages are bounced), never memory next to it. This
+        bounds the bytes this pipeline keeps locked (least recently used arrays are
+        released first); 0 turns it off. Default: the process budget. See
+        :meth:`release_pinned`.
 
         The budget is one per process, shared by every Pipeline (a registration serves
         all of them) and by the pinned pool its staging buffers and pinned outputs come

@@ -20,9 +20,9 @@ __all__ = [
     "MapPlan",
     "check_host_path",
     "choose_host_path",
-    "cut_at",
     "default_chunk_bytes",
     "grid_size",
+    "held_pieces",
     "host_pieces",
     "plan_map",
     "prepare_io",
@@ -237,6 +237,12 @@ class MapPlan:
     def registers(self) -> bool:
         """True when a side's pages are registered chunk by chunk."""
         return "register" in (self.in_mode, self.out_mode) or self.in_mode == "split"
+
+    @property
+    def bounces(self) -> bool:
+        """True when a side's chunks may bounce the bytes at their ends (registered or
+        held pages), so a slot needs its bounce buffer."""
+        return self.registers or "held" in (self.in_mode, self.out_mode)
 
     @property
     def needs_pool(self) -> bool:
@@ -503,19 +509,16 @@ def host_pieces(base: int, total: int, b0: int, b1: int, page: int = PAGE) -> Ho
     return HostPieces(s0 - a0, end - s0, a1 - end, s0, s1 - s0)
 
 
-def cut_at(host: int, n: int, cuts: tuple[int, ...]) -> list[tuple[int, int]]:
-    """``(offset, length)`` pieces of the host bytes ``[host, host + n)``, cut at each
-    address of the sorted *cuts* that falls strictly inside them.
+def held_pieces(base: int, total: int, b0: int, b1: int, page: int = PAGE) -> HostPieces:
+    """Split bytes ``[b0, b1)`` of an array at address *base* (*total* bytes long) whose
+    whole pages pin on reuse keeps registered (:mod:`.pincache`).
 
-    A direct copy is cut where one registration ends and the next begins, so every
-    piece the driver sees lies in one registration (see :mod:`.pincache`).
+    The bytes on the array's partial first page are ``head``, those on its partial last
+    page ``tail`` (each shorter than a page, bounced), the rest ``direct``: no copy
+    crosses the registration's edge. ``seg_ptr``/``seg_len`` are the registered pages.
     """
-    pieces, at = [], host
-    for c in cuts:
-        if host + n <= c:
-            break
-        if at < c:
-            pieces.append((at - host, c - at))
-            at = c
-    pieces.append((at - host, host + n - at))
-    return pieces
+    lo, hi = -(-base // page) * page, (base + total) // page * page
+    a0, a1 = base + b0, base + b1
+    d0 = min(max(a0, lo), a1)
+    d1 = max(min(a1, hi), d0)
+    return HostPieces(d0 - a0, d1 - d0, a1 - d1, lo, max(hi - lo, 0))

@@ -17,8 +17,9 @@ Host data of a side (input or output) moves one of five ways (the map's
 :class:`~ctxkit.pipeline.plan.MapPlan` says which):
 
 * ``pinned``: the user's array is page-locked already; copies use it directly;
-* ``held``: the same, the pages kept locked by pin on reuse
-  (:mod:`ctxkit.pipeline.pincache`);
+* ``held``: the whole pages inside the user's array kept locked by pin on reuse
+  (:mod:`ctxkit.pipeline.pincache`) and used directly; the bytes on its partial first
+  and last pages go through the slot's small bounce buffer;
 * ``staged``: through a pinned staging buffer of the slot, filled (input) or drained
   (output) by the host copy pool;
 * ``register``: the chunk's whole pages are registered ahead of time by the host pool
@@ -77,8 +78,7 @@ class ChunkJob:
 
 class Run:
     """The state shared by the worker threads of one map call, carried out as *plan*
-    says (its modes, chunks and how far feeders claim ahead); direct copies are cut at
-    the host addresses *cuts* (:meth:`~.pincache.PinCache.edges_inside`)."""
+    says (its modes, chunks and how far feeders claim ahead)."""
 
     def __init__(
         self,
@@ -87,7 +87,6 @@ class Run:
         plan: MapPlan,
         launch: Callable[..., None],
         recorder: Recorder | None,
-        cuts: tuple[int, ...] = (),
     ) -> None:
         self.pool: HostPool | None = None
         self.registrar: Registrar | None = None
@@ -98,7 +97,6 @@ class Run:
         self.x_ptr = addr(x)
         self.out_ptr = addr(out)
         self.in_place = self.x_ptr == self.out_ptr and x.nbytes == out.nbytes
-        self.cuts = cuts
         self.stream_in = streaming_pays(x.nbytes)
         self.stream_out = streaming_pays(out.nbytes)
         self.in_row = row_bytes(x)

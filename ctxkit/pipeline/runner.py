@@ -132,8 +132,7 @@ class MapRunner:
                         host = self._host_kinds(x, out, opts.host_path, held, pooled_out)
                     rows = (row_bytes(x), row_bytes(out))
                     plan = plan_map(x.shape[0], rows, len(self._devices), opts, host)
-                    cuts = self._pins.cache.edges_inside(x, out)
-                    run = Run(x, out, plan, launch, self._recorder, cuts)
+                    run = Run(x, out, plan, launch, self._recorder)
                     if not plan.empty:
                         self._execute(run, progress)
                 finally:

@@ -37,7 +37,8 @@ class Slot:
 
     ``pin_in``/``pin_out`` stage whole chunks (``host_path="staged"``); ``bounce`` holds
     the few bytes at the unaligned ends of a chunk whose pages are registered
-    (``host_path="register"``): input at ``[0, 2 pages)``, output at ``[2, 4 pages)``.
+    (``host_path="register"``) or held by pin on reuse: input at ``[0, 2 pages)``,
+    output at ``[2, 4 pages)``.
     """
 
     def __init__(self, index: int, stream: Stream) -> None:

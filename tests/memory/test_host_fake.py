@@ -188,6 +188,23 @@ def test_register_host_pins_in_place_and_unregisters(fake, ctx0):
     assert fake.calls("register")[0][2][2] == 1  # PORTABLE
 
 
+def test_register_host_covers_a_neighbours_bytes_whose_copy_then_fails(fake, ctx0):
+    raw = np.zeros(8 * PAGE, np.uint8)
+    s = -raw.ctypes.data % PAGE + PAGE + 100  # not on a page boundary
+    before, arr, after = raw[s - PAGE : s], raw[s : s + 2 * PAGE], raw[s + 2 * PAGE :][:PAGE]
+    with ctx0:
+        buf = DeviceBuffer(PAGE)
+        with ck.register_host(arr):
+            DeviceBuffer(arr.nbytes).copy_from_host(arr)  # inside the registration: fine
+            for neighbour in (before, after):  # partly on the registered pages
+                with pytest.raises(ck.CudaError, match="INVALID_VALUE"):
+                    buf.copy_from_host(neighbour)
+                with pytest.raises(ck.CudaError, match="INVALID_VALUE"):
+                    buf.copy_to_host(neighbour)
+        buf.copy_from_host(after)  # unregistered: pageable again
+        assert not fake.registered
+
+
 def test_register_host_unregisters_on_error_and_accepts_pinned(fake, ctx0):
     arr = np.zeros(100, np.float64)
     with ctx0:

@@ -68,6 +68,19 @@ def assert_unregistered(*arrays: np.ndarray) -> None:
                 assert host_pointer_kind(ptr) == "pageable", (hex(ptr), a.nbytes)
 
 
+def assert_held(*arrays: np.ndarray) -> None:
+    """Pin on reuse holds the arrays as it should: their whole pages are page-locked, the
+    partial pages at their ends (shared with whatever lies next to them) are not."""
+    for a in arrays:
+        lo, hi = int(a.ctypes.data), int(a.ctypes.data) + a.nbytes
+        first, last = -(-lo // PAGE) * PAGE, hi // PAGE * PAGE - 1
+        assert host_pointer_kind(first) == host_pointer_kind(last) == "pinned", (hex(lo), hi - lo)
+        if lo % PAGE:
+            assert host_pointer_kind(lo) == "pageable", hex(lo)
+        if hi % PAGE:
+            assert host_pointer_kind(hi - 1) == "pageable", hex(hi)
+
+
 def foreign_buffer(n: int, seed: int) -> tuple[bytearray, np.ndarray]:
     """*n* random float32 at element ``PAGE`` of a float32 view of a bytearray: a new
     array over the same bytes lands at the very address of a dead one (as numpy's

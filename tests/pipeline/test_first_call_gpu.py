@@ -165,8 +165,7 @@ def test_many_pipelines_share_the_pool_within_one_budget(kern):
             st = pool.stats()
             assert st.held_bytes + st.claimed_bytes <= budget
         assert pool.stats().in_use_bytes == 48 * MiB
-        # 16 MiB in and out, seen by every pipeline, each on pages of its own (malloc may put
-        # arrays this size next to each other on a shared page, which pin on reuse won't hold)
+        # 16 MiB in and out, seen by every pipeline, each on pages of its own
         x = own_pages(4 << 20, np.float32)
         x[:] = random_array(4 << 20, np.float32, 99)
         out = own_pages(4 << 20, np.float32)

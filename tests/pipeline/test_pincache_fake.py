@@ -9,6 +9,7 @@ after it was released or registered twice.
 from __future__ import annotations
 
 import gc
+import itertools
 import threading
 import weakref
 from typing import Any
@@ -20,6 +21,7 @@ import ctxkit as ck
 from ctxkit.pipeline import Pipeline, PipelineError
 from ctxkit.pipeline import pincache as _pincache
 from ctxkit.pipeline.pincache import PinCache, PinClaims, memory_owner
+from ctxkit.pipeline.staging import BOUNCE_BYTES
 from tests.support import fakegpu
 from tests.support.fakegpu import (  # noqa: F401
     CAPTURE_GLOBAL,
@@ -57,6 +59,16 @@ def zeros(n: int = N) -> np.ndarray:
     return own_pages(np.zeros(n, np.float32))
 
 
+def first_page(a: np.ndarray) -> int:
+    """The first whole page inside *a*: where pin on reuse registers it."""
+    return -(-a.ctypes.data // PAGE) * PAGE
+
+
+def whole_pages(a: np.ndarray) -> int:
+    """Bytes of the whole pages inside *a*."""
+    return (a.ctypes.data + a.nbytes) // PAGE * PAGE - first_page(a)
+
+
 def registered_bytes(gpu) -> int:
     return sum(n for n, _flags in gpu.registered.values())
 
@@ -75,7 +87,7 @@ def test_second_call_pins_and_later_calls_reuse_the_registration(gpu):
         assert paths[0] == "in=staged, out=staged"
         assert paths[1:] == ["in=held, out=held"] * 3
         assert len(gpu.register_calls) == calls == 2  # x and out, once each
-        assert p.pinned_bytes == registered_bytes(gpu) >= 2 * x.nbytes
+        assert p.pinned_bytes == registered_bytes(gpu) == whole_pages(x) + whole_pages(out)
         assert not gpu.pageable_dma
     assert not gpu.registered  # close() unlocked everything
 
@@ -86,8 +98,8 @@ def test_held_input_is_registered_read_only_capable_and_output_writable(gpu):
         p.map(scale_body(gpu, 2.0), x, out)
         p.map(scale_body(gpu, 2.0), x, out)
         starts = {ptr: (n, flags) for ptr, n, flags in gpu.register_calls}
-        assert x.ctypes.data // PAGE * PAGE in starts
-        assert out.ctypes.data // PAGE * PAGE in starts
+        assert starts[first_page(x)][0] == whole_pages(x)
+        assert starts[first_page(out)][0] == whole_pages(out)
 
 
 def test_registration_is_released_when_the_array_dies(gpu):
@@ -96,7 +108,7 @@ def test_registration_is_released_when_the_array_dies(gpu):
         x = data()
         for _ in range(2):
             p.map(scale_body(gpu, 2.0), x, out)
-        start = x.ctypes.data // PAGE * PAGE
+        start = first_page(x)
         assert start in gpu.registered
         del x
         gc.collect()
@@ -195,7 +207,7 @@ def test_array_over_a_foreign_buffer_is_held_while_the_array_lives(gpu):
             p.map(scale_body(gpu, 2.0), x[PAGE : PAGE + N], out)
             np.testing.assert_array_equal(out, x[PAGE : PAGE + N] * 2)
         assert p.last_stats.path == "in=held, out=held"
-        start = x[PAGE:].ctypes.data // PAGE * PAGE
+        start = first_page(x[PAGE:])
         assert start in gpu.registered
         del x
         gc.collect()
@@ -203,77 +215,80 @@ def test_array_over_a_foreign_buffer_is_held_while_the_array_lives(gpu):
     assert len(raw) == (N + 2 * PAGE) * 4
 
 
-def _neighbours() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Two arrays of one heap-like buffer that share the page at the first one's end."""
-    raw = np.zeros(3 * N + 4 * PAGE, np.float32)
-    start = (-raw.ctypes.data % PAGE) // 4
-    x = raw[start + 16 : start + 16 + N]
-    out = raw[start + 16 + N : start + 16 + 2 * N]
+def _row() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``raw`` and three arrays of N back to back in it at offsets that are no multiple
+    of a page (heap neighbours): ``before`` shares its last page with ``x``, ``x`` its
+    last page with ``after``."""
+    raw = np.zeros(3 * N + 2 * PAGE, np.float32)
+    s = (-raw.ctypes.data % PAGE) // 4 + 4
+    before, x, after = (raw[s + i * N : s + (i + 1) * N] for i in range(3))
+    assert all(a.ctypes.data % PAGE for a in (before, x, after))
     x[:] = np.arange(N)
-    return raw, x, out
+    return raw, before, x, after
 
 
-def test_neighbour_sharing_a_page_with_a_held_array_is_held_without_that_page(gpu):
-    _raw, x, out = _neighbours()
-    with Pipeline([0], chunk_bytes=8 * PAGE, host_threads=2) as p:
+def _inside(gpu, *arrays: np.ndarray) -> None:
+    """Every registration made so far lies within the bytes of one of *arrays*."""
+    spans = [(a.ctypes.data, a.ctypes.data + a.nbytes) for a in arrays]
+    for p, n, _flags in gpu.register_calls:
+        assert any(lo <= p and p + n <= hi for lo, hi in spans), (hex(p), n, spans)
+
+
+@pytest.mark.parametrize("path", ["auto", "register", "split"])
+def test_a_registration_covers_only_whole_pages_inside_the_arrays(gpu, path):
+    _raw, _before, x, after = _row()
+    with Pipeline([0], chunk_bytes=8 * PAGE, host_threads=2, host_path=path) as p:
         for _ in range(3):
-            out[:] = 0
-            p.map(scale_body(gpu, 2.0), x, out)
-            np.testing.assert_array_equal(out, np.arange(N, dtype=np.float32) * 2)
-        assert p.last_stats.path == "in=held, out=held"
-        spans = sorted((b, b + n) for b, (n, _f) in gpu.registered.items())
-        assert len(spans) == 2 and spans[0][1] == spans[1][0]  # the shared page once
-        assert not gpu.pageable_dma  # each copy was cut at the registrations' edge
+            after[:] = 0
+            p.map(scale_body(gpu, 2.0), x, after)
+            np.testing.assert_array_equal(after, np.arange(N, dtype=np.float32) * 2)
+        assert gpu.register_calls and (path != "auto" or p.last_stats.path == "in=held, out=held")
+        _inside(gpu, x, after)
+        assert not gpu.pageable_dma  # the partial end pages were bounced through pinned memory
     assert not gpu.registered
 
 
-def test_array_pinned_by_two_neighbouring_ranges_is_copied_in_pieces(gpu):
-    _raw, x, out = _neighbours()
+@pytest.mark.parametrize("side", ["before", "after"])
+def test_neighbour_of_a_held_array_is_copied_by_anyone(gpu, side):
+    _raw, before, x, after = _row()
+    b = before if side == "before" else after
+    out = zeros()
     with Pipeline([0], chunk_bytes=8 * PAGE, host_threads=2) as p:
         for _ in range(2):
             p.map(scale_body(gpu, 2.0), x, out)
-        assert ck.is_pinned(out)  # its first byte is on x's registration, its last on its own
-        out[:] = 0
-        p.map(scale_body(gpu, 3.0), x, out, host_path="staged")  # not through the cache
-        assert p.last_stats.path == "pinned"
+        assert p.last_stats.path == "in=held, out=held"
+        want = np.random.default_rng(5).random(N, dtype=np.float32)
+        b[:] = want
+        buf = ck.DeviceBuffer(b.nbytes, context=p.contexts[0])
+        buf.copy_from_host(b)  # pageable, and its page next to x holds some of x's bytes
+        b[:] = 0
+        buf.copy_to_host(b)
+        np.testing.assert_array_equal(b, want)
+        np.testing.assert_array_equal(buf.copy_to_host().view(np.float32), want)
+        buf.close()
+        p.map(scale_body(gpu, 3.0), x, out)
         np.testing.assert_array_equal(out, np.arange(N, dtype=np.float32) * 3)
-        assert not gpu.pageable_dma  # no copy spanned the two registrations
 
 
-def test_edges_inside_names_only_registration_edges_within_the_arrays(gpu):
-    _raw, x, out = _neighbours()
-    cache = _pincache.process_pins()
-    with Pipeline([0], host_threads=2) as p:
-        assert cache.edges_inside(x, out) == ()
-        for _ in range(2):
-            p.map(scale_body(gpu, 2.0), x, out)
-        first_own = -(-out.ctypes.data // PAGE) * PAGE  # out's first page of its own
-        assert cache.edges_inside(out) == (first_own,)
-        assert cache.edges_inside(x) == () and cache.edges_inside(data()) == ()
-        assert cache.edges_inside(x, out) == (first_own,)
-
-
-def test_edge_page_moves_as_pageable_once_the_neighbour_is_released(gpu):
-    _raw, x, out = _neighbours()
-    z = data()
-    with Pipeline([0], host_threads=2) as pa, Pipeline([0], host_threads=2) as pb:
-        for _ in range(2):
-            pa.map(scale_body(gpu, 1.0), z, x)  # x held for pa only
-        for _ in range(2):
-            pb.map(scale_body(gpu, 2.0), z, out)  # out held without the shared page
-        assert pb.last_stats.path == "in=held, out=held"
-        assert pa.release_pinned() > 0
-        gpu.pageable_dma.clear()
-        out[:] = 0
-        pb.map(scale_body(gpu, 2.0), z, out)
-        assert pb.last_stats.path == "in=held, out=held"
-        np.testing.assert_array_equal(out, z * 2)
-        assert gpu.pageable_dma  # the bytes on the shared page only: correct, not locked
-        assert all(int(e.rsplit("+", 1)[1]) < PAGE for e in gpu.pageable_dma)
+def test_neighbours_both_held_leave_their_shared_page_unregistered(gpu):
+    _raw, before, x, after = _row()
+    with Pipeline([0], chunk_bytes=8 * PAGE, host_threads=2) as p:
+        for _ in range(3):
+            before[:] = after[:] = 0
+            p.map(scale_body(gpu, 2.0), x, before)
+            p.map(scale_body(gpu, 3.0), x, after)
+            np.testing.assert_array_equal(before, np.arange(N, dtype=np.float32) * 2)
+            np.testing.assert_array_equal(after, np.arange(N, dtype=np.float32) * 3)
+        assert p.last_stats.path == "in=held, out=held"
+        spans = sorted((b, b + n) for b, (n, _f) in gpu.registered.items())
+        assert len(spans) == 3 and all(e < s for (_, e), (s, _) in itertools.pairwise(spans))
+        _inside(gpu, before, x, after)
+        assert not gpu.pageable_dma
+    assert not gpu.registered
 
 
 def test_range_overlapping_a_held_one_further_in_is_staged(gpu):
-    raw, x, _out = _neighbours()
+    raw, _before, x, _after = _row()
     inner = raw[x.ctypes.data // 4 - raw.ctypes.data // 4 + N // 2 :][:N]  # x's second half on
     with Pipeline([0], host_threads=2) as p:
         for _ in range(2):
@@ -432,7 +447,7 @@ def test_a_full_pool_stages_instead_of_holding(gpu):
 def test_room_in_the_pool_is_made_by_releasing_idle_ranges(gpu):
     arrays = [data(seed=i) for i in range(2)]
     with Pipeline([0], host_threads=2) as p:
-        leave_room([p], gpu, ONE)  # one held array at a time
+        leave_room([p], gpu, ONE + BOUNCE_BYTES)  # one held array (and its bounce buffer)
         for _ in range(3):
             for a in arrays:
                 p.map(scale_body(gpu, 2.0), a, a)  # in place: one range per array
@@ -487,7 +502,7 @@ class ForeignBuffer:
         return np.frombuffer(self.raw, np.float32)
 
     def start(self) -> int:
-        return self.array()[PAGE:].ctypes.data // PAGE * PAGE
+        return first_page(self.array()[PAGE:])
 
 
 def _hold(gpu, p: Pipeline, owner: np.ndarray, out: np.ndarray) -> None:
@@ -593,7 +608,7 @@ def test_registering_context_closed_later_unregisters_in_another(gpu):
         p.close()
         own.close()
         assert gpu.registered and q.pinned_bytes
-        start = x.ctypes.data // PAGE * PAGE
+        start = first_page(x)
         del x
         gc.collect()
         assert start not in gpu.registered  # unregistered in q's context

@@ -314,23 +314,20 @@ def test_prepare_io_read_only_and_partial_overlap():
 
 
 @pytest.mark.parametrize(
-    ("cuts", "pieces"),
+    ("b0", "b1", "pieces"),
     [
-        ((), [(0, 100)]),
-        ((1000, 1100), [(0, 100)]),  # edges at or past the end are not inside
-        ((1040,), [(0, 40), (40, 60)]),
-        ((900, 1040, 1070, 2000), [(0, 40), (40, 30), (70, 30)]),
-        ((1099,), [(0, 99), (99, 1)]),
+        (0, 1000, (1000, 0, 0)),  # all on the partial first page: bounced
+        (0, 5000, (1096, 3904, 0)),
+        (1096, 9192, (0, 8096, 0)),  # whole pages only: direct
+        (1096, 13000, (0, 8192, 3712)),
+        (9288, 12000, (0, 0, 2712)),  # all on the partial last page
+        (0, 13000, (1096, 8192, 3712)),
     ],
 )
-def test_cut_at_splits_a_copy_at_registration_edges_inside_it(cuts, pieces):
-    from ctxkit.pipeline.plan import cut_at
+def test_held_pieces_bounce_only_the_bytes_on_partial_end_pages(b0, b1, pieces):
+    from ctxkit.pipeline.plan import held_pieces
 
-    assert cut_at(1000, 100, cuts) == pieces
-    assert sum(n for _o, n in pieces) == 100
-
-
-def test_cut_at_an_empty_copy_is_one_empty_piece():
-    from ctxkit.pipeline.plan import cut_at
-
-    assert cut_at(1000, 0, (1000,)) == [(0, 0)]
+    pc = held_pieces(3000, 13000, b0, b1, page=4096)  # pages 4096..12288 inside
+    assert (pc.head, pc.direct, pc.tail) == pieces
+    assert (pc.seg_ptr, pc.seg_len) == (4096, 8192)
+    assert pc.head < 4096 and pc.tail < 4096

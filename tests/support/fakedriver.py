@@ -259,3 +259,11 @@ def swap_driver(monkeypatch: Any, fake: Any) -> None:
             monkeypatch.setattr(mod, "drv", fake)
     monkeypatch.setenv(pagelock.ALLOC_ENV, "hostalloc")
     monkeypatch.setattr(pagelock, "_refused", False)
+
+
+def spans_registration_edge(ranges: Any, ptr: int, n: int) -> bool:
+    """True when host bytes ``[ptr, ptr + n)`` lie partly inside a registered range
+    ``(start, end)`` of *ranges* and partly outside it (or across two): the driver
+    refuses such a copy with ``CUDA_ERROR_INVALID_VALUE``."""
+    end = ptr + n
+    return any(s < end and ptr < e and not (s <= ptr and end <= e) for s, e in ranges)

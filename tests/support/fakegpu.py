@@ -14,8 +14,11 @@ events, memory, copies, kernels, libraries and graphs, modelled on CUDA's semant
   allocations and registered ranges are known to ``cuPointerGetAttribute``, anything
   else is pageable; freeing memory that is not allocated (twice, or after the primary
   context was reset) is ``CUDA_ERROR_INVALID_VALUE``;
-* ``cuMemHostRegister`` is strict: page-aligned ranges only, never a page twice
-  (``CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED``); ``register_error`` can make it fail.
+* ``cuMemHostRegister`` is strict: page-aligned ranges only, never a page twice nor a
+  page of ``cuMemHostAlloc`` memory (``CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED``);
+  ``register_error`` can make it fail.
+  A copy whose host range spans a registration's edge (partly inside it, or across two)
+  is ``CUDA_ERROR_INVALID_VALUE``, as on the driver.
   Every async copy whose host side is pageable - when enqueued or when it runs (an
   unregister before the DMA finished) - is recorded in ``pageable_dma``;
 * a kernel is a Python function enqueued with :meth:`FakeGPU.launch`; raising
@@ -55,7 +58,12 @@ from tests.support.fakecapture import (  # noqa: F401  (re-exported for tests)
     Capture,
     CaptureRules,
 )
-from tests.support.fakedriver import FakeDriver, FakeHandle, swap_driver
+from tests.support.fakedriver import (
+    FakeDriver,
+    FakeHandle,
+    spans_registration_edge,
+    swap_driver,
+)
 
 ILLEGAL_ADDRESS = 700
 NOT_READY = 600
@@ -262,6 +270,12 @@ class FakeGPU(CaptureRules, FakeDriver):
             return any(
                 b <= ptr and ptr + n <= b + m for b, (m, _) in self.registered.copy().items()
             )
+
+    def spans_edge(self, ptr: int, n: int) -> bool:
+        """True when host bytes ``[ptr, ptr + n)`` span a registration's edge."""
+        with self._mlock:
+            ranges = [(b, b + m) for b, (m, _) in self.registered.copy().items()]
+        return spans_registration_edge(ranges, ptr, n)
 
     def allocation(self, ptr: int) -> tuple[int, np.ndarray, str] | None:
         with self._mlock:
@@ -503,7 +517,9 @@ class FakeGPU(CaptureRules, FakeDriver):
         if err:
             return (err,)
         with self._mlock:
-            if any(b < p + n and p < b + m for b, (m, _) in self.registered.copy().items()):
+            locked = [(b, b + m) for b, (m, _) in self.registered.copy().items()]
+            locked += [(b, b + a.nbytes) for b, (a, k) in self.mem.copy().items() if k == "host"]
+            if any(b < p + n and p < e for b, e in locked):  # registered or cuMemHostAlloc
                 return (ALREADY_REGISTERED,)
             self.registered[p] = (n, int(flags))
             total = sum(m for m, _ in self.registered.copy().values())
@@ -540,6 +556,8 @@ class FakeGPU(CaptureRules, FakeDriver):
         if self._sticky(0):
             return (ILLEGAL_ADDRESS,)
         d, sr = int(dst), int(src)
+        if self.spans_edge(host, n):
+            return (INVALID_VALUE,)
         cap = self.captures.get(int(h))
         if not self.page_locked(host, n):
             if cap is not None:  # a pageable copy is synchronous: it cannot be captured
@@ -561,20 +579,22 @@ class FakeGPU(CaptureRules, FakeDriver):
     def cuMemcpyDtoHAsync(self, dst: Any, src: Any, n: int, h: Any) -> tuple[int]:
         return self._copy(dst, src, n, h, int(dst), "cuMemcpyDtoHAsync")
 
-    def _sync_copy(self, dst: Any, src: Any, n: int, what: str) -> tuple[int]:
+    def _sync_copy(self, dst: Any, src: Any, n: int, host: int, what: str) -> tuple[int]:
         """A synchronous copy: ordered on the legacy default stream, waits for it."""
         err = self.context_error() or self._legacy(what)
         if err:
             return (err,)
+        if self.spans_edge(host, n):
+            return (INVALID_VALUE,)
         self._drain(self._stream(0))
         ctypes.memmove(int(dst), int(src), n)
         return (self.fault,)
 
     def cuMemcpyHtoD(self, dst: Any, src: Any, n: int) -> tuple[int]:
-        return self._sync_copy(dst, src, n, "cuMemcpyHtoD")
+        return self._sync_copy(dst, src, n, int(src), "cuMemcpyHtoD")
 
     def cuMemcpyDtoH(self, dst: Any, src: Any, n: int) -> tuple[int]:
-        return self._sync_copy(dst, src, n, "cuMemcpyDtoH")
+        return self._sync_copy(dst, src, n, int(dst), "cuMemcpyDtoH")
 
     def cuMemsetD8Async(self, ptr: Any, value: int, n: int, h: Any) -> tuple[int]:
         p = int(ptr)

@@ -22,7 +22,7 @@ from cuda.bindings import driver as real
 import ctxkit as ck
 from ctxkit.context import Context
 from ctxkit.memory import host as _hostmem
-from tests.support.fakedriver import FakeHandle, swap_driver
+from tests.support.fakedriver import FakeHandle, spans_registration_edge, swap_driver
 
 # ======================================================================================
 # A fake of the driver's memory / stream / event API on top of the fake context stack
@@ -44,6 +44,10 @@ _HostFn = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
 class FakeMemDriver:
     """Memory, streams, events and peer access; everything else goes to the context fake.
+
+    ``cuMemHostRegister`` locks the whole pages of a range; a copy whose host bytes span
+    the edge of those pages (partly inside, or across two registrations) is
+    ``CUDA_ERROR_INVALID_VALUE``, as on the driver.
 
     "Device" memory is host memory from ctypes, so copies really move bytes. Like the
     real driver, memsets, device-to-device/peer copies and host-to-device copies without
@@ -159,12 +163,24 @@ class FakeMemDriver:
         return (OK, self.total - self.used, self.total)
 
     def _copy(
-        self, name: str, dst: int, src: int, n: int, stream: Any = None, queued: bool = False
+        self,
+        name: str,
+        dst: int,
+        src: int,
+        n: int,
+        stream: Any = None,
+        queued: bool = False,
+        host: int | None = None,
     ) -> tuple[int]:
+        """*host*: the address of the host side, whose bytes must not span the edge of
+        a registration's pages (the driver refuses that copy)."""
         if not self.cur():
             return (INVALID_CONTEXT,)
         if self._err():
             return (self._err(),)
+        pages = [(ps, pe) for _e, ps, pe in self.registered.values()]
+        if host is not None and spans_registration_edge(pages, int(host), n):
+            return (INVALID_VALUE,)
         if stream is not None and self._stream_ok(stream):
             return (INVALID_HANDLE,)
         self.note(name, (n, None if stream is None else int(stream)))
@@ -177,20 +193,20 @@ class FakeMemDriver:
 
     def cuMemcpyHtoD(self, dst: int, src: int, n: int) -> tuple[int]:
         assert self._dev_range(dst, n)
-        return self._copy("HtoD", dst, src, n, queued=True)
+        return self._copy("HtoD", dst, src, n, queued=True, host=src)
 
     def cuMemcpyHtoDAsync(self, dst: int, src: int, n: int, s: Any) -> tuple[int]:
         assert self._dev_range(dst, n)
-        return self._copy("HtoDAsync", dst, src, n, s)
+        return self._copy("HtoDAsync", dst, src, n, s, host=src)
 
     def cuMemcpyDtoH(self, dst: int, src: int, n: int) -> tuple[int]:
         assert self._dev_range(src, n)
         self.flush(self.cur())
-        return self._copy("DtoH", dst, src, n)
+        return self._copy("DtoH", dst, src, n, host=dst)
 
     def cuMemcpyDtoHAsync(self, dst: int, src: int, n: int, s: Any) -> tuple[int]:
         assert self._dev_range(src, n)
-        return self._copy("DtoHAsync", dst, src, n, s)
+        return self._copy("DtoHAsync", dst, src, n, s, host=dst)
 
     def cuMemcpyDtoD(self, dst: int, src: int, n: int) -> tuple[int]:
         assert self._dev_range(src, n) and self._dev_range(dst, n)
