@@ -251,6 +251,11 @@ class PtxVersionWarning(UserWarning):
     """PTX was produced by an NVRTC newer than the driver, which will refuse to load it."""
 
 
+class PinLeakWarning(UserWarning):
+    """Host pages ctxkit page-locked on its own (pin on reuse) could not be unlocked: they
+    stay locked, and their memory allocated, until the process exits. Shown for each leak."""
+
+
 class PageableCopyWarning(UserWarning):
     """An asynchronous copy was asked for with pageable host memory (it will block)."""
 

@@ -60,6 +60,7 @@ from typing import Any
 import numpy as np
 
 from ..context import Context
+from ..errors import PinLeakWarning
 from ..memory.hostpool import PinnedPool, pinned_pool
 from .hostreg import NO_USABLE_CONTEXT, register_pages, unregister_pages
 from .plan import PAGE, MiB, addr
@@ -239,7 +240,7 @@ class PinCache:
                 f"ctxkit: a fault poisoned the context of {kept} bytes of arrays kept "
                 "page-locked by pin on reuse; they can no longer be unregistered, so their "
                 "memory stays allocated (and locked) until the process exits",
-                ResourceWarning,
+                PinLeakWarning,
                 stacklevel=3,
             )
         return kept
@@ -385,13 +386,9 @@ class PinCache:
         _unregister(h)
 
 
-_warned_stale = False
-
-
 def _unregister(h: Held) -> None:
-    """Undo *h*'s registration now (see the module notes); never raises (a failure is
-    warned about once per process)."""
-    global _warned_stale
+    """Undo *h*'s registration now (see the module notes); never raises (each failure is
+    a :class:`~ctxkit.errors.PinLeakWarning` naming its range)."""
     if not h.registered or h.stranded:
         return
     h.registered = False
@@ -405,16 +402,13 @@ def _unregister(h: Held) -> None:
         if h.pool is not None:
             h.pool.unclaim(h.nbytes)
         return
-    if _warned_stale:  # still page-locked: it stays counted against the budget
-        return
-    if err != NO_USABLE_CONTEXT:
+    if err != NO_USABLE_CONTEXT:  # still page-locked: it stays counted against the budget
         why = f"cuMemHostUnregister failed with CUresult {err}"
-    _warned_stale = True
     try:
         warnings.warn(
             f"ctxkit: pin on reuse could not unregister {h.nbytes} bytes at {h.start:#x} "
             f"({why}); those pages stay page-locked until the process exits",
-            ResourceWarning,
+            PinLeakWarning,
             stacklevel=2,
         )
     except Exception:  # runs in finalizers: never raise

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import itertools
 import threading
+import warnings
 import weakref
 from typing import Any
 
@@ -569,7 +570,7 @@ def test_poisoned_context_keeps_the_memory_of_pages_it_cannot_unregister(gpu):
 
             gpu.launch(stream, bad)
 
-        with pytest.warns(ResourceWarning, match="poisoned"):
+        with pytest.warns(ck.PinLeakWarning, match="poisoned"):
             with pytest.raises(PipelineError) as info:
                 p.map(body, x[PAGE : PAGE + N], out)
         assert info.value.poisoned
@@ -578,6 +579,26 @@ def test_poisoned_context_keeps_the_memory_of_pages_it_cannot_unregister(gpu):
         # The pages stay registered, so their memory must never go back to numpy.
         assert owner() is not None and mem.start() in gpu.registered
     assert owner() is not None
+
+
+def test_every_registration_left_behind_is_warned_about(gpu, monkeypatch):
+    monkeypatch.setattr(_pincache, "unregister_pages", lambda start, contexts: 1)
+    out = zeros()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")  # Python's own filter: repeats of one line hidden
+        with Pipeline([0], host_threads=2) as p:
+            xs = [data(seed=i) for i in range(2)]
+            for x in xs:
+                for _ in range(2):
+                    p.map(scale_body(gpu, 2.0), x, out)
+            starts = {f"{first_page(a):#x}" for a in (*xs, out)}
+            del x
+            xs.clear()
+            gc.collect()
+    leaks = [str(w.message) for w in caught if issubclass(w.category, ck.PinLeakWarning)]
+    assert len(leaks) == 3, leaks  # both inputs when they died, the output at close
+    assert starts == {m.split(" at ")[1].split(" ")[0] for m in leaks}
+    assert all("CUresult 1" in m for m in leaks)
 
 
 def test_a_pipeline_context_cannot_close_under_held_pages(gpu):
