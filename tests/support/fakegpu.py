@@ -210,8 +210,12 @@ class FakeGPU(CaptureRules, FakeDriver):
             ctx = self.current()
             with self._lock:
                 s = self.default_streams.get(ctx)
-                if s is None:
-                    s = self.default_streams[ctx] = _Stream(self, ctx)
+            if s is None:  # started outside the lock: a finalizer in its start may need it
+                new = _Stream(self, ctx)
+                with self._lock:
+                    s = self.default_streams.setdefault(ctx, new)
+                if s is not new:
+                    new.q.put(None)
             return s
         return self.streams[key]
 
