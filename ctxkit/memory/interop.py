@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _driver
 from .._driver import drv
 from ..context import Context
 from ..lifetime import finalizer
@@ -54,6 +55,7 @@ _StreamOf = Callable[[Any], "int | None"]
 _Dlpack = Callable[[Any, int], None]
 _kinds: dict[type, tuple[_StreamOf | None, _Dlpack | None] | None] = {}
 _lock = threading.Lock()
+_driver.renew_at_fork(__name__, "_lock")
 
 
 def _torch_stream_getter() -> _StreamOf:
