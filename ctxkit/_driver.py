@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import difflib
 import os
+import sys
 import threading
 from collections.abc import Callable
 from types import ModuleType
@@ -64,11 +65,45 @@ _parent_initialized_pid: int | None = None
 _no_device = False
 
 
+_renewed_at_fork: list[tuple[Any, str, Callable[[], Any]]] = []
+_hooks_in_child: list[Callable[[], None]] = []
+
+
+def renew_at_fork(owner: Any, name: str, factory: Callable[[], Any] = threading.Lock) -> None:
+    """Give ``owner.name`` a new lock (``factory()``) in every forked child.
+
+    For module- and class-level locks (*owner*: the class, or the module's ``__name__``)
+    and those of process-wide objects (a dotted *name*, ``"_process_pool._lock"``; skipped
+    while the object is ``None``): a thread of the parent may hold one at fork time, and
+    it does not exist in the child to release it.
+    """
+    _renewed_at_fork.append((owner, name, factory))
+
+
+def _renew(owner: Any, name: str, factory: Callable[[], Any]) -> None:
+    obj = sys.modules[owner] if isinstance(owner, str) else owner
+    *path, attr = name.split(".")
+    for part in path:
+        obj = getattr(obj, part, None)
+    if obj is not None:
+        setattr(obj, attr, factory())
+
+
+def on_fork_in_child(fn: Callable[[], None]) -> None:
+    """Run *fn* in every forked child, after the fork flag and the locks are renewed."""
+    _hooks_in_child.append(fn)
+
+
 def _mark_forked_child() -> None:
-    global _init_pid, _parent_initialized_pid
-    if _init_pid is not None:
-        _parent_initialized_pid = _init_pid
+    global _init_pid, _parent_initialized_pid, _init_lock
+    if _init_pid is not None or _init_lock.locked():  # initialised, or cuInit under way
+        _parent_initialized_pid = _init_pid or os.getppid()
     _init_pid = None
+    _init_lock = threading.Lock()
+    for owner, name, factory in _renewed_at_fork:
+        _renew(owner, name, factory)
+    for fn in _hooks_in_child:
+        fn()
 
 
 os.register_at_fork(after_in_child=_mark_forked_child)
@@ -105,6 +140,14 @@ def _fork_error(what: str = "") -> ForkError:
 def in_forked_child() -> bool:
     """True in a process forked after its parent initialised CUDA."""
     return _parent_initialized_pid is not None and _init_pid is None
+
+
+def check_fork(what: str) -> None:
+    """Raise :class:`ForkError` naming *what* in a process forked after its parent
+    initialised CUDA: entry points call it before they take a lock of an object the
+    child inherited (a parent thread may hold it, and never releases it here)."""
+    if _parent_initialized_pid is not None and _init_pid is None:
+        raise _fork_error(what)
 
 
 def init() -> None:

@@ -94,6 +94,7 @@ _all_threads: dict[int, tuple[weakref.ref[threading.Thread], str, list[Any]]] = 
 # Re-entrant: a finalizer run by the collector while this thread holds it may be the
 # thread's first use of ctxkit, which lists the thread. Readers iterate over a copy.
 _all_lock = threading.RLock()
+_driver.renew_at_fork(__name__, "_all_lock", threading.RLock)
 
 
 _tls = _Local()
@@ -481,6 +482,7 @@ class Context:
     # --- lifetime ------------------------------------------------------------------
 
     def _raise_unusable(self) -> None:
+        _driver.check_fork(f"{self!r}")
         if self.closed:
             raise ContextClosedError(f"{self!r} is closed; create a new context")
         assert self._poison is not None
@@ -553,6 +555,7 @@ class Context:
         """
         if self.closed:
             return
+        _driver.check_fork(f"close of {self!r}")
         lifetime.context_closing(self)  # caches give back what they hold in it, while it exists
         with Context._class_lock:
             if self.closed:
@@ -610,6 +613,23 @@ class Context:
                 _check_free(fn(*args), fn)
         finally:
             lifetime.end_free()
+
+
+_driver.renew_at_fork(Context, "_class_lock", threading.RLock)
+
+
+def _disown_in_forked_child() -> None:
+    """The parent's contexts and what lives in them are not this process's: every use
+    raises ForkError (one flag the push path reads anyway) and no free reaches the driver."""
+    global _shutting_down
+    if not _driver.in_forked_child():
+        return
+    _shutting_down = True
+    for ctx in list(Context._known.values()):
+        ctx._unusable = True
+
+
+_driver.on_fork_in_child(_disown_in_forked_child)
 
 
 def _check_free(res: Any, fn: Callable[..., Any]) -> None:

@@ -153,3 +153,6 @@ class Device:
         return bool(
             call(drv.cuDeviceCanAccessPeer, self.handle, peer.handle, what="cuDeviceCanAccessPeer")
         )
+
+
+_driver.renew_at_fork(Device, "_lock")

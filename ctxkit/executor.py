@@ -18,8 +18,8 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from typing import Any, TypeVar
 
+from . import _driver, registry
 from . import context as _context
-from . import registry
 from .context import entry_context, thread_state
 from .registry import ContextLike
 
@@ -29,6 +29,7 @@ R = TypeVar("R")
 
 
 _blas_lock = threading.Lock()
+_driver.renew_at_fork(__name__, "_blas_lock")
 
 
 _blas_users = 0
@@ -132,6 +133,7 @@ class ContextExecutor(Executor):
 
     def submit(self, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> Future[R]:
         """Schedule ``fn(*args, **kwargs)`` on a worker with the context current."""
+        _driver.check_fork("ContextExecutor.submit")
         with self._lock:
             if self._shutdown:
                 raise RuntimeError("cannot submit to a ContextExecutor after shutdown()")
@@ -194,7 +196,10 @@ class ContextExecutor(Executor):
                 item.future.set_exception(exc)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        """Stop accepting work; workers finish queued tasks, pop the context and exit."""
+        """Stop accepting work; workers finish queued tasks, pop the context and exit.
+        In a forked child it returns at once (the workers are the parent's)."""
+        if _driver.in_forked_child():
+            return
         with self._lock:
             if self._shutdown and not self._threads:
                 return
@@ -236,6 +241,8 @@ def _at_exit() -> None:
     process teardown releases them. Nothing here may raise or print.
     """
     _context.begin_shutdown()
+    if _driver.in_forked_child():
+        return  # the contexts are the parent's
     if any(t.is_alive() for ex in list(_live_executors) for t in list(ex._threads)):
         return
     with registry.default._lock:

@@ -69,6 +69,7 @@ def failed_frees() -> list[FailedFree]:
 # A re-entrant lock: the garbage collector can run a finalizer (and so free_quietly) at
 # any allocation, also in a thread that holds the lock already.
 _capture_cond = threading.Condition(threading.RLock())
+_driver.renew_at_fork(__name__, "_capture_cond", lambda: threading.Condition(threading.RLock()))
 
 
 _capturing_threads: dict[int, int] = {}  # thread ident -> open thread_local/global captures
@@ -179,8 +180,8 @@ def free_quietly(ctx: Context | None, fn: Callable[..., Any], *args: Any) -> Non
     """:meth:`Context.free` for finalizers: never raises (GC must not see exceptions);
     a failure is recorded in :func:`failed_frees`. A free an open capture forbids waits
     for its end (:func:`begin_free`). ``ctx=None``: a free that needs no context
-    (``cuLibraryUnload``)."""
-    if not begin_free(ctx, fn, args):
+    (``cuLibraryUnload``). In a forked child it does nothing: the memory is the parent's."""
+    if _driver.in_forked_child() or not begin_free(ctx, fn, args):
         return
     try:
         if ctx is None:

@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+from . import _driver
 from ._env import env_off
 
 __all__ = [
@@ -72,6 +73,7 @@ _attrs: dict[tuple[str, Any], Any] = {}
 
 
 _load_lock = threading.Lock()
+_driver.renew_at_fork(__name__, "_load_lock")
 
 
 _NULL = contextlib.nullcontext()

@@ -20,6 +20,7 @@ import types
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
+from . import _driver
 from ._env import env_flag, env_off
 from .context import (
     Context,
@@ -107,6 +108,7 @@ class ContextRegistry:
 
     def _create(self, ordinal: int) -> Context:
         dev = Device(ordinal)
+        _driver.check_fork(f"registry.context({ordinal})")
         with self._lock:
             ctx = self._contexts.get(ordinal)
             if ctx is None or ctx.closed:
@@ -131,6 +133,7 @@ class ContextRegistry:
                 f"{ctx!r} belongs to device {ctx.device.ordinal}, not device {dev.ordinal}"
             )
         ctx.check_usable()
+        _driver.check_fork("registry.set")
         with self._lock:
             self._contexts[dev.ordinal] = ctx
 
@@ -155,6 +158,7 @@ class ContextRegistry:
 
     def close(self) -> None:
         """Close what this registry created, newest first. Safe to call twice."""
+        _driver.check_fork("registry.close")
         with self._lock:
             created, self._created = self._created, []
             self._contexts = {k: c for k, c in self._contexts.items() if c not in created}
@@ -166,6 +170,7 @@ class ContextRegistry:
 #: the registry's attributes to it, so ``ck.registry.context(0)`` and
 #: ``ck.registry.auto_bind = True`` act on this instance.
 default = ContextRegistry()
+_driver.renew_at_fork(__name__, "default._lock")
 
 _FORWARDED = frozenset({"kind", "flags", "auto_bind", "strict"})
 

@@ -36,7 +36,7 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from .. import lifetime
+from .. import _driver, lifetime
 from .._driver import drv
 from ..lifetime import free_quietly
 from ..stream import Stream
@@ -57,6 +57,7 @@ _OUT_OF_MEMORY = 2
 # is held by exactly one buffer or one cache list. The lock guards the cache structure
 # (new caches, flushes). Re-entrant: a Block's __del__ may run inside it (the GC).
 _lock = threading.RLock()
+_driver.renew_at_fork(__name__, "_lock", threading.RLock)
 _capturing = lifetime._capturing_threads  # the dict itself: lifetime mutates it in place
 _captured = lifetime.captured_streams  # likewise: streams ctxkit captures, in any mode
 _caches: dict[Any, StreamCache] = {}  # key -> cache (see _key)

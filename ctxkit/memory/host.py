@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _driver
 from .._driver import drv
 from .._env import env_flag
 from ..context import Context, current_context, require_current, thread_state
@@ -125,6 +126,7 @@ _registered: dict[int, tuple[int, int]] = {}
 
 
 _registered_lock = threading.Lock()
+_driver.renew_at_fork(__name__, "_registered_lock")
 
 
 def check_async_host(arr: np.ndarray, what: str) -> None:

@@ -57,6 +57,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _driver
 from .. import registry as _registry
 from ..context import Context
 from ..errors import OutOfMemoryError
@@ -462,6 +463,8 @@ _process_pool: PinnedPool | None = None
 
 
 _process_lock = threading.Lock()
+_driver.renew_at_fork(__name__, "_process_lock")
+_driver.renew_at_fork(__name__, "_process_pool._lock")
 
 
 def pinned_pool() -> PinnedPool:

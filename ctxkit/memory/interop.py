@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _driver
 from .._driver import drv
 from ..context import Context
 from ..errors import CaptureOrderError
@@ -69,6 +70,7 @@ _StreamOf = Callable[[Any], "int | None"]
 _Dlpack = Callable[[Any, int], None]
 _kinds: dict[type, tuple[_StreamOf | None, _Dlpack | None] | None] = {}
 _lock = threading.Lock()
+_driver.renew_at_fork(__name__, "_lock")
 
 
 def _torch_stream_getter() -> _StreamOf:

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .._driver import drv
+from .._driver import check_fork, drv, in_forked_child
 from ..context import Context
 from ..device import Device
 from ..errors import ContextClosedError, CudaError, OutOfMemoryError
@@ -253,7 +253,10 @@ class VirtualBuffer:
 
     def close(self) -> None:
         """Unmap and free the memory now (from any thread). Idempotent; views made by
-        :meth:`as_buffer`, :meth:`view` and slicing become unusable."""
+        :meth:`as_buffer`, :meth:`view` and slicing become unusable. In a forked child
+        it does nothing (the memory is the parent's)."""
+        if in_forked_child():
+            return
         with self._lock:
             if self._closed:
                 return
@@ -276,6 +279,7 @@ class VirtualBuffer:
         """
         what = "VirtualBuffer.grow"
         n = nbytes_arg(nbytes, what)
+        check_fork(what)
         with self._lock:
             self.ptr  # noqa: B018 - raises once closed
             if self._reserve < 0:

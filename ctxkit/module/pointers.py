@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _driver
 from ..errors import LaunchArgumentError
 from ..memory.host import host_device_pointer
 from ..memory.hostptr import plain_dtype
@@ -107,6 +108,7 @@ getters: dict[type, Callable[..., int] | None] = {}
 
 
 _lock = threading.Lock()
+_driver.renew_at_fork(__name__, "_lock")
 
 
 def _classify(v: Any) -> Callable[..., int] | None:

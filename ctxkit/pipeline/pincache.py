@@ -59,6 +59,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _driver
 from ..context import Context
 from ..errors import PinLeakWarning
 from ..memory.hostpool import PinnedPool, pinned_pool
@@ -326,6 +327,8 @@ class PinCache:
         me = weakref.ref(self)
 
         def dead(_ref: weakref.ref[Any]) -> None:
+            if _driver.in_forked_child():
+                return  # the registration is the parent's
             cache = me()
             if cache is None:
                 _unregister(held)
@@ -457,6 +460,8 @@ _process: PinCache | None = None
 
 
 _process_lock = threading.Lock()
+_driver.renew_at_fork(__name__, "_process_lock")
+_driver.renew_at_fork(__name__, "_process._lock", threading.RLock)
 
 
 def process_pins() -> PinCache:

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from .._driver import check_fork, in_forked_child
 from ..context import Context
 from ..device import Device
 from ..memory.host import host_pointer_kind
@@ -136,6 +137,7 @@ class Pipeline(MapRunner):
         host_path: str | tuple[str, str] = "auto",
         pin_cache_bytes: int | None = None,
     ) -> None:
+        check_fork("Pipeline")
         options = MapOptions(
             chunk_bytes,
             schedule=schedule,
@@ -227,6 +229,7 @@ class Pipeline(MapRunner):
         Arrays no other Pipeline keeps are unregistered. Later calls start over (an
         array is staged, then locked when seen again).
         """
+        check_fork("Pipeline.release_pinned")
         with self._lock:
             return self._pins.release()
 
@@ -314,6 +317,7 @@ class Pipeline(MapRunner):
         A Kernel is loaded into every device's context before the first chunk is
         enqueued (:meth:`Kernel.preload`), so no launch waits for lazy loading.
         """
+        check_fork("Pipeline.map")
         if mode == "managed":
             return self.map_managed(
                 kernel, x, out, args, chunk_bytes, block, schedule=schedule, progress=progress
@@ -371,6 +375,7 @@ class Pipeline(MapRunner):
         numpy.ndarray
             The output as a numpy view of managed memory (it keeps the buffer alive).
         """
+        check_fork("Pipeline.map_managed")
         self._check_usable()
         options = self._options_for(
             chunk_bytes, block, schedule, managed=True, prefetch=prefetch, to_host=to_host
@@ -419,6 +424,7 @@ class Pipeline(MapRunner):
         lazy loading the first launch of a kernel may wait until the context is idle,
         which delays the stage's event and with it every stage waiting for it.
         """
+        check_fork("Pipeline.submit")
         self._check_usable()
         dev = self._device_for(device)
         with self._lock:
@@ -435,6 +441,7 @@ class Pipeline(MapRunner):
         PipelineError
             A stage failed; the message names its device and name.
         """
+        check_fork("Pipeline.wait")
         self._stages.wait(handles)
 
     # --- trace ---------------------------------------------------------------------
@@ -451,6 +458,7 @@ class Pipeline(MapRunner):
         rec = self._recorder
         if rec is None:
             return Timeline()
+        check_fork("Pipeline.trace")
         if self._closed:
             return rec.timeline()  # resolved by close() while the events existed
         with self._lock:
@@ -462,6 +470,7 @@ class Pipeline(MapRunner):
 
     def synchronize(self) -> None:
         """Wait for all work the pipeline enqueued, on every device."""
+        check_fork("Pipeline.synchronize")
         for dev in self._devices:
             for s in dev.streams():
                 s.synchronize()
@@ -469,7 +478,12 @@ class Pipeline(MapRunner):
     def close(self) -> None:
         """Stop the device worker threads and free every buffer, stream and event; the
         host copy threads are left idle for the next Pipeline
-        (:func:`~ctxkit.pipeline.close_idle_host_threads`). Idempotent."""
+        (:func:`~ctxkit.pipeline.close_idle_host_threads`). Idempotent; in a forked child
+        it only marks the pipeline closed (its threads and memory are the parent's)."""
+        if in_forked_child():
+            self._closed = True
+            self._fin.detach()
+            return
         with self._lock:
             if self._closed:
                 return

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .._driver import drv
+from .._driver import drv, in_forked_child
 from ..context import Context
 from ..errors import OutOfMemoryError
 from ..executor import ContextExecutor
@@ -176,7 +176,10 @@ def shutdown_all(devices: list[DeviceState], pool: list[HostPool], pins: Any = N
     the memory it kept page-locked (a :class:`ctxkit.pipeline.pincache.PinClaims`).
 
     Never run at interpreter exit: a map may still run in a daemon thread then, and the
-    process teardown frees everything anyway."""
+    process teardown frees everything anyway. In a forked child it does nothing: the
+    threads and the memory are the parent's."""
+    if in_forked_child():
+        return
     for dev in devices:
         dev.worker.shutdown(wait=False)
         dev.drainer.shutdown(wait=False)

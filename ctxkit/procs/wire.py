@@ -34,6 +34,7 @@ from dataclasses import dataclass, fields
 from multiprocessing import process
 from typing import Any, Protocol
 
+from .. import _driver
 from ..errors import CudaError, DeviceTaskError
 from . import devmem, shm
 from .shm import Part
@@ -75,6 +76,7 @@ class Traffic:
 
 
 _traffic_lock = threading.Lock()
+_driver.renew_at_fork(__name__, "_traffic_lock")
 _traffic: dict[str, int] = {f.name: 0 for f in fields(Traffic)}
 
 

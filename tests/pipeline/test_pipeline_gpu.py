@@ -152,6 +152,59 @@ def test_register_path_leaves_the_arrays_readable_in_a_forked_child(kern):
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
 
 
+def _child_maps_after_fork(p: Pipeline, k, x: np.ndarray) -> None:
+    """In a forked child: exit 0 only if both entry points raise ForkError."""
+    got = []
+    for call in (lambda: p.map(k, x[:1024], args=(2.0,)), lambda: Pipeline([0])):
+        try:
+            call()
+            got.append("returned")
+        except ck.ForkError:
+            got.append("ForkError")
+        except BaseException as exc:
+            got.append(type(exc).__name__)
+    os._exit(0 if got == ["ForkError", "ForkError"] else 1)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # fork() with threads running
+def test_child_forked_while_a_thread_maps_gets_fork_error_at_once(kern):
+    """Issue 27 item 3: children forked while another thread is inside Pipeline.map hung
+    on locks that thread held; each must get ForkError within 5 s."""
+    k = kern["scale_f32"]
+    x = np.ones(16 << 20, dtype=np.float32)  # 64 MiB: each map runs long enough to fork in
+    stop = threading.Event()
+    with Pipeline([0]) as p:
+        p.map(k, x[:1024], args=(2.0,))
+
+        def loop() -> None:
+            while not stop.is_set():
+                p.map(k, x, args=(2.0,))
+
+        t = threading.Thread(target=loop, daemon=True)
+        t.start()
+        try:
+            for _ in range(3):
+                time.sleep(0.05)
+                pid = os.fork()
+                if pid == 0:
+                    try:
+                        _child_maps_after_fork(p, k, x)
+                    finally:
+                        os._exit(2)
+                deadline = time.monotonic() + 5
+                while not (done := os.waitpid(pid, os.WNOHANG))[0]:
+                    if time.monotonic() > deadline:
+                        os.kill(pid, signal.SIGKILL)
+                        os.waitpid(pid, 0)
+                        pytest.fail("the forked child hung (killed after 5 s)")
+                    time.sleep(0.01)
+                status = done[1]
+                assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+        finally:
+            stop.set()
+            t.join(30)
+
+
 @pytest.mark.multigpu
 def test_map_dynamic_schedule_and_2d_rows(kern):
     x = random_array(3 * 400_001, np.float64, 3).reshape(400_001, 3)
