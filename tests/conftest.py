@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections import Counter
+from typing import Any
 
 import pytest
 
@@ -87,6 +89,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if _is_gpu(item):
             item.add_marker(pytest.mark.gpu)
+            item.add_marker(pytest.mark.xdist_group("gpu"))  # one GPU test at a time
             if GPU_COUNT == 0 and not GPU_ERROR:
                 item.add_marker(pytest.mark.skip(reason=NO_GPU_REASON))
         elif _is_fake(item):
@@ -100,6 +103,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 )
         if item.get_closest_marker("multigpu") and 0 < GPU_COUNT < 2:
             item.add_marker(pytest.mark.skip(reason="needs at least two CUDA devices"))
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    """Skipped tests as one line per reason (how many, and the reason), not one per test."""
+    reasons: Counter[str] = Counter()
+    for rep in terminalreporter.stats.get("skipped", []):
+        longrepr = getattr(rep, "longrepr", None)
+        reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+        reasons[reason.removeprefix("Skipped: ")] += 1
+    if reasons:
+        terminalreporter.section("skipped, by reason", sep="-")
+        for reason, n in reasons.most_common():
+            terminalreporter.write_line(f"{n:5d}  {reason}")
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
