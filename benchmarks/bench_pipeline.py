@@ -321,7 +321,7 @@ def bench_first_calls(kernel: Any, base: np.ndarray, calls: int, results: Result
 
     variants: dict[str, Callable[[np.ndarray], np.ndarray]] = {
         "new_pipeline_1gpu_io": new_pipeline,
-        # informational: the output in fresh pageable pages (drained through staging)
+        # the output in fresh pageable pages (drained through staging): the naive side's kind
         "new_pipeline_1gpu_pageable_out_io": new_pipeline_pageable,
         # informational: input registered from the far end while staged from the near
         # one (host_path="split"), to decide whether "auto" should take it
