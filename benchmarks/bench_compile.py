@@ -35,6 +35,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from verdict_rules import QUICK, missing_baseline
+
 from ctxkit.cli.bench import Line, check, emit, info, median, median_target, skipped, target
 
 REPO = Path(__file__).resolve().parent.parent
@@ -319,8 +321,9 @@ def verdicts(r: Mapping[str, Any]) -> list[Line]:
             info("compile.cold_vs_cupy_cold", ratio(cold_ms, med(r["cupy_cold"])), "x", "medians")
         )
     else:
-        for name in ("compile.warm_vs_cupy_warm", "compile.cold_vs_cupy_cold"):
-            lines.append(skipped(name, "CuPy is not installed"))
+        why = "CuPy is not installed"
+        lines.append(missing_baseline(r, "compile.warm_vs_cupy_warm", "<=", 1.0, "x", why))
+        lines.append(skipped("compile.cold_vs_cupy_cold", why))
     hits_ok = bool(r["warm_hit_cached"] and r["warm_hit_headers_cached"])
     lines += [
         check(
@@ -359,7 +362,7 @@ def parent_main(quick: bool) -> int:
         return 2
     cold_n, warm_n = (2, 3) if quick else (3, 7)
     dev = ck.Device(0)
-    r: dict[str, Any] = {}
+    r: dict[str, Any] = {QUICK: quick}
     with tempfile.TemporaryDirectory(prefix="ctxkit-bench-compile-") as tmp:
         root = Path(tmp)
         source = root / "saxpy.cu"

@@ -28,6 +28,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from verdict_rules import QUICK, missing_baseline
+
 import ctxkit as ck
 from ctxkit._driver import drv
 from ctxkit.cli.bench import (
@@ -465,7 +467,11 @@ def verdicts(r: Mapping[str, Any]) -> list[Line]:
             )
         )
     else:
-        lines.append(skipped("context.with_vs_torch_device", r.get("torch_note", "no torch")))
+        lines.append(
+            missing_baseline(
+                r, "context.with_vs_torch_device", "<=", 1.0, "x", r.get("torch_note", "no torch")
+            )
+        )
     ratios = {
         n: median(r[f"ctxkit_threads{n}"]) / median(r[f"raw_threads{n}"])
         for n in THREAD_COUNTS
@@ -523,6 +529,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     quick = args.quick
     r = measure(50_000 if quick else 300_000, 2_000 if quick else 10_000, 5 if quick else 7)
+    r[QUICK] = quick
     print_tables(r)
     return emit(verdicts(r))
 

@@ -46,10 +46,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from verdict_rules import QUICK, missing_baseline
 
 import ctxkit as ck
 from ctxkit._driver import drv
-from ctxkit.cli.bench import Line, emit, info, median, median_info, median_target, skipped, target
+from ctxkit.cli.bench import Line, emit, info, median, median_info, median_target, target
 from ctxkit.compiler import kernel_source
 from ctxkit.module import capture
 
@@ -421,8 +422,12 @@ def verdicts(r: Mapping[str, Any]) -> list[Line]:
             _ratio(r, "launch.kernel_launch_vs_cupy", "kernel_launch", "cupy", 1.5, r["cupy_note"])
         )
     else:
-        for name in ("launch.prepared_vs_cupy", "launch.kernel_launch_vs_cupy"):
-            lines.append(skipped(name, r.get("cupy_note", "CuPy not measured")))
+        for name, limit in (
+            ("launch.prepared_vs_cupy", 1.0),
+            ("launch.kernel_launch_vs_cupy", 1.5),
+        ):
+            why = r.get("cupy_note", "CuPy not measured")
+            lines.append(missing_baseline(r, name, "<=", limit, "x", why))
     if r.get("cuda_core"):
         note = f"{r['cuda_core_note']} launch"
         lines.append(
@@ -441,8 +446,12 @@ def verdicts(r: Mapping[str, Any]) -> list[Line]:
             )
         )
     else:
-        for name in ("launch.kernel_launch_vs_cuda_core", "launch.prepared_vs_cuda_core"):
-            lines.append(skipped(name, r.get("cuda_core_note", "cuda.core not measured")))
+        for name, limit in (
+            ("launch.kernel_launch_vs_cuda_core", 1.0),
+            ("launch.prepared_vs_cuda_core", 0.85),
+        ):
+            why = r.get("cuda_core_note", "cuda.core not measured")
+            lines.append(missing_baseline(r, name, "<=", limit, "x", why))
     if r.get("current_stream"):
         lines.append(
             _ratio(
@@ -455,9 +464,8 @@ def verdicts(r: Mapping[str, Any]) -> list[Line]:
             )
         )
     else:
-        lines.append(
-            skipped("launch.current_stream_vs_explicit", r.get("current_stream_note", "n/a"))
-        )
+        why = r.get("current_stream_note", "not measured")
+        lines.append(missing_baseline(r, "launch.current_stream_vs_explicit", "<=", 1.05, "x", why))
     if r.get("torch_cupy"):
         lines.append(
             _ratio(
@@ -470,7 +478,9 @@ def verdicts(r: Mapping[str, Any]) -> list[Line]:
             )
         )
     else:
-        lines.append(skipped("launch.foreign_args_vs_ctxkit_buffers", r.get("foreign_note", "")))
+        why = r.get("foreign_note") or "torch and CuPy not measured"
+        name = "launch.foreign_args_vs_ctxkit_buffers"
+        lines.append(missing_baseline(r, name, "<=", 1.15, "x", why))
     if r.get("two_buffers_event_floor") and r.get("two_buffers"):
         lines.append(
             _ratio(
@@ -591,6 +601,7 @@ def main(argv: list[str] | None = None) -> int:
     replays = 200 if args.quick else 1_000
     rounds = 3 if args.quick else 7
     r, names = measure(n, replays, rounds)
+    r[QUICK] = args.quick
     print_table(r, n, rounds, names)
     return emit(verdicts(r))
 

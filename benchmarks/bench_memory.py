@@ -34,6 +34,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
+from verdict_rules import QUICK, missing_baseline
 
 import ctxkit as ck
 from ctxkit._driver import drv
@@ -251,8 +252,8 @@ def bench_peer(reps: int, rounds: int) -> dict[str, Any]:
     "peer_note"}`` (``peer_note`` alone when there is only one device).
     """
     if ck.device_count() < 2:
-        print("peer copies skipped: needs two devices")
-        return {"peer_note": "needs two devices"}
+        print("peer copies skipped: needs 2 GPUs")
+        return {"peer_note": "needs 2 GPUs"}
     size = PEER_SIZE
     c0, c1 = ck.registry.context(0), ck.registry.context(1)
     src = ck.DeviceBuffer(size, context=c0)
@@ -268,7 +269,7 @@ def bench_peer(reps: int, rounds: int) -> dict[str, Any]:
             ck.enable_peer_access(c1, c0)
             results["peer access"] = _peer_round(c0, c1, src, dst, reps, rounds)
         else:
-            note = "devices 0 and 1 cannot access each other"
+            note = "needs 2 GPUs with peer access (devices 0 and 1 cannot access each other)"
         with c1:
             ok = bool((dst[:MiB].copy_to_host() == 3).all())
             ok &= bool((dst[size - MiB :].copy_to_host() == 3).all())
@@ -598,7 +599,8 @@ def alloc_verdicts(r: Mapping[str, Any]) -> list[Line]:
             theirs = r.get(f"alloc_{label}_{who}")
             name = f"memory.alloc_{label}_vs_{who}"
             if not theirs:
-                lines.append(skipped(name, r.get(f"alloc_{who}_note", f"{who} not measured")))
+                why = r.get(f"alloc_{who}_note", f"{who} not measured")
+                lines.append(missing_baseline(r, name, "<=", ALLOC_TARGET, "x", why))
                 continue
             value = median(mine) / median(theirs)
             note = f"vs {desc} {median(theirs):.2f}us; medians of {len(mine)} rounds"
@@ -669,7 +671,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     size = (64 if args.quick else 256) * MiB
     reps, rounds = (3, 3) if args.quick else (5, 5)
-    r: dict[str, Any] = {}
+    r: dict[str, Any] = {QUICK: args.quick}
     r.update(bench_peer(reps, rounds))  # first: nothing has enabled peer access yet
     r["pinned"] = bench_pinned(size, reps, rounds)
     r.update(bench_pageable_async(size if args.quick else 1024 * MiB))

@@ -11,19 +11,27 @@ All in one run, on float32 arrays (out = 2 * x, every result checked exactly):
   input byte), and whether page-locking scales with threads;
 * the naive multi-GPU pattern as tutorials write it (one host thread, per-device streams, pageable
   memory, literal async calls) with 1 and 8 chunks per device, on arrays it reuses;
+* **the cold first call** (not with ``--quick``): ``y = 2 x`` on 1 GiB in a fresh process
+  per call, ctxkit beside PyTorch's two cold paths, medians of three rounds or more
+  (benchmarks/pipeline_cold.py); it runs first, before this process holds much memory;
 * **first calls** (``--first-call-gb``, 1 GiB): arrays never seen, the call a user writes
-  first. Each call gets a freshly made input (filled outside the clock) and the default
-  ``out``; round by round: ``ck.Pipeline([0]).map(k, x)`` with a new Pipeline per call,
-  the naive pattern (8 chunks) on fresh arrays, and PyTorch's best path (``pin_memory()``
-  + non-blocking copies into a cached pinned output) when torch is installed; then a
-  long-lived Pipeline fed fresh arrays (a stream of new batches) on 1 and 2 GPUs. These
-  are reported in input + output bytes per second ("GB/s in+out");
-* ctxkit ``Pipeline.map`` on pageable arrays it sees again, 1 and 2 GPUs: the default
-  (``"auto"``: the first call on new arrays stages them, the second page-locks them - pin
-  on reuse - and later calls DMA them directly: ``in=held, out=held``; each timed),
-  ``host_path="staged"``, then ``"register"`` and the two mixed paths (every registering
-  run after every staged one), staging again after registration, host threads per GPU on
-  2 GPUs (staged), plus a sweep of chunk size x host threads for both paths on 1 GPU;
+  first, in this warm process (after an untimed round that fills the pinned pool). Each
+  call gets a freshly made input (filled outside the clock) and the default ``out``;
+  round by round: ``ck.Pipeline([0]).map(k, x)`` with a new Pipeline per call (also with
+  ``out="pageable"``), the naive pattern (8 chunks) on fresh arrays writing a fresh
+  ``np.empty_like`` output, and PyTorch's best path (``pin_memory()`` + non-blocking
+  copies into a cached pinned output) when torch is installed; then a long-lived Pipeline
+  fed fresh arrays (a stream of new batches) on 1 and 2 GPUs. These are reported in
+  input + output bytes per second ("GB/s in+out");
+* ctxkit ``Pipeline.map`` on pageable arrays it sees again, 1 and 2 GPUs, in this order:
+  first the paths that lock no page of them (``host_path="staged"``, and host threads
+  per GPU on 2 GPUs), then every path that does: the default (``"auto"``: the first call
+  on new arrays stages them, the second page-locks them - pin on reuse - and later calls
+  DMA them directly: ``in=held, out=held``; each timed; then released), on 1 GPU the
+  caller holding the same arrays (``ck.register_host`` once, then map: auto's advantage
+  given to an explicit path), ``"register"`` and the two mixed paths, staging again after
+  registration; after them all a sweep of chunk size x host threads for both paths on
+  1 GPU;
 * ctxkit on pinned arrays vs a hand-written raw cuda.bindings pinned pipeline (same
   chunking, plain driver calls, one host thread), interleaved run by run; also raw with
   ctxkit's four trace events per chunk and ctxkit without tracing, to show what differs;
@@ -31,9 +39,10 @@ All in one run, on float32 arrays (out = 2 * x, every result checked exactly):
 * CuPy's ``asnumpy(asarray(x) * 2)`` on one GPU when CuPy is installed.
 
 Every target is decided on medians (the best run is printed beside it) and compares like
-with like: first calls with the naive pattern on fresh arrays, held pages with the naive
-pattern reusing its arrays. Throughputs other than the first-call section are GB/s of
-input. The targets and the verdict logic: benchmarks/pipeline_verdicts.py.
+with like: first calls with the naive pattern on fresh arrays and fresh pageable outputs,
+held pages with the naive pattern reusing its arrays and with the caller holding them.
+Throughputs other than the first-call section are GB/s of input; the cold first call is
+in ms. The targets and the verdict logic: benchmarks/pipeline_verdicts.py.
 """
 
 from __future__ import annotations
@@ -48,7 +57,8 @@ from typing import Any
 
 import numpy as np
 from pipeline_baselines import RawPinned, parallel_copy, time_registration
-from pipeline_verdicts import IO, verdicts
+from pipeline_cold import bench_cold
+from pipeline_verdicts import CALLER_HELD, IO, verdicts
 
 import ctxkit as ck
 from ctxkit.cli.bench import emit, median
@@ -278,9 +288,10 @@ def torch_pinned_variant(
 
 def bench_first_calls(kernel: Any, base: np.ndarray, calls: int, results: Results) -> None:
     """GB/s in+out of calls on arrays never seen, variants taking turns call by call:
-    a new 1-GPU Pipeline per call (default ``out``; and with ``host_path="split"`` for
-    the input), the naive pattern (8 chunks) on fresh arrays, torch's pinned path. One
-    untimed warm-up round first."""
+    a new 1-GPU Pipeline per call (default ``out``, ``out="pageable"``, and
+    ``host_path="split"`` for the input), the naive pattern (8 chunks) on fresh arrays
+    into a fresh ``np.empty_like`` output (what ``out="pageable"`` makes, so the two
+    compare like with like), torch's pinned path. One untimed warm-up round first."""
     print(
         f"first calls on arrays never seen ({base.nbytes / GiB:.2f} GiB, fresh input each "
         f"call, default out; median of {calls}, GB/s in+out):",
@@ -310,7 +321,7 @@ def bench_first_calls(kernel: Any, base: np.ndarray, calls: int, results: Result
 
     variants: dict[str, Callable[[np.ndarray], np.ndarray]] = {
         "new_pipeline_1gpu_io": new_pipeline,
-        # informational: the output in fresh pageable pages (drained through staging)
+        # the output in fresh pageable pages (drained through staging): the naive side's kind
         "new_pipeline_1gpu_pageable_out_io": new_pipeline_pageable,
         # informational: input registered from the far end while staged from the near
         # one (host_path="split"), to decide whether "auto" should take it
@@ -392,19 +403,24 @@ def bench_ctxkit(
     repeats: int,
     results: Results,
 ) -> None:
-    """Every path on every device count; the paths that register pages run after all
-    the others, so page-locking cannot affect the staged timings. ``..._staged_after_
-    register`` times staging again after them (does registration leave the pages slower
-    to copy?)."""
+    """Every path on every device count. The paths that lock no page of *x* or *out*
+    (staged, and the host-thread counts on 2 GPUs) run first, on every device count, and
+    every path that locks them after: ``"auto"`` (pin on reuse locks them on its second
+    call and releases them when timed), on 1 GPU the caller holding them
+    (``ck.register_host``), ``"register"`` and the mixed paths. So no staged timing sees
+    pages that were locked. ``..._staged_after_register`` times staging again after them
+    (does registration leave the pages slower to copy?)."""
     print("ctxkit Pipeline.map, pageable in and out (default options but host_path):", flush=True)
-    for registering in (False, True):
+    for locking in (False, True):
         for nd in counts:
             labels = list(PATHS) if nd == 1 else ["auto", "staged", "register"]
-            mine = [lb for lb in labels if _registers(PATHS[lb]) == registering]
+            mine = [lb for lb in labels if _locks_pages(lb) == locking]
             with ck.Pipeline(list(range(nd))) as p:
                 for label in mine:
                     _time_path(p, kernel, x, out, nd, label, PATHS[label], repeats, results)
-                if not registering:
+                    if label == "auto" and nd == 1:
+                        _time_caller_held(p, kernel, x, out, repeats, results)
+                if not locking:
                     if nd > 1:
                         _thread_sweep(kernel, x, out, nd, repeats, results)
                     continue
@@ -435,6 +451,23 @@ def bench_ctxkit(
                 )
 
 
+def _time_caller_held(
+    p: ck.Pipeline, kernel: Any, x: np.ndarray, out: np.ndarray, repeats: int, results: Results
+) -> None:
+    """Auto's advantage given to an explicit path: the caller page-locks *x* and *out*
+    once (``ck.register_host``) and maps them again and again, timed after one untimed
+    call as auto's held calls are. Locked memory moves directly whatever the host path:
+    ``host_path="staged"`` only keeps pin on reuse away from the caller's pages."""
+    out.fill(0)
+    with ck.register_host(x), ck.register_host(out):
+        run = functools.partial(p.map, kernel, x, out, args=(ALPHA,), host_path="staged")
+        run()
+        verify("ctxkit on arrays the caller registered", out, x)
+        name = f"ctxkit_1gpu_{CALLER_HELD}"
+        timed(name, run, x.nbytes, repeats, results)
+        results[f"path_{name}"] = p.last_stats.path
+
+
 def _thread_sweep(
     kernel: Any, x: np.ndarray, out: np.ndarray, nd: int, repeats: int, results: Results
 ) -> None:
@@ -449,9 +482,12 @@ def _thread_sweep(
             timed(f"threads_{nd}gpu_staged_threads{t}", run, x.nbytes, repeats, results)
 
 
-def _registers(path: Any) -> bool:
+def _locks_pages(label: str) -> bool:
+    """Whether path *label* page-locks the arrays: ``"auto"`` (pin on reuse) and every
+    path that registers a side."""
+    path = PATHS[label]
     sides = (path, path) if isinstance(path, str) else path
-    return any(choose_host_path(side, MiB << 10) == "register" for side in sides)
+    return label == "auto" or any(choose_host_path(s, MiB << 10) == "register" for s in sides)
 
 
 def _time_path(
@@ -685,8 +721,10 @@ def main(argv: list[str] | None = None) -> int:
         "counts": counts,
         "size_gib": size / GiB,
         "first_call_gib": first_size / GiB,
+        "quick": args.quick,
     }
-
+    if not args.quick:
+        bench_cold(GiB, max(3, repeats), results)
     host_best = bench_host(min(size, GiB), repeats, results)
     bench_register(size, repeats, args.quick, results)
     x = np.random.default_rng(0).random(size // 4, dtype=np.float32)

@@ -222,9 +222,12 @@ def test_bench_memory_allocation_and_free_while_busy_run(mem_fake, monkeypatch, 
     raw = 2 * 3 * 20
     assert raw < frees.count("async") <= raw + 2 * 2 + 1
     assert r["alloc_usable"] is True
-    lines = {ln.name: ln for ln in bench.alloc_verdicts(r)}
+    lines = {ln.name: ln for ln in bench.alloc_verdicts(r | {"quick": True})}
     assert lines["memory.alloc_64kib_vs_cupy"].verdict == "SKIP"
     assert lines["memory.alloc_256kib_vs_torch"].verdict == "SKIP"
+    lines = {ln.name: ln for ln in bench.alloc_verdicts(r)}  # a full run needs CuPy and torch
+    assert lines["memory.alloc_64kib_vs_cupy"].verdict == "FAIL"
+    assert "baseline missing" in lines["memory.alloc_256kib_vs_torch"].text()
     assert lines["memory.free_while_busy_ordered_ms"].op == "<="
     assert lines["memory.alloc_block_usable"].verdict == "ok"
     assert r["free_busy_sync_ms"] >= 0 and r["free_busy_ordered_ms"] >= 0

@@ -5,6 +5,7 @@ benchmark shows up here rather than on the GPU machine. The numbers mean nothing
 from __future__ import annotations
 
 import ctypes
+import mmap
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,6 +20,7 @@ from tests.support.fakedriver import FakeHandle
 from tests.support.fakegpu import FakeGPU, gpu_fixture  # noqa: F401
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+PAGE = mmap.PAGESIZE
 
 
 class ModuleCalls:
@@ -53,8 +55,26 @@ class ModuleCalls:
         return (0,)
 
 
+def lock_whole_pages(gpu: FakeGPU, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver locks the whole pages of an unaligned range (``ck.register_host`` of a
+    numpy array that does not start on a page); the fake takes page-aligned ranges only."""
+    register, unregister = gpu.cuMemHostRegister, gpu.cuMemHostUnregister
+
+    def cuMemHostRegister(ptr, n, flags):
+        p = int(ptr)
+        start, end = p - p % PAGE, -(-(p + n) // PAGE) * PAGE
+        return register(start, end - start, flags)
+
+    def cuMemHostUnregister(ptr):
+        return unregister(int(ptr) - int(ptr) % PAGE)
+
+    monkeypatch.setattr(gpu, "cuMemHostRegister", cuMemHostRegister)
+    monkeypatch.setattr(gpu, "cuMemHostUnregister", cuMemHostUnregister)
+
+
 @pytest.fixture
 def bench(gpu, monkeypatch):
+    lock_whole_pages(gpu, monkeypatch)
     monkeypatch.syspath_prepend(str(BENCH))
     import bench_pipeline
     import pipeline_baselines
@@ -75,10 +95,12 @@ def bench(gpu, monkeypatch):
 
 def test_benchmark_runs_every_section_on_the_simulated_gpu(bench, gpu, capsys, monkeypatch):
     gpu.jitter = 0.0
-    # 4 MiB arrays: pin on reuse must hold them, or the held line measures staging (and
-    # its CHECK fails the program, as it should).
+    # pin on reuse must hold the arrays, or the held line measures staging (and its CHECK
+    # fails the program, as it should).
     monkeypatch.setattr("ctxkit.pipeline.pincache.MIN_HOLD_BYTES", 1 << 20)
-    rc = bench.main(["--quick", "--size-gb", "0.004", "--repeats", "1"])
+    # 40 MiB: above glibc's largest mmap threshold, so x and out have pages of their own
+    # (ck.register_host of both would fail on a page they shared)
+    rc = bench.main(["--quick", "--size-gb", "0.04", "--repeats", "1"])
     text = capsys.readouterr().out
     assert rc == 0, text[-3000:]
     for needle in (
@@ -114,6 +136,13 @@ def test_benchmark_runs_every_section_on_the_simulated_gpu(bench, gpu, capsys, m
         assert ("fresh_1gpu_plain_copy_io" in text) == compared
     held = next(ln for ln in text.splitlines() if ln.startswith("CHECK pipeline.1gpu_repeated_is"))
     assert held.endswith(" ok"), held
+    mine = next(ln for ln in text.splitlines() if "pipeline.1gpu_register_host_is_pinned" in ln)
+    assert mine.endswith(" ok"), mine
+    # --quick: no fresh processes, and no first-call target passes on 256 MiB arrays
+    for name in ("1gpu_cold_first_call_vs_torch_cold", "1gpu_first_call_new_pipeline_gbps"):
+        line = next(ln for ln in text.splitlines() if f"pipeline.{name} " in ln)
+        assert "NOT MEASURED" in line and line.endswith(" SKIP"), line
+    assert "cold first calls" not in text
     assert not gpu.registered
 
 
@@ -127,18 +156,53 @@ def test_benchmark_sweep_runs(bench, gpu, capsys):
     assert any(k.startswith("sweep_register_chunk8_") for k in results)
 
 
-def test_staged_timings_run_before_any_registration(bench, gpu, monkeypatch, capsys):
+def own_pages(n: int) -> np.ndarray:
+    """A float32 array on pages of its own (an anonymous mapping, as numpy gives large
+    arrays): registering it cannot touch a neighbour."""
+    return np.frombuffer(mmap.mmap(-1, n * 4), np.float32)
+
+
+def test_no_staged_timing_sees_pages_that_were_locked(bench, gpu, monkeypatch, capsys):
+    """The order bench_ctxkit states: every timing of a path that locks no page (staged,
+    host threads) comes before the first lock of x or out - also pin on reuse's, which
+    "auto" takes on its second call - then auto, the caller's register_host, register."""
     monkeypatch.setattr(bench, "cpus", lambda: 32)
-    x = np.random.default_rng(0).random(1 << 16, dtype=np.float32)
+    monkeypatch.setattr("ctxkit.pipeline.pincache.MIN_HOLD_BYTES", 64 << 10)
+    x, out = own_pages(1 << 16), own_pages(1 << 16)
+    x[:] = np.random.default_rng(0).random(x.shape[0], dtype=np.float32)
+    events: list[str] = []
+    register, timed = gpu.cuMemHostRegister, bench.timed
+
+    def cuMemHostRegister(ptr, n, flags):
+        for a in (x, out):
+            lo = a.ctypes.data
+            if int(ptr) < lo + a.nbytes and lo < int(ptr) + n:
+                events.append("lock")
+        return register(ptr, n, flags)
+
+    def timed_in_order(name, *args):
+        events.append(name)
+        return timed(name, *args)
+
+    monkeypatch.setattr(gpu, "cuMemHostRegister", cuMemHostRegister)
+    monkeypatch.setattr(bench, "timed", timed_in_order)
     results: dict[str, float] = {}
-    bench.bench_ctxkit(FakeScaleKernel(gpu), x, np.zeros_like(x), [1, 2], 1, results)
+    bench.bench_ctxkit(FakeScaleKernel(gpu), x, out, [1, 2], 1, results)
+    first_lock = events.index("lock")
+    unlocked = [e for e in events if e.endswith("_pageable_staged") or e.startswith("threads_")]
+    assert "threads_2gpu_staged_threads16" in unlocked and len(unlocked) >= 4, events
+    assert all(events.index(e) < first_lock for e in unlocked), events
     names = list(results)
-    first_reg = min(i for i, k in enumerate(names) if "register" in k)
-    staged = [k for k in names if "register" not in k and "new_out" not in k]
-    assert all(names.index(k) < first_reg for k in staged), names
-    for k in ("ctxkit_2gpu_pageable_auto", "threads_2gpu_staged_threads16",
-              "ctxkit_1gpu_pageable_staged_after_register"):  # fmt: skip
+    for k in (
+        "ctxkit_1gpu_pageable_auto",
+        "ctxkit_1gpu_register_host",
+        "ctxkit_2gpu_pageable_auto",
+        "ctxkit_1gpu_pageable_staged_after_register",
+    ):
         assert k in names, k
+    assert results["path_ctxkit_1gpu_pageable_auto"] == "in=held, out=held"
+    assert results["path_ctxkit_1gpu_register_host"] == "pinned"
+    assert names.index("ctxkit_1gpu_pageable_auto") < names.index("ctxkit_1gpu_register_host")
     assert not gpu.registered
 
 

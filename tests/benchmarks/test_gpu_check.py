@@ -26,6 +26,12 @@ FAIL = "SUMMARY pipeline.1gpu_first_call_new_pipeline_gbps 4.50 GB/s in+out (tar
 CHECK_OK = "CHECK memory.peer_data_ok 1.00 (>= 1.00: the bytes arrived) ok"
 CHECK_BAD = "CHECK memory.peer_p2p_gbps 2684.35 GB/s (<= 1000.00 GB/s: waited) FAIL"
 SKIP = "SUMMARY pipeline.2gpu_scaling n/a (needs 2 GPUs) SKIP"
+NOT_MADE = (
+    "SUMMARY launch.prepared_vs_cupy n/a (CuPy 13 is not installed; comparison not made) SKIP"
+)
+NOT_MEASURED = (
+    "SUMMARY pipeline.1gpu_cold_first_call_vs_torch_cold n/a (NOT MEASURED: a quick run) SKIP"
+)
 
 
 def junit(path: Path, tests: int, failures: int = 0, errors: int = 0, skipped: int = 0) -> None:
@@ -117,6 +123,48 @@ def test_the_readme_test_run_is_reported_and_counted(out):
     assert rc == 0 and "full tests : not run" in text
 
 
+def test_a_full_run_fails_on_a_skip_it_does_not_expect(out):
+    """Only hardware skips ("needs 2 GPUs") are expected in a full run; a comparison not
+    made (a missing baseline, a target NOT MEASURED) fails it (issue 30 item 2)."""
+    bench_log(out, ("launch", [PASS, NOT_MADE], 0), ("pipeline", [SKIP, NOT_MEASURED], 0))
+    rc, text = run_summary(out)
+    assert rc == 1, text
+    problems = text.split("FAILED:", 1)[1]
+    assert f"FAIL bench_launch: {NOT_MADE} (a full run expects no such SKIP)" in problems
+    assert "pipeline.1gpu_cold_first_call_vs_torch_cold" in problems
+    assert "pipeline.2gpu_scaling" not in problems
+    assert "skipped    : 1 line(s) that need more GPUs than this machine has" in text
+
+
+def test_a_quick_run_counts_the_comparisons_it_did_not_make(out):
+    bench_log(out, ("launch", [PASS, NOT_MADE], 0), ("pipeline", [SKIP, NOT_MEASURED], 0))
+    rc, text = run_summary(out, "--quick")
+    assert rc == 0, text
+    assert "not made   : 2 comparison(s) or target(s) this quick run did not make" in text
+    assert "launch.prepared_vs_cupy, pipeline.1gpu_cold_first_call_vs_torch_cold" in text
+    assert "every benchmark target measured passed; 2 not made (quick run)" in text
+    bench_log(out, ("launch", [PASS, FAIL], 0))
+    rc, text = run_summary(out, "--quick")
+    assert rc == 1 and f"FAIL bench_launch: {FAIL}" in text  # a quick run still fails on FAIL
+
+
+def test_every_benchmark_skip_for_missing_hardware_is_expected():
+    """The 2-GPU lines of bench_pipeline and bench_memory on one GPU are the SKIPs a full
+    run expects; check_summary recognises their reasons."""
+    from tests.benchmarks.test_verdicts import memory_good, pipeline_good, verdict_lines
+
+    r = memory_good()
+    for key in ("peer", "peer_size", "peer_ok"):
+        del r[key]
+    r["peer_note"] = "needs 2 GPUs"
+    lines = [
+        *verdict_lines("pipeline", pipeline_good(two_gpus=False)).values(),
+        *verdict_lines("memory", r).values(),
+    ]
+    skips = [summary.parse_line(ln.text()) for ln in lines if ln.verdict == "SKIP"]
+    assert len(skips) == 4 and all(summary.expected_skip(v) for v in skips), skips
+
+
 def test_skipped_steps_are_not_problems(tmp_path):
     rc, text = run_summary(tmp_path, tests="skipped", demo="skipped")
     assert rc == 0, text
@@ -192,6 +240,17 @@ def test_script_passes_when_the_selected_benchmarks_pass(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     assert "args ['--quick', '--size-gb', '1']" in res.stdout
     assert "bench_bad" not in (tmp_path / "out" / "bench.log").read_text()
+
+
+@needs_bash
+def test_script_fails_a_full_run_on_a_comparison_not_made_and_counts_it_in_a_quick_one(tmp_path):
+    d = stand_ins(tmp_path, launch=([PASS, NOT_MADE, SKIP], 0))
+    res = gpu_check(tmp_path, BENCH_DIR=str(d))
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "a full run expects no such SKIP" in res.stdout
+    res = gpu_check(tmp_path, BENCH_DIR=str(d), QUICK="1")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "not made   : 1 comparison(s)" in res.stdout
 
 
 @needs_bash

@@ -35,12 +35,14 @@ def raw_current() -> int:
 
 
 def load_file_module(path: Any, name: str, register: bool = False) -> Any:
-    """Import a script (``scripts/*.py``, ``benchmarks/*.py``, ``examples/*.py``) as a module.
+    """Import a script (``scripts/*.py``, ``benchmarks/*.py``, ``examples/*.py``) as a module,
+    its folder on ``sys.path`` while it loads, as when it runs (its sibling imports work).
 
     ``register`` puts it in ``sys.modules`` first (needed when it defines dataclasses or
     pickles its own objects).
     """
     import importlib.util
+    import os
     import sys
 
     spec = importlib.util.spec_from_file_location(name, path)
@@ -48,7 +50,12 @@ def load_file_module(path: Any, name: str, register: bool = False) -> Any:
     mod = importlib.util.module_from_spec(spec)
     if register:
         sys.modules[name] = mod
-    spec.loader.exec_module(mod)
+    folder = os.path.dirname(os.path.abspath(path))
+    sys.path.insert(0, folder)
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(folder)
     return mod
 
 
