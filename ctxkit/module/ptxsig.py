@@ -1,8 +1,15 @@
-"""PTX ``.entry`` signatures: the type, size, alignment and offset of each kernel parameter.
+"""Kernel signatures: PTX ``.entry`` parameters, and the C++ parameter types PTX leaves out.
 
-Pure text processing (no driver): :func:`parse_entries` reads every ``.entry`` of a PTX
-module; :func:`signature_from_layout` builds a signature from the driver's parameter
-offsets and sizes when there is no PTX (a bare cubin).
+:func:`parse_entries` reads every ``.entry`` of a PTX module (type, size, alignment and
+offset of each parameter); :func:`signature_from_layout` builds a signature from the driver's
+parameter offsets and sizes when there is no PTX (a bare cubin).
+
+PTX has no signedness: NVRTC declares ``int``, ``unsigned`` and ``size_t`` parameters all
+as ``.u32``/``.u64``. The C++ types come from two places: the mangled name of a C++
+kernel (Itanium ABI, e.g. ``_Z4axpyIfEvT_PKS0_PS0_m`` ends in ``m``, ``unsigned long``)
+and, for an ``extern "C"`` kernel, its declaration in the CUDA source.
+:func:`mangled_param_types` and :func:`source_param_types` return one :class:`CType` per
+parameter, or ``None`` when they cannot tell (then nothing is assumed).
 """
 
 from __future__ import annotations
@@ -10,10 +17,493 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
-from .cdecl import SIGNED, UNSIGNED, CType
+__all__ = [
+    "CType",
+    "Param",
+    "Signature",
+    "classify_spelling",
+    "mangled_param_types",
+    "parse_entries",
+    "parse_entry",
+    "signature_from_layout",
+    "source_param_types",
+]
 
-__all__ = ["Param", "Signature", "parse_entries", "parse_entry", "signature_from_layout"]
+
+SIGNED = "signed"
+
+
+UNSIGNED = "unsigned"
+
+
+class CType(NamedTuple):
+    """One parameter's C++ type: how it is spelled and the sign of an integer.
+
+    ``sign`` is ``"signed"``, ``"unsigned"`` (also pointers and ``bool``, which never
+    take a negative value) or ``""`` (not an integer, or a sign we cannot know, such as
+    plain ``char`` or an unknown typedef).
+    """
+
+    spelling: str
+    sign: str
+
+
+_UNKNOWN = CType("?", "")
+
+
+# --- Itanium C++ ABI mangled names ---------------------------------------------------------
+
+_BUILTINS: dict[str, CType] = {
+    "v": CType("void", ""),
+    "w": CType("wchar_t", ""),
+    "b": CType("bool", UNSIGNED),
+    "c": CType("char", ""),
+    "a": CType("signed char", SIGNED),
+    "h": CType("unsigned char", UNSIGNED),
+    "s": CType("short", SIGNED),
+    "t": CType("unsigned short", UNSIGNED),
+    "i": CType("int", SIGNED),
+    "j": CType("unsigned int", UNSIGNED),
+    "l": CType("long", SIGNED),
+    "m": CType("unsigned long", UNSIGNED),
+    "x": CType("long long", SIGNED),
+    "y": CType("unsigned long long", UNSIGNED),
+    "n": CType("__int128", SIGNED),
+    "o": CType("unsigned __int128", UNSIGNED),
+    "f": CType("float", ""),
+    "d": CType("double", ""),
+    "e": CType("long double", ""),
+    "g": CType("__float128", ""),
+}
+
+
+_D_BUILTINS: dict[str, CType] = {
+    "h": CType("half", ""),
+    "i": CType("char32_t", UNSIGNED),
+    "s": CType("char16_t", UNSIGNED),
+    "u": CType("char8_t", UNSIGNED),
+    "n": CType("std::nullptr_t", UNSIGNED),
+}
+
+
+_STD_ABBREVIATIONS = frozenset("absiod")
+
+
+class _Unsupported(Exception):
+    """The mangled name uses grammar this reader does not follow."""
+
+
+class _Demangler:
+    """Reads the parameter types of one ``_Z`` name, tracking the substitution table."""
+
+    def __init__(self, text: str) -> None:
+        self.s = text
+        self.i = 0
+        self.subs: list[CType] = []
+        self.template_args: list[CType] = []
+
+    def peek(self, n: int = 1) -> str:
+        return self.s[self.i : self.i + n]
+
+    def take(self, n: int = 1) -> str:
+        out = self.s[self.i : self.i + n]
+        if len(out) < n:
+            raise _Unsupported("unexpected end")
+        self.i += n
+        return out
+
+    def number(self) -> int:
+        m = re.compile(r"n?\d+").match(self.s, self.i)
+        if m is None:
+            raise _Unsupported(f"number expected at {self.i}")
+        self.i = m.end()
+        return int(m.group().replace("n", "-"))
+
+    def seq_id(self, close: str = "_") -> int:
+        """``_`` -> 0, ``<base 36>_`` -> value + 1 (substitutions and template params)."""
+        m = re.compile(r"([0-9A-Z]*)" + close).match(self.s, self.i)
+        if m is None:
+            raise _Unsupported(f"sequence id expected at {self.i}")
+        self.i = m.end()
+        return int(m.group(1), 36) + 1 if m.group(1) else 0
+
+    def source_name(self) -> str:
+        n = self.number()
+        if n <= 0:
+            raise _Unsupported("bad source name length")
+        return self.take(n)
+
+    # -- encoding -------------------------------------------------------------------------
+
+    def params(self) -> list[CType]:
+        if self.take(2) != "_Z":
+            raise _Unsupported("not a mangled name")
+        if self.peek() == "L":  # internal linkage (static)
+            self.take()
+        is_template = self.function_name()
+        if is_template:
+            self.type()  # the return type, encoded for function templates
+        out = []
+        while self.i < len(self.s):
+            out.append(self.type())
+        if out == [_BUILTINS["v"]]:
+            return []
+        return out
+
+    def function_name(self) -> bool:
+        """Read the function's name; True when it is a template (return type follows)."""
+        c = self.peek()
+        if c == "N":
+            return self.nested(is_type=False)[1] == "I"
+        if c.isdigit():
+            name = self.source_name()
+            if self.peek() == "I":
+                self.subs.append(CType(name, ""))
+                self.template_args = self.template_arg_list()
+                return True
+            return False
+        raise _Unsupported(f"function name form {c!r}")
+
+    def nested(self, is_type: bool) -> tuple[str, str]:
+        """``N [CV] prefix... E``: ``(spelling, kind of the last component)``.
+
+        Each prefix is a substitution candidate when a component follows it, unless it
+        was itself a substitution (or ``St``); the whole name only when it is a type.
+        """
+        self.take()  # N
+        while self.peek() in ("r", "V", "K"):
+            self.take()
+        spelled: list[str] = []
+        pending = False
+        last = ""
+        while self.peek() != "E":
+            c = self.peek()
+            if c.isdigit() or c == "I":
+                if pending:
+                    self.subs.append(CType("::".join(spelled), ""))
+                if c == "I":
+                    args = self.template_arg_list()
+                    if not is_type:
+                        self.template_args = args
+                    spelled[-1:] = [f"{spelled[-1] if spelled else ''}<>"]
+                else:
+                    spelled.append(self.source_name())
+                pending, last = True, c
+            elif self.peek(2) == "St":
+                self.take(2)
+                spelled, pending, last = ["std"], False, "S"
+            elif c == "S":
+                spelled, pending, last = [self.substitution().spelling], False, "S"
+            elif c == "T":
+                t = self.template_param()
+                self.subs.append(t)
+                spelled, pending, last = [t.spelling], False, "T"
+            else:
+                raise _Unsupported(f"nested-name component {c!r}")
+        self.take()  # E
+        name = "::".join(spelled)
+        if is_type and pending:
+            self.subs.append(CType(name, ""))
+        return name, last
+
+    def template_arg_list(self) -> list[CType]:
+        self.take()  # I
+        out = []
+        while self.peek() != "E":
+            out.append(self.template_arg())
+        self.take()
+        return out
+
+    def template_arg(self) -> CType:
+        c = self.peek()
+        if c == "L":
+            self.take()
+            if self.peek(2) == "_Z":
+                raise _Unsupported("external name as a template argument")
+            t = self.type()
+            self.number()
+            if self.take() != "E":
+                raise _Unsupported("literal template argument")
+            return t
+        if c == "J":
+            self.take()
+            while self.peek() != "E":
+                self.template_arg()
+            self.take()
+            return _UNKNOWN
+        if c == "X":
+            raise _Unsupported("expression template argument")
+        return self.type()
+
+    def substitution(self) -> CType:
+        self.take()  # S
+        c = self.peek()
+        if c in _STD_ABBREVIATIONS:
+            self.take()
+            return CType(f"std::<{c}>", "")
+        k = self.seq_id()
+        if k >= len(self.subs):
+            raise _Unsupported("substitution out of range")
+        return self.subs[k]
+
+    def template_param(self) -> CType:
+        self.take()  # T
+        k = self.seq_id()
+        return self.template_args[k] if k < len(self.template_args) else _UNKNOWN
+
+    def type(self) -> CType:
+        c = self.take()
+        if c in _BUILTINS:
+            return _BUILTINS[c]
+        if c == "D":
+            d = self.take()
+            if d in _D_BUILTINS:
+                return _D_BUILTINS[d]
+            if d == "F":  # _FloatN / std::bfloat16_t: DF16_, DF16b
+                self.number()
+                if self.peek() == "b":
+                    self.take()
+                self.take()
+                return CType("_Float", "")
+            raise _Unsupported(f"builtin D{d}")
+        if c in ("P", "R", "O"):
+            inner = self.type()
+            t = CType(inner.spelling + ("*" if c == "P" else "&"), UNSIGNED)
+            self.subs.append(t)
+            return t
+        if c in ("r", "V", "K"):
+            while self.peek() in ("r", "V", "K"):
+                self.take()
+            inner = self.type()
+            self.subs.append(inner)
+            return inner
+        if c == "S":
+            self.i -= 1
+            if self.peek(2) == "St":
+                self.take(2)
+                name = CType("std::" + self.source_name(), "")
+                self.subs.append(name)
+            else:
+                name = self.substitution()
+            if self.peek() == "I":
+                self.template_arg_list()
+                name = CType(name.spelling + "<>", "")
+                self.subs.append(name)
+            return name
+        if c == "T":
+            self.i -= 1
+            t = self.template_param()
+            self.subs.append(t)
+            if self.peek() == "I":
+                self.template_arg_list()
+                t = _UNKNOWN
+                self.subs.append(t)
+            return t
+        if c == "N":
+            self.i -= 1
+            return CType(self.nested(is_type=True)[0], "")
+        if c.isdigit():
+            self.i -= 1
+            t = CType(self.source_name(), "")
+            self.subs.append(t)
+            if self.peek() == "I":
+                self.template_arg_list()
+                t = CType(t.spelling + "<>", "")
+                self.subs.append(t)
+            return t
+        if c == "A":
+            if self.peek() != "_":
+                self.number()
+            self.take()  # _
+            inner = self.type()
+            t = CType(inner.spelling + "[]", UNSIGNED)
+            self.subs.append(t)
+            return t
+        raise _Unsupported(f"type code {c!r}")
+
+
+def mangled_param_types(symbol: str) -> list[CType] | None:
+    """Parameter types from an Itanium-mangled kernel name; ``None`` if it cannot be read.
+
+    Builtin types, pointers, references, cv-qualifiers, class and nested names, template
+    arguments and parameters and the substitution table are followed; a name using other
+    grammar (function types, expressions, local names) returns ``None``.
+    """
+    if not symbol.startswith("_Z"):
+        return None
+    try:
+        return _Demangler(symbol).params()
+    except (_Unsupported, IndexError, ValueError):
+        return None
+
+
+# --- extern "C" declarations in the CUDA source --------------------------------------------
+
+_COMMENTS_AND_STRINGS = re.compile(
+    r"//[^\n]*|/\*.*?\*/|\"(?:\\.|[^\"\\\n])*\"|'(?:\\.|[^'\\\n])*'", re.S
+)
+
+
+_QUALIFIERS = frozenset(
+    {
+        "const",
+        "volatile",
+        "__restrict__",
+        "__restrict",
+        "restrict",
+        "register",
+        "struct",
+        "enum",
+        "class",
+        "typename",
+        "__grid_constant__",
+        "__align__",
+    }
+)
+
+
+_BUILTIN_WORDS = frozenset({"signed", "unsigned", "int", "short", "long", "char", "__int128"})
+
+
+_UNSIGNED_NAMES = frozenset(
+    {
+        "size_t",
+        "uint8_t",
+        "uint16_t",
+        "uint32_t",
+        "uint64_t",
+        "uintptr_t",
+        "uintmax_t",
+        "uint",
+        "ushort",
+        "uchar",
+        "ulong",
+        "ulonglong",
+        "cuuint32_t",
+        "cuuint64_t",
+        "bool",
+        "char16_t",
+        "char32_t",
+        "char8_t",
+    }
+)
+
+
+_SIGNED_NAMES = frozenset(
+    {
+        "int8_t",
+        "int16_t",
+        "int32_t",
+        "int64_t",
+        "intptr_t",
+        "intmax_t",
+        "ptrdiff_t",
+        "ssize_t",
+        "longlong",
+    }
+)
+
+
+def classify_spelling(text: str) -> CType:
+    """The :class:`CType` of a declared parameter type such as ``const size_t``."""
+    spelled = " ".join(text.split())
+    if any(ch in spelled for ch in "*&["):
+        return CType(spelled, UNSIGNED)
+    words = [
+        w for w in re.findall(r"[A-Za-z_]\w*(?:::[A-Za-z_]\w*)*", spelled) if w not in _QUALIFIERS
+    ]
+    words = [w.rsplit("::", 1)[-1] if w.startswith(("std::", "cuda::")) else w for w in words]
+    if not words:
+        return CType(spelled, "")
+    name = " ".join(words)
+    if len(words) == 1 and words[0] in _UNSIGNED_NAMES:
+        return CType(name, UNSIGNED)
+    if len(words) == 1 and words[0] in _SIGNED_NAMES:
+        return CType(name, SIGNED)
+    if set(words) <= _BUILTIN_WORDS:
+        if "unsigned" in words:
+            return CType(name, UNSIGNED)
+        if "char" in words and "signed" not in words:
+            return CType(name, "")  # plain char: the sign is the platform's choice
+        return CType(name, SIGNED)
+    return CType(name, "")
+
+
+def _balanced(text: str, start: int) -> int:
+    """Index just past the ``)`` that closes the ``(`` at *start*; -1 when unbalanced."""
+    depth = 0
+    for i in range(start, len(text)):
+        ch = text[i]
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return -1
+
+
+def _split_top_level(text: str) -> list[str]:
+    out: list[str] = []
+    cur: list[str] = []
+    depth = 0
+    for ch in text:
+        if ch in "(<[{":
+            depth += 1
+        elif ch in ")>]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    out.append("".join(cur))
+    return out
+
+
+def _param_type_text(decl: str) -> str:
+    """``const size_t n = 4`` -> ``const size_t``: drop the default value and the name."""
+    decl = decl.split("=", 1)[0].strip()
+    decl = re.sub(r"__align__\s*\([^)]*\)", " ", decl)
+    m = re.match(r"^(.*?)([A-Za-z_]\w*)\s*((?:\[[^\]]*\])*)$", decl, re.S)
+    if m is None:
+        return decl
+    head, name, arrays = m.group(1), m.group(2), m.group(3)
+    words = re.findall(r"[A-Za-z_]\w*", head)
+    if not [w for w in words if w not in _QUALIFIERS]:
+        return decl  # no name given: `size_t`, `const size_t`
+    if name in _BUILTIN_WORDS and all(w in _BUILTIN_WORDS | _QUALIFIERS for w in words):
+        return decl  # `unsigned int`: every word is part of the type
+    return head + ("*" if arrays else "")
+
+
+def source_param_types(source: str, name: str, count: int) -> list[CType] | None:
+    """Parameter types of ``__global__`` function *name* as declared in *source*.
+
+    Only a declaration with exactly *count* parameters is trusted (the PTX's count);
+    ``None`` when there is none, or when the parameter list uses a macro or template
+    this reader cannot see through.
+    """
+    if name not in source:
+        return None
+    text = _COMMENTS_AND_STRINGS.sub(" ", source)
+    text = re.sub(r"^\s*#.*$", " ", text, flags=re.M)
+    for m in re.finditer(r"\b" + re.escape(name) + r"\s*\(", text):
+        head = text[: m.start()]
+        cut = max(head.rfind(";"), head.rfind("}"), head.rfind("{"))
+        if "__global__" not in head[cut + 1 :]:
+            continue
+        end = _balanced(text, m.end() - 1)
+        if end < 0:
+            return None
+        inner = text[m.end() : end - 1].strip()
+        decls = [] if inner in ("", "void") else _split_top_level(inner)
+        if len(decls) != count:
+            continue
+        return [classify_spelling(_param_type_text(d)) for d in decls]
+    return None
 
 
 _INT_BITS = {"8": 8, "16": 16, "32": 32, "64": 64}

@@ -15,7 +15,7 @@ import pytest
 import ctxkit as ck
 from ctxkit.compiler import kernel_source
 from ctxkit.module import KernelNotFoundError
-from ctxkit.module.launch import LaunchConfig
+from ctxkit.module.kernel import LaunchConfig
 from tests.core.badinput import (  # noqa: F401
     Env,
     N,

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 import ctxkit as ck
-from ctxkit.module import cdecl
-from ctxkit.module.cdecl import CType, classify_spelling, mangled_param_types, source_param_types
+from ctxkit.module import ptxsig as cdecl
+from ctxkit.module.ptxsig import CType, classify_spelling, mangled_param_types, source_param_types
 
 S, U, N = "signed", "unsigned", ""
 

@@ -17,7 +17,7 @@ import pytest
 
 import ctxkit as ck
 from ctxkit.compiler import ObjectCode
-from ctxkit.module.launch import LaunchConfig
+from ctxkit.module.kernel import LaunchConfig
 from tests.module.fakemodule import (  # noqa: F401
     VECTOR_ADD,
     FakeBuffer,

@@ -18,7 +18,7 @@ import pytest
 import ctxkit as ck
 from ctxkit.memory import to_device
 from ctxkit.module import Module
-from ctxkit.module.launch import LaunchConfig
+from ctxkit.module.kernel import LaunchConfig
 
 SOURCE = r"""
 #include <cooperative_groups.h>
