@@ -6,8 +6,10 @@ parameter offsets and sizes when there is no PTX (a bare cubin).
 
 PTX has no signedness: NVRTC declares ``int``, ``unsigned`` and ``size_t`` parameters all
 as ``.u32``/``.u64``. The C++ types come from two places: the mangled name of a C++
-kernel (Itanium ABI, e.g. ``_Z4axpyIfEvT_PKS0_PS0_m`` ends in ``m``, ``unsigned long``)
-and, for an ``extern "C"`` kernel, its declaration in the CUDA source.
+kernel (Itanium ABI, e.g. ``_Z4axpyIfEvT_PKS0_PS0_m`` ends in ``m``, ``unsigned long``),
+read by the C++ runtime's demangler through the optional extra ``ctxkit[demangle]``
+(without it, C++ kernels keep the sign PTX gives), and, for an ``extern "C"`` kernel, its
+declaration in the CUDA source.
 :func:`mangled_param_types` and :func:`source_param_types` return one :class:`CType` per
 parameter, or ``None`` when they cannot tell (then nothing is assumed).
 """
@@ -50,293 +52,43 @@ class CType(NamedTuple):
     sign: str
 
 
-_UNKNOWN = CType("?", "")
-
-
 # --- Itanium C++ ABI mangled names ---------------------------------------------------------
 
-_BUILTINS: dict[str, CType] = {
-    "v": CType("void", ""),
-    "w": CType("wchar_t", ""),
-    "b": CType("bool", UNSIGNED),
-    "c": CType("char", ""),
-    "a": CType("signed char", SIGNED),
-    "h": CType("unsigned char", UNSIGNED),
-    "s": CType("short", SIGNED),
-    "t": CType("unsigned short", UNSIGNED),
-    "i": CType("int", SIGNED),
-    "j": CType("unsigned int", UNSIGNED),
-    "l": CType("long", SIGNED),
-    "m": CType("unsigned long", UNSIGNED),
-    "x": CType("long long", SIGNED),
-    "y": CType("unsigned long long", UNSIGNED),
-    "n": CType("__int128", SIGNED),
-    "o": CType("unsigned __int128", UNSIGNED),
-    "f": CType("float", ""),
-    "d": CType("double", ""),
-    "e": CType("long double", ""),
-    "g": CType("__float128", ""),
-}
 
+def demangle(symbol: str) -> str | None:
+    """The C++ declaration an Itanium-mangled name stands for; ``None`` when unknown.
 
-_D_BUILTINS: dict[str, CType] = {
-    "h": CType("half", ""),
-    "i": CType("char32_t", UNSIGNED),
-    "s": CType("char16_t", UNSIGNED),
-    "u": CType("char8_t", UNSIGNED),
-    "n": CType("std::nullptr_t", UNSIGNED),
-}
-
-
-_STD_ABBREVIATIONS = frozenset("absiod")
-
-
-class _Unsupported(Exception):
-    """The mangled name uses grammar this reader does not follow."""
-
-
-class _Demangler:
-    """Reads the parameter types of one ``_Z`` name, tracking the substitution table."""
-
-    def __init__(self, text: str) -> None:
-        self.s = text
-        self.i = 0
-        self.subs: list[CType] = []
-        self.template_args: list[CType] = []
-
-    def peek(self, n: int = 1) -> str:
-        return self.s[self.i : self.i + n]
-
-    def take(self, n: int = 1) -> str:
-        out = self.s[self.i : self.i + n]
-        if len(out) < n:
-            raise _Unsupported("unexpected end")
-        self.i += n
-        return out
-
-    def number(self) -> int:
-        m = re.compile(r"n?\d+").match(self.s, self.i)
-        if m is None:
-            raise _Unsupported(f"number expected at {self.i}")
-        self.i = m.end()
-        return int(m.group().replace("n", "-"))
-
-    def seq_id(self, close: str = "_") -> int:
-        """``_`` -> 0, ``<base 36>_`` -> value + 1 (substitutions and template params)."""
-        m = re.compile(r"([0-9A-Z]*)" + close).match(self.s, self.i)
-        if m is None:
-            raise _Unsupported(f"sequence id expected at {self.i}")
-        self.i = m.end()
-        return int(m.group(1), 36) + 1 if m.group(1) else 0
-
-    def source_name(self) -> str:
-        n = self.number()
-        if n <= 0:
-            raise _Unsupported("bad source name length")
-        return self.take(n)
-
-    # -- encoding -------------------------------------------------------------------------
-
-    def params(self) -> list[CType]:
-        if self.take(2) != "_Z":
-            raise _Unsupported("not a mangled name")
-        if self.peek() == "L":  # internal linkage (static)
-            self.take()
-        is_template = self.function_name()
-        if is_template:
-            self.type()  # the return type, encoded for function templates
-        out = []
-        while self.i < len(self.s):
-            out.append(self.type())
-        if out == [_BUILTINS["v"]]:
-            return []
-        return out
-
-    def function_name(self) -> bool:
-        """Read the function's name; True when it is a template (return type follows)."""
-        c = self.peek()
-        if c == "N":
-            return self.nested(is_type=False)[1] == "I"
-        if c.isdigit():
-            name = self.source_name()
-            if self.peek() == "I":
-                self.subs.append(CType(name, ""))
-                self.template_args = self.template_arg_list()
-                return True
-            return False
-        raise _Unsupported(f"function name form {c!r}")
-
-    def nested(self, is_type: bool) -> tuple[str, str]:
-        """``N [CV] prefix... E``: ``(spelling, kind of the last component)``.
-
-        Each prefix is a substitution candidate when a component follows it, unless it
-        was itself a substitution (or ``St``); the whole name only when it is a type.
-        """
-        self.take()  # N
-        while self.peek() in ("r", "V", "K"):
-            self.take()
-        spelled: list[str] = []
-        pending = False
-        last = ""
-        while self.peek() != "E":
-            c = self.peek()
-            if c.isdigit() or c == "I":
-                if pending:
-                    self.subs.append(CType("::".join(spelled), ""))
-                if c == "I":
-                    args = self.template_arg_list()
-                    if not is_type:
-                        self.template_args = args
-                    spelled[-1:] = [f"{spelled[-1] if spelled else ''}<>"]
-                else:
-                    spelled.append(self.source_name())
-                pending, last = True, c
-            elif self.peek(2) == "St":
-                self.take(2)
-                spelled, pending, last = ["std"], False, "S"
-            elif c == "S":
-                spelled, pending, last = [self.substitution().spelling], False, "S"
-            elif c == "T":
-                t = self.template_param()
-                self.subs.append(t)
-                spelled, pending, last = [t.spelling], False, "T"
-            else:
-                raise _Unsupported(f"nested-name component {c!r}")
-        self.take()  # E
-        name = "::".join(spelled)
-        if is_type and pending:
-            self.subs.append(CType(name, ""))
-        return name, last
-
-    def template_arg_list(self) -> list[CType]:
-        self.take()  # I
-        out = []
-        while self.peek() != "E":
-            out.append(self.template_arg())
-        self.take()
-        return out
-
-    def template_arg(self) -> CType:
-        c = self.peek()
-        if c == "L":
-            self.take()
-            if self.peek(2) == "_Z":
-                raise _Unsupported("external name as a template argument")
-            t = self.type()
-            self.number()
-            if self.take() != "E":
-                raise _Unsupported("literal template argument")
-            return t
-        if c == "J":
-            self.take()
-            while self.peek() != "E":
-                self.template_arg()
-            self.take()
-            return _UNKNOWN
-        if c == "X":
-            raise _Unsupported("expression template argument")
-        return self.type()
-
-    def substitution(self) -> CType:
-        self.take()  # S
-        c = self.peek()
-        if c in _STD_ABBREVIATIONS:
-            self.take()
-            return CType(f"std::<{c}>", "")
-        k = self.seq_id()
-        if k >= len(self.subs):
-            raise _Unsupported("substitution out of range")
-        return self.subs[k]
-
-    def template_param(self) -> CType:
-        self.take()  # T
-        k = self.seq_id()
-        return self.template_args[k] if k < len(self.template_args) else _UNKNOWN
-
-    def type(self) -> CType:
-        c = self.take()
-        if c in _BUILTINS:
-            return _BUILTINS[c]
-        if c == "D":
-            d = self.take()
-            if d in _D_BUILTINS:
-                return _D_BUILTINS[d]
-            if d == "F":  # _FloatN / std::bfloat16_t: DF16_, DF16b
-                self.number()
-                if self.peek() == "b":
-                    self.take()
-                self.take()
-                return CType("_Float", "")
-            raise _Unsupported(f"builtin D{d}")
-        if c in ("P", "R", "O"):
-            inner = self.type()
-            t = CType(inner.spelling + ("*" if c == "P" else "&"), UNSIGNED)
-            self.subs.append(t)
-            return t
-        if c in ("r", "V", "K"):
-            while self.peek() in ("r", "V", "K"):
-                self.take()
-            inner = self.type()
-            self.subs.append(inner)
-            return inner
-        if c == "S":
-            self.i -= 1
-            if self.peek(2) == "St":
-                self.take(2)
-                name = CType("std::" + self.source_name(), "")
-                self.subs.append(name)
-            else:
-                name = self.substitution()
-            if self.peek() == "I":
-                self.template_arg_list()
-                name = CType(name.spelling + "<>", "")
-                self.subs.append(name)
-            return name
-        if c == "T":
-            self.i -= 1
-            t = self.template_param()
-            self.subs.append(t)
-            if self.peek() == "I":
-                self.template_arg_list()
-                t = _UNKNOWN
-                self.subs.append(t)
-            return t
-        if c == "N":
-            self.i -= 1
-            return CType(self.nested(is_type=True)[0], "")
-        if c.isdigit():
-            self.i -= 1
-            t = CType(self.source_name(), "")
-            self.subs.append(t)
-            if self.peek() == "I":
-                self.template_arg_list()
-                t = CType(t.spelling + "<>", "")
-                self.subs.append(t)
-            return t
-        if c == "A":
-            if self.peek() != "_":
-                self.number()
-            self.take()  # _
-            inner = self.type()
-            t = CType(inner.spelling + "[]", UNSIGNED)
-            self.subs.append(t)
-            return t
-        raise _Unsupported(f"type code {c!r}")
+    Read by the C++ runtime's own ``__cxa_demangle`` through the optional ``cxxfilt``
+    package (``pip install ctxkit[demangle]``). Without it (or without a C++ runtime
+    library, or for a name the runtime cannot read) C++ kernels keep the sign PTX gives:
+    both signed and unsigned values of a ``.u`` parameter's width are taken.
+    """
+    try:
+        import cxxfilt
+    except ImportError:
+        return None
+    try:
+        return str(cxxfilt.demangle(symbol))
+    except cxxfilt.Error:
+        return None
 
 
 def mangled_param_types(symbol: str) -> list[CType] | None:
     """Parameter types from an Itanium-mangled kernel name; ``None`` if it cannot be read.
 
-    Builtin types, pointers, references, cv-qualifiers, class and nested names, template
-    arguments and parameters and the substitution table are followed; a name using other
-    grammar (function types, expressions, local names) returns ``None``.
+    The demangled declaration's parameter list (see :func:`demangle`), each type
+    classified as a declared one (:func:`classify_spelling`).
     """
-    if not symbol.startswith("_Z"):
+    text = demangle(symbol) if symbol.startswith("_Z") else None
+    if text is None or not text.endswith(")"):
         return None
-    try:
-        return _Demangler(symbol).params()
-    except (_Unsupported, IndexError, ValueError):
-        return None
+    depth = 0
+    for i in range(len(text) - 1, -1, -1):
+        depth += {")": 1, "(": -1}.get(text[i], 0)
+        if depth == 0:
+            inner = text[i + 1 : -1].strip()
+            return [classify_spelling(d) for d in _split_top_level(inner)] if inner else []
+    return None
 
 
 # --- extern "C" declarations in the CUDA source --------------------------------------------
