@@ -30,13 +30,11 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _driver, registry
 from .._driver import call, drv
-from ..context import Context, current_handle, require_current
-from ..context import _tls as _thread_local
+from ..context import Context, current_handle, thread_state
 from ..errors import STICKY_CODES, CudaError, LaunchArgumentError
 from ..memory.interop import order_after_producers
-from ..registry import guard
+from ..registry import guard, resolve_context
 from ..stream import Stream, implicit_stream, stream_for
-from ..stream import _current as _current_streams
 from .params import ArgPacker, ParamBuffer, foreign_arrays, short_repr
 from .ptxsig import Param, Signature
 
@@ -78,10 +76,6 @@ _PORTABLE_CLUSTER_MAX = 8
 
 
 Dims = tuple[int, int, int]
-
-
-#: the legacy default stream, prebuilt: the bindings convert it as cheaply as ``None``
-LEGACY_STREAM: Any = drv.CUstream(0) if drv is not None else None
 
 
 DIM_MAX = (1 << 32) - 1
@@ -626,14 +620,14 @@ class PreparedLaunch:
 
     def __call__(self) -> None:
         """Launch (no argument packing; the context is checked in thread-local state)."""
-        if _thread_local.s.top is not self.context or self._module.closed:
+        if thread_state().top is not self.context or self._module.closed:
             return self._call_slow()
         (err,) = self._launch(*self._call)
         if err:
             raise self._error(int(err))
 
     def _call_slow(self) -> None:
-        self._module._check_open()
+        self._module.check_open()
         with guard(self.context, f"PreparedLaunch of {self._kernel.name!r}"):
             (err,) = self._launch(*self._call)
             if err:
@@ -774,7 +768,7 @@ class Kernel:
         for a kernel of a module loaded with ``context=``. See :meth:`function_handle`
         for the ``CUfunction`` of one context.
         """
-        self.module._check_open()
+        self.module.check_open()
         return self._handle
 
     def function_handle(self, context: Context | None = None) -> Any:
@@ -805,7 +799,7 @@ class Kernel:
 
     def _resolve(self, ctx: Context) -> Any:
         mod = self.module
-        mod._check_open()
+        mod.check_open()
         ctx.check_usable()
         if mod.context is not None:
             if mod.context.handle != ctx.handle:
@@ -821,7 +815,7 @@ class Kernel:
         self._funcs[ctx.handle] = (ctx, func)
         return func
 
-    def _forget_functions(self) -> None:
+    def forget_functions(self) -> None:
         """The module was closed: no launch may reuse a function of it."""
         self._last = _NO_LAUNCH
         self._funcs.clear()
@@ -829,7 +823,7 @@ class Kernel:
     def _function_error(self, code: int, ctx: Context, call: str) -> CudaError:
         what = f"{call}({self.name!r}) in {ctx!r}"
         if code in JIT_CODES:
-            return self.module._jit_error(code, what)
+            return self.module.jit_error(code, what)
         return ctx.note_error(code, what)
 
     def preload(self, context: Context | None = None) -> None:
@@ -871,11 +865,11 @@ class Kernel:
         )
 
     def _current(self, what: str) -> Context:
-        self.module._check_open()
+        self.module.check_open()
         bound = self.module.context
         if bound is not None:
             return guard(bound, what)
-        return require_current(what)
+        return resolve_context(None, what)
 
     # -- launching -------------------------------------------------------------------
 
@@ -928,7 +922,7 @@ class Kernel:
         ContextPoisonedError
             An earlier kernel faulted in this context.
         """
-        ctx = _thread_local.s.top
+        ctx = thread_state().top
         last = self._last
         if last[0] is ctx:
             func = last[1]
@@ -936,18 +930,39 @@ class Kernel:
             owner = self._implied_context(ctx, stream, args)
             if owner is not None:  # nothing current here: bind what the launch uses
                 with owner:
-                    self.launch(
+                    ctx, func = self._launch_function(owner)
+                    self._enqueue(
+                        ctx,
+                        func,
                         grid,
                         block,
-                        *args,
-                        stream=stream,
-                        shared_mem=shared_mem,
-                        cooperative=cooperative,
-                        cluster=cluster,
-                        config=config,
+                        args,
+                        stream,
+                        shared_mem,
+                        cooperative,
+                        cluster,
+                        config,
                     )
                 return
             ctx, func = self._launch_function(ctx)
+        self._enqueue(
+            ctx, func, grid, block, args, stream, shared_mem, cooperative, cluster, config
+        )
+
+    def _enqueue(
+        self,
+        ctx: Context,
+        func: Any,
+        grid: int | tuple[int, ...],
+        block: int | tuple[int, ...],
+        args: tuple[Any, ...],
+        stream: Any,
+        shared_mem: int,
+        cooperative: bool,
+        cluster: int | tuple[int, ...] | None,
+        config: LaunchConfig | None,
+    ) -> None:
+        """The launch in *ctx* (resolved once by :meth:`launch`) with its function *func*."""
         if type(grid) is int and 0 < grid <= DIM_MAX:
             gx, gy, gz = grid, 1, 1
         else:
@@ -956,14 +971,7 @@ class Kernel:
             bx, by, bz = block, 1, 1
         else:
             bx, by, bz = normalize_dims(block, "block")
-        if stream is None:
-            current = _current_streams.by_context
-            cur = current.get(ctx.handle) if current else None
-            if cur is None:
-                hs = LEGACY_STREAM
-            elif (hs := cur.handle) is None:
-                hs = stream_for(None, ctx, "launch")  # closed: says so
-        elif type(stream) is Stream and stream.context is ctx and stream.handle is not None:
+        if type(stream) is Stream and stream.context is ctx and stream.handle is not None:
             hs = stream.handle
         else:
             hs = stream_for(stream, ctx, "launch")
@@ -1002,8 +1010,8 @@ class Kernel:
     def _launch_function(self, ctx: Context | None) -> tuple[Context, Any]:
         """The launch's context and function when the last launch's do not apply."""
         if ctx is None:
-            self.module._check_open()
-            ctx = require_current(f"launching kernel {self.name!r}")
+            self.module.check_open()
+            ctx = resolve_context(None, f"launching kernel {self.name!r}")
         hit = self._funcs.get(ctx.handle)
         func = hit[1] if hit is not None and hit[0] is ctx else self._resolve(ctx)
         self._last = (ctx, func)
@@ -1083,7 +1091,7 @@ class Kernel:
         if code in STICKY_CODES:
             return ctx.note_error(code, what)
         if code in JIT_CODES:
-            return self.module._jit_error(code, what)
+            return self.module.jit_error(code, what)
         reqntid = self._sig.reqntid if self._sig is not None else None
         detail = failure_detail(code, ctx, func, grid, block, shared_mem, reqntid)
         return _driver.from_result(code, what, detail)

@@ -350,7 +350,7 @@ class Module:
         CudaError
             The module is closed.
         """
-        self._check_open()
+        self.check_open()
         k = self._kernels.get(name)
         if k is not None:
             return k
@@ -369,7 +369,7 @@ class Module:
         if err:
             what = f"looking up kernel {name!r} in {self.name}"
             if int(err) in JIT_CODES:
-                raise self._jit_error(int(err), what)
+                raise self.jit_error(int(err), what)
             raise _driver.from_result(int(err), what)
         sig, why = self._signature_for(symbol, handle)
         k = Kernel(self, name, symbol, handle, sig, unknown_reason=why)
@@ -402,7 +402,7 @@ class Module:
             return source_param_types(self._image.source, symbol, count)
         return None
 
-    def _jit_error(self, code: int, what: str) -> CompileError:
+    def jit_error(self, code: int, what: str) -> CompileError:
         return jit_error(code, what, self._image, decode_log(self._logs[1]))
 
     @property
@@ -412,7 +412,7 @@ class Module:
             return list(self._signatures)
         return _enumerate_kernels(self._handle, self.context)
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
         if self.closed:
             raise CudaError(f"module {self.name} is closed; load it again")
 
@@ -422,7 +422,7 @@ class Module:
             return
         self.closed = True
         for k in self._kernels.values():
-            k._forget_functions()
+            k.forget_functions()
         self._fin()
 
     def __repr__(self) -> str:
