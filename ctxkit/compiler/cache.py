@@ -68,6 +68,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -120,12 +121,6 @@ __all__ = [
 ]
 
 
-try:
-    import fcntl
-except ImportError:  # Windows: no cross-process lock
-    fcntl = None  # type: ignore[assignment]
-
-
 ENTRY_SUFFIX = ".ctxobj"
 
 
@@ -150,27 +145,19 @@ LOCK_WARN_S = 5.0
 _MAGIC = b"CTXKIT1 "
 
 
-_POSIX = os.name == "posix"
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 
 
-_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0)
+_SAFE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY
 
 
-_SAFE_FLAGS = (
-    getattr(os, "O_NOFOLLOW", 0)
-    | getattr(os, "O_CLOEXEC", 0)
-    | getattr(os, "O_NOCTTY", 0)
-    | getattr(os, "O_BINARY", 0)
-)
-
-
-_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | _SAFE_FLAGS
+_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | _SAFE_FLAGS
 
 
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _SAFE_FLAGS
 
 
-_LOCK_FLAGS = os.O_RDWR | os.O_CREAT | getattr(os, "O_NONBLOCK", 0) | _SAFE_FLAGS
+_LOCK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | _SAFE_FLAGS
 
 
 # errno of an entry that is there but must not be read: a link, a FIFO or socket, no access.
@@ -187,11 +174,11 @@ _held: set[tuple[int, int]] = set()
 
 
 def _euid() -> int:
-    return os.geteuid() if _POSIX else -1
+    return os.geteuid()
 
 
 def _owned_by_me(st: os.stat_result) -> bool:
-    return not _POSIX or st.st_uid == _euid()
+    return st.st_uid == _euid()
 
 
 def _warn_once(path: Path, reason: str, message: str) -> None:
@@ -221,11 +208,11 @@ def _user_stacklevel() -> int:
 class CacheDir:
     """A cache directory opened and verified once; entries are reached through it.
 
-    Where the platform allows it the directory is held open and every entry is
-    opened relative to that descriptor (``dir_fd``).
+    The directory is held open and every entry is opened relative to that descriptor
+    (``dir_fd``).
     """
 
-    def __init__(self, path: Path, fd: int | None) -> None:
+    def __init__(self, path: Path, fd: int) -> None:
         self.path = path
         self.fd = fd
 
@@ -236,22 +223,19 @@ class CacheDir:
         self.close()
 
     def close(self) -> None:
-        if self.fd is not None:
+        if self.fd >= 0:
             os.close(self.fd)
-            self.fd = None
-
-    def _at(self, name: str) -> str:
-        return name if self.fd is not None else os.path.join(self.path, name)
+            self.fd = -1
 
     def open(self, name: str, flags: int, mode: int = 0o600) -> int:
-        return os.open(self._at(name), flags, mode, dir_fd=self.fd)
+        return os.open(name, flags, mode, dir_fd=self.fd)
 
     def lstat(self, name: str) -> os.stat_result:
-        return os.stat(self._at(name), dir_fd=self.fd, follow_symlinks=False)
+        return os.stat(name, dir_fd=self.fd, follow_symlinks=False)
 
     def unlink(self, name: str) -> bool:
         try:
-            os.unlink(self._at(name), dir_fd=self.fd)
+            os.unlink(name, dir_fd=self.fd)
         except OSError:
             return False
         return True
@@ -261,18 +245,17 @@ class CacheDir:
         if self.unlink(name):
             return True
         try:
-            os.rmdir(self._at(name), dir_fd=self.fd)
+            os.rmdir(name, dir_fd=self.fd)
         except OSError:
             return False
         return True
 
     def replace(self, src: str, dst: str) -> None:
-        os.replace(self._at(src), self._at(dst), src_dir_fd=self.fd, dst_dir_fd=self.fd)
+        os.replace(src, dst, src_dir_fd=self.fd, dst_dir_fd=self.fd)
 
     def scan(self) -> Iterator[tuple[str, os.stat_result]]:
         """``(name, lstat)`` of every file in the directory."""
-        target: Any = self.fd if self.fd is not None else self.path
-        with os.scandir(target) as it:
+        with os.scandir(self.fd) as it:
             for e in it:
                 with contextlib.suppress(OSError):
                     yield e.name, e.stat(follow_symlinks=False)
@@ -296,14 +279,6 @@ def open_dir(path: Path, create: bool = True) -> CacheDir | None:
     is not owned by the effective user, that group or others can write, or that is
     reached through a symbolic link of another user (see :func:`_follow`).
     """
-    if not _POSIX:
-        if create and not path.is_dir():
-            try:
-                _make_private_dir(path)
-            except OSError as exc:
-                _warn_unusable(path, exc)
-                return None
-        return CacheDir(path, None) if path.is_dir() else None
     link, seen = _follow(path)
     if not link and seen is None and create:
         try:
@@ -611,7 +586,7 @@ def _remove_unheld_lock(d: CacheDir, name: str, seen: os.stat_result) -> bool:
     Never opens a lock file that this process holds: closing any descriptor of a file
     drops the process's record locks on it.
     """
-    if fcntl is None or _file_id(seen) in _held:
+    if _file_id(seen) in _held:
         return False
     try:
         fd = d.open(name, _LOCK_FLAGS & ~os.O_CREAT)
@@ -646,7 +621,7 @@ def process_lock(d: CacheDir, key: str, timeout: float | None = None) -> Iterato
     """
     name = f".{key}{LOCK_SUFFIX}"
     wait = _Wait(d.path / name, LOCK_TIMEOUT_S if timeout is None else timeout)
-    fd = _acquire(d, name, wait) if fcntl is not None else None
+    fd = _acquire(d, name, wait)
     held = _file_id(os.fstat(fd)) if fd is not None else None
     if held is not None:
         _held.add(held)
@@ -724,8 +699,6 @@ def _lock_until(fd: int, wait: _Wait) -> bool:
     A record lock (``lockf``) rather than ``flock``: it belongs to the process, so a
     child forked while a compile runs does not keep it held; it also works on NFS.
     """
-    if fcntl is None:
-        return False
     pause = 0.001
     while True:
         try:
@@ -776,16 +749,6 @@ def count(what: str) -> None:
         stats[what] += 1
 
 
-def _default_root() -> Path:
-    home = Path.home()
-    if sys.platform == "win32":
-        base = os.environ.get("LOCALAPPDATA") or str(home / "AppData" / "Local")
-        return Path(base) / "ctxkit" / "Cache"
-    if sys.platform == "darwin":
-        return home / "Library" / "Caches" / "ctxkit"
-    return Path(os.environ.get("XDG_CACHE_HOME") or home / ".cache") / "ctxkit"
-
-
 def cache_dir() -> Path | None:
     """The kernel cache directory, or ``None`` when ``CTXKIT_CACHE_DIR=off`` disables it.
 
@@ -803,7 +766,7 @@ def _cache_dir(value: str, xdg: str | None, home: str | None) -> Path | None:
         return None
     if value:
         return Path(value).expanduser()
-    return _default_root() / "kernels"
+    return Path(xdg or Path.home() / ".cache") / "ctxkit" / "kernels"
 
 
 _SIZE_RE = re.compile(r"^(\d+)\s*([kmgt]?)(?:i?b)?$", re.IGNORECASE)
