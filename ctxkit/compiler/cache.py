@@ -550,14 +550,7 @@ def evict(d: CacheDir, max_bytes: int, keep: str = "") -> int:
 
 def clear_entries(d: CacheDir) -> int:
     """Remove every entry and what :func:`_sweep` says was left behind; return the count."""
-    old = _left_before()
-    removed = 0
-    for name, st in d.scan():
-        if name.endswith(ENTRY_SUFFIX):
-            removed += d.remove(name)
-        else:
-            removed += _sweep(d, name, st, old)
-    return removed
+    return evict(d, -1)
 
 
 def _left_before() -> int:
