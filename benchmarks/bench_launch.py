@@ -52,7 +52,7 @@ import ctxkit as ck
 from ctxkit._driver import drv
 from ctxkit.cli.bench import Line, emit, info, median, median_info, median_target, target
 from ctxkit.compiler import kernel_source
-from ctxkit.module import capture
+from ctxkit.graph import capture
 
 GRAPH_SIZES = (100, 1000)
 #: The graph size the graph target is decided on (fixed before measuring).

@@ -1,6 +1,7 @@
 """The ``CTXKIT_*`` environment variables, read in one place.
 
 - ``CTXKIT_CACHE_DIR``: compiled-kernel cache directory (``off`` disables it).
+- ``CTXKIT_CACHE_MAX_BYTES``: the compiled-kernel cache's size cap (e.g. ``2G``; default 1 GiB).
 - ``CTXKIT_STRICT_CONTEXT``: ``1``: an operation in a thread with no current context raises.
 - ``CTXKIT_AUTO_BIND``: ``0``: the same as ``CTXKIT_STRICT_CONTEXT=1`` (the ctxkit 0.1 name).
 - ``CTXKIT_STRICT_ASYNC``: ``1``: an async copy from pageable host memory raises.
@@ -31,3 +32,13 @@ def env_flag(name: str) -> bool:
 def env_off(name: str) -> bool:
     """True when the variable *name* is explicitly set to 0/false/no/off (any case)."""
     return os.environ.get(name, "").strip().lower() in _OFF
+
+
+def cache_dir_setting() -> str:
+    """``CTXKIT_CACHE_DIR`` as set, stripped (empty when unset): the kernel cache's directory."""
+    return os.environ.get("CTXKIT_CACHE_DIR", "").strip()
+
+
+def cache_max_bytes_setting() -> str:
+    """``CTXKIT_CACHE_MAX_BYTES`` as set, stripped (empty when unset): the kernel cache's cap."""
+    return os.environ.get("CTXKIT_CACHE_MAX_BYTES", "").strip()

@@ -672,3 +672,8 @@ def require_current(what: str) -> Context:
     if ctx is None:
         raise no_context_error(what)
     return ctx
+
+
+def shutting_down() -> bool:
+    """True once the interpreter exits: frees are skipped (the process teardown frees)."""
+    return _shutting_down

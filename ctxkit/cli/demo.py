@@ -40,9 +40,8 @@ import numpy as np
 
 from .. import __version__, _driver, registry
 from .._driver import drv
-from ..compiler.library import kernel_source
 from ..compiler.objectcode import ObjectCode
-from ..compiler.program import compile
+from ..compiler.program import compile, kernel_source
 from ..context import Context
 from ..device import Device, device_count
 from ..memory.device import DeviceBuffer

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from ..errors import KernelCacheWarning, PtxVersionWarning
 from .cache import cache_dir, clear_cache
-from .library import kernel_names, kernel_path, kernel_source
 from .nvrtc import cuda_include_dirs, link_ptx, normalize_arch, nvrtc_version, supported_archs
 from .objectcode import ObjectCode, detect_target
-from .program import Program, compile
+from .program import Program, compile, kernel_names, kernel_path, kernel_source
 
 __all__ = [
     "KernelCacheWarning",

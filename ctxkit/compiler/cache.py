@@ -4,8 +4,7 @@ Where: ``CTXKIT_CACHE_DIR``, else ``kernels/`` under the user cache directory
 (``$XDG_CACHE_HOME/ctxkit`` or ``~/.cache/ctxkit`` on Linux); ``CTXKIT_CACHE_DIR=off``
 disables it. The directory must belong to the user, be closed to group and others and
 be reached through no other user's symbolic link; otherwise ctxkit warns once and
-compiles without the disk cache (see
-:mod:`ctxkit.compiler.entries`, which also describes the file format).
+compiles without the disk cache (the files are described below).
 
 How big: ``CTXKIT_CACHE_MAX_BYTES`` (bytes, or with a ``K``/``M``/``G`` suffix; default
 :data:`DEFAULT_MAX_BYTES`, 1 GiB); least recently used entries go first.
@@ -24,43 +23,686 @@ for the first one, and so do other processes using the same directory (a lock fi
 
 The counters in :data:`stats` (NVRTC compiles, disk and memory hits) serve tests and
 benchmarks.
-"""
+
+The files on disk, safe in a directory others can reach.
+
+An entry is one file ``<key>.ctxobj``::
+
+    CTXKIT1 <sha256 of everything after this line>\n
+    <header: one line of JSON>\n
+    <payload: the blobs named in the header, back to back>
+
+Nothing is ever unpickled. The digest is written by the writer, so it only catches
+corruption; what keeps other users' code out is the directory itself. A directory is
+used only when it is owned by the effective user and not writable by group or others
+(the rule of ssh's ``StrictModes`` and pip's cache), and when every symbolic link on
+the way to it belongs to the user or root (another user's link could be pointed
+anywhere): otherwise ctxkit warns once (:class:`KernelCacheWarning`) and compiles
+without the disk cache, reading nothing from there. A missing directory is created
+with mode 0700. The directory is opened once per operation, checked to be the one
+the path led to, and every entry is reached through that descriptor, so swapping the
+path for another directory afterwards changes nothing.
+
+Entries are opened without following symbolic links and without blocking, and read
+only when ``fstat`` says they are a regular file of the effective user no larger than
+the cap; anything else (a FIFO, a link to ``/dev/zero``, an empty directory, a
+truncated, malformed or absurdly nested file) is a miss and is removed. A directory
+that is not empty is left alone: its kernel is compiled without the disk cache, with
+one warning naming it. Entries are written to a private temporary file and moved into
+place with ``os.replace``, so readers see no entry or a complete one.
+
+The directory stays under a size cap (:func:`max_bytes`): after
+each write the least recently used entries (a hit refreshes an entry's mtime) are
+removed. Eviction and :func:`clear_entries` remove a temporary file only when it is older than
+:data:`TMP_MAX_AGE_S` (left by a killed writer; a younger one may be another process's
+write in progress), and a lock file only when it is that old and no process holds it.
+
+A lock file per key, held while one process compiles (a POSIX record lock), lets other
+processes wait for its result instead of compiling the same program; its holder
+removes it. A waiter warns after :data:`LOCK_WARN_S` seconds (naming the lock file,
+the wait so far and the limit: a stopped or hung process holds the lock as long as
+it lives) and compiles on its own after :data:`LOCK_TIMEOUT_S`, with a second warning."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
+import fcntl
 import hashlib
 import json
 import os
 import re
+import secrets
+import stat
 import sys
 import threading
+import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from . import entries
+from .. import _env
+from ..errors import KernelCacheWarning
 from .objectcode import ObjectCode, detect_target
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
     "DISABLED_VALUES",
+    "ENTRY_SUFFIX",
     "ENV",
+    "LOCK_TIMEOUT_S",
+    "LOCK_WARN_S",
     "MAX_BYTES_ENV",
+    "TMP_MAX_AGE_S",
+    "TMP_SUFFIX",
+    "CacheDir",
     "cache_dir",
     "cached",
     "clear",
     "clear_cache",
+    "clear_entries",
+    "encode_entry",
+    "evict",
     "make_key",
     "max_bytes",
     "memo_get",
     "memo_put",
+    "open_dir",
+    "parse_entry",
+    "process_lock",
+    "read_entry",
     "stats",
     "toolchain_fingerprint",
+    "write_entry",
 ]
+
+
+ENTRY_SUFFIX = ".ctxobj"
+
+
+TMP_SUFFIX = ".tmp"
+
+
+LOCK_SUFFIX = ".lock"
+
+
+#: Temporary files older than this (seconds) are left by a killed writer and removed.
+TMP_MAX_AGE_S = 3600.0
+
+
+#: How long a process waits for another one compiling the same program (seconds).
+LOCK_TIMEOUT_S = 120.0
+
+
+#: After this long waiting for another process's lock (seconds), a warning says so.
+LOCK_WARN_S = 5.0
+
+
+_MAGIC = b"CTXKIT1 "
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+
+
+_SAFE_FLAGS = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY
+
+
+_READ_FLAGS = os.O_RDONLY | os.O_NONBLOCK | _SAFE_FLAGS
+
+
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _SAFE_FLAGS
+
+
+_LOCK_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NONBLOCK | _SAFE_FLAGS
+
+
+# errno of an entry that is there but must not be read: a link, a FIFO or socket, no access.
+_NOT_AN_ENTRY = frozenset(
+    {errno.ELOOP, errno.EMLINK, errno.ENXIO, errno.EACCES, errno.EPERM, errno.ENOTDIR}
+)
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+# (st_dev, st_ino) of the lock files this process holds (see _remove_unheld_lock).
+_held: set[tuple[int, int]] = set()
+
+
+def _euid() -> int:
+    return os.geteuid()
+
+
+def _owned_by_me(st: os.stat_result) -> bool:
+    return st.st_uid == _euid()
+
+
+def _warn_once(path: Path, reason: str, message: str) -> None:
+    if (str(path), reason) in _warned:
+        return
+    _warned.add((str(path), reason))
+    warnings.warn(message, KernelCacheWarning, stacklevel=_user_stacklevel())
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel``, for our caller's ``warnings.warn``, of the first frame outside ctxkit
+    (and :mod:`contextlib`, which runs ``with`` blocks)."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame.f_back is not None and (
+        frame.f_code.co_filename.startswith(_PACKAGE_DIR)
+        or frame.f_code.co_filename == contextlib.__file__
+    ):
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+class CacheDir:
+    """A cache directory opened and verified once; entries are reached through it.
+
+    The directory is held open and every entry is opened relative to that descriptor
+    (``dir_fd``).
+    """
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self.fd = fd
+
+    def __enter__(self) -> CacheDir:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def open(self, name: str, flags: int, mode: int = 0o600) -> int:
+        return os.open(name, flags, mode, dir_fd=self.fd)
+
+    def lstat(self, name: str) -> os.stat_result:
+        return os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+
+    def unlink(self, name: str) -> bool:
+        try:
+            os.unlink(name, dir_fd=self.fd)
+        except OSError:
+            return False
+        return True
+
+    def remove(self, name: str) -> bool:
+        """Unlink *name*, or remove it if it is an empty directory; False when it stays."""
+        if self.unlink(name):
+            return True
+        try:
+            os.rmdir(name, dir_fd=self.fd)
+        except OSError:
+            return False
+        return True
+
+    def replace(self, src: str, dst: str) -> None:
+        os.replace(src, dst, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+
+    def scan(self) -> Iterator[tuple[str, os.stat_result]]:
+        """``(name, lstat)`` of every file in the directory."""
+        with os.scandir(self.fd) as it:
+            for e in it:
+                with contextlib.suppress(OSError):
+                    yield e.name, e.stat(follow_symlinks=False)
+
+    def discard(self, name: str, seen: os.stat_result | None = None) -> None:
+        """Remove *name*, unless it is no longer the file *seen* (a writer replaced it)."""
+        if seen is not None:
+            try:
+                now = self.lstat(name)
+            except OSError:
+                return
+            if (now.st_ino, now.st_dev) != (seen.st_ino, seen.st_dev):
+                return
+        self.remove(name)
+
+
+def open_dir(path: Path, create: bool = True) -> CacheDir | None:
+    """The verified cache directory at *path*, or ``None`` (with one warning) when unusable.
+
+    Creates it (mode 0700) when missing and *create* is true. Refuses a directory that
+    is not owned by the effective user, that group or others can write, or that is
+    reached through a symbolic link of another user (see :func:`_follow`).
+    """
+    link, seen = _follow(path)
+    if not link and seen is None and create:
+        try:
+            _make_private_dir(path)
+        except OSError as exc:
+            _warn_unusable(path, exc)
+            return None
+        link, seen = _follow(path)
+    if link:
+        _warn_unsafe(
+            path, link, "set CTXKIT_CACHE_DIR to a directory reached through no other user's link"
+        )
+        return None
+    try:
+        fd = os.open(path, _DIR_FLAGS)
+    except OSError as exc:
+        if create or exc.errno != errno.ENOENT:
+            _warn_unusable(path, exc)
+        return None
+    try:
+        st = os.fstat(fd)
+        problem = _distrust(st)
+    except OSError as exc:
+        os.close(fd)
+        _warn_unusable(path, exc)
+        return None
+    if not problem and (seen is None or _file_id(st) != _file_id(seen)):
+        problem = "was replaced while it was checked"
+    if problem:
+        os.close(fd)
+        _warn_unsafe(
+            path,
+            f"it {problem}",
+            f"`chmod 700 {path}` if it is yours, or set CTXKIT_CACHE_DIR to a directory of "
+            "your own",
+        )
+        return None
+    return CacheDir(path, fd)
+
+
+def _warn_unsafe(path: Path, problem: str, fix: str) -> None:
+    _warn_once(
+        path,
+        "unsafe",
+        f"ctxkit: not using the kernel cache in {path}: {problem}, so another user could "
+        "plant compiled code there. Kernels are compiled without the disk cache. "
+        f"Fix: {fix} (or to 'off').",
+    )
+
+
+_MAX_LINKS = 40  # as Linux's ELOOP
+
+
+def _follow(path: Path) -> tuple[str, os.stat_result | None]:
+    """Walk *path* as the kernel resolves it, trusting only this user's and root's links.
+
+    Returns ``(problem, None)`` at a symbolic link owned by another user (who could point
+    it anywhere, now or later), else ``("", lstat of the place it leads to)``, with
+    ``None`` when that does not exist (or cannot be looked at: opening it will say why).
+    """
+    links = 0
+    try:
+        todo = list(reversed((Path.cwd() / path).parts))
+        current = todo.pop()
+        while todo:
+            part = todo.pop()
+            if part == "..":
+                current = os.path.dirname(current)
+                continue
+            here = os.path.join(current, part)
+            st = os.lstat(here)
+            if not stat.S_ISLNK(st.st_mode):
+                current = here
+                continue
+            if st.st_uid not in (_euid(), 0):
+                return f"{here} is a symbolic link owned by uid {st.st_uid}", None
+            links += 1
+            if links > _MAX_LINKS:
+                return "", None
+            target = Path(os.readlink(here))
+            todo.extend(reversed(target.parts))
+            if target.is_absolute():
+                current = todo.pop()
+        return "", os.lstat(current)
+    except OSError:
+        return "", None
+
+
+def _make_private_dir(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        return  # made by someone else meanwhile: verified like any existing directory
+    os.chmod(path, 0o700)  # whatever the umask
+
+
+def _distrust(st: os.stat_result) -> str:
+    """Why a directory with this ``fstat`` must not be trusted ('' when it can be)."""
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if not _owned_by_me(st):
+        return f"is owned by uid {st.st_uid}, not by this process (euid {_euid()})"
+    if st.st_mode & 0o022:
+        return f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return ""
+
+
+def _warn_unusable(path: Path, exc: OSError) -> None:
+    _warn_once(
+        path,
+        "unwritable",
+        f"ctxkit: cannot use the kernel cache in {path} ({exc}); compiled kernels are "
+        "not cached on disk. Set CTXKIT_CACHE_DIR to a writable directory, or to 'off'.",
+    )
+
+
+def _entry_name(key: str) -> str:
+    return key + ENTRY_SUFFIX
+
+
+def read_entry(d: CacheDir, key: str, limit: int) -> tuple[dict[str, Any], dict[str, bytes]] | None:
+    """The verified ``(header, blobs)`` of *key*, or ``None`` (missing or discarded).
+
+    Never follows a link, never blocks, never reads more than *limit* bytes.
+    """
+    name = _entry_name(key)
+    try:
+        fd = d.open(name, _READ_FLAGS)
+    except OSError as exc:
+        if exc.errno in _NOT_AN_ENTRY:
+            d.discard(name)
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or not _owned_by_me(st) or st.st_size > limit:
+            data = None
+        else:
+            data = _read_exactly(fd, st.st_size)
+            if data is not None and os.utime in os.supports_fd:
+                with contextlib.suppress(OSError):
+                    os.utime(fd)  # last use, for the least-recently-used eviction
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    parsed = parse_entry(data, key) if data is not None else None
+    if parsed is None:
+        d.discard(name, st)
+    return parsed
+
+
+def _read_exactly(fd: int, size: int) -> bytes | None:
+    chunks = []
+    left = size
+    while left > 0:
+        chunk = os.read(fd, min(left, 1 << 24))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        left -= len(chunk)
+    if os.read(fd, 1):
+        return None  # grew while read: not an entry written by os.replace
+    return b"".join(chunks)
+
+
+def parse_entry(data: bytes, key: str) -> tuple[dict[str, Any], dict[str, bytes]] | None:
+    """Split and verify an entry's bytes; ``None`` for anything malformed."""
+    first, sep, rest = data.partition(b"\n")
+    if not sep or not first.startswith(_MAGIC):
+        return None
+    if hashlib.sha256(rest).hexdigest().encode() != first[len(_MAGIC) :]:
+        return None
+    line, sep, payload = rest.partition(b"\n")
+    try:
+        header = json.loads(line)
+    except (ValueError, RecursionError):  # RecursionError: nested too deep to be ours
+        return None
+    if not sep or not isinstance(header, dict) or header.get("key") != key:
+        return None
+    layout = header.get("blobs")
+    if not isinstance(layout, list):
+        return None
+    blobs: dict[str, bytes] = {}
+    offset = 0
+    for item in layout:
+        if not (
+            isinstance(item, list)
+            and len(item) == 2
+            and isinstance(item[0], str)
+            and type(item[1]) is int
+            and item[1] >= 0
+            and item[0] not in blobs
+        ):
+            return None
+        blobs[item[0]] = payload[offset : offset + item[1]]
+        offset += item[1]
+    if offset != len(payload):
+        return None
+    return header, blobs
+
+
+def encode_entry(key: str, header: dict[str, Any], blobs: dict[str, bytes]) -> bytes:
+    """The bytes of an entry (see the module docstring)."""
+    head = {**header, "key": key, "blobs": [[n, len(b)] for n, b in blobs.items()]}
+    rest = json.dumps(head, sort_keys=True).encode() + b"\n" + b"".join(blobs.values())
+    return _MAGIC + hashlib.sha256(rest).hexdigest().encode() + b"\n" + rest
+
+
+def write_entry(d: CacheDir, key: str, data: bytes) -> bool:
+    """Store *data* as the entry of *key* atomically; False (one warning) when not writable."""
+    tmp = f".{key[:16]}.{secrets.token_hex(8)}{TMP_SUFFIX}"
+    name = _entry_name(key)
+    try:
+        fd = d.open(tmp, _CREATE_FLAGS, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            d.replace(tmp, name)
+        except BaseException:
+            d.unlink(tmp)
+            raise
+    except OSError as exc:
+        if exc.errno in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST):
+            _warn_blocked(d.path / name)
+        else:
+            _warn_unusable(d.path, exc)
+        return False
+    return True
+
+
+def _warn_blocked(path: Path) -> None:
+    _warn_once(
+        path,
+        "blocked",
+        f"ctxkit: {path} is a directory that is not empty, not a kernel cache entry; this "
+        "kernel is compiled without the disk cache until that directory is removed.",
+    )
+
+
+def evict(d: CacheDir, max_bytes: int, keep: str = "") -> int:
+    """Remove least recently used entries until they total at most *max_bytes*.
+
+    Also removes what :func:`_sweep` says was left behind, and entries that are not
+    regular files. The entry of *keep* (just written) stays. Returns the number of files
+    removed.
+    """
+    old = _left_before()
+    removed = 0
+    entries: list[tuple[int, str, int]] = []
+    for name, st in d.scan():
+        if name.endswith(ENTRY_SUFFIX):
+            if stat.S_ISREG(st.st_mode):
+                entries.append((st.st_mtime_ns, name, st.st_size))
+            else:
+                removed += d.remove(name)
+        else:
+            removed += _sweep(d, name, st, old)
+    total = sum(size for _t, _n, size in entries)
+    keep_name = _entry_name(keep) if keep else ""
+    for _mtime, name, size in sorted(entries):
+        if total <= max_bytes:
+            break
+        if name != keep_name and d.unlink(name):
+            removed += 1
+            total -= size
+    return removed
+
+
+def clear_entries(d: CacheDir) -> int:
+    """Remove every entry and what :func:`_sweep` says was left behind; return the count."""
+    return evict(d, -1)
+
+
+def _left_before() -> int:
+    """The ``st_mtime_ns`` before which a temporary or lock file was left by a dead process."""
+    return time.time_ns() - int(TMP_MAX_AGE_S * 1e9)
+
+
+def _sweep(d: CacheDir, name: str, st: os.stat_result, old: int) -> int:
+    """Remove *name* (1) when it is a temporary or lock file last changed before *old*.
+
+    A younger one may belong to a process at work. A lock file is also kept while any
+    process holds it (a process stopped mid-compile holds it for as long as it is stopped).
+    """
+    if st.st_mtime_ns >= old:
+        return 0
+    if name.endswith(TMP_SUFFIX):
+        return int(d.unlink(name))
+    if name.endswith(LOCK_SUFFIX):
+        return int(_remove_unheld_lock(d, name, st))
+    return 0
+
+
+def _remove_unheld_lock(d: CacheDir, name: str, seen: os.stat_result) -> bool:
+    """Unlink the lock file *name* while holding it; False when a process holds it.
+
+    Never opens a lock file that this process holds: closing any descriptor of a file
+    drops the process's record locks on it.
+    """
+    if _file_id(seen) in _held:
+        return False
+    try:
+        fd = d.open(name, _LOCK_FLAGS & ~os.O_CREAT)
+    except OSError:
+        return False
+    try:
+        if _file_id(os.fstat(fd)) != _file_id(seen):
+            return False  # replaced since the scan
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    else:
+        return d.unlink(name)
+    finally:
+        os.close(fd)
+
+
+def _file_id(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
+@contextlib.contextmanager
+def process_lock(d: CacheDir, key: str, timeout: float | None = None) -> Iterator[bool]:
+    """Hold the lock of *key* against other processes (yields False when not held).
+
+    Waits up to *timeout* seconds (default :data:`LOCK_TIMEOUT_S`) for a process
+    compiling the same program, with a warning after :data:`LOCK_WARN_S` (a stopped or
+    hung process can hold the lock that long) and another one on giving up; after that,
+    or where file locks are unavailable, proceeds without the lock (a duplicate compile,
+    never a wrong result). Threads of one process must not ask for the same key at once
+    (the in-process lock of :func:`ctxkit.compiler.cache.cached` sees to that).
+    """
+    name = f".{key}{LOCK_SUFFIX}"
+    wait = _Wait(d.path / name, LOCK_TIMEOUT_S if timeout is None else timeout)
+    fd = _acquire(d, name, wait)
+    held = _file_id(os.fstat(fd)) if fd is not None else None
+    if held is not None:
+        _held.add(held)
+    try:
+        yield fd is not None
+    finally:
+        if fd is not None:
+            d.unlink(name)  # before unlocking: a waiter on this file sees it is gone
+            os.close(fd)
+        if held is not None:
+            _held.discard(held)
+
+
+class _Wait:
+    """One wait for another process's lock: when to say so, when to give up."""
+
+    def __init__(self, path: Path, timeout: float) -> None:
+        self.path = path
+        self.timeout = timeout
+        self.start = time.monotonic()
+        self.warned = False
+
+    def over(self) -> bool:
+        """True when the time is up (with a warning); warns once past :data:`LOCK_WARN_S`."""
+        waited = time.monotonic() - self.start
+        if waited >= self.timeout:
+            self._warn(
+                f"ctxkit: gave up after {waited:.1f} s waiting for {self.path}, the lock of "
+                "another process compiling the same kernel; compiling it here too."
+            )
+            return True
+        if waited >= LOCK_WARN_S and not self.warned:
+            self.warned = True
+            self._warn(
+                f"ctxkit: waiting for {self.path} for {waited:.1f} s: another process is "
+                "compiling the same kernel (or is stopped or hung holding its lock); "
+                f"waiting up to {self.timeout:g} s in all, then compiling it here."
+            )
+        return False
+
+    def _warn(self, message: str) -> None:
+        warnings.warn(message, KernelCacheWarning, stacklevel=_user_stacklevel())
+
+
+def _acquire(d: CacheDir, name: str, wait: _Wait) -> int | None:
+    while True:
+        try:
+            fd = d.open(name, _LOCK_FLAGS, 0o600)
+        except OSError:
+            return None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or not _owned_by_me(st):
+                raise OSError(errno.EPERM, "not a lock file")
+            if not _lock_until(fd, wait):
+                raise TimeoutError
+            now = d.lstat(name)
+        except FileNotFoundError:
+            os.close(fd)  # the holder removed it as we locked it: take the next one
+            continue
+        except OSError:
+            os.close(fd)
+            return None
+        except BaseException:  # e.g. the wait's warning, turned into an error
+            os.close(fd)
+            raise
+        if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
+            return fd
+        os.close(fd)
+
+
+def _lock_until(fd: int, wait: _Wait) -> bool:
+    """Take the POSIX record lock of *fd*, polling until *wait* is over.
+
+    A record lock (``lockf``) rather than ``flock``: it belongs to the process, so a
+    child forked while a compile runs does not keep it held; it also works on NFS.
+    """
+    pause = 0.001
+    while True:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in (errno.EACCES, errno.EAGAIN) or wait.over():
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+        else:
+            return True
 
 
 ENV = "CTXKIT_CACHE_DIR"
@@ -95,19 +737,9 @@ _stats_lock = threading.Lock()
 stats = {"compiled": 0, "disk_hits": 0, "memory_hits": 0}
 
 
-def _count(what: str) -> None:
+def count(what: str) -> None:
     with _stats_lock:
         stats[what] += 1
-
-
-def _default_root() -> Path:
-    home = Path.home()
-    if sys.platform == "win32":
-        base = os.environ.get("LOCALAPPDATA") or str(home / "AppData" / "Local")
-        return Path(base) / "ctxkit" / "Cache"
-    if sys.platform == "darwin":
-        return home / "Library" / "Caches" / "ctxkit"
-    return Path(os.environ.get("XDG_CACHE_HOME") or home / ".cache") / "ctxkit"
 
 
 def cache_dir() -> Path | None:
@@ -117,7 +749,7 @@ def cache_dir() -> Path | None:
     user cache directory (``$XDG_CACHE_HOME/ctxkit`` or ``~/.cache/ctxkit`` on Linux).
     """
     env = os.environ
-    return _cache_dir(env.get(ENV, ""), env.get("XDG_CACHE_HOME"), env.get("HOME"))
+    return _cache_dir(_env.cache_dir_setting(), env.get("XDG_CACHE_HOME"), env.get("HOME"))
 
 
 @lru_cache(maxsize=16)
@@ -127,7 +759,7 @@ def _cache_dir(value: str, xdg: str | None, home: str | None) -> Path | None:
         return None
     if value:
         return Path(value).expanduser()
-    return _default_root() / "kernels"
+    return Path(xdg or Path.home() / ".cache") / "ctxkit" / "kernels"
 
 
 _SIZE_RE = re.compile(r"^(\d+)\s*([kmgt]?)(?:i?b)?$", re.IGNORECASE)
@@ -141,7 +773,7 @@ def max_bytes() -> int:
     ValueError
         The variable is not a positive size such as ``500000000``, ``512M`` or ``2G``.
     """
-    value = os.environ.get(MAX_BYTES_ENV, "").strip()
+    value = _env.cache_max_bytes_setting()
     if not value:
         return DEFAULT_MAX_BYTES
     m = _SIZE_RE.match(value)
@@ -262,22 +894,22 @@ def cached(directory: Path, key: str, build: Callable[[], ObjectCode]) -> Object
     slot = (str(directory), key)
     obj = memo_get(directory, key)
     if obj is not None:
-        _count("memory_hits")
+        count("memory_hits")
         return obj  # type: ignore[no-any-return]
     with _key_lock(slot):
         obj = memo_get(directory, key)
         if obj is not None:
-            _count("memory_hits")
+            count("memory_hits")
             return obj  # type: ignore[no-any-return]
         cap = max_bytes()
-        d = entries.open_dir(directory)
+        d = open_dir(directory)
         if d is None:
             obj = build()
         else:
-            with d, entries.process_lock(d, key):
+            with d, process_lock(d, key):
                 obj = _load(d, key, cap)
                 if obj is not None:
-                    _count("disk_hits")
+                    count("disk_hits")
                     memo_put(directory, key, obj)
                     return obj
                 obj = build()
@@ -286,20 +918,20 @@ def cached(directory: Path, key: str, build: Callable[[], ObjectCode]) -> Object
         return obj
 
 
-def _load(d: entries.CacheDir, key: str, cap: int) -> ObjectCode | None:
-    entry = entries.read_entry(d, key, cap)
+def _load(d: CacheDir, key: str, cap: int) -> ObjectCode | None:
+    entry = read_entry(d, key, cap)
     if entry is None:
         return None
     obj = _decode(*entry)
     if obj is None:
-        d.discard(f"{key}{entries.ENTRY_SUFFIX}")
+        d.discard(f"{key}{ENTRY_SUFFIX}")
     return obj
 
 
-def _store(d: entries.CacheDir, key: str, obj: ObjectCode, cap: int) -> None:
-    data = entries.encode(key, *_encode(obj))
-    if len(data) <= cap and entries.write_entry(d, key, data):
-        entries.evict(d, cap, keep=key)
+def _store(d: CacheDir, key: str, obj: ObjectCode, cap: int) -> None:
+    data = encode_entry(key, *_encode(obj))
+    if len(data) <= cap and write_entry(d, key, data):
+        evict(d, cap, keep=key)
 
 
 def _encode(obj: ObjectCode) -> tuple[dict[str, Any], dict[str, bytes]]:
@@ -378,11 +1010,11 @@ def clear(directory: Path | None = None) -> int:
     directory = directory if directory is not None else cache_dir()
     if directory is None or not directory.is_dir():
         return 0
-    d = entries.open_dir(directory, create=False)
+    d = open_dir(directory, create=False)
     if d is None:
         return 0
     with d:
-        return entries.clear(d)
+        return clear_entries(d)
 
 
 def memo_get(directory: Path, key: str) -> Any:

@@ -265,12 +265,11 @@ def _canary(d: str) -> str:
 
 
 def _program_log(nvrtc: ModuleType, prog: Any) -> str:
-    err, size = nvrtc.nvrtcGetProgramLogSize(prog)
-    if err or size <= 1:
+    try:
+        buf = _get_blob(nvrtc, prog, "nvrtcGetProgramLogSize", "nvrtcGetProgramLog")
+    except CompileError:
         return ""
-    buf = b" " * size
-    (err,) = nvrtc.nvrtcGetProgramLog(prog, buf)
-    return "" if err else buf.rstrip(b"\0").decode("utf-8", "replace").strip()
+    return buf.rstrip(b"\0").decode("utf-8", "replace").strip()
 
 
 def _get_blob(nvrtc: ModuleType, prog: Any, size_fn: str, get_fn: str) -> bytes:

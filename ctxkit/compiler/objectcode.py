@@ -23,7 +23,7 @@ TARGETS = ("auto", "ptx", "cubin", "fatbin")
 _FATBIN_MAGIC = b"\x50\xed\x55\xba"
 
 
-def _warn_if_ptx_too_new(nvrtc: tuple[int, int] | None, stacklevel: int) -> None:
+def warn_if_ptx_too_new(nvrtc: tuple[int, int] | None, stacklevel: int) -> None:
     drv = _driver.driver_version()
     if nvrtc is None or drv is None or tuple(nvrtc) <= drv:
         return

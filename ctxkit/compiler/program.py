@@ -5,6 +5,11 @@ current context: a cubin by default (loads with no JIT, whatever the NVRTC/drive
 versions), PTX when asked for. Results are cached on disk (see
 :mod:`ctxkit.compiler.cache`) and in memory, so a second process gets the compiled
 kernel without loading NVRTC at all.
+
+The kernel library: CUDA C++ sources and hand-written PTX shipped in ``ptx/``
+(:func:`kernel_source`). In a wheel the files live in ``ctxkit/ptx/`` (see
+``[tool.setuptools]`` in pyproject.toml); in a source checkout (``PYTHONPATH=.``) they
+are ``../ptx/``.
 """
 
 from __future__ import annotations
@@ -13,13 +18,14 @@ import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from .. import _driver
 from ..errors import DriverNotFoundError
 from . import cache as _cache
 from . import includes as _includes
-from .cache import _count
+from .cache import count
 from .nvrtc import (
     cuda_dirs_fingerprint,
     cuda_include_dirs,
@@ -29,9 +35,9 @@ from .nvrtc import (
     plan,
     run_nvrtc,
 )
-from .objectcode import TARGETS, ObjectCode, _warn_if_ptx_too_new
+from .objectcode import TARGETS, ObjectCode, warn_if_ptx_too_new
 
-__all__ = ["Program", "compile", "device_arch"]
+__all__ = ["Program", "compile", "device_arch", "kernel_names", "kernel_path", "kernel_source"]
 
 
 def _default_arch() -> str:
@@ -219,7 +225,7 @@ class Program:
             key = self._cache_key(arch, target)
             obj = _cache.cached(directory, key, lambda: self._build(arch, target))
         if obj.target == "ptx":
-            _warn_if_ptx_too_new(obj.nvrtc_version, stacklevel + 1)
+            warn_if_ptx_too_new(obj.nvrtc_version, stacklevel + 1)
         return obj
 
     def _resolve_arch(self, arch: Any) -> str:
@@ -267,7 +273,7 @@ class Program:
             options,
             want_cubin=p.target != "ptx",
         )
-        _count("compiled")
+        count("compiled")
         if p.target == "ptx":
             code = ptx.encode() + b"\0"
         elif p.target == "cubin":
@@ -359,3 +365,43 @@ def compile(
         include_dirs=include_dirs,
     )
     return prog._compile(target, arch, cache, stacklevel=2)
+
+
+def _ptx_dir() -> Path:
+    here = Path(__file__).resolve().parent.parent  # the ctxkit package
+    for candidate in (here / "ptx", here.parent / "ptx"):
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError(
+        f"the ctxkit kernel library (ptx/) is missing next to {here}; reinstall ctxkit"
+    )
+
+
+def kernel_names() -> list[str]:
+    """File names in the kernel library (``*.cu`` sources and hand-written ``*.ptx``)."""
+    return sorted(p.name for p in _ptx_dir().iterdir() if p.suffix in (".cu", ".cuh", ".ptx"))
+
+
+def kernel_path(name: str) -> Path:
+    """Path of a kernel library file; ``"saxpy"`` means ``"saxpy.cu"``.
+
+    Raises
+    ------
+    FileNotFoundError
+        No such file; the message lists the files there are.
+    """
+    directory = _ptx_dir()
+    base = Path(name).name
+    for candidate in (base, base + ".cu"):
+        p = directory / candidate
+        if p.is_file():
+            return p
+    raise FileNotFoundError(
+        f"no kernel {name!r} in the ctxkit kernel library ({directory}); available: "
+        f"{', '.join(kernel_names())}"
+    )
+
+
+def kernel_source(name: str) -> str:
+    """Text of a kernel library file (``ptx/<name>``), e.g. ``kernel_source("saxpy.cu")``."""
+    return kernel_path(name).read_text(encoding="utf-8")

@@ -115,7 +115,7 @@ def kernel_spec(
     (the message names the parameter), as ``Kernel.launch`` does.
     """
     # imported here: ctxkit.module re-exports this family, which must import without it
-    from ..module.launch import normalize_dims, shared_mem_arg
+    from ..module.kernel import normalize_dims, shared_mem_arg
     from ..module.params import ParamBuffer
 
     if not hasattr(kernel, "_require_packer"):

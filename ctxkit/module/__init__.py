@@ -8,43 +8,23 @@ that context instead.
 
 ``Kernel.launch`` checks arguments against the PTX ``.entry`` signature before
 anything runs (:class:`~ctxkit.errors.LaunchArgumentError` names the parameter);
-``Kernel.prepare`` packs them once for the cheapest repeated launch; :func:`capture`
-records launches on a stream into a replayable :class:`Graph`.
+``Kernel.prepare`` packs them once for the cheapest repeated launch;
+:func:`ctxkit.graph.capture` records launches on a stream into a replayable graph.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
 from ..errors import KernelNotFoundError
-from .image import jit_detail, missing_kernel_message, read_image
-from .kernel import Kernel
-from .launch import LaunchConfig
-from .module import Module
-from .prepared import PreparedLaunch
+from .kernel import Kernel, LaunchConfig, PreparedLaunch
+from .module import Module, jit_detail, missing_kernel_message, read_image
 
 __all__ = [
-    "Graph",
     "Kernel",
     "KernelNotFoundError",
     "LaunchConfig",
     "Module",
     "PreparedLaunch",
-    "capture",
     "jit_detail",
     "missing_kernel_message",
     "read_image",
 ]
-
-if TYPE_CHECKING:  # pragma: no cover
-    from ..graph import Graph, capture
-
-
-def __getattr__(name: str) -> Any:
-    """``Graph`` and ``capture`` live in :mod:`ctxkit.graph` (which builds on modules):
-    re-exported here on first use so that this package never imports it."""
-    if name in ("Graph", "capture"):
-        from .. import graph
-
-        return getattr(graph, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

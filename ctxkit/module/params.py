@@ -1,13 +1,24 @@
-"""Kernel argument checking and packing (no driver).
+"""Kernel arguments: which device address each carries, where it lives, how it is packed.
 
-:class:`ArgPacker` checks Python arguments against a kernel's parameter list (see
-:mod:`ctxkit.module.ptxsig`) and packs them, at the device-side offsets, into one buffer plus
-the ``void**`` array ``cuLaunchKernel`` takes. PTX does not mark pointers reliably
-(NVRTC emits ``.u64`` for both ``float*`` and ``size_t``), so a 64-bit integer
-parameter takes a device pointer or an integer, while floats and narrower integers
-refuse pointers. Integers must fit the parameter's width, and a parameter whose C++ type
-is unsigned (see :mod:`ctxkit.module.cdecl`) refuses negative values. A ctxkit buffer of
-another device is refused unless the launch's context has peer access to it.
+Pointers: ctxkit buffers and arrays (``.ptr``), ``__cuda_array_interface__`` objects (CuPy,
+Numba, PyTorch), DLPack producers and page-locked/managed numpy arrays all pass as
+device pointers. The way to read each type's address is worked out once per type and
+cached, so the launch hot path pays one dictionary lookup per pointer argument.
+
+Memory arguments: a ctxkit buffer or array knows its context: one of another device is
+refused unless the launch's context has peer access to it (a kernel reading it would fault,
+and a fault poisons every context of the process); managed memory passes everywhere.
+Foreign arrays (CuPy, PyTorch, ``__cuda_array_interface__``, DLPack) are used after their
+producer stream (:mod:`ctxkit.memory.interop`). The packer calls these only off its inline
+fast path.
+
+Packing (no driver): :class:`ArgPacker` checks Python arguments against a kernel's parameter
+list (see :mod:`ctxkit.module.ptxsig`) and packs them, at the device-side offsets, into one
+buffer plus the ``void**`` array ``cuLaunchKernel`` takes. PTX does not mark pointers
+reliably (NVRTC emits ``.u64`` for both ``float*`` and ``size_t``), so a 64-bit integer
+parameter takes a device pointer or an integer, while floats and narrower integers refuse
+pointers. Integers must fit the parameter's width, and a parameter whose C++ type is
+unsigned (see :mod:`ctxkit.module.ptxsig`) refuses negative values.
 """
 
 from __future__ import annotations
@@ -21,13 +32,15 @@ from typing import Any
 
 import numpy as np
 
+from .. import _driver
 from ..context import Context
 from ..errors import LaunchArgumentError
 from ..memory.device import DeviceArray, DeviceBuffer
+from ..memory.host import host_device_pointer
 from ..memory.hostptr import plain_dtype
 from ..memory.interop import order_after_producers
-from .memargs import OWN_TYPES, pointer_of, remember_pointer_type
-from .pointers import Refused, pointer_getter, short_repr
+from ..memory.managed import ManagedBuffer
+from ..memory.peer import peer_access_enabled
 from .ptxsig import (
     BITS,
     BYTES,
@@ -37,7 +50,243 @@ from .ptxsig import (
     Signature,
 )
 
-__all__ = ["ArgPacker", "ParamBuffer"]
+__all__ = [
+    "OWN_TYPES",
+    "ArgPacker",
+    "ParamBuffer",
+    "Refused",
+    "device_pointer",
+    "dlpack_pointer",
+    "foreign_arrays",
+    "getters",
+    "order_foreign",
+    "pointer_getter",
+    "pointer_of",
+    "remember_pointer_type",
+    "short_repr",
+]
+
+
+class Refused(Exception):
+    """A value does not fit a parameter; the message says why."""
+
+
+_HOST_ARRAY_FIX = (
+    "copy it to the device first (ck.DeviceBuffer / ck.device_array) or allocate it "
+    "device-visible (ck.pinned_empty, ck.ManagedBuffer(...).as_numpy())"
+)
+
+
+def _ndarray_pointer(arr: np.ndarray, ctx: Any = None) -> int:
+    plain_dtype(arr.dtype, "kernel argument")
+    ptr = host_device_pointer(arr)
+    if ptr is None:
+        raise Refused(
+            f"got a numpy array {arr.shape} {arr.dtype} in pageable host memory, which a "
+            f"kernel cannot read; {_HOST_ARRAY_FIX}"
+        )
+    return int(ptr)
+
+
+def _torch_pointer(t: Any, ctx: Any = None) -> int:
+    if not t.is_cuda:
+        raise Refused(f"got a torch tensor on {t.device} (host memory); move it with .cuda()")
+    return int(t.data_ptr())
+
+
+def _cupy_pointer(a: Any, ctx: Any = None) -> int:
+    return int(a.data.ptr)
+
+
+def _attr_pointer(a: Any, ctx: Any = None) -> int:
+    return int(a.ptr)
+
+
+def _cai_pointer(a: Any, ctx: Any = None) -> int:
+    return int(a.__cuda_array_interface__["data"][0] or 0)
+
+
+_DLPACK_HOST = 1
+
+
+_DLPACK_DEVICE_TYPES = {2, 3, 13}  # CUDA, CUDA host (pinned), CUDA managed
+
+
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+
+
+_capsule_pointer.restype = ctypes.c_void_p
+
+
+_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+
+_DLTENSOR_BYTE_OFFSET = 40  # data, device, ndim, dtype, shape, strides precede it
+
+
+def dlpack_pointer(obj: Any) -> int:
+    """Address of the first element of a DLPack producer (``__dlpack__``)."""
+    capsule = obj.__dlpack__()
+    base = _capsule_pointer(capsule, b"dltensor")
+    data = ctypes.c_void_p.from_address(base).value or 0
+    return data + ctypes.c_uint64.from_address(base + _DLTENSOR_BYTE_OFFSET).value
+
+
+def _dlpack_device_pointer(obj: Any, ctx: Any = None) -> int:
+    dev_type = int(obj.__dlpack_device__()[0])
+    if dev_type not in _DLPACK_DEVICE_TYPES:
+        where = "host memory" if dev_type == _DLPACK_HOST else f"DLPack device type {dev_type}"
+        raise Refused(f"got a {type(obj).__name__} in {where}; a kernel needs device memory")
+    return dlpack_pointer(obj)
+
+
+#: type -> ``getter(value, ctx=None)`` of its device address (``None``: not memory)
+getters: dict[type, Callable[..., int] | None] = {}
+
+
+_lock = threading.Lock()
+_driver.renew_at_fork(__name__, "_lock")
+
+
+def _classify(v: Any) -> Callable[..., int] | None:
+    t = type(v)
+    if isinstance(v, np.ndarray):
+        return _ndarray_pointer
+    if isinstance(v, np.generic) or hasattr(t, "__cuda_stream__"):
+        return None  # numbers, and streams (which carry .ptr too) are not memory
+    mod = t.__module__ or ""
+    if mod.startswith("torch") and hasattr(v, "data_ptr") and hasattr(v, "is_cuda"):
+        return _torch_pointer
+    if mod.startswith("cupy") and hasattr(getattr(v, "data", None), "ptr"):
+        return _cupy_pointer
+    if hasattr(t, "ptr") or "ptr" in getattr(v, "__dict__", ()):
+        return _attr_pointer
+    if hasattr(v, "__cuda_array_interface__"):
+        return _cai_pointer
+    if hasattr(v, "__dlpack__") and hasattr(v, "__dlpack_device__"):
+        return _dlpack_device_pointer
+    return None
+
+
+def pointer_getter(v: Any) -> Callable[..., int] | None:
+    """How to read *v*'s device address, worked out once per type: ``getter(v)`` (it
+    also takes the launch context as a second argument, which it ignores), or ``None``
+    when *v* is not a memory object."""
+    t = type(v)
+    try:
+        return getters[t]
+    except KeyError:
+        pass
+    g = _classify(v)
+    with _lock:
+        getters[t] = g
+    return g
+
+
+def device_pointer(v: Any) -> int | None:
+    """The device address *v* carries, or ``None`` when *v* is not a memory object.
+
+    Understands ctxkit buffers and arrays (``.ptr``), ``__cuda_array_interface__``
+    (CuPy, Numba, PyTorch), DLPack producers and page-locked/managed numpy arrays.
+
+    Raises
+    ------
+    LaunchArgumentError
+        *v* is memory a kernel cannot use (pageable numpy array, CPU tensor).
+    """
+    g = pointer_getter(v)
+    if g is None:
+        return None
+    try:
+        return g(v)
+    except Refused as exc:
+        raise LaunchArgumentError(str(exc)) from None
+
+
+def short_repr(v: Any) -> str:
+    r = repr(v)
+    if len(r) > 60:
+        r = r[:57] + "..."
+    return f"{type(v).__name__} {r}"
+
+
+#: type -> ``pointer(value, launch context)`` for the memory types seen as pointer arguments
+pointer_of: dict[type, Callable[[Any, Any], int]] = {}
+
+
+def remember_pointer_type(t: type, g: Callable[..., int]) -> Callable[[Any, Any], int]:
+    """Record how a pointer of type *t* is read (*g*: its :mod:`~ctxkit.module.params`
+    getter, which takes ``(value, ctx)``); ctxkit buffers and arrays also get the device
+    check."""
+    if issubclass(t, DeviceBuffer):
+        two: Callable[[Any, Any], int] = _buffer_pointer
+    elif issubclass(t, DeviceArray):
+        two = _array_pointer
+    else:
+        two = g
+    pointer_of[t] = two
+    return two
+
+
+def _buffer_pointer(v: DeviceBuffer, ctx: Context | None) -> int:
+    if v.context is not ctx and ctx is not None:
+        _check_reachable(v, v, ctx)
+    return v.ptr
+
+
+def _array_pointer(v: DeviceArray, ctx: Context | None) -> int:
+    b = v.buffer
+    if b.context is not ctx and ctx is not None:
+        _check_reachable(v, b, ctx)
+    return b.ptr
+
+
+def _check_reachable(v: Any, buf: DeviceBuffer, ctx: Context) -> None:
+    """Refuse memory of another device the launch's context cannot access.
+
+    A kernel reading it would fault, and a fault poisons every context of the process.
+    Managed memory, memory of the launch's own device and peer-enabled pairs pass.
+    """
+    owner = buf.context
+    there, here = owner.device.ordinal, ctx.device.ordinal
+    if there == here or isinstance(buf, ManagedBuffer) or peer_access_enabled(ctx, owner):
+        return
+    base = buf._base if buf._base is not None else buf
+    what = "" if base is buf else " (a view)"
+    raise Refused(
+        f"got a {type(v).__name__}{what} on device {there} ({owner!r}), but the kernel "
+        f"launches on device {here} ({ctx!r}) without peer access to it; the kernel "
+        f"would fault. Enable it first (ck.enable_peer_access(<device {here} context>, "
+        f"<device {there} context>), once; see ck.Device({here}).can_access_peer), or "
+        f"copy the data to device {here} (ck.copy_peer), or use managed memory "
+        "(ck.ManagedBuffer)"
+    )
+
+
+#: argument types that never need ordering after a producer stream
+OWN_TYPES = frozenset({int, bool, float, type(None), DeviceBuffer, DeviceArray, ManagedBuffer})
+
+
+def foreign_arrays(args: Sequence[Any]) -> list[Any]:
+    """The arguments that may have a producer stream: not numbers, bytes, host arrays or
+    ctxkit buffers."""
+    return [
+        v
+        for v in args
+        if type(v) not in OWN_TYPES
+        and not isinstance(v, (np.ndarray, np.generic, bytes, bytearray, memoryview))
+    ]
+
+
+def order_foreign(
+    args: Sequence[Any], stream: Any, ctx: Context | None, consumer: Any = None
+) -> None:
+    """Make *stream* (a handle; ``None``: the legacy default) wait for the producers of the
+    foreign arrays among *args* (``__cuda_array_interface__`` streams, DLPack, PyTorch,
+    CuPy; see :mod:`ctxkit.memory.interop`). *consumer* is the stream object the launch
+    was given (``None``: the current stream), whose flags spare waits CUDA makes anyway.
+    Numbers, host arrays and ctxkit buffers cost one dictionary lookup each."""
+    order_after_producers(args, stream, ctx, consumer)
 
 
 def _int_range(p: Param) -> tuple[int, int]:

@@ -1,8 +1,17 @@
-"""PTX ``.entry`` signatures: the type, size, alignment and offset of each kernel parameter.
+"""Kernel signatures: PTX ``.entry`` parameters, and the C++ parameter types PTX leaves out.
 
-Pure text processing (no driver): :func:`parse_entries` reads every ``.entry`` of a PTX
-module; :func:`signature_from_layout` builds a signature from the driver's parameter
-offsets and sizes when there is no PTX (a bare cubin).
+:func:`parse_entries` reads every ``.entry`` of a PTX module (type, size, alignment and
+offset of each parameter); :func:`signature_from_layout` builds a signature from the driver's
+parameter offsets and sizes when there is no PTX (a bare cubin).
+
+PTX has no signedness: NVRTC declares ``int``, ``unsigned`` and ``size_t`` parameters all
+as ``.u32``/``.u64``. The C++ types come from two places: the mangled name of a C++
+kernel (Itanium ABI, e.g. ``_Z4axpyIfEvT_PKS0_PS0_m`` ends in ``m``, ``unsigned long``),
+read by the C++ runtime's demangler through the optional extra ``ctxkit[demangle]``
+(without it, C++ kernels keep the sign PTX gives), and, for an ``extern "C"`` kernel, its
+declaration in the CUDA source.
+:func:`mangled_param_types` and :func:`source_param_types` return one :class:`CType` per
+parameter, or ``None`` when they cannot tell (then nothing is assumed).
 """
 
 from __future__ import annotations
@@ -10,10 +19,243 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
-from .cdecl import SIGNED, UNSIGNED, CType
+__all__ = [
+    "CType",
+    "Param",
+    "Signature",
+    "classify_spelling",
+    "mangled_param_types",
+    "parse_entries",
+    "parse_entry",
+    "signature_from_layout",
+    "source_param_types",
+]
 
-__all__ = ["Param", "Signature", "parse_entries", "parse_entry", "signature_from_layout"]
+
+SIGNED = "signed"
+
+
+UNSIGNED = "unsigned"
+
+
+class CType(NamedTuple):
+    """One parameter's C++ type: how it is spelled and the sign of an integer.
+
+    ``sign`` is ``"signed"``, ``"unsigned"`` (also pointers and ``bool``, which never
+    take a negative value) or ``""`` (not an integer, or a sign we cannot know, such as
+    plain ``char`` or an unknown typedef).
+    """
+
+    spelling: str
+    sign: str
+
+
+# --- Itanium C++ ABI mangled names ---------------------------------------------------------
+
+
+def demangle(symbol: str) -> str | None:
+    """The C++ declaration an Itanium-mangled name stands for; ``None`` when unknown.
+
+    Read by the C++ runtime's own ``__cxa_demangle`` through the optional ``cxxfilt``
+    package (``pip install ctxkit[demangle]``). Without it (or without a C++ runtime
+    library, or for a name the runtime cannot read) C++ kernels keep the sign PTX gives:
+    both signed and unsigned values of a ``.u`` parameter's width are taken.
+    """
+    try:
+        import cxxfilt
+    except ImportError:
+        return None
+    try:
+        return str(cxxfilt.demangle(symbol))
+    except cxxfilt.Error:
+        return None
+
+
+def mangled_param_types(symbol: str) -> list[CType] | None:
+    """Parameter types from an Itanium-mangled kernel name; ``None`` if it cannot be read.
+
+    The demangled declaration's parameter list (see :func:`demangle`), each type
+    classified as a declared one (:func:`classify_spelling`).
+    """
+    text = demangle(symbol) if symbol.startswith("_Z") else None
+    if text is None or not text.endswith(")"):
+        return None
+    depth = 0
+    for i in range(len(text) - 1, -1, -1):
+        depth += {")": 1, "(": -1}.get(text[i], 0)
+        if depth == 0:
+            inner = text[i + 1 : -1].strip()
+            return [classify_spelling(d) for d in _split_top_level(inner)] if inner else []
+    return None
+
+
+# --- extern "C" declarations in the CUDA source --------------------------------------------
+
+_COMMENTS_AND_STRINGS = re.compile(
+    r"//[^\n]*|/\*.*?\*/|\"(?:\\.|[^\"\\\n])*\"|'(?:\\.|[^'\\\n])*'", re.S
+)
+
+
+_QUALIFIERS = frozenset(
+    {
+        "const",
+        "volatile",
+        "__restrict__",
+        "__restrict",
+        "restrict",
+        "register",
+        "struct",
+        "enum",
+        "class",
+        "typename",
+        "__grid_constant__",
+        "__align__",
+    }
+)
+
+
+_BUILTIN_WORDS = frozenset({"signed", "unsigned", "int", "short", "long", "char", "__int128"})
+
+
+_UNSIGNED_NAMES = frozenset(
+    {
+        "size_t",
+        "uint8_t",
+        "uint16_t",
+        "uint32_t",
+        "uint64_t",
+        "uintptr_t",
+        "uintmax_t",
+        "uint",
+        "ushort",
+        "uchar",
+        "ulong",
+        "ulonglong",
+        "cuuint32_t",
+        "cuuint64_t",
+        "bool",
+        "char16_t",
+        "char32_t",
+        "char8_t",
+    }
+)
+
+
+_SIGNED_NAMES = frozenset(
+    {
+        "int8_t",
+        "int16_t",
+        "int32_t",
+        "int64_t",
+        "intptr_t",
+        "intmax_t",
+        "ptrdiff_t",
+        "ssize_t",
+        "longlong",
+    }
+)
+
+
+def classify_spelling(text: str) -> CType:
+    """The :class:`CType` of a declared parameter type such as ``const size_t``."""
+    spelled = " ".join(text.split())
+    if any(ch in spelled for ch in "*&["):
+        return CType(spelled, UNSIGNED)
+    words = [
+        w for w in re.findall(r"[A-Za-z_]\w*(?:::[A-Za-z_]\w*)*", spelled) if w not in _QUALIFIERS
+    ]
+    words = [w.rsplit("::", 1)[-1] if w.startswith(("std::", "cuda::")) else w for w in words]
+    if not words:
+        return CType(spelled, "")
+    name = " ".join(words)
+    if len(words) == 1 and words[0] in _UNSIGNED_NAMES:
+        return CType(name, UNSIGNED)
+    if len(words) == 1 and words[0] in _SIGNED_NAMES:
+        return CType(name, SIGNED)
+    if set(words) <= _BUILTIN_WORDS:
+        if "unsigned" in words:
+            return CType(name, UNSIGNED)
+        if "char" in words and "signed" not in words:
+            return CType(name, "")  # plain char: the sign is the platform's choice
+        return CType(name, SIGNED)
+    return CType(name, "")
+
+
+def _balanced(text: str, start: int) -> int:
+    """Index just past the ``)`` that closes the ``(`` at *start*; -1 when unbalanced."""
+    depth = 0
+    for i in range(start, len(text)):
+        ch = text[i]
+        if ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return -1
+
+
+def _split_top_level(text: str) -> list[str]:
+    out: list[str] = []
+    cur: list[str] = []
+    depth = 0
+    for ch in text:
+        if ch in "(<[{":
+            depth += 1
+        elif ch in ")>]}":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    out.append("".join(cur))
+    return out
+
+
+def _param_type_text(decl: str) -> str:
+    """``const size_t n = 4`` -> ``const size_t``: drop the default value and the name."""
+    decl = decl.split("=", 1)[0].strip()
+    decl = re.sub(r"__align__\s*\([^)]*\)", " ", decl)
+    m = re.match(r"^(.*?)([A-Za-z_]\w*)\s*((?:\[[^\]]*\])*)$", decl, re.S)
+    if m is None:
+        return decl
+    head, name, arrays = m.group(1), m.group(2), m.group(3)
+    words = re.findall(r"[A-Za-z_]\w*", head)
+    if not [w for w in words if w not in _QUALIFIERS]:
+        return decl  # no name given: `size_t`, `const size_t`
+    if name in _BUILTIN_WORDS and all(w in _BUILTIN_WORDS | _QUALIFIERS for w in words):
+        return decl  # `unsigned int`: every word is part of the type
+    return head + ("*" if arrays else "")
+
+
+def source_param_types(source: str, name: str, count: int) -> list[CType] | None:
+    """Parameter types of ``__global__`` function *name* as declared in *source*.
+
+    Only a declaration with exactly *count* parameters is trusted (the PTX's count);
+    ``None`` when there is none, or when the parameter list uses a macro or template
+    this reader cannot see through.
+    """
+    if name not in source:
+        return None
+    text = _COMMENTS_AND_STRINGS.sub(" ", source)
+    text = re.sub(r"^\s*#.*$", " ", text, flags=re.M)
+    for m in re.finditer(r"\b" + re.escape(name) + r"\s*\(", text):
+        head = text[: m.start()]
+        cut = max(head.rfind(";"), head.rfind("}"), head.rfind("{"))
+        if "__global__" not in head[cut + 1 :]:
+            continue
+        end = _balanced(text, m.end() - 1)
+        if end < 0:
+            return None
+        inner = text[m.end() : end - 1].strip()
+        decls = [] if inner in ("", "void") else _split_top_level(inner)
+        if len(decls) != count:
+            continue
+        return [classify_spelling(_param_type_text(d)) for d in decls]
+    return None
 
 
 _INT_BITS = {"8": 8, "16": 16, "32": 32, "64": 64}

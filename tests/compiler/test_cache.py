@@ -21,7 +21,6 @@ import pytest
 import ctxkit
 import ctxkit.compiler as C
 from ctxkit.compiler import cache as _cache
-from ctxkit.compiler import entries as _entries
 from ctxkit.errors import KernelCacheWarning
 from tests.compiler._helpers import child_env, delta, entries, run_py, unique
 
@@ -264,7 +263,7 @@ def test_malformed_entry_with_valid_hash_is_a_miss(cache: Path, damage: str) -> 
     src = unique(damage)
     good = ctxkit.compile(src, arch="sm_90")
     (entry,) = entries(cache)
-    parsed = _entries.parse(entry.read_bytes(), entry.name.removesuffix(".ctxobj"))
+    parsed = _cache.parse_entry(entry.read_bytes(), entry.name.removesuffix(".ctxobj"))
     assert parsed is not None
     header, blobs = parsed
     layout = header["blobs"]
@@ -366,8 +365,8 @@ def test_lock_of_a_stopped_process_is_waited_for_with_warnings_and_a_bound(
     hold = textwrap.dedent(
         f"""
         import time
-        from ctxkit.compiler import cache_dir, entries
-        with entries.open_dir(cache_dir()) as cd, entries.process_lock(cd, {key!r}):
+        from ctxkit.compiler import cache, cache_dir
+        with cache.open_dir(cache_dir()) as cd, cache.process_lock(cd, {key!r}):
             print("locked", flush=True)
             time.sleep(60)
         """
@@ -378,8 +377,8 @@ def test_lock_of_a_stopped_process_is_waited_for_with_warnings_and_a_bound(
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
         os.kill(holder.pid, signal.SIGSTOP)
-        monkeypatch.setattr(_entries, "LOCK_WARN_S", 0.3)
-        monkeypatch.setattr(_entries, "LOCK_TIMEOUT_S", 1.5)
+        monkeypatch.setattr(_cache, "LOCK_WARN_S", 0.3)
+        monkeypatch.setattr(_cache, "LOCK_TIMEOUT_S", 1.5)
         t0 = time.monotonic()
         with pytest.warns(KernelCacheWarning) as rec:
             obj = ctxkit.compile(src, arch="sm_90")

@@ -17,7 +17,6 @@ import pytest
 
 import ctxkit
 from ctxkit.compiler import cache as _cache
-from ctxkit.compiler import entries as _entries
 from ctxkit.errors import KernelCacheWarning
 from tests.compiler._helpers import child_env, delta, entries, unique
 
@@ -34,7 +33,7 @@ def _plant(directory: Path, victim: str, payload_src: str) -> bytes:
     other = ctxkit.compile(payload_src, arch="sm_90", cache=False)
     header, blobs = _cache._encode(other)
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / f"{key}.ctxobj").write_bytes(_entries.encode(key, header, blobs))
+    (directory / f"{key}.ctxobj").write_bytes(_cache.encode_entry(key, header, blobs))
     return other.code
 
 
@@ -53,7 +52,7 @@ def test_untrusted_directory_is_not_used(
         os.chown(shared, 65534, 65534)
         shared.chmod(0o755)
     else:
-        monkeypatch.setattr(_entries, "_euid", lambda: os.geteuid() + 1)
+        monkeypatch.setattr(_cache, "_euid", lambda: os.geteuid() + 1)
     monkeypatch.setenv("CTXKIT_CACHE_DIR", str(shared))
     before = dict(_cache.stats)
     with pytest.warns(KernelCacheWarning, match=r"not using the kernel cache.*chmod 700"):
@@ -133,7 +132,7 @@ def test_directory_swapped_while_checked_is_not_used(
     d, other = tmp_path / "c", tmp_path / "other-private"
     d.mkdir(mode=0o700)
     other.mkdir(mode=0o700)
-    follow = _entries._follow
+    follow = _cache._follow
 
     def swap_after_the_check(path: Path) -> tuple[str, os.stat_result | None]:
         found = follow(path)
@@ -141,16 +140,16 @@ def test_directory_swapped_while_checked_is_not_used(
         d.symlink_to(other)  # a link of this user's, to another private directory
         return found
 
-    monkeypatch.setattr(_entries, "_follow", swap_after_the_check)
+    monkeypatch.setattr(_cache, "_follow", swap_after_the_check)
     with pytest.warns(KernelCacheWarning, match="was replaced while it was checked"):
-        assert _entries.open_dir(d) is None
+        assert _cache.open_dir(d) is None
 
 
 def test_private_directory_readable_by_others_is_used(tmp_path: Path) -> None:
     d = tmp_path / "mine"
     d.mkdir(mode=0o755)
     d.chmod(0o755)
-    with _entries.open_dir(d) as cd:  # type: ignore[union-attr]
+    with _cache.open_dir(d) as cd:  # type: ignore[union-attr]
         assert cd is not None
 
 
@@ -198,12 +197,12 @@ def test_link_to_dev_zero_does_not_exhaust_memory(cache: Path) -> None:
         import os, resource, sys
         from pathlib import Path
         resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
-        from ctxkit.compiler import entries
+        from ctxkit.compiler import cache
         d = Path(sys.argv[1])
         d.mkdir(mode=0o700, parents=True, exist_ok=True)
         (d / ("ab" * 32 + ".ctxobj")).symlink_to("/dev/zero")
-        with entries.open_dir(d) as cd:
-            print(entries.read_entry(cd, "ab" * 32, 1 << 40), os.listdir(d))
+        with cache.open_dir(d) as cd:
+            print(cache.read_entry(cd, "ab" * 32, 1 << 40), os.listdir(d))
         """
     )
     proc = subprocess.run(
@@ -306,12 +305,12 @@ def _raw(key: str, head: bytes, payload: bytes) -> bytes:
     ],
 )
 def test_parse_rejects_malformed_headers(head: bytes) -> None:
-    assert _entries.parse(_raw("K", head, b"abc"), "K") is None
+    assert _cache.parse_entry(_raw("K", head, b"abc"), "K") is None
 
 
 def test_parse_rejects_a_header_nested_too_deep() -> None:
     head = b'{"key": "K", "blobs": [], "x": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"
-    assert _entries.parse(_raw("K", head, b""), "K") is None
+    assert _cache.parse_entry(_raw("K", head, b""), "K") is None
 
 
 def test_entry_nested_too_deep_is_discarded_and_recompiled(cache: Path) -> None:
@@ -324,12 +323,12 @@ def test_entry_nested_too_deep_is_discarded_and_recompiled(cache: Path) -> None:
     before = dict(_cache.stats)
     obj = ctxkit.compile(src, arch="sm_90")
     assert not obj.from_cache and obj.code == good.code and delta(before)["compiled"] == 1
-    assert _entries.parse(entry.read_bytes(), key) is not None  # replaced by a good entry
+    assert _cache.parse_entry(entry.read_bytes(), key) is not None  # replaced by a good entry
 
 
 def test_parse_accepts_a_written_entry() -> None:
-    data = _entries.encode("K", {"x": 1}, {"code": b"abc", "ptx": b"de"})
-    header, blobs = _entries.parse(data, "K")  # type: ignore[misc]
+    data = _cache.encode_entry("K", {"x": 1}, {"code": b"abc", "ptx": b"de"})
+    header, blobs = _cache.parse_entry(data, "K")  # type: ignore[misc]
     assert header["x"] == 1 and blobs == {"code": b"abc", "ptx": b"de"}
 
 
@@ -347,15 +346,15 @@ def _fake_entries(d: Path, sizes_and_ages: dict[str, tuple[int, int]]) -> None:
 
 def test_evict_removes_least_recently_used_first(tmp_path: Path) -> None:
     _fake_entries(tmp_path / "c", {"a": (100, 30), "b": (100, 20), "c": (100, 10), "d": (100, 5)})
-    with _entries.open_dir(tmp_path / "c") as cd:  # type: ignore[union-attr]
-        assert _entries.evict(cd, 250) == 2
+    with _cache.open_dir(tmp_path / "c") as cd:  # type: ignore[union-attr]
+        assert _cache.evict(cd, 250) == 2
     assert sorted(p.stem for p in entries(tmp_path / "c")) == ["c", "d"]
 
 
 def test_evict_keeps_the_entry_just_written(tmp_path: Path) -> None:
     _fake_entries(tmp_path / "c", {"new": (300, 1000), "b": (100, 20)})
-    with _entries.open_dir(tmp_path / "c") as cd:  # type: ignore[union-attr]
-        _entries.evict(cd, 250, keep="new")
+    with _cache.open_dir(tmp_path / "c") as cd:  # type: ignore[union-attr]
+        _cache.evict(cd, 250, keep="new")
     assert [p.stem for p in entries(tmp_path / "c")] == ["new"]
 
 
@@ -367,8 +366,8 @@ def test_evict_removes_entries_that_are_not_files(tmp_path: Path) -> None:
     (d / "e.ctxobj").mkdir()
     (d / "full.ctxobj").mkdir()
     (d / "full.ctxobj" / "x").write_text("kept")
-    with _entries.open_dir(d) as cd:  # type: ignore[union-attr]
-        assert _entries.evict(cd, 1 << 20) == 3
+    with _cache.open_dir(d) as cd:  # type: ignore[union-attr]
+        assert _cache.evict(cd, 1 << 20) == 3
     assert sorted(os.listdir(d)) == ["a.ctxobj", "full.ctxobj"]
 
 
@@ -380,9 +379,9 @@ def _age(path: Path, seconds: float) -> None:
 HOLD_LOCK = """
 import sys, time
 from pathlib import Path
-from ctxkit.compiler import entries
-with entries.open_dir(Path(sys.argv[1])) as cd:
-    with entries.process_lock(cd, sys.argv[2]):
+from ctxkit.compiler import cache
+with cache.open_dir(Path(sys.argv[1])) as cd:
+    with cache.process_lock(cd, sys.argv[2]):
         print("locked", flush=True)
         time.sleep(60)
 """
@@ -404,16 +403,16 @@ def test_sweeps_keep_a_lock_another_process_holds(tmp_path: Path, sweep: str) ->
         held, dead = d / f".{key}.lock", d / f".{'d' * 64}.lock"
         dead.write_bytes(b"")
         for p in (held, dead):
-            _age(p, 2 * _entries.TMP_MAX_AGE_S)  # e.g. a holder stopped for hours
-        with _entries.open_dir(d) as cd:  # type: ignore[union-attr]
+            _age(p, 2 * _cache.TMP_MAX_AGE_S)  # e.g. a holder stopped for hours
+        with _cache.open_dir(d) as cd:  # type: ignore[union-attr]
             if sweep == "evict":
-                _entries.evict(cd, 1 << 20)
+                _cache.evict(cd, 1 << 20)
             else:
-                _entries.clear(cd)
+                _cache.clear_entries(cd)
         assert held.exists() and not dead.exists()
-        with _entries.open_dir(d) as cd:  # type: ignore[union-attr]
+        with _cache.open_dir(d) as cd:  # type: ignore[union-attr]
             with pytest.warns(KernelCacheWarning, match="gave up"):
-                with _entries.process_lock(cd, key, timeout=0.2) as got:
+                with _cache.process_lock(cd, key, timeout=0.2) as got:
                     assert got is False  # still held by the other process
     finally:
         holder.kill()
@@ -425,14 +424,14 @@ def test_sweeps_keep_a_lock_this_process_holds(tmp_path: Path, sweep: str) -> No
     d = tmp_path / "c"
     _fake_entries(d, {"a": (10, 1)})
     key = "m" * 64
-    with _entries.open_dir(d) as cd:  # type: ignore[union-attr]
-        with _entries.process_lock(cd, key) as got:
+    with _cache.open_dir(d) as cd:  # type: ignore[union-attr]
+        with _cache.process_lock(cd, key) as got:
             assert got
-            _age(d / f".{key}.lock", 2 * _entries.TMP_MAX_AGE_S)
+            _age(d / f".{key}.lock", 2 * _cache.TMP_MAX_AGE_S)
             if sweep == "evict":
-                _entries.evict(cd, 1 << 20)
+                _cache.evict(cd, 1 << 20)
             else:
-                _entries.clear(cd)
+                _cache.clear_entries(cd)
             assert (d / f".{key}.lock").exists()
         assert not (d / f".{key}.lock").exists()  # removed by its holder
 
@@ -442,9 +441,9 @@ def test_clear_keeps_temporary_files_a_writer_may_still_use(tmp_path: Path) -> N
     _fake_entries(d, {"a": (10, 1)})
     (d / ".fresh.x.tmp").write_bytes(b"partial")
     (d / ".dead.y.tmp").write_bytes(b"partial")
-    _age(d / ".dead.y.tmp", 2 * _entries.TMP_MAX_AGE_S)
-    with _entries.open_dir(d) as cd:  # type: ignore[union-attr]
-        assert _entries.clear(cd) == 2
+    _age(d / ".dead.y.tmp", 2 * _cache.TMP_MAX_AGE_S)
+    with _cache.open_dir(d) as cd:  # type: ignore[union-attr]
+        assert _cache.clear_entries(cd) == 2
     assert os.listdir(d) == [".fresh.x.tmp"]
 
 
@@ -457,15 +456,15 @@ def test_process_lock_makes_another_process_wait(tmp_path: Path) -> None:
         f"""
         import time
         from pathlib import Path
-        from ctxkit.compiler import entries
-        with entries.open_dir(Path({str(d)!r})) as cd:
+        from ctxkit.compiler import cache
+        with cache.open_dir(Path({str(d)!r})) as cd:
             print("trying", flush=True)
-            with entries.process_lock(cd, "k" * 64) as held:
+            with cache.process_lock(cd, "k" * 64) as held:
                 print(held, time.time())
         """
     )
-    with _entries.open_dir(d) as cd:  # type: ignore[union-attr]
-        with _entries.process_lock(cd, "k" * 64) as held:
+    with _cache.open_dir(d) as cd:  # type: ignore[union-attr]
+        with _cache.process_lock(cd, "k" * 64) as held:
             assert held
             child = subprocess.Popen(
                 [sys.executable, "-c", script], env=child_env(d), stdout=subprocess.PIPE, text=True
@@ -485,9 +484,9 @@ def test_process_lock_times_out_without_the_lock(tmp_path: Path) -> None:
         f"""
         import time
         from pathlib import Path
-        from ctxkit.compiler import entries
-        with entries.open_dir(Path({str(d)!r})) as cd:
-            with entries.process_lock(cd, "t" * 64):
+        from ctxkit.compiler import cache
+        with cache.open_dir(Path({str(d)!r})) as cd:
+            with cache.process_lock(cd, "t" * 64):
                 print("locked", flush=True)
                 time.sleep(30)
         """
@@ -497,12 +496,12 @@ def test_process_lock_times_out_without_the_lock(tmp_path: Path) -> None:
     )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
-        with _entries.open_dir(d) as cd:  # type: ignore[union-attr]
+        with _cache.open_dir(d) as cd:  # type: ignore[union-attr]
             t0 = time.monotonic()
             with pytest.warns(
                 KernelCacheWarning, match=r"gave up after 0\.3 s waiting for .*\.lock"
             ):
-                with _entries.process_lock(cd, "t" * 64, timeout=0.3) as held:
+                with _cache.process_lock(cd, "t" * 64, timeout=0.3) as held:
                     waited = time.monotonic() - t0
         assert held is False and 0.25 < waited < 5
     finally:

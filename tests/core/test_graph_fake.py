@@ -17,8 +17,9 @@ import pytest
 
 import ctxkit as ck
 from ctxkit import lifetime
+from ctxkit.graph import Graph, capture
 from ctxkit.memory import DeviceBuffer
-from ctxkit.module import Graph, Module, capture
+from ctxkit.module import Module
 from ctxkit.stream import Event, Stream
 from tests.support.fakegpu import FakeGPU, gpu_fixture  # noqa: F401
 from tests.support.helpers import in_thread

@@ -14,8 +14,9 @@ import pytest
 import ctxkit as ck
 import ctxkit.compiler as C
 from ctxkit import lifetime
+from ctxkit.graph import Graph, capture
 from ctxkit.memory import DeviceBuffer, to_device
-from ctxkit.module import Graph, Module, capture
+from ctxkit.module import Module
 from ctxkit.stream import Event, Stream
 from tests.support.helpers import in_thread
 

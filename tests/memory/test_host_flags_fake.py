@@ -21,7 +21,7 @@ from ctxkit.memory.hostaccess import (
     host_memory_flags,
     pageable_arg,
 )
-from ctxkit.module import pointers
+from ctxkit.module import params as pointers
 from tests.support.fakevmm import A, vctx0, vctx1, vfake  # noqa: F401
 from tests.support.helpers import OBJECT_DTYPES, object_array, object_dtype_message
 

@@ -13,7 +13,7 @@ import pytest
 import ctxkit as ck
 from ctxkit.errors import ContextClosedError, CudaError, OutOfMemoryError
 from ctxkit.memory.vmm import VirtualBuffer, allocation_granularity
-from ctxkit.module.pointers import device_pointer
+from ctxkit.module.params import device_pointer
 from tests.support.fakevmm import GRANULARITY, A, vctx0, vctx1, vfake  # noqa: F401
 from tests.support.helpers import OBJECT_DTYPES, object_array, object_dtype_message
 

@@ -1,12 +1,12 @@
 """Launch configuration without a driver: grid/block shapes, limit explanations and
-:class:`~ctxkit.module.launch.LaunchConfig`."""
+:class:`~ctxkit.module.kernel.LaunchConfig`."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from ctxkit.module import launch as L
+from ctxkit.module import kernel as L
 
 # --- launch configuration ---------------------------------------------------------------
 

@@ -10,6 +10,7 @@ another device are refused before anything reaches the driver. The GPU suite
 
 from __future__ import annotations
 
+import sys
 from types import SimpleNamespace
 
 import numpy as np
@@ -17,7 +18,7 @@ import pytest
 
 import ctxkit as ck
 from ctxkit.compiler import ObjectCode
-from ctxkit.module.launch import LaunchConfig
+from ctxkit.module.kernel import LaunchConfig
 from tests.module.fakemodule import (  # noqa: F401
     VECTOR_ADD,
     FakeBuffer,
@@ -303,11 +304,21 @@ def test_signed_parameters_take_negative_values(fake):
 
 
 def test_mangled_kernels_know_their_types_without_source(fake):
+    pytest.importorskip("cxxfilt", reason="the optional demangler: pip install ctxkit[demangle]")
     k = load().function("_Z4axpyIfEvT_PKS0_PS0_m")
-    assert [p.ctype for p in k.params] == ["float", "float*", "float*", "unsigned long"]
+    assert [p.ctype for p in k.params] == ["float", "float const*", "float*", "unsigned long"]
     with ck.registry.context(0), pytest.raises(ck.LaunchArgumentError, match="negative"):
         k.launch(1, 32, 1.0, FakeBuffer(8), FakeBuffer(16), -1)
     assert fake.launches == []
+
+
+def test_without_the_demangler_mangled_kernels_keep_the_ptx_sign(fake, monkeypatch):
+    monkeypatch.setitem(sys.modules, "cxxfilt", None)  # the optional extra is absent
+    k = load().function("_Z4axpyIfEvT_PKS0_PS0_m")
+    assert not k.params[3].unsigned and not k.params[3].signed and not k.params[3].ctype
+    with ck.registry.context(0):
+        k.launch(1, 32, 1.0, FakeBuffer(8), FakeBuffer(16), -1)
+    assert as_u64(fake.launches[-1]["values"][3]) == 2**64 - 1
 
 
 def test_ptx_text_alone_cannot_tell_the_sign(fake):

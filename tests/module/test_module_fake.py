@@ -19,9 +19,9 @@ import pytest
 import ctxkit as ck
 from ctxkit import graph as _graph
 from ctxkit.compiler import ObjectCode, compile
-from ctxkit.module import image as _image
-from ctxkit.module import launch as _launch
+from ctxkit.module import kernel as _launch
 from ctxkit.module import module as M
+from ctxkit.module import module as _image
 from tests.module.fakemodule import (  # noqa: F401
     BAD_PTX,
     CUBIN,

@@ -12,9 +12,9 @@ import pytest
 
 from ctxkit import LaunchArgumentError
 from ctxkit.module import params as P
-from ctxkit.module import pointers
-from ctxkit.module import pointers as _devptr
-from ctxkit.module.cdecl import CType
+from ctxkit.module import params as _devptr
+from ctxkit.module import params as pointers
+from ctxkit.module.ptxsig import CType
 from tests.module.ptx_samples import (
     HAND_PTX,
     FakeBuffer,
