@@ -110,7 +110,9 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     reasons: Counter[str] = Counter()
     for rep in terminalreporter.stats.get("skipped", []):
         longrepr = getattr(rep, "longrepr", None)
-        reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+        reason = (
+            longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+        )
         reasons[reason.removeprefix("Skipped: ")] += 1
     if reasons:
         terminalreporter.section("skipped, by reason", sep="-")
