@@ -17,11 +17,9 @@ Graphs and executable graphs know their context and bind it for every call.
 from __future__ import annotations
 
 from ..errors import GraphUpdateError
-from .conditional import CONDITIONAL_DEVICE_API, ConditionalHandle
-from .exec import GraphExec
-from .graph import Graph
-from .nodes import GraphNode
-from .streamcapture import capture
+from .capture import capture
+from .graph import Graph, GraphExec, GraphNode
+from .nodes import CONDITIONAL_DEVICE_API, ConditionalHandle
 
 __all__ = [
     "CONDITIONAL_DEVICE_API",
