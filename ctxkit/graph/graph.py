@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from .. import _driver
 from .._driver import drv
 from ..context import Context, thread_state
-from ..errors import ContextClosedError, CudaError, GraphUpdateError, WrongContextError
+from ..errors import ContextClosedError, CudaError, GraphUpdateError
 from ..lifetime import finalizer
 from ..registry import ContextLike, guard, resolve_context
 from ..stream import Event, Stream, implicit_stream, stream_for
@@ -54,6 +54,7 @@ from .nodes import (
     memcpy_params,
     memset_params,
     node_type_name,
+    wrong_context,
 )
 
 if TYPE_CHECKING:
@@ -61,7 +62,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Graph", "GraphExec", "GraphNode"]
 
-_INVALID_HANDLE = 400
 _EMPTY = "the graph is empty: its capture block has not finished, or it was closed"
 
 
@@ -544,22 +544,6 @@ class Graph:
         self._callbacks.append(cb)
         return node
 
-    def _event(self, event: Any, what: str, *, same_context: bool) -> Any:
-        if not isinstance(event, Event):
-            raise TypeError(f"{what}: expected a ctxkit.Event, got {type(event).__name__}")
-        handle = event.handle
-        if handle is None:
-            raise ContextClosedError(f"{what}: the event was closed")
-        if same_context and event.context.handle != self.context.handle:
-            raise WrongContextError(
-                f"{what}: {event!r} belongs to {event.context!r}, but the graph belongs to "
-                f"{self.context!r}; create the event in the graph's context "
-                "(ck.Event(context=graph.context))",
-                _INVALID_HANDLE,
-                "CUDA_ERROR_INVALID_HANDLE",
-            )
-        return handle
-
     def event_record(self, event: Event, *, depends_on: Any = None) -> GraphNode:
         """An event record node (``cuGraphAddEventRecordNode``); *event* must belong to
         the graph's context."""
@@ -574,7 +558,17 @@ class Graph:
         self, event: Event, depends_on: Any, kind: str, *, same_context: bool
     ) -> GraphNode:
         what = f"Graph.{kind}"
-        handle = self._event(event, what, same_context=same_context)
+        if not isinstance(event, Event):
+            raise TypeError(f"{what}: expected a ctxkit.Event, got {type(event).__name__}")
+        handle = event.handle
+        if handle is None:
+            raise ContextClosedError(f"{what}: the event was closed")
+        if same_context and event.context.handle != self.context.handle:
+            raise wrong_context(
+                f"{what}: {event!r} belongs to {event.context!r}, but the graph belongs to "
+                f"{self.context!r}; create the event in the graph's context "
+                "(ck.Event(context=graph.context))"
+            )
         add = (
             drv.cuGraphAddEventRecordNode if kind == "event_record" else drv.cuGraphAddEventWaitNode
         )
@@ -598,11 +592,9 @@ class Graph:
             raise ValueError(f"{what}: a graph cannot contain itself")
         child = graph._open(what)
         if graph.context.handle != self.context.handle:
-            raise WrongContextError(
+            raise wrong_context(
                 f"{what}: {graph!r} belongs to {graph.context!r}, but this graph belongs to "
-                f"{self.context!r}; build both in one context",
-                _INVALID_HANDLE,
-                "CUDA_ERROR_INVALID_HANDLE",
+                f"{self.context!r}; build both in one context"
             )
         node = self._add(
             what,
@@ -914,9 +906,7 @@ class GraphExec:
     def _enqueue(self, fn: Any, stream: Any, what: str) -> None:
         exe = self.handle
         if exe is None:
-            raise CudaError(
-                f"{what}: the graph is empty: its capture block has not finished, or it was closed"
-            )
+            raise CudaError(f"{what}: {_EMPTY}")
         ctx = self.context
         hs = stream_for(stream, ctx, "graph")
         if self._callbacks:
@@ -960,11 +950,9 @@ class GraphExec:
         handle = graph._open(what)
         ctx = self.context
         if graph.context.handle != ctx.handle:
-            raise WrongContextError(
+            raise wrong_context(
                 f"{what}: {graph!r} belongs to {graph.context!r}, but the executable graph "
-                f"belongs to {ctx!r}",
-                _INVALID_HANDLE,
-                "CUDA_ERROR_INVALID_HANDLE",
+                f"belongs to {ctx!r}"
             )
         with guard(ctx, what):
             err, info = drv.cuGraphExecUpdate(exe, handle)

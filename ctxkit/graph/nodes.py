@@ -17,7 +17,8 @@ long long`` parameter. Every launch starts with the handle's *default* value.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -34,9 +35,21 @@ from ..module.params import ParamBuffer
 if TYPE_CHECKING:
     from ..module.kernel import Kernel
 
-__all__ = ["CONDITIONAL_DEVICE_API", "ConditionalHandle", "KernelSpec", "node_type_name"]
+__all__ = [
+    "CONDITIONAL_DEVICE_API",
+    "ConditionalHandle",
+    "KernelSpec",
+    "node_type_name",
+    "wrong_context",
+]
 
 _INVALID_HANDLE = 400
+
+
+def wrong_context(message: str) -> WrongContextError:
+    """The error for an object of another context (``CUDA_ERROR_INVALID_HANDLE``)."""
+    return WrongContextError(message, _INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE")
+
 
 #: Declarations to put in front of NVRTC source that sets a conditional handle.
 CONDITIONAL_DEVICE_API = r"""
@@ -165,27 +178,17 @@ def node_type_name(member: Any) -> str:
     return _TYPE_NAMES.get(suffix, suffix.lower())
 
 
+@dataclass(frozen=True, slots=True, eq=False)
 class KernelSpec:
     """What a kernel node runs: the kernel, its launch shape and its packed arguments
     (kept alive with the node, so buffers passed as arguments outlive it)."""
 
-    __slots__ = ("args", "block", "buf", "grid", "kernel", "shared_mem")
-
-    def __init__(
-        self,
-        kernel: Kernel,
-        grid: tuple[int, int, int],
-        block: tuple[int, int, int],
-        shared_mem: int,
-        args: tuple[Any, ...],
-        buf: ParamBuffer,
-    ) -> None:
-        self.kernel = kernel
-        self.grid = grid
-        self.block = block
-        self.shared_mem = shared_mem
-        self.args = args
-        self.buf = buf
+    kernel: Kernel
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shared_mem: int
+    args: tuple[Any, ...]
+    buf: ParamBuffer
 
     def replaced(
         self,
@@ -242,15 +245,12 @@ def kernel_spec(
 # --- memcpy and memset ---------------------------------------------------------------
 
 
-class HostSide:
+class HostSide(NamedTuple):
     """Pinned host memory taking part in a memcpy node."""
 
-    __slots__ = ("array", "nbytes", "ptr")
-
-    def __init__(self, array: np.ndarray, ptr: int, nbytes: int) -> None:
-        self.array = array
-        self.ptr = ptr
-        self.nbytes = nbytes
+    array: np.ndarray
+    ptr: int
+    nbytes: int
 
 
 def copy_side(obj: Any, ctx: Context, what: str, name: str, write: bool) -> Mem | HostSide:
@@ -271,12 +271,10 @@ def copy_side(obj: Any, ctx: Context, what: str, name: str, write: bool) -> Mem 
     mem = device_mem(obj, what, write=write)
     mc = mem.context
     if isinstance(mc, Context) and mc.handle != ctx.handle:
-        raise WrongContextError(
+        raise wrong_context(
             f"{what}: the {name} ({type(obj).__name__}) belongs to {mc!r}, but the graph "
             f"belongs to {ctx!r}; build the graph in the memory's context "
-            "(ck.Graph(context=buf.context)) or copy the data there first",
-            _INVALID_HANDLE,
-            "CUDA_ERROR_INVALID_HANDLE",
+            "(ck.Graph(context=buf.context)) or copy the data there first"
         )
     return mem
 
