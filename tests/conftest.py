@@ -18,6 +18,8 @@ import shutil
 
 import pytest
 
+from tests.support.fakegpu import gpu_fixture  # noqa: F401  (the ``gpu`` fixture, for every test)
+
 FAKE_FIXTURES = frozenset({"fake_driver", "gpu"})
 
 

@@ -17,7 +17,7 @@ from ctxkit.graph import Graph, GraphExec, GraphNode
 from ctxkit.graph import graph as graph_module
 from ctxkit.memory import to_device
 from ctxkit.stream import Event, Stream
-from tests.support.fakegpu import FakeGPU, gpu_fixture  # noqa: F401
+from tests.support.fakegpu import FakeGPU  # noqa: F401
 from tests.support.helpers import OBJECT_DTYPES, in_thread, object_array, object_dtype_message
 
 N = 64
