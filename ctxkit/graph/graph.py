@@ -94,15 +94,11 @@ class HostCallback:
         try:
             self.fn(*self.args)
         except BaseException as exc:
-            self.report(exc)
-
-    def report(self, exc: BaseException) -> None:
-        ref = self.stream_ref
-        stream = ref() if ref is not None else None
-        if stream is None:
-            log.error("graph host node %r raised", self.fn, exc_info=exc)
-            return
-        stream.keep_callback_error(exc)
+            stream = self.stream_ref() if self.stream_ref is not None else None
+            if stream is None:
+                log.error("graph host node %r raised", self.fn, exc_info=exc)
+            else:
+                stream.keep_callback_error(exc)
 
     def __repr__(self) -> str:
         return f"<HostCallback {self.key} {self.fn!r}>"
@@ -270,20 +266,12 @@ class Graph:
         self._own(handle)
 
     @classmethod
-    def _pending(cls, ctx: Context) -> Graph:
-        """A graph without a ``CUgraph`` yet (a capture in progress)."""
-        obj = cls.__new__(cls)
-        obj._setup(ctx, None, None)
-        return obj
-
-    @classmethod
-    def _body(cls, ctx: Context, handle: Any, parent: Graph) -> Graph:
-        """The body graph of a conditional node of *parent* (the node owns it)."""
+    def _pending(cls, ctx: Context, handle: Any = None, parent: Graph | None = None) -> Graph:
+        """A graph not made by ``cuGraphCreate``: one without a ``CUgraph`` yet (a capture
+        in progress, a clone), or the body graph of a conditional node of *parent* (the
+        node owns it; it shares what *parent* keeps alive)."""
         obj = cls.__new__(cls)
         obj._setup(ctx, handle, parent)
-        obj._keep = parent._keep
-        obj._specs = parent._specs
-        obj._callbacks = parent._callbacks
         return obj
 
     def _setup(self, ctx: Context, handle: Any, parent: Graph | None) -> None:
@@ -291,9 +279,11 @@ class Graph:
         self.handle = handle
         self._parent = parent
         self._fin: weakref.finalize | None = None
-        self._keep: list[Any] = []  # what nodes use: arrays, events, callbacks, children's
-        self._specs: dict[int, KernelSpec] = {}  # kernel node -> its current arguments
-        self._callbacks: list[HostCallback] = []  # host nodes, also of children
+        # what nodes use (arrays, events, callbacks, children's), kernel node -> its
+        # current arguments, host nodes (also of children): a body shares its parent's
+        self._keep: list[Any] = parent._keep if parent else []
+        self._specs: dict[int, KernelSpec] = parent._specs if parent else {}
+        self._callbacks: list[HostCallback] = parent._callbacks if parent else []
         self._nodes: weakref.WeakValueDictionary[int, GraphNode] = weakref.WeakValueDictionary()
         self._origin: Graph | None = None  # the graph this one was cloned from
         self._origin_specs: dict[int, KernelSpec] = {}  # its kernel nodes' arguments
@@ -372,8 +362,14 @@ class Graph:
             err, member = drv.cuGraphNodeGetType(handle)
             if err:
                 raise self.context.note_error(err, "cuGraphNodeGetType")
-            node = GraphNode(self, handle, node_type_name(member), self._specs.get(int(handle)))
-            self._nodes[int(handle)] = node
+            node = self._node(handle, node_type_name(member), self._specs.get(int(handle)))
+        return node
+
+    def _node(self, handle: Any, kind: str, spec: KernelSpec | None = None) -> GraphNode:
+        """The :class:`GraphNode` of *handle*, remembered (with its kernel arguments)."""
+        node = self._nodes[int(handle)] = GraphNode(self, handle, kind, spec)
+        if spec is not None:
+            self._specs[int(handle)] = spec
         return node
 
     def _add(
@@ -395,11 +391,7 @@ class Graph:
             raise ctx.note_error(err, f"{getattr(fn, '__name__', what)} ({what})")
         self._keep.extend(keep)
         self._bump()
-        out = GraphNode(self, node, kind, spec)
-        self._nodes[int(node)] = out
-        if spec is not None:
-            self._specs[int(node)] = spec
-        return out
+        return self._node(node, kind, spec)
 
     def _keep_spec(self, node: GraphNode, spec: KernelSpec) -> None:
         self._specs[int(node.handle)] = spec
@@ -675,16 +667,14 @@ class Graph:
         deps = dependency_handles(self, depends_on, what)
         ctx = self.context
         params = conditional_params(handle.handle, kind_enum, ctx._cu)
-        args = add_node_args(_driver.BINDINGS_VERSION[0], graph_handle, deps, params)
         with guard(ctx, what):
-            err, node = drv.cuGraphAddNode(*args)
+            err, node = drv.cuGraphAddNode(*add_node_args(graph_handle, deps, params))
         if err:
             raise ctx.note_error(err, f"cuGraphAddNode (conditional {kind})")
         handle.kind = kind
         self._bump()
-        out = GraphNode(self, node, "conditional")
-        self._nodes[int(node)] = out
-        body = Graph._body(ctx, params.conditional.phGraph_out[0], self)
+        out = self._node(node, "conditional")
+        body = Graph._pending(ctx, params.conditional.phGraph_out[0], self)
         return out, body, handle
 
     # --- whole-graph operations ------------------------------------------------------
@@ -703,7 +693,6 @@ class Graph:
         out = Graph._pending(ctx)
         out._own(copy)
         out._keep = list(self._keep)
-        out._specs = {}
         out._callbacks = list(self._callbacks)
         out._origin = self
         out._origin_specs = dict(self._specs)
@@ -729,12 +718,7 @@ class Graph:
         hit = self._nodes.get(int(mine))
         if hit is not None:
             return hit
-        origin_spec = self._origin_specs.get(int(node.handle))
-        if origin_spec is not None:
-            self._specs[int(mine)] = origin_spec
-        out = GraphNode(self, mine, node.type, origin_spec)
-        self._nodes[int(mine)] = out
-        return out
+        return self._node(mine, node.type, self._origin_specs.get(int(node.handle)))
 
     def instantiate(self) -> GraphExec:
         """An executable graph of the graph as it is now (``cuGraphInstantiate``).

@@ -104,20 +104,20 @@ def check_supported(what: str) -> None:
     """Raise ``CudaError`` (``CUDA_ERROR_NOT_SUPPORTED``) naming what is missing when the
     bindings or the driver cannot make conditional nodes."""
     if getattr(drv, "cuGraphConditionalHandleCreate", None) is None:
-        raise CudaError(
-            f"{what}: conditional graph nodes need cuda-bindings with "
-            "cuGraphConditionalHandleCreate (12.4 or newer); upgrade cuda-bindings",
-            _NOT_SUPPORTED,
-            "CUDA_ERROR_NOT_SUPPORTED",
+        need = (
+            "cuda-bindings with cuGraphConditionalHandleCreate (12.4 or newer); "
+            "upgrade cuda-bindings"
         )
-    version = _driver.driver_version()
-    if version is not None and version < _NEEDS:
-        raise CudaError(
-            f"{what}: conditional graph nodes need a CUDA {_NEEDS[0]}.{_NEEDS[1]} driver or "
-            f"newer; this driver is CUDA {version[0]}.{version[1]}: upgrade the driver",
-            _NOT_SUPPORTED,
-            "CUDA_ERROR_NOT_SUPPORTED",
+    elif (version := _driver.driver_version()) is not None and version < _NEEDS:
+        need = (
+            f"a CUDA {_NEEDS[0]}.{_NEEDS[1]} driver or newer; this driver is CUDA "
+            f"{version[0]}.{version[1]}: upgrade the driver"
         )
+    else:
+        return
+    raise CudaError(
+        f"{what}: conditional graph nodes need {need}", _NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED"
+    )
 
 
 def kind_member(kind: Any, what: str) -> Any:
@@ -146,10 +146,10 @@ def conditional_params(handle: Any, kind_enum: Any, cu_ctx: Any) -> Any:
     return p
 
 
-def add_node_args(bindings_major: int, graph: Any, deps: list[Any], params: Any) -> tuple[Any, ...]:
-    """Arguments of ``cuGraphAddNode``: 13.x takes edge data (default edges, one per
-    dependency: the bindings check the list's length), 12.x does not."""
-    if bindings_major >= 13:
+def add_node_args(graph: Any, deps: list[Any], params: Any) -> tuple[Any, ...]:
+    """Arguments of ``cuGraphAddNode``: 13.x bindings take edge data (default edges, one
+    per dependency: the bindings check the list's length), 12.x do not."""
+    if _driver.BINDINGS_VERSION[0] >= 13:
         edges = [drv.CUgraphEdgeData() for _ in deps] if deps else None
         return (graph, deps, edges, len(deps), params)
     return (graph, deps, len(deps), params)
