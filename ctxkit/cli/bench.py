@@ -47,7 +47,6 @@ __all__ = [
     "median_info",
     "median_target",
     "parse_line",
-    "run_benchmarks",
     "run_programs",
     "skipped",
     "stat_note",
@@ -295,11 +294,6 @@ def cli_bench(args: argparse.Namespace, gpu_problem: Callable[[], str | None]) -
         print(reason, file=sys.stderr)
         return 2
     return run_programs({n: found[n] for n in names}, quick=bool(getattr(args, "quick", False)))
-
-
-def run_benchmarks(args: argparse.Namespace) -> int:
-    """:func:`cli_bench` for a caller that has already checked the GPU."""
-    return cli_bench(args, lambda: None)
 
 
 def run_one(path: Path, quick: bool) -> tuple[int, list[Verdict]]:

@@ -363,22 +363,15 @@ def cupy_peer() -> tuple[Peer | None, str]:
     return (run, f"CuPy {cp.__version__}"), ""
 
 
-def _torch() -> tuple[Any, str]:
-    try:
-        import torch
-    except Exception as exc:
-        return None, f"not installed: {type(exc).__name__}; pip install torch"
-    if not torch.cuda.is_available():
-        return None, "torch sees no CUDA device"
-    return torch, ""
-
-
 def torch_peers(template: np.ndarray) -> tuple[dict[str, Peer], str]:
     """PyTorch's plain path and its pinned path (``pin_memory()``, non-blocking copies,
     a cached pinned output shaped like *template*) on device 0, or ``({}, why not)``."""
-    torch, why = _torch()
-    if torch is None:
-        return {}, f"torch rows ({why})"
+    try:
+        import torch
+    except Exception as exc:
+        return {}, f"torch rows (not installed: {type(exc).__name__}; pip install torch)"
+    if not torch.cuda.is_available():
+        return {}, "torch rows (torch sees no CUDA device)"
     dev = torch.device("cuda", 0)
     out_t = torch.empty(template.shape, dtype=torch.float32, pin_memory=True)
 
@@ -431,6 +424,7 @@ class _Demo:
         self.repeated: tuple[Any, Timeline] | None = None
         self.progress = x.nbytes >= 1024 * MiB
         self._first_path = ""
+        self._untimed = 0.0  # seconds of the current call not to count (taking its trace)
 
     def check(self, key: str, out: np.ndarray) -> None:
         """Compare *out* with numpy's result; a mismatch is reported and remembered."""
@@ -453,17 +447,20 @@ class _Demo:
         self,
         key: str,
         gpus: int,
-        call: Callable[[np.ndarray], tuple[np.ndarray, float]],
+        call: Callable[[np.ndarray], np.ndarray],
         fresh: bool,
         warmup: int = 0,
         note: str = "",
     ) -> None:
-        """Time ``call(x) -> (out, seconds)`` *repeats* times after *warmup* untimed
-        calls, on a fresh copy of x each call when *fresh*; check every result."""
+        """Time ``call(x) -> out`` *repeats* times after *warmup* untimed calls, on a
+        fresh copy of x each call when *fresh*; check every result."""
         values = []
         for i in range(warmup + self.repeats):
             x = fresh_copy(self.x) if fresh else self.x
-            out, seconds = call(x)
+            self._untimed = 0.0
+            t0 = time.perf_counter()
+            out = call(x)
+            seconds = time.perf_counter() - t0 - self._untimed
             self.check(key, out)
             if i >= warmup:
                 values.append(io_gbps(x.nbytes, out.nbytes, seconds))
@@ -479,10 +476,9 @@ class _Demo:
         out = np.empty_like(self.x)
         try:
 
-            def run(x: np.ndarray) -> tuple[np.ndarray, float]:
-                t0 = time.perf_counter()
+            def run(x: np.ndarray) -> np.ndarray:
                 naive.run(x, out, (ALPHA,), 8)
-                return out, time.perf_counter() - t0
+                return out
 
             self.timed("naive", nd, run, fresh=False, warmup=1)
         finally:
@@ -504,14 +500,8 @@ class _Demo:
         if why:
             self.skipped.append(why)
         for key, (fn, note) in peers.items():
-
-            def run(x: np.ndarray, fn: Any = fn) -> tuple[np.ndarray, float]:
-                t0 = time.perf_counter()
-                out = fn(x)
-                return out, time.perf_counter() - t0
-
             try:
-                self.timed(key, 1, run, fresh=False, warmup=1, note=note)
+                self.timed(key, 1, fn, fresh=False, warmup=1, note=note)
             except Exception as exc:
                 self.skipped.append(f"{LABELS[key]} (failed: {exc!r})")
         _release_peers()
@@ -520,17 +510,15 @@ class _Demo:
         say("[3/6] ctxkit first call: a new Pipeline per call, arrays never seen, default out")
         ordinals, kernel = self.ordinals, self.kernel
 
-        def run(x: np.ndarray) -> tuple[np.ndarray, float]:
-            t0 = time.perf_counter()
+        def run(x: np.ndarray) -> np.ndarray:
             with Pipeline(ordinals) as p:
                 out = p.map(kernel, x, args=(ALPHA,))
                 t_map = time.perf_counter()
                 if self.trace:
                     self.first_timeline = p.trace()
-                t_trace = time.perf_counter() - t_map
-                path = p.last_stats.path
-            self._first_path = path
-            return out, time.perf_counter() - t0 - t_trace
+                self._untimed = time.perf_counter() - t_map
+                self._first_path = p.last_stats.path
+            return out
 
         self.timed("first_call", len(ordinals), run, fresh=True)
         self._retag("first_call", self._first_path)
@@ -538,10 +526,8 @@ class _Demo:
     def long_lived(self, p: Pipeline) -> None:
         say("[4/6] ctxkit long-lived Pipeline, a fresh array every call, default out")
 
-        def run(x: np.ndarray) -> tuple[np.ndarray, float]:
-            t0 = time.perf_counter()
-            out = p.map(self.kernel, x, args=(ALPHA,))
-            return out, time.perf_counter() - t0
+        def run(x: np.ndarray) -> np.ndarray:
+            return p.map(self.kernel, x, args=(ALPHA,))
 
         self.timed("fresh", len(self.ordinals), run, fresh=True, warmup=1)
         self._retag("fresh", p.last_stats.path)
@@ -550,10 +536,9 @@ class _Demo:
         say("[5/6] ctxkit, the same arrays again (pin on reuse)")
         out = np.empty_like(self.x)
 
-        def run(x: np.ndarray) -> tuple[np.ndarray, float]:
-            t0 = time.perf_counter()
+        def run(x: np.ndarray) -> np.ndarray:
             p.map(self.kernel, x, out, args=(ALPHA,))
-            return out, time.perf_counter() - t0
+            return out
 
         self.timed("repeated", len(self.ordinals), run, fresh=False, warmup=2)
         self._retag("repeated", p.last_stats.path)
@@ -566,10 +551,9 @@ class _Demo:
         op = pinned_empty(self.x.shape, self.x.dtype, context=ctx)
         xp[...] = self.x
 
-        def run(x: np.ndarray) -> tuple[np.ndarray, float]:
-            t0 = time.perf_counter()
+        def run(x: np.ndarray) -> np.ndarray:
             p.map(self.kernel, xp, op, args=(ALPHA,))
-            return op, time.perf_counter() - t0
+            return op
 
         self.timed("pinned", len(self.ordinals), run, fresh=False, warmup=1)
 

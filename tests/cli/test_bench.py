@@ -124,12 +124,6 @@ def test_a_run_fails_on_a_fail_line_or_a_bad_exit(checkout, capsys, lines, rc, p
     assert bench.cli_bench(args("fine"), lambda: None) == 0
 
 
-def test_run_benchmarks_keeps_working_for_a_caller_that_checked_the_gpu(checkout, capsys):
-    checkout("fine", [PASS])
-    assert bench.run_benchmarks(args("fine")) == 0
-    assert bench.run_benchmarks(args("nosuch")) == 1
-
-
 def test_main_bench_list_needs_no_gpu(capsys):
     """Needs ``--list`` in the ``bench`` parser and ``cmd_bench`` calling ``cli_bench``."""
     from ctxkit.cli import main
