@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ctxkit.cli.bench import Line, check, emit, info, median, median_target, skipped, target
+from verdictlines import Line, check, emit, info, median, median_target, skipped, target
 
 REPO = Path(__file__).resolve().parent.parent
 WARM_TARGET_MS = 2.0

@@ -28,9 +28,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import ctxkit as ck
-from ctxkit._driver import drv
-from ctxkit.cli.bench import (
+from verdictlines import (
     Line,
     emit,
     info,
@@ -40,6 +38,9 @@ from ctxkit.cli.bench import (
     skipped,
     target,
 )
+
+import ctxkit as ck
+from ctxkit._driver import drv
 
 THREAD_COUNTS = (1, 4, 8)
 

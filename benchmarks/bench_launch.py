@@ -46,10 +46,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
+from verdictlines import Line, emit, info, median, median_info, median_target, skipped, target
 
 import ctxkit as ck
 from ctxkit._driver import drv
-from ctxkit.cli.bench import Line, emit, info, median, median_info, median_target, skipped, target
 from ctxkit.compiler import kernel_source
 from ctxkit.module import capture
 

@@ -49,9 +49,9 @@ from typing import Any
 import numpy as np
 from pipeline_baselines import RawPinned, parallel_copy, time_registration
 from pipeline_verdicts import IO, verdicts
+from verdictlines import emit, median
 
 import ctxkit as ck
-from ctxkit.cli.bench import emit, median
 from ctxkit.cli.demo import NaivePattern, load_scale_kernel
 from ctxkit.memory.streamcopy import (
     copy_streaming,

@@ -21,7 +21,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from ctxkit.cli.bench import Line, check, info, median, median_info, median_target, skipped, target
+from verdictlines import Line, check, info, median, median_info, median_target, skipped, target
 
 HELD = "in=held, out=held"
 IO = "GB/s in+out"
