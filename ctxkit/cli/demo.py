@@ -63,7 +63,6 @@ __all__ = [
     "NaivePattern",
     "Row",
     "baseline_row",
-    "best_seconds",
     "choose_size_mb",
     "format_table",
     "io_gbps",
@@ -217,21 +216,6 @@ def load_scale_kernel(entry: str = "scale_f32") -> tuple[ObjectCode, Kernel, flo
     obj = compile(kernel_source("scale.cu"), name="scale.cu")
     seconds = time.perf_counter() - t0
     return obj, Module.load(obj).function(entry), seconds
-
-
-def best_seconds(
-    fn: Callable[[], Any], repeats: int, label: str = "", progress: bool = False
-) -> float:
-    """The fastest of *repeats* timed calls of *fn*."""
-    best = float("inf")
-    for i in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        dt = time.perf_counter() - t0
-        best = min(best, dt)
-        if progress:
-            say(f"    {label} run {i + 1}/{repeats}: {dt * 1e3:.1f} ms")
-    return best
 
 
 class NaivePattern:
