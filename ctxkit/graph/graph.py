@@ -29,6 +29,7 @@ import logging
 import os
 import weakref
 from collections.abc import Callable, Iterable
+from contextlib import suppress
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
@@ -196,8 +197,8 @@ class GraphNode:
             (err,) = drv.cuGraphKernelNodeSetParams(self.handle, new.params(ctx))
         if err:
             raise ctx.note_error(err, f"cuGraphKernelNodeSetParams({new.describe()})")
-        self._spec = new
-        graph._keep_spec(self, new)
+        self._spec = graph._specs[int(self.handle)] = new
+        graph._bump()
 
     def __repr__(self) -> str:
         detail = f" {self._spec.describe()}" if self._spec is not None else ""
@@ -220,7 +221,6 @@ def dependency_handles(graph: Graph, depends_on: Any, what: str) -> list[Any]:
             f"{what}: depends_on must be a GraphNode or a list of them, "
             f"got {type(depends_on).__name__}"
         ) from None
-    out = []
     for n in nodes:
         if not isinstance(n, GraphNode):
             raise TypeError(f"{what}: depends_on holds {type(n).__name__}, not a GraphNode")
@@ -230,8 +230,7 @@ def dependency_handles(graph: Graph, depends_on: Any, what: str) -> list[Any]:
                 "a node can only depend on nodes of its own graph (add a child graph node "
                 "with graph.child(other) to run another graph inside this one)"
             )
-        out.append(n.handle)
-    return out
+    return [n.handle for n in nodes]
 
 
 class Graph:
@@ -300,8 +299,7 @@ class Graph:
         """Own the ``CUgraph`` a capture block made, and instantiate it for :meth:`launch`."""
         self._own(handle)
         self.num_nodes  # noqa: B018  (remembered: repr and num_nodes after close)
-        self._exec = GraphExec(self)
-        self._exec_version = self._version
+        self._ready("graph capture")
 
     # --- state -----------------------------------------------------------------------
 
@@ -392,10 +390,6 @@ class Graph:
         self._keep.extend(keep)
         self._bump()
         return self._node(node, kind, spec)
-
-    def _keep_spec(self, node: GraphNode, spec: KernelSpec) -> None:
-        self._specs[int(node.handle)] = spec
-        self._bump()
 
     # --- nodes that do one thing -------------------------------------------------------
 
@@ -715,10 +709,8 @@ class Graph:
             err, mine = drv.cuGraphNodeFindInClone(node.handle, handle)
         if err:
             raise self.context.note_error(err, "cuGraphNodeFindInClone")
-        hit = self._nodes.get(int(mine))
-        if hit is not None:
-            return hit
-        return self._node(mine, node.type, self._origin_specs.get(int(node.handle)))
+        spec = self._origin_specs.get(int(node.handle))
+        return self._nodes.get(int(mine)) or self._node(mine, node.type, spec)
 
     def instantiate(self) -> GraphExec:
         """An executable graph of the graph as it is now (``cuGraphInstantiate``).
@@ -770,9 +762,8 @@ class Graph:
     def debug_dot(self, path: str | os.PathLike[str], *, verbose: bool = False) -> None:
         """Write the graph as Graphviz DOT to *path* (``cuGraphDebugDotPrint``)."""
         handle = self._open("Graph.debug_dot")
-        flags = 1 if verbose else 0  # CU_GRAPH_DEBUG_DOT_FLAGS_VERBOSE
-        with guard(self.context, "Graph.debug_dot"):
-            (err,) = drv.cuGraphDebugDotPrint(handle, os.fsencode(path), flags)
+        with guard(self.context, "Graph.debug_dot"):  # flags: CU_GRAPH_DEBUG_DOT_FLAGS_VERBOSE
+            (err,) = drv.cuGraphDebugDotPrint(handle, os.fsencode(path), 1 if verbose else 0)
         if err:
             raise self.context.note_error(err, f"cuGraphDebugDotPrint({os.fspath(path)!r})")
 
@@ -797,10 +788,8 @@ class Graph:
         kind = " body" if self._parent is not None else ""
         count = self._count
         if state != "empty":
-            try:
+            with suppress(CudaError):
                 count = self.num_nodes
-            except CudaError:
-                pass
         return f"<Graph{kind} {count} nodes {state} in {self.context!r}>"
 
 
@@ -845,7 +834,6 @@ class GraphExec:
         self._graph = weakref.ref(graph)  # a graph launching its own exec holds it
         self.handle = exe
         self._uses = (list(graph._keep), dict(graph._specs))
-        self._updated: tuple[list[Any], dict[int, KernelSpec]] | None = None
         self._params: dict[int, KernelSpec] = {}  # set_kernel_params, by node handle
         self._callbacks = list(graph._callbacks)
         self._fin: weakref.finalize | None = finalizer(self, ctx, drv.cuGraphExecDestroy, exe)
@@ -893,8 +881,11 @@ class GraphExec:
             raise CudaError(f"{what}: {_EMPTY}")
         ctx = self.context
         hs = stream_for(stream, ctx, "graph")
-        if self._callbacks:
-            self._route(stream)
+        if self._callbacks:  # host nodes report exceptions to the stream of this launch
+            s = stream if stream is not None else implicit_stream(ctx)
+            ref = weakref.ref(s) if isinstance(s, Stream) else None
+            for cb in self._callbacks:
+                cb.stream_ref = ref
         if thread_state().top is ctx:
             (err,) = fn(exe, hs)
         else:
@@ -902,13 +893,6 @@ class GraphExec:
                 (err,) = fn(exe, hs)
         if err:
             raise ctx.note_error(int(err), getattr(fn, "__name__", what))
-
-    def _route(self, stream: Any) -> None:
-        """Host nodes report exceptions to the ctxkit stream of this launch."""
-        s = stream if stream is not None else implicit_stream(self.context)
-        ref = weakref.ref(s) if isinstance(s, Stream) else None
-        for cb in self._callbacks:
-            cb.stream_ref = ref
 
     # --- updating --------------------------------------------------------------------
 
@@ -944,7 +928,7 @@ class GraphExec:
                 err, info = _ask_libcuda(exe, handle, int(err), info)
         if err:
             raise update_error(int(err), info, graph)
-        self._updated = (list(graph._keep), dict(graph._specs))
+        self._updated = (list(graph._keep), dict(graph._specs))  # kept alive while it runs
         self._params.clear()
         self._callbacks = list(graph._callbacks)
 
@@ -1027,7 +1011,11 @@ def update_error(code: int, info: Any, graph: Graph) -> GraphUpdateError:
         full = "no CUgraphExecUpdateResultInfo: the driver gave no reason"
     reason = suffix.lower()
     why = _REASONS.get(suffix, f"the driver answered {full}")
-    node = _error_node(graph, getattr(info, "errorNode", None))
+    handle = getattr(info, "errorNode", None)
+    try:
+        node = graph._wrap(handle) if handle is not None and int(handle) else None
+    except CudaError:
+        node = None
     at = f"; the node: {node!r}" if node is not None else ""
     name, _text = _driver.describe(code)
     return GraphUpdateError(
@@ -1040,12 +1028,3 @@ def update_error(code: int, info: Any, graph: Graph) -> GraphUpdateError:
         reason=reason,
         node=node,
     )
-
-
-def _error_node(graph: Graph, handle: Any) -> GraphNode | None:
-    if handle is None or not int(handle):
-        return None
-    try:
-        return graph._wrap(handle)
-    except CudaError:
-        return None

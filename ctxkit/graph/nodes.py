@@ -60,7 +60,6 @@ extern "C" __device__ __cudart_builtin__ void cudaGraphSetConditional(
 
 _NOT_SUPPORTED = 801
 _NEEDS = (12, 4)
-KINDS = ("if", "while")
 
 
 class ConditionalHandle:
@@ -89,9 +88,6 @@ class ConditionalHandle:
     def graph(self) -> Any:
         """The graph it was created in (``None`` once collected)."""
         return self._graph()
-
-    def __int__(self) -> int:
-        return int(self.handle)
 
     def __index__(self) -> int:
         return int(self.handle)
@@ -122,7 +118,7 @@ def check_supported(what: str) -> None:
 
 def kind_member(kind: Any, what: str) -> Any:
     """The ``CUgraphConditionalNodeType`` member for ``"if"`` or ``"while"``."""
-    if kind not in KINDS:
+    if kind not in ("if", "while"):
         raise ValueError(f"{what}: kind must be 'if' or 'while', got {kind!r}")
     return getattr(drv.CUgraphConditionalNodeType, f"CU_GRAPH_COND_TYPE_{kind.upper()}")
 
