@@ -35,9 +35,18 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from verdict_rules import QUICK, missing_baseline
-
-from ctxkit.cli.bench import Line, check, emit, info, median, median_target, skipped, target
+from verdictlines import (
+    QUICK,
+    Line,
+    check,
+    emit,
+    info,
+    median,
+    median_target,
+    missing_baseline,
+    skipped,
+    target,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 WARM_TARGET_MS = 2.0

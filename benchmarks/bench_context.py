@@ -28,20 +28,21 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from verdict_rules import QUICK, missing_baseline
-
-import ctxkit as ck
-from ctxkit._driver import drv
-from ctxkit.cli.bench import (
+from verdictlines import (
+    QUICK,
     Line,
     emit,
     info,
     median,
     median_info,
     median_target,
+    missing_baseline,
     skipped,
     target,
 )
+
+import ctxkit as ck
+from ctxkit._driver import drv
 
 THREAD_COUNTS = (1, 4, 8)
 

@@ -46,11 +46,20 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-from verdict_rules import QUICK, missing_baseline
+from verdictlines import (
+    QUICK,
+    Line,
+    emit,
+    info,
+    median,
+    median_info,
+    median_target,
+    missing_baseline,
+    target,
+)
 
 import ctxkit as ck
 from ctxkit._driver import drv
-from ctxkit.cli.bench import Line, emit, info, median, median_info, median_target, target
 from ctxkit.compiler import kernel_source
 from ctxkit.graph import capture
 

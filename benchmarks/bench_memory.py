@@ -34,12 +34,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
-from verdict_rules import QUICK, missing_baseline
+from verdictlines import QUICK, Line, emit, info, median, missing_baseline, skipped, target
+from verdictlines import check as check_line
 
 import ctxkit as ck
 from ctxkit._driver import drv
-from ctxkit.cli.bench import Line, emit, info, median, skipped, target
-from ctxkit.cli.bench import check as check_line
 from ctxkit.memory import PageableCopyWarning, blockcache
 
 MiB = 1 << 20

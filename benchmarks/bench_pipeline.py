@@ -59,9 +59,9 @@ import numpy as np
 from pipeline_baselines import RawPinned, parallel_copy, time_registration
 from pipeline_cold import bench_cold
 from pipeline_verdicts import CALLER_HELD, IO, verdicts
+from verdictlines import emit, median
 
 import ctxkit as ck
-from ctxkit.cli.bench import emit, median
 from ctxkit.cli.demo import NaivePattern, load_scale_kernel
 from ctxkit.memory.streamcopy import (
     copy_streaming,

@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from verdictlines import Line, check, emit, info, median, skipped, stat_note, target
 
 import ctxkit as ck
-from ctxkit.cli.bench import Line, check, emit, info, median, skipped, stat_note, target
 from ctxkit.procs import SHM_THRESHOLD, DevicePool, run_per_device
 
 REPO = Path(__file__).resolve().parents[1]

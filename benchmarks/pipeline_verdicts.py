@@ -20,7 +20,7 @@ Targets (one H200 and, for the 2-GPU lines, two H200s of one host), all on media
 
 A comparison whose baseline (torch) is missing FAILs in a full run and SKIPs in a quick
 one; the targets set for 1 GiB arrays print NOT MEASURED on smaller ones
-(benchmarks/verdict_rules.py).
+(benchmarks/verdictlines.py).
 """
 
 from __future__ import annotations
@@ -29,9 +29,19 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from verdict_rules import QUICK, missing_baseline, not_measured
-
-from ctxkit.cli.bench import Line, check, info, median, median_info, median_target, skipped, target
+from verdictlines import (
+    QUICK,
+    Line,
+    check,
+    info,
+    median,
+    median_info,
+    median_target,
+    missing_baseline,
+    not_measured,
+    skipped,
+    target,
+)
 
 HELD = "in=held, out=held"
 IO = "GB/s in+out"

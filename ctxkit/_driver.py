@@ -114,6 +114,11 @@ def bindings_available() -> bool:
     return drv is not None
 
 
+def bindings_import_error() -> BaseException | None:
+    """Why cuda-bindings failed to import (``None`` when it imported)."""
+    return _IMPORT_ERROR
+
+
 def _require_bindings() -> ModuleType:
     if drv is None:
         raise DriverNotFoundError(

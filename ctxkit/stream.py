@@ -329,6 +329,12 @@ class Stream:
             raise ContextClosedError(f"{what}: the stream was closed")
         return handle
 
+    def keep_callback_error(self, exc: BaseException) -> None:
+        """Keep *exc*, raised by a host callback of this stream's work, for the next
+        :meth:`synchronize` to raise (callbacks run on a driver thread)."""
+        with self._lock:
+            self._callback_errors.append(exc)
+
     # --- operations ------------------------------------------------------------------
 
     def synchronize(self) -> None:

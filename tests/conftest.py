@@ -20,6 +20,10 @@ from typing import Any
 
 import pytest
 
+# the fake drivers' fixtures (``gpu``; ``vfake``, ``vctx0``, ``vctx1``), for every test
+from tests.support.fakegpu import gpu_fixture  # noqa: F401
+from tests.support.fakevmm import vctx0, vctx1, vfake  # noqa: F401
+
 FAKE_FIXTURES = frozenset({"fake_driver", "gpu"})
 
 

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 from .compile import DESCRIPTION as COMPILE_DESCRIPTION
 from .compile import add_arguments as add_compile_arguments
+from .compile import run as run_compile
 
 EXIT_NO_GPU = 2
 #: The status of a command whose reader went away (``ctxkit info | head -1``): 128 + SIGPIPE,
@@ -52,19 +53,18 @@ def _no_gpu_message() -> str | None:
     return None
 
 
-def cmd_info(args: argparse.Namespace) -> int:
-    from .info import print_info
+def run_command(args: argparse.Namespace) -> int:
+    """Run the parsed subcommand; its module is imported on use (``--help`` stays light)."""
+    if args.command == "info":
+        from .info import print_info
 
-    return print_info()
+        return print_info()
+    if args.command == "compile":
+        return run_compile(args)
+    if args.command == "bench":
+        from .bench import cli_bench
 
-
-def cmd_compile(args: argparse.Namespace) -> int:
-    from .compile import cli_compile
-
-    return cli_compile(args)
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
+        return cli_bench(args, _no_gpu_message)
     reason = _no_gpu_message()
     if reason:
         print(reason, file=sys.stderr)
@@ -72,12 +72,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
     return run_demo(args)
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import cli_bench
-
-    return cli_bench(args, _no_gpu_message)
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -130,14 +124,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``ctxkit`` command with *argv* (default: ``sys.argv[1:]``); return its exit code."""
     args = build_parser().parse_args(argv)
-    handler = {
-        "info": cmd_info,
-        "compile": cmd_compile,
-        "demo": cmd_demo,
-        "bench": cmd_bench,
-    }[args.command]
     try:
-        status = handler(args)
+        status = run_command(args)
         sys.stdout.flush()
     except BrokenPipeError:
         return _reader_gone()

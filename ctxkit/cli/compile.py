@@ -17,7 +17,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DESCRIPTION", "MAX_SOURCE_BYTES", "add_arguments", "cli_compile", "run"]
+__all__ = ["DESCRIPTION", "MAX_SOURCE_BYTES", "add_arguments", "run"]
 
 
 #: The largest source file ``ctxkit compile`` reads (bytes); NVRTC takes far longer
@@ -81,11 +81,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--std", default=None, help="C++ standard, e.g. c++17")
     p.add_argument("--no-cache", action="store_true", help="bypass the kernel cache")
-
-
-def cli_compile(args: argparse.Namespace) -> int:
-    """``ctxkit compile``: see :func:`run`."""
-    return run(args)
 
 
 class _Usage(Exception):

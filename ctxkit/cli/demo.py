@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,21 +55,13 @@ from ..pipeline.pipeline import Pipeline
 from ..pipeline.plan import grid_size, split_rows
 from ..stream import Stream
 from ..trace import Timeline
-from .demotable import (
-    LABELS,
-    Row,
-    baseline_row,
-    choose_size_mb,
-    format_table,
-    io_gbps,
-    trace_paths,
-)
 
 __all__ = [
+    "LABELS",
+    "ROW_ORDER",
     "NaivePattern",
     "Row",
     "baseline_row",
-    "best_seconds",
     "choose_size_mb",
     "format_table",
     "io_gbps",
@@ -81,6 +75,130 @@ MiB = 1 << 20
 
 
 ALPHA = 2.0
+
+
+# --- the table (pure functions, tested on canned numbers) ------------------------------
+
+
+GiB = 1 << 30
+
+
+#: Row keys, in the order the table lists them.
+ROW_ORDER = (
+    "naive",
+    "cupy",
+    "torch",
+    "torch_pinned",
+    "first_call",
+    "fresh",
+    "repeated",
+    "pinned",
+)
+
+
+LABELS = {
+    "naive": "naive pattern, 8 chunks per device",
+    "cupy": "CuPy cp.asnumpy(cp.asarray(x) * 2)",
+    "torch": 'torch (from_numpy(x).to("cuda") * 2).cpu()',
+    "torch_pinned": "torch pin_memory() + non-blocking, cached pinned out",
+    "first_call": "ctxkit first call: new Pipeline, fresh x, default out",
+    "fresh": "ctxkit long-lived Pipeline, fresh x, default out",
+    "repeated": "ctxkit repeated (same arrays)",
+    "pinned": "ctxkit pinned arrays",
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One variant of the table: GB/s (input + output bytes) of each timed call."""
+
+    key: str
+    gpus: int
+    gbps: tuple[float, ...]
+    note: str = ""
+
+    @property
+    def label(self) -> str:
+        """The variant's name in the table."""
+        return LABELS.get(self.key, self.key)
+
+    @property
+    def best(self) -> float:
+        """The fastest call's GB/s (0.0 without calls)."""
+        return max(self.gbps, default=0.0)
+
+    @property
+    def median(self) -> float:
+        """The median call's GB/s (0.0 without calls)."""
+        return statistics.median(self.gbps) if self.gbps else 0.0
+
+
+def io_gbps(in_bytes: int, out_bytes: int, seconds: float) -> float:
+    """Gigabytes (1e9) of input plus output per second."""
+    return (in_bytes + out_bytes) / seconds / 1e9 if seconds > 0 else 0.0
+
+
+def baseline_row(rows: Sequence[Row]) -> Row | None:
+    """What the table compares with: PyTorch's pinned path, else the naive pattern."""
+    by_key = {r.key: r for r in rows if r.gbps}
+    return by_key.get("torch_pinned") or by_key.get("naive")
+
+
+def _ordered(rows: Sequence[Row]) -> list[Row]:
+    rank = {k: i for i, k in enumerate(ROW_ORDER)}
+    return sorted(rows, key=lambda r: rank.get(r.key, len(rank)))
+
+
+def format_table(rows: Sequence[Row], skipped: Sequence[str] = (), title: str = "") -> list[str]:
+    """The side-by-side table as lines: variant, GPUs, best and median GB/s (input +
+    output bytes), every call, and the best against :func:`baseline_row`'s best."""
+    base = baseline_row(rows)
+    vs = f"vs {'torch pinned' if base and base.key == 'torch_pinned' else 'naive'}"
+    width = max([len(r.label) for r in rows] + [len("variant")])
+    lines = [title] if title else []
+    lines.append(f"  {'variant':{width}s}  GPUs  best GB/s  median  {vs:>15s}  calls (GB/s)")
+    for r in _ordered(rows):
+        ratio = f"{r.best / base.best:.2f}x" if base and base.best else "-"
+        calls = " ".join(f"{g:.1f}" for g in r.gbps)
+        note = f"  ({r.note})" if r.note else ""
+        lines.append(
+            f"  {r.label:{width}s}  {r.gpus:4d}  {r.best:9.1f}  {r.median:6.1f}  "
+            f"{ratio:>15s}  {calls}{note}"
+        )
+    lines.extend(f"  skipped: {s}" for s in skipped)
+    return lines
+
+
+def choose_size_mb(
+    requested: float | None, quick: bool, gpu_bytes: Sequence[int], host_bytes: int | None
+) -> float:
+    """The input size in MiB: *requested*, else 1024 where every GPU has 8 GiB and the
+    host 16 GiB (the variants hold several copies of the input), else 256; ``--quick``
+    caps it at 64.
+
+    Raises
+    ------
+    ValueError
+        *requested* is not a positive number.
+    """
+    if requested is None:
+        roomy = min(gpu_bytes, default=0) >= 8 * GiB and (host_bytes or 0) >= 16 * GiB
+        size = 1024.0 if roomy else 256.0
+    else:
+        size = float(requested)
+        if not size > 0:
+            raise ValueError(f"--size-mb must be a positive number of MiB, got {requested!r}")
+    return min(size, 64.0) if quick else size
+
+
+def trace_paths(path: str) -> tuple[Path, Path]:
+    """Where the timelines go: the repeated call's at *path*, the first call's beside it
+    (``NAME-first-call.json``)."""
+    main = Path(path)
+    return main, main.with_name(f"{main.stem}-first-call{main.suffix or '.json'}")
+
+
+# --- the variants ----------------------------------------------------------------------
 
 
 def say(msg: str) -> None:
@@ -97,21 +215,6 @@ def load_scale_kernel(entry: str = "scale_f32") -> tuple[ObjectCode, Kernel, flo
     obj = compile(kernel_source("scale.cu"), name="scale.cu")
     seconds = time.perf_counter() - t0
     return obj, Module.load(obj).function(entry), seconds
-
-
-def best_seconds(
-    fn: Callable[[], Any], repeats: int, label: str = "", progress: bool = False
-) -> float:
-    """The fastest of *repeats* timed calls of *fn*."""
-    best = float("inf")
-    for i in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        dt = time.perf_counter() - t0
-        best = min(best, dt)
-        if progress:
-            say(f"    {label} run {i + 1}/{repeats}: {dt * 1e3:.1f} ms")
-    return best
 
 
 class NaivePattern:
@@ -243,22 +346,15 @@ def cupy_peer() -> tuple[Peer | None, str]:
     return (run, f"CuPy {cp.__version__}"), ""
 
 
-def _torch() -> tuple[Any, str]:
-    try:
-        import torch
-    except Exception as exc:
-        return None, f"not installed: {type(exc).__name__}; pip install torch"
-    if not torch.cuda.is_available():
-        return None, "torch sees no CUDA device"
-    return torch, ""
-
-
 def torch_peers(template: np.ndarray) -> tuple[dict[str, Peer], str]:
     """PyTorch's plain path and its pinned path (``pin_memory()``, non-blocking copies,
     a cached pinned output shaped like *template*) on device 0, or ``({}, why not)``."""
-    torch, why = _torch()
-    if torch is None:
-        return {}, f"torch rows ({why})"
+    try:
+        import torch
+    except Exception as exc:
+        return {}, f"torch rows (not installed: {type(exc).__name__}; pip install torch)"
+    if not torch.cuda.is_available():
+        return {}, "torch rows (torch sees no CUDA device)"
     dev = torch.device("cuda", 0)
     out_t = torch.empty(template.shape, dtype=torch.float32, pin_memory=True)
 
@@ -311,6 +407,7 @@ class _Demo:
         self.repeated: tuple[Any, Timeline] | None = None
         self.progress = x.nbytes >= 1024 * MiB
         self._first_path = ""
+        self._untimed = 0.0  # seconds of the current call not to count (taking its trace)
 
     def check(self, key: str, out: np.ndarray) -> None:
         """Compare *out* with numpy's result; a mismatch is reported and remembered."""
@@ -333,17 +430,20 @@ class _Demo:
         self,
         key: str,
         gpus: int,
-        call: Callable[[np.ndarray], tuple[np.ndarray, float]],
+        call: Callable[[np.ndarray], np.ndarray],
         fresh: bool,
         warmup: int = 0,
         note: str = "",
     ) -> None:
-        """Time ``call(x) -> (out, seconds)`` *repeats* times after *warmup* untimed
-        calls, on a fresh copy of x each call when *fresh*; check every result."""
+        """Time ``call(x) -> out`` *repeats* times after *warmup* untimed calls, on a
+        fresh copy of x each call when *fresh*; check every result."""
         values = []
         for i in range(warmup + self.repeats):
             x = fresh_copy(self.x) if fresh else self.x
-            out, seconds = call(x)
+            self._untimed = 0.0
+            t0 = time.perf_counter()
+            out = call(x)
+            seconds = time.perf_counter() - t0 - self._untimed
             self.check(key, out)
             if i >= warmup:
                 values.append(io_gbps(x.nbytes, out.nbytes, seconds))
@@ -359,10 +459,9 @@ class _Demo:
         out = np.empty_like(self.x)
         try:
 
-            def run(x: np.ndarray) -> tuple[np.ndarray, float]:
-                t0 = time.perf_counter()
+            def run(x: np.ndarray) -> np.ndarray:
                 naive.run(x, out, (ALPHA,), 8)
-                return out, time.perf_counter() - t0
+                return out
 
             self.timed("naive", nd, run, fresh=False, warmup=1)
         finally:
@@ -384,14 +483,8 @@ class _Demo:
         if why:
             self.skipped.append(why)
         for key, (fn, note) in peers.items():
-
-            def run(x: np.ndarray, fn: Any = fn) -> tuple[np.ndarray, float]:
-                t0 = time.perf_counter()
-                out = fn(x)
-                return out, time.perf_counter() - t0
-
             try:
-                self.timed(key, 1, run, fresh=False, warmup=1, note=note)
+                self.timed(key, 1, fn, fresh=False, warmup=1, note=note)
             except Exception as exc:
                 self.skipped.append(f"{LABELS[key]} (failed: {exc!r})")
         _release_peers()
@@ -400,17 +493,15 @@ class _Demo:
         say("[3/6] ctxkit first call: a new Pipeline per call, arrays never seen, default out")
         ordinals, kernel = self.ordinals, self.kernel
 
-        def run(x: np.ndarray) -> tuple[np.ndarray, float]:
-            t0 = time.perf_counter()
+        def run(x: np.ndarray) -> np.ndarray:
             with Pipeline(ordinals) as p:
                 out = p.map(kernel, x, args=(ALPHA,))
                 t_map = time.perf_counter()
                 if self.trace:
                     self.first_timeline = p.trace()
-                t_trace = time.perf_counter() - t_map
-                path = p.last_stats.path
-            self._first_path = path
-            return out, time.perf_counter() - t0 - t_trace
+                self._untimed = time.perf_counter() - t_map
+                self._first_path = p.last_stats.path
+            return out
 
         self.timed("first_call", len(ordinals), run, fresh=True)
         self._retag("first_call", self._first_path)
@@ -418,10 +509,8 @@ class _Demo:
     def long_lived(self, p: Pipeline) -> None:
         say("[4/6] ctxkit long-lived Pipeline, a fresh array every call, default out")
 
-        def run(x: np.ndarray) -> tuple[np.ndarray, float]:
-            t0 = time.perf_counter()
-            out = p.map(self.kernel, x, args=(ALPHA,))
-            return out, time.perf_counter() - t0
+        def run(x: np.ndarray) -> np.ndarray:
+            return p.map(self.kernel, x, args=(ALPHA,))
 
         self.timed("fresh", len(self.ordinals), run, fresh=True, warmup=1)
         self._retag("fresh", p.last_stats.path)
@@ -430,10 +519,9 @@ class _Demo:
         say("[5/6] ctxkit, the same arrays again (pin on reuse)")
         out = np.empty_like(self.x)
 
-        def run(x: np.ndarray) -> tuple[np.ndarray, float]:
-            t0 = time.perf_counter()
+        def run(x: np.ndarray) -> np.ndarray:
             p.map(self.kernel, x, out, args=(ALPHA,))
-            return out, time.perf_counter() - t0
+            return out
 
         self.timed("repeated", len(self.ordinals), run, fresh=False, warmup=2)
         self._retag("repeated", p.last_stats.path)
@@ -446,10 +534,9 @@ class _Demo:
         op = pinned_empty(self.x.shape, self.x.dtype, context=ctx)
         xp[...] = self.x
 
-        def run(x: np.ndarray) -> tuple[np.ndarray, float]:
-            t0 = time.perf_counter()
+        def run(x: np.ndarray) -> np.ndarray:
             p.map(self.kernel, xp, op, args=(ALPHA,))
-            return op, time.perf_counter() - t0
+            return op
 
         self.timed("pinned", len(self.ordinals), run, fresh=False, warmup=1)
 

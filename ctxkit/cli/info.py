@@ -61,7 +61,7 @@ def compatibility_line(nvrtc: tuple[int, int] | None, drv_ver: tuple[int, int] |
 def _bindings_line() -> str:
     if _driver.bindings_available():
         return _fmt(_driver.BINDINGS_VERSION)
-    return f"not installed ({_driver._IMPORT_ERROR!r}); {install_hint()}"
+    return f"not installed ({_driver.bindings_import_error()!r}); {install_hint()}"
 
 
 def _nvrtc() -> tuple[tuple[int, int] | None, tuple[int, ...]]:

@@ -17,10 +17,8 @@ Graphs and executable graphs know their context and bind it for every call.
 from __future__ import annotations
 
 from ..errors import GraphUpdateError
-from .conditional import CONDITIONAL_DEVICE_API, ConditionalHandle
-from .exec import GraphExec
-from .graph import Graph
-from .nodes import GraphNode
+from .graph import Graph, GraphExec, GraphNode
+from .nodes import CONDITIONAL_DEVICE_API, ConditionalHandle
 from .streamcapture import capture
 
 __all__ = [

@@ -1,55 +1,246 @@
-"""``Graph``: a ``CUgraph`` built node by node (or captured from a stream), in its context.
+"""CUDA graphs: ``Graph`` (a ``CUgraph`` built node by node or captured), its nodes,
+and ``GraphExec`` (an instantiated ``CUgraphExec``: launch, update).
 
-Node builders return :class:`~ctxkit.graph.nodes.GraphNode` objects; ``depends_on=``
-wires the edges (default: none, a root node). Everything a node uses -- packed kernel
-arguments and the buffers among them, the arrays of copies, host callbacks, events --
-is kept alive by the graph and by every executable graph made from it.
+A graph's node builders check their arguments and build the node's parameters (with
+:mod:`ctxkit.graph.nodes`) before anything reaches the driver; ``depends_on=`` wires the
+edges (default: none, a root node). Everything a node uses -- packed kernel arguments
+and the buffers among them, the arrays of copies, host callbacks, events -- is kept
+alive by the graph and by every executable graph made from it. An executable graph is a
+snapshot of its graph at :meth:`Graph.instantiate`: :meth:`GraphExec.update` applies
+another graph of the same shape (``cuGraphExecUpdate``; a
+:class:`~ctxkit.errors.GraphUpdateError` names the node and the reason when the driver
+refuses), :meth:`GraphExec.set_kernel_params` changes one kernel node
+(``cuGraphExecKernelNodeSetParams``). Both live here because both hold and read what the
+graph keeps alive.
 
-Here: the graph's state, adding a node with its dependencies, the nodes that hold other
-graphs (child, conditional) and the whole-graph operations (clone, instantiate, launch).
-The builders of the other nodes are in :class:`~ctxkit.graph.builders.NodeBuilders`, its
-base class.
+Host nodes share one C trampoline, a key per callback: a host node runs at every launch
+of every executable graph made from its graph, so its callback is not popped when it
+runs (unlike ``Stream.launch_host_func``'s): it stays in :data:`_callbacks` while the
+:class:`HostCallback` object lives, and the graphs and executable graphs that use it hold
+that object. A key whose callback is gone (its graph and every executable graph of it
+were dropped while a launch was still queued) is skipped.
 """
 
 from __future__ import annotations
 
+import ctypes
+import itertools
+import logging
 import os
 import weakref
-from typing import Any
+from collections.abc import Callable, Iterable
+from contextlib import suppress
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 from .. import _driver
 from .._driver import drv
-from ..context import Context
-from ..errors import ContextClosedError, CudaError, WrongContextError
+from ..context import Context, thread_state
+from ..errors import ContextClosedError, CudaError, GraphUpdateError
 from ..lifetime import finalizer
 from ..registry import ContextLike, guard, resolve_context
-from .builders import NodeBuilders
-from .conditional import (
+from ..stream import Event, Stream, implicit_stream, stream_for
+from .nodes import (
     ConditionalHandle,
+    HostSide,
+    KernelSpec,
     add_node_args,
     check_supported,
+    conditional_params,
+    copy_nbytes,
+    copy_side,
     default_arg,
+    kernel_spec,
     kind_member,
-    node_params,
+    memcpy_params,
+    memset_params,
+    node_type_name,
+    wrong_context,
 )
-from .exec import GraphExec
-from .host import HostCallback
-from .nodes import GraphNode, KernelSpec, dependency_handles, node_type_name
 
-__all__ = ["Graph"]
+if TYPE_CHECKING:
+    from ..module.kernel import Kernel
 
-_INVALID_HANDLE = 400
+__all__ = ["Graph", "GraphExec", "GraphNode"]
+
 _EMPTY = "the graph is empty: its capture block has not finished, or it was closed"
 
 
-class Graph(NodeBuilders):
+# --- host node callbacks -------------------------------------------------------------
+
+log = logging.getLogger("ctxkit.graph")
+
+_callbacks: weakref.WeakValueDictionary[int, HostCallback] = weakref.WeakValueDictionary()
+_keys = itertools.count(1)
+
+
+class HostCallback:
+    """``fn(*args)`` for a host node, and where an exception it raises goes.
+
+    The exception is handed to the ctxkit stream of the latest launch (re-raised by its
+    next ``synchronize()``, like ``Stream.launch_host_func``'s), or logged when that
+    launch was on a foreign or the legacy default stream.
+    """
+
+    __slots__ = ("__weakref__", "args", "fn", "key", "stream_ref")
+
+    def __init__(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        self.fn = fn
+        self.args = args
+        self.key = next(_keys)
+        self.stream_ref: weakref.ref[Any] | None = None
+        _callbacks[self.key] = self
+
+    def run(self) -> None:
+        try:
+            self.fn(*self.args)
+        except BaseException as exc:
+            stream = self.stream_ref() if self.stream_ref is not None else None
+            if stream is None:
+                log.error("graph host node %r raised", self.fn, exc_info=exc)
+            else:
+                stream.keep_callback_error(exc)
+
+    def __repr__(self) -> str:
+        return f"<HostCallback {self.key} {self.fn!r}>"
+
+
+def _run_host_node(key: int | None) -> None:
+    cb = _callbacks.get(key or 0)
+    if cb is not None:
+        cb.run()
+
+
+_HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(_run_host_node)
+
+#: address of the one C trampoline every host node calls (its userData is the key)
+HOST_FN_ADDR: int = ctypes.cast(_HOST_FN, ctypes.c_void_p).value or 0
+
+
+# --- nodes ---------------------------------------------------------------------------
+
+
+class GraphNode:
+    """One node of a :class:`Graph`.
+
+    Made by the graph's node builders (``graph.kernel(...)``, ``graph.memcpy(...)``, ...)
+    or listed by ``graph.nodes()``. Pass nodes as ``depends_on=`` of later nodes of the
+    same graph.
+
+    Attributes
+    ----------
+    graph : Graph
+        The graph it belongs to.
+    handle : CUgraphNode
+    type : str
+        ``"kernel"``, ``"memcpy"``, ``"memset"``, ``"host"``, ``"event_record"``,
+        ``"event_wait"``, ``"empty"``, ``"child"``, ``"conditional"``, ...
+    """
+
+    __slots__ = ("__weakref__", "_spec", "graph", "handle", "type")
+
+    def __init__(self, graph: Graph, handle: Any, type_: str, spec: KernelSpec | None = None):
+        self.graph = graph
+        self.handle = handle
+        self.type = type_
+        self._spec = spec
+
+    @property
+    def kernel(self) -> Kernel | None:
+        """The kernel of a kernel node built by ctxkit (``None`` otherwise)."""
+        return self._spec.kernel if self._spec is not None else None
+
+    @property
+    def args(self) -> tuple[Any, ...] | None:
+        """The arguments of a kernel node built by ctxkit, as last set on the graph."""
+        return self._spec.args if self._spec is not None else None
+
+    def _require_spec(self, what: str) -> KernelSpec:
+        if self._spec is None:
+            detail = (
+                "it was captured from a stream, so ctxkit does not know its kernel's "
+                "parameters; build it with graph.kernel(...)"
+                if self.type == "kernel"
+                else f"it is a {self.type} node"
+            )
+            raise TypeError(f"{what} needs a kernel node built by graph.kernel(), but {detail}")
+        return self._spec
+
+    def set_params(
+        self,
+        *args: Any,
+        grid: Any = None,
+        block: Any = None,
+        shared_mem: int | None = None,
+    ) -> None:
+        """Change this kernel node of the (uninstantiated) graph (``cuGraphKernelNodeSetParams``).
+
+        No argument keeps the current arguments (change only *grid*/*block*/*shared_mem*);
+        otherwise pass all of them, checked against the kernel's signature. Executable
+        graphs made before are unchanged: update them with ``exec.update(graph)`` or
+        ``exec.set_kernel_params(node, ...)``.
+
+        Raises
+        ------
+        LaunchArgumentError
+            The arguments do not fit the kernel's parameters.
+        TypeError
+            Not a kernel node built by ``graph.kernel()``.
+        """
+        what = "GraphNode.set_params"
+        spec = self._require_spec(what)
+        graph = self.graph
+        graph._open(what)
+        ctx = graph.context
+        with guard(ctx, what):
+            new = spec.replaced(ctx, args or None, grid, block, shared_mem)
+            (err,) = drv.cuGraphKernelNodeSetParams(self.handle, new.params(ctx))
+        if err:
+            raise ctx.note_error(err, f"cuGraphKernelNodeSetParams({new.describe()})")
+        self._spec = graph._specs[int(self.handle)] = new
+        graph._bump()
+
+    def __repr__(self) -> str:
+        detail = f" {self._spec.describe()}" if self._spec is not None else ""
+        return f"<GraphNode {self.type}{detail} {int(self.handle):#x}>"
+
+
+def dependency_handles(graph: Graph, depends_on: Any, what: str) -> list[Any]:
+    """The ``CUgraphNode`` list of *depends_on* (a node, nodes, or ``None``).
+
+    Raises ``ValueError`` for a node of another graph and ``TypeError`` for anything that
+    is not a :class:`GraphNode`.
+    """
+    if depends_on is None:
+        return []
+    items: Iterable[Any] = (depends_on,) if isinstance(depends_on, GraphNode) else depends_on
+    try:
+        nodes = list(items)
+    except TypeError:
+        raise TypeError(
+            f"{what}: depends_on must be a GraphNode or a list of them, "
+            f"got {type(depends_on).__name__}"
+        ) from None
+    for n in nodes:
+        if not isinstance(n, GraphNode):
+            raise TypeError(f"{what}: depends_on holds {type(n).__name__}, not a GraphNode")
+        if n.graph is not graph:
+            raise ValueError(
+                f"{what}: {n!r} belongs to another graph ({n.graph!r}), not to {graph!r}; "
+                "a node can only depend on nodes of its own graph (add a child graph node "
+                "with graph.child(other) to run another graph inside this one)"
+            )
+    return [n.handle for n in nodes]
+
+
+class Graph:
     """A CUDA graph (``CUgraph``) in its own context.
 
     ``g = ck.Graph()`` creates an empty graph in the current context (or *context*);
     :func:`~ctxkit.graph.capture` yields one filled from a stream. Add nodes with
     :meth:`kernel`, :meth:`memcpy`, :meth:`memset`, :meth:`host`, :meth:`event_record`,
     :meth:`event_wait`, :meth:`empty`, :meth:`child` and :meth:`conditional`, then
-    :meth:`instantiate` it (a :class:`~ctxkit.graph.exec.GraphExec`, launched and
+    :meth:`instantiate` it (a :class:`GraphExec`, launched and
     updated on its own) or just :meth:`launch` it. Every call binds the graph's context.
 
     Parameters
@@ -74,20 +265,12 @@ class Graph(NodeBuilders):
         self._own(handle)
 
     @classmethod
-    def _pending(cls, ctx: Context) -> Graph:
-        """A graph without a ``CUgraph`` yet (a capture in progress)."""
-        obj = cls.__new__(cls)
-        obj._setup(ctx, None, None)
-        return obj
-
-    @classmethod
-    def _body(cls, ctx: Context, handle: Any, parent: Graph) -> Graph:
-        """The body graph of a conditional node of *parent* (the node owns it)."""
+    def _pending(cls, ctx: Context, handle: Any = None, parent: Graph | None = None) -> Graph:
+        """A graph not made by ``cuGraphCreate``: one without a ``CUgraph`` yet (a capture
+        in progress, a clone), or the body graph of a conditional node of *parent* (the
+        node owns it; it shares what *parent* keeps alive)."""
         obj = cls.__new__(cls)
         obj._setup(ctx, handle, parent)
-        obj._keep = parent._keep
-        obj._specs = parent._specs
-        obj._callbacks = parent._callbacks
         return obj
 
     def _setup(self, ctx: Context, handle: Any, parent: Graph | None) -> None:
@@ -95,9 +278,11 @@ class Graph(NodeBuilders):
         self.handle = handle
         self._parent = parent
         self._fin: weakref.finalize | None = None
-        self._keep: list[Any] = []  # what nodes use: arrays, events, callbacks, children's
-        self._specs: dict[int, KernelSpec] = {}  # kernel node -> its current arguments
-        self._callbacks: list[HostCallback] = []  # host nodes, also of children
+        # what nodes use (arrays, events, callbacks, children's), kernel node -> its
+        # current arguments, host nodes (also of children): a body shares its parent's
+        self._keep: list[Any] = parent._keep if parent else []
+        self._specs: dict[int, KernelSpec] = parent._specs if parent else {}
+        self._callbacks: list[HostCallback] = parent._callbacks if parent else []
         self._nodes: weakref.WeakValueDictionary[int, GraphNode] = weakref.WeakValueDictionary()
         self._origin: Graph | None = None  # the graph this one was cloned from
         self._origin_specs: dict[int, KernelSpec] = {}  # its kernel nodes' arguments
@@ -109,6 +294,12 @@ class Graph(NodeBuilders):
     def _own(self, handle: Any) -> None:
         self.handle = handle
         self._fin = finalizer(self, self.context, drv.cuGraphDestroy, handle)
+
+    def _captured(self, handle: Any) -> None:
+        """Own the ``CUgraph`` a capture block made, and instantiate it for :meth:`launch`."""
+        self._own(handle)
+        self.num_nodes  # noqa: B018  (remembered: repr and num_nodes after close)
+        self._ready("graph capture")
 
     # --- state -----------------------------------------------------------------------
 
@@ -169,8 +360,14 @@ class Graph(NodeBuilders):
             err, member = drv.cuGraphNodeGetType(handle)
             if err:
                 raise self.context.note_error(err, "cuGraphNodeGetType")
-            node = GraphNode(self, handle, node_type_name(member), self._specs.get(int(handle)))
-            self._nodes[int(handle)] = node
+            node = self._node(handle, node_type_name(member), self._specs.get(int(handle)))
+        return node
+
+    def _node(self, handle: Any, kind: str, spec: KernelSpec | None = None) -> GraphNode:
+        """The :class:`GraphNode` of *handle*, remembered (with its kernel arguments)."""
+        node = self._nodes[int(handle)] = GraphNode(self, handle, kind, spec)
+        if spec is not None:
+            self._specs[int(handle)] = spec
         return node
 
     def _add(
@@ -192,15 +389,182 @@ class Graph(NodeBuilders):
             raise ctx.note_error(err, f"{getattr(fn, '__name__', what)} ({what})")
         self._keep.extend(keep)
         self._bump()
-        out = GraphNode(self, node, kind, spec)
-        self._nodes[int(node)] = out
-        if spec is not None:
-            self._specs[int(node)] = spec
-        return out
+        return self._node(node, kind, spec)
 
-    def _keep_spec(self, node: GraphNode, spec: KernelSpec) -> None:
-        self._specs[int(node.handle)] = spec
-        self._bump()
+    # --- nodes that do one thing -------------------------------------------------------
+
+    def kernel(
+        self,
+        kernel: Kernel,
+        grid: int | tuple[int, ...],
+        block: int | tuple[int, ...],
+        *args: Any,
+        shared_mem: int = 0,
+        depends_on: Any = None,
+    ) -> GraphNode:
+        """A kernel node (``cuGraphAddKernelNode``); arguments as for ``Kernel.launch``.
+
+        The arguments are checked and packed now, exactly as a launch would, and kept
+        (with the buffers among them) while the graph or an executable graph of it lives.
+        A :class:`~ctxkit.graph.nodes.ConditionalHandle` passes as its value.
+
+        Raises
+        ------
+        LaunchArgumentError
+            The arguments do not fit the kernel's parameters (named in the message).
+        CudaError
+            The kernel's module is bound to another context, or is closed.
+        """
+        what = f"Graph.kernel({getattr(kernel, 'name', kernel)!r})"
+        self._open(what)
+        ctx = self.context
+        with guard(ctx, what):
+            spec = kernel_spec(kernel, ctx, grid, block, args, shared_mem)
+            params = spec.params(ctx)
+        return self._add(
+            what,
+            drv.cuGraphAddKernelNode,
+            params,
+            depends_on=depends_on,
+            kind="kernel",
+            spec=spec,
+        )
+
+    def memcpy(
+        self, dst: Any, src: Any, nbytes: int | None = None, *, depends_on: Any = None
+    ) -> GraphNode:
+        """A copy node (``cuGraphAddMemcpyNode``): device to device, pinned host to
+        device or device to pinned host.
+
+        *dst* and *src* are ctxkit buffers/arrays (of the graph's context), other
+        libraries' device arrays (``__cuda_array_interface__``) or page-locked numpy
+        arrays (``ck.pinned_empty``, ``ck.register_host``). *nbytes* defaults to the size
+        both sides share.
+
+        Raises
+        ------
+        PageableCopyError
+            A numpy array is pageable: graphs copy host memory asynchronously.
+        WrongContextError
+            A ctxkit buffer belongs to another context.
+        ValueError
+            Sizes differ (without *nbytes*), *nbytes* exceeds a side, or nothing to copy.
+        """
+        what = "Graph.memcpy"
+        ctx = self.context
+        self._open(what)
+        d = copy_side(dst, ctx, what, "destination", write=True)
+        s = copy_side(src, ctx, what, "source", write=False)
+        if isinstance(d, HostSide) and isinstance(s, HostSide):
+            raise ValueError(f"{what}: both sides are host memory; copy them with numpy")
+        n = copy_nbytes(d, s, nbytes, what)
+        if n == 0:
+            raise ValueError(
+                f"{what}: nothing to copy (0 bytes); use graph.empty() for a node that does nothing"
+            )
+        return self._add(
+            what,
+            drv.cuGraphAddMemcpyNode,
+            memcpy_params(d, s, n),
+            ctx._cu,
+            depends_on=depends_on,
+            kind="memcpy",
+            keep=(dst, src),
+        )
+
+    def memset(
+        self,
+        dst: Any,
+        value: int,
+        count: int | None = None,
+        element_size: int = 1,
+        *,
+        depends_on: Any = None,
+    ) -> GraphNode:
+        """A memset node (``cuGraphAddMemsetNode``): *count* elements of *element_size*
+        (1, 2 or 4) bytes of device memory *dst* set to *value* (the element's bit
+        pattern); *count* defaults to the whole of *dst*."""
+        what = "Graph.memset"
+        ctx = self.context
+        self._open(what)
+        if not hasattr(dst, "__cuda_array_interface__") and not hasattr(dst, "_ctxkit_mem"):
+            raise TypeError(
+                f"{what}: dst must be device memory (a ctxkit buffer/array or a device "
+                f"array of another library), got {type(dst).__name__}"
+            )
+        mem = copy_side(dst, ctx, what, "destination", write=True)
+        assert not isinstance(mem, HostSide)
+        params = memset_params(mem, value, count, element_size, what)
+        if not params.width:
+            raise ValueError(f"{what}: nothing to set (0 elements)")
+        return self._add(
+            what,
+            drv.cuGraphAddMemsetNode,
+            params,
+            ctx._cu,
+            depends_on=depends_on,
+            kind="memset",
+            keep=(dst,),
+        )
+
+    def host(self, fn: Any, *args: Any, depends_on: Any = None) -> GraphNode:
+        """A host node (``cuGraphAddHostNode``): ``fn(*args)`` runs on a driver thread at
+        every launch, when the nodes it depends on have completed.
+
+        ``fn`` must not call CUDA. An exception it raises is re-raised by the next
+        ``synchronize()`` of the ctxkit stream the graph was launched on (logged for
+        other streams). ``fn`` stays alive while the graph or an executable graph of it
+        does.
+        """
+        what = "Graph.host"
+        if not callable(fn):
+            raise TypeError(f"{what}: fn must be callable, got {type(fn).__name__}")
+        self._open(what)
+        cb = HostCallback(fn, args)
+        params = drv.CUDA_HOST_NODE_PARAMS()
+        params.fn = drv.CUhostFn(HOST_FN_ADDR)
+        params.userData = cb.key
+        node = self._add(
+            what, drv.cuGraphAddHostNode, params, depends_on=depends_on, kind="host", keep=(cb,)
+        )
+        self._callbacks.append(cb)
+        return node
+
+    def event_record(self, event: Event, *, depends_on: Any = None) -> GraphNode:
+        """An event record node (``cuGraphAddEventRecordNode``); *event* must belong to
+        the graph's context."""
+        return self._event_node(event, depends_on, "event_record", same_context=True)
+
+    def event_wait(self, event: Event, *, depends_on: Any = None) -> GraphNode:
+        """An event wait node (``cuGraphAddEventWaitNode``): the nodes after it wait for
+        the work before *event*'s latest record (of any context)."""
+        return self._event_node(event, depends_on, "event_wait", same_context=False)
+
+    def _event_node(
+        self, event: Event, depends_on: Any, kind: str, *, same_context: bool
+    ) -> GraphNode:
+        what = f"Graph.{kind}"
+        if not isinstance(event, Event):
+            raise TypeError(f"{what}: expected a ctxkit.Event, got {type(event).__name__}")
+        handle = event.handle
+        if handle is None:
+            raise ContextClosedError(f"{what}: the event was closed")
+        if same_context and event.context.handle != self.context.handle:
+            raise wrong_context(
+                f"{what}: {event!r} belongs to {event.context!r}, but the graph belongs to "
+                f"{self.context!r}; create the event in the graph's context "
+                "(ck.Event(context=graph.context))"
+            )
+        add = (
+            drv.cuGraphAddEventRecordNode if kind == "event_record" else drv.cuGraphAddEventWaitNode
+        )
+        return self._add(what, add, handle, depends_on=depends_on, kind=kind, keep=(event,))
+
+    def empty(self, *, depends_on: Any = None) -> GraphNode:
+        """A node that does nothing (``cuGraphAddEmptyNode``): a join point of edges."""
+        return self._add(
+            "Graph.empty", drv.cuGraphAddEmptyNode, depends_on=depends_on, kind="empty"
+        )
 
     # --- child and conditional nodes -------------------------------------------------
 
@@ -214,11 +578,9 @@ class Graph(NodeBuilders):
             raise ValueError(f"{what}: a graph cannot contain itself")
         child = graph._open(what)
         if graph.context.handle != self.context.handle:
-            raise WrongContextError(
+            raise wrong_context(
                 f"{what}: {graph!r} belongs to {graph.context!r}, but this graph belongs to "
-                f"{self.context!r}; build both in one context",
-                _INVALID_HANDLE,
-                "CUDA_ERROR_INVALID_HANDLE",
+                f"{self.context!r}; build both in one context"
             )
         node = self._add(
             what,
@@ -270,7 +632,7 @@ class Graph(NodeBuilders):
         runs; ``kind="while"`` runs it again and again while the value is non-zero
         (checked before each run). Kernels set the value with
         ``cudaGraphSetConditional(handle, value)`` (see
-        :data:`~ctxkit.graph.conditional.CONDITIONAL_DEVICE_API`), taking *handle* as an
+        :data:`~ctxkit.graph.nodes.CONDITIONAL_DEVICE_API`), taking *handle* as an
         ``unsigned long long`` argument: a kernel in *body* for a loop, or one this node
         depends on (make the handle first with :meth:`conditional_handle`). Without
         *handle* a new one starting every launch at *default* is made. Add the body's
@@ -298,17 +660,15 @@ class Graph(NodeBuilders):
             )
         deps = dependency_handles(self, depends_on, what)
         ctx = self.context
-        params = node_params(handle.handle, kind_enum, ctx._cu)
-        args = add_node_args(_driver.BINDINGS_VERSION[0], graph_handle, deps, params)
+        params = conditional_params(handle.handle, kind_enum, ctx._cu)
         with guard(ctx, what):
-            err, node = drv.cuGraphAddNode(*args)
+            err, node = drv.cuGraphAddNode(*add_node_args(graph_handle, deps, params))
         if err:
             raise ctx.note_error(err, f"cuGraphAddNode (conditional {kind})")
         handle.kind = kind
         self._bump()
-        out = GraphNode(self, node, "conditional")
-        self._nodes[int(node)] = out
-        body = Graph._body(ctx, params.conditional.phGraph_out[0], self)
+        out = self._node(node, "conditional")
+        body = Graph._pending(ctx, params.conditional.phGraph_out[0], self)
         return out, body, handle
 
     # --- whole-graph operations ------------------------------------------------------
@@ -327,7 +687,6 @@ class Graph(NodeBuilders):
         out = Graph._pending(ctx)
         out._own(copy)
         out._keep = list(self._keep)
-        out._specs = {}
         out._callbacks = list(self._callbacks)
         out._origin = self
         out._origin_specs = dict(self._specs)
@@ -350,15 +709,8 @@ class Graph(NodeBuilders):
             err, mine = drv.cuGraphNodeFindInClone(node.handle, handle)
         if err:
             raise self.context.note_error(err, "cuGraphNodeFindInClone")
-        hit = self._nodes.get(int(mine))
-        if hit is not None:
-            return hit
-        origin_spec = self._origin_specs.get(int(node.handle))
-        if origin_spec is not None:
-            self._specs[int(mine)] = origin_spec
-        out = GraphNode(self, mine, node.type, origin_spec)
-        self._nodes[int(mine)] = out
-        return out
+        spec = self._origin_specs.get(int(node.handle))
+        return self._nodes.get(int(mine)) or self._node(mine, node.type, spec)
 
     def instantiate(self) -> GraphExec:
         """An executable graph of the graph as it is now (``cuGraphInstantiate``).
@@ -410,9 +762,8 @@ class Graph(NodeBuilders):
     def debug_dot(self, path: str | os.PathLike[str], *, verbose: bool = False) -> None:
         """Write the graph as Graphviz DOT to *path* (``cuGraphDebugDotPrint``)."""
         handle = self._open("Graph.debug_dot")
-        flags = 1 if verbose else 0  # CU_GRAPH_DEBUG_DOT_FLAGS_VERBOSE
-        with guard(self.context, "Graph.debug_dot"):
-            (err,) = drv.cuGraphDebugDotPrint(handle, os.fsencode(path), flags)
+        with guard(self.context, "Graph.debug_dot"):  # flags: CU_GRAPH_DEBUG_DOT_FLAGS_VERBOSE
+            (err,) = drv.cuGraphDebugDotPrint(handle, os.fsencode(path), 1 if verbose else 0)
         if err:
             raise self.context.note_error(err, f"cuGraphDebugDotPrint({os.fspath(path)!r})")
 
@@ -437,8 +788,243 @@ class Graph(NodeBuilders):
         kind = " body" if self._parent is not None else ""
         count = self._count
         if state != "empty":
-            try:
+            with suppress(CudaError):
                 count = self.num_nodes
-            except CudaError:
-                pass
         return f"<Graph{kind} {count} nodes {state} in {self.context!r}>"
+
+
+# --- executable graphs ---------------------------------------------------------------
+
+#: CUgraphExecUpdateResult suffix -> what it means
+_REASONS = {
+    "ERROR": "the update failed for a reason the driver does not name",
+    "TOPOLOGY_CHANGED": "the graph's topology differs (other nodes or edges)",
+    "NODE_TYPE_CHANGED": "a node's type differs",
+    "FUNCTION_CHANGED": "a kernel node runs another function",
+    "PARAMETERS_CHANGED": "a node's parameters changed in a way that cannot be applied in "
+    "place (e.g. a copy between other kinds of memory, a memset of another shape)",
+    "NOT_SUPPORTED": "a node's change cannot be applied to an executable graph (e.g. an "
+    "event or child graph node changed)",
+    "UNSUPPORTED_FUNCTION_CHANGE": "a kernel node's function changed in a way that cannot "
+    "be applied (e.g. to or from a kernel using CUDA dynamic parallelism)",
+    "ATTRIBUTES_CHANGED": "a node's attributes changed in a way that cannot be applied",
+}
+
+
+class GraphExec:
+    """An executable graph made by :meth:`Graph.instantiate`; it binds its context for
+    every call and keeps alive what its nodes use.
+
+    Attributes
+    ----------
+    context : Context
+    handle : CUgraphExec or None
+        ``None`` once closed.
+    """
+
+    def __init__(self, graph: Graph) -> None:
+        what = "Graph.instantiate"
+        handle = graph._open(what)
+        ctx = graph.context
+        with guard(ctx, what):
+            err, exe = drv.cuGraphInstantiate(handle, 0)
+        if err:
+            raise ctx.note_error(err, "cuGraphInstantiate")
+        self.context = ctx
+        self._graph = weakref.ref(graph)  # a graph launching its own exec holds it
+        self.handle = exe
+        self._uses = (list(graph._keep), dict(graph._specs))
+        self._params: dict[int, KernelSpec] = {}  # set_kernel_params, by node handle
+        self._callbacks = list(graph._callbacks)
+        self._fin: weakref.finalize | None = finalizer(self, ctx, drv.cuGraphExecDestroy, exe)
+
+    @property
+    def graph(self) -> Graph | None:
+        """The graph it was instantiated from (:meth:`set_kernel_params` takes its
+        nodes); ``None`` once that graph was garbage collected."""
+        return self._graph()
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self.handle is None
+
+    def _open(self, what: str) -> Any:
+        exe = self.handle
+        if exe is None:
+            raise ContextClosedError(f"{what}: the executable graph was closed")
+        return exe
+
+    # --- launching -------------------------------------------------------------------
+
+    def launch(self, stream: Any = None) -> None:
+        """Launch on *stream* (``None``: the thread's current stream of the graph's
+        context, by default its legacy default stream); returns at once.
+
+        Raises
+        ------
+        ContextClosedError
+            The executable graph was closed.
+        NoCurrentContextError
+            Strict mode and the calling thread has no current context.
+        """
+        self._enqueue(drv.cuGraphLaunch, stream, "GraphExec.launch")
+
+    def upload(self, stream: Any = None) -> None:
+        """Upload to the device ahead of the first launch (``cuGraphUpload``), ordered on
+        *stream*; optional (the first launch uploads otherwise)."""
+        self._enqueue(drv.cuGraphUpload, stream, "GraphExec.upload")
+
+    def _enqueue(self, fn: Any, stream: Any, what: str) -> None:
+        exe = self.handle
+        if exe is None:
+            raise CudaError(f"{what}: {_EMPTY}")
+        ctx = self.context
+        hs = stream_for(stream, ctx, "graph")
+        if self._callbacks:  # host nodes report exceptions to the stream of this launch
+            s = stream if stream is not None else implicit_stream(ctx)
+            ref = weakref.ref(s) if isinstance(s, Stream) else None
+            for cb in self._callbacks:
+                cb.stream_ref = ref
+        if thread_state().top is ctx:
+            (err,) = fn(exe, hs)
+        else:
+            with guard(ctx, what):
+                (err,) = fn(exe, hs)
+        if err:
+            raise ctx.note_error(int(err), getattr(fn, "__name__", what))
+
+    # --- updating --------------------------------------------------------------------
+
+    def update(self, graph: Graph) -> None:
+        """Make this executable graph run *graph* (``cuGraphExecUpdate``).
+
+        *graph* must have the same topology and node types as the instantiated one
+        (a clone changed with ``node.set_params``, a graph built the same way with other
+        arguments, or the same stream work captured again with other pointers).
+
+        Raises
+        ------
+        GraphUpdateError
+            The driver refused: ``reason`` says why (``"topology_changed"``, ...) and
+            ``node`` which node of *graph*, also named in the message.
+        WrongContextError
+            *graph* belongs to another context.
+        """
+        what = "GraphExec.update"
+        exe = self._open(what)
+        if not isinstance(graph, Graph):
+            raise TypeError(f"{what}: expected a ctxkit.Graph, got {type(graph).__name__}")
+        handle = graph._open(what)
+        ctx = self.context
+        if graph.context.handle != ctx.handle:
+            raise wrong_context(
+                f"{what}: {graph!r} belongs to {graph.context!r}, but the executable graph "
+                f"belongs to {ctx!r}"
+            )
+        with guard(ctx, what):
+            err, info = drv.cuGraphExecUpdate(exe, handle)
+            if err and getattr(info, "result", None) is None:
+                err, info = _ask_libcuda(exe, handle, int(err), info)
+        if err:
+            raise update_error(int(err), info, graph)
+        self._updated = (list(graph._keep), dict(graph._specs))  # kept alive while it runs
+        self._params.clear()
+        self._callbacks = list(graph._callbacks)
+
+    def set_kernel_params(
+        self,
+        node: GraphNode,
+        *args: Any,
+        grid: Any = None,
+        block: Any = None,
+        shared_mem: int | None = None,
+    ) -> None:
+        """Change one kernel node of this executable graph (``cuGraphExecKernelNodeSetParams``).
+
+        *node* is a kernel node of the graph it was instantiated from (built by
+        ``graph.kernel()``). Without arguments the node keeps those ctxkit last set for it;
+        otherwise pass all of them, checked against the kernel's signature. The graph
+        itself is unchanged.
+
+        Raises
+        ------
+        LaunchArgumentError
+            The arguments do not fit the kernel's parameters.
+        ValueError
+            *node* belongs to another graph.
+        """
+        what = "GraphExec.set_kernel_params"
+        exe = self._open(what)
+        if not isinstance(node, GraphNode):
+            raise TypeError(f"{what}: expected a GraphNode, got {type(node).__name__}")
+        if node.graph is not self._graph():
+            raise ValueError(
+                f"{what}: {node!r} belongs to {node.graph!r}, not to the graph this "
+                f"executable graph was instantiated from ({self.graph!r}); pass its node"
+            )
+        key = int(node.handle)
+        base = self._params.get(key) or self._uses[1].get(key) or node._require_spec(what)
+        ctx = self.context
+        with guard(ctx, what):
+            new = base.replaced(ctx, args or None, grid, block, shared_mem)
+            (err,) = drv.cuGraphExecKernelNodeSetParams(exe, node.handle, new.params(ctx))
+        if err:
+            raise ctx.note_error(err, f"cuGraphExecKernelNodeSetParams({new.describe()})")
+        self._params[key] = new
+
+    def close(self) -> None:
+        """Destroy the executable graph (in its context); idempotent."""
+        if self._fin is not None:
+            self._fin()
+        self.handle = None
+
+    def __repr__(self) -> str:
+        state = "closed" if self.handle is None else f"{int(self.handle):#x}"
+        return f"<GraphExec {state} of {self.graph!r}>"
+
+
+def _ask_libcuda(exe: Any, handle: Any, err: int, info: Any) -> tuple[int, Any]:
+    """Update again through libcuda to learn why the driver refused (cuda-bindings returns
+    no result info on failure); ``(err, info)`` as the bindings would have given them."""
+    raw = _driver.graph_exec_update_info(exe, handle)
+    if raw is None:
+        return err, info
+    code, result, node = raw
+    if not code:
+        return 0, None
+    try:
+        member = drv.CUgraphExecUpdateResult(result)
+    except ValueError:
+        member = result
+    return code, SimpleNamespace(result=member, errorNode=drv.CUgraphNode(node) if node else None)
+
+
+def update_error(code: int, info: Any, graph: Graph) -> GraphUpdateError:
+    """The :class:`GraphUpdateError` for a refused ``cuGraphExecUpdate``."""
+    member = getattr(info, "result", None)
+    full = getattr(member, "name", None) or f"CUgraphExecUpdateResult {member}"
+    suffix = full.removeprefix("CU_GRAPH_EXEC_UPDATE_").removeprefix("ERROR_")
+    if full == "CU_GRAPH_EXEC_UPDATE_ERROR" or member is None:
+        suffix = "ERROR"
+    if member is None:
+        full = "no CUgraphExecUpdateResultInfo: the driver gave no reason"
+    reason = suffix.lower()
+    why = _REASONS.get(suffix, f"the driver answered {full}")
+    handle = getattr(info, "errorNode", None)
+    try:
+        node = graph._wrap(handle) if handle is not None and int(handle) else None
+    except CudaError:
+        node = None
+    at = f"; the node: {node!r}" if node is not None else ""
+    name, _text = _driver.describe(code)
+    return GraphUpdateError(
+        f"GraphExec.update: cuGraphExecUpdate refused {graph!r}: {why} ({full}){at}. Fix: "
+        "instantiate the new graph (graph.instantiate()) instead, or keep the nodes, edges "
+        "and node types and change only parameters (kernel arguments and launch shape, "
+        "copy and memset addresses)",
+        code,
+        name,
+        reason=reason,
+        node=node,
+    )

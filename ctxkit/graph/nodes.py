@@ -1,36 +1,155 @@
-"""Graph nodes and the driver structures that describe them.
+"""The parameters of graph nodes: checked, then built as the driver structures.
 
-:class:`GraphNode` is one node of a :class:`~ctxkit.graph.graph.Graph`. The helpers here
-check what a node builder was given -- dependencies, kernel arguments (packed by the
-kernel's own :class:`~ctxkit.module.params.ArgPacker`, exactly as ``Kernel.launch``
-packs them), copy and memset targets -- and build the ``CUDA_*_NODE_PARAMS`` structures,
-before anything reaches the driver.
+The helpers here check what a node builder of :class:`~ctxkit.graph.graph.Graph` was
+given -- kernel arguments (packed by the kernel's own
+:class:`~ctxkit.module.params.ArgPacker`, exactly as ``Kernel.launch`` packs them), copy
+and memset targets, conditional kinds -- and build the ``CUDA_*_NODE_PARAMS``
+structures, before anything reaches the driver.
+
+Conditional nodes (``if`` and ``while``, CUDA 12.4+) run their body graph once (``if``)
+or again and again (``while``) while the value of their :class:`ConditionalHandle` is
+non-zero. The value is set on the device by a kernel of the graph (before the node, or
+in the body for a loop) with ``cudaGraphSetConditional(handle, value)``; NVRTC code
+declares it with :data:`CONDITIONAL_DEVICE_API` and takes the handle as an ``unsigned
+long long`` parameter. Every launch starts with the handle's *default* value.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+import weakref
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from .. import _driver
 from .._driver import drv
 from ..context import Context
-from ..errors import PageableCopyError, WrongContextError
+from ..errors import CudaError, PageableCopyError, WrongContextError
 from ..memory.copies import Mem, device_mem
 from ..memory.host import is_pinned
 from ..memory.hostptr import plain_dtype
-from ..registry import guard
-from .conditional import ConditionalHandle
+from ..module.kernel import Kernel, normalize_dims, shared_mem_arg
+from ..module.params import ParamBuffer
 
-if TYPE_CHECKING:
-    from ..module.kernel import Kernel
-    from ..module.params import ParamBuffer
-    from .graph import Graph
-
-__all__ = ["GraphNode", "KernelSpec", "node_type_name"]
+__all__ = [
+    "CONDITIONAL_DEVICE_API",
+    "ConditionalHandle",
+    "KernelSpec",
+    "node_type_name",
+    "wrong_context",
+]
 
 _INVALID_HANDLE = 400
+
+
+def wrong_context(message: str) -> WrongContextError:
+    """The error for an object of another context (``CUDA_ERROR_INVALID_HANDLE``)."""
+    return WrongContextError(message, _INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE")
+
+
+#: Declarations to put in front of NVRTC source that sets a conditional handle.
+CONDITIONAL_DEVICE_API = r"""
+typedef unsigned long long cudaGraphConditionalHandle;
+extern "C" __device__ __cudart_builtin__ void cudaGraphSetConditional(
+    cudaGraphConditionalHandle handle, unsigned int value);
+"""
+
+_NOT_SUPPORTED = 801
+_NEEDS = (12, 4)
+
+
+class ConditionalHandle:
+    """The condition of a conditional node; pass it to a kernel as an
+    ``unsigned long long`` argument (``int(handle)`` is its value).
+
+    Attributes
+    ----------
+    graph : Graph
+        The graph it was created in (only its nodes may use it).
+    kind : str or None
+        ``"if"`` or ``"while"`` once a node uses it.
+    default : int
+        The value every launch of the graph starts with.
+    """
+
+    __slots__ = ("_graph", "default", "handle", "kind")
+
+    def __init__(self, handle: Any, graph: Any, default: int) -> None:
+        self.handle = handle
+        self._graph = weakref.ref(graph)  # kernel nodes of the graph hold the handle
+        self.kind: str | None = None
+        self.default = default
+
+    @property
+    def graph(self) -> Any:
+        """The graph it was created in (``None`` once collected)."""
+        return self._graph()
+
+    def __index__(self) -> int:
+        return int(self.handle)
+
+    def __repr__(self) -> str:
+        return f"<ConditionalHandle {self.kind} default={self.default} {int(self.handle):#x}>"
+
+
+def check_supported(what: str) -> None:
+    """Raise ``CudaError`` (``CUDA_ERROR_NOT_SUPPORTED``) naming what is missing when the
+    bindings or the driver cannot make conditional nodes."""
+    if getattr(drv, "cuGraphConditionalHandleCreate", None) is None:
+        need = (
+            "cuda-bindings with cuGraphConditionalHandleCreate (12.4 or newer); "
+            "upgrade cuda-bindings"
+        )
+    elif (version := _driver.driver_version()) is not None and version < _NEEDS:
+        need = (
+            f"a CUDA {_NEEDS[0]}.{_NEEDS[1]} driver or newer; this driver is CUDA "
+            f"{version[0]}.{version[1]}: upgrade the driver"
+        )
+    else:
+        return
+    raise CudaError(
+        f"{what}: conditional graph nodes need {need}", _NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED"
+    )
+
+
+def kind_member(kind: Any, what: str) -> Any:
+    """The ``CUgraphConditionalNodeType`` member for ``"if"`` or ``"while"``."""
+    if kind not in ("if", "while"):
+        raise ValueError(f"{what}: kind must be 'if' or 'while', got {kind!r}")
+    return getattr(drv.CUgraphConditionalNodeType, f"CU_GRAPH_COND_TYPE_{kind.upper()}")
+
+
+def default_arg(default: Any, what: str) -> int:
+    if isinstance(default, bool):
+        default = int(default)
+    if not isinstance(default, int) or not 0 <= default < 1 << 32:
+        raise ValueError(f"{what}: default must be an unsigned 32-bit int, got {default!r}")
+    return default
+
+
+def conditional_params(handle: Any, kind_enum: Any, cu_ctx: Any) -> Any:
+    """The ``CUgraphNodeParams`` of a conditional node with one body graph."""
+    p = drv.CUgraphNodeParams()
+    p.type = drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_CONDITIONAL
+    p.conditional.handle = handle
+    p.conditional.type = kind_enum
+    p.conditional.size = 1
+    p.conditional.ctx = cu_ctx
+    return p
+
+
+def add_node_args(graph: Any, deps: list[Any], params: Any) -> tuple[Any, ...]:
+    """Arguments of ``cuGraphAddNode``: 13.x bindings take edge data (default edges, one
+    per dependency: the bindings check the list's length), 12.x do not."""
+    if _driver.BINDINGS_VERSION[0] >= 13:
+        edges = [drv.CUgraphEdgeData() for _ in deps] if deps else None
+        return (graph, deps, edges, len(deps), params)
+    return (graph, deps, len(deps), params)
+
+
+# --- kernel nodes --------------------------------------------------------------------
+
 
 #: readable names of ``CUgraphNodeType`` members (others: the member's suffix, lower case)
 _TYPE_NAMES = {
@@ -52,27 +171,17 @@ def node_type_name(member: Any) -> str:
     return _TYPE_NAMES.get(suffix, suffix.lower())
 
 
+@dataclass(frozen=True, slots=True, eq=False)
 class KernelSpec:
     """What a kernel node runs: the kernel, its launch shape and its packed arguments
     (kept alive with the node, so buffers passed as arguments outlive it)."""
 
-    __slots__ = ("args", "block", "buf", "grid", "kernel", "shared_mem")
-
-    def __init__(
-        self,
-        kernel: Kernel,
-        grid: tuple[int, int, int],
-        block: tuple[int, int, int],
-        shared_mem: int,
-        args: tuple[Any, ...],
-        buf: ParamBuffer,
-    ) -> None:
-        self.kernel = kernel
-        self.grid = grid
-        self.block = block
-        self.shared_mem = shared_mem
-        self.args = args
-        self.buf = buf
+    kernel: Kernel
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shared_mem: int
+    args: tuple[Any, ...]
+    buf: ParamBuffer
 
     def replaced(
         self,
@@ -114,10 +223,6 @@ def kernel_spec(
     Raises ``LaunchArgumentError`` for arguments that do not fit the kernel's parameters
     (the message names the parameter), as ``Kernel.launch`` does.
     """
-    # imported here: ctxkit.module re-exports this family, which must import without it
-    from ..module.kernel import normalize_dims, shared_mem_arg
-    from ..module.params import ParamBuffer
-
     if not hasattr(kernel, "_require_packer"):
         raise TypeError(f"kernel must be a ctxkit Kernel, got {type(kernel).__name__}")
     packer = kernel._require_packer()
@@ -130,133 +235,15 @@ def kernel_spec(
     return KernelSpec(kernel, g, b, smem, tuple(args), buf)
 
 
-class GraphNode:
-    """One node of a :class:`~ctxkit.graph.graph.Graph`.
-
-    Made by the graph's node builders (``graph.kernel(...)``, ``graph.memcpy(...)``, ...)
-    or listed by ``graph.nodes()``. Pass nodes as ``depends_on=`` of later nodes of the
-    same graph.
-
-    Attributes
-    ----------
-    graph : Graph
-        The graph it belongs to.
-    handle : CUgraphNode
-    type : str
-        ``"kernel"``, ``"memcpy"``, ``"memset"``, ``"host"``, ``"event_record"``,
-        ``"event_wait"``, ``"empty"``, ``"child"``, ``"conditional"``, ...
-    """
-
-    __slots__ = ("__weakref__", "_spec", "graph", "handle", "type")
-
-    def __init__(self, graph: Graph, handle: Any, type_: str, spec: KernelSpec | None = None):
-        self.graph = graph
-        self.handle = handle
-        self.type = type_
-        self._spec = spec
-
-    @property
-    def kernel(self) -> Kernel | None:
-        """The kernel of a kernel node built by ctxkit (``None`` otherwise)."""
-        return self._spec.kernel if self._spec is not None else None
-
-    @property
-    def args(self) -> tuple[Any, ...] | None:
-        """The arguments of a kernel node built by ctxkit, as last set on the graph."""
-        return self._spec.args if self._spec is not None else None
-
-    def _require_spec(self, what: str) -> KernelSpec:
-        if self._spec is None:
-            detail = (
-                "it was captured from a stream, so ctxkit does not know its kernel's "
-                "parameters; build it with graph.kernel(...)"
-                if self.type == "kernel"
-                else f"it is a {self.type} node"
-            )
-            raise TypeError(f"{what} needs a kernel node built by graph.kernel(), but {detail}")
-        return self._spec
-
-    def set_params(
-        self,
-        *args: Any,
-        grid: Any = None,
-        block: Any = None,
-        shared_mem: int | None = None,
-    ) -> None:
-        """Change this kernel node of the (uninstantiated) graph (``cuGraphKernelNodeSetParams``).
-
-        No argument keeps the current arguments (change only *grid*/*block*/*shared_mem*);
-        otherwise pass all of them, checked against the kernel's signature. Executable
-        graphs made before are unchanged: update them with ``exec.update(graph)`` or
-        ``exec.set_kernel_params(node, ...)``.
-
-        Raises
-        ------
-        LaunchArgumentError
-            The arguments do not fit the kernel's parameters.
-        TypeError
-            Not a kernel node built by ``graph.kernel()``.
-        """
-        what = "GraphNode.set_params"
-        spec = self._require_spec(what)
-        graph = self.graph
-        graph._open(what)
-        ctx = graph.context
-        with guard(ctx, what):
-            new = spec.replaced(ctx, args or None, grid, block, shared_mem)
-            (err,) = drv.cuGraphKernelNodeSetParams(self.handle, new.params(ctx))
-        if err:
-            raise ctx.note_error(err, f"cuGraphKernelNodeSetParams({new.describe()})")
-        self._spec = new
-        graph._keep_spec(self, new)
-
-    def __repr__(self) -> str:
-        detail = f" {self._spec.describe()}" if self._spec is not None else ""
-        return f"<GraphNode {self.type}{detail} {int(self.handle):#x}>"
-
-
-def dependency_handles(graph: Graph, depends_on: Any, what: str) -> list[Any]:
-    """The ``CUgraphNode`` list of *depends_on* (a node, nodes, or ``None``).
-
-    Raises ``ValueError`` for a node of another graph and ``TypeError`` for anything that
-    is not a :class:`GraphNode`.
-    """
-    if depends_on is None:
-        return []
-    items: Iterable[Any] = (depends_on,) if isinstance(depends_on, GraphNode) else depends_on
-    try:
-        nodes = list(items)
-    except TypeError:
-        raise TypeError(
-            f"{what}: depends_on must be a GraphNode or a list of them, "
-            f"got {type(depends_on).__name__}"
-        ) from None
-    out = []
-    for n in nodes:
-        if not isinstance(n, GraphNode):
-            raise TypeError(f"{what}: depends_on holds {type(n).__name__}, not a GraphNode")
-        if n.graph is not graph:
-            raise ValueError(
-                f"{what}: {n!r} belongs to another graph ({n.graph!r}), not to {graph!r}; "
-                "a node can only depend on nodes of its own graph (add a child graph node "
-                "with graph.child(other) to run another graph inside this one)"
-            )
-        out.append(n.handle)
-    return out
-
-
 # --- memcpy and memset ---------------------------------------------------------------
 
 
-class HostSide:
+class HostSide(NamedTuple):
     """Pinned host memory taking part in a memcpy node."""
 
-    __slots__ = ("array", "nbytes", "ptr")
-
-    def __init__(self, array: np.ndarray, ptr: int, nbytes: int) -> None:
-        self.array = array
-        self.ptr = ptr
-        self.nbytes = nbytes
+    array: np.ndarray
+    ptr: int
+    nbytes: int
 
 
 def copy_side(obj: Any, ctx: Context, what: str, name: str, write: bool) -> Mem | HostSide:
@@ -277,12 +264,10 @@ def copy_side(obj: Any, ctx: Context, what: str, name: str, write: bool) -> Mem 
     mem = device_mem(obj, what, write=write)
     mc = mem.context
     if isinstance(mc, Context) and mc.handle != ctx.handle:
-        raise WrongContextError(
+        raise wrong_context(
             f"{what}: the {name} ({type(obj).__name__}) belongs to {mc!r}, but the graph "
             f"belongs to {ctx!r}; build the graph in the memory's context "
-            "(ck.Graph(context=buf.context)) or copy the data there first",
-            _INVALID_HANDLE,
-            "CUDA_ERROR_INVALID_HANDLE",
+            "(ck.Graph(context=buf.context)) or copy the data there first"
         )
     return mem
 

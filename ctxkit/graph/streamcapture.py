@@ -12,7 +12,6 @@ from ..context import Context, require_current
 from ..lifetime import capture_begins, capture_ends, stream_capture_begins, stream_capture_ends
 from ..registry import guard
 from ..stream import stream_for
-from .exec import GraphExec
 from .graph import Graph
 
 __all__ = ["capture"]
@@ -92,10 +91,7 @@ def capture(stream: Any, *, mode: str = "thread_local") -> Iterator[Graph]:
                 "mode='global', another thread made such a call; enqueue everything "
                 "asynchronously on the captured stream",
             )
-        graph._own(cu_graph)
-        graph.num_nodes  # noqa: B018  (remembered: repr and num_nodes after close)
-        graph._exec = GraphExec(graph)
-        graph._exec_version = graph._version
+        graph._captured(cu_graph)
 
 
 def _begin(hs: Any, mode_enum: Any, tracked: bool, global_mode: bool) -> None:

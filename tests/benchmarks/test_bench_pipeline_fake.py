@@ -17,7 +17,7 @@ from ctxkit.memory import streaming_copy_info
 from ctxkit.memory.streamcopy import streaming_pays
 from tests.cli.test_demo_fake import FakeScaleKernel
 from tests.support.fakedriver import FakeHandle
-from tests.support.fakegpu import FakeGPU, gpu_fixture  # noqa: F401
+from tests.support.fakegpu import FakeGPU
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 PAGE = mmap.PAGESIZE

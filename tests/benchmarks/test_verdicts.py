@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from verdictlines import Line, emit
 
-from ctxkit.cli.bench import Line, emit
 from tests.support.helpers import load_file_module
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"

@@ -1,4 +1,4 @@
-"""The demo's table on canned numbers (pure functions of ctxkit/cli/demotable.py), its
+"""The demo's table on canned numbers (pure functions of ctxkit/cli/demo.py), its
 size choice and trace names, and ``ctxkit demo`` on a machine without a GPU."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import ctxkit as ck
-from ctxkit.cli.demotable import (
+from ctxkit.cli.demo import (
     LABELS,
     ROW_ORDER,
     Row,

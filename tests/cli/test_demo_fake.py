@@ -14,7 +14,6 @@ import pytest
 import ctxkit as ck
 from ctxkit.cli import demo as _demo
 from ctxkit.cli.demo import run_demo
-from tests.support.fakegpu import gpu_fixture  # noqa: F401
 
 
 class FakeScaleKernel:

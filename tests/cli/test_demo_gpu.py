@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ctxkit.cli.demotable import LABELS
+from ctxkit.cli.demo import LABELS
 
 REPO = Path(__file__).resolve().parents[2]
 

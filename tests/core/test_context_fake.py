@@ -12,7 +12,6 @@ from ctxkit import context as context_mod
 from ctxkit import lifetime
 from ctxkit.context import Context, current_context, thread_bindings, thread_state
 from tests.support.fakedriver import FakeHandle
-from tests.support.fakegpu import gpu_fixture  # noqa: F401
 from tests.support.helpers import in_thread
 
 

@@ -8,7 +8,6 @@ import pytest
 
 import ctxkit as ck
 from ctxkit import _driver, errors
-from tests.support.fakegpu import gpu_fixture  # noqa: F401
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ from ctxkit.graph import Graph, capture
 from ctxkit.memory import DeviceBuffer
 from ctxkit.module import Module
 from ctxkit.stream import Event, Stream
-from tests.support.fakegpu import FakeGPU, gpu_fixture  # noqa: F401
+from tests.support.fakegpu import FakeGPU
 from tests.support.helpers import in_thread
 
 PTX = """.version 8.0

@@ -19,7 +19,7 @@ import pytest
 
 import ctxkit as ck
 from ctxkit.memory.interop import order_after_producers
-from tests.support.fakegpu import CAPTURE_GLOBAL, FakeGPU, gpu_fixture  # noqa: F401
+from tests.support.fakegpu import CAPTURE_GLOBAL, FakeGPU
 
 N = 16
 MODES = ["global", "thread_local", "relaxed"]

@@ -7,7 +7,7 @@ import pytest
 
 import ctxkit as ck
 from tests.graph.fakekernels import install
-from tests.support.fakegpu import FakeGPU, gpu_fixture  # noqa: F401
+from tests.support.fakegpu import FakeGPU
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from ctxkit import _driver
 from ctxkit.graph import CONDITIONAL_DEVICE_API, ConditionalHandle, Graph
 from ctxkit.memory import to_device
 from ctxkit.stream import Stream
-from tests.support.fakegpu import FakeGPU, gpu_fixture  # noqa: F401
+from tests.support.fakegpu import FakeGPU  # noqa: F401
 
 
 def _countdown(k, start: int):

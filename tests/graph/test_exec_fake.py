@@ -12,7 +12,7 @@ from ctxkit.graph import Graph, GraphUpdateError, capture
 from ctxkit.memory import to_device
 from ctxkit.stream import Stream
 from tests.graph.fakekernels import f32
-from tests.support.fakegpu import FakeGPU, gpu_fixture  # noqa: F401
+from tests.support.fakegpu import FakeGPU
 
 N = 32
 

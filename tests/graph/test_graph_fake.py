@@ -14,10 +14,10 @@ import pytest
 
 import ctxkit as ck
 from ctxkit.graph import Graph, GraphExec, GraphNode
-from ctxkit.graph import host as _host
+from ctxkit.graph import graph as graph_module
 from ctxkit.memory import to_device
 from ctxkit.stream import Event, Stream
-from tests.support.fakegpu import FakeGPU, gpu_fixture  # noqa: F401
+from tests.support.fakegpu import FakeGPU  # noqa: F401
 from tests.support.helpers import OBJECT_DTYPES, in_thread, object_array, object_dtype_message
 
 N = 64
@@ -102,11 +102,11 @@ def test_host_node_runs_at_every_launch_after_its_dependencies(gpu, ctx, k):
         s.synchronize()
         assert seen == ["ran"] * 3
         keys = [cb.key for cb in exe._callbacks]
-        assert all(key in _host._callbacks for key in keys)
+        assert all(key in graph_module._callbacks for key in keys)
         exe.close()
         del exe
         gc.collect()
-        assert not [key for key in keys if key in _host._callbacks]
+        assert not [key for key in keys if key in graph_module._callbacks]
 
 
 def test_host_node_sees_the_kernel_before_it(gpu, ctx, k):

@@ -22,7 +22,7 @@ from ctxkit.memory.hostaccess import (
     pageable_arg,
 )
 from ctxkit.module import params as pointers
-from tests.support.fakevmm import A, vctx0, vctx1, vfake  # noqa: F401
+from tests.support.fakevmm import A
 from tests.support.helpers import OBJECT_DTYPES, object_array, object_dtype_message
 
 UVA_BIT = 1 << 46  # the fake's device addresses of pinned memory differ from the host's

@@ -32,7 +32,7 @@ from ctxkit import context, lifetime
 from ctxkit.memory import host as _hostmem
 from tests.support import fakegpu as pipeline_fakegpu
 from tests.support.fakedriver import FakeHandle
-from tests.support.fakegpu import FakeGPU, gpu_fixture  # noqa: F401
+from tests.support.fakegpu import FakeGPU
 from tests.support.helpers import load_file_module
 
 ROOT = Path(__file__).resolve().parents[2]

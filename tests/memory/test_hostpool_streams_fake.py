@@ -19,7 +19,6 @@ from ctxkit import lifetime
 from ctxkit.errors import OutOfMemoryError
 from ctxkit.memory.device import DeviceBuffer
 from ctxkit.memory.hostpool import PinnedPool
-from tests.support.fakegpu import gpu_fixture  # noqa: F401
 from tests.support.fakemem import (  # noqa: F401
     NOT_READY,
     OK,

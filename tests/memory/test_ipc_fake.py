@@ -18,7 +18,7 @@ import ctxkit as ck
 from ctxkit.errors import ContextClosedError, CudaError
 from ctxkit.memory import ipc, ipcwire
 from ctxkit.memory.vmm import VirtualBuffer
-from tests.support.fakevmm import GRANULARITY, A, other_process, vctx0, vctx1, vfake  # noqa: F401
+from tests.support.fakevmm import GRANULARITY, A, other_process
 from tests.support.helpers import OBJECT_DTYPES, object_array, object_dtype_message
 
 

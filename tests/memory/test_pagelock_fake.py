@@ -15,7 +15,6 @@ import ctxkit as ck
 from ctxkit.errors import OutOfMemoryError
 from ctxkit.memory import pagelock
 from ctxkit.memory.hostpool import PinnedPool
-from tests.support.fakegpu import gpu_fixture  # noqa: F401
 
 MiB = 1 << 20
 PORTABLE = 1

@@ -9,7 +9,6 @@ import pytest
 import ctxkit as ck
 from ctxkit.errors import CudaError
 from ctxkit.memory import peer
-from tests.support.fakevmm import vctx0, vctx1, vfake  # noqa: F401
 
 
 def test_disable_undoes_enable_and_the_record_follows(vfake, vctx0, vctx1):

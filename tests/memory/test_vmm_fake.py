@@ -14,7 +14,7 @@ import ctxkit as ck
 from ctxkit.errors import ContextClosedError, CudaError, OutOfMemoryError
 from ctxkit.memory.vmm import VirtualBuffer, allocation_granularity
 from ctxkit.module.params import device_pointer
-from tests.support.fakevmm import GRANULARITY, A, vctx0, vctx1, vfake  # noqa: F401
+from tests.support.fakevmm import GRANULARITY, A
 from tests.support.helpers import OBJECT_DTYPES, object_array, object_dtype_message
 
 G = GRANULARITY

@@ -20,7 +20,7 @@ import ctxkit as ck
 from ctxkit import _driver, context, executor, lifetime, registry
 from ctxkit.memory import blockcache, hostpool
 from ctxkit.pipeline import Pipeline, pincache
-from tests.support.fakegpu import gpu_fixture, scale_body  # noqa: F401
+from tests.support.fakegpu import scale_body
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 

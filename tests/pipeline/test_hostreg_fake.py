@@ -29,7 +29,7 @@ from ctxkit.pipeline.plan import (
     check_host_path,
     choose_host_path,
 )
-from tests.support.fakegpu import ALREADY_REGISTERED, gpu_fixture, scale_body  # noqa: F401
+from tests.support.fakegpu import ALREADY_REGISTERED, scale_body
 
 PAGE = 4096
 OUT_OF_MEMORY, NOT_PERMITTED = 2, 800

@@ -24,12 +24,11 @@ from ctxkit.pipeline import pincache as _pincache
 from ctxkit.pipeline.pincache import PinCache, PinClaims, memory_owner
 from ctxkit.pipeline.staging import BOUNCE_BYTES
 from tests.support import fakegpu
-from tests.support.fakegpu import (  # noqa: F401
+from tests.support.fakegpu import (
     CAPTURE_GLOBAL,
     CAPTURE_RELAXED,
     FakeGPU,
     Fault,
-    gpu_fixture,
     scale_body,
 )
 

@@ -18,7 +18,7 @@ import pytest
 import ctxkit as ck
 from ctxkit.context import thread_state
 from ctxkit.pipeline import Pipeline, PipelineError
-from tests.support.fakegpu import Fault, gpu_fixture, host_view, scale_body  # noqa: F401
+from tests.support.fakegpu import Fault, host_view, scale_body
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -18,7 +18,7 @@ import pytest
 
 import ctxkit as ck
 from ctxkit.pipeline import Pipeline, close_idle_host_threads
-from tests.support.fakegpu import gpu_fixture, host_view, scale_body  # noqa: F401
+from tests.support.fakegpu import host_view, scale_body
 from tests.support.helpers import OBJECT_DTYPES, object_array, object_dtype_message
 
 # --- whole runs on the simulated GPU ---------------------------------------------------------

@@ -17,7 +17,7 @@ import ctxkit as ck
 import ctxkit.nvtx as cn
 from ctxkit.pipeline import Pipeline
 from ctxkit.pipeline.plan import POOLED_OUT_BYTES
-from tests.support.fakegpu import gpu_fixture, scale_body  # noqa: F401
+from tests.support.fakegpu import scale_body
 
 MiB = 1 << 20
 

@@ -13,7 +13,7 @@ import pytest
 
 from ctxkit.pipeline import Pipeline, PipelineError, plan_map
 from ctxkit.pipeline.plan import MapOptions
-from tests.support.fakegpu import gpu_fixture, scale_body  # noqa: F401
+from tests.support.fakegpu import scale_body
 
 PAGE = 4096
 OUT_OF_MEMORY = 2

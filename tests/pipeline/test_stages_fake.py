@@ -12,7 +12,7 @@ import pytest
 
 from ctxkit.pipeline import Pipeline, PipelineError, StageHandle
 from ctxkit.stream import Event
-from tests.support.fakegpu import gpu_fixture, scale_body  # noqa: F401
+from tests.support.fakegpu import scale_body
 
 
 def test_submit_orders_device_1_after_device_0(gpu):

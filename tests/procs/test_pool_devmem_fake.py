@@ -25,7 +25,6 @@ from ctxkit.memory import ipc
 from ctxkit.procs import DevicePool, DeviceTaskError, WorkerBuffer, devmem, wire, worker
 from tests.procs.proctools import gate_open, wait_for
 from tests.procs.test_devmem_fake import Process, allocate
-from tests.support.fakevmm import vctx0, vctx1, vfake  # noqa: F401
 
 MP = multiprocessing.get_context("spawn")
 
