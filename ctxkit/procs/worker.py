@@ -20,7 +20,7 @@ import pickle
 from typing import Any
 
 from ..errors import CudaError
-from . import child, devmem, shm, wire
+from . import devmem, shm, spawn, wire
 
 __all__ = ["worker_main"]
 
@@ -38,11 +38,11 @@ def worker_main(
     shm_prefix: str,
 ) -> None:
     """Entry point of a ``DevicePool`` worker (spawned)."""
-    child.current_device = ordinal
+    spawn.current_device = ordinal
     with contextlib.ExitStack() as stack:
         try:
-            child.child_setup(parent_pid, visible, shm_prefix)
-            ctx = stack.enter_context(child.bound_context(bind_ordinal, bind))
+            spawn.child_setup(parent_pid, visible, shm_prefix)
+            ctx = stack.enter_context(spawn.bound_context(bind_ordinal, bind))
             initializer, initargs = pickle.loads(init_payload)
             if initializer is not None:
                 initializer(*initargs)

@@ -20,7 +20,7 @@ from ctxkit.errors import ContextClosedError, CudaError
 from ctxkit.memory import ImportedBuffer, VirtualBuffer
 from ctxkit.memory import ipc as _ipc
 from ctxkit.procs import WorkerBuffer, devmem, wire, worker
-from ctxkit.procs.leases import LeaseBook
+from ctxkit.procs.devmem import LeaseBook
 from tests.support.fakevmm import vctx0, vctx1, vfake  # noqa: F401
 
 MAP_FAILED = 205
