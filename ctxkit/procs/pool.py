@@ -32,7 +32,7 @@ from typing import Any
 
 from ..device import Device
 from ..errors import DeviceTaskError
-from . import devmem, shm, spawn, wire
+from . import devmem, spawn, wire
 from .devmem import LeaseBook, WorkerKey, gone_message
 from .wire import SHM_THRESHOLD
 from .worker import worker_main
@@ -88,7 +88,7 @@ class Task:
         self.label = label
         self.payload = payload
         self.timeout = timeout
-        self.parts: list[shm.Part] = []  # the message's buffers once sent
+        self.parts: list[wire.Part] = []  # the message's buffers once sent
         self.shm_bytes = 0  # bytes of the pool's shared-memory budget it holds
         self.ready = True  # False while submit() still copies its buffers
         self.future: Future[Any] = Future()
@@ -634,7 +634,7 @@ class DevicePool(Executor):
             parts, task.parts = task.parts, []
             nbytes, task.shm_bytes = task.shm_bytes, 0
             self._shm_used -= nbytes
-        shm.discard(parts)
+        wire.discard_blocks(parts)
         if not keep_payload:
             task.payload.release()
 
@@ -661,7 +661,7 @@ class DevicePool(Executor):
     def _spawn(self, slot: Slot) -> None:
         result_r, result_w = self._ctx.Pipe(duplex=False)
         task_r, task_w = self._ctx.Pipe(duplex=False)
-        prefix = shm.child_prefix()
+        prefix = wire.child_shm_prefix()
         proc = self._ctx.Process(
             target=worker_main,
             args=(
@@ -835,7 +835,7 @@ class DevicePool(Executor):
             self._send(slot, nxt)
         if task is None:
             if out[0] == "ok":
-                shm.discard(out[2])
+                wire.discard_blocks(out[2])
                 self._book.enqueue(key, out[3])
             return
         head = f"task {task.label} on device {slot.ordinal}"
@@ -860,7 +860,7 @@ class DevicePool(Executor):
         slot.proc.join()
         while not slot.result_r.closed and slot.result_r.poll():
             self._receive(slot)
-        shm.sweep(slot.prefix)  # blocks of a worker killed while sending a result
+        wire.sweep_blocks(slot.prefix)  # blocks of a worker killed while sending a result
         code = slot.proc.exitcode
         pid = slot.proc.pid
         self._close_lent(slot, f"its worker {spawn.exit_reason(code)}", synchronize=False)
@@ -929,7 +929,7 @@ def _wake_through(conn: Any) -> None:
 
 def _default_shm_limit() -> int:
     """Half of ``/dev/shm``; no limit where there is no ``/dev/shm`` to measure."""
-    total = shm.space()[1]
+    total = wire.shm_space()[1]
     return total // 2 if total else 1 << 62
 
 

@@ -25,7 +25,7 @@ from ..context import Context
 from ..device import Device, device_count
 from ..errors import DeviceTaskError
 from ..registry import check_devices
-from . import devmem, shm, wire
+from . import devmem, wire
 
 __all__ = ["run_per_device", "worker_device"]
 
@@ -56,7 +56,7 @@ def child_setup(parent_pid: int, visible: str | None, shm_prefix: str | None = N
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(parent_pid)
     if shm_prefix is not None:
-        shm.set_prefix(shm_prefix)
+        wire.set_shm_prefix(shm_prefix)
     if visible is not None:
         if _driver.initialized():
             raise RuntimeError(
@@ -92,7 +92,7 @@ def exit_reason(exitcode: int | None) -> str:
 def death_hint(exitcode: int | None) -> str:
     """What a child's death without a result most likely means, for the error message."""
     if exitcode == -signal.SIGBUS:
-        free, total = shm.space()
+        free, total = wire.shm_space()
         room = f"{free / 2**20:.0f} MiB free of {total / 2**20:.0f} MiB" if total else "absent"
         return (
             "out of shared memory: a process gets SIGBUS when it writes to a shared-memory "
@@ -356,7 +356,7 @@ class _Runner:
         except BaseException:
             stop_processes(self.started, TERM_GRACE_S)
             for prefix in self.prefixes:
-                shm.sweep(prefix)
+                wire.sweep_blocks(prefix)
             raise
         finally:
             for c in self.running.values():
@@ -367,7 +367,7 @@ class _Runner:
 
     def _start(self, index: int, attempt: int) -> None:
         ordinal = self.ordinals[index]
-        prefix = shm.child_prefix()
+        prefix = wire.child_shm_prefix()
         reader, writer = self.ctx.Pipe(duplex=False)
         try:
             proc = self.ctx.Process(
@@ -432,7 +432,7 @@ class _Runner:
         try:
             failure = self._outcome(c, timed_out)
         finally:
-            shm.sweep(c.prefix)  # blocks of a child killed while sending its result
+            wire.sweep_blocks(c.prefix)  # blocks of a child killed while sending its result
         if failure is None:
             return
         if c.attempt <= self.retries:
@@ -520,7 +520,7 @@ def _child_main(
     """Entry point of a ``run_per_device`` child (spawned)."""
     global current_device
     current_device = ordinal
-    parts: list[shm.Part] = []
+    parts: list[wire.Part] = []
     session: devmem.ChildSession | None = None
     try:
         child_setup(parent_pid, visible, shm_prefix)
@@ -533,7 +533,7 @@ def _child_main(
             session.finish()  # the parent sees the child's writes once it has the result
         msg: tuple[Any, ...] = ("ok", data, parts)
     except BaseException as exc:
-        shm.discard(parts)
+        wire.discard_blocks(parts)
         parts = []
         if session is not None:
             session.abandon()
@@ -541,7 +541,7 @@ def _child_main(
     try:
         conn.send(msg)
     except Exception:
-        shm.discard(parts)
+        wire.discard_blocks(parts)
     else:
         if msg[0] == "ok" and session is not None:
             wire.count_sent(msg[1], parts, session.sent, session.sent_bytes)

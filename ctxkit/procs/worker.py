@@ -20,7 +20,7 @@ import pickle
 from typing import Any
 
 from ..errors import CudaError
-from . import devmem, shm, spawn, wire
+from . import devmem, spawn, wire
 
 __all__ = ["worker_main"]
 
@@ -95,7 +95,7 @@ def _answer(
         result_w.send(("result", task_id, out, restart))
     except (OSError, ValueError):
         if out[0] == "ok":
-            shm.discard(out[2])
+            wire.discard_blocks(out[2])
             leases.release(out[3])
         return True
     if out[0] == "ok":
@@ -108,7 +108,7 @@ def _answer(
 
 def run_task(
     data: bytes,
-    parts: list[shm.Part],
+    parts: list[wire.Part],
     ordinal: int,
     ctx: Any,
     threshold: int | None,
@@ -118,7 +118,7 @@ def run_task(
     from ..errors import STICKY_CODES, ContextPoisonedError
 
     restart = False
-    out_parts: list[shm.Part] = []
+    out_parts: list[wire.Part] = []
     try:
         fn, args, kwargs = wire.decode(data, parts, session)
         value = fn(*args, **kwargs)
@@ -127,7 +127,7 @@ def run_task(
         session.finish()
         out: tuple[Any, ...] = ("ok", out_data, out_parts, list(session.new_leases))
     except BaseException as exc:
-        shm.discard(out_parts)
+        wire.discard_blocks(out_parts)
         fn = args = kwargs = value = None
         session.abandon()
         out = ("error", wire.describe_exception(exc))

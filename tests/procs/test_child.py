@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from ctxkit.procs import shm, spawn
+from ctxkit.procs import spawn, wire
 
 
 def test_exit_reason_wording():
@@ -21,7 +21,7 @@ def test_exit_reason_wording():
 
 
 def test_death_hint_names_shared_memory_for_sigbus_only(monkeypatch):
-    monkeypatch.setattr(shm, "space", lambda: (3 << 20, 64 << 20))
+    monkeypatch.setattr(wire, "shm_space", lambda: (3 << 20, 64 << 20))
     hint = spawn.death_hint(-signal.SIGBUS)
     assert hint.startswith("out of shared memory") and "3 MiB free of 64 MiB" in hint
     assert "--shm-size" in hint and "--ipc=host" in hint
