@@ -70,31 +70,22 @@ def check_timeout(timeout: float | None, what: str) -> None:
         raise ValueError(f"{what} must be a positive number of seconds or None, not {timeout!r}")
 
 
+@dataclasses.dataclass(eq=False, slots=True)
 class Task:
-    __slots__ = (
-        "future",
-        "id",
-        "label",
-        "parts",
-        "payload",
-        "ready",
-        "shm_bytes",
-        "started",
-        "timeout",
-    )
+    """One submitted task: its pickled call, its future, and what it holds once sent."""
 
-    def __init__(self, tid: int, label: str, payload: wire.Payload, timeout: float | None):
-        self.id = tid
-        self.label = label
-        self.payload = payload
-        self.timeout = timeout
-        self.parts: list[wire.Part] = []  # the message's buffers once sent
-        self.shm_bytes = 0  # bytes of the pool's shared-memory budget it holds
-        self.ready = True  # False while submit() still copies its buffers
-        self.future: Future[Any] = Future()
-        self.started = False
+    id: int
+    label: str
+    payload: wire.Payload
+    timeout: float | None
+    parts: list[wire.Part] = dataclasses.field(default_factory=list)  # buffers once sent
+    shm_bytes: int = 0  # bytes of the pool's shared-memory budget it holds
+    ready: bool = True  # False while submit() still copies its buffers
+    future: Future[Any] = dataclasses.field(default_factory=Future)
+    started: bool = False
 
 
+@dataclasses.dataclass(eq=False, slots=True)
 class Slot:
     """One device's worker: its process, pipes and queue.
 
@@ -104,44 +95,24 @@ class Slot:
     thread closes the parent's mappings of that worker's memory, then sends it ``None``.
     """
 
-    __slots__ = (
-        "bind_ordinal",
-        "broken",
-        "current",
-        "deadline",
-        "kill_at",
-        "ordinal",
-        "pending",
-        "prefix",
-        "proc",
-        "releases",
-        "result_r",
-        "send_lock",
-        "state",
-        "stop_pending",
-        "task_w",
-        "timed_out",
-        "visible",
-    )
-
-    def __init__(self, ordinal: int, bind_ordinal: int, visible: str | None) -> None:
-        self.ordinal = ordinal
-        self.bind_ordinal = bind_ordinal
-        self.visible = visible
-        self.proc: Any = None
-        self.task_w: Any = None
-        self.result_r: Any = None
-        self.send_lock = threading.Lock()  # one writer on task_w; close only under it
-        self.prefix = ""
-        self.state = "dead"
-        self.pending: deque[Task] = deque()
-        self.current: Task | None = None
-        self.broken: DeviceTaskError | None = None
-        self.deadline: float | None = None  # the current task's timeout
-        self.kill_at: float | None = None  # SIGKILL if still alive then
-        self.timed_out: Task | None = None
-        self.releases: list[int] = []  # leases to release, sent with the next message
-        self.stop_pending: int | None = None  # pid to send None once its memory is unmapped
+    ordinal: int
+    bind_ordinal: int
+    visible: str | None
+    proc: Any = None
+    task_w: Any = None
+    result_r: Any = None
+    # one writer on task_w; close it only under this lock
+    send_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    prefix: str = ""
+    state: str = "dead"
+    pending: deque[Task] = dataclasses.field(default_factory=deque)
+    current: Task | None = None
+    broken: DeviceTaskError | None = None
+    deadline: float | None = None  # the current task's timeout
+    kill_at: float | None = None  # SIGKILL if still alive then
+    timed_out: Task | None = None
+    releases: list[int] = dataclasses.field(default_factory=list)  # sent with the next message
+    stop_pending: int | None = None  # pid to send None once its memory is unmapped
 
     @property
     def load(self) -> int:
@@ -241,7 +212,7 @@ class DevicePool(Executor):
     A task may return device memory it allocated: the parent gets a
     :class:`~ctxkit.procs.WorkerBuffer` (or a ``DeviceArray`` over one) that the worker
     keeps alive until it is closed or collected, or until the worker exits
-    (:mod:`.leases`): copy what must outlive the pool before it shuts down. A buffer
+    (:class:`~.devmem.LeaseBook`): copy what must outlive the pool before it shuts down. A buffer
     closed before ``submit`` is freed by the worker before that task runs. A task that
     returns one of its device arguments gives back the parent's own object.
 

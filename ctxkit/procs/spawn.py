@@ -10,7 +10,9 @@ results in order (the family's overview is in :mod:`ctxkit.procs`).
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
+import dataclasses
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -23,7 +25,7 @@ from typing import Any
 from .. import _driver, registry
 from ..context import Context
 from ..device import Device, device_count
-from ..errors import DeviceTaskError
+from ..errors import STICKY_CODES, ContextPoisonedError, CudaError, DeviceTaskError
 from ..registry import check_devices
 from . import devmem, wire
 
@@ -302,50 +304,37 @@ def run_per_device(
         sent.release()  # every child has exited: nothing maps the memory any more
 
 
+@dataclasses.dataclass(slots=True)
 class _Child:
-    __slots__ = ("attempt", "conn", "deadline", "index", "message", "prefix", "proc")
-
-    def __init__(
-        self, index: int, attempt: int, proc: Any, conn: Any, deadline: float | None, prefix: str
-    ):
-        self.index = index
-        self.attempt = attempt
-        self.proc = proc
-        self.conn = conn
-        self.deadline = deadline
-        self.prefix = prefix
-        self.message: Any = None
+    index: int
+    attempt: int
+    proc: Any
+    conn: Any
+    deadline: float | None
+    prefix: str
+    message: Any = None
 
 
+@dataclasses.dataclass
 class _Runner:
     """Starts, watches, retries and reaps the children of one ``run_per_device`` call."""
 
-    def __init__(
-        self,
-        ctx: Any,
-        payload: bytes,
-        ordinals: list[int],
-        visible: list[str | None],
-        isolate: bool,
-        timeout: float | None,
-        retries: int,
-        bind: bool,
-        sent: devmem.Outgoing,
-    ) -> None:
-        self.ctx = ctx
-        self.payload = payload
-        self.sent = sent
-        self.ordinals = ordinals
-        self.visible = visible
-        self.isolate = isolate
-        self.timeout = timeout
-        self.retries = retries
-        self.bind = bind
-        self.running: dict[int, _Child] = {}
-        self.started: list[Any] = []  # every Process, registered before its start()
-        self.prefixes: list[str] = []  # and the shared-memory prefix of each
-        self.results: list[Any] = [None] * len(ordinals)
-        self.failures: dict[int, DeviceTaskError] = {}
+    ctx: Any
+    payload: bytes
+    ordinals: list[int]
+    visible: list[str | None]
+    isolate: bool
+    timeout: float | None
+    retries: int
+    bind: bool
+    sent: devmem.Outgoing
+    running: dict[int, _Child] = dataclasses.field(default_factory=dict)
+    started: list[Any] = dataclasses.field(default_factory=list)  # every Process, before start()
+    prefixes: list[str] = dataclasses.field(default_factory=list)  # and its shm prefix
+    failures: dict[int, DeviceTaskError] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.results: list[Any] = [None] * len(self.ordinals)
 
     def run(self) -> list[Any]:
         try:
@@ -482,29 +471,53 @@ class _Runner:
     def _summary(self) -> DeviceTaskError:
         order = [o for o in self.ordinals if o in self.failures]
         first = self.failures[order[0]]
+        err = first
         if len(order) > 1:
             others = "; ".join(
                 f"device {o}: {self.failures[o].kind}" for o in order[1:] if o != first.device
             )
-            err = DeviceTaskError(
+            err = copy.copy(first)  # every attribute of the first failure, a new message
+            err.args = (
                 f"{len(order)} of {len(self.ordinals)} devices failed (also {others}). "
                 f"First failure:\n{first}",
-                device=first.device,
-                kind=first.kind,
-                pid=first.pid,
-                exitcode=first.exitcode,
-                traceback=first.traceback,
-                exception_type=first.exception_type,
-                child_exception=first.child_exception,
-                attempts=first.attempts,
-                code=first.code,
-                name=first.name,
             )
-        else:
-            err = first
         err.results = self.results
         err.failures = dict(self.failures)
         return err
+
+
+def run_task(
+    data: bytes,
+    parts: list[wire.Part],
+    ordinal: int,
+    ctx: Any,
+    threshold: int | None,
+    session: devmem.ChildSession,
+    lead: tuple[Any, ...] = (),
+) -> tuple[tuple[Any, ...], bool]:
+    """Run one task, ``fn(*lead, *args, **kwargs)`` (in a pool worker or a
+    ``run_per_device`` child); returns the reply's ``out`` and whether the process must
+    restart (a sticky CUDA error)."""
+    restart = False
+    out_parts: list[wire.Part] = []
+    try:
+        fn, args, kwargs = wire.decode(data, parts, session)
+        value = fn(*lead, *args, **kwargs)
+        out_data, out_parts = wire.result_bytes(fn, ordinal, value, threshold, session)
+        fn = args = kwargs = value = None
+        session.finish()
+        out: tuple[Any, ...] = ("ok", out_data, out_parts, list(session.new_leases))
+    except BaseException as exc:
+        wire.discard_blocks(out_parts)
+        fn = args = kwargs = value = None
+        session.abandon()
+        out = ("error", wire.describe_exception(exc))
+        restart = isinstance(exc, ContextPoisonedError) or (
+            isinstance(exc, CudaError) and exc.code in STICKY_CODES
+        )
+    if ctx is not None and ctx.poisoned:
+        restart = True
+    return out, restart
 
 
 def _child_main(
@@ -520,24 +533,18 @@ def _child_main(
     """Entry point of a ``run_per_device`` child (spawned)."""
     global current_device
     current_device = ordinal
-    parts: list[wire.Part] = []
+    msg: tuple[Any, ...] = ("none",)
     session: devmem.ChildSession | None = None
     try:
         child_setup(parent_pid, visible, shm_prefix)
         with bound_context(bind_ordinal, bind) as ctx:
             session = devmem.ChildSession(ctx, None, ordinal)
-            fn, args, kwargs = wire.decode(payload, [], session)
-            value = fn(ordinal, *args, **kwargs)
-            data, parts = wire.result_bytes(fn, ordinal, value, wire.SHM_THRESHOLD, session)
-            fn = args = kwargs = value = None
-            session.finish()  # the parent sees the child's writes once it has the result
-        msg: tuple[Any, ...] = ("ok", data, parts)
+            msg = run_task(payload, [], ordinal, ctx, wire.SHM_THRESHOLD, session, (ordinal,))[0]
     except BaseException as exc:
-        wire.discard_blocks(parts)
-        parts = []
-        if session is not None:
-            session.abandon()
+        if msg[0] == "ok":
+            wire.discard_blocks(msg[2])
         msg = ("error", wire.describe_exception(exc))
+    parts = msg[2] if msg[0] == "ok" else []
     try:
         conn.send(msg)
     except Exception:
