@@ -447,8 +447,7 @@ class DevicePool(Executor):
             task.ready = (slot.state == "idle" and not slot.pending) or not payload.buffers
             slot.pending.append(task)
             nxt = self._take(slot) if slot.state == "idle" else None
-        if nxt is not None:
-            self._send(slot, nxt)
+        self._send(slot, nxt)
         if not task.ready:
             try:
                 payload.snapshot()
@@ -457,15 +456,13 @@ class DevicePool(Executor):
                     with contextlib.suppress(ValueError):
                         slot.pending.remove(task)
                     nxt = self._take(slot) if slot.state == "idle" else None
-                if nxt is not None:
-                    self._send(slot, nxt)
+                self._send(slot, nxt)
                 task.future.cancel()
                 raise
             with self._lock:
                 task.ready = True
                 nxt = self._take(slot) if slot.state == "idle" else None
-            if nxt is not None:
-                self._send(slot, nxt)
+            self._send(slot, nxt)
         return task.future
 
     def _placement(
@@ -542,8 +539,11 @@ class DevicePool(Executor):
             self._stop_worker(slot)
         return None
 
-    def _send(self, slot: Slot, task: Task) -> None:
-        """Put *task*'s buffers in shared memory (within the budget) and send it (no lock)."""
+    def _send(self, slot: Slot, task: Task | None) -> None:
+        """Put *task*'s buffers in shared memory (within the budget) and send it (no lock;
+        nothing to do for ``None``, what :meth:`_take` gives when there is no task)."""
+        if task is None:
+            return
         try:
             parts, used = task.payload.parts(self._reserve, self._unreserve)
         except BaseException as exc:
@@ -555,8 +555,7 @@ class DevicePool(Executor):
                         slot.state = "idle"
                 nxt = self._take(slot) if mine and slot.state == "idle" else None
             task.future.set_exception(exc)
-            if nxt is not None:
-                self._send(slot, nxt)
+            self._send(slot, nxt)
             return
         with self._lock, self._shm_lock:
             mine = slot.current is task
@@ -772,8 +771,7 @@ class DevicePool(Executor):
                 if slot.state == "starting":
                     slot.state = "idle"
                     nxt = self._take(slot)
-            if nxt is not None:
-                self._send(slot, nxt)
+            self._send(slot, nxt)
         elif kind == "init_error":
             head = f"DevicePool worker for device {slot.ordinal} failed to start"
             err = wire.error_from(msg[1], slot.ordinal, slot.proc.pid, None, 1, head, "init")
@@ -802,8 +800,7 @@ class DevicePool(Executor):
         if task is not None:
             sent, task.payload.devices = task.payload.devices, None  # results may refer to them
             self._drop(task)  # the worker has let go of the arguments' blocks
-        if nxt is not None:
-            self._send(slot, nxt)
+        self._send(slot, nxt)
         if task is None:
             if out[0] == "ok":
                 wire.discard_blocks(out[2])
