@@ -206,6 +206,11 @@ def _init_slow() -> None:
         _init_pid = os.getpid()
 
 
+def initialized() -> bool:
+    """True once ``cuInit`` has succeeded in this process."""
+    return _init_pid is not None
+
+
 def no_device() -> bool:
     """True when the driver loaded but reported no CUDA device (after :func:`init`)."""
     return _no_device

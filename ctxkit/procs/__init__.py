@@ -37,7 +37,7 @@ synchronizes before it reports, so the task's writes are visible when its future
 done. A ``DevicePool`` task may also return device memory it allocated: its worker keeps
 that memory alive and the parent gets a :class:`WorkerBuffer` mapped over it, until the
 parent closes or drops it, or the worker exits. Details: :mod:`.devmem` (the rules),
-:mod:`.leases` (returned memory). :func:`traffic` counts what went through pipes and
+the same module (returned memory). :func:`traffic` counts what went through pipes and
 shared memory, and what was shared instead.
 """
 
@@ -47,9 +47,8 @@ from typing import Any
 
 from ..errors import DeviceTaskError
 from .mpi import local_device_for, mpi_local_device, mpi_local_rank
-from .pool import DevicePool
+from .pool import DevicePool, TaskOptions
 from .spawn import run_per_device, worker_device
-from .tasks import TaskOptions
 from .wire import SHM_THRESHOLD, Traffic, traffic
 
 __all__ = [
@@ -69,7 +68,9 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name == "WorkerBuffer":  # loads ctxkit.memory: only when asked for
+    """``WorkerBuffer`` is imported on first use: it loads ``ctxkit.memory`` (and numpy),
+    which a process that sends only host data, such as every spawned child, never needs."""
+    if name == "WorkerBuffer":
         from .workerbuffer import WorkerBuffer
 
         return WorkerBuffer

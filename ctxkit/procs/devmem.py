@@ -28,8 +28,8 @@ Rules a task can rely on:
 * **Results.** A task that returns one of its device arguments, or a view of one, gives
   the parent its own object back (or the same view of it). Device memory *allocated in
   the child* can come back only from a ``DevicePool``: the worker exports it and keeps it
-  alive, and the parent gets a :class:`~ctxkit.procs.workerbuffer.WorkerBuffer` mapped over it
-  (see :mod:`.leases` for when the worker lets it go). ``run_per_device`` children exit
+  alive, and the parent gets a :class:`~ctxkit.procs.WorkerBuffer` mapped over it
+  (see :class:`LeaseBook` for when the worker lets it go). ``run_per_device`` children exit
   when they return, so such a result is refused there with a ``TypeError`` naming the
   fixes.
 * **What cannot travel.** Memory legacy CUDA IPC cannot share (managed memory,
@@ -39,15 +39,45 @@ Rules a task can rely on:
 ``ctxkit.memory`` is imported only when device objects are involved, so a process that
 sends only host data starts as fast as before (a spawned child does not load numpy
 or the memory family for it).
+
+Returned memory (a :class:`~ctxkit.procs.WorkerBuffer`):
+
+A task that returns a ``DeviceBuffer`` or ``DeviceArray`` allocated in its worker gives
+the parent a :class:`WorkerBuffer` (inside a ``DeviceArray`` of the same shape and dtype
+for an array): an :class:`~ctxkit.memory.ImportedBuffer` mapped over the worker's memory
+(``cuIpcOpenMemHandle`` in the parent's registry context of that GPU), no copy. The
+worker keeps the memory alive until the parent lets go of it:
+
+* when the parent's ``WorkerBuffer`` is closed (``close()``) or collected, the parent
+  unmaps it first (``cuIpcCloseMemHandle``), then tells the worker, which frees it. The
+  release travels with the worker's next task, or on its own when the worker is idle,
+  so a busy worker's pipe never fills with them.
+* the memory lives no longer than the worker process. When the pool shuts down
+  (``shutdown()``, leaving ``with``), the parent synchronizes each such buffer's context
+  and closes the buffer before it tells the worker to exit; when the worker dies (a
+  crash, a timeout, ``terminate()``) or is replaced after a sticky CUDA error, the
+  parent closes its buffers. A closed ``WorkerBuffer`` raises ``ContextClosedError``
+  that says why: copy what must outlive the pool (``copy_to_host``, ``copy_to``, a new
+  ``DeviceBuffer``) before it shuts down.
+
+Passing a ``WorkerBuffer`` to another task works: its worker resolves it to its own
+object without mapping anything; another worker (of this pool or another, or a
+``run_per_device`` child) maps it with the worker's handle while the parent keeps the
+buffer (and so the lease) alive for the task.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import sys
+import threading
 import uuid
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -57,7 +87,7 @@ from ..errors import ContextClosedError
 if TYPE_CHECKING:  # pragma: no cover
     from ..memory.device import DeviceBuffer
     from ..memory.ipc import IpcBufferHandle
-    from .leases import LeaseBook, WorkerKey
+    from .workerbuffer import WorkerBuffer
 
 __all__ = [
     "ChildSession",
@@ -478,6 +508,100 @@ class ChildSession:
             buf.close()
 
 
+# --- memory a pool worker lent the parent -------------------------------------------
+
+
+#: A worker process of a pool: ``(device ordinal, pid)``.
+WorkerKey = tuple[int, int]
+
+
+class LeaseBook:
+    """A pool's ``WorkerBuffer``s by worker, and the releases waiting to be sent.
+
+    *wake* tells the pool's manager thread that releases are queued (it must not block
+    or take locks: it runs in finalizers, in whatever thread collects a buffer).
+    """
+
+    def __init__(self, wake: Callable[[], None]) -> None:
+        self._lock = threading.Lock()
+        self._live: dict[WorkerKey, weakref.WeakSet[WorkerBuffer]] = {}
+        self._released: deque[tuple[WorkerKey, int]] = deque()
+        self._wake = wake
+
+    def adopt(
+        self, key: WorkerKey, handle: IpcBufferHandle, lease: int, owner: str
+    ) -> WorkerBuffer:
+        """Map the memory of worker *key*'s *lease* (``cuIpcOpenMemHandle``)."""
+        from .workerbuffer import adopt
+
+        buf = adopt(handle, lease, owner, functools.partial(self.enqueue, key, [lease]))
+        with self._lock:
+            self._live.setdefault(key, weakref.WeakSet()).add(buf)
+        return buf
+
+    def enqueue(self, key: WorkerKey, leases: Iterable[int]) -> None:
+        """Queue releases of *key*'s leases for the manager to send."""
+        added = False
+        for lease in leases:
+            self._released.append((key, lease))
+            added = True
+        if added:
+            self._wake()
+
+    def drain(self) -> dict[WorkerKey, list[int]]:
+        """The queued releases, by worker (and the queue emptied)."""
+        out: dict[WorkerKey, list[int]] = {}
+        while True:
+            try:
+                key, lease = self._released.popleft()
+            except IndexError:
+                return out
+            out.setdefault(key, []).append(lease)
+
+    def live(self, key: WorkerKey | None = None) -> int:
+        """Open ``WorkerBuffer``s (of worker *key*, or of every worker)."""
+        with self._lock:
+            sets = [self._live.get(key, ())] if key is not None else list(self._live.values())
+            return sum(1 for s in sets for b in list(s) if not b.closed)
+
+    def workers(self) -> list[WorkerKey]:
+        """The workers that have lent buffers (open or not yet forgotten)."""
+        with self._lock:
+            return list(self._live)
+
+    def invalidate(self, key: WorkerKey, why: str, synchronize: bool) -> int:
+        """Close every ``WorkerBuffer`` of worker *key*, which is exiting or gone; using
+        one afterwards raises ``ContextClosedError`` saying *why*. With *synchronize*,
+        first wait for the work queued in their contexts. Returns how many were open."""
+        with self._lock:
+            bufs = [b for b in list(self._live.pop(key, ())) if not b.closed]
+        if synchronize:
+            seen: set[int] = set()
+            for b in bufs:
+                if id(b.context) not in seen:
+                    seen.add(id(b.context))
+                    try:
+                        b.context.synchronize()
+                    except Exception:  # a poisoned context: close anyway
+                        pass
+        if bufs:
+            from .workerbuffer import revoke
+
+            for b in bufs:
+                revoke(b, why)
+        return len(bufs)
+
+
+def gone_message(key: WorkerKey, why: str) -> str:
+    """Why a ``WorkerBuffer`` of worker *key* was closed, and what to do instead."""
+    ordinal, pid = key
+    return (
+        f"{why}: the worker of device {ordinal} (pid {pid}) held this memory, which this "
+        "process may no longer use. Copy what must outlive the worker (copy_to_host, "
+        "copy_to, a new DeviceBuffer) while the pool still runs"
+    )
+
+
 # --- the parent receiving a result ----------------------------------------------------
 
 
@@ -485,7 +609,7 @@ class ResultLoader:
     """Device memory in a task's result, as objects of the parent.
 
     An argument reference gives the parent's own object (:meth:`Outgoing.rebuild`); a
-    pool worker's memory a :class:`~ctxkit.procs.workerbuffer.WorkerBuffer` from *book*.
+    pool worker's memory a :class:`~ctxkit.procs.WorkerBuffer` from *book*.
     ``adopted`` lists the leases that became buffers (the others must be released when
     loading fails).
     """

@@ -1,22 +1,29 @@
 """``DevicePool``: one long-lived worker process per GPU, a ``concurrent.futures.Executor``.
 
-This module holds the class and what its users call: the constructor, ``submit``,
-``submit_to``, ``shutdown``, ``terminate`` and the context manager. The rest is in its
-base classes: :class:`~.dispatch.Dispatcher` (checking, placing, queueing and sending
-tasks) and :class:`~.manager.Manager` (the thread that watches and replaces the workers).
+The class holds what its users call (the constructor, ``submit``, ``submit_to``,
+``shutdown``, ``terminate``, the context manager), the scheduling that the threads
+calling ``submit`` run (checking, placing, queueing and sending tasks, their large arrays
+in shared memory within the pool's budget), and the manager thread
+(``ctxkit-devicepool``). That thread waits on every worker's result pipe and process
+sentinel, and on a wake-up pipe: it completes futures with their results, stops a worker
+whose task ran past its timeout, replaces workers that died or hit a sticky CUDA error,
+marks a device whose worker cannot start as broken, and sends idle workers the releases
+of the device memory they lent (:class:`~.devmem.LeaseBook`). The worker's side is
+:mod:`.worker`.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import functools
 import itertools
-import multiprocessing.util  # noqa: F401 - its atexit hook must be registered before ours
+import multiprocessing.connection
+import multiprocessing.util  # its atexit hook must be registered before ours
 import os
 import threading
 import time
-import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -24,26 +31,132 @@ from concurrent.futures import Executor, Future
 from typing import Any
 
 from ..device import Device
-from . import child, shm, wire
-from .leases import LeaseBook, _gone
-from .manager import Manager
-from .tasks import (
-    Slot,
-    Task,
-    TaskOptions,
-    check_timeout,
-    takes_keyword,
-    terminated_error,
-)
+from ..errors import DeviceTaskError
+from . import devmem, spawn, wire
+from .devmem import LeaseBook, WorkerKey, gone_message
 from .wire import SHM_THRESHOLD
+from .worker import worker_main
 
-__all__ = ["DevicePool"]
+__all__ = ["DevicePool", "TaskOptions"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskOptions:
+    """Where and how long one :class:`DevicePool` task runs (``pool.submit_to(options, ...)``).
+
+    Attributes
+    ----------
+    device : int or Device, optional
+        The pool device to run on; ``None`` picks the least-loaded one.
+    timeout : float, optional
+        Seconds the task may run once it is sent to its worker, loading its function and
+        arguments included (time spent queued does not count; the worker's start-up and
+        ``initializer`` do not either); ``None`` uses the pool's ``task_timeout``. A
+        task still running then is stopped with its worker, which is replaced; its
+        future fails with a :class:`DeviceTaskError` of ``kind == "timeout"``.
+    """
+
+    device: Device | int | None = None
+    timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        check_timeout(self.timeout, "TaskOptions(timeout=)")
+
+
+def check_timeout(timeout: float | None, what: str) -> None:
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"{what} must be a positive number of seconds or None, not {timeout!r}")
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Task:
+    """One submitted task: its pickled call, its future, and what it holds once sent."""
+
+    id: int
+    label: str
+    payload: wire.Payload
+    timeout: float | None
+    parts: list[wire.Part] = dataclasses.field(default_factory=list)  # buffers once sent
+    shm_bytes: int = 0  # bytes of the pool's shared-memory budget it holds
+    ready: bool = True  # False while submit() still copies its buffers
+    future: Future[Any] = dataclasses.field(default_factory=Future)
+    started: bool = False
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Slot:
+    """One device's worker: its process, pipes and queue.
+
+    ``state``: starting -> idle <-> busy; restarting (worker exits after a sticky fault,
+    or is being stopped for a timeout); stopping (told to exit); dead (exited, not
+    replaced); broken (cannot start). ``stop_pending`` (a worker's pid): the manager
+    thread closes the parent's mappings of that worker's memory, then sends it ``None``.
+    """
+
+    ordinal: int
+    bind_ordinal: int
+    visible: str | None
+    proc: Any = None
+    task_w: Any = None
+    result_r: Any = None
+    # one writer on task_w; close it only under this lock
+    send_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    prefix: str = ""
+    state: str = "dead"
+    pending: deque[Task] = dataclasses.field(default_factory=deque)
+    current: Task | None = None
+    broken: DeviceTaskError | None = None
+    deadline: float | None = None  # the current task's timeout
+    kill_at: float | None = None  # SIGKILL if still alive then
+    timed_out: Task | None = None
+    releases: list[int] = dataclasses.field(default_factory=list)  # sent with the next message
+    stop_pending: int | None = None  # pid to send None once its memory is unmapped
+
+    @property
+    def load(self) -> int:
+        return len(self.pending) + (self.current is not None) + (self.state == "starting")
+
+
+def lost_error(
+    slot: Slot, task: Task, pid: int, code: int | None, timed_out: bool
+) -> DeviceTaskError:
+    """The error of a task whose worker died under it (or was stopped for its timeout)."""
+    head = f"task {task.label} on device {slot.ordinal}"
+    if timed_out:
+        return DeviceTaskError(
+            f"{head} did not finish within {task.timeout:g} s: worker process {pid} was "
+            f"stopped ({spawn.exit_reason(code)}) and replaced",
+            device=slot.ordinal,
+            kind="timeout",
+            pid=pid,
+            exitcode=code,
+        )
+    return DeviceTaskError(
+        f"{head}: worker process {pid} {spawn.exit_reason(code)} while running it; the "
+        f"worker was replaced. {spawn.death_hint(code)}",
+        device=slot.ordinal,
+        kind="crash",
+        pid=pid,
+        exitcode=code,
+    )
+
+
+def terminated_error(slot: Slot | None, task: Task) -> DeviceTaskError:
+    """The error of a task the pool was terminated under."""
+    where = f" on device {slot.ordinal}" if slot is not None else ""
+    return DeviceTaskError(
+        f"task {task.label}{where}: the DevicePool was terminated before it finished",
+        device=slot.ordinal if slot is not None else -1,
+        kind="terminated",
+    )
 
 
 _live_pools: weakref.WeakSet[DevicePool] = weakref.WeakSet()
 
 
-class DevicePool(Manager, Executor):
+class DevicePool(Executor):
     """One long-lived worker process per device: a ``concurrent.futures.Executor``.
 
     Each worker binds the registry's context of its device once, when it starts, and
@@ -99,7 +212,7 @@ class DevicePool(Manager, Executor):
     A task may return device memory it allocated: the parent gets a
     :class:`~ctxkit.procs.WorkerBuffer` (or a ``DeviceArray`` over one) that the worker
     keeps alive until it is closed or collected, or until the worker exits
-    (:mod:`.leases`): copy what must outlive the pool before it shuts down. A buffer
+    (:class:`~.devmem.LeaseBook`): copy what must outlive the pool before it shuts down. A buffer
     closed before ``submit`` is freed by the worker before that task runs. A task that
     returns one of its device arguments gives back the parent's own object.
 
@@ -125,7 +238,7 @@ class DevicePool(Manager, Executor):
         mp_context: Any = None,
         _bind: bool = True,
     ) -> None:
-        self._ctx = child.spawn_context(mp_context)
+        self._ctx = spawn.spawn_context(mp_context)
         by_value = False
         if initializer is not None:
             by_value = wire.check_shippable("DevicePool(initializer=)", initializer)
@@ -136,8 +249,8 @@ class DevicePool(Manager, Executor):
         self._init_payload = wire.dumps(
             "DevicePool(initializer=)", (initializer, tuple(initargs)), by_value
         )
-        ordinals = child.resolve_ordinals(devices, _bind)
-        visible = child.visible_for(ordinals, isolate)
+        ordinals = spawn.resolve_ordinals(devices, _bind)
+        visible = spawn.visible_for(ordinals, isolate)
         self._slots = [
             Slot(o, 0 if isolate else o, v) for o, v in zip(ordinals, visible, strict=True)
         ]
@@ -177,9 +290,8 @@ class DevicePool(Manager, Executor):
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
         """Run ``fn(*args, **kwargs)`` on the least-loaded device; returns its ``Future``.
 
-        Every keyword argument goes to ``fn``, as with any ``Executor``. (Compatibility:
-        ``device=`` chooses the device, with a ``DeprecationWarning``, only when ``fn``
-        takes no ``device`` keyword; use :meth:`submit_to`.) Ties in load go round robin.
+        Every keyword argument goes to ``fn``, as with any ``Executor``; to choose the
+        device, use :meth:`submit_to`. Ties in load go round robin.
         A failure in the worker sets a :class:`DeviceTaskError` on the future.
 
         Raises
@@ -198,17 +310,7 @@ class DevicePool(Manager, Executor):
         CudaError
             The driver refused to export a device argument (CUDA IPC unavailable).
         """
-        target: Device | int | None = None
-        if "device" in kwargs and not takes_keyword(fn, "device"):
-            warnings.warn(
-                "DevicePool.submit(fn, ..., device=N) as a device choice is deprecated: "
-                "submit() passes every keyword argument to fn, as concurrent.futures "
-                "executors do. Use pool.submit_to(N, fn, ...)",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            target = kwargs.pop("device")
-        return self._submit(TaskOptions(device=target), fn, args, kwargs)
+        return self._submit(TaskOptions(), fn, args, kwargs)
 
     def submit_to(
         self,
@@ -273,13 +375,13 @@ class DevicePool(Manager, Executor):
         if not self._owned():
             return
         for key in self._book.workers():
-            self._book.invalidate(key, _gone(key, "the DevicePool was terminated"), False)
+            self._book.invalidate(key, gone_message(key, "the DevicePool was terminated"), False)
         with self._lock:
             self._shutdown = True
             self._terminating = True
             tasks = [t for s in self._slots for t in s.pending]
             running = [(s, s.current) for s in self._slots if s.current is not None]
-            kill_at = time.monotonic() + child.TERM_GRACE_S
+            kill_at = time.monotonic() + spawn.TERM_GRACE_S
             for s in self._slots:
                 s.pending.clear()
                 s.current = None
@@ -314,6 +416,478 @@ class DevicePool(Manager, Executor):
         state = "shut down" if self._shutdown else "running"
         return f"<DevicePool devices={self.devices} {state}>"
 
+    # --- submitting ----------------------------------------------------------------
+
+    def _owned(self) -> bool:
+        return os.getpid() == self._owner
+
+    def _submit(
+        self, options: TaskOptions, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: Any
+    ) -> Future[Any]:
+        if not self._owned():
+            raise RuntimeError(
+                f"this DevicePool belongs to process {self._owner}; a process forked from it "
+                "cannot submit work (its workers serve the parent). Create a pool in this "
+                "process"
+            )
+        by_value = wire.check_shippable("DevicePool.submit", fn)
+        if self._shutdown:
+            raise RuntimeError("cannot submit to a DevicePool after shutdown()")
+        payload = wire.Payload.build(
+            "DevicePool.submit", (fn, args, kwargs), self._threshold, by_value
+        )
+        allowed, prefer = self._placement(options, payload.devices)
+        timeout = options.timeout if options.timeout is not None else self._task_timeout
+        task = Task(next(self._ids), getattr(fn, "__qualname__", repr(fn)), payload, timeout)
+        with self._lock:
+            if self._shutdown:
+                raise RuntimeError("cannot submit to a DevicePool after shutdown()")
+            slot = self._pick(options.device, allowed, prefer)
+            # sent before submit() returns, or copied first: the caller may reuse its arrays
+            task.ready = (slot.state == "idle" and not slot.pending) or not payload.buffers
+            slot.pending.append(task)
+            nxt = self._take(slot) if slot.state == "idle" else None
+        self._send(slot, nxt)
+        if not task.ready:
+            try:
+                payload.snapshot()
+            except BaseException:  # e.g. MemoryError: the task never was
+                with self._lock:
+                    with contextlib.suppress(ValueError):
+                        slot.pending.remove(task)
+                    nxt = self._take(slot) if slot.state == "idle" else None
+                self._send(slot, nxt)
+                task.future.cancel()
+                raise
+            with self._lock:
+                task.ready = True
+                nxt = self._take(slot) if slot.state == "idle" else None
+            self._send(slot, nxt)
+        return task.future
+
+    def _placement(
+        self, options: TaskOptions, devices: devmem.Outgoing | None
+    ) -> tuple[list[int] | None, int | None]:
+        """Where a task with device arguments may run (``None``: anywhere) and where it
+        best runs; checked, and the arguments' contexts synchronized, before it is queued."""
+        if devices is None:
+            return None, None
+        if options.device is not None:
+            devices.check_target(spawn.ordinal_of(options.device, False), self._isolate)
+            allowed = None
+        else:
+            allowed = devices.mappable_on(self.devices, self._isolate)
+            if not allowed:
+                try:
+                    devices.check_target(self.devices[0], self._isolate)
+                except ValueError as exc:
+                    raise ValueError(
+                        f"no device of this pool {self.devices} can map the task's device "
+                        f"arguments; on device {self.devices[0]}: {exc}"
+                    ) from None
+        devices.synchronize()
+        return allowed, devices.affinity
+
+    # --- scheduling ----------------------------------------------------------------
+
+    def _pick(
+        self,
+        device: Device | int | None,
+        allowed: list[int] | None = None,
+        prefer: int | None = None,
+    ) -> Slot:
+        """The slot for a task: *device*, else the least-loaded healthy one among
+        *allowed*, the one of device *prefer* first (it holds the task's memory)."""
+        if device is not None:
+            ordinal = spawn.ordinal_of(device, False)
+            slot = self._by_ordinal.get(ordinal)
+            if slot is None:
+                raise ValueError(f"device {ordinal} is not in this pool (devices {self.devices})")
+            if slot.broken is not None:
+                raise slot.broken
+            return slot
+        n = len(self._slots)
+        healthy = [self._slots[(self._rr + k) % n] for k in range(n)]
+        healthy = [s for s in healthy if s.broken is None]
+        if not healthy:
+            raise self._slots[0].broken  # type: ignore[misc]
+        if allowed is not None:
+            healthy = [s for s in healthy if s.ordinal in allowed]
+            if not healthy:  # every device that can map the arguments is broken
+                raise next(s.broken for s in self._slots if s.ordinal in allowed)  # type: ignore[misc]
+        same = [s for s in healthy if s.ordinal == prefer]
+        slot = same[0] if same else min(healthy, key=lambda s: s.load)
+        self._rr = (self._slots.index(slot) + 1) % n
+        return slot
+
+    def _take(self, slot: Slot) -> Task | None:
+        """The next task for an idle worker, now its current one (lock held); the caller
+        sends it with :meth:`_send` after releasing the lock."""
+        while slot.pending:
+            task = slot.pending[0]
+            if not task.ready:
+                return None
+            slot.pending.popleft()
+            if not task.started:
+                if not task.future.set_running_or_notify_cancel():
+                    self._drop(task)
+                    continue
+                task.started = True
+            slot.current, slot.state = task, "busy"  # before the send: the reply may be quick
+            return task
+        if self._shutdown:
+            self._stop_worker(slot)
+        return None
+
+    def _send(self, slot: Slot, task: Task | None) -> None:
+        """Put *task*'s buffers in shared memory (within the budget) and send it (no lock;
+        nothing to do for ``None``, what :meth:`_take` gives when there is no task)."""
+        if task is None:
+            return
+        try:
+            parts, used = task.payload.parts(self._reserve, self._unreserve)
+        except BaseException as exc:
+            with self._lock:
+                mine = slot.current is task
+                if mine:
+                    slot.current = None
+                    if slot.state == "busy":
+                        slot.state = "idle"
+                nxt = self._take(slot) if mine and slot.state == "idle" else None
+            task.future.set_exception(exc)
+            self._send(slot, nxt)
+            return
+        with self._lock, self._shm_lock:
+            mine = slot.current is task
+            task.parts, task.shm_bytes = parts, used
+            conn = slot.task_w
+            releases: list[int] = []
+            if mine:  # closed before submit() returned: freed before the task runs
+                self._collect_releases()
+                releases, slot.releases = slot.releases, []
+            if mine and task.timeout is not None:
+                slot.deadline = time.monotonic() + task.timeout
+        if not mine:  # terminated or failed while its buffers were copied
+            self._drop(task)
+            return
+        if task.timeout is not None and threading.current_thread() is not self._manager:
+            self._wake()
+        try:
+            with slot.send_lock:
+                conn.send((task.id, task.payload.data, parts, releases))
+            devices = task.payload.devices
+            n, nbytes = (len(devices), devices.nbytes) if devices is not None else (0, 0)
+            wire.count_sent(task.payload.data, parts, n, nbytes)
+        except (OSError, ValueError):  # the worker is gone: run it on the replacement
+            self._drop(task, keep_payload=True)
+            task.payload.snapshot()  # submit() may have returned by the time it is resent
+            with self._lock:
+                if slot.current is task:
+                    slot.pending.appendleft(task)
+                    slot.current, slot.deadline, slot.state = None, None, "restarting"
+
+    def _reserve(self, nbytes: int) -> bool:
+        with self._shm_lock:
+            if self._shm_used + nbytes > self._shm_limit:
+                return False
+            self._shm_used += nbytes
+            return True
+
+    def _unreserve(self, nbytes: int) -> None:
+        with self._shm_lock:
+            self._shm_used -= nbytes
+
+    def _drop(self, task: Task, keep_payload: bool = False) -> None:
+        """Release what a finished or abandoned task holds: its blocks and budget (and,
+        unless *keep_payload*, its pickled arguments)."""
+        with self._shm_lock:
+            parts, task.parts = task.parts, []
+            nbytes, task.shm_bytes = task.shm_bytes, 0
+            self._shm_used -= nbytes
+        wire.discard_blocks(parts)
+        if not keep_payload:
+            task.payload.release()
+
+    def _stop_worker(self, slot: Slot) -> None:
+        """Tell the worker to exit (lock held): the manager thread first closes the
+        parent's mappings of the memory it lent (:meth:`_flush`), then sends ``None``."""
+        slot.state = "stopping"
+        if slot.proc is not None:
+            slot.stop_pending = slot.proc.pid
+        self._wake()
+
+    def _wake(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self._wake_w.send_bytes(b"w")
+
+    def _collect_releases(self) -> None:
+        """Move the book's queued releases to their live workers' slots (lock held);
+        those of workers that are gone are dropped."""
+        for (ordinal, pid), leases in self._book.drain().items():
+            s = self._by_ordinal.get(ordinal)
+            if s is not None and s.proc is not None and s.proc.pid == pid:
+                s.releases += leases
+
+    def _spawn(self, slot: Slot) -> None:
+        result_r, result_w = self._ctx.Pipe(duplex=False)
+        task_r, task_w = self._ctx.Pipe(duplex=False)
+        prefix = wire.child_shm_prefix()
+        proc = self._ctx.Process(
+            target=worker_main,
+            args=(
+                task_r,
+                result_w,
+                slot.ordinal,
+                slot.bind_ordinal,
+                slot.visible,
+                self._bind,
+                os.getpid(),
+                self._threshold,
+                self._init_payload,
+                prefix,
+            ),
+            name=f"ctxkit-pool-device-{slot.ordinal}",
+        )
+        try:
+            proc.start()
+        except BaseException:
+            result_r.close()
+            task_w.close()
+            raise
+        finally:
+            result_w.close()
+            task_r.close()
+        slot.proc, slot.result_r, slot.task_w, slot.prefix = proc, result_r, task_w, prefix
+        slot.state = "starting"
+        slot.deadline = slot.kill_at = slot.timed_out = slot.stop_pending = None
+        slot.releases = []
+
+    def _manage(self) -> None:
+        try:
+            with self._lock:
+                for s in self._slots:
+                    if not self._terminating:
+                        self._spawn(s)
+            while True:
+                with self._lock:
+                    live = [s for s in self._slots if s.proc is not None]
+                    if self._shutdown and not live:
+                        return
+                    wait_s = self._enforce_deadlines(live, time.monotonic())
+                    waits: list[Any] = [self._wake_r]
+                    waits += [s.result_r for s in live if not s.result_r.closed]
+                    waits += [s.proc.sentinel for s in live]
+                ready = multiprocessing.connection.wait(waits, wait_s)
+                if self._wake_r in ready:
+                    while self._wake_r.poll():
+                        self._wake_r.recv_bytes()
+                for s in live:
+                    if not s.result_r.closed and s.result_r in ready:
+                        self._receive(s)
+                for s in live:
+                    if s.proc.sentinel in ready:
+                        self._exited(s)
+                self._flush()
+        except BaseException as exc:  # pragma: no cover - a bug here must not hang callers
+            self._fail_all(exc)
+        finally:
+            for conn in (self._wake_r, self._wake_w):
+                conn.close()
+
+    def _enforce_deadlines(self, live: list[Slot], now: float) -> float | None:
+        """Stop workers past their task's timeout, SIGKILL those past their grace (lock
+        held); returns the seconds until the next such moment (``None``: none)."""
+        moments = []
+        for s in live:
+            if s.deadline is not None and now >= s.deadline and s.current is not None:
+                s.timed_out, s.deadline, s.state = s.current, None, "restarting"
+                s.kill_at = now + spawn.TERM_GRACE_S
+                with contextlib.suppress(Exception):
+                    s.proc.terminate()
+            if s.kill_at is not None and now >= s.kill_at:
+                s.kill_at = None
+                with contextlib.suppress(Exception):
+                    s.proc.kill()
+            moments += [t for t in (s.deadline, s.kill_at) if t is not None]
+        return max(0.0, min(moments) - now) if moments else None
+
+    def _flush(self) -> None:
+        """Send the releases of the parent's ``WorkerBuffer``s to idle workers (busy ones
+        get theirs with the next task), and stop the workers waiting for it once their
+        memory is unmapped here (manager thread, no lock across the sends)."""
+        with self._lock:
+            self._collect_releases()
+            idle = []
+            for s in self._slots:
+                if s.releases and s.state == "idle" and s.current is None:
+                    # taken with the lock held: a task sent after this waits for the release
+                    s.send_lock.acquire()
+                    idle.append((s, s.releases))
+                    s.releases = []
+                elif s.releases and s.state in ("stopping", "dead", "broken"):
+                    s.releases = []
+            stops = [
+                s
+                for s in self._slots
+                if s.proc is not None
+                and s.stop_pending is not None
+                and s.stop_pending == s.proc.pid
+            ]
+            for s in self._slots:
+                s.stop_pending = None
+        for s, leases in idle:
+            try:
+                with contextlib.suppress(OSError, ValueError):
+                    s.task_w.send(("release", leases))
+            finally:
+                s.send_lock.release()
+        for s in stops:
+            why = (
+                "its worker was replaced after a sticky CUDA error"
+                if s.state == "restarting"
+                else "the DevicePool that returned it was shut down"
+            )
+            self._close_lent(s, why, synchronize=True)
+            with s.send_lock, contextlib.suppress(OSError, ValueError):
+                s.task_w.send(None)
+
+    def _close_lent(self, slot: Slot, why: str, synchronize: bool) -> None:
+        """Close the parent's ``WorkerBuffer``s of *slot*'s worker (exiting or gone)."""
+        if slot.proc is None:
+            return
+        key = (slot.ordinal, slot.proc.pid)
+        self._book.invalidate(key, gone_message(key, why), synchronize)
+
+    def _receive(self, slot: Slot) -> None:
+        try:
+            msg = slot.result_r.recv()
+        except (EOFError, OSError):
+            slot.result_r.close()
+            return
+        kind = msg[0]
+        if kind == "ready":
+            with self._lock:
+                nxt = None
+                if slot.state == "starting":
+                    slot.state = "idle"
+                    nxt = self._take(slot)
+            self._send(slot, nxt)
+        elif kind == "init_error":
+            head = f"DevicePool worker for device {slot.ordinal} failed to start"
+            err = wire.error_from(msg[1], slot.ordinal, slot.proc.pid, None, 1, head, "init")
+            self._mark_broken(slot, err)
+            slot.result_r.close()
+        elif kind == "result":
+            self._complete(slot, msg[1], msg[2], msg[3])
+
+    def _complete(self, slot: Slot, task_id: int, out: Any, restart: bool) -> None:
+        nxt = None
+        pid = slot.proc.pid
+        key: WorkerKey = (slot.ordinal, pid)
+        with self._lock:
+            task = slot.current
+            if task is None or task.id != task_id:  # terminated under it
+                task = None
+            else:
+                slot.current, slot.deadline = None, None
+                if restart:
+                    slot.state = "restarting"
+                    slot.stop_pending = pid  # once its lent memory is unmapped here
+                elif slot.state == "busy":
+                    slot.state = "idle"
+                    nxt = self._take(slot)
+        sent = None
+        if task is not None:
+            sent, task.payload.devices = task.payload.devices, None  # results may refer to them
+            self._drop(task)  # the worker has let go of the arguments' blocks
+        self._send(slot, nxt)
+        if task is None:
+            if out[0] == "ok":
+                wire.discard_blocks(out[2])
+                self._book.enqueue(key, out[3])
+            return
+        head = f"task {task.label} on device {slot.ordinal}"
+        if out[0] == "ok":
+            loader = devmem.ResultLoader(sent, self._book, key)
+            try:
+                value = wire.decode(out[1], out[2], loader)
+            except Exception as exc:
+                self._book.enqueue(key, [lease for lease in out[3] if lease not in loader.adopted])
+                desc = wire.describe_exception(exc)
+                task.future.set_exception(
+                    wire.error_from(
+                        desc, slot.ordinal, pid, None, 1, head + ": result not loadable"
+                    )
+                )
+            else:
+                task.future.set_result(value)
+        else:
+            task.future.set_exception(wire.error_from(out[1], slot.ordinal, pid, None, 1, head))
+
+    def _exited(self, slot: Slot) -> None:
+        slot.proc.join()
+        while not slot.result_r.closed and slot.result_r.poll():
+            self._receive(slot)
+        wire.sweep_blocks(slot.prefix)  # blocks of a worker killed while sending a result
+        code = slot.proc.exitcode
+        pid = slot.proc.pid
+        self._close_lent(slot, f"its worker {spawn.exit_reason(code)}", synchronize=False)
+        with self._lock:
+            task, slot.current = slot.current, None
+            timed_out = task is not None and slot.timed_out is task
+            was = slot.state
+            slot.result_r.close()
+            old_w = slot.task_w
+            slot.proc = None
+            slot.deadline = slot.kill_at = slot.timed_out = None
+            slot.state = "dead" if was != "broken" else "broken"
+            if was == "starting" and not self._terminating:
+                reason = spawn.exit_reason(code)
+                broken = DeviceTaskError(
+                    f"DevicePool worker for device {slot.ordinal} (pid {pid}) {reason} "
+                    "while starting (importing ctxkit, binding the context or running the "
+                    "initializer)",
+                    device=slot.ordinal,
+                    kind="init",
+                    pid=pid,
+                    exitcode=code,
+                )
+            else:
+                broken = None
+                if was not in ("stopping", "broken") and not (self._shutdown and not slot.pending):
+                    self._spawn(slot)
+        with slot.send_lock:
+            old_w.close()
+        if broken is not None:
+            self._mark_broken(slot, broken)
+        if task is not None:
+            self._drop(task)
+            task.future.set_exception(lost_error(slot, task, pid, code, timed_out))
+
+    def _mark_broken(self, slot: Slot, err: DeviceTaskError) -> None:
+        with self._lock:
+            slot.broken = err
+            if slot.proc is not None:
+                slot.state = "broken"
+            tasks = list(slot.pending)
+            slot.pending.clear()
+        for t in tasks:
+            self._drop(t)
+            if t.started or t.future.set_running_or_notify_cancel():
+                t.future.set_exception(err)
+
+    def _fail_all(self, exc: BaseException) -> None:  # pragma: no cover - see _manage
+        with self._lock:
+            self._shutdown = True
+            tasks = [t for s in self._slots for t in (*s.pending, s.current) if t is not None]
+            procs = [s.proc for s in self._slots if s.proc is not None]
+        for p in procs:
+            with contextlib.suppress(Exception):
+                p.kill()
+        for t in tasks:
+            with contextlib.suppress(Exception):
+                t.future.set_exception(exc)
+
 
 def _wake_through(conn: Any) -> None:
     """Wake the manager thread (for the lease book: from finalizers, any thread)."""
@@ -323,7 +897,7 @@ def _wake_through(conn: Any) -> None:
 
 def _default_shm_limit() -> int:
     """Half of ``/dev/shm``; no limit where there is no ``/dev/shm`` to measure."""
-    total = shm.space()[1]
+    total = wire.shm_space()[1]
     return total // 2 if total else 1 << 62
 
 

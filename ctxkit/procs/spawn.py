@@ -1,26 +1,203 @@
-"""``run_per_device``: one spawned process per GPU, results in order (the family's
-overview is in :mod:`ctxkit.procs`)."""
+"""Child processes of ``ctxkit.procs`` and ``run_per_device``: one spawned process per GPU.
+
+How a child is started, set up, stopped and described (shared with :mod:`.pool`'s
+workers): spawn only (see ``procs``); a child ignores SIGINT (the parent turns Ctrl-C
+into stopping its children), dies with its parent on Linux, and sees only its device
+when isolated. :func:`run_per_device` starts one child per device and returns their
+results in order (the family's overview is in :mod:`ctxkit.procs`).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import ctypes
+import dataclasses
 import multiprocessing
 import multiprocessing.connection
 import os
+import signal
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from ..device import Device
-from ..errors import DeviceTaskError
-from . import child, devmem, shm, wire
+from .. import _driver, registry
+from ..context import Context
+from ..device import Device, device_count
+from ..errors import STICKY_CODES, ContextPoisonedError, CudaError, DeviceTaskError
+from ..registry import check_devices
+from . import devmem, wire
 
 __all__ = ["run_per_device", "worker_device"]
+
+
+#: Seconds between SIGTERM and SIGKILL when a child must be stopped.
+TERM_GRACE_S = 2.0
+
+
+#: Seconds a child may take to exit after it sent its result (e.g. teardown after a fault).
+EXIT_GRACE_S = 10.0
+
+
+#: The logical device ordinal a ctxkit child process serves (``procs.worker_device``).
+current_device: int | None = None
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def child_setup(parent_pid: int, visible: str | None, shm_prefix: str | None = None) -> None:
+    """First thing a spawned child does, before it unpickles any user code.
+
+    Ignores SIGINT, asks Linux to kill this process when the parent thread that started
+    it dies, names its shared-memory blocks with the prefix its parent chose (so the
+    parent can remove them if this process dies while sending), and applies
+    ``CUDA_VISIBLE_DEVICES`` isolation while CUDA is still uninitialised.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent(parent_pid)
+    if shm_prefix is not None:
+        wire.set_shm_prefix(shm_prefix)
+    if visible is not None:
+        if _driver.initialized():
+            raise RuntimeError(
+                "isolate=True: CUDA was already initialised in the child before "
+                "CUDA_VISIBLE_DEVICES could be set (the main module touched CUDA at import); "
+                "guard the program's top-level code with `if __name__ == '__main__':`"
+            )
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def exit_reason(exitcode: int | None) -> str:
+    """Human words for a process exit code (negative: killed by that signal)."""
+    if exitcode is None:
+        return "is still running"
+    if exitcode < 0:
+        try:
+            sig = signal.Signals(-exitcode).name
+        except ValueError:
+            sig = f"signal {-exitcode}"
+        return f"was killed by {sig} ({-exitcode})"
+    return f"exited with code {exitcode}"
+
+
+def death_hint(exitcode: int | None) -> str:
+    """What a child's death without a result most likely means, for the error message."""
+    if exitcode == -signal.SIGBUS:
+        free, total = wire.shm_space()
+        room = f"{free / 2**20:.0f} MiB free of {total / 2**20:.0f} MiB" if total else "absent"
+        return (
+            "out of shared memory: a process gets SIGBUS when it writes to a shared-memory "
+            f"mapping that /dev/shm cannot back (/dev/shm now: {room}). Docker's default "
+            "/dev/shm is 64 MiB: start the container with --shm-size=<size> or --ipc=host, "
+            "or free /dev/shm"
+        )
+    return (
+        "a native crash, os._exit(), the OOM killer or a fatal GPU fault look like this; "
+        "check the child's stderr and `dmesg`"
+    )
+
+
+def visible_entry(ordinal: int, env: str | None) -> str:
+    """The ``CUDA_VISIBLE_DEVICES`` value that shows a child only logical device *ordinal*.
+
+    *env* is the parent's value: its ordinal-th entry is picked (ids, UUIDs and MIG
+    names alike), or ``str(ordinal)`` when the parent sets none.
+    """
+    if env is None:
+        return str(ordinal)
+    entries = [e.strip() for e in env.split(",") if e.strip()]
+    if ordinal >= len(entries):
+        raise ValueError(
+            f"isolate=True: device {ordinal} is not in this process's "
+            f"CUDA_VISIBLE_DEVICES={env!r} ({len(entries)} entries)"
+        )
+    return entries[ordinal]
+
+
+def visible_for(ordinals: list[int], isolate: bool) -> list[str | None]:
+    if not isolate:
+        return [None] * len(ordinals)
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return [visible_entry(o, env) for o in ordinals]
+
+
+def stop_processes(procs: Iterable[Any], grace: float) -> None:
+    """SIGTERM every live process, wait up to *grace* seconds in total, then SIGKILL."""
+    live = [p for p in procs if p.is_alive()]
+    for p in live:
+        with contextlib.suppress(Exception):
+            p.terminate()
+    deadline = time.monotonic() + grace
+    for p in live:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in live:
+        if p.is_alive():
+            with contextlib.suppress(Exception):
+                p.kill()
+            p.join()
+
+
+def spawn_context(mp_context: Any) -> Any:
+    if mp_context is None:
+        return multiprocessing.get_context("spawn")
+    method = mp_context.get_start_method()
+    if method != "spawn":
+        raise ValueError(
+            f"ctxkit.procs needs the 'spawn' start method, got a {method!r} context: a "
+            "process forked after CUDA was initialised cannot use CUDA (every driver call "
+            "fails), and forking a multithreaded process can deadlock. Pass "
+            "multiprocessing.get_context('spawn') or leave mp_context=None"
+        )
+    return mp_context
+
+
+def resolve_ordinals(devices: Sequence[Device | int] | None, bind: bool) -> list[int]:
+    if devices is None:
+        if not bind:
+            raise ValueError("_bind=False needs an explicit list of device ordinals")
+        n = device_count()
+        if n == 0:
+            Device(0)  # raises the precise reason (no driver / no device)
+        ordinals = list(range(n))
+    else:
+        specs = check_devices(devices, "run_per_device/DevicePool", contexts=False) or []
+        ordinals = [ordinal_of(d, bind) for d in specs if not isinstance(d, Context)]
+    return ordinals
+
+
+def ordinal_of(d: Device | int, bind: bool) -> int:
+    if bind:
+        return Device(d).ordinal
+    if isinstance(d, bool) or not isinstance(d, (int, Device)):
+        raise TypeError(f"device must be an int ordinal or a ctxkit.Device, got {d!r}")
+    return int(d)
+
+
+@contextlib.contextmanager
+def bound_context(ordinal: int, bind: bool) -> Iterator[Any]:
+    if not bind:
+        yield None
+        return
+    ctx = registry.default.context(ordinal)
+    with ctx:
+        yield ctx
 
 
 def worker_device() -> int | None:
     """The logical device ordinal this process serves, inside a ``run_per_device`` child
     or a ``DevicePool`` worker; ``None`` elsewhere."""
-    return child.current_device
+    return current_device
 
 
 def run_per_device(
@@ -44,7 +221,7 @@ def run_per_device(
     Parameters
     ----------
     fn : callable
-        A module-level function, imported by name in each child. A lambda, a closure or
+        A module-level function, imported by name in each  A lambda, a closure or
         a function defined in a notebook, REPL or ``python -c`` is sent by value with
         cloudpickle when it is installed (else refused before anything starts). Its
         return value must be picklable host data; numpy arrays of ``SHM_THRESHOLD``
@@ -106,15 +283,15 @@ def run_per_device(
     terminal is handled once, by the parent. ``_bind=False`` (internal, for tests of the
     process plumbing without a GPU) takes explicit ordinals and binds no context.
     """
-    ctx = child.spawn_context(mp_context)
+    ctx = spawn_context(mp_context)
     by_value = wire.check_shippable("run_per_device", fn)
     wire.check_main("run_per_device")
     if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds or None, not {timeout!r}")
     if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
         raise ValueError(f"retries must be an int >= 0, not {retries!r}")
-    ordinals = child.resolve_ordinals(devices, _bind)
-    visible = child.visible_for(ordinals, isolate)
+    ordinals = resolve_ordinals(devices, _bind)
+    visible = visible_for(ordinals, isolate)
     sent = devmem.Outgoing("run_per_device")
     payload = wire.dumps("run_per_device", (fn, tuple(args), dict(kwargs or {})), by_value, sent)
     for o in ordinals if len(sent) else ():
@@ -127,50 +304,37 @@ def run_per_device(
         sent.release()  # every child has exited: nothing maps the memory any more
 
 
+@dataclasses.dataclass(slots=True)
 class _Child:
-    __slots__ = ("attempt", "conn", "deadline", "index", "message", "prefix", "proc")
-
-    def __init__(
-        self, index: int, attempt: int, proc: Any, conn: Any, deadline: float | None, prefix: str
-    ):
-        self.index = index
-        self.attempt = attempt
-        self.proc = proc
-        self.conn = conn
-        self.deadline = deadline
-        self.prefix = prefix
-        self.message: Any = None
+    index: int
+    attempt: int
+    proc: Any
+    conn: Any
+    deadline: float | None
+    prefix: str
+    message: Any = None
 
 
+@dataclasses.dataclass
 class _Runner:
     """Starts, watches, retries and reaps the children of one ``run_per_device`` call."""
 
-    def __init__(
-        self,
-        ctx: Any,
-        payload: bytes,
-        ordinals: list[int],
-        visible: list[str | None],
-        isolate: bool,
-        timeout: float | None,
-        retries: int,
-        bind: bool,
-        sent: devmem.Outgoing,
-    ) -> None:
-        self.ctx = ctx
-        self.payload = payload
-        self.sent = sent
-        self.ordinals = ordinals
-        self.visible = visible
-        self.isolate = isolate
-        self.timeout = timeout
-        self.retries = retries
-        self.bind = bind
-        self.running: dict[int, _Child] = {}
-        self.started: list[Any] = []  # every Process, registered before its start()
-        self.prefixes: list[str] = []  # and the shared-memory prefix of each
-        self.results: list[Any] = [None] * len(ordinals)
-        self.failures: dict[int, DeviceTaskError] = {}
+    ctx: Any
+    payload: bytes
+    ordinals: list[int]
+    visible: list[str | None]
+    isolate: bool
+    timeout: float | None
+    retries: int
+    bind: bool
+    sent: devmem.Outgoing
+    running: dict[int, _Child] = dataclasses.field(default_factory=dict)
+    started: list[Any] = dataclasses.field(default_factory=list)  # every Process, before start()
+    prefixes: list[str] = dataclasses.field(default_factory=list)  # and its shm prefix
+    failures: dict[int, DeviceTaskError] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.results: list[Any] = [None] * len(self.ordinals)
 
     def run(self) -> list[Any]:
         try:
@@ -179,9 +343,9 @@ class _Runner:
             while self.running:
                 self._step()
         except BaseException:
-            child.stop_processes(self.started, child.TERM_GRACE_S)
+            stop_processes(self.started, TERM_GRACE_S)
             for prefix in self.prefixes:
-                shm.sweep(prefix)
+                wire.sweep_blocks(prefix)
             raise
         finally:
             for c in self.running.values():
@@ -192,7 +356,7 @@ class _Runner:
 
     def _start(self, index: int, attempt: int) -> None:
         ordinal = self.ordinals[index]
-        prefix = shm.child_prefix()
+        prefix = wire.child_shm_prefix()
         reader, writer = self.ctx.Pipe(duplex=False)
         try:
             proc = self.ctx.Process(
@@ -239,7 +403,7 @@ class _Runner:
                     self._receive(c)
                 self._settle(c, timed_out=False)
             elif c.deadline is not None and now >= c.deadline:
-                child.stop_processes([c.proc], child.TERM_GRACE_S)
+                stop_processes([c.proc], TERM_GRACE_S)
                 self._settle(c, timed_out=c.message is None)
 
     def _receive(self, c: _Child) -> None:
@@ -248,7 +412,7 @@ class _Runner:
         except (EOFError, OSError):
             pass
         else:
-            c.deadline = time.monotonic() + child.EXIT_GRACE_S
+            c.deadline = time.monotonic() + EXIT_GRACE_S
         c.conn.close()
 
     def _settle(self, c: _Child, timed_out: bool) -> None:
@@ -257,7 +421,7 @@ class _Runner:
         try:
             failure = self._outcome(c, timed_out)
         finally:
-            shm.sweep(c.prefix)  # blocks of a child killed while sending its result
+            wire.sweep_blocks(c.prefix)  # blocks of a child killed while sending its result
         if failure is None:
             return
         if c.attempt <= self.retries:
@@ -295,8 +459,8 @@ class _Runner:
                 attempts=c.attempt,
             )
         return DeviceTaskError(
-            f"device {ordinal}: child process {pid} {child.exit_reason(code)} before "
-            f"sending a result ({tries}): {child.death_hint(code)}",
+            f"device {ordinal}: child process {pid} {exit_reason(code)} before "
+            f"sending a result ({tries}): {death_hint(code)}",
             device=ordinal,
             kind="crash",
             pid=pid,
@@ -307,29 +471,53 @@ class _Runner:
     def _summary(self) -> DeviceTaskError:
         order = [o for o in self.ordinals if o in self.failures]
         first = self.failures[order[0]]
+        err = first
         if len(order) > 1:
             others = "; ".join(
                 f"device {o}: {self.failures[o].kind}" for o in order[1:] if o != first.device
             )
-            err = DeviceTaskError(
+            err = copy.copy(first)  # every attribute of the first failure, a new message
+            err.args = (
                 f"{len(order)} of {len(self.ordinals)} devices failed (also {others}). "
                 f"First failure:\n{first}",
-                device=first.device,
-                kind=first.kind,
-                pid=first.pid,
-                exitcode=first.exitcode,
-                traceback=first.traceback,
-                exception_type=first.exception_type,
-                child_exception=first.child_exception,
-                attempts=first.attempts,
-                code=first.code,
-                name=first.name,
             )
-        else:
-            err = first
         err.results = self.results
         err.failures = dict(self.failures)
         return err
+
+
+def run_task(
+    data: bytes,
+    parts: list[wire.Part],
+    ordinal: int,
+    ctx: Any,
+    threshold: int | None,
+    session: devmem.ChildSession,
+    lead: tuple[Any, ...] = (),
+) -> tuple[tuple[Any, ...], bool]:
+    """Run one task, ``fn(*lead, *args, **kwargs)`` (in a pool worker or a
+    ``run_per_device`` child); returns the reply's ``out`` and whether the process must
+    restart (a sticky CUDA error)."""
+    restart = False
+    out_parts: list[wire.Part] = []
+    try:
+        fn, args, kwargs = wire.decode(data, parts, session)
+        value = fn(*lead, *args, **kwargs)
+        out_data, out_parts = wire.result_bytes(fn, ordinal, value, threshold, session)
+        fn = args = kwargs = value = None
+        session.finish()
+        out: tuple[Any, ...] = ("ok", out_data, out_parts, list(session.new_leases))
+    except BaseException as exc:
+        wire.discard_blocks(out_parts)
+        fn = args = kwargs = value = None
+        session.abandon()
+        out = ("error", wire.describe_exception(exc))
+        restart = isinstance(exc, ContextPoisonedError) or (
+            isinstance(exc, CudaError) and exc.code in STICKY_CODES
+        )
+    if ctx is not None and ctx.poisoned:
+        restart = True
+    return out, restart
 
 
 def _child_main(
@@ -343,29 +531,24 @@ def _child_main(
     shm_prefix: str,
 ) -> None:
     """Entry point of a ``run_per_device`` child (spawned)."""
-    child.current_device = ordinal
-    parts: list[shm.Part] = []
+    global current_device
+    current_device = ordinal
+    msg: tuple[Any, ...] = ("none",)
     session: devmem.ChildSession | None = None
     try:
-        child.child_setup(parent_pid, visible, shm_prefix)
-        with child.bound_context(bind_ordinal, bind) as ctx:
+        child_setup(parent_pid, visible, shm_prefix)
+        with bound_context(bind_ordinal, bind) as ctx:
             session = devmem.ChildSession(ctx, None, ordinal)
-            fn, args, kwargs = wire.decode(payload, [], session)
-            value = fn(ordinal, *args, **kwargs)
-            data, parts = wire.result_bytes(fn, ordinal, value, wire.SHM_THRESHOLD, session)
-            fn = args = kwargs = value = None
-            session.finish()  # the parent sees the child's writes once it has the result
-        msg: tuple[Any, ...] = ("ok", data, parts)
+            msg = run_task(payload, [], ordinal, ctx, wire.SHM_THRESHOLD, session, (ordinal,))[0]
     except BaseException as exc:
-        shm.discard(parts)
-        parts = []
-        if session is not None:
-            session.abandon()
+        if msg[0] == "ok":
+            wire.discard_blocks(msg[2])
         msg = ("error", wire.describe_exception(exc))
+    parts = msg[2] if msg[0] == "ok" else []
     try:
         conn.send(msg)
     except Exception:
-        shm.discard(parts)
+        wire.discard_blocks(parts)
     else:
         if msg[0] == "ok" and session is not None:
             wire.count_sent(msg[1], parts, session.sent, session.sent_bytes)

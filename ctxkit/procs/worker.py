@@ -9,7 +9,7 @@ leases it releases), ``("release", leases)`` (sent while the worker is idle) and
 
 A worker that must restart (a sticky CUDA error) while it still keeps memory for the
 parent waits for the parent's ``None``: the parent closes its mappings of that memory
-first (:mod:`.leases`).
+first (:class:`~.devmem.LeaseBook`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ import os
 import pickle
 from typing import Any
 
-from ..errors import CudaError
-from . import child, devmem, shm, wire
+from . import devmem, spawn, wire
 
 __all__ = ["worker_main"]
 
@@ -38,11 +37,11 @@ def worker_main(
     shm_prefix: str,
 ) -> None:
     """Entry point of a ``DevicePool`` worker (spawned)."""
-    child.current_device = ordinal
+    spawn.current_device = ordinal
     with contextlib.ExitStack() as stack:
         try:
-            child.child_setup(parent_pid, visible, shm_prefix)
-            ctx = stack.enter_context(child.bound_context(bind_ordinal, bind))
+            spawn.child_setup(parent_pid, visible, shm_prefix)
+            ctx = stack.enter_context(spawn.bound_context(bind_ordinal, bind))
             initializer, initargs = pickle.loads(init_payload)
             if initializer is not None:
                 initializer(*initargs)
@@ -89,13 +88,13 @@ def _answer(
     task_id, data, parts, releases = box.pop()
     leases.release(releases)
     session = devmem.ChildSession(ctx, leases, ordinal)
-    out, restart = run_task(data, parts, ordinal, ctx, threshold, session)
+    out, restart = spawn.run_task(data, parts, ordinal, ctx, threshold, session)
     del data, parts
     try:
         result_w.send(("result", task_id, out, restart))
     except (OSError, ValueError):
         if out[0] == "ok":
-            shm.discard(out[2])
+            wire.discard_blocks(out[2])
             leases.release(out[3])
         return True
     if out[0] == "ok":
@@ -104,39 +103,6 @@ def _answer(
     if restart and len(leases):
         _wait_for_stop(task_r, leases)
     return restart
-
-
-def run_task(
-    data: bytes,
-    parts: list[shm.Part],
-    ordinal: int,
-    ctx: Any,
-    threshold: int | None,
-    session: devmem.ChildSession,
-) -> tuple[tuple[Any, ...], bool]:
-    """Run one task; returns the reply's ``out`` and whether the worker must restart."""
-    from ..errors import STICKY_CODES, ContextPoisonedError
-
-    restart = False
-    out_parts: list[shm.Part] = []
-    try:
-        fn, args, kwargs = wire.decode(data, parts, session)
-        value = fn(*args, **kwargs)
-        out_data, out_parts = wire.result_bytes(fn, ordinal, value, threshold, session)
-        fn = args = kwargs = value = None
-        session.finish()
-        out: tuple[Any, ...] = ("ok", out_data, out_parts, list(session.new_leases))
-    except BaseException as exc:
-        shm.discard(out_parts)
-        fn = args = kwargs = value = None
-        session.abandon()
-        out = ("error", wire.describe_exception(exc))
-        restart = isinstance(exc, ContextPoisonedError) or (
-            isinstance(exc, CudaError) and exc.code in STICKY_CODES
-        )
-    if ctx is not None and ctx.poisoned:
-        restart = True
-    return out, restart
 
 
 def _receive(task_r: Any) -> Any:

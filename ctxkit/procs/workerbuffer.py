@@ -1,18 +1,21 @@
-"""The parent's handle on device memory a ``DevicePool`` worker lent it (see :mod:`.leases`)."""
+"""The parent's handle on device memory a ``DevicePool`` worker lent it (rules: :mod:`.devmem`).
+
+Its own module because it subclasses ``ImportedBuffer``: importing it loads
+``ctxkit.memory``, which a process that sends only host data never needs.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+import weakref
+from collections.abc import Callable
+from typing import Any, cast
 
 from ..errors import ContextClosedError
 from ..memory.device import DeviceBuffer
-from ..memory.ipc import ImportedBuffer, IpcBufferHandle
+from ..memory.ipc import ImportedBuffer, IpcBufferHandle, import_buffer
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .leases import LeaseBook, WorkerKey
-
-__all__ = ["Info", "Lease", "WorkerBuffer", "lease_of", "release"]
+__all__ = ["WorkerBuffer", "adopt", "lease_of", "revoke"]
 
 
 class Lease:
@@ -87,7 +90,28 @@ def lease_of(buf: DeviceBuffer) -> tuple[IpcBufferHandle, int, str] | None:
     return handle, info.lease, info.owner
 
 
-def release(imp: DeviceBuffer, book: LeaseBook, key: WorkerKey, lease: int) -> None:
+def adopt(
+    handle: IpcBufferHandle, lease: int, owner: str, on_release: Callable[[], None]
+) -> WorkerBuffer:
+    """Map a worker's *lease* (``cuIpcOpenMemHandle``); when the buffer goes, it is
+    unmapped, then ``on_release()`` queues the release for the worker."""
+    imp = cast(DeviceBuffer, import_buffer(handle))
+    token = Lease()
+    fin = weakref.finalize(token, _release, imp, on_release)
+    fin.atexit = False
+    buf = cast(WorkerBuffer, WorkerBuffer.from_pointer(imp.ptr, imp.nbytes, imp.context, token))
+    buf._info = Info(handle, lease, owner)
+    return buf
+
+
+def revoke(buf: WorkerBuffer, why: str) -> None:
+    """Close *buf* because its worker is exiting or gone; using it then raises
+    ``ContextClosedError`` saying *why*."""
+    buf._info.why = why
+    buf.close()
+
+
+def _release(imp: DeviceBuffer, on_release: Callable[[], None]) -> None:
     """Finalizer of a ``WorkerBuffer``'s lease: unmap, then queue the release."""
     imp.close()  # unmapped here before the worker may free it
-    book.enqueue(key, [lease])
+    on_release()

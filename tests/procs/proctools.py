@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from ctxkit.procs import shm
+from ctxkit.procs import wire
 
 SHM = Path("/dev/shm")
 
@@ -57,7 +57,7 @@ def own_blocks() -> set[str]:
     """
     if not SHM.is_dir():
         return set()
-    mine = shm.prefix()
+    mine = wire.shm_prefix()
     return {p.name for p in SHM.iterdir() if p.name.startswith((mine + "-", mine + "."))}
 
 

@@ -10,31 +10,31 @@ import time
 
 import pytest
 
-from ctxkit.procs import child, shm
+from ctxkit.procs import spawn, wire
 
 
 def test_exit_reason_wording():
-    assert child.exit_reason(None) == "is still running"
-    assert child.exit_reason(3) == "exited with code 3"
-    assert child.exit_reason(-9) == "was killed by SIGKILL (9)"
-    assert "signal 200" in child.exit_reason(-200)
+    assert spawn.exit_reason(None) == "is still running"
+    assert spawn.exit_reason(3) == "exited with code 3"
+    assert spawn.exit_reason(-9) == "was killed by SIGKILL (9)"
+    assert "signal 200" in spawn.exit_reason(-200)
 
 
 def test_death_hint_names_shared_memory_for_sigbus_only(monkeypatch):
-    monkeypatch.setattr(shm, "space", lambda: (3 << 20, 64 << 20))
-    hint = child.death_hint(-signal.SIGBUS)
+    monkeypatch.setattr(wire, "shm_space", lambda: (3 << 20, 64 << 20))
+    hint = spawn.death_hint(-signal.SIGBUS)
     assert hint.startswith("out of shared memory") and "3 MiB free of 64 MiB" in hint
     assert "--shm-size" in hint and "--ipc=host" in hint
     for code in (-signal.SIGSEGV, -signal.SIGKILL, 1, None):
-        assert "native crash" in child.death_hint(code)
+        assert "native crash" in spawn.death_hint(code)
 
 
 def test_isolate_entries():
-    assert child.visible_entry(1, None) == "1"
-    assert child.visible_entry(1, "3, GPU-abc") == "GPU-abc"
+    assert spawn.visible_entry(1, None) == "1"
+    assert spawn.visible_entry(1, "3, GPU-abc") == "GPU-abc"
     with pytest.raises(ValueError, match="not in this process's CUDA_VISIBLE_DEVICES"):
-        child.visible_entry(2, "0,1")
-    assert child.visible_for([0, 1], False) == [None, None]
+        spawn.visible_entry(2, "0,1")
+    assert spawn.visible_for([0, 1], False) == [None, None]
 
 
 def test_child_setup_refuses_isolation_after_cuda_init(monkeypatch):
@@ -43,7 +43,7 @@ def test_child_setup_refuses_isolation_after_cuda_init(monkeypatch):
     monkeypatch.setattr(_driver, "_init_pid", os.getpid())
     monkeypatch.setattr(signal, "signal", lambda *a: None)
     with pytest.raises(RuntimeError, match="CUDA was already initialised"):
-        child.child_setup(os.getppid(), "0")
+        spawn.child_setup(os.getppid(), "0")
 
 
 def _ignore_term(ready):
@@ -59,7 +59,7 @@ def test_stop_processes_kills_a_child_that_ignores_sigterm():
     proc.start()
     assert ready.wait(60), "the child did not start"
     t0 = time.monotonic()
-    child.stop_processes([proc], grace=0.5)
+    spawn.stop_processes([proc], grace=0.5)
     assert proc.exitcode == -signal.SIGKILL
     assert 0.4 < time.monotonic() - t0 < 10
 
@@ -69,5 +69,5 @@ def test_stop_processes_ignores_processes_that_already_ended():
     proc = ctx.Process(target=os.getpid)
     proc.start()
     proc.join()
-    child.stop_processes([proc], grace=0.5)
+    spawn.stop_processes([proc], grace=0.5)
     assert proc.exitcode == 0

@@ -19,8 +19,8 @@ import ctxkit as ck
 from ctxkit.errors import ContextClosedError, CudaError
 from ctxkit.memory import ImportedBuffer, VirtualBuffer
 from ctxkit.memory import ipc as _ipc
-from ctxkit.procs import WorkerBuffer, devmem, wire, worker
-from ctxkit.procs.leases import LeaseBook
+from ctxkit.procs import WorkerBuffer, devmem, spawn, wire
+from ctxkit.procs.devmem import LeaseBook
 
 MAP_FAILED = 205
 
@@ -53,7 +53,7 @@ class Worker(Process):
     def run(self, payload: wire.Payload) -> tuple[Any, ...]:
         with self.acting(), self.ctx:
             session = devmem.ChildSession(self.ctx, self.leases, self.ordinal)
-            out, restart = worker.run_task(payload.data, [], self.ordinal, self.ctx, None, session)
+            out, restart = spawn.run_task(payload.data, [], self.ordinal, self.ctx, None, session)
         assert not restart
         return out
 
@@ -310,7 +310,7 @@ def test_run_per_device_refuses_memory_allocated_in_the_child(vfake, vctx0, tags
     payload = task(allocate, 4096, 1)
     with Process("child").acting(), vctx0:
         session = devmem.ChildSession(vctx0, None, 0)
-        out, _restart = worker.run_task(payload.data, [], 0, vctx0, None, session)
+        out, _restart = spawn.run_task(payload.data, [], 0, vctx0, None, session)
     assert "TypeError: run_per_device: the result of 'allocate' on device 0" in the_error(out)
     assert "freed when the child exits" in the_error(out) and "DevicePool" in the_error(out)
     assert not vfake.calls("ipcget")

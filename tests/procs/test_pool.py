@@ -23,7 +23,7 @@ import pytest
 
 import ctxkit.procs as procs
 from ctxkit.errors import ContextPoisonedError
-from ctxkit.procs import DevicePool, DeviceTaskError, TaskOptions, child, wire
+from ctxkit.procs import DevicePool, DeviceTaskError, TaskOptions, spawn, wire
 from tests.procs.proctools import alive, gate_open, own_blocks, transport, wait_dead, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -274,7 +274,7 @@ def test_pool_timeout_stops_a_hung_task_and_queued_work_continues(pool):
 
 
 def test_pool_timeout_kills_a_task_that_ignores_sigterm(monkeypatch):
-    monkeypatch.setattr(child, "TERM_GRACE_S", 0.5)
+    monkeypatch.setattr(spawn, "TERM_GRACE_S", 0.5)
     # the initializer imports this module in each worker, outside any task's timeout
     with DevicePool([0], task_timeout=1.0, initializer=add, initargs=(0, 0), _bind=False) as p:
         err = p.submit(ignore_term_and_sleep).exception(60)
@@ -341,9 +341,9 @@ def test_submit_passes_a_device_keyword_to_the_task(pool):
     assert pool.submit_to(1, takes_device, 2, device=0).result(60) == (2, 0)
 
 
-def test_submit_device_keyword_for_a_task_without_one_still_places_it(pool):
-    with pytest.warns(DeprecationWarning, match="submit_to"):
-        assert pool.submit(device_and_pid, device=1).result(60)[0] == 1
+def test_submit_device_keyword_goes_to_the_task_even_when_it_takes_none(pool):
+    with pytest.raises(DeviceTaskError, match="unexpected keyword argument 'device'"):
+        pool.submit(device_and_pid, device=1).result(60)
 
 
 def test_pool_rejects_bad_submissions(pool, monkeypatch):

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from ctxkit.errors import BlockIdentityError
-from ctxkit.procs import shm, wire
+from ctxkit.procs import wire
 from tests.procs.proctools import SHM, own_blocks
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,12 +32,12 @@ def _raw(nbytes: int) -> memoryview:
 @needs_dev_shm
 def test_create_reserves_the_whole_block_then_attach_unlinks_it():
     raw = _raw(3 << 20)
-    block = shm.create(raw)
-    assert block is not None and block[0].startswith(shm.prefix() + "-")
+    block = wire.create_block(raw)
+    assert block is not None and block[0].startswith(wire.shm_prefix() + "-")
     name = block[0]
     st = os.stat(SHM / name)
     assert st.st_size == raw.nbytes and st.st_blocks * 512 >= raw.nbytes  # allocated, not sparse
-    buf = shm.attach(*block)
+    buf = wire.attach_block(*block)
     assert not (SHM / name).exists() and bytes(buf[:5]) == bytes(raw[:5])
     buf[0] = 255  # the mapping is writable
 
@@ -47,7 +47,7 @@ def test_create_without_room_returns_none_and_leaves_nothing(monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "posix_fallocate", no_room)
-    assert shm.create(_raw(4096)) is None
+    assert wire.create_block(_raw(4096)) is None
     assert own_blocks() == set()
 
 
@@ -57,25 +57,25 @@ def test_create_propagates_unexpected_errors(monkeypatch):
 
     monkeypatch.setattr(os, "posix_fallocate", broken)
     with pytest.raises(OSError, match="Input/output error"):
-        shm.create(_raw(4096))
+        wire.create_block(_raw(4096))
     assert own_blocks() == set()
 
 
 @needs_dev_shm
 def test_discard_unlinks_undelivered_blocks_once():
-    block = shm.create(_raw(4096))
+    block = wire.create_block(_raw(4096))
     assert block is not None and (SHM / block[0]).exists()
-    parts: list[shm.Part] = [block, bytearray(3)]
-    shm.discard(parts)
-    shm.discard(parts)  # already gone: no error
+    parts: list[wire.Part] = [block, bytearray(3)]
+    wire.discard_blocks(parts)
+    wire.discard_blocks(parts)  # already gone: no error
     assert own_blocks() == set()
 
 
 @needs_dev_shm
 def test_sweep_removes_a_childs_blocks_and_its_childrens_only():
-    child = shm.child_prefix()
-    assert child.startswith(shm.prefix() + ".")
-    mine = shm.create(_raw(64))
+    child = wire.child_shm_prefix()
+    assert child.startswith(wire.shm_prefix() + ".")
+    mine = wire.create_block(_raw(64))
     assert mine is not None
     leftovers = [SHM / f"{child}-0", SHM / f"{child}-7", SHM / f"{child}.2-0"]
     for path in leftovers:
@@ -83,38 +83,38 @@ def test_sweep_removes_a_childs_blocks_and_its_childrens_only():
     other = SHM / f"{child}0-1"  # another child's (prefix ...10 vs ...1)
     other.write_bytes(b"x")
     try:
-        assert shm.sweep(child) == 3
+        assert wire.sweep_blocks(child) == 3
         assert not any(p.exists() for p in leftovers)
         assert other.exists() and (SHM / mine[0]).exists()
     finally:
         other.unlink()
-        shm.discard([mine])
+        wire.discard_blocks([mine])
 
 
 def test_prefix_is_renewed_in_a_forked_child():
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - runs in the child
-        os.write(w, shm.prefix().encode())
+        os.write(w, wire.shm_prefix().encode())
         os._exit(0)
     os.close(w)
     theirs = os.read(r, 200).decode()
     os.close(r)
     os.waitpid(pid, 0)
-    assert theirs.startswith(f"ctxkit-{pid}-") and theirs != shm.prefix()
+    assert theirs.startswith(f"ctxkit-{pid}-") and theirs != wire.shm_prefix()
 
 
 def test_without_dev_shm_blocks_are_portable_shared_memory(monkeypatch):
     raw = _raw(8192)
-    monkeypatch.setattr(shm, "_SHM_DIR", "/nonexistent-shm-dir")
-    block = shm.create(raw)
-    assert block is not None and bytes(shm.attach(*block)) == bytes(raw)
+    monkeypatch.setattr(wire, "_SHM_DIR", "/nonexistent-shm-dir")
+    block = wire.create_block(raw)
+    assert block is not None and bytes(wire.attach_block(*block)) == bytes(raw)
     assert own_blocks() == set()
-    block = shm.create(raw)
+    block = wire.create_block(raw)
     assert block is not None
-    shm.discard([block])
+    wire.discard_blocks([block])
     assert own_blocks() == set()
-    assert shm.space() == (0, 0)
+    assert wire.shm_space() == (0, 0)
 
 
 # --- names squatted by another process ---------------------------------------------------
@@ -142,7 +142,7 @@ def _names(monkeypatch: pytest.MonkeyPatch, *names: str) -> None:
     """The names ctxkit tries next, in order (then the last one again)."""
     queue = list(names)
     pick = lambda: queue.pop(0) if len(queue) > 1 else queue[0]  # noqa: E731
-    monkeypatch.setattr(shm, "_fresh_name", pick, raising=False)
+    monkeypatch.setattr(wire, "_fresh_name", pick, raising=False)
 
 
 def _taken(prefix: str) -> str:
@@ -152,29 +152,29 @@ def _taken(prefix: str) -> str:
 @pytest.mark.parametrize("portable", [False, True], ids=["dev_shm", "portable"])
 def test_create_takes_a_fresh_name_when_its_first_is_squatted(monkeypatch, squat, portable):
     if portable:
-        monkeypatch.setattr(shm, "_SHM_DIR", "/nonexistent-shm-dir")
-    taken, free = _taken(shm.prefix()), _taken(shm.prefix())
+        monkeypatch.setattr(wire, "_SHM_DIR", "/nonexistent-shm-dir")
+    taken, free = _taken(wire.shm_prefix()), _taken(wire.shm_prefix())
     theirs = squat(taken)
     _names(monkeypatch, taken, free)
     raw = _raw(8192)
-    block = shm.create(raw)
+    block = wire.create_block(raw)
     assert block is not None and block[0] == free
     assert bytes(theirs.buf[:6]) == b"SQUAT!"  # type: ignore[index] # not written over
-    assert bytes(shm.attach(*block)) == bytes(raw)  # ours, not theirs
+    assert bytes(wire.attach_block(*block)) == bytes(raw)  # ours, not theirs
     assert (SHM / taken).exists() or portable  # theirs is left alone
 
 
 def test_create_warns_and_uses_the_pipe_when_every_name_is_squatted(monkeypatch, squat):
-    taken = _taken(shm.prefix())
+    taken = _taken(wire.shm_prefix())
     theirs = squat(taken)
     _names(monkeypatch, taken)
     with pytest.warns(RuntimeWarning, match=r"were all taken by another process; 8192 bytes go "):
-        assert shm.create(_raw(8192)) is None
+        assert wire.create_block(_raw(8192)) is None
     assert bytes(theirs.buf[:6]) == b"SQUAT!"  # type: ignore[index]
 
 
 def test_encode_under_squatted_names_sends_through_the_pipe_and_says_so(monkeypatch, squat):
-    taken = _taken(shm.prefix())
+    taken = _taken(wire.shm_prefix())
     squat(taken)
     _names(monkeypatch, taken)
     a = np.arange(1 << 18, dtype=np.float64)
@@ -187,7 +187,7 @@ def test_encode_under_squatted_names_sends_through_the_pipe_and_says_so(monkeypa
 @pytest.mark.parametrize("portable", [False, True], ids=["dev_shm", "portable"])
 def test_a_block_re_made_by_another_process_is_refused_and_left_alone(monkeypatch, squat, portable):
     if portable:
-        monkeypatch.setattr(shm, "_SHM_DIR", "/nonexistent-shm-dir")
+        monkeypatch.setattr(wire, "_SHM_DIR", "/nonexistent-shm-dir")
     a = np.arange(1 << 18, dtype=np.float64)
     data, parts = wire.encode(a, threshold=1 << 20)
     (name, size, _key) = parts[0]  # type: ignore[misc]
@@ -199,19 +199,19 @@ def test_a_block_re_made_by_another_process_is_refused_and_left_alone(monkeypatc
         wire.decode(data, parts)
     assert bytes(theirs.buf[:6]) == b"SQUAT!"  # type: ignore[index]
     shared_memory.SharedMemory(name=name).close()  # still there: not unlinked by ctxkit
-    shm.discard(parts)
+    wire.discard_blocks(parts)
     shared_memory.SharedMemory(name=name).close()
 
 
 @needs_dev_shm
 def test_a_block_of_the_right_size_re_made_at_its_name_is_refused(squat):
     raw = _raw(4096)
-    block = shm.create(raw)
+    block = wire.create_block(raw)
     assert block is not None
     os.unlink(SHM / block[0])
     squat(block[0], 4096)
     with pytest.raises(BlockIdentityError):
-        shm.attach(*block)
+        wire.attach_block(*block)
     assert (SHM / block[0]).exists()
 
 
