@@ -13,7 +13,7 @@ from .. import _driver
 from .._driver import drv
 from ..context import Context, require_current
 from ..registry import guard
-from ..stream import Stream, _context_of_cu, implicit_stream, stream_for, stream_handle
+from ..stream import Stream, context_of_cu, implicit_stream, stream_for, stream_handle
 from .host import check_async_host
 from .interop import producer_stream
 from .sizes import nbytes_arg as nbytes_arg
@@ -98,7 +98,7 @@ def context_of_pointer(ptr: int, what: str) -> Context:
     attr = drv.CUpointer_attribute
     err, cu = drv.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_CONTEXT, ptr)
     if not err and cu is not None and int(cu):
-        return _context_of_cu(cu)
+        return context_of_cu(cu)
     err, ordinal = _driver.pointer_device_ordinal(ptr)
     if err:
         raise ValueError(

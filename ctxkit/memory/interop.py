@@ -51,7 +51,7 @@ from .._driver import drv
 from ..context import Context
 from ..errors import CaptureOrderError
 from ..lifetime import captured_streams, finalizer
-from ..stream import Stream, _context_of_cu, implicit_stream
+from ..stream import Stream, context_of_cu, implicit_stream
 
 __all__ = ["order_after_producer", "order_after_producers", "producer_stream"]
 
@@ -411,7 +411,7 @@ def _stream_context(handle: Any, fallback: Context) -> Context:
         return fallback
     if int(cu) == fallback.handle:
         return fallback
-    return _context_of_cu(cu)
+    return context_of_cu(cu)
 
 
 class _Holder:

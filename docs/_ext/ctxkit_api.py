@@ -86,8 +86,8 @@ def undocumented_members(cls: type) -> list[str]:
 
 
 def implementation_bases(cls: type) -> list[type]:
-    """The non-public ctxkit classes *cls* inherits from (``Graph``'s ``NodeBuilders``,
-    ``Event``'s ``EventBase``): their members are documented as the class's own."""
+    """The non-public ctxkit classes *cls* inherits from (``Graph``'s ``NodeBuilders``):
+    their members are documented as the class's own."""
     public = {n for m in DOCUMENTED for n in public_names(m)}
     return [
         b
