@@ -103,7 +103,6 @@ _SUBMODULES = {
     "stream",
     "pipeline",
     "graph",
-    "nvtx",
     "lifetime",
     "cli",
 }

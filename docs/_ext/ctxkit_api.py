@@ -37,7 +37,6 @@ DOCUMENTED = (
     "ctxkit.pipeline",
     "ctxkit.procs",
     "ctxkit.trace",
-    "ctxkit.nvtx",
     "ctxkit.lifetime",
     "ctxkit.errors",
 )
