@@ -42,9 +42,9 @@ _EXPORTS: dict[str, str] = {
     "Context": "context",
     "current_context": "context",
     # registry
-    "ContextRegistry": "registry",
-    "bind": "registry",
-    "bound": "registry",
+    "ContextRegistry": "binding",
+    "bind": "binding",
+    "bound": "binding",
     "ContextExecutor": "executor",
     # compiler and modules
     "Program": "compiler",
@@ -188,8 +188,8 @@ __all__ = [
 ]
 
 # The core is imported eagerly (it needs no driver to import). ``ctxkit.registry`` is the
-# registry module; it reads and writes the process-wide registry ``ctxkit.registry.default``.
-from . import registry  # noqa: E402
+# process-wide ContextRegistry (the module is ctxkit.binding).
+from .binding import ContextRegistry, bind, bound, registry  # noqa: E402
 from .context import Context, current_context  # noqa: E402
 from .device import Device, device_count, devices  # noqa: E402
 from .errors import (  # noqa: E402
@@ -217,7 +217,6 @@ from .errors import (  # noqa: E402
     WrongContextError,
 )
 from .executor import ContextExecutor  # noqa: E402
-from .registry import ContextRegistry, bind, bound  # noqa: E402
 
 
 def __getattr__(name: str) -> Any:

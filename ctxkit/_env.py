@@ -2,7 +2,6 @@
 
 - ``CTXKIT_CACHE_DIR``: compiled-kernel cache directory (``off`` disables it).
 - ``CTXKIT_STRICT_CONTEXT``: ``1``: an operation in a thread with no current context raises.
-- ``CTXKIT_AUTO_BIND``: ``0``: the same as ``CTXKIT_STRICT_CONTEXT=1`` (the ctxkit 0.1 name).
 - ``CTXKIT_STRICT_ASYNC``: ``1``: an async copy from pageable host memory raises.
 - ``CTXKIT_PAGEABLE_KERNEL_ARGS``: ``1``: pageable numpy arrays as kernel arguments on
   devices that access pageable memory (HMM/ATS).

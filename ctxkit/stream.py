@@ -24,11 +24,11 @@ from typing import Any
 import numpy as np
 
 from ._driver import drv, from_result
+from .binding import ContextLike, guard, resolve_context
 from .context import Context, require_current
 from .device import Device
 from .errors import ContextClosedError, WrongContextError
 from .lifetime import finalizer
-from .registry import ContextLike, guard, resolve_context
 
 __all__ = [
     "Event",

@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .._driver import drv
+from ..binding import guard
 from ..errors import WrongContextError
-from ..registry import guard
 from ..stream import Event
 from .host import HOST_FN_ADDR, HostCallback
 from .nodes import (

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _driver
 from .._driver import drv
+from ..binding import guard
 from ..context import thread_state
 from ..errors import ContextClosedError, CudaError, GraphUpdateError, WrongContextError
 from ..lifetime import finalizer
-from ..registry import guard
 from ..stream import Stream, implicit_stream, stream_for
 from .nodes import GraphNode, KernelSpec
 

@@ -19,10 +19,10 @@ from typing import Any
 
 from .. import _driver
 from .._driver import drv
+from ..binding import ContextLike, guard, resolve_context
 from ..context import Context
 from ..errors import ContextClosedError, CudaError, WrongContextError
 from ..lifetime import finalizer
-from ..registry import ContextLike, guard, resolve_context
 from .builders import NodeBuilders
 from .conditional import (
     ConditionalHandle,

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .._driver import drv
+from ..binding import guard
 from ..context import Context
 from ..errors import PageableCopyError, WrongContextError
 from ..memory.copies import Mem, device_mem
 from ..memory.host import is_pinned
 from ..memory.hostptr import plain_dtype
-from ..registry import guard
 from .conditional import ConditionalHandle
 
 if TYPE_CHECKING:

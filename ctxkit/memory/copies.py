@@ -11,8 +11,8 @@ import numpy as np
 
 from .. import _driver
 from .._driver import drv
+from ..binding import guard
 from ..context import Context, require_current
-from ..registry import guard
 from ..stream import Stream, context_of_cu, implicit_stream, stream_for, stream_handle
 from .host import check_async_host
 from .interop import producer_stream

@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from .._driver import drv
+from ..binding import bind
 from ..context import Context
 from ..errors import CudaError
-from ..registry import bind
 from .copies import (
     _direct,
     _enabled,

@@ -11,12 +11,12 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any
 
-from .. import _driver, registry
+from .. import _driver
 from .._driver import call, drv
+from ..binding import guard, registry
 from ..context import Context, current_handle, require_current
 from ..context import _tls as _thread_local
 from ..errors import STICKY_CODES, CudaError, LaunchArgumentError
-from ..registry import guard
 from ..stream import Stream, stream_for
 from ..stream import _current as _current_streams
 from .image import JIT_CODES
@@ -363,7 +363,7 @@ class Kernel:
         """The context to bind for a launch from a thread with nothing current: the
         stream's, the module's, or the first ctxkit buffer argument's (``None`` when a
         context is current, or in strict mode: the launch then needs one)."""
-        if top is not None or current_handle() or registry.default.strict:
+        if top is not None or current_handle() or registry.strict:
             return None
         sc = getattr(stream, "context", None)
         if isinstance(sc, Context):

@@ -8,13 +8,13 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
-from .. import _driver, registry
+from .. import _driver
 from .. import context as _context
 from .._driver import call, describe, drv
+from ..binding import bind, guard, registry
 from ..context import Context, current_handle
 from ..errors import STICKY_CODES, CompileError, CudaError, KernelNotFoundError
 from ..lifetime import finalizer
-from ..registry import bind, guard
 from .cdecl import CType, mangled_param_types, source_param_types
 from .image import (
     JIT_CODES,
@@ -119,7 +119,7 @@ class Module:
         _driver.init()
         if context is None:
             return cls._load_library(image)
-        return cls._load_bound(image, registry.default.resolve(context))
+        return cls._load_bound(image, registry.resolve(context))
 
     @classmethod
     def _load_library(cls, image: Image) -> Module:

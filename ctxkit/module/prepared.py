@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .._driver import drv
+from ..binding import guard
 from ..context import Context
 from ..context import _tls as _thread_local
 from ..errors import CudaError
 from ..memory.interop import order_after_producers
-from ..registry import guard
 from ..stream import implicit_stream, stream_for
 from .launch import LaunchConfig, native_config, normalize_dims, shared_mem_arg
 from .memargs import foreign_arrays

@@ -16,9 +16,9 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+from ..binding import check_devices
 from ..context import Context
 from ..device import Device, device_count
-from ..registry import check_devices
 from . import shm
 
 #: Seconds between SIGTERM and SIGKILL when a child must be stopped.
@@ -180,8 +180,8 @@ def bound_context(ordinal: int, bind: bool) -> Iterator[Any]:
     if not bind:
         yield None
         return
-    from .. import registry
+    from ..binding import registry
 
-    ctx = registry.default.context(ordinal)
+    ctx = registry.context(ordinal)
     with ctx:
         yield ctx

@@ -38,7 +38,7 @@ def run_per_device(
     """Run ``fn(ordinal, *args, **kwargs)`` in one spawned process per device.
 
     Each child makes the registry's context of its device current for the duration of
-    ``fn`` (``ctxkit.registry.default.context(ordinal)``), so ``fn`` can allocate, compile and
+    ``fn`` (``ctxkit.registry.context(ordinal)``), so ``fn`` can allocate, compile and
     launch right away. Results come back in the order of *devices*.
 
     Parameters

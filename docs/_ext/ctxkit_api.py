@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 DOCUMENTED = (
     "ctxkit.device",
     "ctxkit.context",
-    "ctxkit.registry",
+    "ctxkit.binding",
     "ctxkit.executor",
     "ctxkit.stream",
     "ctxkit.graph",
