@@ -32,7 +32,14 @@ from .errors import (
     NoCurrentContextError,
 )
 
-__all__ = ["Context", "current_context", "current_handle", "thread_bindings"]
+__all__ = [
+    "Context",
+    "context_of_cu",
+    "current_context",
+    "current_handle",
+    "shutting_down",
+    "thread_bindings",
+]
 
 
 _OWNED = "owned"
@@ -106,6 +113,12 @@ cheaper than the subclass on every Python version; filled on a thread's first us
 
 
 _shutting_down = False
+
+
+def shutting_down() -> bool:
+    """True from interpreter exit on (and in a forked child): frees are skipped, the
+    process teardown frees."""
+    return _shutting_down
 
 
 def begin_shutdown() -> None:
@@ -184,6 +197,20 @@ def current_context() -> Context | None:
     if known is not None and not known.closed:
         return known
     return Context._adopt_current(cu)
+
+
+def context_of_cu(cu: Any) -> Context:
+    """The ctxkit Context for a driver ``CUcontext`` made anywhere."""
+    known = Context._known.get(int(cu))
+    if known is not None and not known.closed:
+        return known
+    (err,) = drv.cuCtxPushCurrent(cu)
+    if err:
+        raise _driver.from_result(int(err), f"cuCtxPushCurrent({int(cu):#x})")
+    try:
+        return Context._adopt_current(cu)
+    finally:
+        drv.cuCtxPopCurrent()
 
 
 def _compares_by_value(cu: Any) -> bool:
@@ -315,6 +342,11 @@ class Context:
             return cls(cu, dev, _FOREIGN)
 
     # --- properties ----------------------------------------------------------------
+
+    @property
+    def cu(self) -> Any:
+        """The driver's ``CUcontext`` object, for driver calls that take a context."""
+        return self._cu
 
     @property
     def is_primary(self) -> bool:

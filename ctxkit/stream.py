@@ -8,7 +8,7 @@ without being owned (:meth:`Stream.from_handle`).
 
 Here: :class:`Stream`, :class:`Event`, the current stream per thread, the one stream
 resolver (:func:`stream_for`), and the handles and contexts of streams ctxkit did not
-create (:func:`context_of_cu`).
+create.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy as np
 
 from ._driver import drv, from_result
 from .binding import ContextLike, guard, resolve_context
-from .context import Context, require_current
+from .context import Context, context_of_cu, require_current
 from .device import Device
 from .errors import ContextClosedError, WrongContextError
 from .lifetime import finalizer
@@ -33,7 +33,6 @@ from .lifetime import finalizer
 __all__ = [
     "Event",
     "Stream",
-    "context_of_cu",
     "current_stream",
     "implicit_stream",
     "stream_for",
@@ -114,20 +113,6 @@ def _foreign_stream_int(obj: Any) -> int:
         f"expected a stream (ctxkit.Stream, CUstream, int handle, an object with "
         f"__cuda_stream__, a CuPy or PyTorch stream) or None, got {type(obj).__name__}"
     )
-
-
-def context_of_cu(cu: Any) -> Context:
-    """The ctxkit Context for a driver ``CUcontext`` made anywhere."""
-    known = Context._known.get(int(cu))
-    if known is not None and not known.closed:
-        return known
-    (err,) = drv.cuCtxPushCurrent(cu)
-    if err:
-        raise from_result(int(err), f"cuCtxPushCurrent({int(cu):#x})")
-    try:
-        return Context._adopt_current(cu)
-    finally:
-        drv.cuCtxPopCurrent()
 
 
 def _context_of_stream(handle: Any) -> Context:
@@ -399,6 +384,12 @@ class Stream:
             raise ctx.note_error(err, "cuStreamSynchronize")
         if self._callback_errors:
             self._raise_callback_error()
+
+    def report_callback_error(self, exc: BaseException) -> None:
+        """Keep *exc*, raised by a host function run on this stream (also a graph's host
+        node), for the next :meth:`synchronize` to raise."""
+        with self._lock:
+            self._callback_errors.append(exc)
 
     def _raise_callback_error(self) -> None:
         with self._lock:

@@ -12,8 +12,8 @@ import numpy as np
 from .. import _driver
 from .._driver import drv
 from ..binding import guard
-from ..context import Context, require_current
-from ..stream import Stream, context_of_cu, implicit_stream, stream_for, stream_handle
+from ..context import Context, context_of_cu, require_current
+from ..stream import Stream, implicit_stream, stream_for, stream_handle
 from .host import check_async_host
 from .interop import producer_stream
 from .sizes import nbytes_arg as nbytes_arg
