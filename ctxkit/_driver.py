@@ -45,13 +45,8 @@ CUDA_ERROR_NO_DEVICE = 100
 
 def parse_version(text: str) -> tuple[int, int]:
     """Return ``(major, minor)`` from a version string such as ``"13.3.0"``."""
-    parts = [p for p in text.split(".")[:2]]
-    nums = []
-    for p in parts:
-        digits = "".join(ch for ch in p if ch.isdigit())
-        nums.append(int(digits) if digits else 0)
-    while len(nums) < 2:
-        nums.append(0)
+    nums = [int("".join(ch for ch in p if ch.isdigit()) or 0) for p in text.split(".")[:2]]
+    nums += [0] * (2 - len(nums))
     return nums[0], nums[1]
 
 
@@ -252,16 +247,12 @@ def call(fn: Callable[..., Any], *args: Any, what: str = "") -> Any:
     res = fn(*args)
     err = res[0]
     if err:
-        raise from_result(int(err), what or _default_what(fn))
+        raise from_result(int(err), what or getattr(fn, "__name__", "CUDA call"))
     if len(res) == 1:
         return None
     if len(res) == 2:
         return res[1]
     return res[1:]
-
-
-def _default_what(fn: Callable[..., Any]) -> str:
-    return getattr(fn, "__name__", "CUDA call")
 
 
 def enum_member(enum: Any, prefix: str, name: str | Any, what: str) -> Any:

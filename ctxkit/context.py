@@ -396,7 +396,7 @@ class Context:
                 return self
         (err,) = drv.cuCtxPushCurrent(self._cu)
         if err:
-            raise self._error(err, "cuCtxPushCurrent")
+            raise self.note_error(err, "cuCtxPushCurrent")
         st.stack.append((self, top))
         st.top = self
         return self
@@ -420,14 +420,14 @@ class Context:
             err, cu = drv.cuCtxGetCurrent()
             st.top = None
             if err:
-                raise self._error(err, "cuCtxGetCurrent")
+                raise self.note_error(err, "cuCtxGetCurrent")
             if (cu != self._cu) if self._by_value else (int(cu) != self.handle):
                 self._restore_foreign(st, entry, cu, popped=False)
             return
         err, popped = drv.cuCtxPopCurrent()
         if err:
             st.top = None
-            raise self._error(err, "cuCtxPopCurrent")
+            raise self.note_error(err, "cuCtxPopCurrent")
         if (popped != self._cu) if self._by_value else (int(popped) != self.handle):
             self._restore_foreign(st, entry, popped, popped=True)
         st.top = entry[1]
@@ -524,13 +524,6 @@ class Context:
             self._poison.name,
         )
 
-    def _error(self, err: Any, what: str) -> CudaError:
-        exc = _driver.from_result(int(err), f"{what} on {self!r}")
-        if int(err) in STICKY_CODES and self._poison is None:
-            self._poison = exc
-            self._unusable = True
-        return exc
-
     def check_usable(self) -> None:
         """Raise ``ContextClosedError``/``ContextPoisonedError`` if it cannot be used."""
         if self._unusable:
@@ -541,7 +534,11 @@ class Context:
 
         A sticky error marks the context poisoned, so later uses fail fast.
         """
-        return self._error(err, what)
+        exc = _driver.from_result(int(err), f"{what} on {self!r}")
+        if int(err) in STICKY_CODES and self._poison is None:
+            self._poison = exc
+            self._unusable = True
+        return exc
 
     def synchronize(self) -> None:
         """Wait for all work in this context (GIL released while waiting).
@@ -554,7 +551,7 @@ class Context:
         with self:
             (err,) = drv.cuCtxSynchronize()
         if err:
-            raise self._error(err, "cuCtxSynchronize")
+            raise self.note_error(err, "cuCtxSynchronize")
 
     def memory_info(self) -> tuple[int, int]:
         """``(free, total)`` device memory in bytes (``cuMemGetInfo``)."""
@@ -639,10 +636,10 @@ class Context:
             except AttributeError:
                 top = _first_use().top
             if top is self:
-                _check_free(fn(*args), fn)
+                lifetime.check_free(fn(*args), fn)
                 return
             with self:
-                _check_free(fn(*args), fn)
+                lifetime.check_free(fn(*args), fn)
         finally:
             lifetime.end_free()
 
@@ -662,12 +659,6 @@ def _disown_in_forked_child() -> None:
 
 
 _driver.on_fork_in_child(_disown_in_forked_child)
-
-
-def _check_free(res: Any, fn: Callable[..., Any]) -> None:
-    err = res[0] if isinstance(res, tuple) else res
-    if err:
-        raise _driver.from_result(int(err), getattr(fn, "__name__", "free"))
 
 
 def no_context_error(what: str) -> NoCurrentContextError:
