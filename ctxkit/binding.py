@@ -227,22 +227,12 @@ def bound(target: ContextLike) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """Decorator: run the function with *target*'s context bound (resolved per call)."""
 
     def deco(fn: Callable[P, R]) -> Callable[P, R]:
-        if isinstance(target, Context):
-            ctx = target
-
-            @functools.wraps(fn)
-            def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-                with ctx:
-                    return fn(*args, **kwargs)
-
-            return wrapper
-
         @functools.wraps(fn)
-        def resolving(*args: P.args, **kwargs: P.kwargs) -> R:
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
             with bind(target):
                 return fn(*args, **kwargs)
 
-        return resolving
+        return wrapper
 
     return deco
 
