@@ -220,6 +220,8 @@ def bind(target: ContextLike) -> Context:
     previous context is restored on exit. Returns the Context itself (``bind(x)`` also
     resolves *x* without binding it).
     """
+    if type(target) is Context:  # the hot path: no call
+        return target
     return registry.resolve(target)
 
 
