@@ -564,15 +564,6 @@ class Context:
         with self:
             return fn(*args)
 
-    def _current_elsewhere(self) -> list[str]:
-        with _all_lock:
-            states = _all_threads.copy()
-        return [
-            name
-            for ref, name, stack in states.values()
-            if ref() is not None and any(c is self for c in _pushed_contexts(stack))
-        ]
-
     def close(self) -> None:
         """Destroy an owned context / release a primary one. Idempotent.
 
@@ -589,7 +580,7 @@ class Context:
         with Context._class_lock:
             if self.closed:
                 return
-            users = self._current_elsewhere()
+            users = [t for t, ctxs in thread_bindings().items() if any(c is self for c in ctxs)]
             if not users and _driver.bindings_available():
                 err, cu = drv.cuCtxGetCurrent()
                 if not err and int(cu) == self.handle:
