@@ -61,11 +61,7 @@ def stream_handle(obj: Any) -> Any:
     TypeError
         *obj* is none of these.
     """
-    if obj is None:
-        return _NULL_STREAM
-    if isinstance(obj, Stream):
-        return obj._open_handle("using the stream")
-    return drv.CUstream(_foreign_stream_int(obj))
+    return _NULL_STREAM if obj is None else _handle_of(obj, "using the stream")
 
 
 def stream_for(stream: Any, ctx: Context, what: str) -> Any:
@@ -88,6 +84,10 @@ def stream_for(stream: Any, ctx: Context, what: str) -> Any:
             _INVALID_HANDLE,
             "CUDA_ERROR_INVALID_HANDLE",
         )
+    return _handle_of(stream, what)
+
+
+def _handle_of(stream: Any, what: str) -> Any:
     if isinstance(stream, Stream):
         return stream._open_handle(what)
     return drv.CUstream(_foreign_stream_int(stream))

@@ -426,10 +426,6 @@ def _meta(name: str, pid: int, tid: int | None, args: dict[str, Any]) -> dict[st
     return ev
 
 
-def _event_elapsed(start: Any, end: Any) -> float:
-    return float(start.elapsed_ms(end))
-
-
 class Recorder:
     """Collects host intervals and device event pairs during a run.
 
@@ -451,7 +447,7 @@ class Recorder:
         elapsed_ms: Callable[[Any, Any], float] | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        self._elapsed = elapsed_ms or _event_elapsed
+        self._elapsed = elapsed_ms or (lambda a, b: float(a.elapsed_ms(b)))
         self.clock = clock
         self.t0 = clock()
         self._host: list[Interval] = []
