@@ -190,9 +190,9 @@ def _switching_rounds(
     bind = ck.bind
     empty_cm = _EmptyWith()
     switch: dict[str, Callable[[int], None]] = {
-        "raw": raw_pair(ctx._cu),
-        "raw_checked": raw_pair_checked(ctx._cu),
-        "raw_with": raw_with(ctx._cu),
+        "raw": raw_pair(ctx.cu),
+        "raw_checked": raw_pair_checked(ctx.cu),
+        "raw_with": raw_with(ctx.cu),
         "empty_with": with_cm(empty_cm),
         "enter": with_cm(ctx),
         "bind_cold": with_call(bind, ctx),
@@ -229,7 +229,7 @@ class _driver_current:
         self.ctx = ctx
 
     def __enter__(self) -> None:
-        (err,) = drv.cuCtxPushCurrent(self.ctx._cu)
+        (err,) = drv.cuCtxPushCurrent(self.ctx.cu)
         if err:
             raise RuntimeError(err)
 
@@ -296,7 +296,7 @@ def _timed_gate(gate: Gate, joins: list[Callable[[], Any]], errors: list[BaseExc
 def raw_thread_launches(ctx: ck.Context, cubin: bytes, n: int, gate: Gate) -> None:
     """A raw cuda.bindings worker: push, load, make a stream (untimed); launch n times
     and synchronize (timed); destroy and pop (untimed)."""
-    (err,) = drv.cuCtxPushCurrent(ctx._cu)
+    (err,) = drv.cuCtxPushCurrent(ctx.cu)
     if err:
         raise RuntimeError(f"cuCtxPushCurrent: {err!r}")
     try:

@@ -361,14 +361,14 @@ def _peer_round(
         sh, null = s.handle, drv.CUstream(0)
 
         def raw() -> None:
-            check(drv.cuMemcpyPeer(dptr, c1._cu, sptr, c0._cu, size))
+            check(drv.cuMemcpyPeer(dptr, c1.cu, sptr, c0.cu, size))
             check(drv.cuStreamSynchronize(null))
 
         def mine() -> None:
             ck.copy_peer(dst, src)
 
         def raw_async() -> None:
-            check(drv.cuMemcpyPeerAsync(dptr, c1._cu, sptr, c0._cu, size, sh))
+            check(drv.cuMemcpyPeerAsync(dptr, c1.cu, sptr, c0.cu, size, sh))
 
         def mine_async() -> None:
             ck.copy_peer(dst, src, stream=s)

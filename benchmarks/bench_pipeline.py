@@ -186,7 +186,7 @@ def bench_register(nbytes: int, repeats: int, quick: bool, results: Results) -> 
     for piece_mib in (32,) if quick else (32, 64):
         for t in threads:
             try:
-                n, r, u = time_registration(ctx._cu, arr, piece_mib * MiB, t, repeats)
+                n, r, u = time_registration(ctx.cu, arr, piece_mib * MiB, t, repeats)
             except RuntimeError as exc:
                 print(f"  registration failed, section skipped: {exc}", flush=True)
                 return 0.0
@@ -204,7 +204,7 @@ def bench_register(nbytes: int, repeats: int, quick: bool, results: Results) -> 
                 flush=True,
             )
     fresh = np.empty(nbytes, np.uint8)  # untouched pages, like np.empty_like(x) output
-    n, r, u = time_registration(ctx._cu, fresh, 32 * MiB, threads[-1], 1)
+    n, r, u = time_registration(ctx.cu, fresh, 32 * MiB, threads[-1], 1)
     print(
         f"  fresh (never touched) memory, {threads[-1]} threads: register {gbps(n, r):6.1f} "
         f"GB/s (faults the pages in), unregister {gbps(n, u):6.1f} GB/s",

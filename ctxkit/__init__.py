@@ -11,102 +11,22 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-_EXPORTS: dict[str, str] = {
-    # errors
-    "CudaError": "errors",
-    "CaptureOrderError": "errors",
-    "DriverNotFoundError": "errors",
-    "NoCurrentContextError": "errors",
-    "ContextStackError": "errors",
-    "ContextClosedError": "errors",
-    "ContextInUseError": "errors",
-    "OutOfMemoryError": "errors",
-    "CompileError": "errors",
-    "ContextPoisonedError": "errors",
-    "ForkError": "errors",
-    "GraphUpdateError": "errors",
-    "LaunchArgumentError": "errors",
-    "WrongContextError": "errors",
-    "KernelNotFoundError": "errors",
-    "PageableCopyWarning": "errors",
-    "PinLeakWarning": "errors",
-    "PageableCopyError": "errors",
-    "PipelineError": "errors",
-    "DeviceTaskError": "errors",
-    "PtxVersionWarning": "errors",
-    "KernelCacheWarning": "errors",
-    # devices and contexts
-    "Device": "device",
-    "device_count": "device",
-    "devices": "device",
-    "Context": "context",
-    "current_context": "context",
-    # registry
-    "ContextRegistry": "registry",
-    "bind": "registry",
-    "bound": "registry",
-    "ContextExecutor": "executor",
-    # compiler and modules
-    "Program": "compiler",
-    "ObjectCode": "compiler",
-    "compile": "compiler",
-    "Module": "module",
-    "Kernel": "module",
-    "PreparedLaunch": "module",
-    "LaunchConfig": "module",
-    "Graph": "graph",
-    "GraphExec": "graph",
-    "GraphNode": "graph",
-    "capture": "graph",
-    "kernel_source": "compiler",
-    # memory, streams
-    "DeviceBuffer": "memory",
-    "DeviceArray": "memory",
-    "device_array": "memory",
-    "pinned_empty": "memory",
-    "pinned_zeros": "memory",
-    "pinned_pool": "memory",
-    "PinnedPool": "memory",
-    "register_host": "memory",
-    "is_pinned": "memory",
-    "ManagedBuffer": "memory",
-    "enable_peer_access": "memory",
-    "copy_peer": "memory",
-    "to_device": "memory",
-    "Stream": "stream",
-    "current_stream": "stream",
-    "MemoryPool": "memory",
-    "VirtualBuffer": "memory",
-    "disable_peer_access": "memory",
-    "export_buffer": "memory",
-    "import_buffer": "memory",
-    "ipc_event": "memory",
-    "export_event": "memory",
-    "import_event": "memory",
-    "host_memory_flags": "memory",
-    "Event": "stream",
-    # multi-device
-    "Pipeline": "pipeline",
-    "DevicePool": "procs",
-    "TaskOptions": "procs",
-    "StageHandle": "pipeline",
-    "Timeline": "trace",
+# Names of the families, loaded on first use (the core below is imported eagerly).
+_LAZY: dict[str, str] = {
+    "compiler": "Program ObjectCode compile kernel_source",
+    "module": "Module Kernel PreparedLaunch LaunchConfig",
+    "graph": "Graph GraphExec GraphNode capture",
+    "memory": "DeviceBuffer DeviceArray device_array pinned_empty pinned_zeros pinned_pool "
+    "PinnedPool register_host is_pinned ManagedBuffer enable_peer_access copy_peer to_device "
+    "MemoryPool VirtualBuffer disable_peer_access export_buffer import_buffer ipc_event "
+    "export_event import_event host_memory_flags",
+    "stream": "Stream Event current_stream",
+    "pipeline": "Pipeline StageHandle",
+    "procs": "DevicePool TaskOptions",
+    "trace": "Timeline",
 }
-
-_SUBMODULES = {
-    "procs",
-    "trace",
-    "errors",
-    "compiler",
-    "module",
-    "memory",
-    "stream",
-    "pipeline",
-    "graph",
-    "nvtx",
-    "lifetime",
-    "cli",
-}
+_EXPORTS = {name: mod for mod, names in _LAZY.items() for name in names.split()}
+_SUBMODULES = {*_LAZY, "errors", "lifetime", "cli"}
 
 # A literal list, so type checkers read it (a computed one hides the API from them).
 __all__ = [
@@ -189,8 +109,8 @@ __all__ = [
 ]
 
 # The core is imported eagerly (it needs no driver to import). ``ctxkit.registry`` is the
-# registry module; it reads and writes the process-wide registry ``ctxkit.registry.default``.
-from . import registry  # noqa: E402
+# process-wide ContextRegistry (the module is ctxkit.binding).
+from .binding import ContextRegistry, bind, bound, registry  # noqa: E402
 from .context import Context, current_context  # noqa: E402
 from .device import Device, device_count, devices  # noqa: E402
 from .errors import (  # noqa: E402
@@ -218,7 +138,6 @@ from .errors import (  # noqa: E402
     WrongContextError,
 )
 from .executor import ContextExecutor  # noqa: E402
-from .registry import ContextRegistry, bind, bound  # noqa: E402
 
 
 def __getattr__(name: str) -> Any:

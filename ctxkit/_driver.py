@@ -45,13 +45,8 @@ CUDA_ERROR_NO_DEVICE = 100
 
 def parse_version(text: str) -> tuple[int, int]:
     """Return ``(major, minor)`` from a version string such as ``"13.3.0"``."""
-    parts = [p for p in text.split(".")[:2]]
-    nums = []
-    for p in parts:
-        digits = "".join(ch for ch in p if ch.isdigit())
-        nums.append(int(digits) if digits else 0)
-    while len(nums) < 2:
-        nums.append(0)
+    nums = [int("".join(ch for ch in p if ch.isdigit()) or 0) for p in text.split(".")[:2]]
+    nums += [0] * (2 - len(nums))
     return nums[0], nums[1]
 
 
@@ -262,16 +257,12 @@ def call(fn: Callable[..., Any], *args: Any, what: str = "") -> Any:
     res = fn(*args)
     err = res[0]
     if err:
-        raise from_result(int(err), what or _default_what(fn))
+        raise from_result(int(err), what or getattr(fn, "__name__", "CUDA call"))
     if len(res) == 1:
         return None
     if len(res) == 2:
         return res[1]
     return res[1:]
-
-
-def _default_what(fn: Callable[..., Any]) -> str:
-    return getattr(fn, "__name__", "CUDA call")
 
 
 def enum_member(enum: Any, prefix: str, name: str | Any, what: str) -> Any:
@@ -356,22 +347,22 @@ def uses_mem_location(bindings_major: int) -> bool:
     return bindings_major >= 13
 
 
+def _location(target: int | str) -> Any:
+    """A device ordinal or ``"cpu"`` in the form prefetch/advise take on this bindings major."""
+    if uses_mem_location(BINDINGS_VERSION[0]):
+        return mem_location(target)
+    return CPU_DEVICE_ID if isinstance(target, str) else int(target)
+
+
 def mem_prefetch(ptr: int, nbytes: int, target: int | str, stream: Any) -> None:
     """``cuMemPrefetchAsync`` to a device ordinal or ``"cpu"``, on either bindings major."""
-    if uses_mem_location(BINDINGS_VERSION[0]):
-        call(drv.cuMemPrefetchAsync, ptr, nbytes, mem_location(target), 0, stream)
-    else:
-        dev = CPU_DEVICE_ID if isinstance(target, str) else int(target)
-        call(drv.cuMemPrefetchAsync, ptr, nbytes, dev, stream)
+    flags = (0,) if uses_mem_location(BINDINGS_VERSION[0]) else ()
+    call(drv.cuMemPrefetchAsync, ptr, nbytes, _location(target), *flags, stream)
 
 
 def mem_advise(ptr: int, nbytes: int, advice: Any, target: int | str) -> None:
     """``cuMemAdvise`` for a device ordinal or ``"cpu"``, on either bindings major."""
-    if uses_mem_location(BINDINGS_VERSION[0]):
-        call(drv.cuMemAdvise, ptr, nbytes, advice, mem_location(target))
-    else:
-        dev = CPU_DEVICE_ID if isinstance(target, str) else int(target)
-        call(drv.cuMemAdvise, ptr, nbytes, advice, dev)
+    call(drv.cuMemAdvise, ptr, nbytes, advice, _location(target))
 
 
 POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9  # CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL (cuda.h)
@@ -381,10 +372,12 @@ POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9  # CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL (cud
 _raw_pointer_get_attribute: Any = None
 
 
+_LIBCUDA = "nvcuda.dll" if os.name == "nt" else "libcuda.so.1"
+
+
 def _load_raw_pointer_get_attribute() -> Any:
-    name = "nvcuda.dll" if os.name == "nt" else "libcuda.so.1"
     try:
-        fn = ctypes.CDLL(name).cuPointerGetAttribute
+        fn = ctypes.CDLL(_LIBCUDA).cuPointerGetAttribute
     except (OSError, AttributeError):
         return False
     fn.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_uint64]
@@ -432,9 +425,8 @@ def graph_exec_update_info(exe: Any, graph: Any) -> tuple[int, int, int] | None:
     is the one case it is needed for; asking again is safe (a refused update changes
     nothing).
     """
-    name = "nvcuda.dll" if os.name == "nt" else "libcuda.so.1"
     try:
-        fn = ctypes.CDLL(name).cuGraphExecUpdate_v2
+        fn = ctypes.CDLL(_LIBCUDA).cuGraphExecUpdate_v2
     except (OSError, AttributeError):
         return None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.POINTER(_UpdateResultInfo)]

@@ -1,44 +1,70 @@
-"""The ``CTXKIT_*`` environment variables, read in one place.
+"""The ``CTXKIT_*`` environment variables: the one table of them, and their only readers.
 
-- ``CTXKIT_CACHE_DIR``: compiled-kernel cache directory (``off`` disables it).
-- ``CTXKIT_CACHE_MAX_BYTES``: the compiled-kernel cache's size cap (e.g. ``2G``; default 1 GiB).
-- ``CTXKIT_STRICT_CONTEXT``: ``1``: an operation in a thread with no current context raises.
-- ``CTXKIT_AUTO_BIND``: ``0``: the same as ``CTXKIT_STRICT_CONTEXT=1`` (the ctxkit 0.1 name).
-- ``CTXKIT_STRICT_ASYNC``: ``1``: an async copy from pageable host memory raises.
-- ``CTXKIT_PAGEABLE_KERNEL_ARGS``: ``1``: pageable numpy arrays as kernel arguments on
-  devices that access pageable memory (HMM/ATS).
-- ``CTXKIT_PINNED_POOL_BYTES``: the pinned host pool's budget in bytes (default: a quarter
-  of RAM, at most 64 GiB).
-- ``CTXKIT_ALLOC_CACHE``: ``0``: no cache of freed stream-ordered blocks; a number: its bound
-  in bytes per device (default: a quarter of the device's memory).
-- ``CTXKIT_NVTX``: ``0``: no NVTX ranges even when the nvtx package is installed.
+Every variable ctxkit reads is one :class:`Variable` in :data:`VARIABLES` (name, type,
+default, meaning), and is read only through :func:`env_text`, :func:`env_flag` and
+:func:`env_off`, which refuse a name the table does not list. A new variable is one more
+entry here and one more row in ``docs/configuration.md`` (the user's copy of this table;
+``tests/core/test_env.py`` checks the two agree). How a value is parsed beyond that (a size,
+a choice) is up to the module that uses it.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
-__all__ = ["env_flag", "env_off"]
+__all__ = ["VARIABLES", "Variable", "env_flag", "env_off", "env_text"]
+
+
+@dataclass(frozen=True)
+class Variable:
+    """One ``CTXKIT_*`` variable: what it takes, what it means when unset, what it does."""
+
+    name: str
+    type: str
+    default: str
+    meaning: str
+
+
+#: Every ``CTXKIT_*`` variable: ``docs/configuration.md`` says more about each.
+VARIABLES: dict[str, Variable] = {
+    v.name: v
+    for v in (
+        Variable("CTXKIT_CACHE_DIR", "path or off", "~/.cache/ctxkit/kernels", "kernel cache"),
+        Variable("CTXKIT_CACHE_MAX_BYTES", "size: 512M, 2G", "1 GiB", "kernel cache size cap"),
+        Variable("CTXKIT_STRICT_CONTEXT", "flag", "off", "ck.registry.strict"),
+        Variable("CTXKIT_STRICT_ASYNC", "flag", "off", "async pageable copies raise"),
+        Variable("CTXKIT_PAGEABLE_KERNEL_ARGS", "flag", "off", "pageable kernel arguments"),
+        Variable("CTXKIT_PINNED_POOL_BYTES", "int >= 0", "RAM / 4, <= 64 GiB", "pinned budget"),
+        Variable("CTXKIT_PINNED_ALLOC", "register or hostalloc", "register", "pinned pool blocks"),
+        Variable("CTXKIT_ALLOC_CACHE", "flag or bytes", "device memory / 4", "freed-block cache"),
+        Variable("CTXKIT_STREAMING_COPY", "flag", "on", "non-temporal staging copies"),
+        Variable("CTXKIT_NVTX", "flag", "on with the nvtx package", "NVTX ranges"),
+    )
+}
 
 _ON = frozenset({"1", "true", "yes", "on"})
 _OFF = frozenset({"0", "false", "no", "off"})
 
 
+def env_text(name: str) -> str:
+    """The value of the variable *name*, stripped (``""`` when unset).
+
+    Raises
+    ------
+    KeyError
+        *name* is not in :data:`VARIABLES` (add its entry there first).
+    """
+    if name not in VARIABLES:
+        raise KeyError(f"{name} is not in ctxkit._env.VARIABLES: add its entry there")
+    return os.environ.get(name, "").strip()
+
+
 def env_flag(name: str) -> bool:
     """True when the variable *name* is set to 1/true/yes/on (any case)."""
-    return os.environ.get(name, "").strip().lower() in _ON
+    return env_text(name).lower() in _ON
 
 
 def env_off(name: str) -> bool:
     """True when the variable *name* is explicitly set to 0/false/no/off (any case)."""
-    return os.environ.get(name, "").strip().lower() in _OFF
-
-
-def cache_dir_setting() -> str:
-    """``CTXKIT_CACHE_DIR`` as set, stripped (empty when unset): the kernel cache's directory."""
-    return os.environ.get("CTXKIT_CACHE_DIR", "").strip()
-
-
-def cache_max_bytes_setting() -> str:
-    """``CTXKIT_CACHE_MAX_BYTES`` as set, stripped (empty when unset): the kernel cache's cap."""
-    return os.environ.get("CTXKIT_CACHE_MAX_BYTES", "").strip()
+    return env_text(name).lower() in _OFF

@@ -32,7 +32,14 @@ from .errors import (
     NoCurrentContextError,
 )
 
-__all__ = ["Context", "current_context", "current_handle", "thread_bindings"]
+__all__ = [
+    "Context",
+    "context_of_cu",
+    "current_context",
+    "current_handle",
+    "shutting_down",
+    "thread_bindings",
+]
 
 
 _OWNED = "owned"
@@ -106,6 +113,12 @@ cheaper than the subclass on every Python version; filled on a thread's first us
 
 
 _shutting_down = False
+
+
+def shutting_down() -> bool:
+    """True from interpreter exit on (and in a forked child): frees are skipped, the
+    process teardown frees."""
+    return _shutting_down
 
 
 def begin_shutdown() -> None:
@@ -184,6 +197,20 @@ def current_context() -> Context | None:
     if known is not None and not known.closed:
         return known
     return Context._adopt_current(cu)
+
+
+def context_of_cu(cu: Any) -> Context:
+    """The ctxkit Context for a driver ``CUcontext`` made anywhere."""
+    known = Context._known.get(int(cu))
+    if known is not None and not known.closed:
+        return known
+    (err,) = drv.cuCtxPushCurrent(cu)
+    if err:
+        raise _driver.from_result(int(err), f"cuCtxPushCurrent({int(cu):#x})")
+    try:
+        return Context._adopt_current(cu)
+    finally:
+        drv.cuCtxPopCurrent()
 
 
 def _compares_by_value(cu: Any) -> bool:
@@ -317,6 +344,11 @@ class Context:
     # --- properties ----------------------------------------------------------------
 
     @property
+    def cu(self) -> Any:
+        """The driver's ``CUcontext`` object, for driver calls that take a context."""
+        return self._cu
+
+    @property
     def is_primary(self) -> bool:
         """True for a device's primary context."""
         return self._kind == _PRIMARY
@@ -364,7 +396,7 @@ class Context:
                 return self
         (err,) = drv.cuCtxPushCurrent(self._cu)
         if err:
-            raise self._error(err, "cuCtxPushCurrent")
+            raise self.note_error(err, "cuCtxPushCurrent")
         st.stack.append((self, top))
         st.top = self
         return self
@@ -388,14 +420,14 @@ class Context:
             err, cu = drv.cuCtxGetCurrent()
             st.top = None
             if err:
-                raise self._error(err, "cuCtxGetCurrent")
+                raise self.note_error(err, "cuCtxGetCurrent")
             if (cu != self._cu) if self._by_value else (int(cu) != self.handle):
                 self._restore_foreign(st, entry, cu, popped=False)
             return
         err, popped = drv.cuCtxPopCurrent()
         if err:
             st.top = None
-            raise self._error(err, "cuCtxPopCurrent")
+            raise self.note_error(err, "cuCtxPopCurrent")
         if (popped != self._cu) if self._by_value else (int(popped) != self.handle):
             self._restore_foreign(st, entry, popped, popped=True)
         st.top = entry[1]
@@ -492,13 +524,6 @@ class Context:
             self._poison.name,
         )
 
-    def _error(self, err: Any, what: str) -> CudaError:
-        exc = _driver.from_result(int(err), f"{what} on {self!r}")
-        if int(err) in STICKY_CODES and self._poison is None:
-            self._poison = exc
-            self._unusable = True
-        return exc
-
     def check_usable(self) -> None:
         """Raise ``ContextClosedError``/``ContextPoisonedError`` if it cannot be used."""
         if self._unusable:
@@ -509,7 +534,11 @@ class Context:
 
         A sticky error marks the context poisoned, so later uses fail fast.
         """
-        return self._error(err, what)
+        exc = _driver.from_result(int(err), f"{what} on {self!r}")
+        if int(err) in STICKY_CODES and self._poison is None:
+            self._poison = exc
+            self._unusable = True
+        return exc
 
     def synchronize(self) -> None:
         """Wait for all work in this context (GIL released while waiting).
@@ -522,7 +551,7 @@ class Context:
         with self:
             (err,) = drv.cuCtxSynchronize()
         if err:
-            raise self._error(err, "cuCtxSynchronize")
+            raise self.note_error(err, "cuCtxSynchronize")
 
     def memory_info(self) -> tuple[int, int]:
         """``(free, total)`` device memory in bytes (``cuMemGetInfo``)."""
@@ -534,15 +563,6 @@ class Context:
         """Call ``fn(*args)`` with this context current (cheap when it already is)."""
         with self:
             return fn(*args)
-
-    def _current_elsewhere(self) -> list[str]:
-        with _all_lock:
-            states = _all_threads.copy()
-        return [
-            name
-            for ref, name, stack in states.values()
-            if ref() is not None and any(c is self for c in _pushed_contexts(stack))
-        ]
 
     def close(self) -> None:
         """Destroy an owned context / release a primary one. Idempotent.
@@ -560,7 +580,7 @@ class Context:
         with Context._class_lock:
             if self.closed:
                 return
-            users = self._current_elsewhere()
+            users = [t for t, ctxs in thread_bindings().items() if any(c is self for c in ctxs)]
             if not users and _driver.bindings_available():
                 err, cu = drv.cuCtxGetCurrent()
                 if not err and int(cu) == self.handle:
@@ -607,10 +627,10 @@ class Context:
             except AttributeError:
                 top = _first_use().top
             if top is self:
-                _check_free(fn(*args), fn)
+                lifetime.check_free(fn(*args), fn)
                 return
             with self:
-                _check_free(fn(*args), fn)
+                lifetime.check_free(fn(*args), fn)
         finally:
             lifetime.end_free()
 
@@ -630,12 +650,6 @@ def _disown_in_forked_child() -> None:
 
 
 _driver.on_fork_in_child(_disown_in_forked_child)
-
-
-def _check_free(res: Any, fn: Callable[..., Any]) -> None:
-    err = res[0] if isinstance(res, tuple) else res
-    if err:
-        raise _driver.from_result(int(err), getattr(fn, "__name__", "free"))
 
 
 def no_context_error(what: str) -> NoCurrentContextError:
@@ -672,8 +686,3 @@ def require_current(what: str) -> Context:
     if ctx is None:
         raise no_context_error(what)
     return ctx
-
-
-def shutting_down() -> bool:
-    """True once the interpreter exits: frees are skipped (the process teardown frees)."""
-    return _shutting_down

@@ -33,13 +33,6 @@ def devices() -> list[Device]:
     return [Device(i) for i in range(device_count())]
 
 
-def _attribute_enum(name: str | Any) -> Any:
-    """Resolve ``"max_threads_per_block"`` (any case, with or without prefix) to the enum."""
-    return _driver.enum_member(
-        drv.CUdevice_attribute, "CU_DEVICE_ATTRIBUTE_", name, "device attribute"
-    )
-
-
 class Device:
     """One CUDA device (``CUdevice``); ``Device(i)`` returns the same object for the same i.
 
@@ -140,7 +133,9 @@ class Device:
 
         The full enum name (``"CU_DEVICE_ATTRIBUTE_..."``) or the enum member also work.
         """
-        attr = _attribute_enum(name)
+        attr = _driver.enum_member(
+            drv.CUdevice_attribute, "CU_DEVICE_ATTRIBUTE_", name, "device attribute"
+        )
         return int(
             call(drv.cuDeviceGetAttribute, attr, self.handle, what=f"cuDeviceGetAttribute({name})")
         )

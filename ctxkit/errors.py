@@ -104,93 +104,74 @@ class LaunchArgumentError(CudaError, TypeError):
     """Kernel arguments do not match the kernel's parameter list."""
 
 
-# Codes from the CUDA driver API (cuda.h); kept here so the mapping also works
-# (and can be tested) on a machine where the driver library is absent.
+# Codes from the CUDA driver API (cuda.h), by number with their names beside them, so the
+# mapping also works (and can be tested) on a machine where the driver library is absent.
 _NOT_INITIALIZED = 3
-_DEINITIALIZED = 4
-_OUT_OF_MEMORY = 2
-_NO_DEVICE = 100
-_INVALID_DEVICE = 101
-_INVALID_CONTEXT = 201
-_CONTEXT_ALREADY_CURRENT = 202
-_CONTEXT_ALREADY_IN_USE = 216
-_PEER_ACCESS_ALREADY_ENABLED = 704
-_CONTEXT_IS_DESTROYED = 709
-_ILLEGAL_ADDRESS = 700
-_LAUNCH_OUT_OF_RESOURCES = 701
-_HARDWARE_STACK_ERROR = 714
-_ILLEGAL_INSTRUCTION = 715
-_MISALIGNED_ADDRESS = 716
-_INVALID_ADDRESS_SPACE = 717
-_INVALID_PC = 718
-_LAUNCH_FAILED = 719
-_UNSUPPORTED_PTX_VERSION = 222
-_NO_BINARY_FOR_GPU = 209
-_INVALID_PTX = 218
-_NOT_FOUND = 500
-_INVALID_HANDLE = 400
-_STUB_LIBRARY = 34
-_REQUIRES_NEWER_DRIVER = 36
-_ASSERT = 710
-_ECC_UNCORRECTABLE = 214
 
-#: Errors after which the context is corrupt and every later call fails.
-STICKY_CODES = frozenset(
-    {
-        _ILLEGAL_ADDRESS,
-        _HARDWARE_STACK_ERROR,
-        _ILLEGAL_INSTRUCTION,
-        _MISALIGNED_ADDRESS,
-        _INVALID_ADDRESS_SPACE,
-        _INVALID_PC,
-        _LAUNCH_FAILED,
-        _ASSERT,
-        _ECC_UNCORRECTABLE,
-    }
-)
+#: Sticky errors: the context (and, on current drivers, the process) cannot be used again.
+#: ILLEGAL_ADDRESS 700, HARDWARE_STACK_ERROR 714, ILLEGAL_INSTRUCTION 715,
+#: MISALIGNED_ADDRESS 716, INVALID_ADDRESS_SPACE 717, INVALID_PC 718, LAUNCH_FAILED 719,
+#: ASSERT 710, ECC_UNCORRECTABLE 214.
+STICKY_CODES = frozenset({700, 714, 715, 716, 717, 718, 719, 710, 214})
 
 _CLASS_FOR_CODE: dict[int, type[CudaError]] = {
-    _OUT_OF_MEMORY: OutOfMemoryError,
-    _INVALID_CONTEXT: NoCurrentContextError,
-    _CONTEXT_IS_DESTROYED: ContextClosedError,
-    _CONTEXT_ALREADY_IN_USE: ContextInUseError,
-    _STUB_LIBRARY: DriverNotFoundError,
-    _REQUIRES_NEWER_DRIVER: DriverNotFoundError,
+    2: OutOfMemoryError,  # CUDA_ERROR_OUT_OF_MEMORY
+    201: NoCurrentContextError,  # CUDA_ERROR_INVALID_CONTEXT
+    709: ContextClosedError,  # CUDA_ERROR_CONTEXT_IS_DESTROYED
+    216: ContextInUseError,  # CUDA_ERROR_CONTEXT_ALREADY_IN_USE
+    34: DriverNotFoundError,  # CUDA_ERROR_STUB_LIBRARY
+    36: DriverNotFoundError,  # CUDA_ERROR_REQUIRES_NEWER_DRIVER
     **dict.fromkeys(STICKY_CODES, ContextPoisonedError),
 }
 
 _HINTS: dict[int, str] = {
+    # CUDA_ERROR_NOT_INITIALIZED
     _NOT_INITIALIZED: "the driver is not initialised in this process; call ctxkit APIs "
     "(they initialise it) rather than raw cuda.bindings calls first",
-    _OUT_OF_MEMORY: "free buffers you no longer need (close() them), use smaller chunks, "
+    # CUDA_ERROR_OUT_OF_MEMORY
+    2: "free buffers you no longer need (close() them), use smaller chunks, "
     "or pick a device with more free memory",
-    _NO_DEVICE: "no CUDA device is visible; check nvidia-smi and CUDA_VISIBLE_DEVICES",
-    _INVALID_DEVICE: "use an ordinal in range(ctxkit.device_count())",
-    _INVALID_CONTEXT: "this thread has no current context; use `with ctx:` or "
+    # CUDA_ERROR_NO_DEVICE
+    100: "no CUDA device is visible; check nvidia-smi and CUDA_VISIBLE_DEVICES",
+    # CUDA_ERROR_INVALID_DEVICE
+    101: "use an ordinal in range(ctxkit.device_count())",
+    # CUDA_ERROR_INVALID_CONTEXT
+    201: "this thread has no current context; use `with ctx:` or "
     "`with ctxkit.bind(device_or_ctx):` in the thread that does the work",
-    _CONTEXT_IS_DESTROYED: "the context was destroyed; create a new one and reallocate "
-    "its resources",
-    _CONTEXT_ALREADY_IN_USE: "the context is current in another thread in exclusive "
+    # CUDA_ERROR_CONTEXT_IS_DESTROYED
+    709: "the context was destroyed; create a new one and reallocate its resources",
+    # CUDA_ERROR_CONTEXT_ALREADY_IN_USE
+    216: "the context is current in another thread in exclusive "
     "compute mode; share it through ctxkit.registry instead",
-    _UNSUPPORTED_PTX_VERSION: "the PTX came from an NVRTC newer than the driver; compile "
+    # CUDA_ERROR_UNSUPPORTED_PTX_VERSION
+    222: "the PTX came from an NVRTC newer than the driver; compile "
     "with target='cubin' (or 'auto'), or upgrade the driver",
-    _NO_BINARY_FOR_GPU: "the module has no code for this GPU; compile for its arch "
+    # CUDA_ERROR_NO_BINARY_FOR_GPU
+    209: "the module has no code for this GPU; compile for its arch "
     "(ctxkit.compile(..., arch=None) picks the current device)",
-    _INVALID_PTX: "the PTX failed to JIT-compile; see the JIT log in this message",
-    _NOT_FOUND: "the named symbol is not in the module; check the name "
+    # CUDA_ERROR_INVALID_PTX
+    218: "the PTX failed to JIT-compile; see the JIT log in this message",
+    # CUDA_ERROR_NOT_FOUND
+    500: "the named symbol is not in the module; check the name "
     '(extern "C" or name_expressions for C++ templates)',
-    _INVALID_HANDLE: "the handle belongs to another context or was already freed; use "
+    # CUDA_ERROR_INVALID_HANDLE
+    400: "the handle belongs to another context or was already freed; use "
     "objects inside the context that created them",
-    _STUB_LIBRARY: "libcuda is the toolkit's stub, not a real driver; install the NVIDIA "
+    # CUDA_ERROR_STUB_LIBRARY
+    34: "libcuda is the toolkit's stub, not a real driver; install the NVIDIA "
     "driver or fix LD_LIBRARY_PATH",
-    _REQUIRES_NEWER_DRIVER: "this call needs a newer driver than the installed one; upgrade "
+    # CUDA_ERROR_REQUIRES_NEWER_DRIVER
+    36: "this call needs a newer driver than the installed one; upgrade "
     "the driver or install the cu12 extra (cuda-bindings 12.x)",
-    _LAUNCH_OUT_OF_RESOURCES: "the launch needs more registers or shared memory than the "
+    # CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES
+    701: "the launch needs more registers or shared memory than the "
     "device has per block; use a smaller block",
-    _PEER_ACCESS_ALREADY_ENABLED: "peer access is already on (ctxkit.enable_peer_access is "
-    "idempotent)",
-    _DEINITIALIZED: "the driver is shutting down (interpreter exit)",
+    # CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+    704: "peer access is already on (ctxkit.enable_peer_access is idempotent)",
+    # CUDA_ERROR_DEINITIALIZED
+    4: "the driver is shutting down (interpreter exit)",
 }
+
 _STICKY_HINT = (
     "a kernel faulted and poisoned the context; on current drivers (observed: 580 / "
     "CUDA 13.0) every other context in the process, on every device, fails too. Restart "

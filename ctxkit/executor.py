@@ -18,10 +18,10 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from typing import Any, TypeVar
 
-from . import _driver, registry
+from . import _driver
 from . import context as _context
+from .binding import ContextLike, registry
 from .context import entry_context, thread_state
-from .registry import ContextLike
 
 __all__ = ["ContextExecutor"]
 
@@ -106,7 +106,7 @@ class ContextExecutor(Executor):
         blas_threads: int | str | None = None,
         thread_name_prefix: str = "ctxkit-worker",
     ) -> None:
-        self.context = registry.default.resolve(target)
+        self.context = registry.resolve(target)
         self.context.check_usable()
         if max_workers is None:
             max_workers = min(32, (os.cpu_count() or 1) + 4)
@@ -245,13 +245,10 @@ def _at_exit() -> None:
         return  # the contexts are the parent's
     if any(t.is_alive() for ex in list(_live_executors) for t in list(ex._threads)):
         return
-    with registry.default._lock:
-        created, registry.default._created = registry.default._created, []
-    for ctx in reversed(created):
-        try:
-            ctx.close()
-        except Exception:
-            pass
+    try:
+        registry.close(quiet=True)
+    except Exception:
+        pass
 
 
 atexit.register(_at_exit)

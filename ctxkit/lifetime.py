@@ -20,20 +20,31 @@ the frees other threads have already started, so no free slips in between.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .context import Context
-
 import threading
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from . import _driver
 
-__all__ = ["FailedFree", "context_closing", "failed_frees", "held_back_frees", "on_context_close"]
+__all__ = [
+    "FailedFree",
+    "check_free",
+    "context_closing",
+    "failed_frees",
+    "held_back_frees",
+    "on_context_close",
+]
+
+
+class _Context(Protocol):
+    """What a free needs of its context (:class:`ctxkit.context.Context`, which imports
+    this module: the frees are its and its resources')."""
+
+    handle: int
+
+    def free(self, fn: Callable[..., Any], *args: Any) -> None: ...
 
 
 class FailedFree(NamedTuple):
@@ -81,7 +92,7 @@ _global_captures = 0
 _frees_running: dict[int, int] = {}  # thread ident -> frees started and not finished
 
 
-_held_back: list[tuple[Context | None, Callable[..., Any], tuple[Any, ...]]] = []
+_held_back: list[tuple[_Context | None, Callable[..., Any], tuple[Any, ...]]] = []
 
 
 def held_back_frees() -> int:
@@ -94,7 +105,7 @@ def _forbidden_here(tid: int) -> bool:
     return bool(_global_captures) or tid in _capturing_threads
 
 
-def begin_free(ctx: Context | None, fn: Callable[..., Any], args: tuple[Any, ...]) -> bool:
+def begin_free(ctx: _Context | None, fn: Callable[..., Any], args: tuple[Any, ...]) -> bool:
     """Ask before a free: ``True`` -- make it now, then call :func:`end_free`; ``False``
     -- an open capture forbids it in this thread, so it was held back and runs (through
     :func:`free_quietly`) when the capture ends."""
@@ -176,16 +187,17 @@ def capture_ends(global_mode: bool) -> None:
 # --- frees that never raise ----------------------------------------------------------
 
 
-def free_quietly(ctx: Context | None, fn: Callable[..., Any], *args: Any) -> None:
-    """:meth:`Context.free` for finalizers: never raises (GC must not see exceptions);
-    a failure is recorded in :func:`failed_frees`. A free an open capture forbids waits
-    for its end (:func:`begin_free`). ``ctx=None``: a free that needs no context
-    (``cuLibraryUnload``). In a forked child it does nothing: the memory is the parent's."""
+def free_quietly(ctx: _Context | None, fn: Callable[..., Any], *args: Any) -> None:
+    """:meth:`Context.free <ctxkit.context.Context.free>` for finalizers: never raises (GC
+    must not see exceptions); a failure is recorded in :func:`failed_frees`. A free an
+    open capture forbids waits for its end (:func:`begin_free`). ``ctx=None``: a free
+    that needs no context (``cuLibraryUnload``). In a forked child it does nothing: the
+    memory is the parent's."""
     if _driver.in_forked_child() or not begin_free(ctx, fn, args):
         return
     try:
         if ctx is None:
-            _check(fn(*args), fn)
+            check_free(fn(*args), fn)
         else:
             ctx.free(fn, *args)
     except Exception as exc:
@@ -194,13 +206,14 @@ def free_quietly(ctx: Context | None, fn: Callable[..., Any], *args: Any) -> Non
         end_free()
 
 
-def _check(res: Any, fn: Callable[..., Any]) -> None:
+def check_free(res: Any, fn: Callable[..., Any]) -> None:
+    """Raise the ctxkit exception for a failed free: *res* is what the driver's *fn* returned."""
     err = res[0] if isinstance(res, tuple) else res
     if err:
         raise _driver.from_result(int(err), getattr(fn, "__name__", "free"))
 
 
-def _note_failed_free(ctx: Context | None, name: str, error: str) -> None:
+def _note_failed_free(ctx: _Context | None, name: str, error: str) -> None:
     global _warned_failed_free
     handle = 0 if ctx is None else ctx.handle
     entry = FailedFree(name, handle, threading.current_thread().name, error)
@@ -223,7 +236,7 @@ def _note_failed_free(ctx: Context | None, name: str, error: str) -> None:
 
 
 def finalizer(
-    owner: object, ctx: Context | None, fn: Callable[..., Any], *args: Any
+    owner: object, ctx: _Context | None, fn: Callable[..., Any], *args: Any
 ) -> weakref.finalize:
     """Free ``fn(*args)`` in *ctx* (``None``: no context needed) when *owner* is
     collected or the finalizer is called."""
@@ -234,16 +247,16 @@ def finalizer(
 
 # --- before a context is closed ------------------------------------------------------
 
-_context_close_hooks: list[Callable[[Context], None]] = []
+_context_close_hooks: list[Callable[[Any], None]] = []
 
 
-def on_context_close(fn: Callable[[Context], None]) -> None:
+def on_context_close(fn: Callable[[Any], None]) -> None:
     """Call ``fn(ctx)`` when a context is about to be closed (while it still exists), e.g.
     to free memory a cache holds in it."""
     _context_close_hooks.append(fn)
 
 
-def context_closing(ctx: Context) -> None:
+def context_closing(ctx: _Context) -> None:
     """Run the :func:`on_context_close` hooks for *ctx*; never raises (a failure is
     recorded in :func:`failed_frees`)."""
     for fn in list(_context_close_hooks):

@@ -6,10 +6,9 @@ whatever thread drops the last reference. Streams of other libraries (CuPy, PyTo
 anything with ``__cuda_stream__``) are accepted wherever a stream is, and can be wrapped
 without being owned (:meth:`Stream.from_handle`).
 
-Here: :class:`Stream`, :class:`Event`, the current stream per thread and the one stream
-resolver (:func:`stream_for`). What an event does apart from streams is
-:class:`ctxkit.event.EventBase`; reading the handles of foreign streams and contexts is
-:mod:`ctxkit.foreign`.
+Here: :class:`Stream`, :class:`Event`, the current stream per thread, the one stream
+resolver (:func:`stream_for`), and the handles and contexts of streams ctxkit did not
+create.
 """
 
 from __future__ import annotations
@@ -24,24 +23,29 @@ from typing import Any
 
 import numpy as np
 
-from ._driver import drv
-from .context import Context, require_current
+from ._driver import drv, from_result
+from .binding import ContextLike, guard, resolve_context
+from .context import Context, context_of_cu, require_current
 from .device import Device
 from .errors import ContextClosedError, WrongContextError
-from .event import EVENT_BLOCKING_SYNC as EVENT_BLOCKING_SYNC
-from .event import EVENT_DISABLE_TIMING as EVENT_DISABLE_TIMING
-from .event import EventBase, _query
-from .foreign import _context_of_cu as _context_of_cu
-from .foreign import _context_of_stream, _foreign_stream_int
 from .lifetime import finalizer
-from .registry import ContextLike, guard, resolve_context
 
-__all__ = ["Event", "Stream", "current_stream", "implicit_stream", "stream_for", "stream_handle"]
+__all__ = [
+    "Event",
+    "Stream",
+    "current_stream",
+    "implicit_stream",
+    "stream_for",
+    "stream_handle",
+]
 
 log = logging.getLogger("ctxkit.stream")
 
 STREAM_NON_BLOCKING = 1
+EVENT_BLOCKING_SYNC = 1
+EVENT_DISABLE_TIMING = 2
 _INVALID_HANDLE = 400
+_NOT_READY = 600
 
 
 def stream_handle(obj: Any) -> Any:
@@ -57,11 +61,7 @@ def stream_handle(obj: Any) -> Any:
     TypeError
         *obj* is none of these.
     """
-    if obj is None:
-        return _NULL_STREAM
-    if isinstance(obj, Stream):
-        return obj._open_handle("using the stream")
-    return drv.CUstream(_foreign_stream_int(obj))
+    return _NULL_STREAM if obj is None else _handle_of(obj, "using the stream")
 
 
 def stream_for(stream: Any, ctx: Context, what: str) -> Any:
@@ -84,9 +84,42 @@ def stream_for(stream: Any, ctx: Context, what: str) -> Any:
             _INVALID_HANDLE,
             "CUDA_ERROR_INVALID_HANDLE",
         )
+    return _handle_of(stream, what)
+
+
+def _handle_of(stream: Any, what: str) -> Any:
     if isinstance(stream, Stream):
         return stream._open_handle(what)
     return drv.CUstream(_foreign_stream_int(stream))
+
+
+# --- streams and contexts made elsewhere ----------------------------------------------
+def _foreign_stream_int(obj: Any) -> int:
+    if isinstance(obj, bool):
+        raise TypeError("a stream cannot be a bool")
+    if isinstance(obj, (int, np.integer)):
+        return int(obj)
+    if drv is not None and isinstance(obj, drv.CUstream):
+        return int(obj)
+    proto = getattr(obj, "__cuda_stream__", None)
+    if proto is not None:
+        _version, handle = proto() if callable(proto) else proto
+        return int(handle)
+    for attr in ("ptr", "cuda_stream"):
+        value = getattr(obj, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    raise TypeError(
+        f"expected a stream (ctxkit.Stream, CUstream, int handle, an object with "
+        f"__cuda_stream__, a CuPy or PyTorch stream) or None, got {type(obj).__name__}"
+    )
+
+
+def _context_of_stream(handle: Any) -> Context:
+    err, cu = drv.cuStreamGetCtx(handle)
+    if err:
+        raise from_result(int(err), f"cuStreamGetCtx({int(handle):#x})")
+    return context_of_cu(cu)
 
 
 class _CurrentStreams(threading.local):
@@ -358,6 +391,12 @@ class Stream:
         if self._callback_errors:
             self._raise_callback_error()
 
+    def report_callback_error(self, exc: BaseException) -> None:
+        """Keep *exc*, raised by a host function run on this stream (also a graph's host
+        node), for the next :meth:`synchronize` to raise."""
+        with self._lock:
+            self._callback_errors.append(exc)
+
     def _raise_callback_error(self) -> None:
         with self._lock:
             errors, self._callback_errors = self._callback_errors, []
@@ -449,7 +488,7 @@ def _stream_properties(handle: Any, value: int) -> tuple[bool, int]:
 # --- events ---------------------------------------------------------------------------
 
 
-class Event(EventBase):
+class Event:
     """A CUDA event, created in its own context.
 
     Parameters
@@ -463,7 +502,83 @@ class Event(EventBase):
         ``CU_EVENT_BLOCKING_SYNC``: :meth:`synchronize` sleeps instead of spinning.
     """
 
-    __slots__ = ()
+    __slots__ = ("__weakref__", "_fin", "_recorded", "context", "handle", "timing")
+
+    def __init__(
+        self, timing: bool = True, context: ContextLike | None = None, *, blocking: bool = False
+    ):
+        ctx = resolve_context(context, "Event()")
+        flags = (0 if timing else EVENT_DISABLE_TIMING) | (EVENT_BLOCKING_SYNC if blocking else 0)
+        with ctx:
+            err, handle = drv.cuEventCreate(flags)
+        if err:
+            raise ctx.note_error(err, f"cuEventCreate(flags={flags})")
+        self.context = ctx
+        self.handle = handle
+        self.timing = bool(timing)
+        self._recorded = False
+        self._fin = finalizer(self, ctx, drv.cuEventDestroy, handle)
+
+    def __repr__(self) -> str:
+        if self.handle is None:
+            return "<Event closed>"
+        return (
+            f"<Event {int(self.handle):#x} device={self.context.device.ordinal} "
+            f"timing={self.timing}>"
+        )
+
+    def _open_handle(self, what: str) -> Any:
+        handle = self.handle
+        if handle is None:
+            raise ContextClosedError(f"{what}: the event was closed")
+        return handle
+
+    @property
+    def device(self) -> Device:
+        """The device of the event's context."""
+        return self.context.device
+
+    def query(self) -> bool:
+        """True when the work before the recorded point has completed."""
+        return _query(self.context, self._open_handle("Event.query"), "Event.query")
+
+    def synchronize(self) -> None:
+        """Wait until the recorded work has completed (GIL released while waiting)."""
+        handle = self._open_handle("Event.synchronize")
+        ctx = self.context
+        ctx.check_usable()
+        with guard(ctx, "Event.synchronize"):
+            (err,) = drv.cuEventSynchronize(handle)
+        if err:
+            raise ctx.note_error(err, "cuEventSynchronize")
+
+    def elapsed_ms(self, end: Event) -> float:
+        """Milliseconds from this event to *end*; waits for *end* to complete first.
+
+        Raises
+        ------
+        ValueError
+            Either event was created with ``timing=False``, was never recorded, or the
+            two belong to different devices/contexts.
+        """
+        check_elapsed(self, end)
+        end.synchronize()
+        ctx = self.context
+        with guard(ctx, "Event.elapsed_ms"):
+            err, ms = drv.cuEventElapsedTime(self.handle, end.handle)
+        if err == _NOT_READY:
+            raise ValueError(
+                f"{self!r} has not completed although {end!r} has: record the start event "
+                "before the end event on the same stream"
+            )
+        if err:
+            raise ctx.note_error(err, "cuEventElapsedTime")
+        return float(ms)
+
+    def close(self) -> None:
+        """Destroy the event now (in its context); idempotent."""
+        self._fin()
+        self.handle = None
 
     def record(self, stream: Stream | Any = None) -> Event:
         """Record the event on *stream* (default: the context's legacy default stream).
@@ -489,3 +604,42 @@ class Event(EventBase):
             raise ctx.note_error(err, "cuEventRecord")
         self._recorded = True
         return self
+
+
+def check_elapsed(start: Event, end: Event) -> None:
+    """The checks of :meth:`Event.elapsed_ms`, before any driver call."""
+    if not isinstance(end, Event):
+        raise TypeError(f"end must be a ctxkit.Event, got {type(end).__name__}")
+    start._open_handle("Event.elapsed_ms")
+    end._open_handle("Event.elapsed_ms")
+    for ev, name in ((start, "start"), (end, "end")):
+        if not ev.timing:
+            raise ValueError(
+                f"elapsed_ms: the {name} event {ev!r} was created with timing=False and has "
+                "no timestamp; create both events with Event(timing=True)"
+            )
+        if not ev._recorded:
+            raise ValueError(f"elapsed_ms: the {name} event {ev!r} was never recorded")
+    d0, d1 = start.context.device.ordinal, end.context.device.ordinal
+    if d0 != d1:
+        raise ValueError(
+            f"elapsed_ms: the events are on different devices ({d0} and {d1}); GPU clocks "
+            "are per device: time each device with its own pair of events"
+        )
+    if start.context != end.context:
+        raise ValueError(
+            f"elapsed_ms: the events belong to different contexts ({start.context!r} and "
+            f"{end.context!r}) of device {d0}; create both in one context"
+        )
+
+
+def _query(ctx: Context, handle: Any, what: str) -> bool:
+    """``cuStreamQuery``/``cuEventQuery`` (by *what*) in *ctx*: done, or still running."""
+    name = "cuStreamQuery" if what.startswith("Stream") else "cuEventQuery"
+    with guard(ctx, what):
+        (err,) = getattr(drv, name)(handle)
+    if err == _NOT_READY:
+        return False
+    if err:
+        raise ctx.note_error(err, name)
+    return True

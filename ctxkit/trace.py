@@ -1,4 +1,4 @@
-"""Timelines of multi-device work: who ran what, where, and when.
+"""Timelines of multi-device work (who ran what, where, and when) and NVTX ranges.
 
 A :class:`Timeline` is a sorted list of :class:`Interval` (name, device, stream, chunk,
 start and end in milliseconds on one host clock). It is built from plain numbers (so
@@ -11,21 +11,53 @@ https://ui.perfetto.dev or ``chrome://tracing``; one process per device, one thr
 per stream or host thread); :meth:`Timeline.to_png` draws a Gantt chart when
 matplotlib is installed (in a checkout ``pip install -e ".[plot]"``, from the package
 index ``pip install "ctxkit-cuda[plot]"``).
+
+NVTX ranges for Nsight Systems, in the ``ctxkit`` domain, are the other half of the
+trace, and free when unused. ctxkit marks its chunk stages, copies, compiles and launches
+with them, so a profile (``nsys profile python app.py``) shows ctxkit's work by name
+beside the CUDA calls. They need the optional ``nvtx`` package (``pip install
+"ctxkit-cuda[nvtx]"``, or ``[nvtx]`` in a checkout); without it -- or with
+``CTXKIT_NVTX=0`` -- every NVTX function here does nothing and costs one check of a module
+flag: :func:`nvtx_range` returns one shared do-nothing context manager and
+:func:`nvtx_annotate` returns the function itself.
+
+The ``nvtx`` package is imported at the first range, not when this module is imported.
+Ranges opened with :func:`nvtx_range` belong to the calling thread (push/pop); a range
+that starts in one thread and ends in another (a chunk handed from a feeder to a drainer)
+uses :func:`nvtx_start_range` / :func:`nvtx_end_range`.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
+import functools
+import importlib.util
 import json
 import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypeVar
 
-__all__ = ["Filter", "Interval", "Recorder", "Timeline"]
+from . import _driver
+from ._env import env_off
+
+__all__ = [
+    "NVTX_DOMAIN",
+    "Filter",
+    "Interval",
+    "Recorder",
+    "Timeline",
+    "nvtx_annotate",
+    "nvtx_enabled",
+    "nvtx_end_range",
+    "nvtx_mark",
+    "nvtx_range",
+    "nvtx_start_range",
+    "set_nvtx_enabled",
+]
 
 HOST_PREFIX = "host"
 
@@ -394,10 +426,6 @@ def _meta(name: str, pid: int, tid: int | None, args: dict[str, Any]) -> dict[st
     return ev
 
 
-def _event_elapsed(start: Any, end: Any) -> float:
-    return float(start.elapsed_ms(end))
-
-
 class Recorder:
     """Collects host intervals and device event pairs during a run.
 
@@ -419,7 +447,7 @@ class Recorder:
         elapsed_ms: Callable[[Any, Any], float] | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
-        self._elapsed = elapsed_ms or _event_elapsed
+        self._elapsed = elapsed_ms or (lambda a, b: float(a.elapsed_ms(b)))
         self.clock = clock
         self.t0 = clock()
         self._host: list[Interval] = []
@@ -439,7 +467,7 @@ class Recorder:
         self._host.append(Interval(name, device, stream, chunk, self.ms(start_s), self.ms(end_s)))
         self._cached = None
 
-    @contextmanager
+    @contextlib.contextmanager
     def host_span(
         self, name: str, device: int, chunk: int | None = None, stream: str | None = None
     ) -> Iterator[None]:
@@ -491,3 +519,170 @@ class Recorder:
         tl = Timeline(intervals, dropped=dropped)
         self._cached = tl
         return tl
+
+
+# --- NVTX ranges ----------------------------------------------------------------------
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+NVTX_DOMAIN = "ctxkit"
+
+
+NVTX_ENV = "CTXKIT_NVTX"
+
+
+_NVTX_HINT = 'pip install "ctxkit-cuda[nvtx]" (or pip install nvtx; ".[nvtx]" in a ctxkit checkout)'
+
+
+#: At most this many (name, color) pairs keep their NVTX event attributes cached.
+_NVTX_MAX_CACHED = 4096
+
+
+def _nvtx_available() -> bool:
+    try:
+        return importlib.util.find_spec("nvtx") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+#: The one flag every call checks: the nvtx package is there and not switched off.
+_nvtx_enabled: bool = _nvtx_available() and not env_off(NVTX_ENV)
+
+
+_nvtx_domain: Any = None
+
+
+_nvtx_attrs: dict[tuple[str, Any], Any] = {}
+
+
+_nvtx_lock = threading.Lock()
+_driver.renew_at_fork(__name__, "_nvtx_lock")
+
+
+_NULL_RANGE = contextlib.nullcontext()
+
+
+def nvtx_enabled() -> bool:
+    """True when ctxkit emits NVTX ranges (the ``nvtx`` package is installed and neither
+    ``CTXKIT_NVTX=0`` nor :func:`set_nvtx_enabled` turned them off)."""
+    return _nvtx_enabled
+
+
+def set_nvtx_enabled(flag: bool = True) -> None:
+    """Turn ctxkit's NVTX ranges on or off for the process (the default comes from the
+    ``nvtx`` package being installed and ``CTXKIT_NVTX``).
+
+    Functions decorated with :func:`nvtx_annotate` while ranges were off stay undecorated.
+
+    Raises
+    ------
+    ImportError
+        ``flag`` is true and the ``nvtx`` package is not installed.
+    """
+    global _nvtx_enabled
+    if flag and not _nvtx_available():
+        raise ImportError(f"ctxkit NVTX ranges need the nvtx package: {_NVTX_HINT}")
+    _nvtx_enabled = bool(flag)
+
+
+def _nvtx_load() -> Any:
+    """The ``ctxkit`` NVTX domain (importing ``nvtx`` at the first use)."""
+    global _nvtx_domain, _nvtx_enabled
+    with _nvtx_lock:
+        if _nvtx_domain is None:
+            try:
+                import nvtx
+
+                _nvtx_domain = nvtx.get_domain(NVTX_DOMAIN)
+                _nvtx_domain.get_event_attributes  # noqa: B018 - the API ctxkit needs
+            except Exception:
+                _nvtx_enabled = False
+                _nvtx_domain = None
+                return None
+    return _nvtx_domain
+
+
+def _nvtx_attributes(name: str, color: Any) -> tuple[Any, Any]:
+    """``(domain, event attributes)`` for *name*/*color*, cached."""
+    dom = _nvtx_domain or _nvtx_load()
+    if dom is None:
+        return None, None
+    key = (name, color)
+    attrs = _nvtx_attrs.get(key)
+    if attrs is None:
+        attrs = dom.get_event_attributes(message=name, color=color)
+        if len(_nvtx_attrs) < _NVTX_MAX_CACHED:
+            _nvtx_attrs[key] = attrs
+    return dom, attrs
+
+
+@contextlib.contextmanager
+def _nvtx_pushed(name: str, color: Any) -> Iterator[None]:
+    dom, attrs = _nvtx_attributes(name, color)
+    if dom is None:
+        yield
+        return
+    dom.push_range(attrs)
+    try:
+        yield
+    finally:
+        dom.pop_range()
+
+
+def nvtx_range(name: str, color: Any = None) -> contextlib.AbstractContextManager[None]:
+    """``with ctxkit.trace.nvtx_range("h2d", color="green"):`` -- an NVTX range of the calling
+    thread around the block (push/pop, domain ``ctxkit``).
+
+    *color* is an NVTX color: a name the ``nvtx`` package knows (``"blue"``,
+    ``"green"``, ...) or a 0xAARRGGBB int. Without NVTX: a shared no-op.
+    """
+    if not _nvtx_enabled:
+        return _NULL_RANGE
+    return _nvtx_pushed(name, color)
+
+
+def nvtx_annotate(name: str | None = None, color: Any = None) -> Callable[[F], F]:
+    """Decorator: every call of the function is an NVTX range named *name* (default:
+    the function's qualified name). Without NVTX the function is returned unchanged."""
+
+    def deco(fn: F) -> F:
+        if not _nvtx_enabled:
+            return fn
+        label: str = name or getattr(fn, "__qualname__", None) or repr(fn)
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            if not _nvtx_enabled:
+                return fn(*args, **kwargs)
+            with _nvtx_pushed(label, color):
+                return fn(*args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]
+
+    return deco
+
+
+def nvtx_start_range(name: str, color: Any = None) -> Any:
+    """Start a range that may end in another thread; pass the result to
+    :func:`nvtx_end_range`. ``None`` without NVTX."""
+    if not _nvtx_enabled:
+        return None
+    dom, attrs = _nvtx_attributes(name, color)
+    return None if dom is None else dom.start_range(attrs)
+
+
+def nvtx_end_range(handle: Any) -> None:
+    """End a range of :func:`nvtx_start_range` (``None`` is ignored)."""
+    if handle is None or _nvtx_domain is None:
+        return
+    _nvtx_domain.end_range(handle)
+
+
+def nvtx_mark(name: str, color: Any = None) -> None:
+    """An instant NVTX marker (e.g. "kernel compiled")."""
+    if not _nvtx_enabled:
+        return
+    dom, attrs = _nvtx_attributes(name, color)
+    if dom is not None:
+        dom.mark(attrs)

@@ -183,11 +183,10 @@ def ctx1():
 def fake_driver(monkeypatch: pytest.MonkeyPatch):
     """Replace the driver with tests/support/fakedriver.FakeDriver (2 fake devices) for one
     test, in every ctxkit module."""
-    import ctxkit.registry as registry_mod
-    from ctxkit import _driver, context, device
-    from ctxkit.registry import ContextRegistry
 
-    from .support.fakedriver import FakeDriver, swap_driver
+    from ctxkit import _driver, context, device
+
+    from .support.fakedriver import FakeDriver, fresh_registry, swap_driver
 
     fake = FakeDriver(ndev=2)
     swap_driver(monkeypatch, fake)
@@ -197,7 +196,7 @@ def fake_driver(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setattr(device.Device, "_instances", {})
     monkeypatch.setattr(context.Context, "_primaries", {})
     monkeypatch.setattr(context.Context, "_known", type(context.Context._known)())
-    monkeypatch.setattr(registry_mod, "default", ContextRegistry())
+    fresh_registry(monkeypatch)
     st = context.thread_state()
     saved = (st.top, list(st.stack))
     st.top, st.stack[:] = None, []

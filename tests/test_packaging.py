@@ -56,7 +56,13 @@ def test_all_is_a_literal_list_of_every_export() -> None:
     assert isinstance(node.value, ast.List), "type checkers read only a literal __all__"
     names = [ast.literal_eval(e) for e in node.value.elts]
     assert names == sorted(set(names))
-    assert set(names) == {*ctxkit._EXPORTS, "procs", "registry", "__version__"}
+    eager = {
+        a.asname or a.name
+        for n in tree.body
+        if isinstance(n, ast.ImportFrom) and n.level == 1
+        for a in n.names
+    }
+    assert set(names) == {*ctxkit._EXPORTS, *eager, "procs", "__version__"}
 
 
 def _build_sdist(tmp_path: Path) -> Path:

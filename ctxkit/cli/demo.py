@@ -40,8 +40,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import __version__, _driver, registry
+from .. import __version__, _driver
 from .._driver import drv
+from ..binding import registry
 from ..compiler.objectcode import ObjectCode
 from ..compiler.program import compile, kernel_source
 from ..context import Context
@@ -578,7 +579,7 @@ def run_demo(args: argparse.Namespace) -> int:
     x = np.random.default_rng(0).random(n, dtype=np.float32)
     trace_path = getattr(args, "trace", None)
     demo = _Demo(kernel, x, ordinals, repeats, trace=bool(trace_path))
-    contexts = [registry.default.context(i) for i in ordinals]
+    contexts = [registry.context(i) for i in ordinals]
 
     demo.naive(contexts)
     demo.peers()

@@ -749,7 +749,7 @@ def cache_dir() -> Path | None:
     user cache directory (``$XDG_CACHE_HOME/ctxkit`` or ``~/.cache/ctxkit`` on Linux).
     """
     env = os.environ
-    return _cache_dir(_env.cache_dir_setting(), env.get("XDG_CACHE_HOME"), env.get("HOME"))
+    return _cache_dir(_env.env_text("CTXKIT_CACHE_DIR"), env.get("XDG_CACHE_HOME"), env.get("HOME"))
 
 
 @lru_cache(maxsize=16)
@@ -773,7 +773,7 @@ def max_bytes() -> int:
     ValueError
         The variable is not a positive size such as ``500000000``, ``512M`` or ``2G``.
     """
-    value = _env.cache_max_bytes_setting()
+    value = _env.env_text("CTXKIT_CACHE_MAX_BYTES")
     if not value:
         return DEFAULT_MAX_BYTES
     m = _SIZE_RE.match(value)

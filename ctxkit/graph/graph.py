@@ -35,10 +35,10 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _driver
 from .._driver import drv
+from ..binding import ContextLike, guard, resolve_context
 from ..context import Context, thread_state
 from ..errors import ContextClosedError, CudaError, GraphUpdateError
 from ..lifetime import finalizer
-from ..registry import ContextLike, guard, resolve_context
 from ..stream import Event, Stream, implicit_stream, stream_for
 from .nodes import (
     ConditionalHandle,
@@ -466,7 +466,7 @@ class Graph:
             what,
             drv.cuGraphAddMemcpyNode,
             memcpy_params(d, s, n),
-            ctx._cu,
+            ctx.cu,
             depends_on=depends_on,
             kind="memcpy",
             keep=(dst, src),
@@ -501,7 +501,7 @@ class Graph:
             what,
             drv.cuGraphAddMemsetNode,
             params,
-            ctx._cu,
+            ctx.cu,
             depends_on=depends_on,
             kind="memset",
             keep=(dst,),
@@ -613,7 +613,7 @@ class Graph:
         ctx = self.context
         flags = int(getattr(drv, "CU_GRAPH_COND_ASSIGN_DEFAULT", 1))
         with guard(ctx, what):
-            err, cond = drv.cuGraphConditionalHandleCreate(handle, ctx._cu, value, flags)
+            err, cond = drv.cuGraphConditionalHandleCreate(handle, ctx.cu, value, flags)
         if err:
             raise ctx.note_error(err, "cuGraphConditionalHandleCreate")
         return ConditionalHandle(cond, self, value)
@@ -660,7 +660,7 @@ class Graph:
             )
         deps = dependency_handles(self, depends_on, what)
         ctx = self.context
-        params = conditional_params(handle.handle, kind_enum, ctx._cu)
+        params = conditional_params(handle.handle, kind_enum, ctx.cu)
         with guard(ctx, what):
             err, node = drv.cuGraphAddNode(*add_node_args(graph_handle, deps, params))
         if err:

@@ -8,9 +8,9 @@ from typing import Any
 
 from .. import _driver
 from .._driver import drv
+from ..binding import guard
 from ..context import Context, require_current
 from ..lifetime import capture_begins, capture_ends, stream_capture_begins, stream_capture_ends
-from ..registry import guard
 from ..stream import stream_for
 from .graph import Graph
 

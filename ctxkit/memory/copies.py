@@ -11,9 +11,9 @@ import numpy as np
 
 from .. import _driver
 from .._driver import drv
-from ..context import Context, require_current
-from ..registry import guard
-from ..stream import Stream, _context_of_cu, implicit_stream, stream_for, stream_handle
+from ..binding import guard
+from ..context import Context, context_of_cu, require_current
+from ..stream import Stream, implicit_stream, stream_for, stream_handle
 from .host import check_async_host
 from .interop import producer_stream
 from .sizes import nbytes_arg as nbytes_arg
@@ -98,7 +98,7 @@ def context_of_pointer(ptr: int, what: str) -> Context:
     attr = drv.CUpointer_attribute
     err, cu = drv.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_CONTEXT, ptr)
     if not err and cu is not None and int(cu):
-        return _context_of_cu(cu)
+        return context_of_cu(cu)
     err, ordinal = _driver.pointer_device_ordinal(ptr)
     if err:
         raise ValueError(
@@ -288,7 +288,7 @@ def memcpy_peer(
     if stream is None:
         bind = dctx
         with guard(bind, what):
-            (err,) = drv.cuMemcpyPeer(dptr, dctx._cu, sptr, sctx._cu, n)
+            (err,) = drv.cuMemcpyPeer(dptr, dctx.cu, sptr, sctx.cu, n)
             if not err:
                 finish_default_stream(bind, what)
     else:
@@ -297,7 +297,7 @@ def memcpy_peer(
         else:
             bind, sh = dctx, stream_handle(stream)
         with guard(bind, what):
-            (err,) = drv.cuMemcpyPeerAsync(dptr, dctx._cu, sptr, sctx._cu, n, sh)
+            (err,) = drv.cuMemcpyPeerAsync(dptr, dctx.cu, sptr, sctx.cu, n, sh)
     if err:
         raise bind.note_error(
             err, f"{what}: cuMemcpyPeer{'Async' if stream is not None else ''} ({n} bytes)"

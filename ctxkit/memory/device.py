@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from .._driver import drv
+from ..binding import guard, resolve_context
 from ..context import Context, thread_state
 from ..device import Device
 from ..errors import (
@@ -20,7 +21,6 @@ from ..errors import (
     OutOfMemoryError,
 )
 from ..lifetime import finalizer
-from ..registry import guard, resolve_context
 from ..stream import Stream, implicit_stream
 from . import blockcache
 from .blockcache import Block

@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .._driver import drv
+from ..binding import guard
 from ..context import Context
 from ..device import Device
-from ..registry import guard
 from ..stream import Event, Stream, stream_handle
 from .copies import Mem, c_strides, check_same_size, copy_device, device_mem, dtoh, htod, shape_arg
 from .dlpack import to_capsule

@@ -13,9 +13,9 @@ import numpy as np
 
 from .. import _driver
 from .._driver import drv
+from ..binding import bind
 from ..context import require_current
 from ..errors import LaunchArgumentError
-from ..registry import bind
 from . import host as _host
 from .host import (
     MEMHOST_DEVICEMAP,

@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 
 from .._driver import drv
+from ..binding import bind, resolve_context
 from ..context import Context, current_context, thread_state
 from ..errors import OutOfMemoryError
 from ..lifetime import finalizer
-from ..registry import bind, resolve_context
 from .hostptr import plain_dtype
 from .sizes import shape_nbytes
 

@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 
 from .. import _driver
-from .. import registry as _registry
+from ..binding import registry as _registry
 from ..context import Context
 from ..errors import OutOfMemoryError
 from ..stream import Event
@@ -444,7 +444,7 @@ class PinnedPool(PinnedReuse):
 
     def _alloc_context(self, context: Any, what: str) -> Context:
         ctx = host_context(context, what)
-        shared = _registry.default.context(ctx.device.ordinal)
+        shared = _registry.context(ctx.device.ordinal)
         shared.check_usable()
         return shared
 

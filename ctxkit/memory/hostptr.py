@@ -18,8 +18,8 @@ import numpy as np
 
 from .. import _driver
 from .._driver import drv
+from ..binding import bind
 from ..errors import DriverNotFoundError
-from ..registry import bind
 
 __all__ = ["host_array", "host_pointer_kind", "is_pinned", "plain_dtype"]
 

@@ -48,10 +48,10 @@ import numpy as np
 
 from .. import _driver
 from .._driver import drv
-from ..context import Context
+from ..context import Context, context_of_cu
 from ..errors import CaptureOrderError
 from ..lifetime import captured_streams, finalizer
-from ..stream import Stream, _context_of_cu, implicit_stream
+from ..stream import Stream, implicit_stream
 
 __all__ = ["order_after_producer", "order_after_producers", "producer_stream"]
 
@@ -411,7 +411,7 @@ def _stream_context(handle: Any, fallback: Context) -> Context:
         return fallback
     if int(cu) == fallback.handle:
         return fallback
-    return _context_of_cu(cu)
+    return context_of_cu(cu)
 
 
 class _Holder:

@@ -37,10 +37,10 @@ from typing import Any
 
 from .. import _driver
 from .._driver import drv
+from ..binding import guard, resolve_context
 from ..context import require_current
 from ..device import Device
 from ..errors import CudaError
-from ..registry import guard, resolve_context
 from ..stream import Event
 from .copies import context_of_pointer, device_mem
 from .device import DeviceBuffer

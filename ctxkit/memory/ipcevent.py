@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 from .._driver import drv
+from ..binding import resolve_context
 from ..context import Context
 from ..errors import CudaError
 from ..lifetime import finalizer
-from ..registry import resolve_context
 from ..stream import EVENT_BLOCKING_SYNC, EVENT_DISABLE_TIMING, Event
 
 __all__ = ["ipc_event"]

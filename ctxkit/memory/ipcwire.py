@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._driver import drv
+from ..binding import resolve_context
 from ..context import Context
 from ..device import Device, devices
 from ..errors import CudaError
-from ..registry import resolve_context
 
 __all__: list[str] = []
 

@@ -15,9 +15,9 @@ import numpy as np
 
 from .. import _driver
 from .._driver import drv
+from ..binding import guard
 from ..context import Context
 from ..device import Device
-from ..registry import guard
 from ..stream import Stream
 from .copies import (
     shape_arg,

@@ -13,9 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from .._driver import drv
+from ..binding import bind
 from ..context import Context
 from ..errors import CudaError
-from ..registry import bind
 from .copies import (
     _direct,
     _enabled,
@@ -76,7 +76,7 @@ def enable_peer_access(a: Any, b: Any) -> None:
             "CUDA_ERROR_PEER_ACCESS_UNSUPPORTED",
         )
     with ca:
-        (err,) = drv.cuCtxEnablePeerAccess(cb._cu, 0)
+        (err,) = drv.cuCtxEnablePeerAccess(cb.cu, 0)
     if err and int(err) != _PEER_ACCESS_ALREADY_ENABLED:
         raise ca.note_error(err, f"cuCtxEnablePeerAccess({ca!r} -> {cb!r})")
     record_peer_access(ca, cb)
@@ -96,7 +96,7 @@ def disable_peer_access(a: Any, b: Any) -> None:
         return
     if ca.device.can_access_peer(cb.device):
         with ca:
-            (err,) = drv.cuCtxDisablePeerAccess(cb._cu)
+            (err,) = drv.cuCtxDisablePeerAccess(cb.cu)
         if err and int(err) != _PEER_ACCESS_NOT_ENABLED:
             raise ca.note_error(err, f"cuCtxDisablePeerAccess({ca!r} -> {cb!r})")
     forget_peer_access(ca, cb)

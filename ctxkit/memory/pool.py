@@ -17,11 +17,11 @@ import weakref
 from typing import Any
 
 from .._driver import drv
+from ..binding import ContextLike, resolve_context
 from ..context import Context
 from ..device import Device
 from ..errors import ContextClosedError
 from ..lifetime import finalizer
-from ..registry import ContextLike, resolve_context
 from . import blockcache
 from .device import DeviceBuffer
 from .sizes import nbytes_arg

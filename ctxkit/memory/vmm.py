@@ -27,10 +27,10 @@ from typing import Any
 import numpy as np
 
 from .._driver import check_fork, drv, in_forked_child
+from ..binding import resolve_context
 from ..context import Context
 from ..device import Device
 from ..errors import ContextClosedError, CudaError, OutOfMemoryError
-from ..registry import resolve_context
 from .copies import Mem, check_same_size, copy_device, device_mem, dtoh, gib, htod, nbytes_arg
 from .device import DeviceArray, DeviceBuffer
 from .dlpack import KDL_CUDA

@@ -16,11 +16,11 @@ from typing import Any
 from .. import _driver
 from .. import context as _context
 from .._driver import drv
+from ..binding import check_devices
 from ..context import Context
 from ..device import Device
 from ..errors import CudaError
 from ..lifetime import free_quietly
-from ..registry import check_devices
 
 __all__ = ["Chunk", "allocation_granularity"]
 

@@ -28,12 +28,12 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .. import _driver, registry
+from .. import _driver
 from .._driver import call, drv
+from ..binding import guard, registry, resolve_context
 from ..context import Context, current_handle, thread_state
 from ..errors import STICKY_CODES, CudaError, LaunchArgumentError
 from ..memory.interop import order_after_producers
-from ..registry import guard, resolve_context
 from ..stream import Stream, implicit_stream, stream_for
 from .params import ArgPacker, ParamBuffer, foreign_arrays, short_repr
 from .ptxsig import Param, Signature
@@ -994,7 +994,7 @@ class Kernel:
         """The context to bind for a launch from a thread with nothing current: the
         stream's, the module's, or the first ctxkit buffer argument's (``None`` when a
         context is current, or in strict mode: the launch then needs one)."""
-        if top is not None or current_handle() or registry.default.strict:
+        if top is not None or current_handle() or registry.strict:
             return None
         sc = getattr(stream, "context", None)
         if isinstance(sc, Context):

@@ -16,14 +16,14 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-from .. import _driver, registry
+from .. import _driver
 from .. import context as _context
 from .._driver import call, describe, drv
+from ..binding import bind, guard, registry
 from ..compiler.objectcode import detect_target
 from ..context import Context, current_handle
 from ..errors import STICKY_CODES, CompileError, CudaError, KernelNotFoundError
 from ..lifetime import finalizer
-from ..registry import bind, guard
 from .kernel import JIT_CODES, Kernel
 from .ptxsig import (
     CType,
@@ -316,7 +316,7 @@ class Module:
         _driver.init()
         if context is None:
             return cls._load_library(image)
-        return cls._load_bound(image, registry.default.resolve(context))
+        return cls._load_bound(image, registry.resolve(context))
 
     @classmethod
     def _load_library(cls, image: Image) -> Module:

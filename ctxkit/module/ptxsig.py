@@ -7,7 +7,7 @@ parameter offsets and sizes when there is no PTX (a bare cubin).
 PTX has no signedness: NVRTC declares ``int``, ``unsigned`` and ``size_t`` parameters all
 as ``.u32``/``.u64``. The C++ types come from two places: the mangled name of a C++
 kernel (Itanium ABI, e.g. ``_Z4axpyIfEvT_PKS0_PS0_m`` ends in ``m``, ``unsigned long``),
-read by the C++ runtime's demangler through the optional extra ``ctxkit[demangle]``
+read by the C++ runtime's demangler through the optional extra ``.[demangle]``
 (without it, C++ kernels keep the sign PTX gives), and, for an ``extern "C"`` kernel, its
 declaration in the CUDA source.
 :func:`mangled_param_types` and :func:`source_param_types` return one :class:`CType` per
@@ -59,7 +59,7 @@ def demangle(symbol: str) -> str | None:
     """The C++ declaration an Itanium-mangled name stands for; ``None`` when unknown.
 
     Read by the C++ runtime's own ``__cxa_demangle`` through the optional ``cxxfilt``
-    package (``pip install ctxkit[demangle]``). Without it (or without a C++ runtime
+    package (``pip install -e ".[demangle]"``). Without it (or without a C++ runtime
     library, or for a name the runtime cannot read) C++ kernels keep the sign PTX gives:
     both signed and unsigned values of a ``.u`` parameter's width are taken.
     """

@@ -22,7 +22,7 @@ busy at once:
   registrations against its budget: a new Pipeline page-locks nothing that an earlier
   one gave back, and all of them together stay within one process budget;
 * the chunk stages are NVTX ranges (``h2d``, ``kernel``, ``d2h``, ``fill``, ``drain``;
-  :mod:`ctxkit.nvtx`), and ``map(..., progress=True)`` shows a progress bar;
+  :mod:`ctxkit.trace`), and ``map(..., progress=True)`` shows a progress bar;
 * a closed Pipeline leaves its host threads idle for the next one
   (:func:`close_idle_host_threads` joins them).
 

@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import _driver, registry
+from .. import _driver
+from ..binding import registry
 from ..context import Context
 from ..device import Device, device_count
 from ..errors import CudaError
@@ -46,7 +47,7 @@ def _resolve_contexts(specs: list[int | Device | Context] | None) -> list[Contex
                 "CUDA_ERROR_NO_DEVICE",
             )
         specs = list(range(n))
-    contexts = [registry.default.resolve(d) for d in specs]
+    contexts = [registry.resolve(d) for d in specs]
     for ctx in contexts:
         ctx.check_usable()
     return contexts

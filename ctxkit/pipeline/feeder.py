@@ -17,7 +17,7 @@ from typing import Any
 
 from .. import _driver
 from .._driver import drv
-from ..nvtx import range as nvtx_range
+from ..trace import nvtx_range
 from .hostreg import Segment
 from .hostthreads import CopyBatch
 from .launch import Stopped, tagged

@@ -26,8 +26,7 @@ from typing import Any, ClassVar, TypeVar
 import numpy as np
 
 from ..memory.streamcopy import copy_streaming
-from ..nvtx import range as nvtx_range
-from ..trace import HOST_PREFIX
+from ..trace import HOST_PREFIX, nvtx_range
 from .plan import MiB
 
 __all__ = [

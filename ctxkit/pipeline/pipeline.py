@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from .._driver import check_fork, in_forked_child
+from ..binding import check_devices
 from ..context import Context
 from ..device import Device
 from ..memory.host import host_pointer_kind
@@ -22,7 +23,6 @@ from ..memory.managed import ManagedBuffer
 from ..memory.streamcopy import build_streaming_copy
 from ..module.kernel import Kernel
 from ..module.module import Module
-from ..registry import check_devices
 from ..stream import Event, Stream
 from ..trace import Recorder, Timeline
 from .arguments import _managed_array, _ordinal, _resolve_contexts

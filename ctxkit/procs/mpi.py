@@ -111,10 +111,10 @@ def mpi_local_device(
     n = _device.device_count() if device_count is None else device_count
     ordinal = local_device_for(local_rank, local_size, n, oversubscribe, MPI.Get_processor_name())
     dev = Device(ordinal)
-    from .. import registry
+    from ..binding import registry
     from ..context import thread_state
 
-    ctx = registry.default.context(dev)
+    ctx = registry.context(dev)
     if thread_state().top is not ctx:
         ctx.push()
     return dev

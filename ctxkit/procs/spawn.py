@@ -22,11 +22,11 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
-from .. import _driver, registry
+from .. import _driver
+from ..binding import check_devices, registry
 from ..context import Context
 from ..device import Device, device_count
 from ..errors import STICKY_CODES, ContextPoisonedError, CudaError, DeviceTaskError
-from ..registry import check_devices
 from . import devmem, wire
 
 __all__ = ["run_per_device", "worker_device"]
@@ -189,7 +189,7 @@ def bound_context(ordinal: int, bind: bool) -> Iterator[Any]:
     if not bind:
         yield None
         return
-    ctx = registry.default.context(ordinal)
+    ctx = registry.context(ordinal)
     with ctx:
         yield ctx
 
@@ -215,7 +215,7 @@ def run_per_device(
     """Run ``fn(ordinal, *args, **kwargs)`` in one spawned process per device.
 
     Each child makes the registry's context of its device current for the duration of
-    ``fn`` (``ctxkit.registry.default.context(ordinal)``), so ``fn`` can allocate, compile and
+    ``fn`` (``ctxkit.registry.context(ordinal)``), so ``fn`` can allocate, compile and
     launch right away. Results come back in the order of *devices*.
 
     Parameters

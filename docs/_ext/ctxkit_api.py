@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 DOCUMENTED = (
     "ctxkit.device",
     "ctxkit.context",
-    "ctxkit.registry",
+    "ctxkit.binding",
     "ctxkit.executor",
     "ctxkit.stream",
     "ctxkit.graph",
@@ -37,7 +37,6 @@ DOCUMENTED = (
     "ctxkit.pipeline",
     "ctxkit.procs",
     "ctxkit.trace",
-    "ctxkit.nvtx",
     "ctxkit.lifetime",
     "ctxkit.errors",
 )
@@ -86,8 +85,8 @@ def undocumented_members(cls: type) -> list[str]:
 
 
 def implementation_bases(cls: type) -> list[type]:
-    """The non-public ctxkit classes *cls* inherits from (``Event``'s
-    ``EventBase``): their members are documented as the class's own."""
+    """The non-public ctxkit classes *cls* inherits from: their members are documented as
+    the class's own."""
     public = {n for m in DOCUMENTED for n in public_names(m)}
     return [
         b

@@ -135,7 +135,7 @@ def buffer_in_thread_without_context(env: Env) -> None:
 @case(ck.NoCurrentContextError, "needs a current CUDA context", "ContextExecutor")
 def launch_in_thread_without_context(env: Env) -> None:
     # Without strict mode the kernel binds its buffers' context; strict mode refuses.
-    with mock.patch.object(ck.registry.default, "strict", True):
+    with mock.patch.object(ck.registry, "strict", True):
         in_thread(lambda: env.vadd.launch(4, 256, *vadd_args(env)))
 
 

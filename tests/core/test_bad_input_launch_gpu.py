@@ -187,7 +187,7 @@ def launch_negative_size_t(env: Env) -> None:
 
 @case(ck.LaunchArgumentError, "argument 6", "negative value", "unsigned long")
 def launch_negative_numpy_size_t(env: Env) -> None:
-    pytest.importorskip("cxxfilt", reason="C++ kernels' types need the extra: ctxkit[demangle]")
+    pytest.importorskip("cxxfilt", reason="C++ kernels' types need the extra: the demangle extra")
     env.widths.launch(1, 1, *widths_args(env)[:6], np.int64(-5))
 
 
@@ -198,7 +198,7 @@ def launch_u8_out_of_range(env: Env) -> None:
 
 @case(ck.LaunchArgumentError, "argument 0", "negative value", "unsigned char")
 def launch_u8_negative(env: Env) -> None:
-    pytest.importorskip("cxxfilt", reason="C++ kernels' types need the extra: ctxkit[demangle]")
+    pytest.importorskip("cxxfilt", reason="C++ kernels' types need the extra: the demangle extra")
     env.widths.launch(1, 1, *widths_args(env, u8=-1))
 
 

@@ -208,14 +208,14 @@ def test_a_context_destroyed_by_foreign_code_inside_a_block_is_reported(fake_dri
     outer, doomed = Context.primary(0), Context.create(1)
     with outer:
         with pytest.raises(ck.ContextStackError, match="popped this context"), doomed:
-            assert fake_driver.cuCtxDestroy(doomed._cu) == (0,)
+            assert fake_driver.cuCtxDestroy(doomed.cu) == (0,)
         assert fake_driver.current() == outer.handle
     assert fake_driver.current() == 0 and thread_state().stack == []
 
 
 def test_close_refused_when_current_through_raw_push(fake_driver):
     ctx = Context.create(0)
-    fake_driver.stack().append(ctx._cu)
+    fake_driver.stack().append(ctx.cu)
     with pytest.raises(ck.ContextInUseError):
         ctx.close()
     fake_driver.stack().pop()
@@ -365,7 +365,7 @@ def test_require_current(fake_driver):
     ctx = Context.primary(0)
     with ctx:
         assert context_mod.require_current("x") is ctx
-    fake_driver.stack().append(ctx._cu)
+    fake_driver.stack().append(ctx.cu)
     assert context_mod.require_current("x") is ctx
     fake_driver.stack().pop()
 

@@ -143,14 +143,14 @@ def test_foreign_push_inside_block_is_reported_and_recoverable(ctx0, emptied, pr
     ``with ctx0:`` pushes nothing; with nothing current it pushes: both report a foreign
     push left inside the block, and ``ctx0.pop()`` completes once it is popped."""
     if primary_current:
-        (err,) = drv.cuCtxPushCurrent(ctx0._cu)
+        (err,) = drv.cuCtxPushCurrent(ctx0.cu)
         assert not err
     below = raw_current()
     other = Context.create(0)
     try:
         with pytest.raises(ck.ContextStackError, match="did not pop it"):
             with ctx0:
-                (err,) = drv.cuCtxPushCurrent(other._cu)  # raw push, never popped
+                (err,) = drv.cuCtxPushCurrent(other.cu)  # raw push, never popped
                 assert not err
         assert raw_current() == other.handle  # ctxkit did not pop it
         err, _ = drv.cuCtxPopCurrent()  # the foreign code balances its push
@@ -169,10 +169,10 @@ def test_foreign_pop_inside_block_leaves_what_was_beneath(ctx0, emptied, primary
     found it current, and the context beneath stays current."""
     outer = Context.create(0)
     try:
-        (err,) = drv.cuCtxPushCurrent(outer._cu)
+        (err,) = drv.cuCtxPushCurrent(outer.cu)
         assert not err
         if primary_current:
-            (err,) = drv.cuCtxPushCurrent(ctx0._cu)
+            (err,) = drv.cuCtxPushCurrent(ctx0.cu)
             assert not err
         with pytest.raises(ck.ContextStackError, match="popped this context"):
             with ctx0:

@@ -225,7 +225,7 @@ def test_strict_mode_refuses_implicit_binds(ctx0, monkeypatch):
     with ctx0:
         buf = ck.memory.to_device(np.zeros(8, np.float32))
         ev, s = ck.Event(), ck.Stream()
-    monkeypatch.setattr(ck.registry.default, "strict", True)
+    monkeypatch.setattr(ck.registry, "strict", True)
     for op in (buf.to_host, lambda: ev.record(s), s.synchronize):
         with pytest.raises(ck.NoCurrentContextError, match="ctxkit.bind"):
             in_thread(op)

@@ -1,4 +1,4 @@
-"""NVTX ranges (ctxkit/nvtx.py): no-ops without the nvtx package or with CTXKIT_NVTX=0,
+"""NVTX ranges (ctxkit/trace.py): no-ops without the nvtx package or with CTXKIT_NVTX=0,
 ranges in the ``ctxkit`` domain with it (a fake module and, where installed, the real
 one), the package imported at the first range only."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-import ctxkit.nvtx as cn
+import ctxkit.trace as cn
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,10 +49,10 @@ class FakeDomain:
 
 @pytest.fixture
 def fresh(monkeypatch):
-    """ctxkit.nvtx as if just imported: no domain loaded yet, no cached attributes."""
-    monkeypatch.setattr(cn, "_domain", None)
-    monkeypatch.setattr(cn, "_attrs", {})
-    monkeypatch.setattr(cn, "_enabled", cn._enabled)
+    """ctxkit.trace's NVTX half as if just imported: no domain loaded yet, no cached attributes."""
+    monkeypatch.setattr(cn, "_nvtx_domain", None)
+    monkeypatch.setattr(cn, "_nvtx_attrs", {})
+    monkeypatch.setattr(cn, "_nvtx_enabled", cn._nvtx_enabled)
 
 
 @pytest.fixture
@@ -68,34 +68,34 @@ def fake_nvtx(monkeypatch, fresh) -> FakeDomain:
     mod.get_domain = get_domain
     mod.domains = domains
     monkeypatch.setitem(sys.modules, "nvtx", mod)
-    monkeypatch.setattr(cn, "_available", lambda: True)
-    monkeypatch.setattr(cn, "_enabled", True)
+    monkeypatch.setattr(cn, "_nvtx_available", lambda: True)
+    monkeypatch.setattr(cn, "_nvtx_enabled", True)
     return dom
 
 
 def test_without_nvtx_everything_is_a_shared_noop(fake_nvtx, monkeypatch):
-    monkeypatch.setattr(cn, "_enabled", False)
-    assert not cn.enabled()
-    r = cn.range("stage", color="green")
-    assert r is cn.range("other") is cn._NULL  # nothing allocated per call
-    with r, cn.range("nested"):
+    monkeypatch.setattr(cn, "_nvtx_enabled", False)
+    assert not cn.nvtx_enabled()
+    r = cn.nvtx_range("stage", color="green")
+    assert r is cn.nvtx_range("other") is cn._NULL_RANGE  # nothing allocated per call
+    with r, cn.nvtx_range("nested"):
         pass
 
     def work(x):
         return x + 1
 
-    assert cn.annotate("work")(work) is work  # not even wrapped
-    assert cn.start_range("chunk") is None
-    cn.end_range(None)
-    cn.mark("compiled")
+    assert cn.nvtx_annotate("work")(work) is work  # not even wrapped
+    assert cn.nvtx_start_range("chunk") is None
+    cn.nvtx_end_range(None)
+    cn.nvtx_mark("compiled")
     assert fake_nvtx.log == [] and fake_nvtx.attr_calls == 0
     assert sys.modules["nvtx"].domains == {}  # the domain was never asked for
 
 
 def test_ranges_push_and_pop_in_the_ctxkit_domain(fake_nvtx):
     me = threading.get_ident()
-    with cn.range("h2d", color="green"):
-        with cn.range("kernel"):
+    with cn.nvtx_range("h2d", color="green"):
+        with cn.nvtx_range("kernel"):
             pass
     assert fake_nvtx.log == [
         ("push", ("h2d", "green"), me),
@@ -103,31 +103,31 @@ def test_ranges_push_and_pop_in_the_ctxkit_domain(fake_nvtx):
         ("pop", me),
         ("pop", me),
     ]
-    assert list(sys.modules["nvtx"].domains) == [cn.DOMAIN] == ["ctxkit"]
+    assert list(sys.modules["nvtx"].domains) == [cn.NVTX_DOMAIN] == ["ctxkit"]
 
 
 def test_a_range_pops_when_its_block_raises(fake_nvtx):
     with pytest.raises(KeyError):
-        with cn.range("d2h"):
+        with cn.nvtx_range("d2h"):
             raise KeyError("boom")
     assert [e[0] for e in fake_nvtx.log] == ["push", "pop"]
 
 
 def test_event_attributes_are_made_once_per_name_and_color(fake_nvtx):
     for _ in range(5):
-        with cn.range("fill", color="blue"):
+        with cn.nvtx_range("fill", color="blue"):
             pass
-    with cn.range("fill", color="red"):
+    with cn.nvtx_range("fill", color="red"):
         pass
     assert fake_nvtx.attr_calls == 2
 
 
 def test_annotate_wraps_each_call_in_a_range(fake_nvtx, monkeypatch):
-    @cn.annotate()
+    @cn.nvtx_annotate()
     def compile_kernel(src, *, arch):
         return f"{src}@{arch}"
 
-    @cn.annotate("launch", color="red")
+    @cn.nvtx_annotate("launch", color="red")
     def launch():
         return 7
 
@@ -138,18 +138,18 @@ def test_annotate_wraps_each_call_in_a_range(fake_nvtx, monkeypatch):
         ("test_annotate_wraps_each_call_in_a_range.<locals>.compile_kernel", None),
         ("launch", "red"),
     ]
-    monkeypatch.setattr(cn, "_enabled", False)  # switched off later: plain calls
+    monkeypatch.setattr(cn, "_nvtx_enabled", False)  # switched off later: plain calls
     assert launch() == 7 and len(fake_nvtx.log) == 4
 
 
 def test_a_range_may_end_in_another_thread(fake_nvtx):
-    handle = cn.start_range("chunk 3", color="purple")
-    t = threading.Thread(target=cn.end_range, args=(handle,))
+    handle = cn.nvtx_start_range("chunk 3", color="purple")
+    t = threading.Thread(target=cn.nvtx_end_range, args=(handle,))
     t.start()
     t.join()
     assert fake_nvtx.log[0] == ("start", ("chunk 3", "purple"))
     assert fake_nvtx.log[1][:2] == ("end", handle) and fake_nvtx.log[1][2] != threading.get_ident()
-    cn.mark("compiled", color="yellow")
+    cn.nvtx_mark("compiled", color="yellow")
     assert fake_nvtx.log[2] == ("mark", ("compiled", "yellow"))
 
 
@@ -161,21 +161,21 @@ def test_a_broken_nvtx_package_turns_ranges_off(monkeypatch, fresh):
 
     mod.get_domain = get_domain
     monkeypatch.setitem(sys.modules, "nvtx", mod)
-    monkeypatch.setattr(cn, "_enabled", True)
-    with cn.range("h2d"):
+    monkeypatch.setattr(cn, "_nvtx_enabled", True)
+    with cn.nvtx_range("h2d"):
         pass
-    assert not cn.enabled() and cn.range("next") is cn._NULL
+    assert not cn.nvtx_enabled() and cn.nvtx_range("next") is cn._NULL_RANGE
 
 
 def test_set_enabled(fake_nvtx, monkeypatch):
-    cn.set_enabled(False)
-    assert not cn.enabled() and cn.range("x") is cn._NULL
-    cn.set_enabled(True)
-    assert cn.enabled()
-    monkeypatch.setattr(cn, "_available", lambda: False)
+    cn.set_nvtx_enabled(False)
+    assert not cn.nvtx_enabled() and cn.nvtx_range("x") is cn._NULL_RANGE
+    cn.set_nvtx_enabled(True)
+    assert cn.nvtx_enabled()
+    monkeypatch.setattr(cn, "_nvtx_available", lambda: False)
     with pytest.raises(ImportError, match=r'pip install "ctxkit-cuda\[nvtx\]"'):
-        cn.set_enabled()
-    cn.set_enabled(False)  # turning off always works
+        cn.set_nvtx_enabled()
+    cn.set_nvtx_enabled(False)  # turning off always works
 
 
 def _run(code: str, tmp_path: Path, **env: str) -> list[str]:
@@ -196,7 +196,7 @@ def _run(code: str, tmp_path: Path, **env: str) -> list[str]:
             """
         )
     )
-    e = {k: v for k, v in os.environ.items() if k != cn.ENV}
+    e = {k: v for k, v in os.environ.items() if k != cn.NVTX_ENV}
     e["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "site"), str(REPO)])
     e.update(env)
     res = subprocess.run(
@@ -214,10 +214,10 @@ def _run(code: str, tmp_path: Path, **env: str) -> list[str]:
 CODE = """
     import sys
     import ctxkit
-    print("nvtx" in sys.modules, "ctxkit.nvtx" in sys.modules)
-    import ctxkit.nvtx as n
-    print(n.enabled(), "nvtx" in sys.modules)
-    with n.range("stage"):
+    print("nvtx" in sys.modules, "ctxkit.trace" in sys.modules)
+    import ctxkit.trace as n
+    print(n.nvtx_enabled(), "nvtx" in sys.modules)
+    with n.nvtx_range("stage"):
         pass
     print("nvtx" in sys.modules)
 """
@@ -235,15 +235,15 @@ def test_ctxkit_nvtx_0_turns_ranges_off_although_nvtx_is_installed(tmp_path):
 
 def test_with_the_real_nvtx_package(fresh, monkeypatch):
     pytest.importorskip("nvtx")
-    monkeypatch.setattr(cn, "_enabled", True)
-    with cn.range("ctxkit test", color="green"):
+    monkeypatch.setattr(cn, "_nvtx_enabled", True)
+    with cn.nvtx_range("ctxkit test", color="green"):
         pass
 
-    @cn.annotate()
+    @cn.nvtx_annotate()
     def f():
         return 3
 
     assert f() == 3
-    cn.end_range(cn.start_range("across threads", color="blue"))
-    cn.mark("marker")
-    assert cn.enabled() and cn._domain is not None
+    cn.nvtx_end_range(cn.nvtx_start_range("across threads", color="blue"))
+    cn.nvtx_mark("marker")
+    assert cn.nvtx_enabled() and cn._nvtx_domain is not None

@@ -9,9 +9,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import ctxkit as ck
+from ctxkit.binding import ContextRegistry, guard
 from ctxkit.context import Context, thread_state
 from ctxkit.executor import ContextExecutor
-from ctxkit.registry import ContextRegistry, guard
 from tests.support.helpers import in_thread
 
 
@@ -125,22 +125,14 @@ def test_guard_binds_owner_when_other_context_current(fake_driver):
     fake_driver.stack().remove(FakeRaw)
 
 
-def test_auto_bind_is_the_opposite_of_strict(fake_driver):
+def test_strict_mode_refuses_the_implicit_bind_of_a_thread_with_no_context(fake_driver):
     reg = _reg()
     owner = reg.context(0)
-    reg.auto_bind = False
-    assert reg.strict
+    reg.strict = True
     with pytest.raises(ck.NoCurrentContextError):
         in_thread(lambda: guard(owner, "x"))
-    reg.auto_bind = True
-    assert not reg.strict and in_thread(lambda: guard(owner, "x")) is owner
-
-
-def test_auto_bind_env(monkeypatch, fake_driver):
-    monkeypatch.setenv("CTXKIT_AUTO_BIND", "1")
-    assert ContextRegistry().auto_bind is True
-    monkeypatch.setenv("CTXKIT_AUTO_BIND", "0")
-    assert ContextRegistry().auto_bind is False
+    reg.strict = False
+    assert in_thread(lambda: guard(owner, "x")) is owner
 
 
 def test_executor_runs_every_task_with_context_current(fake_driver):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 import ctxkit as ck
+from ctxkit.binding import resolve_context
 from ctxkit.context import Context, thread_state
-from ctxkit.registry import resolve_context
 from tests.support.helpers import in_thread
 
 
@@ -64,7 +64,7 @@ def test_bind_rejects_what_is_not_a_device(fake_driver):
 
 @pytest.mark.parametrize("first", ["bind", "resolve_context"])
 def test_a_closed_registry_context_is_replaced(fake_driver, first):
-    ck.registry.default.kind = "owned"
+    ck.registry.kind = "owned"
     old = ck.bind(0)
     old.close()
     new = ck.bind(0) if first == "bind" else resolve_context(0, "x")

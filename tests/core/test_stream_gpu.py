@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 import ctxkit as ck
-from ctxkit import event as event_mod
 from ctxkit import stream as stream_mod
 from ctxkit._driver import drv
 from ctxkit.errors import ContextClosedError, NoCurrentContextError
@@ -279,7 +278,6 @@ def test_stream_and_event_dropped_in_another_thread_are_destroyed_in_their_conte
 
     spy = Spy()
     monkeypatch.setattr(stream_mod, "drv", spy)
-    monkeypatch.setattr(event_mod, "drv", spy)
     owned = ck.Context.create(0)
     holder: dict[str, Any] = {}
     try:

@@ -330,12 +330,10 @@ def test_operations_bind_the_buffer_context(fake, ctx0, ctx1):
 
 
 def test_strict_mode_refuses_implicit_binds(fake, ctx0, ctx1, monkeypatch):
-    import ctxkit.registry as registry_mod
-
     with ctx1:
         buf = DeviceBuffer(8)
         s = Stream()
-    monkeypatch.setattr(registry_mod.default, "strict", True)
+    monkeypatch.setattr(ck.registry, "strict", True)
     for op in (lambda: buf.memset(2), s.synchronize, lambda: buf.copy_to_host()):
         with pytest.raises(NoCurrentContextError, match="ctxkit.bind"):
             in_thread(op)
@@ -345,31 +343,23 @@ def test_strict_mode_refuses_implicit_binds(fake, ctx0, ctx1, monkeypatch):
 
 
 def test_strict_mode_from_the_environment(monkeypatch):
-    from ctxkit.registry import ContextRegistry
+    from ctxkit.binding import ContextRegistry
 
-    monkeypatch.delenv("CTXKIT_AUTO_BIND", raising=False)
     monkeypatch.setenv("CTXKIT_STRICT_CONTEXT", "1")
-    assert ContextRegistry().strict is True and ContextRegistry().auto_bind is False
+    assert ContextRegistry().strict is True
     monkeypatch.setenv("CTXKIT_STRICT_CONTEXT", "0")
     assert ContextRegistry().strict is False
-    monkeypatch.setenv("CTXKIT_AUTO_BIND", "0")
-    assert ContextRegistry().strict is True
+    monkeypatch.setenv("CTXKIT_STRICT_CONTEXT", "1")
     assert ContextRegistry(strict=False).strict is False
-    reg = ContextRegistry(strict=False)
-    reg.auto_bind = False
-    assert reg.strict is True
 
 
-def test_registry_module_forwards_strict(monkeypatch):
-    import ctxkit.registry as registry_mod
+def test_ck_registry_is_the_process_wide_registry(monkeypatch):
+    from ctxkit import binding
 
-    monkeypatch.setattr(registry_mod.default, "strict", False)
+    assert isinstance(ck.registry, ck.ContextRegistry) and ck.registry is binding.registry
+    monkeypatch.setattr(ck.registry, "strict", False)
     ck.registry.strict = True
-    try:
-        assert registry_mod.default.strict is True and ck.registry.strict is True
-        assert ck.registry.auto_bind is False
-    finally:
-        ck.registry.strict = False
+    assert binding.registry.strict is True
 
 
 def test_pageable_async_copy_warns_and_pinned_does_not(fake, ctx0):

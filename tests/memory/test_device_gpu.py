@@ -217,7 +217,7 @@ def test_no_current_context_is_a_clear_error(ctx0, monkeypatch):
     with pytest.raises(NoCurrentContextError, match=r"ctxkit\.bind"):
         in_thread(lambda: DeviceBuffer(16))  # nothing to infer the context from
     assert in_thread(b.copy_to_host).size == 16  # the buffer binds its own context
-    monkeypatch.setattr(ck.registry.default, "strict", True)
+    monkeypatch.setattr(ck.registry, "strict", True)
     with pytest.raises(NoCurrentContextError):
         in_thread(b.copy_to_host)
 

@@ -332,7 +332,7 @@ def test_an_array_dropped_in_a_bare_thread_in_strict_mode_records_its_event(
 ):
     """Strict mode refuses implicit binds; the pool's finalizer binds the stream's
     context itself, so the event is recorded (no fallback to a context synchronize)."""
-    monkeypatch.setattr(ck.registry.default, "strict", True)
+    monkeypatch.setattr(ck.registry, "strict", True)
     pool = PinnedPool(budget=64 * MiB)
     s = ck.Stream(context=ctx0)
     box = [pool.empty(MiB, np.uint8, stream=s)]

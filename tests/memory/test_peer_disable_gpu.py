@@ -27,7 +27,7 @@ def test_disable_then_enable_again_on_fresh_contexts():
         peer.disable_peer_access(b, a)
         assert not peer.peer_access_enabled(b, a)
         with b:  # the driver agrees: access is off, so enabling it is not "already enabled"
-            (err,) = drv.cuCtxDisablePeerAccess(a._cu)
+            (err,) = drv.cuCtxDisablePeerAccess(a.cu)
         assert int(err) == 705  # CUDA_ERROR_PEER_ACCESS_NOT_ENABLED
         peer.disable_peer_access(b, a)  # idempotent
         dst.memset(0)
@@ -36,7 +36,7 @@ def test_disable_then_enable_again_on_fresh_contexts():
         peer.enable_peer_access(b, a)
         assert peer.peer_access_enabled(b, a)
         with b:
-            (err,) = drv.cuCtxEnablePeerAccess(a._cu, 0)
+            (err,) = drv.cuCtxEnablePeerAccess(a.cu, 0)
         assert int(err) == 704  # CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED: it is on again
         peer.disable_peer_access(b, a)
     finally:

@@ -3,7 +3,7 @@
 The manglings below are what g++/NVRTC write for the declarations beside them (Itanium C++
 ABI); NVRTC itself is run where it is installed, so the reading is checked against the
 compiler that produces the names ctxkit meets. Mangled names are read through the optional
-demangler (``ctxkit[demangle]``): those tests skip without it.
+demangler (``.[demangle]``): those tests skip without it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ S, U, N = "signed", "unsigned", ""
 
 needs_demangler = pytest.mark.skipif(
     importlib.util.find_spec("cxxfilt") is None,
-    reason="the optional C++ demangler is not installed (pip install ctxkit[demangle])",
+    reason="the optional C++ demangler is not installed (the demangle extra)",
 )
 
 # (mangled name, the declaration it comes from, expected sign of each parameter)

@@ -288,7 +288,7 @@ def test_every_use_of_a_closed_module_says_it_is_closed(fake):
         mod.function("vector_add")  # cached kernels are refused too
     with pytest.raises(ck.CudaError, match="is closed"):
         k.launch(1, 1, 0, 0, 0, 0)  # no context at all: still the closed module first
-    fake.base.cuCtxPushCurrent(c0._cu)  # a raw push ctxkit does not know about
+    fake.base.cuCtxPushCurrent(c0.cu)  # a raw push ctxkit does not know about
     try:
         with pytest.raises(ck.CudaError, match="is closed"):
             k.launch(1, 1, 0, 0, 0, 0)

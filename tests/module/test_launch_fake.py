@@ -304,7 +304,7 @@ def test_signed_parameters_take_negative_values(fake):
 
 
 def test_mangled_kernels_know_their_types_without_source(fake):
-    pytest.importorskip("cxxfilt", reason="the optional demangler: pip install ctxkit[demangle]")
+    pytest.importorskip("cxxfilt", reason="the optional demangler: the demangle extra")
     k = load().function("_Z4axpyIfEvT_PKS0_PS0_m")
     assert [p.ctype for p in k.params] == ["float", "float const*", "float*", "unsigned long"]
     with ck.registry.context(0), pytest.raises(ck.LaunchArgumentError, match="negative"):

@@ -268,7 +268,7 @@ def test_kernel_handle_with_a_raw_cu_launch_kernel(ctx0, kernels):
 
 
 def test_negative_size_t_is_refused_and_a_valid_launch_follows(ctx0):
-    pytest.importorskip("cxxfilt", reason="C++ kernels' types need the extra: ctxkit[demangle]")
+    pytest.importorskip("cxxfilt", reason="C++ kernels' types need the extra: the demangle extra")
     obj = ck.compile(MANGLED_SOURCE, name="fill_n.cu", name_expressions=("fill_n",))
     k = Module.load(obj).function("fill_n")
     assert k.params[2].unsigned

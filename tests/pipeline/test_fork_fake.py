@@ -157,7 +157,7 @@ def test_child_forked_while_process_wide_locks_are_held_gets_fork_error(gpu, hol
         p._lock,
         pins._lock,
         pool._lock,
-        registry.default._lock,
+        registry._lock,
         blockcache._lock,
         context.Context._class_lock,
         context._all_lock,

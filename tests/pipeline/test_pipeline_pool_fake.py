@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import ctxkit as ck
-import ctxkit.nvtx as cn
+import ctxkit.trace as cn
 from ctxkit.pipeline import Pipeline
 from ctxkit.pipeline.plan import POOLED_OUT_BYTES
 from tests.support.fakegpu import scale_body
@@ -217,10 +217,10 @@ def fake_nvtx(monkeypatch) -> FakeDomain:
     mod = types.ModuleType("nvtx")
     mod.get_domain = lambda name: dom  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "nvtx", mod)
-    monkeypatch.setattr(cn, "_domain", None)
-    monkeypatch.setattr(cn, "_attrs", {})
-    monkeypatch.setattr(cn, "_available", lambda: True)
-    monkeypatch.setattr(cn, "_enabled", True)
+    monkeypatch.setattr(cn, "_nvtx_domain", None)
+    monkeypatch.setattr(cn, "_nvtx_attrs", {})
+    monkeypatch.setattr(cn, "_nvtx_available", lambda: True)
+    monkeypatch.setattr(cn, "_nvtx_enabled", True)
     return dom
 
 
@@ -235,7 +235,7 @@ def test_chunk_stages_are_nvtx_ranges(gpu, fake_nvtx):
 
 
 def test_no_nvtx_ranges_when_off(gpu, fake_nvtx, monkeypatch):
-    monkeypatch.setattr(cn, "_enabled", False)
+    monkeypatch.setattr(cn, "_nvtx_enabled", False)
     with Pipeline([0], chunk_bytes=16 * 1024, host_threads=2) as p:
         p.map(scale_body(gpu, 2.0), np.arange(40_000, dtype=np.float32))
     assert fake_nvtx.pushed == []

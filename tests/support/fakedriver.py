@@ -228,6 +228,15 @@ class FakeDriver:
         return (0,) if self.current() else (INVALID_CONTEXT,)
 
 
+def fresh_registry(monkeypatch: Any) -> None:
+    """Give the process-wide ``ck.registry`` a new registry's state for one test (undone
+    by monkeypatch): no contexts of an earlier driver, strict mode from the environment."""
+    from ctxkit.binding import ContextRegistry, registry
+
+    for name, value in vars(ContextRegistry()).items():
+        monkeypatch.setattr(registry, name, value)
+
+
 def swap_driver(monkeypatch: Any, fake: Any) -> None:
     """Make *fake* the driver of every ctxkit module for one test (undone by monkeypatch).
 

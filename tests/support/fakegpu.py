@@ -61,6 +61,7 @@ from tests.support.fakecapture import (  # noqa: F401  (re-exported for tests)
 from tests.support.fakedriver import (
     FakeDriver,
     FakeHandle,
+    fresh_registry,
     spans_registration_edge,
     swap_driver,
 )
@@ -663,10 +664,9 @@ def scale_body(gpu: FakeGPU, alpha: Any, delay: float = 0.0) -> Callable[..., No
 def gpu_fixture(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeGPU]:
     """Fixture ``gpu``: swap the driver for a 2-device FakeGPU in every ctxkit module for
     one test (import ``gpu_fixture`` into a test module to use it)."""
-    import ctxkit.registry as registry_mod
+
     from ctxkit import _driver, context, device
     from ctxkit.memory import managed
-    from ctxkit.registry import ContextRegistry
 
     fake = FakeGPU(ndev=2)
     swap_driver(monkeypatch, fake)
@@ -683,7 +683,7 @@ def gpu_fixture(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeGPU]:
     from ctxkit.pipeline import pincache
 
     monkeypatch.setattr(pincache, "_process", None)  # and so are their pin-on-reuse records
-    monkeypatch.setattr(registry_mod, "default", ContextRegistry())
+    fresh_registry(monkeypatch)
     st = thread_state()
     saved = (st.top, list(st.stack))
     st.top, st.stack[:] = None, []

@@ -4,7 +4,8 @@ The classic Driver-API bug: a context created in the main thread is used from a 
 thread, and the driver answers ``CUDA_ERROR_INVALID_CONTEXT`` because the current
 context is per thread. ctxkit's answer:
 
-* :data:`registry` hands out one context per device (primary by default);
+* :data:`registry` (``ctxkit.registry``) hands out one context per device (primary by
+  default);
 * :func:`bind` / :func:`bound` make it current in whatever thread runs the code;
 * :class:`ContextExecutor` runs every task with the context current;
 * a thread with no context gets :class:`NoCurrentContextError` naming the fix, before
@@ -14,14 +15,12 @@ context is per thread. ctxkit's answer:
 from __future__ import annotations
 
 import functools
-import sys
 import threading
-import types
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from typing import ParamSpec, TypeVar
 
 from . import _driver
-from ._env import env_flag, env_off
+from ._env import env_flag
 from .context import (
     Context,
     current_handle,
@@ -32,7 +31,16 @@ from .context import (
 )
 from .device import Device
 
-__all__ = ["ContextLike", "ContextRegistry", "bind", "bound", "default", "guard"]
+__all__ = [
+    "ContextLike",
+    "ContextRegistry",
+    "bind",
+    "bound",
+    "check_devices",
+    "guard",
+    "registry",
+    "resolve_context",
+]
 
 
 P = ParamSpec("P")
@@ -42,10 +50,6 @@ R = TypeVar("R")
 
 
 ContextLike = Context | Device | int
-
-
-def _strict_from_environment() -> bool:
-    return env_flag("CTXKIT_STRICT_CONTEXT") or env_off("CTXKIT_AUTO_BIND")
 
 
 class ContextRegistry:
@@ -64,42 +68,21 @@ class ContextRegistry:
         ``strict`` an operation in a thread with *no* current context raises
         :class:`NoCurrentContextError` instead, for framework authors who want every
         implicit bind to be an error. Default: the ``CTXKIT_STRICT_CONTEXT`` environment
-        variable (off); ``CTXKIT_AUTO_BIND=0`` also turns it on.
-    auto_bind : bool, optional
-        The opposite of *strict* (kept for code written for ctxkit 0.1).
+        variable (off).
     """
 
-    def __init__(
-        self,
-        kind: str = "primary",
-        flags: int = 0,
-        auto_bind: bool | None = None,
-        strict: bool | None = None,
-    ):
+    def __init__(self, kind: str = "primary", flags: int = 0, strict: bool | None = None):
         if kind not in ("primary", "owned"):
             raise ValueError(f"kind must be 'primary' or 'owned', not {kind!r}")
         self.kind = kind
         self.flags = flags
-        if strict is None:
-            strict = (not auto_bind) if auto_bind is not None else _strict_from_environment()
-        self.strict = bool(strict)
+        self.strict = env_flag("CTXKIT_STRICT_CONTEXT") if strict is None else bool(strict)
         self._contexts: dict[int, Context] = {}
         self._created: list[Context] = []
         self._lock = threading.Lock()
 
-    @property
-    def auto_bind(self) -> bool:
-        """``not strict``: objects bind their own context in any thread."""
-        return not self.strict
-
-    @auto_bind.setter
-    def auto_bind(self, value: bool) -> None:
-        self.strict = not value
-
-    def context(self, device: ContextLike = 0) -> Context:
+    def context(self, device: Device | int = 0) -> Context:
         """The shared context of *device* (created once; later calls take no lock)."""
-        if isinstance(device, Context):
-            return device
         ordinal = device if type(device) is int else Device(device).ordinal
         ctx = self._contexts.get(ordinal)
         if ctx is not None and not ctx.closed:
@@ -138,10 +121,10 @@ class ContextRegistry:
             self._contexts[dev.ordinal] = ctx
 
     def resolve(self, target: ContextLike) -> Context:
-        """A Context for a Context, Device or ordinal."""
+        """A Context for a Context, Device or ordinal (the shared one of a device)."""
         if isinstance(target, Context):
             return target
-        if isinstance(target, (Device, int)) and not isinstance(target, bool):
+        if type(target) is int or isinstance(target, Device):
             return self.context(target)
         raise TypeError(
             f"expected a ctxkit.Context, ctxkit.Device or device ordinal, "
@@ -156,46 +139,26 @@ class ContextRegistry:
         """Which threads have which contexts bound by ctxkit right now."""
         return thread_bindings()
 
-    def close(self) -> None:
-        """Close what this registry created, newest first. Safe to call twice."""
+    def close(self, *, quiet: bool = False) -> None:
+        """Close what this registry created, newest first. Safe to call twice.
+
+        ``quiet``: a context that fails to close is skipped (interpreter exit).
+        """
         _driver.check_fork("registry.close")
         with self._lock:
             created, self._created = self._created, []
             self._contexts = {k: c for k, c in self._contexts.items() if c not in created}
         for ctx in reversed(created):
-            ctx.close()
+            try:
+                ctx.close()
+            except Exception:
+                if not quiet:
+                    raise
 
 
-#: The process-wide registry (primary contexts). ``ctxkit.registry`` (this module) forwards
-#: the registry's attributes to it, so ``ck.registry.context(0)`` and
-#: ``ck.registry.auto_bind = True`` act on this instance.
-default = ContextRegistry()
-_driver.renew_at_fork(__name__, "default._lock")
-
-_FORWARDED = frozenset({"kind", "flags", "auto_bind", "strict"})
-
-
-class _RegistryModule(types.ModuleType):
-    """``ctxkit.registry`` is a module that reads and writes :data:`default`'s attributes."""
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(default, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _FORWARDED:
-            setattr(default, name, value)
-        else:
-            super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _RegistryModule
-
-if TYPE_CHECKING:  # what _RegistryModule forwards, as type checkers read a module
-    context = default.context
-
-    def __getattr__(name: str) -> Any: ...
+#: The process-wide registry (primary contexts): ``ctxkit.registry``.
+registry = ContextRegistry()
+_driver.renew_at_fork(__name__, "registry._lock")
 
 
 def resolve_context(target: ContextLike | None, what: str) -> Context:
@@ -210,12 +173,9 @@ def resolve_context(target: ContextLike | None, what: str) -> Context:
         ctx = target
     elif target is None:
         ctx = require_current(what)
-    elif type(target) is int and (hit := default._contexts.get(target)) is not None:
-        ctx = hit if not hit.closed else default.resolve(target)
     else:
-        ctx = default.resolve(target)
-    if ctx._unusable:
-        ctx.check_usable()
+        ctx = registry.resolve(target)
+    ctx.check_usable()
     return ctx
 
 
@@ -260,37 +220,21 @@ def bind(target: ContextLike) -> Context:
     previous context is restored on exit. Returns the Context itself (``bind(x)`` also
     resolves *x* without binding it).
     """
-    if type(target) is Context:
+    if type(target) is Context:  # the hot path: no call
         return target
-    if type(target) is int:
-        ctx = default._contexts.get(target)
-        if ctx is not None and not ctx._unusable:
-            return ctx
-    elif isinstance(target, Context):
-        return target
-    return default.resolve(target)
+    return registry.resolve(target)
 
 
 def bound(target: ContextLike) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """Decorator: run the function with *target*'s context bound (resolved per call)."""
 
     def deco(fn: Callable[P, R]) -> Callable[P, R]:
-        if isinstance(target, Context):
-            ctx = target
-
-            @functools.wraps(fn)
-            def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
-                with ctx:
-                    return fn(*args, **kwargs)
-
-            return wrapper
-
         @functools.wraps(fn)
-        def resolving(*args: P.args, **kwargs: P.kwargs) -> R:
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
             with bind(target):
                 return fn(*args, **kwargs)
 
-        return resolving
+        return wrapper
 
     return deco
 
@@ -303,7 +247,7 @@ def guard(owner: Context, what: str) -> Context:
     (``ck.registry.strict = True``) a thread with no current context at all gets
     :class:`NoCurrentContextError` instead of an implicit bind.
     """
-    if not default.strict or thread_state().top is not None:
+    if not registry.strict or thread_state().top is not None:
         return owner
     if current_handle():
         return owner
