@@ -18,8 +18,7 @@ from .._driver import drv
 from ..context import Context
 from ..errors import PageableCopyError, WrongContextError
 from ..memory.copies import Mem, device_mem
-from ..memory.host import is_pinned
-from ..memory.hostptr import plain_dtype
+from ..memory.host import is_pinned, plain_dtype
 from ..registry import guard
 from .conditional import ConditionalHandle
 

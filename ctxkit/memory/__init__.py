@@ -41,10 +41,16 @@ interface's ``"stream"`` entry and honoured by ``__dlpack__(stream=...)``.
 from __future__ import annotations
 
 from ..errors import PageableCopyError, PageableCopyWarning
-from .device import DeviceArray, DeviceBuffer, device_array, to_device
+from .copies import copy_peer, disable_peer_access, enable_peer_access, peer_access_enabled
+from .device import DeviceArray, DeviceBuffer, MemoryPool, device_array, to_device
 from .host import (
+    HostMemoryFlags,
+    PageableArg,
     allow_pageable_kernel_args,
+    device_pointer,
+    host_memory_flags,
     is_pinned,
+    pageable_arg,
     pageable_kernel_args_allowed,
     pageable_memory_access,
     pinned_empty,
@@ -53,14 +59,6 @@ from .host import (
     set_strict_async,
     strict_async,
 )
-from .hostaccess import (
-    HostMemoryFlags,
-    PageableArg,
-    device_pointer,
-    host_memory_flags,
-    pageable_arg,
-)
-from .hostpool import PinnedPool, PinnedPoolStats, pinned_pool
 from .interop import producer_stream
 from .ipc import (
     ImportedBuffer,
@@ -74,8 +72,7 @@ from .ipc import (
     ipc_event,
 )
 from .managed import ManagedBuffer
-from .peer import copy_peer, disable_peer_access, enable_peer_access, peer_access_enabled
-from .pool import MemoryPool
+from .pinned import PinnedPool, PinnedPoolStats, pinned_pool
 from .streamcopy import StreamingCopyInfo, copy_streaming, set_streaming_copy, streaming_copy_info
 from .vmm import VirtualBuffer
 

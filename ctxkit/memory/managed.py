@@ -18,18 +18,15 @@ from .._driver import drv
 from ..context import Context
 from ..device import Device
 from ..registry import guard
-from ..stream import Stream
-from .copies import (
-    shape_arg,
-    stream_for,
-)
+from ..stream import Stream, stream_for
 from .device import DeviceBuffer
-from .dlpack import KDL_CUDA_MANAGED
 from .host import (
     HostMemory,
     device_of,
+    plain_dtype,
 )
-from .hostptr import plain_dtype
+from .interop import KDL_CUDA_MANAGED
+from .sizes import shape_arg
 
 __all__ = ["ManagedBuffer"]
 

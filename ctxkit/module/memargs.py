@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 
 from ..context import Context
+from ..memory.copies import peer_access_enabled
 from ..memory.device import DeviceArray, DeviceBuffer
 from ..memory.interop import order_after_producers
 from ..memory.managed import ManagedBuffer
-from ..memory.peer import peer_access_enabled
 from .pointers import Refused
 
 __all__ = ["OWN_TYPES", "foreign_arrays", "order_foreign", "pointer_of", "remember_pointer_type"]

@@ -24,7 +24,7 @@ import numpy as np
 from ..context import Context
 from ..errors import LaunchArgumentError
 from ..memory.device import DeviceArray, DeviceBuffer
-from ..memory.hostptr import plain_dtype
+from ..memory.host import plain_dtype
 from ..memory.interop import order_after_producers
 from .memargs import OWN_TYPES, pointer_of, remember_pointer_type
 from .pointers import Refused, pointer_getter, short_repr

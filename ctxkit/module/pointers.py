@@ -17,8 +17,7 @@ import numpy as np
 
 from .. import _driver
 from ..errors import LaunchArgumentError
-from ..memory.host import host_device_pointer
-from ..memory.hostptr import plain_dtype
+from ..memory.host import host_device_pointer, plain_dtype
 
 __all__ = [
     "Refused",

@@ -18,7 +18,7 @@ import ctxkit as ck
 from ctxkit import lifetime
 from ctxkit.errors import OutOfMemoryError
 from ctxkit.memory.device import DeviceBuffer
-from ctxkit.memory.hostpool import PinnedPool
+from ctxkit.memory.pinned import PinnedPool
 from tests.support.fakegpu import gpu_fixture  # noqa: F401
 from tests.support.fakemem import (  # noqa: F401
     NOT_READY,

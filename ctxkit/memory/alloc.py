@@ -1,4 +1,6 @@
-"""The cache of freed stream-ordered device blocks (what PyTorch's caching allocator does).
+"""The allocation protocol and the stream-ordered block cache.
+
+The cache of freed stream-ordered device blocks (what PyTorch's caching allocator does).
 
 ``close()`` (or garbage collection) of a stream-ordered :class:`~ctxkit.DeviceBuffer`
 puts its block in the cache of the stream it is freed on, with no driver call; a new
@@ -42,26 +44,32 @@ from ..lifetime import free_quietly
 from ..stream import Stream
 from .sizes import SIZE_MAX
 
-if TYPE_CHECKING:  # pragma: no cover
+if TYPE_CHECKING:
     from ..context import Context
 
 __all__ = ["Block", "cached_bytes", "enabled", "flush", "limit_bytes"]
 
+
 ENV = "CTXKIT_ALLOC_CACHE"
+
 _GRAIN = 512
+
 _PER_THREAD_STREAM = 2
+
 _OUT_OF_MEMORY = 2
 
-# The hot paths (take, give back) take no lock: a block changes hands only by list.pop()
-# and list.append(), which are atomic (with the GIL and in free-threaded builds), so a block
-# is held by exactly one buffer or one cache list. The lock guards the cache structure
-# (new caches, flushes). Re-entrant: a Block's __del__ may run inside it (the GC).
 _lock = threading.RLock()
+
 _driver.renew_at_fork(__name__, "_lock", threading.RLock)
+
 _capturing = lifetime._capturing_threads  # the dict itself: lifetime mutates it in place
+
 _captured = lifetime.captured_streams  # likewise: streams ctxkit captures, in any mode
+
 _caches: dict[Any, StreamCache] = {}  # key -> cache (see _key)
+
 _held: dict[int, int] = {}  # device ordinal -> cached bytes
+
 _limits: dict[int, int] = {}  # device ordinal -> bound (default: a quarter of its memory)
 
 
@@ -471,4 +479,5 @@ def _at_exit() -> None:
 
 
 atexit.register(_at_exit)
+
 lifetime.on_context_close(context_closing)
