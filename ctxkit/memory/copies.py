@@ -44,10 +44,6 @@ __all__ = [
 ]
 
 
-def gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
-
-
 class Mem(NamedTuple):
     """Device memory taking part in a copy."""
 

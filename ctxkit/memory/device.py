@@ -53,14 +53,13 @@ from .copies import (
     device_mem,
     dtoh,
     finish_default_stream,
-    gib,
     htod,
     implicit,
     wait_for,
 )
 from .host import host_array, plain_dtype
 from .interop import KDL_CUDA, to_capsule
-from .sizes import nbytes_arg, shape_arg, shape_nbytes
+from .sizes import gib, nbytes_arg, shape_arg, shape_nbytes
 
 __all__ = [
     "BufferBase",

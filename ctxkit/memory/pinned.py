@@ -1,30 +1,4 @@
-"""The pinned pool: page-locked host blocks reused across arrays and streams.
-
-The blocks of the pinned pool (:mod:`ctxkit.memory.hostpool`): size classes, the
-process budget, the pool's statistics, and the stream work a block waits for before it is
-reused (events recorded when its last array dies, kept for reuse in an
-:class:`EventCache`).
-
-The books of a :class:`~ctxkit.memory.hostpool.PinnedPool`: where each block is (in
-use by live arrays, cached for reuse, pending on stream work), the bytes they hold against
-the budget and the pool's counters; the best-fitting cached block for a request, eviction
-of the least recently returned ones, and the driver side of a block: new page-locked
-memory for it (:func:`~ctxkit.memory.pagelock.lock_new`) and freeing it, with the
-out-of-memory errors that name the budget.
-
-:class:`PinnedLedger` is the base of :class:`~ctxkit.memory.hostreuse.PinnedReuse` and so of
-:class:`~ctxkit.memory.hostpool.PinnedPool`, which creates the state declared here; the
-methods named ``*_locked`` expect the pool's lock to be held, the others take it.
-
-How a block of a :class:`~ctxkit.memory.hostpool.PinnedPool` comes back for reuse: the
-numpy array over it, the finalizer that returns the block when the array's last view dies
-(recording an event on each stream that used it), and the settling of returned blocks,
-which wait as *pending* until those events completed and are then cached.
-
-:class:`PinnedReuse` is the base of :class:`~ctxkit.memory.hostpool.PinnedPool`; the
-bookkeeping it uses is :class:`~ctxkit.memory.hostledger.PinnedLedger`'s.
-
-One process-wide pool of page-locked host blocks (a caching host allocator).
+"""One process-wide pool of page-locked host blocks (a caching host allocator).
 
 Page-locking memory is slow (``cuMemHostAlloc`` maps, zeroes and pins every page: a
 1 GiB block costs tens to hundreds of milliseconds) and freeing it synchronizes, so code
@@ -67,11 +41,20 @@ driver call is made while it is held. Work that needs the driver while a stream 
 forbids it (recording the events of returned blocks, querying them) waits for the
 capture to end (:func:`ctxkit.lifetime.begin_free`).
 
-This module holds the pool's interface, how it hands blocks out, and :func:`pinned_pool`.
-Its base classes hold the rest: :class:`~ctxkit.memory.hostledger.PinnedLedger` the
-books (where each block is, bytes against the budget, eviction, new pages and frees),
-:class:`~ctxkit.memory.hostreuse.PinnedReuse` the way a block comes back for reuse;
-:mod:`ctxkit.memory.hostblocks` the blocks, size classes, budget default and events.
+Layout: the blocks (:class:`Block`), size classes, the process budget, the pool's
+statistics and the stream work a block waits for before it is reused (events recorded
+when its last array dies, kept for reuse in an :class:`EventCache`); then
+:class:`PinnedPool` itself: its interface and how it hands blocks out; its books (where
+each block is -- in use by live arrays, cached for reuse, pending on stream work -- the
+bytes they hold against the budget and the pool's counters, the best-fitting cached block
+for a request, eviction of the least recently returned ones, and the driver side of a
+block: new page-locked memory for it (:func:`~ctxkit.memory.host.lock_new`) and freeing
+it, with the out-of-memory errors that name the budget; the methods named ``*_locked``
+expect the pool's lock to be held, the others take it); and how a block comes back for
+reuse (the numpy array over it, the finalizer that returns the block when the array's
+last view dies, recording an event on each stream that used it, and the settling of
+returned blocks, which wait as *pending* until those events completed and are then
+cached). Last, :func:`pinned_pool`, the process-wide instance.
 """
 
 from __future__ import annotations
@@ -94,7 +77,7 @@ from ..context import Context
 from ..errors import OutOfMemoryError
 from ..stream import Event, Stream
 from .host import HostMemory, LockedPages, LockFailed, host_context, lock_new, plain_dtype
-from .sizes import nbytes_arg, shape_nbytes
+from .sizes import gib, nbytes_arg, shape_nbytes
 
 __all__ = [
     "DEFAULT_CAP",
@@ -102,17 +85,13 @@ __all__ = [
     "POOL_ENV",
     "Block",
     "EventCache",
-    "PinnedLedger",
     "PinnedPool",
     "PinnedPoolStats",
-    "PinnedReuse",
     "as_streams",
-    "check_bytes",
     "default_budget",
     "event_done",
     "fits",
     "free_left",
-    "gib",
     "human",
     "pinned_pool",
     "size_class",
@@ -192,14 +171,6 @@ def default_budget() -> int:
     if phys is None:
         return 4 * GiB
     return min(phys // 4, DEFAULT_CAP)
-
-
-def check_bytes(value: Any, what: str) -> int:
-    return nbytes_arg(value, what, "")
-
-
-def gib(n: int) -> str:
-    return f"{n / GiB:.2f} GiB"
 
 
 def human(n: int) -> str:
@@ -394,271 +365,7 @@ def free_left(
 _OUT_OF_MEMORY = 2
 
 
-class PinnedLedger:
-    """The bookkeeping part of :class:`~ctxkit.memory.hostpool.PinnedPool` (not used alone)."""
-
-    _budget: int
-    _lock: threading.Lock
-    _in_use: dict[int, Block]
-    _cached: collections.OrderedDict[int, Block]
-    _pending: list[Block]
-    _events: EventCache
-    _bytes: dict[str, int]
-    _claimed: int
-    _count: dict[str, int]
-
-    # --- handing out ---------------------------------------------------------------
-
-    def _take_cached_locked(self, cls: int) -> Block | None:
-        best: Block | None = None
-        dead = []
-        for block in self._cached.values():
-            if not block.usable():
-                dead.append(block)
-            elif fits(block.nbytes, cls) and (best is None or block.nbytes <= best.nbytes):
-                best = block
-        for block in dead:  # their context was closed: only our own mapping is left
-            self._pop_cached_locked(block.ptr)
-            block.pages.release()
-        if best is None:
-            return None
-        self._pop_cached_locked(best.ptr)
-        self._add_locked(best, "in_use")
-        self._count["hits"] += 1
-        return best
-
-    def _over_budget(self, cls: int, what: str) -> OutOfMemoryError:
-        b = self._bytes
-        return OutOfMemoryError(
-            f"{what}: a block of {cls} bytes ({gib(cls)}) does not fit the pinned pool's "
-            f"budget of {self._budget} bytes ({gib(self._budget)}): {b['in_use']} bytes are "
-            f"in use by live arrays, {b['pending']} wait for stream work, {self._claimed} "
-            f"are claimed by registrations, {b['inflight']} are being allocated. Drop "
-            "arrays you no longer need, or raise the budget: "
-            f"{POOL_ENV}=<bytes> or ctxkit.pinned_pool().set_budget(<bytes>)"
-        )
-
-    # --- bookkeeping (callers hold the lock) ---------------------------------------
-
-    def _held_locked(self) -> int:
-        b = self._bytes
-        return b["in_use"] + b["cached"] + b["pending"] + b["inflight"] + self._claimed
-
-    def _add_locked(self, block: Block, where: str) -> None:
-        if where == "in_use":
-            self._in_use[block.ptr] = block
-        elif where == "cached":
-            self._cached[block.ptr] = block
-        else:
-            self._pending.append(block)
-        self._bytes[where] += block.nbytes
-        held = self._held_locked() - self._claimed - self._bytes["inflight"]
-        self._count["peak"] = max(self._count["peak"], held)
-
-    def _remove_locked(self, block: Block, where: str) -> None:
-        if where == "in_use":
-            del self._in_use[block.ptr]
-        elif where == "cached":
-            del self._cached[block.ptr]
-        else:
-            self._pending.remove(block)
-        self._bytes[where] -= block.nbytes
-
-    def _move_locked(self, block: Block, src: str, dst: str) -> None:
-        self._remove_locked(block, src)
-        self._add_locked(block, dst)
-
-    def _pop_cached_locked(self, ptr: int) -> Block:
-        block = self._cached[ptr]
-        self._remove_locked(block, "cached")
-        return block
-
-    def _evict_locked(self, limit: int) -> list[Block]:
-        """Take cached blocks, least recently returned first, until the pool holds at
-        most *limit* bytes (or nothing is cached); the caller frees them."""
-        victims = []
-        while self._cached and self._held_locked() > limit:
-            victims.append(self._pop_cached_locked(next(iter(self._cached))))
-            self._count["evictions"] += 1
-        return victims
-
-    # --- driver work outside the lock ----------------------------------------------
-
-    def _host_alloc(self, nbytes: int, ctx: Context, what: str) -> LockedPages:
-        try:
-            return lock_new(nbytes, ctx)
-        except LockFailed as exc:
-            if exc.code != _OUT_OF_MEMORY:
-                raise ctx.note_error(exc.code, f"{exc.call}({nbytes}, PORTABLE)") from None
-            with self._lock:
-                held = self._held_locked()
-            raise OutOfMemoryError(
-                f"{what}: the OS refused to page-lock {nbytes} bytes ({gib(nbytes)}) of host "
-                f"memory ({exc.call}: out of memory) although the pinned pool "
-                f"holds only {held} of its {self._budget}-byte budget. "
-                "Page-locked memory is limited by physical RAM: lower the budget "
-                f"({POOL_ENV} or ctxkit.pinned_pool().set_budget()) or drop arrays you no "
-                "longer need",
-                _OUT_OF_MEMORY,
-                "CUDA_ERROR_OUT_OF_MEMORY",
-            ) from None
-
-    def _free(self, blocks: Sequence[Block]) -> int:
-        """``cuMemFreeHost`` each block in its context (never raising); the bytes."""
-        freed = 0
-        for block in blocks:
-            for ev, owned in block.events:
-                if owned:
-                    self._events.give(ev)
-            block.events = []
-            if block.usable():
-                with self._lock:
-                    self._count["frees"] += 1
-            block.pages.release()
-            freed += block.nbytes
-        return freed
-
-
-class PinnedReuse(PinnedLedger):
-    """The return path of :class:`~ctxkit.memory.hostpool.PinnedPool` (not used alone)."""
-
-    _returned: collections.deque[Block]
-
-    # --- arrays over blocks --------------------------------------------------------
-
-    def _wrap(self, block: Block, nbytes: int) -> np.ndarray:
-        mem = HostMemory(block.ptr, nbytes, owner=block, context=block.ctx)
-        mem._fin = lifetime.finalizer(mem, None, self._give_back, block)
-        return np.asarray(mem)
-
-    def _give_back(self, block: Block) -> int:
-        """Finalizer of an array's memory (any thread, also inside the collector, even
-        while this thread holds the pool's lock, so it takes none of it): record an event
-        on each of the block's streams now, then queue the block for :meth:`_settle`. An
-        open stream capture holds it back until it ends (:func:`lifetime.free_quietly`)."""
-        try:
-            if not _context._shutting_down:
-                streams, block.streams = block.streams, []  # no array is left to add more
-                for s in streams:
-                    if s.handle is None:  # closed: waiting for its context blocks, and
-                        block.streams.append(s)  # this thread may hold a lock; later
-                        continue
-                    ev = self._events.record(s)
-                    if ev is not None:
-                        block.events.append((ev, True))
-        finally:
-            self._returned.append(block)
-        return 0
-
-    def _block_of(self, arr: Any, what: str) -> Block:
-        if not isinstance(arr, np.ndarray):
-            raise TypeError(f"PinnedPool.{what}: expected a numpy array, got {type(arr).__name__}")
-        base: Any = arr
-        while base is not None:
-            if isinstance(base, HostMemory) and isinstance(base.owner, Block):
-                block = base.owner
-                with self._lock:
-                    if self._in_use.get(block.ptr) is block:
-                        return block
-                break
-            base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
-        ptr = int(arr.__array_interface__["data"][0] or 0)
-        with self._lock:
-            for block in self._in_use.values():
-                if block.ptr <= ptr < block.ptr + block.nbytes:
-                    return block
-        raise ValueError(
-            f"PinnedPool.{what}: the array at {ptr:#x} is not in a block of this pool "
-            "(allocate it with ctxkit.pinned_pool().empty())"
-        )
-
-    # --- driver work outside the lock ----------------------------------------------
-
-    def _settle(self) -> None:
-        """Wait-list the returned blocks; cache those whose stream work completed."""
-        if not (self._returned or self._pending) or _context._shutting_down:
-            return
-        if not lifetime.begin_free(None, self._settle_after_capture, ()):
-            return  # a capture forbids driver calls here; this runs when it ends
-        try:
-            while self._returned:
-                try:
-                    block = self._returned.popleft()
-                except IndexError:
-                    break
-                self._return(block)
-            self._collect()
-        finally:
-            lifetime.end_free()
-
-    def _settle_after_capture(self) -> int:
-        self._settle()
-        return 0
-
-    def _return(self, block: Block) -> None:
-        """The last array of *block* died (its events are recorded): wait-list it."""
-        for s in block.streams:  # closed before the array died: wait for its context
-            self._events.record(s)
-        block.streams = []
-        with self._lock:
-            if not block.usable():
-                self._remove_locked(block, "in_use")
-                dead = True
-            else:
-                self._move_locked(block, "in_use", "pending" if block.events else "cached")
-                dead = False
-        if dead:
-            self._free([block])
-
-    def _collect(self) -> None:
-        """Cache the pending blocks whose events have all completed (cuEventQuery)."""
-        with self._lock:
-            pending = list(self._pending)
-        done = []
-        for block in pending:
-            with self._lock:
-                events = list(block.events)
-            if all(event_done(ev) for ev, _ in events):
-                done.append(block)
-        dead, spent_all = [], []
-        with self._lock:
-            for block in done:
-                if block not in self._pending:
-                    continue
-                spent, block.events = block.events, []
-                spent_all.extend(spent)
-                if block.usable():
-                    self._move_locked(block, "pending", "cached")
-                else:
-                    self._remove_locked(block, "pending")
-                    dead.append(block)
-        for ev, owned in spent_all:
-            if owned:
-                self._events.give(ev)
-        self._free(dead)
-
-    def _wait(self, blocks: Sequence[Block]) -> None:
-        """Wait for the events of *blocks* (GIL released), then collect them."""
-        if not blocks:
-            return
-        if not lifetime.begin_free(None, self._settle_after_capture, ()):
-            return
-        try:
-            for block in blocks:
-                with self._lock:
-                    events = list(block.events)
-                for ev, _ in events:
-                    try:
-                        with ev.context:  # bound explicitly (strict mode)
-                            ev.synchronize()
-                    except Exception:
-                        pass  # a closed event or a poisoned context: _collect decides
-            self._collect()
-        finally:
-            lifetime.end_free()
-
-
-class PinnedPool(PinnedReuse):
+class PinnedPool:
     """A cache of page-locked host blocks handed out as numpy arrays.
 
     Use the process-wide pool, :func:`pinned_pool`; a separate instance has its own
@@ -671,8 +378,19 @@ class PinnedPool(PinnedReuse):
         for stream work, plus :meth:`claim`). Default: :func:`default_budget`.
     """
 
+    _budget: int
+    _lock: threading.Lock
+    _in_use: dict[int, Block]
+    _cached: collections.OrderedDict[int, Block]
+    _pending: list[Block]
+    _events: EventCache
+    _bytes: dict[str, int]
+    _claimed: int
+    _count: dict[str, int]
+    _returned: collections.deque[Block]
+
     def __init__(self, budget: int | None = None) -> None:
-        self._budget = default_budget() if budget is None else check_bytes(budget, "budget")
+        self._budget = default_budget() if budget is None else nbytes_arg(budget, "budget", "")
         self._lock = threading.Lock()
         self._in_use: dict[int, Block] = {}
         self._cached: collections.OrderedDict[int, Block] = collections.OrderedDict()
@@ -700,7 +418,7 @@ class PinnedPool(PinnedReuse):
         """Change the budget; cached blocks beyond it are freed (least recently returned
         first). Returns the bytes freed. Blocks in use are never taken away: until they
         return, the pool may hold more than a lowered budget."""
-        self._budget = check_bytes(nbytes, "set_budget(nbytes)")
+        self._budget = nbytes_arg(nbytes, "set_budget(nbytes)", "")
         self._settle()
         with self._lock:
             victims = self._evict_locked(self._budget)
@@ -862,7 +580,7 @@ class PinnedPool(PinnedReuse):
         """Free cached blocks (least recently returned first) until at most *keep_bytes*
         stay cached; return the bytes freed. Blocks in use or waiting for their streams
         are kept."""
-        keep = check_bytes(keep_bytes, "trim(keep_bytes)")
+        keep = nbytes_arg(keep_bytes, "trim(keep_bytes)", "")
         self._settle()
         with self._lock:
             victims = []
@@ -883,7 +601,7 @@ class PinnedPool(PinnedReuse):
         """Count *nbytes* of page-locked memory made elsewhere (``cuMemHostRegister`` of
         the caller's arrays) against the budget, freeing cached blocks to make room.
         False, and nothing counted, when it does not fit. Undo with :meth:`unclaim`."""
-        n = check_bytes(nbytes, "claim(nbytes)")
+        n = nbytes_arg(nbytes, "claim(nbytes)", "")
         self._settle()
         with self._lock:
             victims = self._evict_locked(self._budget - n)
@@ -895,7 +613,7 @@ class PinnedPool(PinnedReuse):
 
     def unclaim(self, nbytes: int) -> None:
         """Give back bytes counted by :meth:`claim`."""
-        n = check_bytes(nbytes, "unclaim(nbytes)")
+        n = nbytes_arg(nbytes, "unclaim(nbytes)", "")
         with self._lock:
             if n > self._claimed:
                 raise ValueError(f"unclaim({n}): only {self._claimed} bytes are claimed")
@@ -911,8 +629,8 @@ class PinnedPool(PinnedReuse):
         OutOfMemoryError
             As for :meth:`empty`.
         """
-        n = check_bytes(nbytes, "prefill(nbytes)")
-        want = check_bytes(count, "prefill(count)")
+        n = nbytes_arg(nbytes, "prefill(nbytes)", "")
+        want = nbytes_arg(count, "prefill(count)", "")
         cls = size_class(n)
         if not cls:
             return 0
@@ -1016,7 +734,7 @@ class PinnedPool(PinnedReuse):
         return shared
 
     def _host_alloc_retrying(self, nbytes: int, ctx: Context, what: str) -> LockedPages:
-        """New page-locked memory (:func:`~ctxkit.memory.pagelock.lock_new`); when the OS
+        """New page-locked memory (:func:`~ctxkit.memory.host.lock_new`); when the OS
         refuses, free every cached block and try once more."""
         try:
             return self._host_alloc(nbytes, ctx, what)
@@ -1024,6 +742,250 @@ class PinnedPool(PinnedReuse):
             if not self.trim(0):
                 raise
         return self._host_alloc(nbytes, ctx, what)
+
+    # --- handing out ---------------------------------------------------------------
+
+    def _take_cached_locked(self, cls: int) -> Block | None:
+        best: Block | None = None
+        dead = []
+        for block in self._cached.values():
+            if not block.usable():
+                dead.append(block)
+            elif fits(block.nbytes, cls) and (best is None or block.nbytes <= best.nbytes):
+                best = block
+        for block in dead:  # their context was closed: only our own mapping is left
+            self._pop_cached_locked(block.ptr)
+            block.pages.release()
+        if best is None:
+            return None
+        self._pop_cached_locked(best.ptr)
+        self._add_locked(best, "in_use")
+        self._count["hits"] += 1
+        return best
+
+    def _over_budget(self, cls: int, what: str) -> OutOfMemoryError:
+        b = self._bytes
+        return OutOfMemoryError(
+            f"{what}: a block of {cls} bytes ({gib(cls)}) does not fit the pinned pool's "
+            f"budget of {self._budget} bytes ({gib(self._budget)}): {b['in_use']} bytes are "
+            f"in use by live arrays, {b['pending']} wait for stream work, {self._claimed} "
+            f"are claimed by registrations, {b['inflight']} are being allocated. Drop "
+            "arrays you no longer need, or raise the budget: "
+            f"{POOL_ENV}=<bytes> or ctxkit.pinned_pool().set_budget(<bytes>)"
+        )
+
+    # --- bookkeeping (callers hold the lock) ---------------------------------------
+
+    def _held_locked(self) -> int:
+        b = self._bytes
+        return b["in_use"] + b["cached"] + b["pending"] + b["inflight"] + self._claimed
+
+    def _add_locked(self, block: Block, where: str) -> None:
+        if where == "in_use":
+            self._in_use[block.ptr] = block
+        elif where == "cached":
+            self._cached[block.ptr] = block
+        else:
+            self._pending.append(block)
+        self._bytes[where] += block.nbytes
+        held = self._held_locked() - self._claimed - self._bytes["inflight"]
+        self._count["peak"] = max(self._count["peak"], held)
+
+    def _remove_locked(self, block: Block, where: str) -> None:
+        if where == "in_use":
+            del self._in_use[block.ptr]
+        elif where == "cached":
+            del self._cached[block.ptr]
+        else:
+            self._pending.remove(block)
+        self._bytes[where] -= block.nbytes
+
+    def _move_locked(self, block: Block, src: str, dst: str) -> None:
+        self._remove_locked(block, src)
+        self._add_locked(block, dst)
+
+    def _pop_cached_locked(self, ptr: int) -> Block:
+        block = self._cached[ptr]
+        self._remove_locked(block, "cached")
+        return block
+
+    def _evict_locked(self, limit: int) -> list[Block]:
+        """Take cached blocks, least recently returned first, until the pool holds at
+        most *limit* bytes (or nothing is cached); the caller frees them."""
+        victims = []
+        while self._cached and self._held_locked() > limit:
+            victims.append(self._pop_cached_locked(next(iter(self._cached))))
+            self._count["evictions"] += 1
+        return victims
+
+    # --- driver work outside the lock ----------------------------------------------
+
+    def _host_alloc(self, nbytes: int, ctx: Context, what: str) -> LockedPages:
+        try:
+            return lock_new(nbytes, ctx)
+        except LockFailed as exc:
+            if exc.code != _OUT_OF_MEMORY:
+                raise ctx.note_error(exc.code, f"{exc.call}({nbytes}, PORTABLE)") from None
+            with self._lock:
+                held = self._held_locked()
+            raise OutOfMemoryError(
+                f"{what}: the OS refused to page-lock {nbytes} bytes ({gib(nbytes)}) of host "
+                f"memory ({exc.call}: out of memory) although the pinned pool "
+                f"holds only {held} of its {self._budget}-byte budget. "
+                "Page-locked memory is limited by physical RAM: lower the budget "
+                f"({POOL_ENV} or ctxkit.pinned_pool().set_budget()) or drop arrays you no "
+                "longer need",
+                _OUT_OF_MEMORY,
+                "CUDA_ERROR_OUT_OF_MEMORY",
+            ) from None
+
+    def _free(self, blocks: Sequence[Block]) -> int:
+        """``cuMemFreeHost`` each block in its context (never raising); the bytes."""
+        freed = 0
+        for block in blocks:
+            for ev, owned in block.events:
+                if owned:
+                    self._events.give(ev)
+            block.events = []
+            if block.usable():
+                with self._lock:
+                    self._count["frees"] += 1
+            block.pages.release()
+            freed += block.nbytes
+        return freed
+
+    # --- arrays over blocks --------------------------------------------------------
+
+    def _wrap(self, block: Block, nbytes: int) -> np.ndarray:
+        mem = HostMemory(block.ptr, nbytes, owner=block, context=block.ctx)
+        mem._fin = lifetime.finalizer(mem, None, self._give_back, block)
+        return np.asarray(mem)
+
+    def _give_back(self, block: Block) -> int:
+        """Finalizer of an array's memory (any thread, also inside the collector, even
+        while this thread holds the pool's lock, so it takes none of it): record an event
+        on each of the block's streams now, then queue the block for :meth:`_settle`. An
+        open stream capture holds it back until it ends (:func:`lifetime.free_quietly`)."""
+        try:
+            if not _context._shutting_down:
+                streams, block.streams = block.streams, []  # no array is left to add more
+                for s in streams:
+                    if s.handle is None:  # closed: waiting for its context blocks, and
+                        block.streams.append(s)  # this thread may hold a lock; later
+                        continue
+                    ev = self._events.record(s)
+                    if ev is not None:
+                        block.events.append((ev, True))
+        finally:
+            self._returned.append(block)
+        return 0
+
+    def _block_of(self, arr: Any, what: str) -> Block:
+        if not isinstance(arr, np.ndarray):
+            raise TypeError(f"PinnedPool.{what}: expected a numpy array, got {type(arr).__name__}")
+        base: Any = arr
+        while base is not None:
+            if isinstance(base, HostMemory) and isinstance(base.owner, Block):
+                block = base.owner
+                with self._lock:
+                    if self._in_use.get(block.ptr) is block:
+                        return block
+                break
+            base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
+        ptr = int(arr.__array_interface__["data"][0] or 0)
+        with self._lock:
+            for block in self._in_use.values():
+                if block.ptr <= ptr < block.ptr + block.nbytes:
+                    return block
+        raise ValueError(
+            f"PinnedPool.{what}: the array at {ptr:#x} is not in a block of this pool "
+            "(allocate it with ctxkit.pinned_pool().empty())"
+        )
+
+    # --- driver work outside the lock ----------------------------------------------
+
+    def _settle(self) -> None:
+        """Wait-list the returned blocks; cache those whose stream work completed."""
+        if not (self._returned or self._pending) or _context._shutting_down:
+            return
+        if not lifetime.begin_free(None, self._settle_after_capture, ()):
+            return  # a capture forbids driver calls here; this runs when it ends
+        try:
+            while self._returned:
+                try:
+                    block = self._returned.popleft()
+                except IndexError:
+                    break
+                self._return(block)
+            self._collect()
+        finally:
+            lifetime.end_free()
+
+    def _settle_after_capture(self) -> int:
+        self._settle()
+        return 0
+
+    def _return(self, block: Block) -> None:
+        """The last array of *block* died (its events are recorded): wait-list it."""
+        for s in block.streams:  # closed before the array died: wait for its context
+            self._events.record(s)
+        block.streams = []
+        with self._lock:
+            if not block.usable():
+                self._remove_locked(block, "in_use")
+                dead = True
+            else:
+                self._move_locked(block, "in_use", "pending" if block.events else "cached")
+                dead = False
+        if dead:
+            self._free([block])
+
+    def _collect(self) -> None:
+        """Cache the pending blocks whose events have all completed (cuEventQuery)."""
+        with self._lock:
+            pending = list(self._pending)
+        done = []
+        for block in pending:
+            with self._lock:
+                events = list(block.events)
+            if all(event_done(ev) for ev, _ in events):
+                done.append(block)
+        dead, spent_all = [], []
+        with self._lock:
+            for block in done:
+                if block not in self._pending:
+                    continue
+                spent, block.events = block.events, []
+                spent_all.extend(spent)
+                if block.usable():
+                    self._move_locked(block, "pending", "cached")
+                else:
+                    self._remove_locked(block, "pending")
+                    dead.append(block)
+        for ev, owned in spent_all:
+            if owned:
+                self._events.give(ev)
+        self._free(dead)
+
+    def _wait(self, blocks: Sequence[Block]) -> None:
+        """Wait for the events of *blocks* (GIL released), then collect them."""
+        if not blocks:
+            return
+        if not lifetime.begin_free(None, self._settle_after_capture, ()):
+            return
+        try:
+            for block in blocks:
+                with self._lock:
+                    events = list(block.events)
+                for ev, _ in events:
+                    try:
+                        with ev.context:  # bound explicitly (strict mode)
+                            ev.synchronize()
+                    except Exception:
+                        pass  # a closed event or a poisoned context: _collect decides
+            self._collect()
+        finally:
+            lifetime.end_free()
 
 
 _process_pool: PinnedPool | None = None

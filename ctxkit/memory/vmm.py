@@ -51,13 +51,12 @@ from .copies import (
     copy_device,
     device_mem,
     dtoh,
-    gib,
     htod,
 )
 from .device import DeviceArray, DeviceBuffer
 from .host import host_array
 from .interop import KDL_CUDA
-from .sizes import nbytes_arg
+from .sizes import gib, nbytes_arg
 
 __all__ = ["Chunk", "VirtualBuffer", "allocation_granularity"]
 
