@@ -33,13 +33,13 @@ never cached; gives back during a capture are held back by :mod:`ctxkit.lifetime
 from __future__ import annotations
 
 import atexit
-import os
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
 from .. import _driver, lifetime
 from .._driver import drv
+from .._env import alloc_cache
 from ..lifetime import free_quietly
 from ..stream import Stream
 from .sizes import SIZE_MAX
@@ -49,8 +49,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Block", "cached_bytes", "enabled", "flush", "limit_bytes"]
 
-
-ENV = "CTXKIT_ALLOC_CACHE"
 
 _GRAIN = 512
 
@@ -73,29 +71,11 @@ _held: dict[int, int] = {}  # device ordinal -> cached bytes
 _limits: dict[int, int] = {}  # device ordinal -> bound (default: a quarter of its memory)
 
 
-def _read_env() -> tuple[bool, int | None]:
-    raw = os.environ.get(ENV, "").strip().lower()
-    if raw in ("", "1", "on", "true", "yes"):
-        return True, None
-    if raw in ("0", "off", "false", "no"):
-        return False, None
-    try:
-        value = int(raw, 0)
-    except ValueError:
-        raise ValueError(
-            f"{ENV}={raw!r}: expected 0/off (no cache), 1/on (default bound) or the "
-            "bound in bytes per device (e.g. 4294967296)"
-        ) from None
-    if value < 0:
-        raise ValueError(f"{ENV}={raw!r}: the bound in bytes must not be negative")
-    return value > 0, value
-
-
 def _env_settings() -> tuple[bool, int | None, ValueError | None]:
     """The settings, or (off, the error): a bad value is raised by the first stream-ordered
     allocation, not by ``import ctxkit``."""
     try:
-        on, bound = _read_env()
+        on, bound = alloc_cache()
     except ValueError as exc:
         return False, None, exc
     return on, bound, None

@@ -3,17 +3,12 @@
 Typed views of device memory: :class:`DeviceArray` (a shape and dtype over a
 :class:`~ctxkit.memory.device.DeviceBuffer`, no copy), its copies, and its CUDA Array
 Interface v3 / DLPack exports with the stream consumers are ordered after
-(:func:`cai_stream`).
-
-Re-exported by :mod:`ctxkit.memory.device`, whose ``DeviceBuffer.view`` makes these
-arrays. :class:`BufferBase`, the base class of ``DeviceBuffer``, lets :class:`DeviceArray`
-check its buffer without importing that module, which imports this one.
+(:func:`cai_stream`). ``DeviceBuffer.view`` makes these arrays.
 
 Device memory: :class:`DeviceBuffer` (linear memory in one context, ``cuMemAlloc`` or
 stream-ordered) with its copies and its CUDA Array Interface / DLPack exports (as bytes),
-and :func:`device_array` / :func:`to_device`, which make typed arrays. :class:`DeviceArray`,
-the typed view, lives in :mod:`ctxkit.memory.devicearray` and is re-exported here (the
-family's overview is in :mod:`ctxkit.memory`).
+and :func:`device_array` / :func:`to_device`, which make typed arrays (the family's
+overview is in :mod:`ctxkit.memory`).
 
 Stream-ordered memory pools (``cuMemAllocAsync`` / ``cuMemFreeAsync``).
 
@@ -24,7 +19,7 @@ uses). Freed memory returns to the pool in stream order and is reused without a 
 allocation, which is what makes allocating per iteration cheap; the release threshold
 says how much unused memory the pool keeps across synchronizations. On top of it, ctxkit
 caches freed blocks per stream for reuse without a driver call, like PyTorch's caching
-allocator (:mod:`ctxkit.memory.blockcache`): they count as used in the driver's statistics
+allocator (:mod:`ctxkit.memory.alloc`): they count as used in the driver's statistics
 and in :attr:`MemoryPool.cached_bytes`; :meth:`MemoryPool.trim` gives them back.
 """
 
@@ -62,7 +57,6 @@ from .interop import KDL_CUDA, to_capsule
 from .sizes import gib, nbytes_arg, shape_arg, shape_nbytes
 
 __all__ = [
-    "BufferBase",
     "DeviceArray",
     "DeviceBuffer",
     "MemoryPool",
@@ -70,13 +64,6 @@ __all__ = [
     "device_array",
     "to_device",
 ]
-
-
-class BufferBase:
-    """The base class of :class:`~ctxkit.memory.device.DeviceBuffer` (and so of every
-    buffer class): what :class:`DeviceArray` accepts as its memory."""
-
-    __slots__ = ()
 
 
 class DeviceArray:
@@ -101,7 +88,7 @@ class DeviceArray:
     __slots__ = ("__weakref__", "buffer", "dtype", "shape", "stream")
 
     def __init__(self, buffer: DeviceBuffer, shape: Any, dtype: Any, stream: Any = None):
-        if not isinstance(buffer, BufferBase):
+        if not isinstance(buffer, DeviceBuffer):
             raise TypeError(f"buffer must be a DeviceBuffer, got {type(buffer).__name__}")
         dt = plain_dtype(dtype, "DeviceArray")
         shp = shape_arg(shape)
@@ -329,7 +316,7 @@ def cai_stream(stream: Any) -> int | None:
 _OUT_OF_MEMORY = 2
 
 
-class DeviceBuffer(BufferBase):
+class DeviceBuffer:
     """Linear device memory in one context: ``cuMemAlloc``, or stream-ordered from a pool.
 
     Parameters
@@ -348,7 +335,7 @@ class DeviceBuffer(BufferBase):
         without *stream* is stream-ordered on the current stream. Freed stream-ordered
         blocks are cached for reuse on their stream, like PyTorch's caching allocator:
         :meth:`MemoryPool.trim` gives them back to the driver, ``CTXKIT_ALLOC_CACHE=0``
-        disables the cache (:mod:`ctxkit.memory.blockcache`).
+        disables the cache (:mod:`ctxkit.memory.alloc`).
     pool : MemoryPool, optional
         The pool to allocate from (``cuMemAllocFromPoolAsync``); implies stream-ordered
         allocation (on the current stream when *stream* is not given).
@@ -527,7 +514,7 @@ class DeviceBuffer(BufferBase):
         of *stream* when given (a later allocation on that stream reuses it, ordered
         after the work on that stream only: make sure nothing else still uses the
         memory); the cache frees it with ``cuMemFreeAsync`` on that stream
-        (:mod:`ctxkit.memory.blockcache`). Closing a slice view only invalidates the view.
+        (:mod:`ctxkit.memory.alloc`). Closing a slice view only invalidates the view.
         """
         fin = self._fin
         if self._base is None and fin is not None:

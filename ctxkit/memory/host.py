@@ -7,9 +7,7 @@ is pinned, managed, device or pageable memory; :func:`is_pinned` applies it to b
 of an array; :func:`host_array` turns a host argument into a C-contiguous numpy array (or
 a clear error) without copying; :func:`plain_dtype` refuses dtypes holding Python objects
 wherever memory is read or written as bytes. Every host copy, the honest-async check and
-:mod:`ctxkit.memory.hostaccess` build on these; they change no driver state.
-
-Re-exported by :mod:`ctxkit.memory.host` and :mod:`ctxkit.memory`.
+the kernel-access functions below build on these; they change no driver state.
 
 Page-locked host allocations: :func:`pinned_empty` and :func:`pinned_zeros`
 (``cuMemHostAlloc``) and :class:`HostMemory`, the numpy-visible owner of such memory.
@@ -17,8 +15,6 @@ Page-locked host allocations: :func:`pinned_empty` and :func:`pinned_zeros`
 Also the ``CU_MEMHOST*`` flag bits, which ``cuMemHostAlloc`` and ``cuMemHostRegister``
 share, and :func:`host_context`, the context a host allocation is made in (used by
 :func:`~ctxkit.memory.host.register_host` and the pinned pool too).
-
-Re-exported by :mod:`ctxkit.memory.host` and :mod:`ctxkit.memory`.
 
 New page-locked host memory, made fast: anonymous pages, touched in parallel, registered.
 
@@ -49,15 +45,10 @@ memory; :func:`host_device_pointer`, the kernel-argument address of a host array
 the switch for pageable arrays on HMM/ATS devices (:func:`allow_pageable_kernel_args`).
 That state is looked up here by name, so it stays in this module.
 
-Allocations (:func:`pinned_empty`, :class:`HostMemory`) are in
-:mod:`ctxkit.memory.hostalloc` and pointer queries (:func:`host_pointer_kind`,
-:func:`is_pinned`, :func:`host_array`) in :mod:`ctxkit.memory.hostptr`; both are
-importable from here. Re-exported by :mod:`ctxkit.memory`; documented there.
-
 How devices reach host memory: page-lock flags, device addresses of pinned arrays, and
 pageable arrays as kernel arguments on devices that access pageable memory (HMM/ATS).
 
-Re-exported by :mod:`ctxkit.memory`.
+The public names are exported by :mod:`ctxkit.memory` and documented there.
 """
 
 from __future__ import annotations
@@ -78,7 +69,7 @@ import numpy as np
 
 from .. import _driver, lifetime
 from .._driver import drv
-from .._env import env_flag
+from .._env import env_flag, pinned_alloc
 from ..context import Context, current_context, require_current, thread_state
 from ..device import Device
 from ..errors import (
@@ -94,7 +85,6 @@ from ..registry import bind, resolve_context
 from .sizes import shape_nbytes
 
 __all__ = [
-    "ALLOC_ENV",
     "HostMemory",
     "HostMemoryFlags",
     "LockFailed",
@@ -245,7 +235,7 @@ def is_pinned(arr: Any) -> bool:
     page with a neighbour's registration is not pinned.
 
     Async copies need pinned memory: from pageable memory the driver blocks the host for
-    the whole copy. :func:`ctxkit.memory.hostaccess.host_memory_flags` tells how it is
+    the whole copy. :func:`ctxkit.memory.host.host_memory_flags` tells how it is
     pinned. Without a driver (or cuda-bindings) no memory is pinned: False.
     """
     a = host_array(arr, "is_pinned") if not isinstance(arr, np.ndarray) else arr
@@ -332,7 +322,7 @@ def pinned_empty(
     mapped : bool
         ``CU_MEMHOSTALLOC_DEVICEMAP``: map it into the device address space, so kernels
         read and write it in place (zero-copy); the address is
-        :func:`~ctxkit.memory.hostaccess.device_pointer`.
+        :func:`~ctxkit.memory.host.device_pointer`.
     write_combined : bool
         ``CU_MEMHOSTALLOC_WRITECOMBINED``: not cached by the CPU, so transfers to the
         device can be faster, but CPU *reads* from it are very slow: for buffers the host
@@ -415,8 +405,6 @@ def pinned_zeros(
     return arr
 
 
-ALLOC_ENV = "CTXKIT_PINNED_ALLOC"
-
 _PORTABLE = 1  # CU_MEMHOSTALLOC_PORTABLE == CU_MEMHOSTREGISTER_PORTABLE
 
 _HUGE = 2 << 20
@@ -473,10 +461,7 @@ class LockedPages:
 
 def method() -> str:
     """``"register"`` or ``"hostalloc"``: how :func:`lock_new` makes memory now."""
-    want = os.environ.get(ALLOC_ENV, "").strip().lower()
-    if want not in ("", "register", "hostalloc"):
-        raise ValueError(f"{ALLOC_ENV}={want!r}: use 'register' (default on Linux) or 'hostalloc'")
-    if want == "hostalloc" or _refused or _libc() is None:
+    if pinned_alloc() == "hostalloc" or _refused or _libc() is None:
         return "hostalloc"
     return "register"
 
@@ -709,7 +694,7 @@ def register_host(
         As for :func:`pinned_empty`.
     mapped : bool
         ``CU_MEMHOSTREGISTER_DEVICEMAP``: kernels may access it in place
-        (:func:`~ctxkit.memory.hostaccess.device_pointer`).
+        (:func:`~ctxkit.memory.host.device_pointer`).
     read_only : bool
         ``CU_MEMHOSTREGISTER_READ_ONLY``: the device only reads it; needed for memory the
         OS maps read-only (a read-only ``mmap``). Needs a device with
@@ -812,7 +797,7 @@ def allow_pageable_kernel_args(enabled: bool = True) -> None:
     device (HMM or ATS: :func:`pageable_memory_access`) the array's host address is passed
     and the kernel reads and writes the array in place; elsewhere such arrays are refused
     as before (``LaunchArgumentError``). For one argument of one launch, wrap it with
-    :func:`~ctxkit.memory.hostaccess.pageable_arg` instead.
+    :func:`~ctxkit.memory.host.pageable_arg` instead.
     """
     global _pageable_kernel_args
     _pageable_kernel_args = bool(enabled)
@@ -1002,7 +987,7 @@ class PageableArg:
 def pageable_arg(arr: Any) -> PageableArg:
     """Opt in for one kernel argument: pass pageable *arr* by its host address.
 
-    ``k.launch(grid, block, ctxkit.memory.hostaccess.pageable_arg(x), n)`` lets the kernel read
+    ``k.launch(grid, block, ctxkit.memory.host.pageable_arg(x), n)`` lets the kernel read
     and write *x* in place on a device that accesses pageable memory (HMM/ATS); on other
     devices the launch raises ``LaunchArgumentError``. Keep *x* alive and do not touch it
     from the host until the kernel has finished.

@@ -5,25 +5,16 @@ What an IPC handle carries between processes: the raw driver handle bytes
 process, device UUID) and how an importer finds that device again, and the POSIX file
 descriptors of shareable VMM chunks, which travel through ``multiprocessing`` pickling.
 
-The handle classes and the export/import functions built on these are in
-:mod:`ctxkit.memory.ipc`.
-
 Events other processes can wait for: :func:`ipc_event` creates one
 (``CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING``), and ``_wrap_event`` makes an
 :class:`~ctxkit.Event` of a driver handle, one created here or opened from another
-process's handle, destroyed in its context when dropped.
-
-Their handles are exchanged by :func:`~ctxkit.memory.ipc.export_event` and
-:func:`~ctxkit.memory.ipc.import_event`; :mod:`ctxkit.memory.ipc` re-exports
-:func:`ipc_event`.
+process's handle, destroyed in its context when dropped. Their handles are exchanged by
+:func:`export_event` and :func:`import_event`.
 
 Legacy CUDA IPC memory (``cuIpc*MemHandle``) on both sides: which device memory
 ``cuIpcGetMemHandle`` can export (not pool, managed or VMM memory), and
 :class:`ImportedBuffer`, a :class:`~ctxkit.memory.DeviceBuffer` over another process's
 memory that is unmapped (``cuIpcCloseMemHandle``) when its last view goes.
-
-Used by the export/import functions of :mod:`ctxkit.memory.ipc`, which re-exports
-:class:`ImportedBuffer`.
 
 Sharing device memory and events with other processes on the same machine (CUDA IPC).
 
@@ -48,11 +39,7 @@ made with ``shareable=True`` is exported as POSIX file descriptors of its chunks
 transfer). Legacy handles open only in *other* processes, on Linux, and not across
 containers that do not share their PID and IPC namespaces.
 
-This module holds the handles and the functions that export and import them, which all
-tell this process from others by ``_PROCESS_TAG``. What a handle carries is in
-:mod:`ctxkit.memory.ipcwire`, legacy IPC memory on either side (what can be exported,
-:class:`ImportedBuffer`) in :mod:`ctxkit.memory.ipcmem`, and the shareable event itself
-(:func:`ipc_event`) in :mod:`ctxkit.memory.ipcevent`; all are importable from here.
+The export and import functions tell this process from others by ``_PROCESS_TAG``.
 """
 
 from __future__ import annotations

@@ -73,6 +73,7 @@ from .. import _driver, lifetime
 from .. import context as _context
 from .. import registry as _registry
 from .._driver import drv
+from .._env import pinned_pool_bytes
 from ..context import Context
 from ..errors import OutOfMemoryError
 from ..stream import Event, Stream
@@ -82,7 +83,6 @@ from .sizes import gib, nbytes_arg, shape_nbytes
 __all__ = [
     "DEFAULT_CAP",
     "GRANULE",
-    "POOL_ENV",
     "Block",
     "EventCache",
     "PinnedPool",
@@ -106,8 +106,6 @@ PAGE = 4 * KiB
 GRANULE = 2 * MiB
 
 DEFAULT_CAP = 64 * GiB
-
-POOL_ENV = "CTXKIT_PINNED_POOL_BYTES"
 
 
 def size_class(nbytes: int) -> int:
@@ -155,17 +153,8 @@ def default_budget() -> int:
     ``run_per_device`` workers) set ``CTXKIT_PINNED_POOL_BYTES`` to about a quarter of the
     node's memory divided by the processes per node.
     """
-    value = os.environ.get(POOL_ENV, "").strip()
-    if value:
-        try:
-            budget = int(value)
-        except ValueError:
-            budget = -1
-        if budget < 0:
-            raise ValueError(
-                f"{POOL_ENV}={value!r}: give the most bytes of page-locked host memory the "
-                "pinned pool may hold in this process, as an integer >= 0"
-            )
+    budget = pinned_pool_bytes()
+    if budget is not None:
         return budget
     phys = _physical_memory()
     if phys is None:
@@ -771,7 +760,7 @@ class PinnedPool:
             f"in use by live arrays, {b['pending']} wait for stream work, {self._claimed} "
             f"are claimed by registrations, {b['inflight']} are being allocated. Drop "
             "arrays you no longer need, or raise the budget: "
-            f"{POOL_ENV}=<bytes> or ctxkit.pinned_pool().set_budget(<bytes>)"
+            "CTXKIT_PINNED_POOL_BYTES=<bytes> or ctxkit.pinned_pool().set_budget(<bytes>)"
         )
 
     # --- bookkeeping (callers hold the lock) ---------------------------------------
@@ -833,7 +822,8 @@ class PinnedPool:
                 f"memory ({exc.call}: out of memory) although the pinned pool "
                 f"holds only {held} of its {self._budget}-byte budget. "
                 "Page-locked memory is limited by physical RAM: lower the budget "
-                f"({POOL_ENV} or ctxkit.pinned_pool().set_budget()) or drop arrays you no "
+                "(CTXKIT_PINNED_POOL_BYTES or ctxkit.pinned_pool().set_budget()) or drop arrays "
+                "you no "
                 "longer need",
                 _OUT_OF_MEMORY,
                 "CUDA_ERROR_OUT_OF_MEMORY",

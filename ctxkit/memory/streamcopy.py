@@ -31,6 +31,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from .._env import streaming_copy
+
 __all__ = [
     "DEFAULT_CACHE_BYTES",
     "MIN_STREAMING_BYTES",
@@ -78,12 +80,7 @@ class StreamingCopyInfo:
 
 class _State:
     lock = threading.Lock()
-    enabled = os.environ.get("CTXKIT_STREAMING_COPY", "1").strip().lower() not in (
-        "0",
-        "false",
-        "no",
-        "off",
-    )
+    enabled = streaming_copy()
     loaded = False
     building = False
     fn: _CopyFn | None = None

@@ -1,6 +1,6 @@
 """Virtual memory management: chunked, striped buffers over several devices.
 
-The driver side of a :class:`~ctxkit.memory.vmm.VirtualBuffer`: physical chunks
+The driver side of a :class:`VirtualBuffer`: physical chunks
 (``cuMemCreate``) and their granularity, reserved address ranges (``cuMemAddressReserve``),
 mappings with read/write access for every accessing device (``cuMemMap`` /
 ``cuMemSetAccess``), and their release in order (unmap, release, free the range).
@@ -20,11 +20,6 @@ mapped after the old ones, in place when the address space there is free, otherw
 existing chunks are remapped into a larger range (the data stays where it is physically).
 It is freed in order (unmap, release, free the address range) by :meth:`close`, garbage
 collection in any thread, or interpreter exit.
-
-This module holds the class; the driver work behind it (chunks and their granularity,
-address ranges, mappings and access, the support checks) is in
-:mod:`ctxkit.memory.vmmchunks`, whose :class:`Chunk` and :func:`allocation_granularity`
-are importable from here.
 """
 
 from __future__ import annotations

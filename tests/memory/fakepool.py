@@ -173,12 +173,12 @@ class FakePoolDriver(FakeMemDriver):
 def pfake(fake_driver, monkeypatch):
     """The memory fake with pools, patched everywhere, and an empty enabled block cache."""
     f = install(monkeypatch, FakePoolDriver(fake_driver))
-    monkeypatch.delenv(alloc.ENV, raising=False)
+    monkeypatch.delenv("CTXKIT_ALLOC_CACHE", raising=False)
     _reset_cache()
     yield f
     # This teardown runs before monkeypatch's undo: drop a value the test set, or the
     # cache would keep its settings (or its error) for the tests after this one.
-    monkeypatch.delenv(alloc.ENV, raising=False)
+    monkeypatch.delenv("CTXKIT_ALLOC_CACHE", raising=False)
     _reset_cache()
     gc.collect()
 

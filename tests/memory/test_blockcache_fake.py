@@ -22,7 +22,7 @@ MIB = 1 << 20
 
 @pytest.fixture
 def big_bound(monkeypatch):
-    monkeypatch.setenv(alloc.ENV, str(1 << 30))
+    monkeypatch.setenv("CTXKIT_ALLOC_CACHE", str(1 << 30))
     _reset_cache()
 
 
@@ -140,7 +140,7 @@ def test_trim_flushes_the_cache_and_returns_the_memory(pfake, ctx0, big_bound):
 
 
 def test_the_bound_empties_the_device_cache(pfake, ctx0, monkeypatch):
-    monkeypatch.setenv(alloc.ENV, "8192")
+    monkeypatch.setenv("CTXKIT_ALLOC_CACHE", "8192")
     _reset_cache()
     with ctx0:
         s = ck.Stream()
@@ -345,7 +345,7 @@ def test_a_foreign_stream_being_captured_bypasses_the_cache(pfake, ctx0, monkeyp
 
 
 def test_environment_switch_disables_the_cache(pfake, ctx0, monkeypatch):
-    monkeypatch.setenv(alloc.ENV, "0")
+    monkeypatch.setenv("CTXKIT_ALLOC_CACHE", "0")
     _reset_cache()
     assert not alloc.enabled()
     with ctx0:
@@ -359,14 +359,14 @@ def test_environment_switch_disables_the_cache(pfake, ctx0, monkeypatch):
 
 
 def test_bad_environment_value_is_raised_by_the_first_allocation(pfake, ctx0, monkeypatch):
-    monkeypatch.setenv(alloc.ENV, "lots")
+    monkeypatch.setenv("CTXKIT_ALLOC_CACHE", "lots")
     _reset_cache()  # what `import ctxkit` does: no error yet
     with ctx0:
         s = ck.Stream()
         with pytest.raises(ValueError, match="CTXKIT_ALLOC_CACHE='lots': expected 0/off"):
             DeviceBuffer(4096, stream=s)
         DeviceBuffer(4096).close()  # synchronous memory does not care
-        monkeypatch.setenv(alloc.ENV, "-5")
+        monkeypatch.setenv("CTXKIT_ALLOC_CACHE", "-5")
         _reset_cache()
         with pytest.raises(ValueError, match="must not be negative"):
             DeviceBuffer(4096, stream=s)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ctxkit.memory import pinned
-from ctxkit.memory.pinned import POOL_ENV, default_budget, size_class
+from ctxkit.memory.pinned import default_budget, size_class
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -43,7 +43,7 @@ def test_reuse_accepts_blocks_at_most_a_quarter_larger():
 
 
 def test_default_budget_is_a_quarter_of_memory_capped(monkeypatch):
-    monkeypatch.delenv(POOL_ENV, raising=False)
+    monkeypatch.delenv("CTXKIT_PINNED_POOL_BYTES", raising=False)
     monkeypatch.setattr(pinned, "_physical_memory", lambda: 128 * GiB)
     assert default_budget() == 32 * GiB
     monkeypatch.setattr(pinned, "_physical_memory", lambda: 2048 * GiB)
@@ -53,16 +53,16 @@ def test_default_budget_is_a_quarter_of_memory_capped(monkeypatch):
 
 
 def test_the_environment_sets_the_budget(monkeypatch):
-    monkeypatch.setenv(POOL_ENV, " 123456 ")
+    monkeypatch.setenv("CTXKIT_PINNED_POOL_BYTES", " 123456 ")
     assert default_budget() == 123456
-    monkeypatch.setenv(POOL_ENV, "0")
+    monkeypatch.setenv("CTXKIT_PINNED_POOL_BYTES", "0")
     assert default_budget() == 0
 
 
 @pytest.mark.parametrize("bad", ["lots", "-5", "1.5e9"])
 def test_a_bad_environment_value_names_the_variable(monkeypatch, bad):
-    monkeypatch.setenv(POOL_ENV, bad)
-    with pytest.raises(ValueError, match=rf"{POOL_ENV}=.*integer >= 0"):
+    monkeypatch.setenv("CTXKIT_PINNED_POOL_BYTES", bad)
+    with pytest.raises(ValueError, match=r"CTXKIT_PINNED_POOL_BYTES=.*integer >= 0"):
         default_budget()
 
 

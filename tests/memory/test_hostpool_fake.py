@@ -274,7 +274,7 @@ def test_a_collected_private_pool_frees_its_cache(fake, ctx0):
 
 def test_pinned_pool_is_one_per_process(fake, ctx0, monkeypatch):
     monkeypatch.setattr(pinned, "_process_pool", None)
-    monkeypatch.setenv(pinned.POOL_ENV, str(32 * MiB))
+    monkeypatch.setenv("CTXKIT_PINNED_POOL_BYTES", str(32 * MiB))
     pools = [in_thread(pinned.pinned_pool) for _ in range(4)]
     assert all(p is pools[0] for p in pools) and pools[0] is pinned.pinned_pool()
     assert pools[0].budget == 32 * MiB

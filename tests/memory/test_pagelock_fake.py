@@ -23,7 +23,7 @@ PORTABLE = 1
 
 @pytest.fixture
 def registering(gpu, monkeypatch):
-    monkeypatch.setenv(host.ALLOC_ENV, "register")
+    monkeypatch.setenv("CTXKIT_PINNED_ALLOC", "register")
     return gpu
 
 
@@ -53,13 +53,13 @@ def test_register_path_pins_aligned_usable_pages(registering, nbytes):
 
 
 def test_method_follows_the_environment(gpu, monkeypatch):
-    monkeypatch.setenv(host.ALLOC_ENV, "hostalloc")
+    monkeypatch.setenv("CTXKIT_PINNED_ALLOC", "hostalloc")
     assert host.method() == "hostalloc"
     pages = host.lock_new(MiB, ck.registry.context(0))
     assert not pages.registered and host_allocs(gpu) == 1 and not gpu.register_calls
     pages.release()
     assert host_allocs(gpu) == 0
-    monkeypatch.setenv(host.ALLOC_ENV, "pin-it")
+    monkeypatch.setenv("CTXKIT_PINNED_ALLOC", "pin-it")
     with pytest.raises(ValueError, match="CTXKIT_PINNED_ALLOC"):
         host.method()
 

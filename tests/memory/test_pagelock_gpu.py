@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 import ctxkit as ck
-from ctxkit.memory import host
 from ctxkit.memory.host import host_pointer_kind
 from ctxkit.memory.pinned import PinnedPool
 
@@ -22,7 +21,7 @@ MiB = 1 << 20
 @pytest.mark.parametrize("method", ["register", "hostalloc"])
 @pytest.mark.parametrize("nbytes", [4096, 3 * MiB + 4096, 96 * MiB])
 def test_pool_blocks_are_pinned_and_dma_exactly(monkeypatch, method, nbytes):
-    monkeypatch.setenv(host.ALLOC_ENV, method)
+    monkeypatch.setenv("CTXKIT_PINNED_ALLOC", method)
     ctx = ck.registry.context(0)
     pool = PinnedPool(budget=512 * MiB)
     with ctx:

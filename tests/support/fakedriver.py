@@ -257,7 +257,7 @@ def swap_driver(monkeypatch: Any, fake: Any) -> None:
     for name, mod in list(sys.modules.items()):
         if (name == "ctxkit" or name.startswith("ctxkit.")) and hasattr(mod, "drv"):
             monkeypatch.setattr(mod, "drv", fake)
-    monkeypatch.setenv(host.ALLOC_ENV, "hostalloc")
+    monkeypatch.setenv("CTXKIT_PINNED_ALLOC", "hostalloc")
     monkeypatch.setattr(host, "_refused", False)
 
 
