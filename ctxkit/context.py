@@ -108,6 +108,11 @@ cheaper than the subclass on every Python version; filled on a thread's first us
 _shutting_down = False
 
 
+def shutting_down() -> bool:
+    """True from interpreter exit (or in a forked child) on: frees are skipped."""
+    return _shutting_down
+
+
 def begin_shutdown() -> None:
     """Interpreter exit: from now on frees are skipped (the process teardown frees)."""
     global _shutting_down

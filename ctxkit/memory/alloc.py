@@ -218,7 +218,7 @@ def take(stream: Stream, n: int) -> Block | None:
     if not _enabled or _capturing or stream.handle is None or _in_capture(stream):
         return None
     ctx = stream.context
-    if ctx.closed or ctx._poison is not None:
+    if ctx.closed or ctx.poisoned:
         return None
     sc = _caches.get(id(stream))
     if sc is None:

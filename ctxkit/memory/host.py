@@ -106,6 +106,7 @@ __all__ = [
     "pinned_zeros",
     "plain_dtype",
     "register_host",
+    "register_pages",
     "set_strict_async",
     "strict_async",
 ]
@@ -485,6 +486,19 @@ def lock_new(nbytes: int, ctx: Context) -> LockedPages:
     return LockedPages(int(ptr), nbytes, ctx, registered=False)
 
 
+def register_pages(ptr: int, nbytes: int, flags: int, context: Context | None = None) -> int:
+    """``cuMemHostRegister(ptr, nbytes, flags)``: the one place ctxkit page-locks existing
+    host memory. Made in *context* (bound for the call) or, when ``None``, the calling
+    thread's current one; returns the CUresult as an int (0: registered), so each caller
+    words its own error."""
+    if context is None:
+        (err,) = drv.cuMemHostRegister(ptr, nbytes, flags)
+    else:
+        with context:
+            (err,) = drv.cuMemHostRegister(ptr, nbytes, flags)
+    return int(err)
+
+
 def _register_new(nbytes: int, ctx: Context) -> LockedPages | None:
     """The fast path; ``None`` when registering is refused for a reason other than
     memory (then ``cuMemHostAlloc`` serves this and every later request)."""
@@ -492,12 +506,11 @@ def _register_new(nbytes: int, ctx: Context) -> LockedPages | None:
     size = -(-nbytes // _PAGE) * _PAGE
     ptr = _map_aligned(size)
     _touch(ptr, size)
-    with ctx:
-        (err,) = drv.cuMemHostRegister(ptr, size, _PORTABLE)
+    err = register_pages(ptr, size, _PORTABLE, ctx)
     if not err:
         return LockedPages(ptr, size, ctx, registered=True)
     _munmap(ptr, size)
-    if int(err) == _OUT_OF_MEMORY:
+    if err == _OUT_OF_MEMORY:
         raise LockFailed(_OUT_OF_MEMORY, "cuMemHostRegister")
     _refused = True
     return None
@@ -716,8 +729,7 @@ def register_host(
     ctx = host_context(context, "register_host")
     if read_only:
         _check_read_only_register(ctx)
-    with ctx:
-        (err,) = drv.cuMemHostRegister(ptr, nbytes, flags)
+    err = register_pages(ptr, nbytes, flags, ctx)
     if err == _HOST_ALREADY_REGISTERED:
         raise ValueError(
             f"register_host: the array at {ptr:#x} ({nbytes} bytes) shares a page with host "

@@ -70,11 +70,10 @@ from typing import Any
 import numpy as np
 
 from .. import _driver, lifetime
-from .. import context as _context
 from .. import registry as _registry
 from .._driver import drv
 from .._env import pinned_pool_bytes
-from ..context import Context
+from ..context import Context, shutting_down
 from ..errors import OutOfMemoryError
 from ..stream import Event, Stream
 from .host import HostMemory, LockedPages, LockFailed, host_context, lock_new, plain_dtype
@@ -329,7 +328,7 @@ def free_left(
     cached: dict[int, Block], pending: list[Block], returned: collections.deque[Block]
 ) -> None:
     """Finalizer of a collected pool: free its blocks once their stream work is done."""
-    if _context._shutting_down:
+    if shutting_down():
         return
     for block in returned:
         for s in block.streams:
@@ -857,7 +856,7 @@ class PinnedPool:
         on each of the block's streams now, then queue the block for :meth:`_settle`. An
         open stream capture holds it back until it ends (:func:`lifetime.free_quietly`)."""
         try:
-            if not _context._shutting_down:
+            if not shutting_down():
                 streams, block.streams = block.streams, []  # no array is left to add more
                 for s in streams:
                     if s.handle is None:  # closed: waiting for its context blocks, and
@@ -896,7 +895,7 @@ class PinnedPool:
 
     def _settle(self) -> None:
         """Wait-list the returned blocks; cache those whose stream work completed."""
-        if not (self._returned or self._pending) or _context._shutting_down:
+        if not (self._returned or self._pending) or shutting_down():
             return
         if not lifetime.begin_free(None, self._settle_after_capture, ()):
             return  # a capture forbids driver calls here; this runs when it ends

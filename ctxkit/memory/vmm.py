@@ -33,9 +33,8 @@ from typing import Any
 import numpy as np
 
 from .. import _driver
-from .. import context as _context
 from .._driver import check_fork, drv, in_forked_child
-from ..context import Context
+from ..context import Context, shutting_down
 from ..device import Device
 from ..errors import ContextClosedError, CudaError, OutOfMemoryError
 from ..lifetime import free_quietly
@@ -171,7 +170,7 @@ def _release_all(space: _Space) -> tuple[int]:
 
 
 def _finalize(ctx: Context, space: _Space) -> None:
-    if not space.reservations or _context._shutting_down:
+    if not space.reservations or shutting_down():
         return
     if ctx.closed or ctx.poisoned:  # VMM memory belongs to no context: free it anyway
         try:
