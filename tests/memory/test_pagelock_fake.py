@@ -139,3 +139,18 @@ def test_a_forked_child_touches_pages_with_threads_of_its_own(registering):
         os.waitpid(pid, 0)
         pytest.fail("the forked child hung touching pages")
     assert os.WIFEXITED(done[1]) and os.WEXITSTATUS(done[1]) == 0
+
+
+def test_register_pages_returns_the_cuda_result(gpu):
+    ctx = ck.registry.context(0)
+    raw = np.zeros(3 * 4096, np.uint8)
+    off = -int(raw.ctypes.data) % 4096
+    arr = raw[off : off + 2 * 4096]
+    ptr = int(arr.ctypes.data)
+    assert host.register_pages(ptr, arr.nbytes, PORTABLE, ctx) == 0
+    assert gpu.register_calls[-1] == (ptr, arr.nbytes, PORTABLE)
+    assert host.register_pages(ptr, arr.nbytes, PORTABLE, ctx) == 712  # already registered
+    with ctx:
+        assert host.register_pages(ptr + 1, 4096, PORTABLE) == 1  # not page-aligned: invalid
+        (err,) = ck._driver.drv.cuMemHostUnregister(ptr)
+    assert not err and ptr not in gpu.registered
