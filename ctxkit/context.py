@@ -109,7 +109,8 @@ _shutting_down = False
 
 
 def shutting_down() -> bool:
-    """True from interpreter exit (or in a forked child) on: frees are skipped."""
+    """True from interpreter exit on (and in a forked child): frees are skipped, the
+    process teardown frees."""
     return _shutting_down
 
 
@@ -320,6 +321,11 @@ class Context:
             return cls(cu, dev, _FOREIGN)
 
     # --- properties ----------------------------------------------------------------
+
+    @property
+    def cu(self) -> Any:
+        """The driver's ``CUcontext`` object, for driver calls that take a context."""
+        return self._cu
 
     @property
     def is_primary(self) -> bool:

@@ -300,7 +300,7 @@ def memcpy_peer(
     if stream is None:
         bind = dctx
         with guard(bind, what):
-            (err,) = drv.cuMemcpyPeer(dptr, dctx._cu, sptr, sctx._cu, n)
+            (err,) = drv.cuMemcpyPeer(dptr, dctx.cu, sptr, sctx.cu, n)
             if not err:
                 finish_default_stream(bind, what)
     else:
@@ -309,7 +309,7 @@ def memcpy_peer(
         else:
             bind, sh = dctx, stream_handle(stream)
         with guard(bind, what):
-            (err,) = drv.cuMemcpyPeerAsync(dptr, dctx._cu, sptr, sctx._cu, n, sh)
+            (err,) = drv.cuMemcpyPeerAsync(dptr, dctx.cu, sptr, sctx.cu, n, sh)
     if err:
         raise bind.note_error(
             err, f"{what}: cuMemcpyPeer{'Async' if stream is not None else ''} ({n} bytes)"
@@ -365,7 +365,7 @@ def enable_peer_access(a: Any, b: Any) -> None:
             "CUDA_ERROR_PEER_ACCESS_UNSUPPORTED",
         )
     with ca:
-        (err,) = drv.cuCtxEnablePeerAccess(cb._cu, 0)
+        (err,) = drv.cuCtxEnablePeerAccess(cb.cu, 0)
     if err and int(err) != _PEER_ACCESS_ALREADY_ENABLED:
         raise ca.note_error(err, f"cuCtxEnablePeerAccess({ca!r} -> {cb!r})")
     record_peer_access(ca, cb)
@@ -385,7 +385,7 @@ def disable_peer_access(a: Any, b: Any) -> None:
         return
     if ca.device.can_access_peer(cb.device):
         with ca:
-            (err,) = drv.cuCtxDisablePeerAccess(cb._cu)
+            (err,) = drv.cuCtxDisablePeerAccess(cb.cu)
         if err and int(err) != _PEER_ACCESS_NOT_ENABLED:
             raise ca.note_error(err, f"cuCtxDisablePeerAccess({ca!r} -> {cb!r})")
     forget_peer_access(ca, cb)
