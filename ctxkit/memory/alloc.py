@@ -1,5 +1,13 @@
 """The allocation protocol and the stream-ordered block cache.
 
+Every kind of memory ctxkit allocates is one :class:`MemoryKind`, data rather than a
+subclass hook: the driver call that allocates it (with its fixed arguments), the one that
+frees it, how DLPack names it and whether it may come stream-ordered from a pool.
+:meth:`MemoryKind.allocate` makes an allocation in the bound context and
+:meth:`MemoryKind.deallocate` ties its free to its owner; :data:`KINDS` lists them
+(device, managed, pinned host). Stream-ordered (pooled) device memory comes from the
+block cache below (:func:`allocate`, :func:`give_back`).
+
 The cache of freed stream-ordered device blocks (what PyTorch's caching allocator does).
 
 ``close()`` (or garbage collection) of a stream-ordered :class:`~ctxkit.DeviceBuffer`
@@ -35,19 +43,69 @@ from __future__ import annotations
 import atexit
 import threading
 import weakref
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .. import _driver, lifetime
 from .._driver import drv
 from .._env import alloc_cache
-from ..lifetime import free_quietly
+from ..lifetime import finalizer, free_quietly
 from ..stream import Stream
+from .interop import KDL_CUDA, KDL_CUDA_HOST, KDL_CUDA_MANAGED
 from .sizes import SIZE_MAX
 
 if TYPE_CHECKING:
     from ..context import Context
 
-__all__ = ["Block", "cached_bytes", "enabled", "flush", "limit_bytes"]
+__all__ = [
+    "DEVICE",
+    "KINDS",
+    "MANAGED",
+    "PINNED",
+    "Block",
+    "MemoryKind",
+    "cached_bytes",
+    "enabled",
+    "flush",
+    "limit_bytes",
+]
+
+
+@dataclass(frozen=True)
+class MemoryKind:
+    """One kind of memory as data: its driver allocation and free, its DLPack device
+    type, and whether it may be allocated stream-ordered from a pool."""
+
+    name: str
+    alloc: str
+    free: str
+    alloc_args: tuple[int, ...] = ()
+    dlpack_device: int = KDL_CUDA
+    stream_ordered: bool = False
+
+    def allocate(self, size: int, *args: int) -> tuple[Any, Any]:
+        """``(err, ptr)`` of the driver allocation of *size* bytes in the bound context
+        (*args*: per-call arguments after the kind's own, e.g. host-allocation flags)."""
+        return getattr(drv, self.alloc)(size, *self.alloc_args, *args)  # type: ignore[no-any-return]
+
+    def deallocate(self, owner: object, ctx: Context, ptr: Any) -> weakref.finalize:
+        """Free *ptr* in *ctx* once, when *owner* dies or the returned finalizer is called
+        (from any thread, never raising: :func:`ctxkit.lifetime.finalizer`)."""
+        return finalizer(owner, ctx, getattr(drv, self.free), ptr)
+
+
+MEM_ATTACH_GLOBAL = 1
+
+#: ``cuMemAlloc`` device memory (stream-ordered: the block cache and memory pools).
+DEVICE = MemoryKind("device", "cuMemAlloc", "cuMemFree", stream_ordered=True)
+#: ``cuMemAllocManaged(CU_MEM_ATTACH_GLOBAL)`` unified memory.
+MANAGED = MemoryKind(
+    "managed", "cuMemAllocManaged", "cuMemFree", (MEM_ATTACH_GLOBAL,), KDL_CUDA_MANAGED
+)
+#: ``cuMemHostAlloc`` page-locked host memory (flags per allocation).
+PINNED = MemoryKind("pinned", "cuMemHostAlloc", "cuMemFreeHost", dlpack_device=KDL_CUDA_HOST)
+#: Every kind, by name.
+KINDS = {k.name: k for k in (DEVICE, MANAGED, PINNED)}
 
 
 _GRAIN = 512

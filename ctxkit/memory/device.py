@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -39,7 +39,7 @@ from ..lifetime import finalizer
 from ..registry import ContextLike, guard, resolve_context
 from ..stream import Event, Stream, implicit_stream, stream_for, stream_handle
 from . import alloc
-from .alloc import Block
+from .alloc import Block, MemoryKind
 from .copies import (
     Mem,
     c_strides,
@@ -53,7 +53,7 @@ from .copies import (
     wait_for,
 )
 from .host import host_array, plain_dtype
-from .interop import KDL_CUDA, to_capsule
+from .interop import to_capsule
 from .sizes import gib, nbytes_arg, shape_arg, shape_nbytes
 
 __all__ = [
@@ -357,10 +357,8 @@ class DeviceBuffer:
 
     __slots__ = ("__weakref__", "_base", "_fin", "_ptr", "_stream", "context", "nbytes")
 
-    #: False for subclasses whose memory cannot come from a stream-ordered pool.
-    _pooled_ok = True
-    #: DLPack device type of the memory (kDLCUDA; managed memory overrides it).
-    _dlpack_device_type = KDL_CUDA
+    #: The kind of memory the class allocates (:mod:`ctxkit.memory.alloc`).
+    kind: ClassVar[MemoryKind] = alloc.DEVICE
 
     _ptr: int | None
     _base: DeviceBuffer | None
@@ -374,7 +372,7 @@ class DeviceBuffer:
     ) -> None:
         # Fast path: DeviceBuffer(n, stream=s) / `with s: DeviceBuffer(n)` served from the
         # block cache of s: no resolver, no push/pop, no driver call.
-        if pool is None and type(nbytes) is int and nbytes > 0 and self._pooled_ok:
+        if pool is None and type(nbytes) is int and nbytes > 0 and self.kind.stream_ordered:
             s = stream
             if s is None and context is None:
                 top = thread_state().top
@@ -404,19 +402,19 @@ class DeviceBuffer:
         self._fin = None
         self._stream = None
         self._ptr = 0
-        if (stream is not None or pool is not None) and not self._pooled_ok:
+        if (stream is not None or pool is not None) and not self.kind.stream_ordered:
             raise TypeError(f"{what}: {type(self).__name__} cannot be stream-ordered")
-        if stream is None and self._pooled_ok:
+        if stream is None and self.kind.stream_ordered:
             stream = implicit_stream(ctx)
         if n == 0:
             return
         if stream is None and pool is None:
             with ctx:
-                err, ptr = self._alloc(n)
+                err, ptr = self.kind.allocate(n)
             if err:
                 raise _alloc_error(ctx, err, n, what)
             self._ptr = int(ptr)
-            self._fin = finalizer(self, ctx, drv.cuMemFree, ptr)
+            self._fin = self.kind.deallocate(self, ctx, ptr)
             return
         self._alloc_ordered(ctx, n, stream, pool, what)
 
@@ -435,10 +433,6 @@ class DeviceBuffer:
         # The block holds the stream while the buffer lives, so the free (or the return to
         # the stream's cache) is ordered after every use enqueued on it.
         self._fin = blk
-
-    @staticmethod
-    def _alloc(n: int) -> tuple[Any, Any]:
-        return drv.cuMemAlloc(n)  # type: ignore[no-any-return]
 
     @classmethod
     def from_pointer(
@@ -651,7 +645,7 @@ class DeviceBuffer:
 
     def __dlpack_device__(self) -> tuple[int, int]:
         """``(kDLCUDA, ordinal)``; ``(kDLCUDAManaged, ordinal)`` for managed memory."""
-        return (self._dlpack_device_type, self.context.device.ordinal)
+        return (self.kind.dlpack_device, self.context.device.ordinal)
 
 
 def _keep(owner: Any) -> None:

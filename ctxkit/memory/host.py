@@ -80,8 +80,8 @@ from ..errors import (
     PageableCopyError,
     PageableCopyWarning,
 )
-from ..lifetime import finalizer
 from ..registry import bind, resolve_context
+from .alloc import PINNED
 from .sizes import shape_nbytes
 
 __all__ = [
@@ -348,11 +348,11 @@ def pinned_empty(
         return np.empty(shp, dt)
     ctx = host_context(context, "pinned_empty")
     with ctx:
-        err, ptr = drv.cuMemHostAlloc(nbytes, flags)
+        err, ptr = PINNED.allocate(nbytes, flags)
     if err:
         raise _host_alloc_error(ctx, err, nbytes, flags)
     mem = HostMemory(ptr, nbytes, context=ctx)
-    mem._fin = finalizer(mem, ctx, drv.cuMemFreeHost, ptr)
+    mem._fin = PINNED.deallocate(mem, ctx, ptr)
     return np.asarray(mem).view(dt).reshape(shp)
 
 
