@@ -480,7 +480,7 @@ def lock_new(nbytes: int, ctx: Context) -> LockedPages:
         if pages is not None:
             return pages
     with ctx:
-        err, ptr = drv.cuMemHostAlloc(nbytes, _PORTABLE)
+        err, ptr = PINNED.allocate(nbytes, _PORTABLE)
     if err:
         raise LockFailed(int(err), "cuMemHostAlloc")
     return LockedPages(int(ptr), nbytes, ctx, registered=False)
