@@ -27,7 +27,7 @@ from ..context import Context, require_current
 from ..errors import CudaError
 from ..registry import bind, guard
 from ..stream import Stream, _context_of_cu, implicit_stream, stream_for, stream_handle
-from .host import check_async_host, host_address
+from .host import check_async_host, host_address, host_array
 from .interop import producer_stream
 from .sizes import nbytes_arg
 
@@ -252,6 +252,38 @@ def copy_device(dst: Mem, src: Mem, n: int, stream: Any, what: str) -> bool:
     if err:
         raise dctx.note_error(err, f"{what}: cuMemcpyDtoD ({n} bytes)")
     return False
+
+
+def copy_from_host(dst: Mem, arr: Any, stream: Any, what: str) -> None:
+    """Copy a host array of exactly ``dst.nbytes`` bytes into the device bytes *dst*."""
+    a = host_array(arr, what)
+    check_same_size(a.nbytes, dst.nbytes, what, "host array")
+    htod(dst.context, dst.ptr, a, stream, what)  # type: ignore[arg-type]
+
+
+def copy_to_host(src: Mem, arr: Any, stream: Any, what: str) -> np.ndarray:
+    """Copy the device bytes *src* into *arr* (a new uint8 array when ``None``)."""
+    if arr is None:
+        out = np.empty(src.nbytes, np.uint8)
+    else:
+        out = host_array(arr, what, writable=True)
+        check_same_size(out.nbytes, src.nbytes, what, "host array")
+    dtoh(src.context, out, src.ptr, stream, what)  # type: ignore[arg-type]
+    return out if arr is None or isinstance(arr, np.ndarray) else arr
+
+
+def copy_from_device(dst: Mem, src: Any, stream: Any, what: str) -> None:
+    """Device-to-device copy into the bytes *dst* from device memory of the same size."""
+    s = device_mem(src, what)
+    check_same_size(s.nbytes, dst.nbytes, what, "source")
+    copy_device(dst, s, dst.nbytes, stream, what)
+
+
+def copy_to_device(src: Mem, dst: Any, stream: Any, what: str) -> None:
+    """Device-to-device copy of the bytes *src* into device memory of the same size."""
+    d = device_mem(dst, what, write=True)
+    check_same_size(d.nbytes, src.nbytes, what, "destination")
+    copy_device(d, src, src.nbytes, stream, what)
 
 
 def resolve_contexts(dst: Mem, src: Mem, stream: Any, what: str) -> tuple[Context, Context]:

@@ -45,6 +45,10 @@ from .copies import (
     c_strides,
     check_same_size,
     copy_device,
+    copy_from_device,
+    copy_from_host,
+    copy_to_device,
+    copy_to_host,
     device_mem,
     dtoh,
     finish_default_stream,
@@ -552,41 +556,21 @@ class DeviceBuffer:
         the host memory is pinned (see the module notes on pageable memory); keep *arr*
         alive and unchanged until the stream has reached the copy.
         """
-        what = f"{type(self).__name__}.copy_from_host"
-        dst = self.ptr
-        a = host_array(arr, what)
-        check_same_size(a.nbytes, self.nbytes, what, "host array")
-        htod(self.context, dst, a, stream, what)
+        copy_from_host(self._ctxkit_mem(), arr, stream, f"{type(self).__name__}.copy_from_host")
 
     def copy_to_host(self, arr: Any = None, stream: Any = None) -> np.ndarray:
         """Copy the buffer into *arr* (a new uint8 array when ``None``) and return it."""
-        what = f"{type(self).__name__}.copy_to_host"
-        src = self.ptr
-        if arr is None:
-            out = np.empty(self.nbytes, np.uint8)
-        else:
-            out = host_array(arr, what, writable=True)
-            check_same_size(out.nbytes, self.nbytes, what, "host array")
-        dtoh(self.context, out, src, stream, what)
-        return out if arr is None or isinstance(arr, np.ndarray) else arr
+        return copy_to_host(self._ctxkit_mem(), arr, stream, f"{type(self).__name__}.copy_to_host")
 
     def copy_from(self, src: Any, stream: Any = None) -> None:
         """Device-to-device copy from a buffer, array, or any ``__cuda_array_interface__``
         object of the same size; other contexts/devices go through :func:`copy_peer`."""
-        what = f"{type(self).__name__}.copy_from"
-        dst = self._ctxkit_mem()
-        s = device_mem(src, what)
-        check_same_size(s.nbytes, self.nbytes, what, "source")
-        copy_device(dst, s, self.nbytes, stream, what)
+        copy_from_device(self._ctxkit_mem(), src, stream, f"{type(self).__name__}.copy_from")
 
     def copy_to(self, dst: Any, stream: Any = None) -> None:
         """Device-to-device copy into a buffer, array or ``__cuda_array_interface__``
         object of the same size (e.g. a CuPy array or a PyTorch tensor)."""
-        what = f"{type(self).__name__}.copy_to"
-        src = self._ctxkit_mem()
-        d = device_mem(dst, what, write=True)
-        check_same_size(d.nbytes, self.nbytes, what, "destination")
-        copy_device(d, src, self.nbytes, stream, what)
+        copy_to_device(self._ctxkit_mem(), dst, stream, f"{type(self).__name__}.copy_to")
 
     def memset(self, value: int, stream: Any = None) -> None:
         """Set every byte to *value* (0..255) (``cuMemsetD8``).

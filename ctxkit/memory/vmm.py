@@ -41,14 +41,12 @@ from ..lifetime import free_quietly
 from ..registry import check_devices, resolve_context
 from .copies import (
     Mem,
-    check_same_size,
-    copy_device,
-    device_mem,
-    dtoh,
-    htod,
+    copy_from_device,
+    copy_from_host,
+    copy_to_device,
+    copy_to_host,
 )
 from .device import DeviceArray, DeviceBuffer
-from .host import host_array
 from .interop import KDL_CUDA
 from .sizes import gib, nbytes_arg
 
@@ -574,35 +572,19 @@ class VirtualBuffer:
 
     def copy_from_host(self, arr: Any, stream: Any = None) -> None:
         """Copy a host array of exactly ``nbytes`` bytes into the buffer."""
-        what = "VirtualBuffer.copy_from_host"
-        a = host_array(arr, what)
-        check_same_size(a.nbytes, self.nbytes, what, "host array")
-        htod(self.context, self.ptr, a, stream, what)
+        copy_from_host(self._ctxkit_mem(), arr, stream, "VirtualBuffer.copy_from_host")
 
     def copy_to_host(self, arr: Any = None, stream: Any = None) -> np.ndarray:
         """Copy the buffer into *arr* (a new uint8 array when ``None``) and return it."""
-        what = "VirtualBuffer.copy_to_host"
-        if arr is None:
-            out = np.empty(self.nbytes, np.uint8)
-        else:
-            out = host_array(arr, what, writable=True)
-            check_same_size(out.nbytes, self.nbytes, what, "host array")
-        dtoh(self.context, out, self.ptr, stream, what)
-        return out if arr is None or isinstance(arr, np.ndarray) else arr
+        return copy_to_host(self._ctxkit_mem(), arr, stream, "VirtualBuffer.copy_to_host")
 
     def copy_from(self, src: Any, stream: Any = None) -> None:
         """Device-to-device copy from memory of the same size (any context/device)."""
-        what = "VirtualBuffer.copy_from"
-        s = device_mem(src, what)
-        check_same_size(s.nbytes, self.nbytes, what, "source")
-        copy_device(self._ctxkit_mem(), s, self.nbytes, stream, what)
+        copy_from_device(self._ctxkit_mem(), src, stream, "VirtualBuffer.copy_from")
 
     def copy_to(self, dst: Any, stream: Any = None) -> None:
         """Device-to-device copy into memory of the same size (any context/device)."""
-        what = "VirtualBuffer.copy_to"
-        d = device_mem(dst, what, write=True)
-        check_same_size(d.nbytes, self.nbytes, what, "destination")
-        copy_device(d, self._ctxkit_mem(), self.nbytes, stream, what)
+        copy_to_device(self._ctxkit_mem(), dst, stream, "VirtualBuffer.copy_to")
 
     def memset(self, value: int, stream: Any = None) -> None:
         """Set every byte to *value* (0..255), as ``DeviceBuffer.memset``."""
