@@ -127,11 +127,7 @@ def host_pointer_kind(ptr: int) -> str:
     """
     if not ptr:
         return "pageable"
-    _driver.init()
-    err, value = drv.cuPointerGetAttribute(_attr("MEMORY_TYPE"), ptr)
-    if err == _INVALID_CONTEXT:
-        with bind(0):
-            err, value = drv.cuPointerGetAttribute(_attr("MEMORY_TYPE"), ptr)
+    err, value = _with_any_context(drv.cuPointerGetAttribute, _attr("MEMORY_TYPE"), ptr)
     if err == _INVALID_VALUE:
         return "pageable"
     _driver.raise_for(err, f"cuPointerGetAttribute(MEMORY_TYPE, {ptr:#x})")
@@ -216,8 +212,8 @@ def _is_buffer(obj: Any) -> bool:
 
 
 def host_address(arr: np.ndarray) -> int:
-    """The address of a numpy array's first byte."""
-    return int(arr.__array_interface__["data"][0])
+    """The address of a numpy array's first byte (0 for none)."""
+    return int(arr.__array_interface__["data"][0] or 0)
 
 
 def _driver_present() -> bool:
@@ -780,7 +776,7 @@ def host_device_pointer(arr: np.ndarray) -> int | None:
     (:func:`allow_pageable_kernel_args`) and the current context's device accesses
     pageable memory directly (:func:`pageable_memory_access`): then the host address.
     """
-    ptr = int(arr.__array_interface__["data"][0] or 0)
+    ptr = host_address(arr)
     if not ptr or drv is None:
         return None
     attr = drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_POINTER

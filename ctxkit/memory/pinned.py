@@ -76,7 +76,15 @@ from .._env import pinned_pool_bytes
 from ..context import Context, shutting_down
 from ..errors import OutOfMemoryError
 from ..stream import Event, Stream
-from .host import HostMemory, LockedPages, LockFailed, host_context, lock_new, plain_dtype
+from .host import (
+    HostMemory,
+    LockedPages,
+    LockFailed,
+    host_address,
+    host_context,
+    lock_new,
+    plain_dtype,
+)
 from .sizes import gib, nbytes_arg, shape_nbytes
 
 __all__ = [
@@ -881,7 +889,7 @@ class PinnedPool:
                         return block
                 break
             base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
-        ptr = int(arr.__array_interface__["data"][0] or 0)
+        ptr = host_address(arr)
         with self._lock:
             for block in self._in_use.values():
                 if block.ptr <= ptr < block.ptr + block.nbytes:

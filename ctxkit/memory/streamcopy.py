@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from .._env import streaming_copy
+from .host import host_address
 
 __all__ = [
     "DEFAULT_CACHE_BYTES",
@@ -305,8 +306,8 @@ def copy_streaming(dst: np.ndarray, src: np.ndarray) -> None:
         return
     d8, s8 = _flat_bytes(dst), _flat_bytes(src)
     n = d8.shape[0]
-    d = d8.__array_interface__["data"][0]
-    s = s8.__array_interface__["data"][0]
+    d = host_address(d8)
+    s = host_address(s8)
     head = min((-d) % _ALIGN, n)
     body = (n - head) // _STEP * _STEP
     if head:
