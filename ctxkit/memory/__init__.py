@@ -36,6 +36,18 @@ without a copy; copies accept their arrays (anything with ``__cuda_array_interfa
 as sources and targets. ``DeviceArray.stream`` names the stream with pending writes
 (set by ctxkit's async copies, or by you after launching a kernel); it is exported as the
 interface's ``"stream"`` entry and honoured by ``__dlpack__(stream=...)``.
+
+Modules
+-------
+``device`` buffers, typed arrays and memory pools; ``alloc`` the kinds of memory as data
+(:class:`~ctxkit.memory.alloc.MemoryKind`) and the stream-ordered block cache; ``managed``
+unified memory; ``host`` pointer kinds, pinned allocations, registration
+(:func:`~ctxkit.memory.host.register_pages`, the one ``cuMemHostRegister``) and kernel access
+to host memory; ``pinned`` the pinned pool; ``copies`` host, device and peer copies;
+``interop`` foreign arrays, CUDA Array Interface and DLPack; ``ipc`` sharing with other
+processes; ``vmm`` virtual memory; ``streamcopy`` non-temporal host copies; ``sizes`` the
+checks of sizes and shapes. The guide's table of memory kinds and copy paths is in
+``docs/guides/streams-memory-and-faults.md``.
 """
 
 from __future__ import annotations
