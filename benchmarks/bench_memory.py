@@ -39,7 +39,7 @@ from verdictlines import check as check_line
 
 import ctxkit as ck
 from ctxkit._driver import drv
-from ctxkit.memory import PageableCopyWarning, blockcache
+from ctxkit.memory import PageableCopyWarning, alloc
 
 MiB = 1 << 20
 
@@ -542,7 +542,7 @@ def bench_free_busy(size: int = 64 * MiB) -> dict[str, Any]:
             out[f"free_busy_{kind}_ms"] = (time.perf_counter() - t0) * 1e3
             if kind == "ordered":  # close() cached the block; giving it back to the pool:
                 t0 = time.perf_counter()
-                blockcache.flush(device=0)
+                alloc.flush(device=0)
                 out["free_busy_flush_ms"] = (time.perf_counter() - t0) * 1e3
             end = busy.record()
             end.synchronize()

@@ -68,3 +68,55 @@ def env_flag(name: str) -> bool:
 def env_off(name: str) -> bool:
     """True when the variable *name* is explicitly set to 0/false/no/off (any case)."""
     return env_text(name).lower() in _OFF
+
+
+def alloc_cache() -> tuple[bool, int | None]:
+    """``CTXKIT_ALLOC_CACHE``: (enabled, bound in bytes per device or ``None`` for the
+    default bound); ValueError naming the accepted values for anything else."""
+    raw = env_text("CTXKIT_ALLOC_CACHE").lower()
+    if raw == "" or raw in _ON:
+        return True, None
+    if raw in _OFF:
+        return False, None
+    try:
+        value = int(raw, 0)
+    except ValueError:
+        raise ValueError(
+            f"CTXKIT_ALLOC_CACHE={raw!r}: expected 0/off (no cache), 1/on (default bound) or "
+            "the bound in bytes per device (e.g. 4294967296)"
+        ) from None
+    if value < 0:
+        raise ValueError(f"CTXKIT_ALLOC_CACHE={raw!r}: the bound in bytes must not be negative")
+    return value > 0, value
+
+
+def pinned_alloc() -> str:
+    """``CTXKIT_PINNED_ALLOC``: ``""`` (default), ``"register"`` or ``"hostalloc"``."""
+    want = env_text("CTXKIT_PINNED_ALLOC").lower()
+    if want not in ("", "register", "hostalloc"):
+        raise ValueError(
+            f"CTXKIT_PINNED_ALLOC={want!r}: use 'register' (default on Linux) or 'hostalloc'"
+        )
+    return want
+
+
+def pinned_pool_bytes() -> int | None:
+    """``CTXKIT_PINNED_POOL_BYTES``: the pinned pool's budget, ``None`` when unset."""
+    value = env_text("CTXKIT_PINNED_POOL_BYTES")
+    if not value:
+        return None
+    try:
+        budget = int(value)
+    except ValueError:
+        budget = -1
+    if budget < 0:
+        raise ValueError(
+            f"CTXKIT_PINNED_POOL_BYTES={value!r}: give the most bytes of page-locked host "
+            "memory the pinned pool may hold in this process, as an integer >= 0"
+        )
+    return budget
+
+
+def streaming_copy() -> bool:
+    """``CTXKIT_STREAMING_COPY``: False when set to 0/false/no/off (default on)."""
+    return not env_off("CTXKIT_STREAMING_COPY")

@@ -49,7 +49,7 @@ from ..context import Context
 from ..device import Device, device_count
 from ..memory.device import DeviceBuffer
 from ..memory.host import pinned_empty
-from ..memory.hostpool import pinned_pool
+from ..memory.pinned import pinned_pool
 from ..module.kernel import Kernel
 from ..module.module import Module
 from ..pipeline.pipeline import Pipeline

@@ -27,8 +27,7 @@ from .._driver import drv
 from ..context import Context
 from ..errors import CudaError, PageableCopyError, WrongContextError
 from ..memory.copies import Mem, device_mem
-from ..memory.host import is_pinned
-from ..memory.hostptr import plain_dtype
+from ..memory.host import is_pinned, plain_dtype
 from ..module.kernel import Kernel, normalize_dims, shared_mem_arg
 from ..module.params import ParamBuffer
 

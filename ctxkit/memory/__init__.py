@@ -36,15 +36,33 @@ without a copy; copies accept their arrays (anything with ``__cuda_array_interfa
 as sources and targets. ``DeviceArray.stream`` names the stream with pending writes
 (set by ctxkit's async copies, or by you after launching a kernel); it is exported as the
 interface's ``"stream"`` entry and honoured by ``__dlpack__(stream=...)``.
+
+Modules
+-------
+``device`` buffers, typed arrays and memory pools; ``alloc`` the kinds of memory as data
+(:class:`~ctxkit.memory.alloc.MemoryKind`) and the stream-ordered block cache; ``managed``
+unified memory; ``host`` pointer kinds, pinned allocations, registration
+(:func:`~ctxkit.memory.host.register_pages`, the one ``cuMemHostRegister``) and kernel access
+to host memory; ``pinned`` the pinned pool; ``copies`` host, device and peer copies;
+``interop`` foreign arrays, CUDA Array Interface and DLPack; ``ipc`` sharing with other
+processes; ``vmm`` virtual memory; ``streamcopy`` non-temporal host copies; ``sizes`` the
+checks of sizes and shapes. The guide's table of memory kinds and copy paths is in
+``docs/guides/streams-memory-and-faults.md``.
 """
 
 from __future__ import annotations
 
 from ..errors import PageableCopyError, PageableCopyWarning
-from .device import DeviceArray, DeviceBuffer, device_array, to_device
+from .copies import copy_peer, disable_peer_access, enable_peer_access, peer_access_enabled
+from .device import DeviceArray, DeviceBuffer, MemoryPool, device_array, to_device
 from .host import (
+    HostMemoryFlags,
+    PageableArg,
     allow_pageable_kernel_args,
+    device_pointer,
+    host_memory_flags,
     is_pinned,
+    pageable_arg,
     pageable_kernel_args_allowed,
     pageable_memory_access,
     pinned_empty,
@@ -53,14 +71,6 @@ from .host import (
     set_strict_async,
     strict_async,
 )
-from .hostaccess import (
-    HostMemoryFlags,
-    PageableArg,
-    device_pointer,
-    host_memory_flags,
-    pageable_arg,
-)
-from .hostpool import PinnedPool, PinnedPoolStats, pinned_pool
 from .interop import producer_stream
 from .ipc import (
     ImportedBuffer,
@@ -74,8 +84,7 @@ from .ipc import (
     ipc_event,
 )
 from .managed import ManagedBuffer
-from .peer import copy_peer, disable_peer_access, enable_peer_access, peer_access_enabled
-from .pool import MemoryPool
+from .pinned import PinnedPool, PinnedPoolStats, pinned_pool
 from .streamcopy import StreamingCopyInfo, copy_streaming, set_streaming_copy, streaming_copy_info
 from .vmm import VirtualBuffer
 

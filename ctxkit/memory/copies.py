@@ -1,5 +1,17 @@
-"""Copy machinery shared by :mod:`ctxkit.memory`: validation, host/device/peer copies,
-foreign (``__cuda_array_interface__``) memory, and peer access."""
+"""Copies: host-to-device, device-to-host, device-to-device and peer.
+
+Copy machinery shared by :mod:`ctxkit.memory`: validation, host/device/peer copies,
+foreign (``__cuda_array_interface__``) memory, and peer access.
+
+Peer access between contexts of different devices.
+
+:func:`enable_peer_access` (``cuCtxEnablePeerAccess``), :func:`disable_peer_access`
+(``cuCtxDisablePeerAccess``; both idempotent, one direction per call) and
+:func:`peer_access_enabled` keep ctxkit's record of enabled pairs, keyed by the Context
+objects so a handle reused by a new context is not mistaken for an enabled pair;
+:func:`copy_peer` copies between two contexts' memory, directly when access is enabled
+and staged by the driver otherwise.
+"""
 
 from __future__ import annotations
 
@@ -11,19 +23,25 @@ import numpy as np
 
 from .. import _driver
 from .._driver import drv
-from ..binding import guard
-from ..context import Context, context_of_cu, require_current
-from ..stream import Stream, implicit_stream, stream_for, stream_handle
-from .host import check_async_host
+from ..binding import bind, guard
+from ..context import Context, require_current
+from ..errors import CudaError
+from ..stream import Stream, context_of_cu, implicit_stream, stream_for, stream_handle
+from .host import check_async_host, host_address, host_array
 from .interop import producer_stream
-from .sizes import nbytes_arg as nbytes_arg
-from .sizes import shape_arg as shape_arg
+from .sizes import nbytes_arg
 
-__all__ = ["Mem", "copy_device", "device_mem", "dtoh", "htod"]
-
-
-def gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
+__all__ = [
+    "Mem",
+    "copy_device",
+    "copy_peer",
+    "device_mem",
+    "disable_peer_access",
+    "dtoh",
+    "enable_peer_access",
+    "htod",
+    "peer_access_enabled",
+]
 
 
 class Mem(NamedTuple):
@@ -162,22 +180,18 @@ def wait_for(ctx: Context, stream: Any, what: str) -> None:
 
 def htod(ctx: Context, dst: int, src: np.ndarray, stream: Any, what: str) -> None:
     """Copy host array *src* to device address *dst* (``stream=None``: see :func:`implicit`)."""
-    _host_copy(ctx, src, (dst, _host_address(src)), "HtoD", stream, what)
+    _host_copy(ctx, src, (dst, host_address(src)), "HtoD", stream, what)
 
 
 def dtoh(ctx: Context, dst: np.ndarray, src: int, stream: Any, what: str) -> None:
     """Copy device address *src* into host array *dst* (``stream=None``: see :func:`implicit`)."""
-    _host_copy(ctx, dst, (_host_address(dst), src), "DtoH", stream, what)
+    _host_copy(ctx, dst, (host_address(dst), src), "DtoH", stream, what)
 
 
 _COPY_FNS = {
     "HtoD": ("cuMemcpyHtoD", "cuMemcpyHtoDAsync"),
     "DtoH": ("cuMemcpyDtoH", "cuMemcpyDtoHAsync"),
 }
-
-
-def _host_address(arr: np.ndarray) -> int:
-    return int(arr.__array_interface__["data"][0])
 
 
 def _host_copy(
@@ -240,6 +254,38 @@ def copy_device(dst: Mem, src: Mem, n: int, stream: Any, what: str) -> bool:
     return False
 
 
+def copy_from_host(dst: Mem, arr: Any, stream: Any, what: str) -> None:
+    """Copy a host array of exactly ``dst.nbytes`` bytes into the device bytes *dst*."""
+    a = host_array(arr, what)
+    check_same_size(a.nbytes, dst.nbytes, what, "host array")
+    htod(dst.context, dst.ptr, a, stream, what)  # type: ignore[arg-type]
+
+
+def copy_to_host(src: Mem, arr: Any, stream: Any, what: str) -> np.ndarray:
+    """Copy the device bytes *src* into *arr* (a new uint8 array when ``None``)."""
+    if arr is None:
+        out = np.empty(src.nbytes, np.uint8)
+    else:
+        out = host_array(arr, what, writable=True)
+        check_same_size(out.nbytes, src.nbytes, what, "host array")
+    dtoh(src.context, out, src.ptr, stream, what)  # type: ignore[arg-type]
+    return out if arr is None or isinstance(arr, np.ndarray) else arr
+
+
+def copy_from_device(dst: Mem, src: Any, stream: Any, what: str) -> None:
+    """Device-to-device copy into the bytes *dst* from device memory of the same size."""
+    s = device_mem(src, what)
+    check_same_size(s.nbytes, dst.nbytes, what, "source")
+    copy_device(dst, s, dst.nbytes, stream, what)
+
+
+def copy_to_device(src: Mem, dst: Any, stream: Any, what: str) -> None:
+    """Device-to-device copy of the bytes *src* into device memory of the same size."""
+    d = device_mem(dst, what, write=True)
+    check_same_size(d.nbytes, src.nbytes, what, "destination")
+    copy_device(d, src, src.nbytes, stream, what)
+
+
 def resolve_contexts(dst: Mem, src: Mem, stream: Any, what: str) -> tuple[Context, Context]:
     """The contexts of both sides; foreign memory is looked up by pointer."""
     if dst.context is not None and src.context is not None:
@@ -261,8 +307,6 @@ def check_same_size(got: int, want: int, what: str, name: str) -> None:
         )
 
 
-#: (from, to) context handles -> the Context objects, so that a handle reused by a new
-#: context after the old one was closed is not mistaken for an enabled pair
 _peer_pairs: dict[tuple[int, int], tuple[weakref.ref[Context], weakref.ref[Context]]] = {}
 
 
@@ -307,3 +351,108 @@ def memcpy_peer(
 
 def _direct(a: Context, b: Context) -> bool:
     return _enabled(a, b) or _enabled(b, a)
+
+
+_PEER_ACCESS_UNSUPPORTED = 217
+
+_PEER_ACCESS_ALREADY_ENABLED = 704
+
+_PEER_ACCESS_NOT_ENABLED = 705
+
+
+def _peer_ctx(x: Any) -> Context:
+    if isinstance(x, Context):
+        x.check_usable()
+        return x
+    ctx = bind(x)
+    ctx.check_usable()
+    return ctx
+
+
+def enable_peer_access(a: Any, b: Any) -> None:
+    """Let context *a* access memory of context *b* (``cuCtxEnablePeerAccess``).
+
+    *a* and *b* are Contexts, Devices or ordinals (the registry's contexts). One
+    direction per call: call ``enable_peer_access(b, a)`` too for the other. Idempotent:
+    a second call is not an error, and being the Driver API it leaves no pending error
+    behind (the runtime's ``cudaGetLastError`` is not touched). Contexts on the same
+    device need nothing.
+
+    Raises
+    ------
+    CudaError
+        ``CUDA_ERROR_PEER_ACCESS_UNSUPPORTED``: the devices cannot access each other
+        (``Device.can_access_peer`` is False); copies still work, staged by the driver.
+    """
+    ca, cb = _peer_ctx(a), _peer_ctx(b)
+    if ca.device.ordinal == cb.device.ordinal:
+        return
+    if not ca.device.can_access_peer(cb.device):
+        raise CudaError(
+            f"enable_peer_access: device {ca.device.ordinal} cannot access device "
+            f"{cb.device.ordinal} directly (cuDeviceCanAccessPeer is 0: no NVLink/PCIe P2P "
+            "path, or IOMMU/virtualization blocks it). copy_peer still works through the "
+            "driver's staged path",
+            _PEER_ACCESS_UNSUPPORTED,
+            "CUDA_ERROR_PEER_ACCESS_UNSUPPORTED",
+        )
+    with ca:
+        (err,) = drv.cuCtxEnablePeerAccess(cb.cu, 0)
+    if err and int(err) != _PEER_ACCESS_ALREADY_ENABLED:
+        raise ca.note_error(err, f"cuCtxEnablePeerAccess({ca!r} -> {cb!r})")
+    record_peer_access(ca, cb)
+
+
+def disable_peer_access(a: Any, b: Any) -> None:
+    """Stop context *a* from accessing memory of context *b* (``cuCtxDisablePeerAccess``).
+
+    The reverse of :func:`enable_peer_access`, one direction per call; idempotent (access
+    that is not enabled, contexts on the same device and devices without a peer path need
+    nothing). Afterwards :func:`peer_access_enabled` is False and :func:`copy_peer` takes
+    the staged path. Finish kernels and copies of *a* that use *b*'s memory first: their
+    accesses fault once the mapping is gone.
+    """
+    ca, cb = _peer_ctx(a), _peer_ctx(b)
+    if ca.device.ordinal == cb.device.ordinal:
+        return
+    if ca.device.can_access_peer(cb.device):
+        with ca:
+            (err,) = drv.cuCtxDisablePeerAccess(cb.cu)
+        if err and int(err) != _PEER_ACCESS_NOT_ENABLED:
+            raise ca.note_error(err, f"cuCtxDisablePeerAccess({ca!r} -> {cb!r})")
+    forget_peer_access(ca, cb)
+
+
+def peer_access_enabled(a: Any, b: Any) -> bool:
+    """True when :func:`enable_peer_access` (a, b) has succeeded in this process and
+    :func:`disable_peer_access` (a, b) has not been called since."""
+    return _enabled(_peer_ctx(a), _peer_ctx(b))
+
+
+def copy_peer(dst: Any, src: Any, nbytes: int | None = None, stream: Any = None) -> bool:
+    """Copy *nbytes* (default: all of *src*) between memory of two contexts/devices.
+
+    Uses ``cuMemcpyPeer`` (``cuMemcpyPeerAsync`` on *stream*): the driver copies
+    directly over NVLink/PCIe when peer access is enabled between the two contexts and
+    stages through host memory otherwise. Without *stream* the copy has completed when
+    the call returns; with *stream* it is enqueued there, and neither side may be freed
+    before that stream is synchronized.
+
+    Returns
+    -------
+    bool
+        True when peer access was enabled between the two contexts (either direction,
+        by :func:`enable_peer_access`) so the direct path ran; False for the staged path.
+    """
+    what = "copy_peer"
+    d = device_mem(dst, what, write=True)
+    s = device_mem(src, what)
+    n = s.nbytes if nbytes is None else nbytes_arg(nbytes, what)
+    if n > s.nbytes or n > d.nbytes:
+        raise ValueError(
+            f"{what}: {n} bytes do not fit (source {s.nbytes} bytes, destination {d.nbytes})"
+        )
+    dctx, sctx = resolve_contexts(d, s, stream, what)
+    if n == 0:
+        return _direct(dctx, sctx)
+    return memcpy_peer(d.ptr, dctx, s.ptr, sctx, n, stream, what)

@@ -1,58 +1,326 @@
-"""Device memory: :class:`DeviceBuffer` (linear memory in one context, ``cuMemAlloc`` or
+"""Device memory: buffers, typed arrays and stream-ordered memory pools.
+
+Typed views of device memory: :class:`DeviceArray` (a shape and dtype over a
+:class:`~ctxkit.memory.device.DeviceBuffer`, no copy), its copies, and its CUDA Array
+Interface v3 / DLPack exports with the stream consumers are ordered after
+(:func:`cai_stream`). ``DeviceBuffer.view`` makes these arrays.
+
+Device memory: :class:`DeviceBuffer` (linear memory in one context, ``cuMemAlloc`` or
 stream-ordered) with its copies and its CUDA Array Interface / DLPack exports (as bytes),
-and :func:`device_array` / :func:`to_device`, which make typed arrays. :class:`DeviceArray`,
-the typed view, lives in :mod:`ctxkit.memory.devicearray` and is re-exported here (the
-family's overview is in :mod:`ctxkit.memory`)."""
+and :func:`device_array` / :func:`to_device`, which make typed arrays (the family's
+overview is in :mod:`ctxkit.memory`).
+
+Stream-ordered memory pools (``cuMemAllocAsync`` / ``cuMemFreeAsync``).
+
+A :class:`MemoryPool` is a device's default pool (``cuDeviceGetDefaultMemPool``, what
+``DeviceBuffer(n, stream=s)`` draws from), a pool ctxkit creates (``cuMemPoolCreate``),
+or one another library made (:meth:`MemoryPool.from_handle`, e.g. a pool CuPy or PyTorch
+uses). Freed memory returns to the pool in stream order and is reused without a driver
+allocation, which is what makes allocating per iteration cheap; the release threshold
+says how much unused memory the pool keeps across synchronizations. On top of it, ctxkit
+caches freed blocks per stream for reuse without a driver call, like PyTorch's caching
+allocator (:mod:`ctxkit.memory.alloc`): they count as used in the driver's statistics
+and in :attr:`MemoryPool.cached_bytes`; :meth:`MemoryPool.trim` gives them back.
+"""
 
 from __future__ import annotations
 
+import math
 import weakref
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from .._driver import drv
-from ..binding import guard, resolve_context
+from ..binding import ContextLike, guard, resolve_context
 from ..context import Context, thread_state
 from ..device import Device
-from ..errors import (
-    ContextClosedError,
-    CudaError,
-    OutOfMemoryError,
-)
+from ..errors import ContextClosedError, CudaError, OutOfMemoryError
 from ..lifetime import finalizer
-from ..stream import Stream, implicit_stream
-from . import blockcache
-from .blockcache import Block
+from ..stream import Event, Stream, implicit_stream, stream_for, stream_handle
+from . import alloc
+from .alloc import Block, MemoryKind
 from .copies import (
     Mem,
+    c_strides,
     check_same_size,
     copy_device,
+    copy_from_device,
+    copy_from_host,
+    copy_to_device,
+    copy_to_host,
     device_mem,
     dtoh,
     finish_default_stream,
-    gib,
     htod,
     implicit,
-    nbytes_arg,
-    stream_for,
     wait_for,
 )
-from .devicearray import BufferBase, DeviceArray, cai_stream
-from .dlpack import KDL_CUDA
-from .host import (
-    host_array,
-)
-from .hostptr import plain_dtype
-from .sizes import shape_nbytes
+from .host import host_array, plain_dtype
+from .interop import to_capsule
+from .sizes import gib, nbytes_arg, shape_arg, shape_nbytes
 
-__all__ = ["DeviceArray", "DeviceBuffer", "cai_stream", "device_array", "to_device"]
+__all__ = [
+    "DeviceArray",
+    "DeviceBuffer",
+    "MemoryPool",
+    "cai_stream",
+    "device_array",
+    "to_device",
+]
+
+
+class DeviceArray:
+    """A typed, C-contiguous view of device memory (no copy).
+
+    Exposes ``__cuda_array_interface__`` (v3) and DLPack (``__dlpack__`` /
+    ``__dlpack_device__`` = ``(kDLCUDA, ordinal)``), so ``cupy.asarray(a)``,
+    ``torch.from_dlpack(a)`` and ``numba.cuda.as_cuda_array(a)`` share its memory.
+
+    Attributes
+    ----------
+    buffer : DeviceBuffer
+        The memory (kept alive by the array).
+    shape : tuple of int
+    dtype : numpy.dtype
+    stream : Stream, stream-like or None
+        The stream with pending writes to the array, exported for consumers to
+        synchronize with (``None``: nothing pending). ctxkit's async copies into the
+        array set it; set it yourself after launching a kernel that writes it.
+    """
+
+    __slots__ = ("__weakref__", "buffer", "dtype", "shape", "stream")
+
+    def __init__(self, buffer: DeviceBuffer, shape: Any, dtype: Any, stream: Any = None):
+        if not isinstance(buffer, DeviceBuffer):
+            raise TypeError(f"buffer must be a DeviceBuffer, got {type(buffer).__name__}")
+        dt = plain_dtype(dtype, "DeviceArray")
+        shp = shape_arg(shape)
+        need = math.prod(shp) * dt.itemsize
+        if need != buffer.nbytes:
+            raise ValueError(
+                f"shape {shp} of {dt} needs {need} bytes but the buffer has {buffer.nbytes}"
+            )
+        if buffer.ptr % dt.alignment:
+            raise ValueError(
+                f"device address {buffer.ptr:#x} is not aligned for {dt} "
+                f"({dt.alignment} bytes); slice the buffer at a multiple of {dt.alignment}"
+            )
+        self.buffer = buffer
+        self.shape = shp
+        self.dtype = dt
+        self.stream = stream
+
+    def _ctxkit_mem(self) -> Mem:
+        return Mem(self.ptr, self.nbytes, self.buffer.context, None, self.dtype, self.shape)
+
+    # --- numpy-like attributes -------------------------------------------------------
+
+    @property
+    def ptr(self) -> int:
+        """Device address of the first element."""
+        return self.buffer.ptr
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Size in bytes."""
+        return self.buffer.nbytes
+
+    @property
+    def ndim(self) -> int:
+        """Number of dimensions, ``len(self.shape)`` (as ``numpy.ndarray.ndim``)."""
+        return len(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element, ``self.dtype.itemsize``."""
+        return self.dtype.itemsize
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        """C-contiguous strides in bytes."""
+        return c_strides(self.shape, self.dtype.itemsize)
+
+    @property
+    def context(self) -> Context:
+        """The context the memory was allocated in (its buffer's)."""
+        return self.buffer.context
+
+    @property
+    def device(self) -> Device:
+        """The device the memory is on."""
+        return self.buffer.context.device
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of a 0-d DeviceArray")
+        return self.shape[0]
+
+    def __repr__(self) -> str:
+        return f"<DeviceArray shape={self.shape} dtype={self.dtype} device={self.device.ordinal}>"
+
+    def reshape(self, *shape: Any) -> DeviceArray:
+        """The same memory with another shape of the same size (``-1`` allowed once)."""
+        shp = shape[0] if len(shape) == 1 and not isinstance(shape[0], int) else shape
+        target = _resolve_reshape(tuple(shp), self.size)
+        return DeviceArray(self.buffer, target, self.dtype, self.stream)
+
+    # --- copies ----------------------------------------------------------------------
+
+    def _check_host(self, arr: np.ndarray, what: str) -> None:
+        if arr.dtype != self.dtype:
+            raise ValueError(f"{what}: dtype {arr.dtype} does not match the array's {self.dtype}")
+        if arr.shape != self.shape:
+            raise ValueError(f"{what}: shape {arr.shape} does not match the array's {self.shape}")
+
+    def copy_from_host(self, arr: Any, stream: Any = None) -> None:
+        """Copy a numpy array of the same shape and dtype into the device array."""
+        what = "DeviceArray.copy_from_host"
+        dst = self.ptr
+        a = host_array(arr, what)
+        self._check_host(a, what)
+        htod(self.context, dst, a, stream, what)
+        self.stream = stream
+
+    def copy_to_host(self, out: Any = None, stream: Any = None) -> np.ndarray:
+        """Copy into *out* (same shape and dtype; a new array when ``None``); return it."""
+        what = "DeviceArray.copy_to_host"
+        src = self.ptr
+        if out is None:
+            dst = np.empty(self.shape, self.dtype)
+        else:
+            dst = host_array(out, what, writable=True)
+            self._check_host(dst, what)
+        dtoh(self.context, dst, src, stream, what)
+        return dst
+
+    def to_host(self, stream: Any = None) -> np.ndarray:
+        """A new numpy array with the contents (synchronous unless *stream* is given)."""
+        return self.copy_to_host(None, stream)
+
+    def copy_from(self, src: Any, stream: Any = None) -> None:
+        """Device-to-device copy from another device array (ctxkit, CuPy, PyTorch, ...)
+        of the same shape and dtype, or a buffer of the same size."""
+        what = "DeviceArray.copy_from"
+        dst = self._ctxkit_mem()
+        s = device_mem(src, what)
+        _check_typed(s, self, what, "source")
+        copy_device(dst, s, self.nbytes, stream, what)
+        self.stream = stream
+
+    def copy_to(self, dst: Any, stream: Any = None) -> None:
+        """Device-to-device copy into another device array of the same shape and dtype."""
+        what = "DeviceArray.copy_to"
+        src = self._ctxkit_mem()
+        d = device_mem(dst, what, write=True)
+        _check_typed(d, self, what, "destination")
+        copy_device(d, src, self.nbytes, stream, what)
+
+    # --- interop ---------------------------------------------------------------------
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        """CUDA Array Interface v3; ``"stream"`` is the pending-writes stream or None."""
+        return {
+            "shape": self.shape,
+            "typestr": self.dtype.str,
+            "data": (self.ptr if self.nbytes else 0, False),
+            "version": 3,
+            "strides": None,
+            "stream": cai_stream(self.stream),
+        }
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """``(kDLCUDA, device ordinal)``; ``kDLCUDAManaged`` for managed memory."""
+        return self.buffer.__dlpack_device__()
+
+    def __dlpack__(
+        self,
+        *,
+        stream: int | None = None,
+        max_version: tuple[int, int] | None = None,
+        dl_device: tuple[int, int] | None = None,
+        copy: bool | None = None,
+    ) -> Any:
+        """A DLPack capsule sharing the memory (no copy).
+
+        *stream* is the consumer's stream (``None``: the legacy default stream; ``-1``:
+        no synchronization). When :attr:`stream` has pending writes on another stream,
+        the consumer's stream is made to wait for them (an event, no host block).
+        A DLPack 1.x versioned capsule is returned when *max_version* allows it.
+        """
+        if copy:
+            raise BufferError("ctxkit exports device memory without copying; copy=True")
+        device = self.__dlpack_device__()
+        if dl_device is not None and tuple(dl_device) != device:
+            raise BufferError(f"the array is on {device}, not on the requested {dl_device}")
+        ptr = self.ptr
+        self._order_for_consumer(stream)
+        versioned = max_version is not None and int(max_version[0]) >= 1
+        return to_capsule(ptr, self.shape, self.dtype, device, self, versioned=versioned)
+
+    def _order_for_consumer(self, consumer: int | None) -> None:
+        producer = self.stream
+        if producer is None or consumer == -1:
+            return
+        if consumer == 0:
+            raise BufferError("__dlpack__(stream=0) is ambiguous for CUDA; pass 1 (legacy)")
+        consumer = 1 if consumer is None else int(consumer)
+        value = cai_stream(producer)
+        if value is None or value == consumer:
+            return
+        ctx = self.context
+        event = Event(timing=False, context=ctx)
+        event.record(producer)
+        with guard(ctx, "DeviceArray.__dlpack__"):
+            (err,) = drv.cuStreamWaitEvent(drv.CUstream(consumer), event.handle, 0)
+        if err:
+            raise ctx.note_error(err, "cuStreamWaitEvent for the DLPack consumer")
+
+
+def _resolve_reshape(shape: tuple[int, ...], size: int) -> tuple[int, ...]:
+    dims = [int(s) for s in shape]
+    unknown = [i for i, s in enumerate(dims) if s == -1]
+    if len(unknown) > 1:
+        raise ValueError("reshape: only one dimension may be -1")
+    if unknown:
+        rest = math.prod(d for d in dims if d != -1)
+        if rest == 0 or size % rest:
+            raise ValueError(f"reshape: cannot reshape {size} elements into {shape}")
+        dims[unknown[0]] = size // rest
+    if math.prod(dims) != size or any(d < 0 for d in dims):
+        raise ValueError(f"reshape: cannot reshape {size} elements into {shape}")
+    return tuple(dims)
+
+
+def _check_typed(m: Mem, arr: DeviceArray, what: str, name: str) -> None:
+    if m.dtype is None:
+        check_same_size(m.nbytes, arr.nbytes, what, name)
+        return
+    if m.dtype != arr.dtype:
+        raise ValueError(f"{what}: the {name} has dtype {m.dtype}, the array {arr.dtype}")
+    if m.shape != arr.shape:
+        raise ValueError(f"{what}: the {name} has shape {m.shape}, the array {arr.shape}")
+
+
+def cai_stream(stream: Any) -> int | None:
+    if stream is None:
+        return None
+    if isinstance(stream, Stream) and stream.closed:
+        return None
+    value = int(stream_handle(stream))
+    return value or 1  # CAI v3: 1 is the legacy default stream (0 is disallowed)
 
 
 _OUT_OF_MEMORY = 2
 
 
-class DeviceBuffer(BufferBase):
+class DeviceBuffer:
     """Linear device memory in one context: ``cuMemAlloc``, or stream-ordered from a pool.
 
     Parameters
@@ -71,7 +339,7 @@ class DeviceBuffer(BufferBase):
         without *stream* is stream-ordered on the current stream. Freed stream-ordered
         blocks are cached for reuse on their stream, like PyTorch's caching allocator:
         :meth:`MemoryPool.trim` gives them back to the driver, ``CTXKIT_ALLOC_CACHE=0``
-        disables the cache (:mod:`ctxkit.memory.blockcache`).
+        disables the cache (:mod:`ctxkit.memory.alloc`).
     pool : MemoryPool, optional
         The pool to allocate from (``cuMemAllocFromPoolAsync``); implies stream-ordered
         allocation (on the current stream when *stream* is not given).
@@ -93,10 +361,8 @@ class DeviceBuffer(BufferBase):
 
     __slots__ = ("__weakref__", "_base", "_fin", "_ptr", "_stream", "context", "nbytes")
 
-    #: False for subclasses whose memory cannot come from a stream-ordered pool.
-    _pooled_ok = True
-    #: DLPack device type of the memory (kDLCUDA; managed memory overrides it).
-    _dlpack_device_type = KDL_CUDA
+    #: The kind of memory the class allocates (:mod:`ctxkit.memory.alloc`).
+    kind: ClassVar[MemoryKind] = alloc.DEVICE
 
     _ptr: int | None
     _base: DeviceBuffer | None
@@ -110,14 +376,14 @@ class DeviceBuffer(BufferBase):
     ) -> None:
         # Fast path: DeviceBuffer(n, stream=s) / `with s: DeviceBuffer(n)` served from the
         # block cache of s: no resolver, no push/pop, no driver call.
-        if pool is None and type(nbytes) is int and nbytes > 0 and self._pooled_ok:
+        if pool is None and type(nbytes) is int and nbytes > 0 and self.kind.stream_ordered:
             s = stream
             if s is None and context is None:
                 top = thread_state().top
                 if top is not None:
                     s = implicit_stream(top)
             if type(s) is Stream and (context is None or context is s.context):
-                blk = blockcache.take(s, nbytes)
+                blk = alloc.take(s, nbytes)
                 if blk is not None:
                     self.context = s.context
                     self.nbytes = nbytes
@@ -140,19 +406,19 @@ class DeviceBuffer(BufferBase):
         self._fin = None
         self._stream = None
         self._ptr = 0
-        if (stream is not None or pool is not None) and not self._pooled_ok:
+        if (stream is not None or pool is not None) and not self.kind.stream_ordered:
             raise TypeError(f"{what}: {type(self).__name__} cannot be stream-ordered")
-        if stream is None and self._pooled_ok:
+        if stream is None and self.kind.stream_ordered:
             stream = implicit_stream(ctx)
         if n == 0:
             return
         if stream is None and pool is None:
             with ctx:
-                err, ptr = self._alloc(n)
+                err, ptr = self.kind.allocate(n)
             if err:
                 raise _alloc_error(ctx, err, n, what)
             self._ptr = int(ptr)
-            self._fin = finalizer(self, ctx, drv.cuMemFree, ptr)
+            self._fin = self.kind.deallocate(self, ctx, ptr)
             return
         self._alloc_ordered(ctx, n, stream, pool, what)
 
@@ -160,10 +426,10 @@ class DeviceBuffer(BufferBase):
         s = stream if isinstance(stream, Stream) else Stream.from_handle(stream or 0, ctx)
         sh = stream_for(s, ctx, what)
         ph = None if pool is None else pool.handle
-        blk = blockcache.take_from(s, n, ph)
+        blk = alloc.take_from(s, n, ph)
         if blk is None:
             with ctx:
-                err, blk = blockcache.allocate(ctx, n, s, sh, ph)
+                err, blk = alloc.allocate(ctx, n, s, sh, ph)
             if err or blk is None:
                 raise _alloc_error(ctx, err, n, f"{what} (stream-ordered)")
         self._ptr = blk.ptr
@@ -171,10 +437,6 @@ class DeviceBuffer(BufferBase):
         # The block holds the stream while the buffer lives, so the free (or the return to
         # the stream's cache) is ordered after every use enqueued on it.
         self._fin = blk
-
-    @staticmethod
-    def _alloc(n: int) -> tuple[Any, Any]:
-        return drv.cuMemAlloc(n)  # type: ignore[no-any-return]
 
     @classmethod
     def from_pointer(
@@ -250,7 +512,7 @@ class DeviceBuffer(BufferBase):
         of *stream* when given (a later allocation on that stream reuses it, ordered
         after the work on that stream only: make sure nothing else still uses the
         memory); the cache frees it with ``cuMemFreeAsync`` on that stream
-        (:mod:`ctxkit.memory.blockcache`). Closing a slice view only invalidates the view.
+        (:mod:`ctxkit.memory.alloc`). Closing a slice view only invalidates the view.
         """
         fin = self._fin
         if self._base is None and fin is not None:
@@ -263,7 +525,7 @@ class DeviceBuffer(BufferBase):
                         if isinstance(stream, Stream)
                         else Stream.from_handle(stream, self.context)
                     )
-                blockcache.give_back(fin, s)
+                alloc.give_back(fin, s)
             else:
                 fin()
         self._ptr = None
@@ -294,41 +556,21 @@ class DeviceBuffer(BufferBase):
         the host memory is pinned (see the module notes on pageable memory); keep *arr*
         alive and unchanged until the stream has reached the copy.
         """
-        what = f"{type(self).__name__}.copy_from_host"
-        dst = self.ptr
-        a = host_array(arr, what)
-        check_same_size(a.nbytes, self.nbytes, what, "host array")
-        htod(self.context, dst, a, stream, what)
+        copy_from_host(self._ctxkit_mem(), arr, stream, f"{type(self).__name__}.copy_from_host")
 
     def copy_to_host(self, arr: Any = None, stream: Any = None) -> np.ndarray:
         """Copy the buffer into *arr* (a new uint8 array when ``None``) and return it."""
-        what = f"{type(self).__name__}.copy_to_host"
-        src = self.ptr
-        if arr is None:
-            out = np.empty(self.nbytes, np.uint8)
-        else:
-            out = host_array(arr, what, writable=True)
-            check_same_size(out.nbytes, self.nbytes, what, "host array")
-        dtoh(self.context, out, src, stream, what)
-        return out if arr is None or isinstance(arr, np.ndarray) else arr
+        return copy_to_host(self._ctxkit_mem(), arr, stream, f"{type(self).__name__}.copy_to_host")
 
     def copy_from(self, src: Any, stream: Any = None) -> None:
         """Device-to-device copy from a buffer, array, or any ``__cuda_array_interface__``
         object of the same size; other contexts/devices go through :func:`copy_peer`."""
-        what = f"{type(self).__name__}.copy_from"
-        dst = self._ctxkit_mem()
-        s = device_mem(src, what)
-        check_same_size(s.nbytes, self.nbytes, what, "source")
-        copy_device(dst, s, self.nbytes, stream, what)
+        copy_from_device(self._ctxkit_mem(), src, stream, f"{type(self).__name__}.copy_from")
 
     def copy_to(self, dst: Any, stream: Any = None) -> None:
         """Device-to-device copy into a buffer, array or ``__cuda_array_interface__``
         object of the same size (e.g. a CuPy array or a PyTorch tensor)."""
-        what = f"{type(self).__name__}.copy_to"
-        src = self._ctxkit_mem()
-        d = device_mem(dst, what, write=True)
-        check_same_size(d.nbytes, self.nbytes, what, "destination")
-        copy_device(d, src, self.nbytes, stream, what)
+        copy_to_device(self._ctxkit_mem(), dst, stream, f"{type(self).__name__}.copy_to")
 
     def memset(self, value: int, stream: Any = None) -> None:
         """Set every byte to *value* (0..255) (``cuMemsetD8``).
@@ -387,7 +629,7 @@ class DeviceBuffer(BufferBase):
 
     def __dlpack_device__(self) -> tuple[int, int]:
         """``(kDLCUDA, ordinal)``; ``(kDLCUDAManaged, ordinal)`` for managed memory."""
-        return (self._dlpack_device_type, self.context.device.ordinal)
+        return (self.kind.dlpack_device, self.context.device.ordinal)
 
 
 def _keep(owner: Any) -> None:
@@ -428,3 +670,199 @@ def to_device(arr: Any, context: Any = None, stream: Any = None) -> DeviceArray:
     out = device_array(a.shape, a.dtype, context)
     out.copy_from_host(a, stream)
     return out
+
+
+def _pool_attr(name: str) -> Any:
+    return getattr(drv.CUmemPool_attribute, f"CU_MEMPOOL_ATTR_{name}")
+
+
+class MemoryPool:
+    """A device memory pool for stream-ordered allocations.
+
+    Parameters
+    ----------
+    device : Context, Device, int or None
+        The device (its registry context is used for driver calls); ``None``: the
+        calling thread's current context.
+    release_threshold : int, optional
+        Bytes of unused memory the pool keeps reserved across synchronizations (default
+        0: everything unused is released at the next synchronization). ``None`` keeps
+        the driver's value.
+    max_size : int, optional
+        Upper bound of the pool's reserved memory (0: no bound; new pools only).
+
+    Notes
+    -----
+    ``MemoryPool(0)`` creates a new, private pool; ``MemoryPool.default(0)`` is the
+    device's default pool, shared with every ``cuMemAllocAsync`` user of the process.
+    Freed stream-ordered buffers keep their block in ctxkit's cache of their stream for
+    the next allocation of that size there (no driver call): those blocks count in
+    :attr:`used_bytes` and :attr:`cached_bytes` until :meth:`trim` (or
+    ``CTXKIT_ALLOC_CACHE=0``, which disables the cache) gives them back.
+    """
+
+    __slots__ = ("__weakref__", "_fin", "context", "handle", "owned")
+
+    _fin: weakref.finalize | None
+
+    def __init__(
+        self,
+        device: ContextLike | None = 0,
+        *,
+        release_threshold: int | None = 0,
+        max_size: int = 0,
+    ) -> None:
+        ctx = resolve_context(device, "MemoryPool()")
+        props = drv.CUmemPoolProps()
+        props.allocType = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        props.handleTypes = drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
+        props.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        props.location.id = ctx.device.ordinal
+        if max_size:
+            props.maxSize = nbytes_arg(max_size, "MemoryPool", "max_size")
+        with ctx:
+            err, handle = drv.cuMemPoolCreate(props)
+        if err:
+            raise ctx.note_error(err, f"cuMemPoolCreate(device {ctx.device.ordinal})")
+        self._setup(ctx, handle, owned=True)
+        self._fin = finalizer(self, ctx, drv.cuMemPoolDestroy, handle)
+        if release_threshold is not None:
+            self.release_threshold = release_threshold
+
+    def _setup(self, ctx: Context, handle: Any, owned: bool) -> None:
+        self.context = ctx
+        self.handle = handle
+        self.owned = owned
+        self._fin = None
+
+    @classmethod
+    def default(cls, device: ContextLike | None = 0) -> MemoryPool:
+        """The device's default pool (``cuDeviceGetDefaultMemPool``); never destroyed."""
+        ctx = resolve_context(device, "MemoryPool.default()")
+        with ctx:
+            err, handle = drv.cuDeviceGetDefaultMemPool(ctx.device.handle)
+        if err:
+            raise ctx.note_error(err, f"cuDeviceGetDefaultMemPool(device {ctx.device.ordinal})")
+        return cls._wrap(ctx, handle)
+
+    @classmethod
+    def from_handle(cls, handle: Any, device: ContextLike | None = None) -> MemoryPool:
+        """Wrap a pool made elsewhere (a ``CUmemoryPool`` or its int value); not owned."""
+        ctx = resolve_context(device, "MemoryPool.from_handle()")
+        value = handle if isinstance(handle, drv.CUmemoryPool) else drv.CUmemoryPool(int(handle))
+        return cls._wrap(ctx, value)
+
+    @classmethod
+    def _wrap(cls, ctx: Context, handle: Any) -> MemoryPool:
+        pool = cls.__new__(cls)
+        pool._setup(ctx, handle, owned=False)
+        return pool
+
+    # --- attributes ------------------------------------------------------------------
+
+    def _get(self, name: str) -> int:
+        self._check_open()
+        err, value = drv.cuMemPoolGetAttribute(self.handle, _pool_attr(name))
+        if err:
+            raise self.context.note_error(err, f"cuMemPoolGetAttribute({name})")
+        return int(value)
+
+    def _set(self, name: str, value: int) -> None:
+        self._check_open()
+        (err,) = drv.cuMemPoolSetAttribute(self.handle, _pool_attr(name), drv.cuuint64_t(value))
+        if err:
+            raise self.context.note_error(err, f"cuMemPoolSetAttribute({name}, {value})")
+
+    @property
+    def release_threshold(self) -> int:
+        """Unused bytes the pool keeps reserved across synchronizations."""
+        return self._get("RELEASE_THRESHOLD")
+
+    @release_threshold.setter
+    def release_threshold(self, nbytes: int) -> None:
+        self._set("RELEASE_THRESHOLD", nbytes_arg(nbytes, "MemoryPool", "release_threshold"))
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Device memory the pool holds now (in use or cached)."""
+        return self._get("RESERVED_MEM_CURRENT")
+
+    @property
+    def used_bytes(self) -> int:
+        """Memory handed out to allocations that are not freed yet (the driver's count:
+        blocks in ctxkit's cache, :attr:`cached_bytes`, are included)."""
+        return self._get("USED_MEM_CURRENT")
+
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes of freed buffers ctxkit's block cache holds for reuse from this pool."""
+        self._check_open()
+        dev = self.context.device
+        total = alloc.cached_bytes(dev.ordinal, int(self.handle))
+        with self.context:
+            err, default = drv.cuDeviceGetDefaultMemPool(dev.handle)
+        if not err and int(default) == int(self.handle):
+            total += alloc.cached_bytes(dev.ordinal, 0)
+        return total
+
+    @property
+    def reserved_high(self) -> int:
+        """High-water mark of :attr:`reserved_bytes`."""
+        return self._get("RESERVED_MEM_HIGH")
+
+    @property
+    def used_high(self) -> int:
+        """High-water mark of :attr:`used_bytes`."""
+        return self._get("USED_MEM_HIGH")
+
+    @property
+    def device(self) -> Device:
+        """The device whose memory the pool holds."""
+        return self.context.device
+
+    # --- operations ------------------------------------------------------------------
+
+    def trim(self, keep: int = 0) -> None:
+        """Release unused memory, keeping at least *keep* bytes reserved (``cuMemPoolTrimTo``).
+
+        The blocks ctxkit's cache holds on the device are freed first, on their
+        streams, and the device's contexts with cached blocks are synchronized so those
+        frees complete: afterwards :attr:`used_bytes` and :attr:`reserved_bytes` have
+        dropped. Other memory freed in stream order counts as in use until that free
+        has completed: synchronize the freeing stream first to release it.
+        """
+        self._check_open()
+        alloc.flush(device=self.context.device.ordinal, sync=True)
+        (err,) = drv.cuMemPoolTrimTo(self.handle, nbytes_arg(keep, "MemoryPool.trim", "keep"))
+        if err:
+            raise self.context.note_error(err, f"cuMemPoolTrimTo({keep})")
+
+    def allocate(self, nbytes: int, stream: Any = None) -> DeviceBuffer:
+        """A :class:`~ctxkit.DeviceBuffer` from this pool, ordered on *stream*."""
+        return DeviceBuffer(nbytes, context=self.context, stream=stream, pool=self)
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self.handle is None
+
+    def _check_open(self) -> None:
+        if self.handle is None:
+            raise ContextClosedError("the memory pool was closed")
+
+    def close(self) -> None:
+        """Destroy an owned pool (its allocations must be freed first); idempotent.
+        A borrowed or default pool is only forgotten. Blocks of an owned pool in
+        ctxkit's cache are freed first."""
+        fin = self._fin
+        if fin is not None:
+            if fin.alive:
+                alloc.flush(device=self.context.device.ordinal, sync=True)
+            fin()
+        self.handle = None
+
+    def __repr__(self) -> str:
+        if self.handle is None:
+            return "<MemoryPool closed>"
+        kind = "owned" if self.owned else "borrowed"
+        return f"<MemoryPool {int(self.handle):#x} {kind} device={self.device.ordinal}>"

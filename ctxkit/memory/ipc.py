@@ -1,4 +1,22 @@
-"""Sharing device memory and events with other processes on the same machine (CUDA IPC).
+"""Inter-process sharing of device memory and events.
+
+What an IPC handle carries between processes: the raw driver handle bytes
+(``CUipcMemHandle`` / ``CUipcEventHandle``), where the handle was made (:class:`_Origin`:
+process, device UUID) and how an importer finds that device again, and the POSIX file
+descriptors of shareable VMM chunks, which travel through ``multiprocessing`` pickling.
+
+Events other processes can wait for: :func:`ipc_event` creates one
+(``CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING``), and ``_wrap_event`` makes an
+:class:`~ctxkit.Event` of a driver handle, one created here or opened from another
+process's handle, destroyed in its context when dropped. Their handles are exchanged by
+:func:`export_event` and :func:`import_event`.
+
+Legacy CUDA IPC memory (``cuIpc*MemHandle``) on both sides: which device memory
+``cuIpcGetMemHandle`` can export (not pool, managed or VMM memory), and
+:class:`ImportedBuffer`, a :class:`~ctxkit.memory.DeviceBuffer` over another process's
+memory that is unmapped (``cuIpcCloseMemHandle``) when its last view goes.
+
+Sharing device memory and events with other processes on the same machine (CUDA IPC).
 
 A process exports a buffer with :func:`export_buffer` (``cuIpcGetMemHandle``) and sends
 the :class:`IpcBufferHandle` (a small picklable value: no data travels) to another
@@ -21,40 +39,28 @@ made with ``shareable=True`` is exported as POSIX file descriptors of its chunks
 transfer). Legacy handles open only in *other* processes, on Linux, and not across
 containers that do not share their PID and IPC namespaces.
 
-This module holds the handles and the functions that export and import them, which all
-tell this process from others by ``_PROCESS_TAG``. What a handle carries is in
-:mod:`ctxkit.memory.ipcwire`, legacy IPC memory on either side (what can be exported,
-:class:`ImportedBuffer`) in :mod:`ctxkit.memory.ipcmem`, and the shareable event itself
-(:func:`ipc_event`) in :mod:`ctxkit.memory.ipcevent`; all are importable from here.
+The export and import functions tell this process from others by ``_PROCESS_TAG``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 from .. import _driver
 from .._driver import drv
 from ..binding import guard, resolve_context
-from ..context import require_current
-from ..device import Device
+from ..context import Context, require_current
+from ..device import Device, devices
 from ..errors import CudaError
-from ..stream import Event
+from ..lifetime import finalizer
+from ..stream import EVENT_BLOCKING_SYNC, EVENT_DISABLE_TIMING, Event
 from .copies import context_of_pointer, device_mem
 from .device import DeviceBuffer
-from .ipcevent import _wrap_event, ipc_event
-from .ipcmem import ImportedBuffer, _check_legacy_capable, _Mapping
-from .ipcwire import (
-    _device_with_uuid,
-    _Exported,
-    _from_bytes,
-    _import_context,
-    _Origin,
-    _SharedFd,
-    _to_bytes,
-)
 from .sizes import nbytes_arg
 from .vmm import Chunk, VirtualBuffer
 
@@ -72,10 +78,211 @@ __all__ = [
 ]
 
 
+IPC_HANDLE_SIZE = 64  # CU_IPC_HANDLE_SIZE
+
+_INVALID_DEVICE = 101
+
+
+@dataclass(frozen=True)
+class _Origin:
+    """Where a handle was made: the process and the device (its UUID survives
+    ``CUDA_VISIBLE_DEVICES`` renumbering)."""
+
+    pid: int
+    process: str
+    device_uuid: str
+    pci_bus_id: str
+    ordinal: int
+
+
+class _Exported:
+    """What every IPC handle says about its origin (the dataclasses hold ``origin``)."""
+
+    origin: _Origin
+
+    @property
+    def pid(self) -> int:
+        """The id of the process that exported the handle."""
+        return self.origin.pid
+
+
+def _device_with_uuid(device_uuid: str) -> Device | None:
+    for dev in devices():
+        err, raw = drv.cuDeviceGetUuid(dev.handle)
+        if not err and bytes(raw.bytes).hex() == device_uuid:
+            return dev
+    return None
+
+
+def _import_context(origin: _Origin, context: Any, what: str) -> Context:
+    if context is not None:
+        return resolve_context(context, what)
+    dev = _device_with_uuid(origin.device_uuid)
+    if dev is None:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        where = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
+        raise CudaError(
+            f"{what}: the memory is on device {origin.ordinal} (PCI {origin.pci_bus_id}) of "
+            f"process {origin.pid}, which this process does not see{where}; make that GPU "
+            "visible here, or pass context= of a device with peer access to it",
+            _INVALID_DEVICE,
+            "CUDA_ERROR_INVALID_DEVICE",
+        )
+    return resolve_context(dev.ordinal, what)
+
+
+def _to_bytes(struct: Any) -> bytes:
+    return ctypes.string_at(int(struct.getPtr()), IPC_HANDLE_SIZE)
+
+
+def _from_bytes(cls: Any, data: bytes) -> Any:
+    if not isinstance(data, bytes) or len(data) != IPC_HANDLE_SIZE:
+        raise ValueError(f"an IPC handle is {IPC_HANDLE_SIZE} bytes, got {data!r:.40}")
+    struct = cls()
+    ctypes.memmove(int(struct.getPtr()), data, IPC_HANDLE_SIZE)
+    return struct
+
+
+def _close_fd(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+class _SharedFd:
+    """A file descriptor that travels through ``multiprocessing`` pickling (the receiver
+    gets its own duplicate, by SCM_RIGHTS); closed when the object goes."""
+
+    __slots__ = ("__weakref__", "_fin", "fd")
+
+    def __init__(self, fd: int) -> None:
+        self.fd = int(fd)
+        self._fin = weakref.finalize(self, _close_fd, self.fd)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        from multiprocessing.reduction import DupFd  # only where handles are sent
+
+        return (_received_fd, (DupFd(self.fd),))
+
+    def take(self) -> int:
+        """A duplicate for the caller to use and close."""
+        return os.dup(self.fd)
+
+
+def _received_fd(dup: Any) -> _SharedFd:
+    return _SharedFd(dup.detach())
+
+
+EVENT_INTERPROCESS = 4  # CU_EVENT_INTERPROCESS
+
+_NOT_SUPPORTED = 801
+
+
+def _wrap_event(ctx: Context, handle: Any) -> Event:
+    """An :class:`Event` for a handle made here (destroyed in *ctx* when dropped)."""
+    ev = Event.__new__(Event)
+    ev.context = ctx
+    ev.handle = handle
+    ev.timing = False
+    ev._recorded = False
+    ev._fin = finalizer(ev, ctx, drv.cuEventDestroy, handle)
+    return ev
+
+
+def ipc_event(context: Any = None, *, blocking: bool = False) -> Event:
+    """An event other processes can wait for (``CU_EVENT_INTERPROCESS |
+    CU_EVENT_DISABLE_TIMING``); share it with :func:`export_event`.
+
+    Parameters
+    ----------
+    context : Context, Device, int or None
+        As for :class:`~ctxkit.Event`.
+    blocking : bool
+        ``CU_EVENT_BLOCKING_SYNC``: ``synchronize()`` sleeps instead of spinning.
+
+    Raises
+    ------
+    CudaError
+        ``CUDA_ERROR_NOT_SUPPORTED``: the device cannot share events
+        (``ipc_event_supported`` is 0).
+    """
+    ctx = resolve_context(context, "ipc_event")
+    if not ctx.device.attribute("ipc_event_supported"):
+        raise CudaError(
+            f"ipc_event: device {ctx.device.ordinal} cannot share events between processes "
+            "(ipc_event_supported is 0); order the processes through the host instead "
+            "(synchronize, then send a message)",
+            _NOT_SUPPORTED,
+            "CUDA_ERROR_NOT_SUPPORTED",
+        )
+    flags = EVENT_INTERPROCESS | EVENT_DISABLE_TIMING | (EVENT_BLOCKING_SYNC if blocking else 0)
+    with ctx:
+        err, handle = drv.cuEventCreate(flags)
+    if err:
+        raise ctx.note_error(err, f"cuEventCreate(INTERPROCESS|DISABLE_TIMING, flags={flags})")
+    return _wrap_event(ctx, handle)
+
+
+class ImportedBuffer(DeviceBuffer):
+    """Device memory of another process, opened from an :class:`IpcBufferHandle`.
+
+    A :class:`~ctxkit.memory.DeviceBuffer` in every respect (copies, views, memset,
+    kernel arguments, ``__cuda_array_interface__``) except ownership: :meth:`close` (or
+    garbage collection) unmaps it with ``cuIpcCloseMemHandle`` in its context and leaves
+    the memory to the exporting process. Made by :func:`import_buffer` only.
+    """
+
+    __slots__ = ()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("ImportedBuffer is made by ctxkit.memory.ipc.import_buffer(handle)")
+
+
+class _Mapping:
+    """One ``cuIpcOpenMemHandle`` of an allocation; closed when the last buffer on it
+    goes (the driver counts repeated opens of one handle in one context)."""
+
+    __slots__ = ("__weakref__", "_fin", "base")
+
+    def __init__(self, ctx: Context, base: int) -> None:
+        self.base = base
+        self._fin = finalizer(self, ctx, drv.cuIpcCloseMemHandle, base)
+
+
+def _pointer_attribute(name: str, ptr: int, what: str) -> Any:
+    err, value = drv.cuPointerGetAttribute(
+        getattr(drv.CUpointer_attribute, "CU_POINTER_ATTRIBUTE_" + name), ptr
+    )
+    _driver.raise_for(err, f"{what}: cuPointerGetAttribute({name}, {ptr:#x})")
+    return value
+
+
+def _check_legacy_capable(ptr: int, what: str) -> None:
+    if _pointer_attribute("IS_MANAGED", ptr, what):
+        why = (
+            "it is managed (unified) memory, which cannot be shared between processes; "
+            "share a DeviceBuffer instead"
+        )
+    elif int(_pointer_attribute("MEMPOOL_HANDLE", ptr, what) or 0):
+        why = (
+            "it is a stream-ordered pool allocation (cuMemAllocAsync); allocate it with "
+            "DeviceBuffer(nbytes) without stream= to share it"
+        )
+    elif not _pointer_attribute("IS_LEGACY_CUDA_IPC_CAPABLE", ptr, what):
+        why = (
+            "it is not cuMemAlloc memory (VMM/cuMemCreate or another allocator's); "
+            "export a whole VirtualBuffer(..., shareable=True) instead"
+        )
+    else:
+        return
+    raise ValueError(
+        f"{what}: the memory at {ptr:#x} cannot be exported with cuIpcGetMemHandle: {why}"
+    )
+
+
 IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1  # CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
 
-
-#: identifies this process in handles (a pid alone repeats across PID namespaces)
 _PROCESS_TAG = uuid.uuid4().hex
 
 
@@ -120,9 +327,6 @@ def _check_other_process(origin: _Origin, what: str, use: str) -> None:
             f"{what}: the handle was exported by this process (pid {origin.pid}); CUDA IPC "
             f"handles open only in other processes: use the {use} itself here"
         )
-
-
-# --- buffers ----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -250,9 +454,6 @@ def import_buffer(
     return buf
 
 
-# --- VMM memory: POSIX file descriptors -----------------------------------------------
-
-
 _POSIX_FD = 1  # CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 
 
@@ -336,9 +537,6 @@ def _import_virtual(handle: IpcVirtualBufferHandle, context: Any, what: str) -> 
             drv.cuMemRelease(c.handle)
         raise
     return VirtualBuffer._adopt(chunks, handle.nbytes, handle.stripe, ctx)
-
-
-# --- events -----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)

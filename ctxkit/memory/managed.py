@@ -18,23 +18,17 @@ from .._driver import drv
 from ..binding import guard
 from ..context import Context
 from ..device import Device
-from ..stream import Stream
-from .copies import (
-    shape_arg,
-    stream_for,
-)
+from ..stream import Stream, stream_for
+from . import alloc
 from .device import DeviceBuffer
-from .dlpack import KDL_CUDA_MANAGED
 from .host import (
     HostMemory,
     device_of,
+    plain_dtype,
 )
-from .hostptr import plain_dtype
+from .sizes import shape_arg
 
 __all__ = ["ManagedBuffer"]
-
-
-MEM_ATTACH_GLOBAL = 1
 
 
 _concurrent_managed: dict[int, bool] = {}
@@ -85,8 +79,7 @@ class ManagedBuffer(DeviceBuffer):
     reading data a running kernel writes is still a race: synchronize its stream first.
     """
 
-    _pooled_ok = False
-    _dlpack_device_type = KDL_CUDA_MANAGED
+    kind = alloc.MANAGED
 
     __slots__ = ("_views",)
 
@@ -95,10 +88,6 @@ class ManagedBuffer(DeviceBuffer):
     def __init__(self, nbytes: int, context: Any = None) -> None:
         self._views = weakref.WeakSet()
         super().__init__(nbytes, context)
-
-    @staticmethod
-    def _alloc(n: int) -> tuple[Any, Any]:
-        return drv.cuMemAllocManaged(n, MEM_ATTACH_GLOBAL)  # type: ignore[no-any-return]
 
     def _setup_view(self, ptr: int, n: int, ctx: Context, base: DeviceBuffer | None) -> None:
         super()._setup_view(ptr, n, ctx, base)

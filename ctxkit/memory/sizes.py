@@ -42,3 +42,8 @@ def shape_nbytes(shape: Any, dtype: np.dtype[Any], what: str) -> tuple[tuple[int
     shp = shape_arg(shape)
     n = nbytes_arg(math.prod(shp) * dtype.itemsize, what, f"shape {shp} of {dtype}")
     return shp, n
+
+
+def gib(n: int) -> str:
+    """*n* bytes in GiB with two decimals, for error messages."""
+    return f"{n / 2**30:.2f} GiB"

@@ -31,6 +31,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from .._env import streaming_copy
+from .host import host_address
+
 __all__ = [
     "DEFAULT_CACHE_BYTES",
     "MIN_STREAMING_BYTES",
@@ -78,12 +81,7 @@ class StreamingCopyInfo:
 
 class _State:
     lock = threading.Lock()
-    enabled = os.environ.get("CTXKIT_STREAMING_COPY", "1").strip().lower() not in (
-        "0",
-        "false",
-        "no",
-        "off",
-    )
+    enabled = streaming_copy()
     loaded = False
     building = False
     fn: _CopyFn | None = None
@@ -308,8 +306,8 @@ def copy_streaming(dst: np.ndarray, src: np.ndarray) -> None:
         return
     d8, s8 = _flat_bytes(dst), _flat_bytes(src)
     n = d8.shape[0]
-    d = d8.__array_interface__["data"][0]
-    s = s8.__array_interface__["data"][0]
+    d = host_address(d8)
+    s = host_address(s8)
     head = min((-d) % _ALIGN, n)
     body = (n - head) // _STEP * _STEP
     if head:

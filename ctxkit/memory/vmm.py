@@ -1,4 +1,14 @@
-"""Virtual memory management: one contiguous device address range backed by physical
+"""Virtual memory management: chunked, striped buffers over several devices.
+
+The driver side of a :class:`VirtualBuffer`: physical chunks
+(``cuMemCreate``) and their granularity, reserved address ranges (``cuMemAddressReserve``),
+mappings with read/write access for every accessing device (``cuMemMap`` /
+``cuMemSetAccess``), and their release in order (unmap, release, free the range).
+
+Also the checks made before anything is created: which devices support virtual memory
+management (and POSIX file-descriptor handles), and which have a peer path to the chunks.
+
+Virtual memory management: one contiguous device address range backed by physical
 chunks on one or several devices (``cuMemAddressReserve`` / ``cuMemCreate`` /
 ``cuMemMap`` / ``cuMemSetAccess``).
 
@@ -10,11 +20,6 @@ mapped after the old ones, in place when the address space there is free, otherw
 existing chunks are remapped into a larger range (the data stays where it is physically).
 It is freed in order (unmap, release, free the address range) by :meth:`close`, garbage
 collection in any thread, or interpreter exit.
-
-This module holds the class; the driver work behind it (chunks and their granularity,
-address ranges, mappings and access, the support checks) is in
-:mod:`ctxkit.memory.vmmchunks`, whose :class:`Chunk` and :func:`allocation_granularity`
-are importable from here.
 """
 
 from __future__ import annotations
@@ -22,36 +27,198 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from .. import _driver
 from .._driver import check_fork, drv, in_forked_child
-from ..binding import resolve_context
-from ..context import Context
+from ..binding import check_devices, resolve_context
+from ..context import Context, shutting_down
 from ..device import Device
 from ..errors import ContextClosedError, CudaError, OutOfMemoryError
-from .copies import Mem, check_same_size, copy_device, device_mem, dtoh, gib, htod, nbytes_arg
-from .device import DeviceArray, DeviceBuffer
-from .dlpack import KDL_CUDA
-from .hostptr import host_array
-from .vmmchunks import (
-    Chunk,
-    _check,
-    _check_support,
-    _devices,
-    _finalize,
-    _map,
-    _prop,
-    _release_all,
-    _reserve_range,
-    _round_up,
-    _Space,
-    _unmap,
-    allocation_granularity,
+from ..lifetime import free_quietly
+from .copies import (
+    Mem,
+    copy_from_device,
+    copy_from_host,
+    copy_to_device,
+    copy_to_host,
 )
+from .device import DeviceArray, DeviceBuffer
+from .interop import KDL_CUDA
+from .sizes import gib, nbytes_arg
 
 __all__ = ["Chunk", "VirtualBuffer", "allocation_granularity"]
+
+
+_NOT_SUPPORTED = 801
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One physical allocation mapped into a :class:`VirtualBuffer`.
+
+    Attributes
+    ----------
+    offset, nbytes : int
+        Where it sits in the buffer's address range.
+    device : int
+        The device whose memory backs it.
+    """
+
+    offset: int
+    nbytes: int
+    device: int
+    handle: Any = field(default=None, repr=False, compare=False)
+
+
+class _Space:
+    """Everything a VirtualBuffer holds in the driver, shared with its finalizer."""
+
+    __slots__ = ("access", "chunks", "reservations")
+
+    def __init__(self, access: tuple[int, ...]) -> None:
+        self.access = access
+        self.reservations: list[tuple[int, int]] = []  # (address, size), contiguous
+        self.chunks: list[Chunk] = []
+
+    @property
+    def base(self) -> int:
+        return self.reservations[0][0] if self.reservations else 0
+
+    @property
+    def reserved(self) -> int:
+        return sum(n for _p, n in self.reservations)
+
+
+def _prop(device: int, shareable: bool) -> Any:
+    prop = drv.CUmemAllocationProp()
+    prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = int(device)
+    if shareable:
+        prop.requestedHandleTypes = (
+            drv.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        )
+    return prop
+
+
+def allocation_granularity(device: Any = 0, *, shareable: bool = False) -> int:
+    """The size and alignment unit of physical chunks on *device*
+    (``cuMemGetAllocationGranularity``, minimum)."""
+    dev = Device(device.device if isinstance(device, Context) else device)
+    _driver.init()
+    flag = drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+    err, gran = drv.cuMemGetAllocationGranularity(_prop(dev.ordinal, shareable), flag)
+    _driver.raise_for(err, f"cuMemGetAllocationGranularity(device {dev.ordinal})")
+    return int(gran)
+
+
+def _round_up(n: int, unit: int) -> int:
+    return -(-n // unit) * unit
+
+
+def _access_desc(device: int) -> Any:
+    desc = drv.CUmemAccessDesc()
+    desc.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    desc.location.id = int(device)
+    desc.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    return desc
+
+
+def _check(err: Any, what: str) -> None:
+    if err:
+        raise _driver.from_result(int(err), what)
+
+
+def _map(space: _Space, chunk: Chunk, base: int, what: str) -> None:
+    """Map *chunk* at ``base + offset`` and give every accessing device read/write."""
+    ptr = base + chunk.offset
+    (err,) = drv.cuMemMap(ptr, chunk.nbytes, 0, chunk.handle, 0)
+    _check(err, f"{what}: cuMemMap({ptr:#x}, {chunk.nbytes})")
+    descs = [_access_desc(d) for d in space.access]
+    (err,) = drv.cuMemSetAccess(ptr, chunk.nbytes, descs, len(descs))
+    if err:
+        drv.cuMemUnmap(ptr, chunk.nbytes)
+        _check(err, f"{what}: cuMemSetAccess({ptr:#x}, {chunk.nbytes}, devices {space.access})")
+
+
+def _unmap(chunks: Sequence[Chunk], base: int) -> int:
+    first = 0
+    for c in reversed(chunks):
+        (err,) = drv.cuMemUnmap(base + c.offset, c.nbytes)
+        first = first or int(err)
+    return first
+
+
+def _release_all(space: _Space) -> tuple[int]:
+    """Unmap every chunk, release its memory, free the address range; first error."""
+    first = _unmap(space.chunks, space.base)
+    for c in reversed(space.chunks):
+        (err,) = drv.cuMemRelease(c.handle)
+        first = first or int(err)
+    for ptr, size in reversed(space.reservations):
+        (err,) = drv.cuMemAddressFree(ptr, size)
+        first = first or int(err)
+    space.chunks.clear()
+    space.reservations.clear()
+    return (first,)
+
+
+def _finalize(ctx: Context, space: _Space) -> None:
+    if not space.reservations or shutting_down():
+        return
+    if ctx.closed or ctx.poisoned:  # VMM memory belongs to no context: free it anyway
+        try:
+            _release_all(space)
+        except Exception:
+            pass
+        return
+    free_quietly(ctx, _release_all, space)
+
+
+def _devices(spec: Any, what: str, name: str) -> tuple[int, ...]:
+    if spec is None:
+        return ()
+    checked = check_devices(spec, f"{what} {name}=")
+    assert checked is not None
+    return tuple(c.device.ordinal if isinstance(c, Context) else Device(c).ordinal for c in checked)
+
+
+def _reserve_range(space: _Space, size: int, what: str) -> None:
+    err, ptr = drv.cuMemAddressReserve(size, 0, 0, 0)
+    _check(err, f"{what}: cuMemAddressReserve({size})")
+    space.reservations.append((int(ptr), size))
+
+
+def _check_support(devs: tuple[int, ...], acc: tuple[int, ...], shareable: bool, what: str) -> None:
+    for d in dict.fromkeys((*devs, *acc)):
+        dev = Device(d)
+        if not dev.attribute("virtual_memory_management_supported"):
+            raise CudaError(
+                f"{what}: device {d} does not support virtual memory management "
+                "(virtual_memory_management_supported is 0); use DeviceBuffer",
+                _NOT_SUPPORTED,
+                "CUDA_ERROR_NOT_SUPPORTED",
+            )
+        if shareable and not dev.attribute("handle_type_posix_file_descriptor_supported"):
+            raise CudaError(
+                f"{what}: device {d} cannot export memory as POSIX file descriptors "
+                "(handle_type_posix_file_descriptor_supported is 0); create it without "
+                "shareable=True and share a DeviceBuffer through ctxkit.memory.ipc instead",
+                _NOT_SUPPORTED,
+                "CUDA_ERROR_NOT_SUPPORTED",
+            )
+    for a in acc:
+        for d in devs:
+            if a != d and not Device(a).can_access_peer(d):
+                raise ValueError(
+                    f"{what}: device {a} cannot access memory of device {d} "
+                    "(cuDeviceCanAccessPeer is 0), so it cannot be given access to chunks "
+                    f"there; pass access= without device {a}, or devices= without device {d}"
+                )
 
 
 _OUT_OF_MEMORY = 2
@@ -405,35 +572,19 @@ class VirtualBuffer:
 
     def copy_from_host(self, arr: Any, stream: Any = None) -> None:
         """Copy a host array of exactly ``nbytes`` bytes into the buffer."""
-        what = "VirtualBuffer.copy_from_host"
-        a = host_array(arr, what)
-        check_same_size(a.nbytes, self.nbytes, what, "host array")
-        htod(self.context, self.ptr, a, stream, what)
+        copy_from_host(self._ctxkit_mem(), arr, stream, "VirtualBuffer.copy_from_host")
 
     def copy_to_host(self, arr: Any = None, stream: Any = None) -> np.ndarray:
         """Copy the buffer into *arr* (a new uint8 array when ``None``) and return it."""
-        what = "VirtualBuffer.copy_to_host"
-        if arr is None:
-            out = np.empty(self.nbytes, np.uint8)
-        else:
-            out = host_array(arr, what, writable=True)
-            check_same_size(out.nbytes, self.nbytes, what, "host array")
-        dtoh(self.context, out, self.ptr, stream, what)
-        return out if arr is None or isinstance(arr, np.ndarray) else arr
+        return copy_to_host(self._ctxkit_mem(), arr, stream, "VirtualBuffer.copy_to_host")
 
     def copy_from(self, src: Any, stream: Any = None) -> None:
         """Device-to-device copy from memory of the same size (any context/device)."""
-        what = "VirtualBuffer.copy_from"
-        s = device_mem(src, what)
-        check_same_size(s.nbytes, self.nbytes, what, "source")
-        copy_device(self._ctxkit_mem(), s, self.nbytes, stream, what)
+        copy_from_device(self._ctxkit_mem(), src, stream, "VirtualBuffer.copy_from")
 
     def copy_to(self, dst: Any, stream: Any = None) -> None:
         """Device-to-device copy into memory of the same size (any context/device)."""
-        what = "VirtualBuffer.copy_to"
-        d = device_mem(dst, what, write=True)
-        check_same_size(d.nbytes, self.nbytes, what, "destination")
-        copy_device(d, self._ctxkit_mem(), self.nbytes, stream, what)
+        copy_to_device(self._ctxkit_mem(), dst, stream, "VirtualBuffer.copy_to")
 
     def memset(self, value: int, stream: Any = None) -> None:
         """Set every byte to *value* (0..255), as ``DeviceBuffer.memset``."""

@@ -35,12 +35,11 @@ import numpy as np
 from .. import _driver
 from ..context import Context
 from ..errors import LaunchArgumentError
+from ..memory.copies import peer_access_enabled
 from ..memory.device import DeviceArray, DeviceBuffer
-from ..memory.host import host_device_pointer
-from ..memory.hostptr import plain_dtype
+from ..memory.host import host_device_pointer, plain_dtype
 from ..memory.interop import order_after_producers
 from ..memory.managed import ManagedBuffer
-from ..memory.peer import peer_access_enabled
 from .ptxsig import (
     BITS,
     BYTES,

@@ -19,7 +19,7 @@ There is one cache per process (:func:`process_pins`), shared by every Pipeline:
 registration made for one pipeline serves the others. Its registrations count against the
 process's one budget of page-locked memory, that of the pinned pool
 (:func:`ctxkit.pinned_pool`, ``CTXKIT_PINNED_POOL_BYTES``), through
-:meth:`~ctxkit.memory.hostpool.PinnedPool.claim`: a range is held only when the pool can
+:meth:`~ctxkit.memory.pinned.PinnedPool.claim`: a range is held only when the pool can
 make room for it (it frees cached blocks for that), so staging buffers, pooled outputs
 and held arrays together never exceed the budget. Each Pipeline's claims
 (:class:`PinClaims`) are bounded by its ``pin_cache_bytes`` too.
@@ -62,7 +62,7 @@ import numpy as np
 from .. import _driver
 from ..context import Context
 from ..errors import PinLeakWarning
-from ..memory.hostpool import PinnedPool, pinned_pool
+from ..memory.pinned import PinnedPool, pinned_pool
 from .hostreg import NO_USABLE_CONTEXT, register_pages, unregister_pages
 from .plan import PAGE, MiB, addr
 

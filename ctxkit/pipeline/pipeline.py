@@ -18,8 +18,8 @@ from ..binding import check_devices
 from ..context import Context
 from ..device import Device
 from ..memory.host import host_pointer_kind
-from ..memory.hostpool import pinned_pool
 from ..memory.managed import ManagedBuffer
+from ..memory.pinned import pinned_pool
 from ..memory.streamcopy import build_streaming_copy
 from ..module.kernel import Kernel
 from ..module.module import Module

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ..memory.hostptr import plain_dtype
+from ..memory.host import plain_dtype
 
 __all__ = [
     "HOST_PATHS",
@@ -364,7 +364,7 @@ def _default_out(x: np.ndarray, context: Any, headroom: int) -> np.ndarray:
     """
     if x.nbytes < POOLED_OUT_BYTES:
         return np.empty_like(x)
-    from ..memory.hostpool import pinned_pool
+    from ..memory.pinned import pinned_pool
 
     arr = pinned_pool().try_empty(x.shape, x.dtype, context=context, headroom=headroom)
     return np.empty_like(x) if arr is None else arr
@@ -403,7 +403,7 @@ def prepare_io(
     if isinstance(out, str):
         if out == "pageable":
             return x, np.empty_like(x)
-        from ..memory.hostpool import pinned_pool
+        from ..memory.pinned import pinned_pool
 
         return x, pinned_pool().empty(x.shape, x.dtype, context=context)
     if not isinstance(out, np.ndarray):

@@ -17,7 +17,7 @@ from ..context import Context
 from ..errors import OutOfMemoryError
 from ..executor import ContextExecutor
 from ..memory.device import DeviceBuffer
-from ..memory.hostpool import pinned_pool
+from ..memory.pinned import pinned_pool
 from ..stream import Event, Stream
 from ..trace import Recorder
 from .hostthreads import HostPool

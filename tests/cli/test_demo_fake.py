@@ -142,10 +142,10 @@ def test_demo_repeated_arrays_are_held_by_pin_on_reuse(
 def test_demo_reports_the_pinned_pool_once_it_was_used(
     gpu, monkeypatch, tmp_path, capsys, no_peers
 ):
-    from ctxkit.memory import hostpool
+    from ctxkit.memory import pinned
 
-    pool = hostpool.PinnedPool(budget=64 << 20)
-    monkeypatch.setattr(hostpool, "_process_pool", pool)
+    pool = pinned.PinnedPool(budget=64 << 20)
+    monkeypatch.setattr(pinned, "_process_pool", pool)
     _fake_kernel(monkeypatch, gpu)
     assert run_demo(_args(tmp_path, devices=1, quick=True, trace=None)) == 0
     out = capsys.readouterr().out

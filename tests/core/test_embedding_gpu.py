@@ -284,7 +284,7 @@ def test_private_pool_threshold_trim_and_close(ctx0):
         for b in bufs:
             b.close()
         assert pool.cached_bytes == 32 << 20 and pool.used_bytes == 32 << 20
-        ck.memory.blockcache.flush(device=0, sync=True)
+        ck.memory.alloc.flush(device=0, sync=True)
         assert pool.used_bytes == 0 and pool.reserved_bytes >= 32 << 20  # kept: threshold
         pool.trim(0)
         assert pool.reserved_bytes == 0

@@ -19,7 +19,7 @@ from cuda.bindings import driver as real
 
 import ctxkit as ck
 from ctxkit.context import Context
-from ctxkit.memory import blockcache
+from ctxkit.memory import alloc
 from tests.support.fakedriver import FakeHandle
 from tests.support.fakemem import (
     INVALID_CONTEXT,
@@ -173,22 +173,22 @@ class FakePoolDriver(FakeMemDriver):
 def pfake(fake_driver, monkeypatch):
     """The memory fake with pools, patched everywhere, and an empty enabled block cache."""
     f = install(monkeypatch, FakePoolDriver(fake_driver))
-    monkeypatch.delenv(blockcache.ENV, raising=False)
+    monkeypatch.delenv("CTXKIT_ALLOC_CACHE", raising=False)
     _reset_cache()
     yield f
     # This teardown runs before monkeypatch's undo: drop a value the test set, or the
     # cache would keep its settings (or its error) for the tests after this one.
-    monkeypatch.delenv(blockcache.ENV, raising=False)
+    monkeypatch.delenv("CTXKIT_ALLOC_CACHE", raising=False)
     _reset_cache()
     gc.collect()
 
 
 def _reset_cache() -> None:
-    with blockcache._lock:
-        blockcache._caches.clear()
-        blockcache._held.clear()
-        blockcache._limits.clear()
-    blockcache.configure()
+    with alloc._lock:
+        alloc._caches.clear()
+        alloc._held.clear()
+        alloc._limits.clear()
+    alloc.configure()
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import pytest
 import ctxkit as ck
 from ctxkit import lifetime
 from ctxkit.errors import OutOfMemoryError
-from ctxkit.memory import DeviceBuffer, blockcache
+from ctxkit.memory import DeviceBuffer, alloc
 from tests.memory.fakepool import _reset_cache, ctx0, ctx1, pfake  # noqa: F401
 
 MIB = 1 << 20
@@ -22,7 +22,7 @@ MIB = 1 << 20
 
 @pytest.fixture
 def big_bound(monkeypatch):
-    monkeypatch.setenv(blockcache.ENV, str(1 << 30))
+    monkeypatch.setenv("CTXKIT_ALLOC_CACHE", str(1 << 30))
     _reset_cache()
 
 
@@ -120,7 +120,7 @@ def test_synchronous_and_wrapped_buffers_do_not_touch_the_cache(pfake, ctx0):
         wrapped = DeviceBuffer.from_pointer(0x1234, 64)
         wrapped.close()
     assert len(pfake.calls("free")) == 1 and pfake.async_allocs() == []
-    assert blockcache.cached_bytes(0) == 0
+    assert alloc.cached_bytes(0) == 0
 
 
 def _failed_cache_frees() -> list[lifetime.FailedFree]:
@@ -140,20 +140,20 @@ def test_trim_flushes_the_cache_and_returns_the_memory(pfake, ctx0, big_bound):
 
 
 def test_the_bound_empties_the_device_cache(pfake, ctx0, monkeypatch):
-    monkeypatch.setenv(blockcache.ENV, "8192")
+    monkeypatch.setenv("CTXKIT_ALLOC_CACHE", "8192")
     _reset_cache()
     with ctx0:
         s = ck.Stream()
         bufs = [DeviceBuffer(4096, stream=s) for _ in range(3)]
         bufs[0].close()
         bufs[1].close()
-        assert blockcache.cached_bytes(0) == 8192 and pfake.async_frees() == []
+        assert alloc.cached_bytes(0) == 8192 and pfake.async_frees() == []
         bufs[2].close()  # 12 KiB > 8 KiB: everything is given back
-    assert blockcache.cached_bytes(0) == 0 and len(pfake.async_frees()) == 3
+    assert alloc.cached_bytes(0) == 0 and len(pfake.async_frees()) == 3
 
 
 def test_default_bound_is_a_quarter_of_the_device(pfake, ctx0):
-    assert blockcache.limit_bytes(ctx0) == pfake.total // 4
+    assert alloc.limit_bytes(ctx0) == pfake.total // 4
 
 
 def test_out_of_memory_flushes_the_cache_and_retries_once(pfake, ctx0, big_bound):
@@ -162,7 +162,7 @@ def test_out_of_memory_flushes_the_cache_and_retries_once(pfake, ctx0, big_bound
         for b in [DeviceBuffer(MIB // 4, stream=other) for _ in range(3)]:
             b.close()
         big = DeviceBuffer(MIB // 2, stream=s)  # fits only once the cache is given back
-        assert blockcache.cached_bytes(0) == 0 and len(pfake.async_frees()) == 3
+        assert alloc.cached_bytes(0) == 0 and len(pfake.async_frees()) == 3
         with pytest.raises(OutOfMemoryError, match="cannot allocate"):
             DeviceBuffer(MIB, stream=s)
         big.close()
@@ -202,7 +202,7 @@ def test_blocks_of_a_collected_stream_are_freed_on_it_before_it_is_destroyed(pfa
     names = [(e[0], e[2]) for e in pfake.log if e[0] in ("freeasync", "streamdestroy")]
     assert names[0][0] == "freeasync" and names[0][1][1] == handle
     assert names[1] == ("streamdestroy", handle)
-    assert blockcache.cached_bytes(0) == 0 and not pfake.calls("ctxsync")
+    assert alloc.cached_bytes(0) == 0 and not pfake.calls("ctxsync")
 
 
 def test_closing_the_context_frees_its_blocks_first(pfake, ctx0, ctx1):
@@ -214,7 +214,7 @@ def test_closing_the_context_frees_its_blocks_first(pfake, ctx0, ctx1):
         DeviceBuffer(4096, stream=s0).close()
     lifetime.context_closing(ctx1)  # what Context.close() runs before the driver call
     assert [st for _p, st in pfake.async_frees()] == [int(s1.handle)]
-    assert blockcache.cached_bytes(1) == 0 and blockcache.cached_bytes(0) == 4096
+    assert alloc.cached_bytes(1) == 0 and alloc.cached_bytes(0) == 4096
 
 
 def test_a_closed_context_hands_out_nothing(pfake, ctx0, monkeypatch):
@@ -223,7 +223,7 @@ def test_a_closed_context_hands_out_nothing(pfake, ctx0, monkeypatch):
         DeviceBuffer(4096, stream=s).close()
     monkeypatch.setattr(ctx0, "closed", True)
     monkeypatch.setattr(ctx0, "_unusable", True)  # what Context._release sets with closed
-    assert blockcache.take(s, 4096) is None
+    assert alloc.take(s, 4096) is None
     with pytest.raises(ck.ContextClosedError):
         DeviceBuffer(4096, stream=s)
 
@@ -261,7 +261,7 @@ def test_threads_allocate_and_free_concurrently(pfake, ctx0, big_bound):
 
     def flusher() -> None:
         while not stop.is_set():
-            blockcache.flush()
+            alloc.flush()
 
     switch = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # interleave the threads as much as possible
@@ -279,12 +279,12 @@ def test_threads_allocate_and_free_concurrently(pfake, ctx0, big_bound):
         sys.setswitchinterval(switch)
     gc.collect()
     assert errors == [], errors
-    cached = [b for sc in blockcache._caches.values() for lst in sc.blocks.values() for b in lst]
+    cached = [b for sc in alloc._caches.values() for lst in sc.blocks.values() for b in lst]
     # every block is either in a cache or was given back, and only once
     assert len(pfake.async_allocs()) == len(pfake.async_frees()) + len(cached)
     assert len({b.ptr for b in cached}) == len(cached)
-    assert blockcache.cached_bytes(0) == sum(b.size for b in cached)
-    assert blockcache._held[0] == blockcache.cached_bytes(0)  # recounted by the flushes
+    assert alloc.cached_bytes(0) == sum(b.size for b in cached)
+    assert alloc._held[0] == alloc.cached_bytes(0)  # recounted by the flushes
     assert _failed_cache_frees() == []
 
 
@@ -297,12 +297,12 @@ def test_capture_bypasses_the_cache_and_holds_back_flushes(pfake, ctx0):
             inside = DeviceBuffer(4096, stream=s)  # the cached block is not handed out
             assert len(pfake.async_allocs()) == 2
             inside.close()  # allocated during capture: never cached, the free waits
-            blockcache.flush()
+            alloc.flush()
             assert pfake.async_frees() == [] and lifetime.held_back_frees() == 2
         finally:
             lifetime.capture_ends(False)
     assert len(pfake.async_frees()) == 2 and lifetime.held_back_frees() == 0
-    assert blockcache.cached_bytes(0) == 0
+    assert alloc.cached_bytes(0) == 0
 
 
 def test_a_relaxed_capture_of_the_stream_bypasses_the_cache(pfake, ctx0):
@@ -319,7 +319,7 @@ def test_a_relaxed_capture_of_the_stream_bypasses_the_cache(pfake, ctx0):
             beside = DeviceBuffer(4096, stream=other)  # another stream: still cached
             assert len(pfake.async_allocs()) == 3
             inside.close()
-            assert blockcache.cached_bytes(0) == 4096  # s's old block only: never cached
+            assert alloc.cached_bytes(0) == 4096  # s's old block only: never cached
         finally:
             lifetime.stream_capture_ends(int(s.handle))
         beside.close()
@@ -345,9 +345,9 @@ def test_a_foreign_stream_being_captured_bypasses_the_cache(pfake, ctx0, monkeyp
 
 
 def test_environment_switch_disables_the_cache(pfake, ctx0, monkeypatch):
-    monkeypatch.setenv(blockcache.ENV, "0")
+    monkeypatch.setenv("CTXKIT_ALLOC_CACHE", "0")
     _reset_cache()
-    assert not blockcache.enabled()
+    assert not alloc.enabled()
     with ctx0:
         s = ck.Stream()
         a = DeviceBuffer(1000, stream=s)
@@ -355,18 +355,18 @@ def test_environment_switch_disables_the_cache(pfake, ctx0, monkeypatch):
         assert len(pfake.async_frees()) == 1
         DeviceBuffer(1000, stream=s).close()
     assert [n for _a, n, _s in pfake.async_allocs()] == [1000, 1000]
-    assert blockcache.cached_bytes(0) == 0
+    assert alloc.cached_bytes(0) == 0
 
 
 def test_bad_environment_value_is_raised_by_the_first_allocation(pfake, ctx0, monkeypatch):
-    monkeypatch.setenv(blockcache.ENV, "lots")
+    monkeypatch.setenv("CTXKIT_ALLOC_CACHE", "lots")
     _reset_cache()  # what `import ctxkit` does: no error yet
     with ctx0:
         s = ck.Stream()
         with pytest.raises(ValueError, match="CTXKIT_ALLOC_CACHE='lots': expected 0/off"):
             DeviceBuffer(4096, stream=s)
         DeviceBuffer(4096).close()  # synchronous memory does not care
-        monkeypatch.setenv(blockcache.ENV, "-5")
+        monkeypatch.setenv("CTXKIT_ALLOC_CACHE", "-5")
         _reset_cache()
         with pytest.raises(ValueError, match="must not be negative"):
             DeviceBuffer(4096, stream=s)
@@ -394,7 +394,7 @@ def test_exit_drops_the_cache_without_driver_calls(pfake, ctx0):
     with ctx0:
         s = ck.Stream()
         DeviceBuffer(4096, stream=s).close()
-        blockcache._at_exit()
+        alloc._at_exit()
         DeviceBuffer(4096, stream=s).close()
-    assert blockcache.cached_bytes(0) == 0 and not blockcache.enabled()
+    assert alloc.cached_bytes(0) == 0 and not alloc.enabled()
     assert len(pfake.async_frees()) == 1  # only the buffer closed after the exit hook

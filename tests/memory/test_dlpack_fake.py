@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import ctxkit as ck
-from ctxkit.memory import dlpack as _dlpack
+from ctxkit.memory import interop as _dlpack
 from ctxkit.stream import Stream
 from tests.support.fakemem import (  # noqa: F401
     HOST_ALREADY_REGISTERED,

@@ -14,7 +14,7 @@ import pytest
 import ctxkit as ck
 from ctxkit.errors import CudaError, LaunchArgumentError
 from ctxkit.memory import host
-from ctxkit.memory.hostaccess import (
+from ctxkit.memory.host import (
     HostMemoryFlags,
     PageableArg,
     device_pointer,

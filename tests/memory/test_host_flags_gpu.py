@@ -14,7 +14,7 @@ import ctxkit as ck
 from ctxkit.compiler import kernel_source
 from ctxkit.errors import CudaError, LaunchArgumentError
 from ctxkit.memory import host
-from ctxkit.memory.hostaccess import device_pointer, host_memory_flags, pageable_arg
+from ctxkit.memory.host import device_pointer, host_memory_flags, pageable_arg
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,12 @@
-"""The pinned pool's size classes and default budget (ctxkit/memory/hostblocks.py; pure,
+"""The pinned pool's size classes and default budget (ctxkit/memory/pinned.py; pure,
 no driver)."""
 
 from __future__ import annotations
 
 import pytest
 
-from ctxkit.memory import hostblocks
-from ctxkit.memory.hostblocks import POOL_ENV, default_budget, size_class
+from ctxkit.memory import pinned
+from ctxkit.memory.pinned import default_budget, size_class
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
@@ -35,37 +35,37 @@ def test_size_class_refuses_negative_sizes():
 
 
 def test_reuse_accepts_blocks_at_most_a_quarter_larger():
-    assert hostblocks.fits(10 * MiB, 10 * MiB)
-    assert hostblocks.fits(12 * MiB, 10 * MiB)  # 12 <= 12.5
-    assert not hostblocks.fits(14 * MiB, 10 * MiB)
-    assert not hostblocks.fits(8 * MiB, 10 * MiB)
-    assert not hostblocks.fits(8 * KiB, 4 * KiB)  # small classes match exactly
+    assert pinned.fits(10 * MiB, 10 * MiB)
+    assert pinned.fits(12 * MiB, 10 * MiB)  # 12 <= 12.5
+    assert not pinned.fits(14 * MiB, 10 * MiB)
+    assert not pinned.fits(8 * MiB, 10 * MiB)
+    assert not pinned.fits(8 * KiB, 4 * KiB)  # small classes match exactly
 
 
 def test_default_budget_is_a_quarter_of_memory_capped(monkeypatch):
-    monkeypatch.delenv(POOL_ENV, raising=False)
-    monkeypatch.setattr(hostblocks, "_physical_memory", lambda: 128 * GiB)
+    monkeypatch.delenv("CTXKIT_PINNED_POOL_BYTES", raising=False)
+    monkeypatch.setattr(pinned, "_physical_memory", lambda: 128 * GiB)
     assert default_budget() == 32 * GiB
-    monkeypatch.setattr(hostblocks, "_physical_memory", lambda: 2048 * GiB)
+    monkeypatch.setattr(pinned, "_physical_memory", lambda: 2048 * GiB)
     assert default_budget() == 64 * GiB
-    monkeypatch.setattr(hostblocks, "_physical_memory", lambda: None)
+    monkeypatch.setattr(pinned, "_physical_memory", lambda: None)
     assert default_budget() == 4 * GiB
 
 
 def test_the_environment_sets_the_budget(monkeypatch):
-    monkeypatch.setenv(POOL_ENV, " 123456 ")
+    monkeypatch.setenv("CTXKIT_PINNED_POOL_BYTES", " 123456 ")
     assert default_budget() == 123456
-    monkeypatch.setenv(POOL_ENV, "0")
+    monkeypatch.setenv("CTXKIT_PINNED_POOL_BYTES", "0")
     assert default_budget() == 0
 
 
 @pytest.mark.parametrize("bad", ["lots", "-5", "1.5e9"])
 def test_a_bad_environment_value_names_the_variable(monkeypatch, bad):
-    monkeypatch.setenv(POOL_ENV, bad)
-    with pytest.raises(ValueError, match=rf"{POOL_ENV}=.*integer >= 0"):
+    monkeypatch.setenv("CTXKIT_PINNED_POOL_BYTES", bad)
+    with pytest.raises(ValueError, match=r"CTXKIT_PINNED_POOL_BYTES=.*integer >= 0"):
         default_budget()
 
 
 def test_physical_memory_is_known_here():
-    phys = hostblocks._physical_memory()
+    phys = pinned._physical_memory()
     assert phys is None or phys > 64 * MiB

@@ -1,4 +1,4 @@
-"""The pinned host pool (ctxkit/memory/hostpool.py) on the fake memory driver: handing
+"""The pinned host pool (ctxkit/memory/pinned.py) on the fake memory driver: handing
 out and reuse by size class, accounting, the budget, LRU eviction, claims, the OS refusing
 memory, trim/prefill, failing frees and the process-wide pool (stream work:
 test_hostpool_streams_fake.py)."""
@@ -13,10 +13,10 @@ import pytest
 import ctxkit as ck
 from ctxkit import lifetime
 from ctxkit.errors import OutOfMemoryError
-from ctxkit.memory import hostpool
+from ctxkit.memory import pinned
 from ctxkit.memory.device import DeviceBuffer
 from ctxkit.memory.host import MEMHOST_PORTABLE, is_pinned
-from ctxkit.memory.hostpool import PinnedPool
+from ctxkit.memory.pinned import PinnedPool
 from tests.support.fakemem import (  # noqa: F401
     OUT_OF_MEMORY,
     ctx0,
@@ -273,10 +273,10 @@ def test_a_collected_private_pool_frees_its_cache(fake, ctx0):
 
 
 def test_pinned_pool_is_one_per_process(fake, ctx0, monkeypatch):
-    monkeypatch.setattr(hostpool, "_process_pool", None)
-    monkeypatch.setenv(hostpool.POOL_ENV, str(32 * MiB))
-    pools = [in_thread(hostpool.pinned_pool) for _ in range(4)]
-    assert all(p is pools[0] for p in pools) and pools[0] is hostpool.pinned_pool()
+    monkeypatch.setattr(pinned, "_process_pool", None)
+    monkeypatch.setenv("CTXKIT_PINNED_POOL_BYTES", str(32 * MiB))
+    pools = [in_thread(pinned.pinned_pool) for _ in range(4)]
+    assert all(p is pools[0] for p in pools) and pools[0] is pinned.pinned_pool()
     assert pools[0].budget == 32 * MiB
     a = pools[0].empty(MiB, np.uint8)
     assert repr(pools[0]) == (

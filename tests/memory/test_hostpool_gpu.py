@@ -21,7 +21,7 @@ import ctxkit as ck
 from ctxkit import lifetime
 from ctxkit.memory.device import DeviceBuffer
 from ctxkit.memory.host import host_pointer_kind, is_pinned
-from ctxkit.memory.hostpool import PinnedPool
+from ctxkit.memory.pinned import PinnedPool
 
 MiB = 1 << 20
 REPO = Path(__file__).resolve().parents[2]
@@ -209,7 +209,7 @@ def test_the_process_pool_exits_cleanly_with_blocks_in_use_and_cached():
         import threading
         import numpy as np
         import ctxkit as ck
-        from ctxkit.memory.hostpool import pinned_pool
+        from ctxkit.memory.pinned import pinned_pool
 
         pool = pinned_pool()
         s = ck.Stream(context=ck.registry.context(0))
@@ -233,7 +233,7 @@ def test_the_budget_comes_from_the_environment():
         """
         import numpy as np
         import ctxkit as ck
-        from ctxkit.memory.hostpool import pinned_pool
+        from ctxkit.memory.pinned import pinned_pool
 
         pool = pinned_pool()
         a = pool.empty(12 << 20, np.uint8)

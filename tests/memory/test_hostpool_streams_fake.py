@@ -1,4 +1,4 @@
-"""The pinned host pool (ctxkit/memory/hostpool.py) and stream work: a block is reused
+"""The pinned host pool (ctxkit/memory/pinned.py) and stream work: a block is reused
 only after the work queued on its streams completed (fake events that stay busy, and the
 simulated GPU whose streams really run asynchronously), frees from other threads and
 during stream captures, blocks of a closed context, and no lock held across a slow
@@ -18,7 +18,7 @@ import ctxkit as ck
 from ctxkit import lifetime
 from ctxkit.errors import OutOfMemoryError
 from ctxkit.memory.device import DeviceBuffer
-from ctxkit.memory.hostpool import PinnedPool
+from ctxkit.memory.pinned import PinnedPool
 from tests.support.fakemem import (  # noqa: F401
     NOT_READY,
     OK,

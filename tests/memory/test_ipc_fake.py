@@ -16,7 +16,7 @@ import pytest
 
 import ctxkit as ck
 from ctxkit.errors import ContextClosedError, CudaError
-from ctxkit.memory import ipc, ipcwire
+from ctxkit.memory import ipc
 from ctxkit.memory.vmm import VirtualBuffer
 from tests.support.fakevmm import GRANULARITY, A, other_process
 from tests.support.helpers import OBJECT_DTYPES, object_array, object_dtype_message
@@ -125,7 +125,7 @@ def test_a_gpu_this_process_does_not_see_is_named(vfake, vctx0, monkeypatch):
     h = ipc.export_buffer(buf)
     other_process(monkeypatch)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
-    monkeypatch.setattr(ipcwire, "_device_with_uuid", lambda uuid: None)
+    monkeypatch.setattr(ipc, "_device_with_uuid", lambda uuid: None)
     with pytest.raises(CudaError, match="0000:40:00.0") as info:
         ipc.import_buffer(h)
     assert info.value.name == "CUDA_ERROR_INVALID_DEVICE"

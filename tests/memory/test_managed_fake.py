@@ -142,3 +142,21 @@ def test_managed_views_refuse_python_objects(fake, ctx0, dtype):
         with pytest.raises(TypeError, match=object_dtype_message(dtype)):
             call()
     m.close()  # no view was made
+
+
+# the kind of memory as data
+# ======================================================================================
+
+
+def test_each_buffer_class_allocates_its_kind(fake, ctx0):
+    from ctxkit.memory import alloc
+
+    assert sorted(alloc.KINDS) == ["device", "managed", "pinned"]
+    assert ManagedBuffer.kind is alloc.MANAGED and not ManagedBuffer.kind.stream_ordered
+    with ctx0:
+        d, m = ck.DeviceBuffer(64), ManagedBuffer(64)
+    assert [c[2][2] for c in fake.calls("alloc")] == ["device", "managed"]
+    assert d.__dlpack_device__() == (2, 0) and m.__dlpack_device__() == (13, 0)
+    d.close()
+    m.close()
+    assert len(fake.calls("free")) == 2

@@ -1,5 +1,5 @@
 """New page-locked memory by ``mmap`` + parallel first touch + ``cuMemHostRegister``
-(ctxkit/memory/pagelock.py) on the simulated GPU: alignment, flags, the fallback to
+(ctxkit/memory/host.py) on the simulated GPU: alignment, flags, the fallback to
 ``cuMemHostAlloc``, out-of-memory, release in and after its context, and the pinned pool
 drawing its blocks from it."""
 
@@ -13,8 +13,8 @@ import pytest
 
 import ctxkit as ck
 from ctxkit.errors import OutOfMemoryError
-from ctxkit.memory import pagelock
-from ctxkit.memory.hostpool import PinnedPool
+from ctxkit.memory import host
+from ctxkit.memory.pinned import PinnedPool
 
 MiB = 1 << 20
 PORTABLE = 1
@@ -22,7 +22,7 @@ PORTABLE = 1
 
 @pytest.fixture
 def registering(gpu, monkeypatch):
-    monkeypatch.setenv(pagelock.ALLOC_ENV, "register")
+    monkeypatch.setenv("CTXKIT_PINNED_ALLOC", "register")
     return gpu
 
 
@@ -30,7 +30,7 @@ def host_allocs(gpu) -> int:
     return sum(1 for _arr, kind in gpu.mem.values() if kind == "host")
 
 
-def as_bytes(pages: pagelock.LockedPages) -> np.ndarray:
+def as_bytes(pages: host.LockedPages) -> np.ndarray:
     return np.ctypeslib.as_array(
         (np.ctypeslib.ctypes.c_uint8 * pages.nbytes).from_address(pages.ptr)
     )
@@ -39,7 +39,7 @@ def as_bytes(pages: pagelock.LockedPages) -> np.ndarray:
 @pytest.mark.parametrize("nbytes", [4096, 3 * MiB, 40 * MiB])  # touched in parallel: 40 MiB
 def test_register_path_pins_aligned_usable_pages(registering, nbytes):
     ctx = ck.registry.context(0)
-    pages = pagelock.lock_new(nbytes, ctx)
+    pages = host.lock_new(nbytes, ctx)
     assert pages.registered and pages.nbytes >= nbytes and pages.ctx is ctx
     assert pages.ptr % (2 * MiB if nbytes >= 2 * MiB else 4096) == 0
     assert registering.register_calls[-1] == (pages.ptr, pages.nbytes, PORTABLE)
@@ -52,42 +52,42 @@ def test_register_path_pins_aligned_usable_pages(registering, nbytes):
 
 
 def test_method_follows_the_environment(gpu, monkeypatch):
-    monkeypatch.setenv(pagelock.ALLOC_ENV, "hostalloc")
-    assert pagelock.method() == "hostalloc"
-    pages = pagelock.lock_new(MiB, ck.registry.context(0))
+    monkeypatch.setenv("CTXKIT_PINNED_ALLOC", "hostalloc")
+    assert host.method() == "hostalloc"
+    pages = host.lock_new(MiB, ck.registry.context(0))
     assert not pages.registered and host_allocs(gpu) == 1 and not gpu.register_calls
     pages.release()
     assert host_allocs(gpu) == 0
-    monkeypatch.setenv(pagelock.ALLOC_ENV, "pin-it")
+    monkeypatch.setenv("CTXKIT_PINNED_ALLOC", "pin-it")
     with pytest.raises(ValueError, match="CTXKIT_PINNED_ALLOC"):
-        pagelock.method()
+        host.method()
 
 
 def test_a_refused_registration_falls_back_to_host_alloc_for_good(registering):
     registering.register_error = lambda p, n, f: 801  # CUDA_ERROR_NOT_SUPPORTED
     ctx = ck.registry.context(0)
-    pages = pagelock.lock_new(4 * MiB, ctx)
+    pages = host.lock_new(4 * MiB, ctx)
     assert not pages.registered and host_allocs(registering) == 1
-    assert pagelock.method() == "hostalloc"
+    assert host.method() == "hostalloc"
     calls = len(registering.register_calls)
-    pagelock.lock_new(MiB, ctx).release()
+    host.lock_new(MiB, ctx).release()
     assert len(registering.register_calls) == calls  # not tried again
     pages.release()
 
 
 def test_out_of_memory_on_registering_is_typed_and_unmapped(registering):
     registering.register_error = lambda p, n, f: 2  # CUDA_ERROR_OUT_OF_MEMORY
-    with pytest.raises(pagelock.LockFailed) as info:
-        pagelock.lock_new(4 * MiB, ck.registry.context(0))
+    with pytest.raises(host.LockFailed) as info:
+        host.lock_new(4 * MiB, ck.registry.context(0))
     assert info.value.code == 2 and info.value.call == "cuMemHostRegister"
-    assert pagelock.method() == "register"  # memory, not a refusal of the method
+    assert host.method() == "register"  # memory, not a refusal of the method
     with pytest.raises(OutOfMemoryError, match="CTXKIT_PINNED_POOL_BYTES"):
         PinnedPool(budget=64 * MiB).empty(MiB)
 
 
 def test_release_after_its_context_closed_only_unmaps(registering):
     ctx = ck.Context.create(0)
-    pages = pagelock.lock_new(MiB, ctx)
+    pages = host.lock_new(MiB, ctx)
     ctx.close()  # the driver dropped the registration with the context
     registering.registered.pop(pages.ptr, None)
     unregisters = []
@@ -121,13 +121,13 @@ def test_a_forked_child_touches_pages_with_threads_of_its_own(registering):
 
     if not hasattr(os, "fork"):
         pytest.skip("no fork on this platform")
-    pagelock.lock_new(40 * MiB, ck.registry.context(0)).release()  # parent pool started
+    host.lock_new(40 * MiB, ck.registry.context(0)).release()  # parent pool started
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child reports through its exit status
         try:
             pages = np.empty(40 * MiB, np.uint8)
-            pagelock._touch(-(-pages.ctypes.data // 4096) * 4096, 32 * MiB)
-            os._exit(0 if pagelock._touch_pool is not None else 3)
+            host._touch(-(-pages.ctypes.data // 4096) * 4096, 32 * MiB)
+            os._exit(0 if host._touch_pool is not None else 3)
         except BaseException:
             os._exit(4)
     deadline = time.monotonic() + 60
@@ -138,3 +138,18 @@ def test_a_forked_child_touches_pages_with_threads_of_its_own(registering):
         os.waitpid(pid, 0)
         pytest.fail("the forked child hung touching pages")
     assert os.WIFEXITED(done[1]) and os.WEXITSTATUS(done[1]) == 0
+
+
+def test_register_pages_returns_the_cuda_result(gpu):
+    ctx = ck.registry.context(0)
+    raw = np.zeros(3 * 4096, np.uint8)
+    off = -int(raw.ctypes.data) % 4096
+    arr = raw[off : off + 2 * 4096]
+    ptr = int(arr.ctypes.data)
+    assert host.register_pages(ptr, arr.nbytes, PORTABLE, ctx) == 0
+    assert gpu.register_calls[-1] == (ptr, arr.nbytes, PORTABLE)
+    assert host.register_pages(ptr, arr.nbytes, PORTABLE, ctx) == 712  # already registered
+    with ctx:
+        assert host.register_pages(ptr + 1, 4096, PORTABLE) == 1  # not page-aligned: invalid
+        (err,) = ck._driver.drv.cuMemHostUnregister(ptr)
+    assert not err and ptr not in gpu.registered

@@ -1,5 +1,5 @@
 """Pinned pool blocks made by mmap + parallel touch + cuMemHostRegister on a real GPU
-(ctxkit/memory/pagelock.py): pinned for the driver, exact through async copies in both
+(ctxkit/memory/host.py): pinned for the driver, exact through async copies in both
 directions, freed by trim; the cuMemHostAlloc method gives the same results."""
 
 from __future__ import annotations
@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 
 import ctxkit as ck
-from ctxkit.memory import pagelock
 from ctxkit.memory.host import host_pointer_kind
-from ctxkit.memory.hostpool import PinnedPool
+from ctxkit.memory.pinned import PinnedPool
 
 pytestmark = pytest.mark.gpu
 MiB = 1 << 20
@@ -22,7 +21,7 @@ MiB = 1 << 20
 @pytest.mark.parametrize("method", ["register", "hostalloc"])
 @pytest.mark.parametrize("nbytes", [4096, 3 * MiB + 4096, 96 * MiB])
 def test_pool_blocks_are_pinned_and_dma_exactly(monkeypatch, method, nbytes):
-    monkeypatch.setenv(pagelock.ALLOC_ENV, method)
+    monkeypatch.setenv("CTXKIT_PINNED_ALLOC", method)
     ctx = ck.registry.context(0)
     pool = PinnedPool(budget=512 * MiB)
     with ctx:

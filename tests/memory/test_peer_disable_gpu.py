@@ -9,7 +9,7 @@ import pytest
 
 import ctxkit as ck
 from ctxkit._driver import drv
-from ctxkit.memory import peer
+from ctxkit.memory import copies
 
 pytestmark = pytest.mark.multigpu
 
@@ -22,23 +22,23 @@ def test_disable_then_enable_again_on_fresh_contexts():
         src, dst = ck.DeviceBuffer(1 << 20, context=a), ck.DeviceBuffer(1 << 20, context=b)
         data = np.random.default_rng(0).integers(0, 256, 1 << 20, dtype=np.uint8)
         src.copy_from_host(data)
-        peer.enable_peer_access(b, a)
-        assert peer.peer_access_enabled(b, a) and ck.copy_peer(dst, src) is True
-        peer.disable_peer_access(b, a)
-        assert not peer.peer_access_enabled(b, a)
+        copies.enable_peer_access(b, a)
+        assert copies.peer_access_enabled(b, a) and ck.copy_peer(dst, src) is True
+        copies.disable_peer_access(b, a)
+        assert not copies.peer_access_enabled(b, a)
         with b:  # the driver agrees: access is off, so enabling it is not "already enabled"
             (err,) = drv.cuCtxDisablePeerAccess(a.cu)
         assert int(err) == 705  # CUDA_ERROR_PEER_ACCESS_NOT_ENABLED
-        peer.disable_peer_access(b, a)  # idempotent
+        copies.disable_peer_access(b, a)  # idempotent
         dst.memset(0)
         assert ck.copy_peer(dst, src) is False  # staged now, still correct
         np.testing.assert_array_equal(dst.copy_to_host(), data)
-        peer.enable_peer_access(b, a)
-        assert peer.peer_access_enabled(b, a)
+        copies.enable_peer_access(b, a)
+        assert copies.peer_access_enabled(b, a)
         with b:
             (err,) = drv.cuCtxEnablePeerAccess(a.cu, 0)
         assert int(err) == 704  # CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED: it is on again
-        peer.disable_peer_access(b, a)
+        copies.disable_peer_access(b, a)
     finally:
         a.close()
         b.close()

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from ctxkit.memory import hostpool
+from ctxkit.memory import pinned
 from ctxkit.pipeline import pincache
 
 
 @pytest.fixture(autouse=True)
 def _fresh_pin_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pincache, "_process", None)
-    monkeypatch.setattr(hostpool, "_process_pool", None)
+    monkeypatch.setattr(pinned, "_process_pool", None)

@@ -18,7 +18,7 @@ import pytest
 
 import ctxkit as ck
 from ctxkit import _driver, context, executor, lifetime, registry
-from ctxkit.memory import blockcache, hostpool
+from ctxkit.memory import alloc, pinned
 from ctxkit.pipeline import Pipeline, pincache
 from tests.support.fakegpu import scale_body
 
@@ -152,17 +152,17 @@ def test_child_forked_while_process_wide_locks_are_held_gets_fork_error(gpu, hol
     ctx = ck.registry.context(0)
     buf = ck.DeviceBuffer(4096, context=ctx)
     pins = pincache.process_pins()
-    pool = hostpool.pinned_pool()
+    pool = pinned.pinned_pool()
     let_go = hold(
         p._lock,
         pins._lock,
         pool._lock,
         registry._lock,
-        blockcache._lock,
+        alloc._lock,
         context.Context._class_lock,
         context._all_lock,
         lifetime._capture_cond,
-        hostpool._process_lock,
+        pinned._process_lock,
         pincache._process_lock,
     )
 
@@ -185,7 +185,7 @@ def test_child_forked_while_process_wide_locks_are_held_gets_fork_error(gpu, hol
                 "ctx_close": ctx.close,
                 "collect_buffer": collect_buffer,
                 "executor_at_exit": executor._at_exit,
-                "blockcache_at_exit": blockcache._at_exit,
+                "blockcache_at_exit": alloc._at_exit,
             }
         )
         return report

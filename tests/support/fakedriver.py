@@ -249,7 +249,7 @@ def swap_driver(monkeypatch: Any, fake: Any) -> None:
     import importlib
     import sys
 
-    from ctxkit.memory import pagelock
+    from ctxkit.memory import host
 
     for name in (
         "ctxkit.memory",
@@ -266,8 +266,8 @@ def swap_driver(monkeypatch: Any, fake: Any) -> None:
     for name, mod in list(sys.modules.items()):
         if (name == "ctxkit" or name.startswith("ctxkit.")) and hasattr(mod, "drv"):
             monkeypatch.setattr(mod, "drv", fake)
-    monkeypatch.setenv(pagelock.ALLOC_ENV, "hostalloc")
-    monkeypatch.setattr(pagelock, "_refused", False)
+    monkeypatch.setenv("CTXKIT_PINNED_ALLOC", "hostalloc")
+    monkeypatch.setattr(host, "_refused", False)
 
 
 def spans_registration_edge(ranges: Any, ptr: int, n: int) -> bool:

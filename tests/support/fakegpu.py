@@ -677,9 +677,9 @@ def gpu_fixture(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeGPU]:
     monkeypatch.setattr(context.Context, "_primaries", {})
     monkeypatch.setattr(context.Context, "_known", type(context.Context._known)())
     monkeypatch.setattr(managed, "_concurrent_managed", {})
-    from ctxkit.memory import hostpool
+    from ctxkit.memory import pinned
 
-    monkeypatch.setattr(hostpool, "_process_pool", None)  # blocks of earlier fakes are gone
+    monkeypatch.setattr(pinned, "_process_pool", None)  # blocks of earlier fakes are gone
     from ctxkit.pipeline import pincache
 
     monkeypatch.setattr(pincache, "_process", None)  # and so are their pin-on-reuse records

@@ -26,7 +26,6 @@ from cuda.bindings import driver as real
 import ctxkit as ck
 from ctxkit.context import Context
 from ctxkit.memory import host as _hostmem
-from ctxkit.memory import hostaccess as _hostaccess  # noqa: F401 - patched by swap_driver
 from ctxkit.memory import ipc as _ipc
 from ctxkit.memory import vmm as _vmm  # noqa: F401 - patched by swap_driver
 from tests.support.fakedriver import FakeHandle

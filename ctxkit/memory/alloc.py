@@ -1,4 +1,14 @@
-"""The cache of freed stream-ordered device blocks (what PyTorch's caching allocator does).
+"""The allocation protocol and the stream-ordered block cache.
+
+Every kind of memory ctxkit allocates is one :class:`MemoryKind`, data rather than a
+subclass hook: the driver call that allocates it (with its fixed arguments), the one that
+frees it, how DLPack names it and whether it may come stream-ordered from a pool.
+:meth:`MemoryKind.allocate` makes an allocation in the bound context and
+:meth:`MemoryKind.deallocate` ties its free to its owner; :data:`KINDS` lists them
+(device, managed, pinned host). Stream-ordered (pooled) device memory comes from the
+block cache below (:func:`allocate`, :func:`give_back`).
+
+The cache of freed stream-ordered device blocks (what PyTorch's caching allocator does).
 
 ``close()`` (or garbage collection) of a stream-ordered :class:`~ctxkit.DeviceBuffer`
 puts its block in the cache of the stream it is freed on, with no driver call; a new
@@ -31,63 +41,99 @@ never cached; gives back during a capture are held back by :mod:`ctxkit.lifetime
 from __future__ import annotations
 
 import atexit
-import os
 import threading
 import weakref
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .. import _driver, lifetime
 from .._driver import drv
-from ..lifetime import free_quietly
+from .._env import alloc_cache
+from ..lifetime import finalizer, free_quietly
 from ..stream import Stream
+from .interop import KDL_CUDA, KDL_CUDA_HOST, KDL_CUDA_MANAGED
 from .sizes import SIZE_MAX
 
-if TYPE_CHECKING:  # pragma: no cover
+if TYPE_CHECKING:
     from ..context import Context
 
-__all__ = ["Block", "cached_bytes", "enabled", "flush", "limit_bytes"]
+__all__ = [
+    "DEVICE",
+    "KINDS",
+    "MANAGED",
+    "PINNED",
+    "Block",
+    "MemoryKind",
+    "cached_bytes",
+    "enabled",
+    "flush",
+    "limit_bytes",
+]
 
-ENV = "CTXKIT_ALLOC_CACHE"
+
+@dataclass(frozen=True)
+class MemoryKind:
+    """One kind of memory as data: its driver allocation and free, its DLPack device
+    type, and whether it may be allocated stream-ordered from a pool."""
+
+    name: str
+    alloc: str
+    free: str
+    alloc_args: tuple[int, ...] = ()
+    dlpack_device: int = KDL_CUDA
+    stream_ordered: bool = False
+
+    def allocate(self, size: int, *args: int) -> tuple[Any, Any]:
+        """``(err, ptr)`` of the driver allocation of *size* bytes in the bound context
+        (*args*: per-call arguments after the kind's own, e.g. host-allocation flags)."""
+        return getattr(drv, self.alloc)(size, *self.alloc_args, *args)  # type: ignore[no-any-return]
+
+    def deallocate(self, owner: object, ctx: Context, ptr: Any) -> weakref.finalize:
+        """Free *ptr* in *ctx* once, when *owner* dies or the returned finalizer is called
+        (from any thread, never raising: :func:`ctxkit.lifetime.finalizer`)."""
+        return finalizer(owner, ctx, getattr(drv, self.free), ptr)
+
+
+MEM_ATTACH_GLOBAL = 1
+
+#: ``cuMemAlloc`` device memory (stream-ordered: the block cache and memory pools).
+DEVICE = MemoryKind("device", "cuMemAlloc", "cuMemFree", stream_ordered=True)
+#: ``cuMemAllocManaged(CU_MEM_ATTACH_GLOBAL)`` unified memory.
+MANAGED = MemoryKind(
+    "managed", "cuMemAllocManaged", "cuMemFree", (MEM_ATTACH_GLOBAL,), KDL_CUDA_MANAGED
+)
+#: ``cuMemHostAlloc`` page-locked host memory (flags per allocation).
+PINNED = MemoryKind("pinned", "cuMemHostAlloc", "cuMemFreeHost", dlpack_device=KDL_CUDA_HOST)
+#: Every kind, by name.
+KINDS = {k.name: k for k in (DEVICE, MANAGED, PINNED)}
+
+
 _GRAIN = 512
+
 _PER_THREAD_STREAM = 2
+
 _OUT_OF_MEMORY = 2
 
-# The hot paths (take, give back) take no lock: a block changes hands only by list.pop()
-# and list.append(), which are atomic (with the GIL and in free-threaded builds), so a block
-# is held by exactly one buffer or one cache list. The lock guards the cache structure
-# (new caches, flushes). Re-entrant: a Block's __del__ may run inside it (the GC).
 _lock = threading.RLock()
+
 _driver.renew_at_fork(__name__, "_lock", threading.RLock)
+
 _capturing = lifetime._capturing_threads  # the dict itself: lifetime mutates it in place
+
 _captured = lifetime.captured_streams  # likewise: streams ctxkit captures, in any mode
+
 _caches: dict[Any, StreamCache] = {}  # key -> cache (see _key)
+
 _held: dict[int, int] = {}  # device ordinal -> cached bytes
+
 _limits: dict[int, int] = {}  # device ordinal -> bound (default: a quarter of its memory)
-
-
-def _read_env() -> tuple[bool, int | None]:
-    raw = os.environ.get(ENV, "").strip().lower()
-    if raw in ("", "1", "on", "true", "yes"):
-        return True, None
-    if raw in ("0", "off", "false", "no"):
-        return False, None
-    try:
-        value = int(raw, 0)
-    except ValueError:
-        raise ValueError(
-            f"{ENV}={raw!r}: expected 0/off (no cache), 1/on (default bound) or the "
-            "bound in bytes per device (e.g. 4294967296)"
-        ) from None
-    if value < 0:
-        raise ValueError(f"{ENV}={raw!r}: the bound in bytes must not be negative")
-    return value > 0, value
 
 
 def _env_settings() -> tuple[bool, int | None, ValueError | None]:
     """The settings, or (off, the error): a bad value is raised by the first stream-ordered
     allocation, not by ``import ctxkit``."""
     try:
-        on, bound = _read_env()
+        on, bound = alloc_cache()
     except ValueError as exc:
         return False, None, exc
     return on, bound, None
@@ -230,7 +276,7 @@ def take(stream: Stream, n: int) -> Block | None:
     if not _enabled or _capturing or stream.handle is None or _in_capture(stream):
         return None
     ctx = stream.context
-    if ctx.closed or ctx._poison is not None:
+    if ctx.closed or ctx.poisoned:
         return None
     sc = _caches.get(id(stream))
     if sc is None:
@@ -471,4 +517,5 @@ def _at_exit() -> None:
 
 
 atexit.register(_at_exit)
+
 lifetime.on_context_close(context_closing)

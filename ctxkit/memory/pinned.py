@@ -1,0 +1,1011 @@
+"""One process-wide pool of page-locked host blocks (a caching host allocator).
+
+Page-locking memory is slow (``cuMemHostAlloc`` maps, zeroes and pins every page: a
+1 GiB block costs tens to hundreds of milliseconds) and freeing it synchronizes, so code
+that needs pinned buffers again and again -- staging buffers, pinned outputs of a stream
+of batches -- should not pay for it every time. :class:`PinnedPool` keeps the blocks it
+hands out and reuses them, the way PyTorch's ``CachingHostAllocator`` does:
+
+* :meth:`PinnedPool.empty` returns a numpy array in a page-locked block
+  (``cuMemHostAlloc(PORTABLE)``: every context may DMA it). The block goes back to the
+  pool when the array and every view of it are gone.
+* A block is reused only after the stream work that used it has completed: name the
+  streams (``empty(..., stream=s)`` or :meth:`~PinnedPool.record_stream`); when the last
+  view dies the pool records an event on each and reuses the block once
+  ``cuEventQuery`` says they all completed (or take an event you record yourself:
+  :meth:`~PinnedPool.record_event`). Without a stream the caller promises that no work
+  still queued reads or writes the array when it drops it.
+* One budget for the process (:func:`default_budget`, ``CTXKIT_PINNED_POOL_BYTES``):
+  blocks in use, cached, and waiting for their streams never exceed it together. A
+  request that does not fit frees cached blocks, least recently returned first, then
+  waits for blocks whose stream work is still running, and only then raises
+  :class:`~ctxkit.errors.OutOfMemoryError` naming the budget and the fix. Page-locked
+  memory that other code makes (registrations of the caller's arrays) can count against
+  the same budget: :meth:`~PinnedPool.claim`.
+
+Size classes (:func:`size_class`): requests up to 2 MiB round up to a power of two (at
+least a 4 KiB page), larger ones to a multiple of 2 MiB, so a 1 GiB + 3 bytes array takes
+1 GiB + 2 MiB, not 2 GiB. A cached block serves a request of class *c* when it is at most
+a quarter larger than *c* (the smallest such block, the most recently returned of equal
+ones); small classes therefore match exactly.
+
+Blocks are allocated in the registry's shared context of the caller's device (its current
+context's device, else device 0), not in a context the caller may close: memory from
+``cuMemHostAlloc`` dies with the context that allocated it. They are freed in that
+context from whatever thread frees them, never raising (:mod:`ctxkit.lifetime`). At
+interpreter exit the pool frees nothing: the process teardown releases the memory.
+
+Thread safety: every method may be called from any thread, and arrays may die in any
+thread (the collector's included). The pool's lock guards only its bookkeeping; no
+driver call is made while it is held. Work that needs the driver while a stream capture
+forbids it (recording the events of returned blocks, querying them) waits for the
+capture to end (:func:`ctxkit.lifetime.begin_free`).
+
+Layout: the blocks (:class:`Block`), size classes, the process budget, the pool's
+statistics and the stream work a block waits for before it is reused (events recorded
+when its last array dies, kept for reuse in an :class:`EventCache`); then
+:class:`PinnedPool` itself: its interface and how it hands blocks out; its books (where
+each block is -- in use by live arrays, cached for reuse, pending on stream work -- the
+bytes they hold against the budget and the pool's counters, the best-fitting cached block
+for a request, eviction of the least recently returned ones, and the driver side of a
+block: new page-locked memory for it (:func:`~ctxkit.memory.host.lock_new`) and freeing
+it, with the out-of-memory errors that name the budget; the methods named ``*_locked``
+expect the pool's lock to be held, the others take it); and how a block comes back for
+reuse (the numpy array over it, the finalizer that returns the block when the array's
+last view dies, recording an event on each stream that used it, and the settling of
+returned blocks, which wait as *pending* until those events completed and are then
+cached). Last, :func:`pinned_pool`, the process-wide instance.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import _driver, lifetime
+from .._driver import drv
+from .._env import pinned_pool_bytes
+from ..binding import registry as _registry
+from ..context import Context, shutting_down
+from ..errors import OutOfMemoryError
+from ..stream import Event, Stream
+from .host import (
+    HostMemory,
+    LockedPages,
+    LockFailed,
+    host_address,
+    host_context,
+    lock_new,
+    plain_dtype,
+)
+from .sizes import gib, nbytes_arg, shape_nbytes
+
+__all__ = [
+    "DEFAULT_CAP",
+    "GRANULE",
+    "Block",
+    "EventCache",
+    "PinnedPool",
+    "PinnedPoolStats",
+    "as_streams",
+    "default_budget",
+    "event_done",
+    "fits",
+    "free_left",
+    "human",
+    "pinned_pool",
+    "size_class",
+    "sync_quietly",
+]
+
+
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+PAGE = 4 * KiB
+
+GRANULE = 2 * MiB
+
+DEFAULT_CAP = 64 * GiB
+
+
+def size_class(nbytes: int) -> int:
+    """The block size the pool uses for a request of *nbytes* bytes.
+
+    Up to 2 MiB: the next power of two, at least 4 KiB (one page). Above: the next
+    multiple of 2 MiB (at most 2 MiB - 1 byte of slack per block). 0 for 0.
+    """
+    n = int(nbytes)
+    if n < 0:
+        raise ValueError(f"size_class: nbytes must be >= 0, got {n}")
+    if n == 0:
+        return 0
+    if n <= GRANULE:
+        return max(PAGE, 1 << (n - 1).bit_length())
+    return -(-n // GRANULE) * GRANULE
+
+
+def fits(block_bytes: int, cls: int) -> bool:
+    """A cached block of *block_bytes* may serve a request of class *cls*."""
+    return cls <= block_bytes <= cls + cls // 4
+
+
+def _physical_memory() -> int | None:
+    try:
+        phys = int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, ValueError, OSError):
+        return None
+    try:  # a container's memory limit (cgroup v2) when it is lower
+        with open("/sys/fs/cgroup/memory.max", encoding="ascii") as f:
+            text = f.read().strip()
+        if text.isdigit():
+            phys = min(phys, int(text))
+    except OSError:
+        pass
+    return phys
+
+
+def default_budget() -> int:
+    """The process budget: ``CTXKIT_PINNED_POOL_BYTES`` when set, else a quarter of the
+    physical memory (or of a container's lower memory limit), at most 64 GiB; 4 GiB where
+    the memory size is unknown.
+
+    Each process has its own pool: with several processes per node (MPI ranks,
+    ``run_per_device`` workers) set ``CTXKIT_PINNED_POOL_BYTES`` to about a quarter of the
+    node's memory divided by the processes per node.
+    """
+    budget = pinned_pool_bytes()
+    if budget is not None:
+        return budget
+    phys = _physical_memory()
+    if phys is None:
+        return 4 * GiB
+    return min(phys // 4, DEFAULT_CAP)
+
+
+def human(n: int) -> str:
+    return gib(n) if n >= GiB else f"{n / MiB:.1f} MiB"
+
+
+@dataclass(frozen=True)
+class PinnedPoolStats:
+    """A snapshot of :meth:`PinnedPool.stats` (bytes are block sizes, see
+    :func:`size_class`).
+
+    Attributes
+    ----------
+    budget : int
+        The most bytes the pool may hold page-locked (with *claimed_bytes*).
+    in_use_bytes, in_use_blocks
+        Blocks under live arrays.
+    cached_bytes, cached_blocks
+        Blocks ready for reuse.
+    pending_bytes, pending_blocks
+        Blocks whose arrays died but whose stream work has not completed yet.
+    claimed_bytes
+        Page-locked memory made elsewhere and counted against the budget
+        (:meth:`PinnedPool.claim`).
+    requests, hits
+        Calls that needed a block; those served from the cache.
+    allocations, frees, evictions
+        ``cuMemHostAlloc`` and ``cuMemFreeHost`` calls; cached blocks freed to make room.
+    peak_bytes
+        The most bytes the pool held at once (in use + cached + pending).
+    """
+
+    budget: int
+    in_use_bytes: int
+    in_use_blocks: int
+    cached_bytes: int
+    cached_blocks: int
+    pending_bytes: int
+    pending_blocks: int
+    claimed_bytes: int
+    requests: int
+    hits: int
+    allocations: int
+    frees: int
+    evictions: int
+    peak_bytes: int
+
+    @property
+    def held_bytes(self) -> int:
+        """Page-locked bytes the pool holds: in use + cached + pending."""
+        return self.in_use_bytes + self.cached_bytes + self.pending_bytes
+
+    @property
+    def hit_rate(self) -> float:
+        """Share of requests served from the cache (0.0 before the first)."""
+        return self.hits / self.requests if self.requests else 0.0
+
+
+class Block:
+    """One page-locked block and what must complete before it is reused."""
+
+    __slots__ = ("ctx", "events", "nbytes", "pages", "ptr", "streams")
+
+    def __init__(self, pages: LockedPages, nbytes: int) -> None:
+        self.pages = pages
+        self.ptr = pages.ptr
+        self.nbytes = nbytes  # the size class; the pages may be a little more
+        self.ctx = pages.ctx
+        self.streams: list[Stream] = []
+        #: ``(event, owned)``: owned events are the pool's (recorded at return time)
+        self.events: list[tuple[Event, bool]] = []
+
+    def usable(self) -> bool:
+        """False once its context was closed (the memory is gone) or poisoned."""
+        return not (self.ctx.closed or self.ctx.poisoned)
+
+    def __repr__(self) -> str:
+        return f"<pinned block {self.ptr:#x} nbytes={self.nbytes}>"
+
+
+def as_streams(stream: Any, what: str) -> list[Stream]:
+    """``stream=`` of the pool: None, a stream, or a sequence of streams."""
+    if stream is None:
+        return []
+    items = list(stream) if isinstance(stream, (list, tuple)) else [stream]
+    out = []
+    for s in items:
+        if s is None:
+            raise TypeError(f"{what}: stream sequences may not contain None")
+        out.append(s if isinstance(s, Stream) else Stream.from_handle(s))
+    return out
+
+
+class EventCache:
+    """Events of the pool, recorded on a block's streams when its last array dies and
+    reused once the block is reusable (one list per context)."""
+
+    def __init__(self) -> None:
+        # re-entrant: a finalizer (the collector runs at any allocation) may record an
+        # event while this thread is inside the cache
+        self._lock = threading.RLock()
+        self._spare: dict[int, list[Event]] = {}  # id(context) -> events
+
+    def record(self, stream: Stream) -> Event | None:
+        """An event recorded on *stream* now; None when there is nothing to wait for:
+        its context is gone, or the stream was closed (no event can be recorded there,
+        but its queued work may still run, so the context was waited for)."""
+        ctx = stream.context
+        if ctx.closed or ctx.poisoned:
+            return None
+        try:
+            ev = self._take(ctx)
+        except Exception:
+            sync_quietly(ctx)
+            return None
+        try:
+            with ctx:  # bound explicitly: finalizers run in threads with no context
+                ev.record(stream)
+            return ev
+        except Exception:
+            self.give(ev)
+        sync_quietly(ctx)
+        return None
+
+    def _take(self, ctx: Context) -> Event:
+        with self._lock:
+            spare = self._spare.get(id(ctx))
+            while spare:
+                ev = spare.pop()
+                if ev.context is ctx and ev.handle is not None:
+                    return ev
+        return Event(timing=False, context=ctx)
+
+    def give(self, ev: Event) -> None:
+        """Keep *ev* for a later :meth:`record` (dropped when its context is gone)."""
+        ctx = ev.context
+        if ev.handle is None or ctx.closed or ctx.poisoned:
+            return
+        with self._lock:
+            self._spare.setdefault(id(ctx), []).append(ev)
+
+
+def sync_quietly(ctx: Context) -> None:
+    """Wait for all work of *ctx*, never raising."""
+    try:
+        ctx.synchronize()
+    except Exception:
+        pass  # poisoned: no work of it will run any more
+
+
+def event_done(ev: Event) -> bool:
+    """True when the work before *ev* completed (or can no longer run)."""
+    ctx = ev.context
+    if ctx.closed or ctx.poisoned:
+        return True
+    if ev.handle is None:  # closed by its owner: wait for everything of its context
+        sync_quietly(ctx)
+        return True
+    try:
+        with ctx:  # bound explicitly: strict mode refuses implicit binds
+            return ev.query()
+    except Exception:
+        return ctx.closed or ctx.poisoned
+
+
+def free_left(
+    cached: dict[int, Block], pending: list[Block], returned: collections.deque[Block]
+) -> None:
+    """Finalizer of a collected pool: free its blocks once their stream work is done."""
+    if shutting_down():
+        return
+    for block in returned:
+        for s in block.streams:
+            try:
+                with s.context:
+                    s.synchronize()
+            except Exception:
+                sync_quietly(s.context)
+    for block in [*returned, *pending]:
+        for ev, _ in block.events:
+            if not event_done(ev):
+                try:
+                    with ev.context:
+                        ev.synchronize()
+                except Exception:
+                    pass
+    for block in [*cached.values(), *pending, *returned]:
+        if block.usable():
+            lifetime.free_quietly(block.ctx, drv.cuMemFreeHost, block.ptr)
+
+
+_OUT_OF_MEMORY = 2
+
+
+class PinnedPool:
+    """A cache of page-locked host blocks handed out as numpy arrays.
+
+    Use the process-wide pool, :func:`pinned_pool`; a separate instance has its own
+    budget and cache (tests, or an application that wants a private limit).
+
+    Parameters
+    ----------
+    budget : int, optional
+        The most bytes of page-locked memory it may hold (in use, cached and waiting
+        for stream work, plus :meth:`claim`). Default: :func:`default_budget`.
+    """
+
+    _budget: int
+    _lock: threading.Lock
+    _in_use: dict[int, Block]
+    _cached: collections.OrderedDict[int, Block]
+    _pending: list[Block]
+    _events: EventCache
+    _bytes: dict[str, int]
+    _claimed: int
+    _count: dict[str, int]
+    _returned: collections.deque[Block]
+
+    def __init__(self, budget: int | None = None) -> None:
+        self._budget = default_budget() if budget is None else nbytes_arg(budget, "budget", "")
+        self._lock = threading.Lock()
+        self._in_use: dict[int, Block] = {}
+        self._cached: collections.OrderedDict[int, Block] = collections.OrderedDict()
+        self._pending: list[Block] = []
+        #: blocks whose last array died, appended by finalizers in any thread (no lock)
+        self._returned: collections.deque[Block] = collections.deque()
+        self._events = EventCache()
+        self._bytes = {"in_use": 0, "cached": 0, "pending": 0, "inflight": 0}
+        self._claimed = 0
+        self._count = dict.fromkeys(
+            ("requests", "hits", "allocations", "frees", "evictions", "peak"), 0
+        )
+        # A private pool that is collected frees what it caches (arrays keep it alive).
+        self._fin = weakref.finalize(self, free_left, self._cached, self._pending, self._returned)
+        self._fin.atexit = False
+
+    # --- public --------------------------------------------------------------------
+
+    @property
+    def budget(self) -> int:
+        """The most bytes the pool may hold page-locked (see :meth:`set_budget`)."""
+        return self._budget
+
+    def set_budget(self, nbytes: int) -> int:
+        """Change the budget; cached blocks beyond it are freed (least recently returned
+        first). Returns the bytes freed. Blocks in use are never taken away: until they
+        return, the pool may hold more than a lowered budget."""
+        self._budget = nbytes_arg(nbytes, "set_budget(nbytes)", "")
+        self._settle()
+        with self._lock:
+            victims = self._evict_locked(self._budget)
+        return self._free(victims)
+
+    def empty(
+        self,
+        shape: Any,
+        dtype: Any = np.float64,
+        *,
+        stream: Any = None,
+        context: Any = None,
+    ) -> np.ndarray:
+        """A numpy array in a page-locked block of the pool.
+
+        The contents are undefined (a reused block holds what its last user left). The
+        block returns to the pool when the array and every view of it are gone.
+
+        Parameters
+        ----------
+        shape : int or tuple of int
+        dtype : numpy dtype
+        stream : Stream or sequence of Streams, optional
+            Streams that will read or write the array (also foreign streams: anything
+            :meth:`Stream.from_handle <ctxkit.Stream.from_handle>` takes). When the
+            last view dies an event is recorded on each, and the block is reused only
+            after they all completed. More can be added later: :meth:`record_stream`.
+            Without streams, no work may still use the array when it is dropped.
+        context : Context, Device or int, optional
+            Picks the device whose shared context allocates a new block (default: the
+            calling thread's current context's device, else device 0). The block is
+            PORTABLE, so every context may DMA it.
+
+        Raises
+        ------
+        OutOfMemoryError
+            The request does not fit the pool's budget even after freeing every cached
+            block and waiting for blocks still used by streams, or the OS refused to
+            page-lock more memory.
+
+        Notes
+        -----
+        A zero-size request returns an ordinary empty numpy array.
+        """
+        return self._array(shape, dtype, stream, context, "PinnedPool.empty")
+
+    def try_empty(
+        self,
+        shape: Any,
+        dtype: Any = np.float64,
+        *,
+        stream: Any = None,
+        context: Any = None,
+        headroom: int = 0,
+    ) -> np.ndarray | None:
+        """:meth:`empty`, or ``None`` where it would wait or raise: the block fits the
+        budget only after stream work completes, does not fit at all, or the OS refuses
+        to page-lock more. Cached blocks are still freed to make room. For callers with
+        a pageable fallback (a pipeline's default output). A new block must leave
+        *headroom* bytes of the budget free (what the fallback itself would allocate:
+        a pipeline's staging buffers)."""
+        try:
+            return self._array(shape, dtype, stream, context, "PinnedPool.try_empty", headroom)
+        except OutOfMemoryError:
+            return None
+
+    def _array(
+        self,
+        shape: Any,
+        dtype: Any,
+        stream: Any,
+        context: Any,
+        what: str,
+        headroom: int | None = None,
+    ) -> np.ndarray:
+        """An array in a block: waiting for stream work when needed, or (with a
+        *headroom*) never waiting and leaving that much of the budget free."""
+        dt = plain_dtype(dtype, what)
+        shp, nbytes = shape_nbytes(shape, dt, what)
+        streams = as_streams(stream, what)
+        if nbytes == 0:
+            return np.empty(shp, dt)
+        wait = headroom is None
+        block = self._acquire(nbytes, context, what, wait=wait, headroom=headroom or 0)
+        block.streams = streams
+        return self._wrap(block, nbytes).view(dt).reshape(shp)
+
+    def zeros(
+        self, shape: Any, dtype: Any = np.float64, *, stream: Any = None, context: Any = None
+    ) -> np.ndarray:
+        """:meth:`empty` filled with zeros."""
+        arr = self.empty(shape, dtype, stream=stream, context=context)
+        arr[...] = 0
+        return arr
+
+    def record_stream(self, arr: np.ndarray, stream: Any) -> None:
+        """Note that *stream* uses the pool array *arr* (like ``Tensor.record_stream``):
+        when its last view dies, the block waits for the work queued on *stream* by then.
+
+        Raises
+        ------
+        ValueError
+            *arr* is not an array of this pool (or its block was returned already).
+        """
+        streams = as_streams(stream, "PinnedPool.record_stream")
+        block = self._block_of(arr, "record_stream")
+        with self._lock:
+            block.streams.extend(s for s in streams if s not in block.streams)
+
+    def record_event(self, arr: np.ndarray, event: Event) -> None:
+        """Reuse *arr*'s block only after *event* completed, an event you record after the
+        last work that uses the array. Keep it open and do not record it again before the
+        array is gone (a later recording only delays the reuse).
+
+        Raises
+        ------
+        TypeError
+            *event* is not a :class:`ctxkit.Event`.
+        ValueError
+            *arr* is not an array of this pool.
+        """
+        if not isinstance(event, Event):
+            raise TypeError(f"record_event needs a ctxkit.Event, got {type(event).__name__}")
+        block = self._block_of(arr, "record_event")
+        with self._lock:
+            block.events.append((event, False))
+
+    def owns(self, arr: Any) -> bool:
+        """True when *arr* (or the array it views) lies in a block this pool handed out."""
+        try:
+            self._block_of(arr, "owns")
+        except (TypeError, ValueError):
+            return False
+        return True
+
+    def stats(self) -> PinnedPoolStats:
+        """The pool's bytes, blocks and counters now (after settling returned blocks)."""
+        self._settle()
+        with self._lock:
+            b, c = self._bytes, self._count
+            return PinnedPoolStats(
+                budget=self._budget,
+                in_use_bytes=b["in_use"],
+                in_use_blocks=len(self._in_use),
+                cached_bytes=b["cached"],
+                cached_blocks=len(self._cached),
+                pending_bytes=b["pending"],
+                pending_blocks=len(self._pending),
+                claimed_bytes=self._claimed,
+                requests=c["requests"],
+                hits=c["hits"],
+                allocations=c["allocations"],
+                frees=c["frees"],
+                evictions=c["evictions"],
+                peak_bytes=c["peak"],
+            )
+
+    def trim(self, keep_bytes: int = 0) -> int:
+        """Free cached blocks (least recently returned first) until at most *keep_bytes*
+        stay cached; return the bytes freed. Blocks in use or waiting for their streams
+        are kept."""
+        keep = nbytes_arg(keep_bytes, "trim(keep_bytes)", "")
+        self._settle()
+        with self._lock:
+            victims = []
+            while self._cached and self._bytes["cached"] > keep:
+                victims.append(self._pop_cached_locked(next(iter(self._cached))))
+        return self._free(victims)
+
+    def release(self) -> int:
+        """Wait for the stream work of returned blocks, then free every block not in use;
+        return the bytes freed. Arrays still alive keep their blocks."""
+        self._settle()
+        with self._lock:
+            waiting = list(self._pending)
+        self._wait(waiting)
+        return self.trim(0)
+
+    def claim(self, nbytes: int) -> bool:
+        """Count *nbytes* of page-locked memory made elsewhere (``cuMemHostRegister`` of
+        the caller's arrays) against the budget, freeing cached blocks to make room.
+        False, and nothing counted, when it does not fit. Undo with :meth:`unclaim`."""
+        n = nbytes_arg(nbytes, "claim(nbytes)", "")
+        self._settle()
+        with self._lock:
+            victims = self._evict_locked(self._budget - n)
+            ok = self._held_locked() + n <= self._budget
+            if ok:
+                self._claimed += n
+        self._free(victims)
+        return ok
+
+    def unclaim(self, nbytes: int) -> None:
+        """Give back bytes counted by :meth:`claim`."""
+        n = nbytes_arg(nbytes, "unclaim(nbytes)", "")
+        with self._lock:
+            if n > self._claimed:
+                raise ValueError(f"unclaim({n}): only {self._claimed} bytes are claimed")
+            self._claimed -= n
+
+    def prefill(self, nbytes: int, count: int = 1, *, context: Any = None) -> int:
+        """Make sure *count* cached blocks can serve requests of *nbytes* (allocating the
+        missing ones now, e.g. before a first call that needs them); return how many were
+        allocated.
+
+        Raises
+        ------
+        OutOfMemoryError
+            As for :meth:`empty`.
+        """
+        n = nbytes_arg(nbytes, "prefill(nbytes)", "")
+        want = nbytes_arg(count, "prefill(count)", "")
+        cls = size_class(n)
+        if not cls:
+            return 0
+        self._settle()
+        with self._lock:
+            have = sum(1 for b in self._cached.values() if fits(b.nbytes, cls))
+        made = []
+        try:
+            for _ in range(max(0, want - have)):
+                made.append(self._allocate(cls, context, "PinnedPool.prefill", reuse=False))
+        finally:
+            with self._lock:
+                for block in made:
+                    self._move_locked(block, "in_use", "cached")
+        return len(made)
+
+    def __repr__(self) -> str:
+        b = self._bytes
+        return (
+            f"<PinnedPool in_use={human(b['in_use'])} cached={human(b['cached'])} "
+            f"pending={human(b['pending'])} budget={human(self._budget)}>"
+        )
+
+    # --- handing out ---------------------------------------------------------------
+
+    def _acquire(
+        self, nbytes: int, context: Any, what: str, wait: bool = True, headroom: int = 0
+    ) -> Block:
+        cls = size_class(nbytes)
+        if context is not None:  # a wrong context= fails even when the cache serves it
+            host_context(context, what)
+        self._settle()
+        with self._lock:
+            self._count["requests"] += 1
+            block = self._take_cached_locked(cls)
+        if block is not None:
+            return block
+        return self._allocate(cls, context, what, wait=wait, headroom=headroom)
+
+    def _allocate(
+        self,
+        cls: int,
+        context: Any,
+        what: str,
+        reuse: bool = True,
+        wait: bool = True,
+        headroom: int = 0,
+    ) -> Block:
+        """A new block of *cls* bytes, in use, within the budget less *headroom* (or,
+        with *reuse*, a cached one that waiting for stream work made available; no
+        waiting without *wait*: OutOfMemoryError instead)."""
+        ctx = self._alloc_context(context, what)
+        cached = self._reserve(cls, what, reuse, wait, headroom)
+        if cached is not None:
+            return cached
+        try:
+            pages = self._host_alloc_retrying(cls, ctx, what)
+        except BaseException:
+            with self._lock:
+                self._bytes["inflight"] -= cls
+            raise
+        block = Block(pages, cls)
+        with self._lock:
+            self._bytes["inflight"] -= cls
+            self._add_locked(block, "in_use")
+            self._count["allocations"] += 1
+        return block
+
+    def _reserve(
+        self, cls: int, what: str, reuse: bool, wait: bool = True, headroom: int = 0
+    ) -> Block | None:
+        """Count *cls* bytes as being allocated, freeing cached blocks and then waiting
+        for pending ones to make room; OutOfMemoryError when they cannot fit. Returns a
+        cached block instead when waiting made one that fits available (*reuse*)."""
+        need = cls + headroom
+        if need > self._budget - self._claimed:
+            raise self._over_budget(cls, what)
+        waited = False
+        while True:
+            with self._lock:
+                block = self._take_cached_locked(cls) if waited and reuse else None
+                if block is not None:
+                    return block
+                victims = self._evict_locked(self._budget - need)
+                ok = self._held_locked() + need <= self._budget
+                if ok:
+                    self._bytes["inflight"] += cls
+                pending = list(self._pending)
+            self._free(victims)
+            if ok:
+                return None
+            if waited or not pending or not wait:
+                raise self._over_budget(cls, what)
+            self._wait(pending)
+            waited = True
+
+    def _alloc_context(self, context: Any, what: str) -> Context:
+        ctx = host_context(context, what)
+        shared = _registry.context(ctx.device.ordinal)
+        shared.check_usable()
+        return shared
+
+    def _host_alloc_retrying(self, nbytes: int, ctx: Context, what: str) -> LockedPages:
+        """New page-locked memory (:func:`~ctxkit.memory.host.lock_new`); when the OS
+        refuses, free every cached block and try once more."""
+        try:
+            return self._host_alloc(nbytes, ctx, what)
+        except OutOfMemoryError:
+            if not self.trim(0):
+                raise
+        return self._host_alloc(nbytes, ctx, what)
+
+    # --- handing out ---------------------------------------------------------------
+
+    def _take_cached_locked(self, cls: int) -> Block | None:
+        best: Block | None = None
+        dead = []
+        for block in self._cached.values():
+            if not block.usable():
+                dead.append(block)
+            elif fits(block.nbytes, cls) and (best is None or block.nbytes <= best.nbytes):
+                best = block
+        for block in dead:  # their context was closed: only our own mapping is left
+            self._pop_cached_locked(block.ptr)
+            block.pages.release()
+        if best is None:
+            return None
+        self._pop_cached_locked(best.ptr)
+        self._add_locked(best, "in_use")
+        self._count["hits"] += 1
+        return best
+
+    def _over_budget(self, cls: int, what: str) -> OutOfMemoryError:
+        b = self._bytes
+        return OutOfMemoryError(
+            f"{what}: a block of {cls} bytes ({gib(cls)}) does not fit the pinned pool's "
+            f"budget of {self._budget} bytes ({gib(self._budget)}): {b['in_use']} bytes are "
+            f"in use by live arrays, {b['pending']} wait for stream work, {self._claimed} "
+            f"are claimed by registrations, {b['inflight']} are being allocated. Drop "
+            "arrays you no longer need, or raise the budget: "
+            "CTXKIT_PINNED_POOL_BYTES=<bytes> or ctxkit.pinned_pool().set_budget(<bytes>)"
+        )
+
+    # --- bookkeeping (callers hold the lock) ---------------------------------------
+
+    def _held_locked(self) -> int:
+        b = self._bytes
+        return b["in_use"] + b["cached"] + b["pending"] + b["inflight"] + self._claimed
+
+    def _add_locked(self, block: Block, where: str) -> None:
+        if where == "in_use":
+            self._in_use[block.ptr] = block
+        elif where == "cached":
+            self._cached[block.ptr] = block
+        else:
+            self._pending.append(block)
+        self._bytes[where] += block.nbytes
+        held = self._held_locked() - self._claimed - self._bytes["inflight"]
+        self._count["peak"] = max(self._count["peak"], held)
+
+    def _remove_locked(self, block: Block, where: str) -> None:
+        if where == "in_use":
+            del self._in_use[block.ptr]
+        elif where == "cached":
+            del self._cached[block.ptr]
+        else:
+            self._pending.remove(block)
+        self._bytes[where] -= block.nbytes
+
+    def _move_locked(self, block: Block, src: str, dst: str) -> None:
+        self._remove_locked(block, src)
+        self._add_locked(block, dst)
+
+    def _pop_cached_locked(self, ptr: int) -> Block:
+        block = self._cached[ptr]
+        self._remove_locked(block, "cached")
+        return block
+
+    def _evict_locked(self, limit: int) -> list[Block]:
+        """Take cached blocks, least recently returned first, until the pool holds at
+        most *limit* bytes (or nothing is cached); the caller frees them."""
+        victims = []
+        while self._cached and self._held_locked() > limit:
+            victims.append(self._pop_cached_locked(next(iter(self._cached))))
+            self._count["evictions"] += 1
+        return victims
+
+    # --- driver work outside the lock ----------------------------------------------
+
+    def _host_alloc(self, nbytes: int, ctx: Context, what: str) -> LockedPages:
+        try:
+            return lock_new(nbytes, ctx)
+        except LockFailed as exc:
+            if exc.code != _OUT_OF_MEMORY:
+                raise ctx.note_error(exc.code, f"{exc.call}({nbytes}, PORTABLE)") from None
+            with self._lock:
+                held = self._held_locked()
+            raise OutOfMemoryError(
+                f"{what}: the OS refused to page-lock {nbytes} bytes ({gib(nbytes)}) of host "
+                f"memory ({exc.call}: out of memory) although the pinned pool "
+                f"holds only {held} of its {self._budget}-byte budget. "
+                "Page-locked memory is limited by physical RAM: lower the budget "
+                "(CTXKIT_PINNED_POOL_BYTES or ctxkit.pinned_pool().set_budget()) or drop arrays "
+                "you no "
+                "longer need",
+                _OUT_OF_MEMORY,
+                "CUDA_ERROR_OUT_OF_MEMORY",
+            ) from None
+
+    def _free(self, blocks: Sequence[Block]) -> int:
+        """``cuMemFreeHost`` each block in its context (never raising); the bytes."""
+        freed = 0
+        for block in blocks:
+            for ev, owned in block.events:
+                if owned:
+                    self._events.give(ev)
+            block.events = []
+            if block.usable():
+                with self._lock:
+                    self._count["frees"] += 1
+            block.pages.release()
+            freed += block.nbytes
+        return freed
+
+    # --- arrays over blocks --------------------------------------------------------
+
+    def _wrap(self, block: Block, nbytes: int) -> np.ndarray:
+        mem = HostMemory(block.ptr, nbytes, owner=block, context=block.ctx)
+        mem._fin = lifetime.finalizer(mem, None, self._give_back, block)
+        return np.asarray(mem)
+
+    def _give_back(self, block: Block) -> int:
+        """Finalizer of an array's memory (any thread, also inside the collector, even
+        while this thread holds the pool's lock, so it takes none of it): record an event
+        on each of the block's streams now, then queue the block for :meth:`_settle`. An
+        open stream capture holds it back until it ends (:func:`lifetime.free_quietly`)."""
+        try:
+            if not shutting_down():
+                streams, block.streams = block.streams, []  # no array is left to add more
+                for s in streams:
+                    if s.handle is None:  # closed: waiting for its context blocks, and
+                        block.streams.append(s)  # this thread may hold a lock; later
+                        continue
+                    ev = self._events.record(s)
+                    if ev is not None:
+                        block.events.append((ev, True))
+        finally:
+            self._returned.append(block)
+        return 0
+
+    def _block_of(self, arr: Any, what: str) -> Block:
+        if not isinstance(arr, np.ndarray):
+            raise TypeError(f"PinnedPool.{what}: expected a numpy array, got {type(arr).__name__}")
+        base: Any = arr
+        while base is not None:
+            if isinstance(base, HostMemory) and isinstance(base.owner, Block):
+                block = base.owner
+                with self._lock:
+                    if self._in_use.get(block.ptr) is block:
+                        return block
+                break
+            base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
+        ptr = host_address(arr)
+        with self._lock:
+            for block in self._in_use.values():
+                if block.ptr <= ptr < block.ptr + block.nbytes:
+                    return block
+        raise ValueError(
+            f"PinnedPool.{what}: the array at {ptr:#x} is not in a block of this pool "
+            "(allocate it with ctxkit.pinned_pool().empty())"
+        )
+
+    # --- driver work outside the lock ----------------------------------------------
+
+    def _settle(self) -> None:
+        """Wait-list the returned blocks; cache those whose stream work completed."""
+        if not (self._returned or self._pending) or shutting_down():
+            return
+        if not lifetime.begin_free(None, self._settle_after_capture, ()):
+            return  # a capture forbids driver calls here; this runs when it ends
+        try:
+            while self._returned:
+                try:
+                    block = self._returned.popleft()
+                except IndexError:
+                    break
+                self._return(block)
+            self._collect()
+        finally:
+            lifetime.end_free()
+
+    def _settle_after_capture(self) -> int:
+        self._settle()
+        return 0
+
+    def _return(self, block: Block) -> None:
+        """The last array of *block* died (its events are recorded): wait-list it."""
+        for s in block.streams:  # closed before the array died: wait for its context
+            self._events.record(s)
+        block.streams = []
+        with self._lock:
+            if not block.usable():
+                self._remove_locked(block, "in_use")
+                dead = True
+            else:
+                self._move_locked(block, "in_use", "pending" if block.events else "cached")
+                dead = False
+        if dead:
+            self._free([block])
+
+    def _collect(self) -> None:
+        """Cache the pending blocks whose events have all completed (cuEventQuery)."""
+        with self._lock:
+            pending = list(self._pending)
+        done = []
+        for block in pending:
+            with self._lock:
+                events = list(block.events)
+            if all(event_done(ev) for ev, _ in events):
+                done.append(block)
+        dead, spent_all = [], []
+        with self._lock:
+            for block in done:
+                if block not in self._pending:
+                    continue
+                spent, block.events = block.events, []
+                spent_all.extend(spent)
+                if block.usable():
+                    self._move_locked(block, "pending", "cached")
+                else:
+                    self._remove_locked(block, "pending")
+                    dead.append(block)
+        for ev, owned in spent_all:
+            if owned:
+                self._events.give(ev)
+        self._free(dead)
+
+    def _wait(self, blocks: Sequence[Block]) -> None:
+        """Wait for the events of *blocks* (GIL released), then collect them."""
+        if not blocks:
+            return
+        if not lifetime.begin_free(None, self._settle_after_capture, ()):
+            return
+        try:
+            for block in blocks:
+                with self._lock:
+                    events = list(block.events)
+                for ev, _ in events:
+                    try:
+                        with ev.context:  # bound explicitly (strict mode)
+                            ev.synchronize()
+                    except Exception:
+                        pass  # a closed event or a poisoned context: _collect decides
+            self._collect()
+        finally:
+            lifetime.end_free()
+
+
+_process_pool: PinnedPool | None = None
+
+_process_lock = threading.Lock()
+
+_driver.renew_at_fork(__name__, "_process_lock")
+
+_driver.renew_at_fork(__name__, "_process_pool._lock")
+
+
+def pinned_pool() -> PinnedPool:
+    """The process-wide :class:`PinnedPool` (created at first use with
+    :func:`default_budget`), which ctxkit's pipelines draw staging buffers and pinned
+    outputs from.
+
+    ``ck.pinned_pool().stats()`` reports it, ``.trim()`` frees what it caches.
+    """
+    global _process_pool
+    pool = _process_pool
+    if pool is None:
+        with _process_lock:
+            if _process_pool is None:
+                _process_pool = PinnedPool()
+            pool = _process_pool
+    return pool
