@@ -37,7 +37,6 @@ of the last run.
 from __future__ import annotations
 
 from ..errors import PipelineError
-from .hostthreads import close_idle_host_threads
 from .pipeline import Pipeline
 from .plan import (
     Chunk,
@@ -51,8 +50,9 @@ from .plan import (
     prepare_io,
     split_rows,
 )
+from .run import ChunkView, DeviceStats, RunStats
 from .stages import StageHandle
-from .types import ChunkView, DeviceStats, RunStats
+from .staging import close_idle_host_threads
 
 __all__ = [
     "Chunk",

@@ -63,8 +63,8 @@ from .. import _driver
 from ..context import Context
 from ..errors import PinLeakWarning
 from ..memory.hostpool import PinnedPool, pinned_pool
-from .hostreg import NO_USABLE_CONTEXT, register_pages, unregister_pages
 from .plan import PAGE, MiB, addr
+from .staging import NO_USABLE_CONTEXT, register_pages, unregister_pages
 
 __all__ = [
     "MIN_HOLD_BYTES",

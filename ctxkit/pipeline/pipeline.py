@@ -26,14 +26,19 @@ from ..registry import check_devices
 from ..stream import Event, Stream
 from ..trace import Recorder, Timeline
 from .arguments import _managed_array, _ordinal, _resolve_contexts
-from .hostthreads import HostPool, default_host_threads, give_back_host_pool
 from .pincache import PinClaims, process_pins
 from .plan import DEFAULT_STAGING_BUFFERS, MapOptions, addr, check_host_path, prepare_io
-from .run import Run
+from .run import Run, RunStats
 from .runner import MapRunner, _park_if_exiting
 from .stages import StageHandle, Stages
-from .staging import DeviceState, quiet_sync, shutdown_all
-from .types import RunStats
+from .staging import (
+    DeviceState,
+    HostPool,
+    default_host_threads,
+    give_back_host_pool,
+    quiet_sync,
+    shutdown_all,
+)
 
 __all__ = ["Pipeline"]
 

@@ -189,7 +189,7 @@ class MapPlan:
     array is page-locked), ``"held"`` (kept page-locked by pin on reuse), ``"staged"``
     (through pinned staging buffers), ``"register"`` (its pages locked just in time),
     ``"split"`` (input only: registered from the far end, staged from the near end;
-    :mod:`ctxkit.pipeline.split`) or
+    :mod:`ctxkit.pipeline.run`) or
     ``"managed"`` (unified memory, prefetched). ``in_chunk_bytes``/``out_chunk_bytes``
     size a slot's device buffers; a feeder starts up to ``ahead`` chunks (claims them,
     queues their input fills, begins their registrations) before it enqueues the oldest.

@@ -4,8 +4,8 @@ class :class:`MapRunner`.
 For one call it merges the call's overrides into the pipeline's options, tells
 :func:`~ctxkit.pipeline.plan.plan_map` what the host memory of both arrays is (claiming
 pin on reuse), loads a kernel given as ``(ObjectCode, name)``, then starts a feeder and a
-drain thread per active device (:mod:`ctxkit.pipeline.feeder`,
-:mod:`ctxkit.pipeline.drainer`) and waits for them in short timed waits, so that Ctrl-C
+drain thread per active device (:mod:`ctxkit.pipeline.run`,
+:mod:`ctxkit.pipeline.run`) and waits for them in short timed waits, so that Ctrl-C
 stops the run promptly, yet never returns while a worker may still touch the arrays. A
 base class, so that the body of ``Pipeline`` is its public API (the members the API
 docs list).
@@ -33,17 +33,20 @@ from ..module.kernel import Kernel
 from ..module.module import Module
 from ..trace import Recorder
 from .arguments import _memory_kind
-from .drainer import drain
-from .feeder import feed
-from .hostreg import Registrar
-from .hostthreads import HostPool, take_host_pool
-from .launch import make_launcher, unblock_if_not_run
 from .pincache import Held, PinClaims
 from .plan import MapOptions, addr, default_chunk_bytes, plan_map, row_bytes
-from .progressbar import make_bar
-from .run import Run, run_stats
-from .staging import DeviceState, Progress
-from .types import DeviceStats, RunStats
+from .run import (
+    DeviceStats,
+    Run,
+    RunStats,
+    drain,
+    feed,
+    make_bar,
+    make_launcher,
+    run_stats,
+    unblock_if_not_run,
+)
+from .staging import DeviceState, HostPool, Progress, Registrar, take_host_pool
 
 __all__ = ["MapRunner"]
 

@@ -21,8 +21,8 @@ import ctxkit as ck
 from ctxkit.module import Kernel
 from ctxkit.pipeline import HostPieces, Pipeline, PipelineError, host_pieces
 from ctxkit.pipeline import plan as _plan
-from ctxkit.pipeline.hostreg import REGISTER_READ_ONLY, Registrar, Segment
-from ctxkit.pipeline.hostthreads import HostPool
+from ctxkit.pipeline.staging import REGISTER_READ_ONLY, Registrar, Segment
+from ctxkit.pipeline.staging import HostPool
 from ctxkit.pipeline.plan import (
     AUTO_HOST_PATH,
     AUTO_REGISTER_MIN_BYTES,

@@ -13,7 +13,7 @@ import pytest
 import ctxkit as ck
 from ctxkit.memory.host import host_pointer_kind
 from ctxkit.pipeline import Pipeline
-from ctxkit.pipeline.hostreg import relaxed_capture
+from ctxkit.pipeline.staging import relaxed_capture
 from tests.pipeline.gpu_support import (  # noqa: F401
     PAGE,
     PATH_NAMES,

@@ -75,7 +75,7 @@ def test_map_many_chunks_through_few_slots_stress(gpu):
 def test_map_with_slow_host_copies_stress(gpu, monkeypatch):
     """Host copies slower than the GPU: a staging buffer must not be overwritten by the
     next D2H (or refilled before its H2D ran) however the threads interleave."""
-    from ctxkit.pipeline import hostthreads as _staging
+    from ctxkit.pipeline import staging as _staging
 
     real = _staging.copy_piece
     rng = np.random.default_rng(5)

@@ -14,7 +14,7 @@ import pytest
 
 import ctxkit as ck
 from ctxkit.pipeline import Pipeline, PipelineError
-from ctxkit.pipeline import hostthreads as _threads
+from ctxkit.pipeline import staging as _threads
 from tests.support.fakegpu import gpu_fixture, scale_body  # noqa: F401
 
 MiB = 1 << 20
