@@ -1,22 +1,42 @@
-"""The :class:`Pipeline` (described in :mod:`ctxkit.pipeline`): the class body is its public
-API (constructor, properties, ``map``/``map_managed``, cross-device stages, trace,
-lifetime); its base class :class:`~ctxkit.pipeline.runner.MapRunner` carries out the map
-calls."""
+"""The :class:`Pipeline` (described in :mod:`ctxkit.pipeline`): its public API
+(constructor, properties, ``map``/``map_managed``, cross-device stages, trace, lifetime)
+and how it carries out a map call.
+
+For one call it merges the call's options into the pipeline's, tells
+:func:`~ctxkit.pipeline.plan.plan_map` what the host memory of both arrays is (claiming
+pin on reuse), loads a kernel given as ``(ObjectCode, name)``, then starts a feeder and a
+drain thread per active device (:mod:`ctxkit.pipeline.run`) and waits for them in short
+timed waits, so that Ctrl-C stops the run promptly, yet never returns while a worker may
+still touch the arrays. What a Pipeline is given is turned into what it works on here too:
+``devices=`` into contexts, a device argument into an ordinal, an array into the kind of
+its host memory and the ``x``/``out`` of ``map_managed`` into numpy views of managed
+memory; the checks of a map's host arrays and options are
+:func:`~ctxkit.pipeline.plan.prepare_io` and :class:`~ctxkit.pipeline.plan.MapOptions`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
+import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import numpy as np
 
+from .. import _driver, registry
 from .._driver import check_fork, in_forked_child
+from ..compiler.objectcode import ObjectCode
 from ..context import Context
-from ..device import Device
-from ..memory.host import host_pointer_kind
+from ..device import Device, device_count
+from ..errors import ContextPoisonedError, CudaError, PipelineError
+from ..memory.host import host_pointer_kind, is_pinned
 from ..memory.hostpool import pinned_pool
 from ..memory.managed import ManagedBuffer
 from ..memory.streamcopy import build_streaming_copy
@@ -25,25 +45,45 @@ from ..module.module import Module
 from ..registry import check_devices
 from ..stream import Event, Stream
 from ..trace import Recorder, Timeline
-from .arguments import _managed_array, _ordinal, _resolve_contexts
-from .pincache import PinClaims, process_pins
-from .plan import DEFAULT_STAGING_BUFFERS, MapOptions, addr, check_host_path, prepare_io
-from .run import Run, RunStats
-from .runner import MapRunner, _park_if_exiting
+from .pincache import Held, PinClaims, process_pins
+from .plan import (
+    DEFAULT_STAGING_BUFFERS,
+    MapOptions,
+    addr,
+    check_host_path,
+    default_chunk_bytes,
+    plan_map,
+    prepare_io,
+    row_bytes,
+)
+from .run import (
+    DeviceStats,
+    Run,
+    RunStats,
+    drain,
+    feed,
+    make_bar,
+    make_launcher,
+    run_stats,
+    unblock_if_not_run,
+)
 from .stages import StageHandle, Stages
 from .staging import (
     DeviceState,
     HostPool,
+    Progress,
+    Registrar,
     default_host_threads,
     give_back_host_pool,
     quiet_sync,
     shutdown_all,
+    take_host_pool,
 )
 
 __all__ = ["Pipeline"]
 
 
-class Pipeline(MapRunner):
+class Pipeline:
     """Copy -> kernel -> copy over every GPU at once, from host numpy arrays.
 
     Parameters
@@ -520,3 +560,299 @@ class Pipeline(MapRunner):
         raise ValueError(
             f"{device!r} is not one of this pipeline's devices {[d.ordinal for d in self._devices]}"
         )
+
+    # --- carrying out a map -------------------------------------------------------
+
+    def _staging_bytes(self, x: Any, opts: MapOptions) -> int:
+        """Bytes of input and output staging buffers a map of *x* may use on every device:
+        the headroom a pooled default output leaves in the pool's budget (so the
+        staging of this map, or of a later pageable output, still fits)."""
+        nbytes = getattr(x, "nbytes", 0)
+        chunk = opts.chunk_bytes or default_chunk_bytes(nbytes, len(self._devices))
+        return 2 * len(self._devices) * opts.staging_buffers * min(chunk, nbytes)
+
+    def _options_for(
+        self, chunk_bytes: int | None, block: int, schedule: str | None, **more: Any
+    ) -> MapOptions:
+        """The pipeline's options with one call's overrides (the same object when the
+        call overrides nothing, as most do)."""
+        base = self._options
+        if more.get("host_path") is None:
+            more.pop("host_path", None)
+        if chunk_bytes is not None:
+            more["chunk_bytes"] = chunk_bytes
+        if schedule is not None:
+            more["schedule"] = schedule
+        more["block"] = block
+        changes = {k: v for k, v in more.items() if getattr(base, k) != v}
+        return dataclasses.replace(base, **changes) if changes else base
+
+    def _map(
+        self,
+        kernel: Any,
+        x: np.ndarray,
+        out: np.ndarray,
+        args: Sequence[Any],
+        opts: MapOptions,
+        progress: bool = False,
+        pooled_out: bool = False,
+    ) -> np.ndarray:
+        self._check_usable()
+        if not isinstance(args, (tuple, list)):
+            raise TypeError(f"args must be a tuple of extra kernel arguments, not {type(args)}")
+        try:
+            with self._lock:
+                if isinstance(kernel, tuple):
+                    kernel = self._load(kernel)
+                launch = make_launcher(kernel, x, out, tuple(args), opts.block)
+                self._check_usable()
+                if isinstance(kernel, Kernel):
+                    for dev in self._devices:
+                        kernel.preload(dev.ctx)
+                self._new_recording()
+                t0 = time.perf_counter()
+                held: list[Held] = []
+                try:
+                    host = ("pinned", "pinned")
+                    if not opts.managed:
+                        host = self._host_kinds(x, out, opts.host_path, held, pooled_out)
+                    rows = (row_bytes(x), row_bytes(out))
+                    plan = plan_map(x.shape[0], rows, len(self._devices), opts, host)
+                    run = Run(x, out, plan, launch, self._recorder)
+                    if not plan.empty:
+                        self._execute(run, progress)
+                finally:
+                    self._pins.done(held)
+                self._stats = run_stats(run, time.perf_counter() - t0, x.nbytes)
+        except RuntimeError:
+            _park_if_exiting()
+            raise
+        return out
+
+    def _execute(self, run: Run, progress: bool = False) -> None:
+        plan = run.plan
+        if progress:
+            run.bar = make_bar(len(plan.chunks))
+        try:
+            self._execute_run(run)
+        finally:
+            if run.bar is not None:
+                run.bar.close()
+
+    def _execute_run(self, run: Run) -> None:
+        plan = run.plan
+        if plan.needs_pool:
+            run.pool = self._pool()
+        if plan.registers:
+            assert run.pool is not None
+            run.registrar = Registrar(run.pool, run.stop, run.rec)
+        self._run = run
+        futures: list[Future[Any]] = []
+        try:
+            for dev in (self._devices[part] for part in plan.active):
+                q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+                run.stats[dev.ordinal] = DeviceStats(dev.ordinal)
+                run.taken[dev.ordinal] = []
+                run.progress[dev.ordinal] = Progress()
+                feeder = dev.worker.submit(feed, run, dev, q)
+                feeder.add_done_callback(functools.partial(unblock_if_not_run, q))
+                futures.append(feeder)
+                futures.append(dev.drainer.submit(drain, run, dev, q))
+            for f in futures:
+                _result_interruptibly(f)
+        except BaseException:
+            _stop_and_wait(run, futures)
+            raise
+        finally:
+            run.drop_arrays()
+        if not self.tracing:
+            self._recycle(run)
+        if run.errors:
+            if self.poisoned:
+                self._pins.cache.strand_poisoned()
+            first = run.errors[0]
+            if isinstance(first, PipelineError) and len(run.errors) > 1:
+                first.args = (f"{first} (+{len(run.errors) - 1} more errors in this run)",)
+            raise first
+
+    def _pool(self) -> HostPool:
+        if not self._host_pool:
+            self._host_pool.append(take_host_pool(self.host_threads))
+        return self._host_pool[0]
+
+    def _host_kinds(
+        self,
+        x: np.ndarray,
+        out: np.ndarray,
+        paths: tuple[str, str],
+        held: list[Held],
+        pooled_out: bool = False,
+    ) -> tuple[str, str]:
+        """What the input's and the output's memory is for :func:`plan_map`:
+        ``"held"`` when pin on reuse keeps it locked (only asked for sides on the
+        ``"auto"`` path; the ranges it lends are added to *held*), ``"pinned"`` when
+        page-locked otherwise (*pooled_out*: the output comes from the pinned pool),
+        else ``"pageable"``."""
+        ctxs = self.contexts
+
+        def hold(a: np.ndarray, read_only: bool) -> bool:
+            h = self._pins.acquire(a, ctxs, read_only)
+            if h is not None:
+                held.append(h)
+            return h is not None
+
+        if pooled_out:
+            held_in = paths[0] == "auto" and hold(x, True)
+            return ("held" if held_in else _memory_kind(x)), "pinned"
+        if x.nbytes and x.nbytes == out.nbytes and addr(x) == addr(out):
+            held_in = held_out = "auto" in paths and hold(x, False)
+        else:
+            held_in = paths[0] == "auto" and hold(x, True)
+            held_out = paths[1] == "auto" and hold(out, False)
+        return (
+            "held" if held_in else _memory_kind(x),
+            "held" if held_out else _memory_kind(out),
+        )
+
+    # --- kernels -------------------------------------------------------------------
+
+    def _load(self, pair: tuple[Any, ...]) -> Kernel:
+        if len(pair) != 2 or not isinstance(pair[1], str):
+            raise TypeError(
+                "a kernel given as a tuple must be (ObjectCode, 'entry_name'), got "
+                f"{tuple(type(p).__name__ for p in pair)}"
+            )
+        obj, name = pair
+        if not isinstance(obj, (ObjectCode, bytes, str, os.PathLike)):
+            raise TypeError(
+                f"the first element of a kernel pair must be an ObjectCode (or bytes/path), "
+                f"got {type(obj).__name__}"
+            )
+        key = (id(obj), name)
+        hit = self._kernels.get(key)
+        if hit is not None and hit[0] is obj:
+            return hit[2]
+        with self._devices[0].ctx:
+            mod = Module.load(obj)
+            kern = mod.function(name)
+        self._kernels[key] = (obj, mod, kern)
+        return kern
+
+    # --- trace recording -------------------------------------------------------------
+
+    def _new_recording(self) -> None:
+        old = self._run
+        if old is not None:
+            self._recycle(old)
+            self._run = None
+        self._recorder = Recorder() if self.tracing else None
+
+    def _recycle(self, run: Run) -> None:
+        by_ordinal = {d.ordinal: d for d in self._devices}
+        for ordinal, events in run.taken.items():
+            by_ordinal[ordinal].give_back(events)
+        run.taken = {}
+
+    # --- checks -------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise ValueError("this Pipeline is closed; create a new one")
+        for dev in self._devices:
+            if dev.ctx.poisoned:
+                self._pins.cache.strand_poisoned()
+                try:
+                    dev.ctx.check_usable()
+                except ContextPoisonedError as exc:
+                    raise ContextPoisonedError(
+                        f"this Pipeline is unusable: the context of device {dev.ordinal} was "
+                        f"poisoned by an earlier fault ({exc}); close() it and restart the "
+                        "process (or reset the device) to use the GPU again",
+                        exc.code,
+                        exc.name,
+                    ) from exc
+
+
+INTERRUPT_POLL_S = 0.05
+
+
+def _result_interruptibly(f: Future[Any]) -> Any:
+    """``f.result()``, with Ctrl-C handled within :data:`INTERRUPT_POLL_S`.
+
+    A signal that arrives just before a thread blocks on a lock without a timeout is only
+    handled once the lock is released (CPython checks pending signals between bytecodes,
+    not before the wait): ``map`` would run to its end before raising KeyboardInterrupt.
+    Short timed waits bound that delay.
+    """
+    while not f.done():
+        wait_futures([f], timeout=INTERRUPT_POLL_S)
+    return f.result()
+
+
+def _stop_and_wait(run: Run, futures: list[Future[Any]]) -> None:
+    """Stop *run* and wait until its feeders and drainers have finished, however many
+    more Ctrl-C arrive meanwhile (the first one is what ``map`` raises): the arrays must
+    not be touched once ``map`` is back in the caller's hands."""
+    while True:
+        try:
+            run.stop.set()
+            wait_futures(futures)
+            return
+        except BaseException:
+            continue
+
+
+def _park_if_exiting() -> None:
+    """A daemon thread that cannot start a thread or submit work because the interpreter
+    is exiting waits here for the exit instead of printing a traceback (the interpreter
+    stops daemon threads; non-daemon ones get the error)."""
+    if threading.current_thread().daemon and not threading.main_thread().is_alive():
+        threading.Event().wait()
+
+
+_NO_DEVICE = 100
+
+
+def _ordinal(device: object) -> int | None:
+    if isinstance(device, Device):
+        return device.ordinal
+    if isinstance(device, int) and not isinstance(device, bool):
+        return device
+    return None
+
+
+def _resolve_contexts(specs: list[int | Device | Context] | None) -> list[Context]:
+    if specs is None:
+        n = device_count()
+        if n == 0:
+            _driver.init()
+            raise CudaError(
+                "Pipeline(devices=None): no CUDA device is visible (the driver reports "
+                "none); check nvidia-smi and CUDA_VISIBLE_DEVICES",
+                _NO_DEVICE,
+                "CUDA_ERROR_NO_DEVICE",
+            )
+        specs = list(range(n))
+    contexts = [registry.default.resolve(d) for d in specs]
+    for ctx in contexts:
+        ctx.check_usable()
+    return contexts
+
+
+def _memory_kind(a: np.ndarray) -> str:
+    return "pinned" if a.nbytes and is_pinned(a) else "pageable"
+
+
+def _managed_array(obj: Any, dtype: Any, shape: Sequence[int] | None, what: str) -> np.ndarray:
+    if isinstance(obj, np.ndarray):
+        return obj
+    if isinstance(obj, ManagedBuffer):
+        if dtype is None:
+            raise TypeError(f"map_managed: pass dtype= to view the ManagedBuffer {what} as")
+        if shape is None:
+            return obj.as_numpy(dtype)
+        return obj.as_numpy(dtype, tuple(shape))
+    raise TypeError(
+        f"map_managed: {what} must be a ManagedBuffer or a numpy view of one, "
+        f"got {type(obj).__name__}"
+    )

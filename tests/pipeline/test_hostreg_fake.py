@@ -21,14 +21,13 @@ import ctxkit as ck
 from ctxkit.module import Kernel
 from ctxkit.pipeline import HostPieces, Pipeline, PipelineError, host_pieces
 from ctxkit.pipeline import plan as _plan
-from ctxkit.pipeline.staging import REGISTER_READ_ONLY, Registrar, Segment
-from ctxkit.pipeline.staging import HostPool
 from ctxkit.pipeline.plan import (
     AUTO_HOST_PATH,
     AUTO_REGISTER_MIN_BYTES,
     check_host_path,
     choose_host_path,
 )
+from ctxkit.pipeline.staging import REGISTER_READ_ONLY, HostPool, Registrar, Segment
 from tests.support.fakegpu import ALREADY_REGISTERED, gpu_fixture, scale_body  # noqa: F401
 
 PAGE = 4096

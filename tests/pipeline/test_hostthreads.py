@@ -12,8 +12,13 @@ import numpy as np
 import pytest
 
 from ctxkit.pipeline import staging as _threads
-from ctxkit.pipeline.staging import MIN_PIECE_BYTES, CopyBatch, HostPool, default_host_threads
-from ctxkit.pipeline.staging import Progress
+from ctxkit.pipeline.staging import (
+    MIN_PIECE_BYTES,
+    CopyBatch,
+    HostPool,
+    Progress,
+    default_host_threads,
+)
 
 
 @pytest.fixture
