@@ -87,6 +87,7 @@ _EXPORTS: dict[str, str] = {
     "Event": "stream",
     # multi-device
     "Pipeline": "pipeline",
+    "PipelineOptions": "pipeline",
     "DevicePool": "procs",
     "TaskOptions": "procs",
     "StageHandle": "pipeline",
@@ -149,6 +150,7 @@ __all__ = [
     "PinnedPool",
     "Pipeline",
     "PipelineError",
+    "PipelineOptions",
     "PreparedLaunch",
     "Program",
     "PtxVersionWarning",
@@ -265,7 +267,7 @@ if TYPE_CHECKING:  # pragma: no cover
         to_device,
     )
     from .module import Kernel, LaunchConfig, Module, PreparedLaunch
-    from .pipeline import Pipeline, StageHandle
+    from .pipeline import Pipeline, PipelineOptions, StageHandle
     from .procs import DevicePool, TaskOptions
     from .stream import Event, Stream, current_stream
     from .trace import Timeline
