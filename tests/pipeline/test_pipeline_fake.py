@@ -392,3 +392,16 @@ class FakeScaleKernel:
 
     def __call__(self, ctx, stream, d_in, d_out, n, alpha):
         self.launch(1, 256, d_in.ptr, d_out.ptr, n, alpha, stream=stream)
+
+
+def test_call_options_change_only_what_they_set(gpu):
+    """A call's options override the fields they set; the rest are the pipeline's."""
+    with Pipeline([0], options=PipelineOptions(chunk_bytes=4096, schedule="dynamic")) as p:
+        assert p.options.chunk_bytes == 4096 and p.options.staging_buffers == 4
+        x = np.arange(10_000, dtype=np.float32)
+        out = p.map(scale_body(gpu, 2.0), x, options=PipelineOptions(host_path="staged"))
+        np.testing.assert_array_equal(out, x * 2)
+        assert (p._run.plan.rows_per_chunk, p._run.plan.schedule) == (1024, "dynamic")
+        p.map(scale_body(gpu, 2.0), x, chunk_bytes=8192, options=PipelineOptions(schedule="static"))
+        assert (p._run.plan.rows_per_chunk, p._run.plan.schedule) == (2048, "static")
+        assert p.options.chunk_bytes == 4096  # the pipeline's own options are unchanged
