@@ -339,7 +339,7 @@ def test_map_managed(gpu):
         assert p.last_stats.path == "managed"
         targets = {t for _, _, t in gpu.prefetches}
         assert targets == {0, 1, "cpu"}
-        # mode="managed" with the numpy view, in place.
+        # the numpy view, in place.
         p.map_managed(scale_body(gpu, 2.0), xm, xm)
         np.testing.assert_array_equal(xm, np.arange(n, dtype=np.float32) * 2)
         assert {"prefetch", "kernel", "prefetch_back"} <= set(p.trace().names())
