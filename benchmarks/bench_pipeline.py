@@ -311,7 +311,7 @@ def bench_first_calls(kernel: Any, base: np.ndarray, calls: int, results: Result
             return p.map(kernel, x, args=(ALPHA,), out="pageable")
 
     def new_pipeline_split(x: np.ndarray) -> np.ndarray:
-        with ck.Pipeline([0], host_path=("split", "auto")) as p:
+        with ck.Pipeline([0], options=ck.PipelineOptions(host_path=("split", "auto"))) as p:
             return p.map(kernel, x, args=(ALPHA,))
 
     def naive_fresh(x: np.ndarray) -> np.ndarray:
@@ -435,8 +435,7 @@ def bench_ctxkit(
                         x,
                         out,
                         args=(ALPHA,),
-                        host_path="register",
-                        schedule="dynamic",
+                        options=ck.PipelineOptions(host_path="register", schedule="dynamic"),
                     ),
                     x.nbytes,
                     repeats,
@@ -460,7 +459,9 @@ def _time_caller_held(
     ``host_path="staged"`` only keeps pin on reuse away from the caller's pages."""
     out.fill(0)
     with ck.register_host(x), ck.register_host(out):
-        run = functools.partial(p.map, kernel, x, out, args=(ALPHA,), host_path="staged")
+        run = functools.partial(
+            p.map, kernel, x, out, args=(ALPHA,), options=ck.PipelineOptions(host_path="staged")
+        )
         run()
         verify("ctxkit on arrays the caller registered", out, x)
         name = f"ctxkit_1gpu_{CALLER_HELD}"
@@ -476,8 +477,10 @@ def _thread_sweep(
         t = per_gpu * nd
         if t > cpus() - 1:
             continue
-        with ck.Pipeline(list(range(nd)), host_threads=t) as p:
-            run = functools.partial(p.map, kernel, x, out, args=(ALPHA,), host_path="staged")
+        with ck.Pipeline(list(range(nd)), options=ck.PipelineOptions(host_threads=t)) as p:
+            run = functools.partial(
+                p.map, kernel, x, out, args=(ALPHA,), options=ck.PipelineOptions(host_path="staged")
+            )
             run()
             timed(f"threads_{nd}gpu_staged_threads{t}", run, x.nbytes, repeats, results)
 
@@ -502,7 +505,9 @@ def _time_path(
     results: Results,
 ) -> None:
     out.fill(0)
-    run = functools.partial(p.map, kernel, x, out, args=(ALPHA,), host_path=path)
+    run = functools.partial(
+        p.map, kernel, x, out, args=(ALPHA,), options=ck.PipelineOptions(host_path=path)
+    )
     if label == "auto":
         _time_pin_on_reuse(p, run, nd, x, out, results)
     run()
@@ -557,8 +562,17 @@ def bench_sweep(
     for path in ("staged", "register"):
         for chunk_mib in (8, 16, 32, 64):
             for t in threads:
-                with ck.Pipeline([0], chunk_bytes=chunk_mib * MiB, host_threads=t) as p:
-                    run = functools.partial(p.map, kernel, x, out, args=(ALPHA,), host_path=path)
+                with ck.Pipeline(
+                    [0], options=ck.PipelineOptions(chunk_bytes=chunk_mib * MiB, host_threads=t)
+                ) as p:
+                    run = functools.partial(
+                        p.map,
+                        kernel,
+                        x,
+                        out,
+                        args=(ALPHA,),
+                        options=ck.PipelineOptions(host_path=path),
+                    )
                     run()
                     timed(
                         f"sweep_{path}_chunk{chunk_mib}_threads{t}", run, x.nbytes, repeats, results
@@ -606,7 +620,7 @@ def bench_pinned(
         try:
             with (
                 ck.Pipeline(devices) as p,
-                ck.Pipeline(devices, trace=False) as q,
+                ck.Pipeline(devices, options=ck.PipelineOptions(trace=False)) as q,
                 ck.Pipeline(devices) as h,
             ):
                 fns: dict[str, Callable[[], Any]] = {

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ctxkit._driver import drv
-from ctxkit.pipeline.plan import MapOptions, grid_size, plan_map
+from ctxkit.pipeline.plan import PipelineOptions, grid_size, plan_map
 
 REGISTER_PORTABLE = 1
 
@@ -97,7 +97,7 @@ class RawPinned:
 
     def run(self, x: np.ndarray, out: np.ndarray) -> None:
         """``out = alpha * x`` over every device (x and out pinned float32)."""
-        plan = plan_map(x.shape[0], (4, 4), len(self.devs), MapOptions(chunk_bytes=self.chunk))
+        plan = plan_map(x.shape[0], (4, 4), len(self.devs), PipelineOptions(chunk_bytes=self.chunk))
         per_dev = [plan.for_part(i) for i in range(len(self.devs))]
         keep = []
         xp, op = int(x.ctypes.data), int(out.ctypes.data)

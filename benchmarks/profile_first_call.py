@@ -118,7 +118,7 @@ def main() -> None:
     for i in range(args.new):
         x = fresh()
         t = time.perf_counter()
-        pl = ck.Pipeline([0], **kw)
+        pl = ck.Pipeline([0], options=ck.PipelineOptions(**kw))
         t1 = time.perf_counter()
         y = pl.map(scale, x, args=(two,))
         t2 = time.perf_counter()
@@ -127,7 +127,7 @@ def main() -> None:
         breakdown(pl, f"first call of new pipeline #{i} (wall incl. Pipeline())", t2 - t, nbytes)
         pl.close()
         del y
-    pl = ck.Pipeline([0], **kw)
+    pl = ck.Pipeline([0], options=ck.PipelineOptions(**kw))
     check(pl.map(scale, fresh(), args=(two,)))
     for i in range(2):
         x = fresh()

@@ -21,7 +21,7 @@ _LAZY: dict[str, str] = {
     "MemoryPool VirtualBuffer disable_peer_access export_buffer import_buffer ipc_event "
     "export_event import_event host_memory_flags",
     "stream": "Stream Event current_stream",
-    "pipeline": "Pipeline StageHandle",
+    "pipeline": "Pipeline PipelineOptions StageHandle",
     "procs": "DevicePool TaskOptions",
     "trace": "Timeline",
 }
@@ -69,6 +69,7 @@ __all__ = [
     "PinnedPool",
     "Pipeline",
     "PipelineError",
+    "PipelineOptions",
     "PreparedLaunch",
     "Program",
     "PtxVersionWarning",
@@ -184,7 +185,7 @@ if TYPE_CHECKING:  # pragma: no cover
         to_device,
     )
     from .module import Kernel, LaunchConfig, Module, PreparedLaunch
-    from .pipeline import Pipeline, StageHandle
+    from .pipeline import Pipeline, PipelineOptions, StageHandle
     from .procs import DevicePool, TaskOptions
     from .stream import Event, Stream, current_stream
     from .trace import Timeline

@@ -143,7 +143,7 @@ def threads_and_pipeline(k: dict[str, Any]) -> None:
     with ck.ContextExecutor(0, max_workers=4) as ex:
         expect("executor", all(ex.map(task, range(32))))
     x = np.random.default_rng(3).random(1 << 20, dtype=np.float32)
-    with ck.Pipeline(chunk_bytes=1 << 20) as p:
+    with ck.Pipeline(options=ck.PipelineOptions(chunk_bytes=1 << 20)) as p:
         out = p.map(k["scale_f32"], x, args=(np.float32(2.0),))
         expect("pipeline pageable", np.array_equal(out, 2 * x))
         pinned = ck.pinned_empty(x.shape, x.dtype)

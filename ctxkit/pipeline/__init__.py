@@ -6,6 +6,8 @@ busy at once:
 
 * each device is driven by its own worker thread (a ``ContextExecutor`` bound to the
   device's shared context), so a call that blocks on one device never stalls another;
+* options travel together in one :class:`PipelineOptions` (``Pipeline(devices,
+  options=...)``, ``map(..., options=...)``);
 * pageable input and output are never copied synchronously: by default (``host_path=
   "auto"``, i.e. ``"staged"``) they go through pinned staging buffers
   (``staging_buffers`` per device, filled and drained in pieces by a pool of host
@@ -27,7 +29,7 @@ busy at once:
   (:func:`close_idle_host_threads` joins them).
 
 How a map runs (chunks, devices, host paths) is decided before it starts by
-:func:`plan_map` from its :class:`MapOptions`, into a :class:`MapPlan`.
+:func:`plan_map` from its :class:`PipelineOptions`, into a :class:`MapPlan`.
 ``Pipeline.submit`` enqueues cross-device stages ordered by events
 (``cuStreamWaitEvent``); ``Pipeline.map_managed`` runs the same map over unified memory
 with per-device prefetch. ``Pipeline.trace`` returns the :class:`~ctxkit.trace.Timeline`
@@ -37,13 +39,12 @@ of the last run.
 from __future__ import annotations
 
 from ..errors import PipelineError
-from .hostthreads import close_idle_host_threads
 from .pipeline import Pipeline
 from .plan import (
     Chunk,
     HostPieces,
-    MapOptions,
     MapPlan,
+    PipelineOptions,
     default_chunk_bytes,
     grid_size,
     host_pieces,
@@ -51,18 +52,19 @@ from .plan import (
     prepare_io,
     split_rows,
 )
+from .run import ChunkView, DeviceStats, RunStats
 from .stages import StageHandle
-from .types import ChunkView, DeviceStats, RunStats
+from .staging import close_idle_host_threads
 
 __all__ = [
     "Chunk",
     "ChunkView",
     "DeviceStats",
     "HostPieces",
-    "MapOptions",
     "MapPlan",
     "Pipeline",
     "PipelineError",
+    "PipelineOptions",
     "RunStats",
     "StageHandle",
     "close_idle_host_threads",

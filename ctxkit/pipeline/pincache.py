@@ -39,7 +39,7 @@ are never held: those arrays keep the pipeline's other host path.
 When the owner dies its pages are unregistered at once, never later: freed memory that
 stayed registered would make a new array numpy places there look pinned, and the device
 would DMA to pages that are no longer the array's. So the unregister does not wait for an
-open stream capture (it runs in relaxed capture mode, :func:`~.hostreg.relaxed_capture`),
+open stream capture (it runs in relaxed capture mode, :func:`~.staging.relaxed_capture`),
 and when the registering context was closed or poisoned it runs in another usable one.
 
 ``cuMemHostUnregister`` waits until the device is idle (measured on H200: a call made
@@ -63,8 +63,8 @@ from .. import _driver
 from ..context import Context
 from ..errors import PinLeakWarning
 from ..memory.pinned import PinnedPool, pinned_pool
-from .hostreg import NO_USABLE_CONTEXT, register_pages, unregister_pages
 from .plan import PAGE, MiB, addr
+from .staging import NO_USABLE_CONTEXT, register_pages, unregister_pages
 
 __all__ = [
     "MIN_HOLD_BYTES",

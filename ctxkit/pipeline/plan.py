@@ -5,7 +5,7 @@ map's arrays and options. No driver calls: tested on any machine."""
 from __future__ import annotations
 
 import mmap
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -14,10 +14,11 @@ from ..memory.host import plain_dtype
 
 __all__ = [
     "HOST_PATHS",
+    "PIPELINE_FIELDS",
     "Chunk",
     "HostPieces",
-    "MapOptions",
     "MapPlan",
+    "PipelineOptions",
     "check_host_path",
     "choose_host_path",
     "default_chunk_bytes",
@@ -122,7 +123,7 @@ class Chunk:
         return self.row1 - self.row0
 
 
-HOST_KINDS = ("pageable", "pinned", "held")
+HOST_KINDS = ("pageable", "pinned", "held", "managed")
 
 
 MODE_NAMES = {
@@ -136,36 +137,139 @@ MODE_NAMES = {
 
 
 @dataclass(frozen=True)
-class MapOptions:
-    """The options of one map, checked when made (see :meth:`Pipeline.map`).
+class PipelineOptions:
+    """How a :class:`~ctxkit.pipeline.Pipeline` maps, checked when made.
 
-    ``chunk_bytes=None`` means :func:`default_chunk_bytes`; ``host_path`` takes one of
-    :data:`HOST_PATHS` or an ``(input, output)`` pair and is stored as the pair;
-    ``managed`` runs over unified memory (``prefetch``/``to_host`` say which way it is
-    prefetched); ``staging_buffers`` and ``host_threads`` are the pipeline's slots per
-    device and host pool size.
+    Given to the constructor (``Pipeline(devices, options=PipelineOptions(...))``), they
+    are the pipeline's defaults (:attr:`Pipeline.options <ctxkit.pipeline.Pipeline.options>`);
+    given to one call (``map(..., options=PipelineOptions(schedule="dynamic"))``), they
+    change how that call runs. A field left ``None`` takes the pipeline's value (the
+    pipeline's takes the default named below). The last four fields set up the pipeline
+    itself: a call's options leave them ``None`` or equal to the pipeline's.
+
+    Parameters
+    ----------
+    chunk_bytes : int, optional
+        Chunk size in bytes. Default (``None``): :func:`default_chunk_bytes`, 64 MiB, less
+        when a device would get fewer than 8 chunks; a map runs at most 65536 chunks.
+    block : int, optional
+        Threads per block of a Kernel's launch (1..1024; default 256).
+    schedule : {"static", "dynamic"}, optional
+        ``"static"`` (the default): an even contiguous share of rows per device.
+        ``"dynamic"``: devices take chunks from a shared queue (work stealing; helps
+        unequal devices).
+    host_path : {"auto", "staged", "register", "split"} or (input, output) pair of them, optional
+        How pageable arrays reach the devices (pinned arrays are always copied
+        directly): ``"staged"`` copies each chunk through pinned staging buffers (two
+        host memory copies per byte); ``"register"`` page-locks the chunk's own pages
+        just in time (``cuMemHostRegister``, in parallel on the host pool, a few chunks
+        ahead) and DMAs straight from/to them, bouncing only the partial pages at the
+        array's ends and chunk boundaries; the pages are unregistered once the chunk's
+        D2H completed, before :meth:`~ctxkit.pipeline.Pipeline.map` returns. ``"split"``
+        (input only; the output is staged): one host thread registers the input's chunks
+        from the last one backwards while the others stage them from the first one
+        forwards, meeting in the middle (static schedule; staged under the dynamic one).
+        ``"auto"`` (the default): staging, and pin on reuse (see *pin_cache_bytes*).
+        Stored as the ``(input, output)`` pair.
+    prefetch, to_host : bool, optional
+        :meth:`~ctxkit.pipeline.Pipeline.map_managed`: prefetch chunks to the device
+        before the kernel / back to the host after (default ``True``).
+    staging_buffers : int, optional
+        Slots per device (default 4, at most 64): each has a stream, an input and an
+        output device buffer and, for pageable data, pinned staging (or small bounce)
+        buffers. A slot's buffers are allocated when a map first uses it (pinned ones
+        come from the process's pinned pool), reused, grown when a later call needs
+        bigger chunks, freed by ``close()`` (pinned ones back to the pool). The staged
+        inputs of all slots fill at once on the host pool while the GPU works and
+        earlier outputs drain. A device keeps at most this many chunks in flight (twice
+        as many when they use no slot buffer), which also bounds what an interrupted map
+        waits for.
+    host_threads : int, optional
+        Threads of the host pool (staging copies, page registration), at most 256.
+        Default: 16, at most the usable CPUs minus two per device minus one, at least 2.
+    pin_cache_bytes : int, optional
+        Pin on reuse, for ``host_path="auto"``: a pageable array (16 MiB or more) that a
+        later map call sees again is page-locked once (``cuMemHostRegister``) and kept
+        locked while its memory lives, so every further call DMAs it directly, as if it
+        were pinned. Only the whole pages inside the array are locked (the bytes on its
+        partial end pages are bounced), never memory next to it. This bounds the bytes
+        the pipeline keeps locked (least recently used arrays are released first); 0
+        turns it off. Default: the process budget. See
+        :meth:`~ctxkit.pipeline.Pipeline.release_pinned`.
+
+        The budget is one per process, shared by every Pipeline (a registration serves
+        all of them) and by the pinned pool its staging buffers and pinned outputs come
+        from (:func:`ctxkit.pinned_pool`; ``CTXKIT_PINNED_POOL_BYTES``, default a
+        quarter of physical memory, at most 64 GiB): an array is held only when the pool
+        can make room for it, else it is staged. With several processes per node (MPI
+        ranks, ``run_per_device`` workers) each has its own: set
+        ``CTXKIT_PINNED_POOL_BYTES`` to about a quarter of the node's memory divided by
+        the processes per node.
+    trace : bool, optional
+        Record events around every stage so that ``trace()`` can show the timeline
+        (default ``True``).
     """
 
     chunk_bytes: int | None = None
-    block: int = 256
-    schedule: str = "static"
-    host_path: tuple[str, str] = ("auto", "auto")
-    managed: bool = False
-    prefetch: bool = True
-    to_host: bool = True
-    staging_buffers: int = DEFAULT_STAGING_BUFFERS
-    host_threads: int = 2
+    block: int | None = None
+    schedule: str | None = None
+    host_path: str | tuple[str, str] | None = None
+    prefetch: bool | None = None
+    to_host: bool | None = None
+    staging_buffers: int | None = None
+    host_threads: int | None = None
+    pin_cache_bytes: int | None = None
+    trace: bool | None = None
 
     def __post_init__(self) -> None:
         _check_count(self.chunk_bytes, "chunk_bytes", none_ok=True)
-        _check_count(self.staging_buffers, "staging_buffers", MAX_STAGING_BUFFERS)
-        _check_count(self.host_threads, "host_threads", MAX_HOST_THREADS)
+        _check_count(self.staging_buffers, "staging_buffers", MAX_STAGING_BUFFERS, True)
+        _check_count(self.host_threads, "host_threads", MAX_HOST_THREADS, True)
         block = self.block
-        if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= 1024:
+        bad = isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= 1024
+        if block is not None and bad:
             raise ValueError(f"block must be an int in 1..1024, got {block!r}")
-        if self.schedule not in SCHEDULES:
+        if self.schedule is not None and self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, not {self.schedule!r}")
-        object.__setattr__(self, "host_path", check_host_path(self.host_path))
+        if self.host_path is not None:
+            object.__setattr__(self, "host_path", check_host_path(self.host_path))
+
+    def over(self, base: PipelineOptions | None = None) -> PipelineOptions:
+        """These options with each field left ``None`` taken from *base*, then from the
+        defaults (``chunk_bytes``, ``host_threads`` and ``pin_cache_bytes`` may stay
+        ``None``: chosen per map, per machine, per process)."""
+        merged = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None and base is not None:
+                value = getattr(base, f.name)
+            merged[f.name] = _DEFAULTS.get(f.name) if value is None else value
+        return PipelineOptions(**merged)
+
+    @property
+    def paths(self) -> tuple[str, str]:
+        """The ``(input, output)`` host paths (default ``("auto", "auto")``)."""
+        return check_host_path(self.host_path or "auto")
+
+    @property
+    def slots(self) -> int:
+        """Slots per device (``staging_buffers``, or its default)."""
+        return self.staging_buffers or DEFAULT_STAGING_BUFFERS
+
+
+_DEFAULTS: dict[str, Any] = {
+    "block": 256,
+    "schedule": "static",
+    "host_path": ("auto", "auto"),
+    "prefetch": True,
+    "to_host": True,
+    "staging_buffers": DEFAULT_STAGING_BUFFERS,
+    "trace": True,
+}
+
+
+#: The fields of :class:`PipelineOptions` that set up a pipeline rather than one call.
+PIPELINE_FIELDS = ("staging_buffers", "host_threads", "pin_cache_bytes", "trace")
 
 
 def _check_count(value: Any, label: str, most: int | None = None, none_ok: bool = False) -> None:
@@ -189,7 +293,7 @@ class MapPlan:
     array is page-locked), ``"held"`` (kept page-locked by pin on reuse), ``"staged"``
     (through pinned staging buffers), ``"register"`` (its pages locked just in time),
     ``"split"`` (input only: registered from the far end, staged from the near end;
-    :mod:`ctxkit.pipeline.split`) or
+    :mod:`ctxkit.pipeline.run`) or
     ``"managed"`` (unified memory, prefetched). ``in_chunk_bytes``/``out_chunk_bytes``
     size a slot's device buffers; a feeder starts up to ``ahead`` chunks (claims them,
     queues their input fills, begins their registrations) before it enqueues the oldest.
@@ -263,7 +367,7 @@ def plan_map(
     n_rows: int,
     row_bytes: tuple[int, int],
     n_devices: int,
-    options: MapOptions | None = None,
+    options: PipelineOptions | None = None,
     host: tuple[str, str] = ("pageable", "pageable"),
 ) -> MapPlan:
     """Decide how a map over *n_rows* rows runs on *n_devices* devices.
@@ -276,19 +380,19 @@ def plan_map(
         Bytes of one input row and of one output row; chunks are sized by the wider.
     n_devices : int
         Devices of the pipeline.
-    options : MapOptions, optional
-        The map's options (default: ``MapOptions()``).
+    options : PipelineOptions, optional
+        The map's options (default: ``PipelineOptions()``).
     host : (str, str)
         What the input's and the output's host memory is: ``"pageable"``, ``"pinned"``
-        (page-locked) or ``"held"`` (kept page-locked by pin on reuse); ignored for a
-        managed map.
+        (page-locked), ``"held"`` (kept page-locked by pin on reuse) or, for both sides
+        of a map over unified memory, ``"managed"``.
 
     Static schedule: each device gets a contiguous, even share of the rows, cut into
     chunks of ``max(1, chunk_bytes // row)`` rows. Dynamic: the same chunk size over
     all rows, taken from a shared queue while the devices run (work stealing). A
     pageable side moves by its ``host_path`` (:func:`choose_host_path`).
     """
-    options = options or MapOptions()
+    options = options or PipelineOptions()
     if n_devices < 1:
         raise ValueError("a map needs at least one device")
     if n_rows < 0 or min(row_bytes) < 0:
@@ -306,34 +410,37 @@ def plan_map(
         )
     rpc = max(rpc, fewest)
     parts = tuple(split_rows(n_rows, n_devices))
-    static = options.schedule == "static"
+    static = options.schedule != "dynamic"
     chunks: list[Chunk] = []
     for part, (lo, hi) in enumerate(parts if static else ((0, n_rows),)):
         for r in range(lo, hi, rpc):
             chunks.append(Chunk(len(chunks), part if static else -1, r, min(r + rpc, hi)))
-    if options.managed:
-        modes = ("managed", "managed")
+    if "managed" in host:
+        if host != ("managed", "managed"):
+            raise ValueError(f"a managed map is managed on both sides, not {host!r}")
+        modes = host
     else:
         modes = (
-            _side_mode(host[0], options.host_path[0], n_rows * row_bytes[0], static),
-            _side_mode(host[1], options.host_path[1], n_rows * row_bytes[1], False),
+            _side_mode(host[0], options.paths[0], n_rows * row_bytes[0], static),
+            _side_mode(host[1], options.paths[1], n_rows * row_bytes[1], False),
         )
     active = tuple(sorted({c.part for c in chunks})) if static else tuple(range(n_devices))
     # The staged inputs of every slot fill at once, on the host pool; a dynamic feeder
     # claims fewer ahead of the others, to leave chunks for a faster device to take.
     ahead = 1
     if modes[0] in ("staged", "split"):
-        ahead = options.staging_buffers if static else min(options.staging_buffers, 3)
+        ahead = options.slots if static else min(options.slots, 3)
     if "register" in modes and active:
         # A few chunks ahead keep the registrations off the critical path; more only
         # lengthen a stop (each registered chunk is unregistered before map returns, and
         # cuMemHostUnregister waits for the device).
-        per_device = -(-options.host_threads // len(active))
-        bufs = options.staging_buffers
+        per_device = -(-(options.host_threads or 2) // len(active))
+        bufs = options.slots
         ahead = max(ahead, bufs, min(per_device, 2 * bufs))
     return MapPlan(
-        n_rows, rpc, parts, tuple(chunks), options.schedule, modes[0], modes[1], active,
-        ahead, rpc * row_bytes[0], rpc * row_bytes[1], options.prefetch, options.to_host,
+        n_rows, rpc, parts, tuple(chunks), "static" if static else "dynamic", modes[0],
+        modes[1], active, ahead, rpc * row_bytes[0], rpc * row_bytes[1],
+        options.prefetch is not False, options.to_host is not False,
     )  # fmt: skip
 
 

@@ -1,13 +1,24 @@
-"""One ``Pipeline.map`` run: the state its worker threads share (:class:`Run`), a chunk
-as its device processes it (:class:`ChunkJob`), and the run's totals (:func:`run_stats`).
+"""Carrying out one map: the run state its worker threads share (:class:`Run`), a chunk as
+its device processes it (:class:`ChunkJob`), the feeder (:func:`feed`) and drain thread
+(:func:`drain`) of each device, the split input path (:class:`Split`), the kernel launcher,
+the progress bar, and the result and error types (re-exported by ``ctxkit.pipeline``).
 
-Per device, a feeder thread enqueues every chunk (host input -> H2D -> kernel -> D2H;
-:mod:`ctxkit.pipeline.feeder`) and a drain thread waits for each chunk's last event,
-finishes its host output and unregisters its pages (:mod:`ctxkit.pipeline.drainer`).
-Both run with the device's context current.
+Per device, a feeder thread enqueues every chunk (host input -> H2D -> kernel -> D2H) and a
+drain thread waits for each chunk's last event, finishes its host output and unregisters its
+pages. Both run with the device's context current.
+
+The feeder starts chunks ahead of the GPU (:class:`Starter`: claims them, begins
+registering the pages of their registered sides, queues the staging copies of their inputs
+on the host pool), then enqueues each chunk's H2D -> kernel -> D2H on its slot's stream
+(prefetch -> kernel -> prefetch back over unified memory) and hands it to the drain thread.
+The drain thread waits for each chunk's D2H, then queues the staging copy of its output on
+the host pool (the slot is free again when that copy is done) or copies the chunk's bounced
+bytes itself, and unregisters the chunk's pages; when the device's feeder is done it
+synchronizes the slot streams and undoes the device's remaining registrations, so nothing of
+the run is in flight once ``map`` returns.
 
 Nothing waits chunk by chunk on the host pool: the feeder queues the input fills of
-every chunk whose slot is free (:class:`Starter`) and enqueues chunk *k*'s H2D as soon
+every chunk whose slot is free and enqueues chunk *k*'s H2D as soon
 as *k*'s pieces are done (helping with fill pieces meanwhile); the drain thread queues
 chunk *k*'s output drain after its D2H and moves on; the slot is free again when that
 drain's last piece finishes (:class:`~ctxkit.pipeline.staging.Progress`). A slot's
@@ -26,34 +37,341 @@ Host data of a side (input or output) moves one of five ways (the map's
   and DMAed directly; the partial pages at the chunk's ends go through the slot's small
   bounce buffer. A chunk whose pages the driver refuses to register is staged instead;
 * ``split`` (input): ``register`` for the chunks a host-pool thread registered from the
-  device's last chunk backwards before the feeder got there, ``staged`` for the rest
-  (:mod:`ctxkit.pipeline.split`).
+  device's last chunk backwards before the feeder got there, ``staged`` for the rest.
+
+``split`` exists because staging costs two host memory copies per byte and the host pool's
+threads, while registering pages (``cuMemHostRegister``) lets the H2D read the user's pages
+directly but one thread registers about as fast as several (the driver serializes it). So
+one host-pool thread registers a device's input chunks from its last one backwards while the
+feeder stages them from the first one forwards on the other threads; each chunk goes one
+way, decided under a lock by whichever of the two reaches it first. Registered chunks are
+unregistered after their D2H, like ``host_path="register"`` does.
 
 A device never has more than ``staging_buffers`` chunks (twice that when nothing is
 staged) past their D2H enqueue and not yet drained, so stopping a run waits for at most
-those chunks.
+those chunks. A failure names the step it happened in (:func:`tagged`). The progress bar of
+``map(..., progress=True)`` counts finished chunks, shown with tqdm when it is installed (an
+optional extra, imported at the first bar), else as one line on stderr rewritten in place.
 """
 
 from __future__ import annotations
 
+import collections
+import functools
 import math
+import queue
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 
-from ..errors import PipelineError
+from .. import _driver
+from .._driver import drv
+from ..errors import ContextPoisonedError, LaunchArgumentError, PipelineError
 from ..memory.streamcopy import streaming_pays
-from ..stream import Event
-from ..trace import Recorder
-from .hostreg import Registrar, Segment
-from .hostthreads import CopyBatch, HostPool
-from .plan import Chunk, HostPieces, MapPlan, addr, row_bytes
-from .progressbar import Bar
-from .staging import DeviceState, Progress
-from .types import DeviceStats, RunStats, chunk_error
+from ..module.kernel import Kernel
+from ..stream import Event, Stream
+from ..trace import Recorder, nvtx_range
+from .plan import (
+    PAGE,
+    Chunk,
+    HostPieces,
+    MapPlan,
+    addr,
+    grid_size,
+    held_pieces,
+    host_pieces,
+    row_bytes,
+)
+from .staging import (
+    CopyBatch,
+    DeviceState,
+    HostPool,
+    Progress,
+    Registrar,
+    Segment,
+    Slot,
+    calibrate,
+    ensure_slot,
+    event_ready,
+    grow_pinned,
+    sync_event,
+)
 
-__all__ = ["ChunkJob", "Run", "run_stats"]
+__all__ = [
+    "Bar",
+    "ChunkJob",
+    "ChunkView",
+    "DeviceStats",
+    "LineBar",
+    "Run",
+    "RunStats",
+    "Split",
+    "Starter",
+    "Stopped",
+    "check_param_count",
+    "chunk_error",
+    "drain",
+    "feed",
+    "make_bar",
+    "make_launcher",
+    "run_stats",
+    "tagged",
+    "unblock_if_not_run",
+]
+
+
+# --- results and errors ---
+
+
+def chunk_error(
+    device: int, ctx_poisoned: bool, chunk: Any, step: str, exc: BaseException
+) -> PipelineError:
+    """The PipelineError of a failed chunk (``chunk=None``: the device's setup)."""
+    poisoned = isinstance(exc, ContextPoisonedError) or ctx_poisoned
+    where = (
+        f"chunk {chunk.index} (rows {chunk.row0}..{chunk.row1})" if chunk is not None else "setup"
+    )
+    msg = f"Pipeline.map failed on device {device}, {where}, step {step!r}: {exc}"
+    if poisoned:
+        msg += (
+            f"\nThe context of device {device} is poisoned (a kernel faulted; other "
+            "chunks running at the same time may have caused it): this pipeline cannot be "
+            "used again. close() it; the device needs a fresh context (restart the process)."
+        )
+    return PipelineError(msg, device, chunk.index if chunk else None, step, exc, poisoned)
+
+
+@dataclass
+class DeviceStats:
+    """What one device did in the last run."""
+
+    device: int
+    chunks: int = 0
+    rows: int = 0
+    nbytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def gbps(self) -> float:
+        """Input gigabytes (1e9) per second of this device's worker time."""
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass
+class RunStats:
+    """Totals of the last run: input bytes, wall seconds and the per-device breakdown.
+
+    ``path`` says how host data moved: ``"pinned"``, ``"managed"``, or per side
+    ``"in=<how>, out=<how>"`` with ``staged``, ``registered``, ``pinned`` or ``held``
+    (kept page-locked between calls by pin on reuse).
+    ``fallbacks`` counts chunk sides of a registered path that were staged instead
+    because the driver refused to register their pages.
+    """
+
+    nbytes: int = 0
+    seconds: float = 0.0
+    path: str = ""
+    devices: list[DeviceStats] = field(default_factory=list)
+    fallbacks: int = 0
+
+    @property
+    def gbps(self) -> float:
+        """Input gigabytes (1e9) per wall-clock second."""
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+class ChunkView:
+    """One chunk's device (or managed) memory, handed to a callable map body.
+
+    Has ``.ptr``, ``.shape``, ``.dtype``, ``.size``, ``.nbytes`` and
+    ``__cuda_array_interface__`` (v3), so it can be passed to ``Kernel.launch`` or
+    wrapped by CuPy/Numba/PyTorch without a copy.
+    """
+
+    __slots__ = ("dtype", "ptr", "shape")
+
+    def __init__(self, ptr: int, shape: tuple[int, ...], dtype: np.dtype[Any]) -> None:
+        self.ptr = int(ptr)
+        self.shape = tuple(shape)
+        self.dtype = np.dtype(dtype)
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Size in bytes."""
+        return self.size * self.dtype.itemsize
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        return {
+            "version": 3,
+            "shape": self.shape,
+            "typestr": self.dtype.str,
+            "data": (self.ptr, False),
+            "strides": None,
+        }
+
+    def __repr__(self) -> str:
+        return f"<ChunkView {self.ptr:#x} shape={self.shape} dtype={self.dtype}>"
+
+
+# --- progress bar ---
+
+
+class Bar(Protocol):
+    """What a map needs of a progress bar (a tqdm bar has both)."""
+
+    def update(self, n: int = 1) -> Any: ...
+
+    def close(self) -> Any: ...
+
+
+#: The line bar rewrites its line at most this often (the last chunk always shows).
+LINE_INTERVAL_S = 0.1
+
+
+class LineBar:
+    """``ctxkit map: 12/40 chunks (30%)`` on *stream* (default stderr), rewritten in place
+    with a carriage return; safe to update from several drain threads."""
+
+    def __init__(self, total: int, desc: str = "ctxkit map", stream: Any = None) -> None:
+        self.total = total
+        self.desc = desc
+        self.n = 0
+        self._stream = stream
+        self._lock = threading.Lock()
+        self._shown = 0.0
+        self._closed = False
+        self._draw()
+
+    def update(self, n: int = 1) -> None:
+        """*n* more chunks finished."""
+        with self._lock:
+            self.n += n
+            now = time.monotonic()
+            if self.n >= self.total or now - self._shown >= LINE_INTERVAL_S:
+                self._shown = now
+                self._draw()
+
+    def close(self) -> None:
+        """Show the final count and end the line. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._draw()
+            self._out().write("\n")
+            self._out().flush()
+
+    def _out(self) -> Any:
+        return self._stream if self._stream is not None else sys.stderr
+
+    def _draw(self) -> None:
+        pct = 100 * self.n // self.total if self.total else 100
+        out = self._out()
+        out.write(f"\r{self.desc}: {self.n}/{self.total} chunks ({pct}%)")
+        out.flush()
+
+
+def make_bar(total: int, desc: str = "ctxkit map") -> Bar:
+    """A bar counting *total* chunks: ``tqdm.tqdm`` when importable, else :class:`LineBar`."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return LineBar(total, desc)
+    bar: Bar = tqdm(total=total, desc=desc, unit="chunk")
+    return bar
+
+
+# --- kernel launcher and step tags ---
+
+
+def make_launcher(
+    kernel: Any, x: np.ndarray, out: np.ndarray, args: tuple[Any, ...], block: int
+) -> Callable[..., None]:
+    """``launch(dev, stream, d_in, d_out, n, chunk)`` for a Kernel or a callable body."""
+    if isinstance(kernel, Kernel):
+        check_param_count(kernel, args)
+
+        def launch_kernel(
+            dev: DeviceState, s: Stream, d_in: int, d_out: int, n: int, c: Chunk
+        ) -> None:
+            grid = grid_size(n, block, dev.max_blocks(block))
+            kernel.launch(grid, block, d_in, d_out, n, *args, stream=s)
+
+        return launch_kernel
+    if callable(kernel):
+        body = kernel
+        in_tail, out_tail = x.shape[1:], out.shape[1:]
+        in_dtype, out_dtype = x.dtype, out.dtype  # not the arrays: keep them collectable
+
+        def launch_body(
+            dev: DeviceState, s: Stream, d_in: int, d_out: int, n: int, c: Chunk
+        ) -> None:
+            body(
+                dev.ctx,
+                s,
+                ChunkView(d_in, (c.rows, *in_tail), in_dtype),
+                ChunkView(d_out, (c.rows, *out_tail), out_dtype),
+                n,
+                *args,
+            )
+
+        return launch_body
+    raise TypeError(
+        "kernel must be a ctxkit Kernel, an (ObjectCode, 'entry') pair or a callable "
+        f"body(ctx, stream, d_in, d_out, n); got {type(kernel).__name__}"
+    )
+
+
+class Stopped(Exception):
+    """Internal: the run was stopped while a worker waited."""
+
+
+def tagged(fn: Callable[..., Any], step: str, *args: Any) -> Any:
+    """Call *fn*; tag an exception with the pipeline step it happened in."""
+    try:
+        return fn(*args)
+    except BaseException as exc:
+        if not hasattr(exc, "_ctxkit_step"):
+            try:
+                exc._ctxkit_step = step  # type: ignore[attr-defined]
+            except AttributeError:
+                pass
+        raise
+
+
+def unblock_if_not_run(q: queue.SimpleQueue[Any], feeder: Future[Any]) -> None:
+    """A feeder task that never ran (its worker could not start) still ends the drainer."""
+    if feeder.cancelled() or feeder.exception() is not None:
+        q.put(None)
+
+
+def check_param_count(kernel: Kernel, args: tuple[Any, ...]) -> None:
+    try:
+        want = len(kernel.params)
+    except Exception:  # no PTX signature to check against (e.g. a bare cubin)
+        return
+    if want != 3 + len(args):
+        name = getattr(kernel, "name", "kernel")
+        raise LaunchArgumentError(
+            f"Pipeline.map calls {name}(d_in, d_out, n, *args) with {3 + len(args)} "
+            f"arguments but {name} takes {want}: pass its extra parameters with "
+            f"args=(...) (got args={args!r})"
+        )
+
+
+# --- run state ---
 
 
 class ChunkJob:
@@ -161,3 +479,511 @@ def run_stats(run: Run, seconds: float, nbytes: int) -> RunStats:
     """The :class:`RunStats` of a finished run."""
     devices = [run.stats[k] for k in sorted(run.stats)]
     return RunStats(nbytes, seconds, run.plan.path, devices, run.fallbacks)
+
+
+# --- split input path ---
+
+
+class Split:
+    """The meeting of a device's feeder (staging from the front) and its background
+    registrar (registering from the back) over the device's input chunks."""
+
+    def __init__(self, run: Run, dev: DeviceState, chunks: list[Chunk]) -> None:
+        assert run.pool is not None and run.registrar is not None
+        self._run = run
+        self._dev = dev
+        self._lock = threading.Lock()
+        self._staged: set[int] = set()
+        self._registered: dict[int, tuple[HostPieces, Segment | None]] = {}
+        self._job: Future[None] = run.pool.submit(self._register_backwards, chunks, run.registrar)
+
+    def take(self, c: Chunk) -> tuple[HostPieces, Segment | None] | None:
+        """The feeder reached chunk *c*: its pieces and segment when the registrar got
+        there first (its registration may still run: :meth:`Registrar.wait`), else None
+        and the chunk is the feeder's to stage (the registrar stops there)."""
+        with self._lock:
+            got = self._registered.get(c.index)
+            if got is None:
+                self._staged.add(c.index)
+            return got
+
+    def settle(self) -> None:
+        """Wait until the registrar stopped (it stops at the first chunk taken for
+        staging, at the run's stop, or after the device's first chunk)."""
+        self._job.exception()
+
+    def _register_backwards(self, chunks: list[Chunk], registrar: Registrar) -> None:
+        run, dev = self._run, self._dev
+        for c in reversed(chunks):
+            if run.stop.is_set():
+                return
+            b0, b1 = c.row0 * run.in_row, c.row1 * run.in_row
+            pieces = host_pieces(run.x_ptr, run.x.nbytes, b0, b1)
+            if not pieces.seg_len:
+                if not self._claim(c, pieces, None):
+                    return
+                continue
+            seg = Segment(
+                dev.ctx, dev.ordinal, c.index, pieces.seg_ptr, pieces.seg_len, not run.in_place
+            )
+            claim = functools.partial(self._claim, c, pieces, seg)
+            if not registrar.register_here(seg, claim):
+                return
+
+    def _claim(self, c: Chunk, pieces: HostPieces, seg: Segment | None) -> bool:
+        with self._lock:
+            if c.index in self._staged:
+                return False
+            self._registered[c.index] = (pieces, seg)
+            return True
+
+
+# --- feeder ---
+
+
+def _check_copy(dev: DeviceState, err: Any, what: str, step: str) -> None:
+    if err:
+        exc = dev.ctx.note_error(err, what)
+        exc._ctxkit_step = step  # type: ignore[attr-defined]
+        raise exc
+
+
+class Starter:
+    """The chunks a feeder started and has not enqueued yet, oldest first.
+
+    Starting a chunk claims it, begins registering its registered sides and queues the
+    staging copy of a staged input on the host pool (fill work), so the fills of up to
+    ``plan.ahead`` chunks run while the feeder waits for the oldest one. A staged input
+    needs its slot's input buffer: chunk ``p`` starts once chunk ``p - staging_buffers``
+    (the slot's previous user) was enqueued and its H2D has read the buffer.
+    """
+
+    def __init__(self, run: Run, dev: DeviceState, split: Split | None = None) -> None:
+        self.run = run
+        self.dev = dev
+        self.split = split
+        self.jobs: collections.deque[ChunkJob] = collections.deque()
+        self._claimed = run.chunks_for(dev.part)
+        self._next = 0
+        self._exhausted = False
+
+    def top_up(self, enqueued: int) -> None:
+        """Start chunks while the plan allows; *enqueued* chunks were enqueued so far."""
+        run, dev = self.run, self.dev
+        n_slots = len(dev.slots)
+        stage_in = run.plan.stage_in
+        while not self._exhausted and len(self.jobs) < run.plan.ahead:
+            p = self._next
+            slot = dev.slots[p % n_slots]
+            if stage_in and not self._input_free(slot, p, enqueued):
+                return
+            c = next(self._claimed, None)
+            if c is None:
+                self._exhausted = True
+                return
+            if p < n_slots and not run.plan.managed:
+                _setup_slot(run, dev, slot)
+            job = _claim(run, dev, c)
+            self.jobs.append(job)  # before the fill: settle() must see its batch
+            self._next += 1
+            got = self.split.take(c) if self.split is not None else None
+            if got is not None:  # registered from the far end: DMAed directly
+                job.in_pieces, job.in_seg = got
+            elif stage_in:
+                job.fill = _fill(run, dev, slot, c)
+
+    def _input_free(self, slot: Slot, p: int, enqueued: int) -> bool:
+        if p - len(self.dev.slots) >= enqueued:
+            return False
+        if slot.h2d_done is None:
+            return True
+        if self.jobs:
+            return event_ready(self.dev, slot.h2d_done)
+        _wait_h2d(self.dev, slot, p)
+        return True
+
+    def settle(self) -> None:
+        """Wait for the started fills (skipped once the run stopped) to leave the pool."""
+        for job in self.jobs:
+            if job.fill is not None:
+                job.fill.settle()
+
+
+def feed(run: Run, dev: DeviceState, q: queue.SimpleQueue[Any]) -> None:
+    """Worker thread of *dev*: enqueue every chunk (runs with dev's context current)."""
+    chunk: Chunk | None = None
+    stats = run.stats[dev.ordinal]
+    run.started[dev.ordinal] = time.perf_counter()
+    starter = Starter(run, dev)
+    try:
+        _prepare_device(run, dev)
+        if run.in_mode == "split":
+            starter.split = Split(run, dev, run.plan.for_part(dev.part))
+        n_slots = len(dev.slots)
+        k = 0
+        while not run.stop.is_set():
+            starter.top_up(k)
+            if not starter.jobs:
+                break
+            job = starter.jobs[0]
+            chunk = job.chunk
+            slot = dev.slots[k % n_slots]
+            if run.plan.managed:
+                _enqueue_managed(run, dev, slot, chunk, q, k)
+            else:
+                _enqueue(run, dev, slot, job, q, k)
+            starter.jobs.popleft()
+            k += 1
+            stats.chunks += 1
+            stats.rows += chunk.rows
+            stats.nbytes += chunk.rows * run.in_row
+        chunk = None
+    except Stopped:
+        pass
+    except BaseException as exc:
+        run.fail(dev, chunk, getattr(exc, "_ctxkit_step", "enqueue"), exc)
+    finally:
+        if starter.split is not None:
+            starter.split.settle()
+        starter.settle()
+        q.put(None)
+
+
+def _prepare_device(run: Run, dev: DeviceState) -> None:
+    try:
+        for slot in dev.slots:
+            slot.h2d_done = None
+        if run.rec is not None and not run.rec.calibrated(dev.ordinal):
+            calibrate(dev, run.rec)
+    except BaseException as exc:
+        exc._ctxkit_step = "setup"  # type: ignore[attr-defined]
+        raise
+
+
+def _setup_slot(run: Run, dev: DeviceState, slot: Slot) -> None:
+    """The slot's buffers for this run, at its first chunk (the first chunk starts after
+    one slot's allocations, not all of them)."""
+    plan = run.plan
+    try:
+        ensure_slot(
+            dev, slot, plan.in_chunk_bytes, plan.out_chunk_bytes, plan.stage_in, plan.bounces
+        )
+    except BaseException as exc:
+        exc._ctxkit_step = "setup"  # type: ignore[attr-defined]
+        raise
+    out = slot.pin_out
+    if plan.stage_out and (out is None or out.nbytes < plan.out_chunk_bytes):
+        # Allocated on the host pool while the chunk fills, ready by its D2H.
+        assert run.pool is not None
+        slot.pin_out_next = run.pool.submit(grow_pinned, out, plan.out_chunk_bytes, dev.ctx)
+
+
+def _fill(run: Run, dev: DeviceState, slot: Slot, c: Chunk) -> CopyBatch:
+    """Queue the staging copy of chunk *c*'s input into *slot* (fill work)."""
+    nb, b0 = c.rows * run.in_row, c.row0 * run.in_row
+    assert run.pool is not None and slot.pin_in is not None
+    trace = (run.rec, "fill", dev.ordinal, c.index) if run.rec is not None else None
+    return run.pool.copy_async(
+        slot.pin_in[:nb],
+        run.x_bytes[b0 : b0 + nb],
+        trace,
+        name="fill",
+        stop=run.stop,
+        streaming=run.stream_in,
+    )
+
+
+def _claim(run: Run, dev: DeviceState, c: Chunk) -> ChunkJob:
+    """A job for chunk *c*: the pieces of its held sides; the pages of its registered
+    sides start registering now."""
+    job = ChunkJob(c)
+    if run.plan.managed:
+        return job
+    if run.in_mode == "held":
+        b0, b1 = c.row0 * run.in_row, c.row1 * run.in_row
+        job.in_pieces = held_pieces(run.x_ptr, run.x.nbytes, b0, b1)
+    if run.out_mode == "held":
+        b0, b1 = c.row0 * run.out_row, c.row1 * run.out_row
+        job.out_pieces = held_pieces(run.out_ptr, run.out.nbytes, b0, b1)
+    if run.in_mode == "register":
+        job.in_pieces, job.in_seg = _side(run, dev, c, run.x_ptr, run.x.nbytes, run.in_row, True)
+    if run.out_mode == "register":
+        if run.in_place and run.in_mode == "register":
+            job.out_pieces, job.out_seg = job.in_pieces, job.in_seg
+        else:
+            job.out_pieces, job.out_seg = _side(
+                run, dev, c, run.out_ptr, run.out.nbytes, run.out_row, False
+            )
+    return job
+
+
+def _side(
+    run: Run, dev: DeviceState, c: Chunk, base: int, total: int, row: int, is_input: bool
+) -> tuple[HostPieces, Segment | None]:
+    pieces = host_pieces(base, total, c.row0 * row, c.row1 * row)
+    if not pieces.seg_len:
+        return pieces, None
+    read_only = is_input and not run.in_place
+    seg = Segment(dev.ctx, dev.ordinal, c.index, pieces.seg_ptr, pieces.seg_len, read_only)
+    assert run.registrar is not None
+    run.registrar.register(seg)
+    return pieces, seg
+
+
+def _registered(run: Run, seg: Segment | None) -> bool:
+    if seg is None:
+        return True
+    assert run.registrar is not None
+    if run.registrar.wait(seg):
+        return True
+    run.note_fallback()
+    return False
+
+
+def _enqueue(
+    run: Run, dev: DeviceState, slot: Slot, job: ChunkJob, q: queue.SimpleQueue[Any], k: int
+) -> None:
+    c = job.chunk
+    s = slot.stream
+    sh = s.handle
+    rec, taken, timing = run.rec, run.taken[dev.ordinal], run.rec is not None
+    assert slot.d_in is not None and slot.d_out is not None
+    h2d = _input(run, dev, slot, job)
+    e0 = dev.take_event(True, taken).record(s) if timing else None
+    with nvtx_range("h2d", "green"):
+        for off, src, n in h2d:
+            (err,) = drv.cuMemcpyHtoDAsync(slot.d_in.ptr + off, src, n, sh)
+            _check_copy(dev, err, "cuMemcpyHtoDAsync", "h2d")
+    e1 = dev.take_event(timing, taken).record(s)
+    slot.h2d_done = e1
+    n_elems = c.rows * run.row_elems
+    with nvtx_range("kernel", "blue"):
+        tagged(run.launch, "kernel", dev, s, slot.d_in.ptr, slot.d_out.ptr, n_elems, c)
+    e2 = dev.take_event(True, taken).record(s) if timing else None
+    out_mode, d2h = _output(run, dev, slot, job, k)
+    with nvtx_range("d2h", "red"):
+        for dst, off, n in d2h:
+            (err,) = drv.cuMemcpyDtoHAsync(dst, slot.d_out.ptr + off, n, sh)
+            _check_copy(dev, err, "cuMemcpyDtoHAsync", "d2h")
+    e3 = dev.take_event(timing, taken).record(s)
+    q.put((job, slot, e3, out_mode, k))
+    if rec is not None:
+        rec.mark("h2d", dev.ordinal, slot.label, c.index, e0, e1)
+        rec.mark("kernel", dev.ordinal, slot.label, c.index, e1, e2)
+        rec.mark("d2h", dev.ordinal, slot.label, c.index, e2, e3)
+
+
+def _input(run: Run, dev: DeviceState, slot: Slot, job: ChunkJob) -> list[tuple[int, int, int]]:
+    """Prepare the chunk's input on the host; the H2D copies ``(d_in offset, src, n)``."""
+    c = job.chunk
+    nb, b0 = c.rows * run.in_row, c.row0 * run.in_row
+    if run.in_mode == "pinned":
+        return [(0, run.x_ptr + b0, nb)]
+    pc = job.in_pieces
+    registered = run.in_mode in ("held", "register", "split") and job.fill is None
+    if registered and pc is not None and _registered(run, job.in_seg):
+        if pc.bounced:
+            _wait_h2d(dev, slot, c.index)
+            bounce = slot.bounce_in
+            src = run.x_bytes[b0 : b0 + nb]
+            bounce[: pc.head] = src[: pc.head]
+            bounce[PAGE : PAGE + pc.tail] = src[nb - pc.tail :]
+        return _pieces(pc, addr(slot.bounce_in) if pc.bounced else 0, run.x_ptr + b0)
+    try:
+        if job.fill is None:  # a registration the driver refused: staged here
+            _wait_h2d(dev, slot, c.index)
+            slot.pin_in = grow_pinned(slot.pin_in, nb, dev.ctx)
+            job.fill = _fill(run, dev, slot, c)
+        assert run.pool is not None and slot.pin_in is not None
+        run.pool.help_until(job.fill)
+    except BaseException as exc:
+        exc._ctxkit_step = "fill"  # type: ignore[attr-defined]
+        raise
+    return [(0, addr(slot.pin_in), nb)]
+
+
+def _output(
+    run: Run, dev: DeviceState, slot: Slot, job: ChunkJob, k: int
+) -> tuple[str, list[tuple[int, int, int]]]:
+    """Wait until the chunk may write its host output; the mode used and the D2H copies
+    ``(dst, d_out offset, n)``."""
+    c = job.chunk
+    nb, b0 = c.rows * run.out_row, c.row0 * run.out_row
+    mode = run.out_mode
+    pc = job.out_pieces
+    if mode == "register" and (pc is None or not _registered(run, job.out_seg)):
+        mode = "staged"
+    into_slot = mode == "staged" or (pc is not None and pc.bounced > 0)
+    _wait_window(run, dev, k, into_slot)
+    if mode == "staged":
+        try:
+            if slot.pin_out_next is not None:
+                nxt, slot.pin_out_next = slot.pin_out_next, None
+                slot.pin_out = nxt.result()
+            slot.pin_out = grow_pinned(slot.pin_out, nb, dev.ctx)
+        except BaseException as exc:
+            exc._ctxkit_step = "d2h"  # type: ignore[attr-defined]
+            raise
+    if mode == "pinned":
+        return mode, [(run.out_ptr + b0, 0, nb)]
+    if mode == "staged":
+        assert slot.pin_out is not None
+        return mode, [(addr(slot.pin_out), 0, nb)]
+    assert pc is not None
+    bounce = addr(slot.bounce_out) if pc.bounced else 0
+    return mode, [(dst, off, n) for off, dst, n in _pieces(pc, bounce, run.out_ptr + b0)]
+
+
+def _wait_window(run: Run, dev: DeviceState, k: int, into_slot: bool) -> None:
+    """Before the D2H of the device's chunk *k*: wait until chunk ``k - staging_buffers``
+    (whose slot buffers chunk *k* reuses) is drained, or ``k - 2 * staging_buffers``
+    when chunk *k* writes no slot buffer; this bounds the work in flight."""
+    window = len(dev.slots) * (1 if into_slot else 2)
+    if not run.progress[dev.ordinal].wait_for(k - window + 1, run.stop):
+        raise Stopped
+
+
+def _pieces(pc: HostPieces, bounce: int, host: int) -> list[tuple[int, int, int]]:
+    """``(device offset, host address, n)`` of the head, direct and tail pieces."""
+    out = []
+    if pc.head:
+        out.append((0, bounce, pc.head))
+    if pc.direct:
+        out.append((pc.head, host + pc.head, pc.direct))
+    if pc.tail:
+        out.append((pc.head + pc.direct, bounce + PAGE, pc.tail))
+    return out
+
+
+def _wait_h2d(dev: DeviceState, slot: Slot, index: int) -> None:
+    """Wait until the slot's previous H2D has read its host buffers (before chunk
+    *index* uses them)."""
+    if slot.h2d_done is not None:
+        sync_event(dev, slot.h2d_done, f"waiting for the H2D copy before chunk {index}")
+
+
+def _enqueue_managed(
+    run: Run, dev: DeviceState, slot: Slot, c: Chunk, q: queue.SimpleQueue[Any], k: int
+) -> None:
+    _wait_window(run, dev, k, False)
+    s = slot.stream
+    rec, taken, timing = run.rec, run.taken[dev.ordinal], run.rec is not None
+    nb_in, nb_out = c.rows * run.in_row, c.rows * run.out_row
+    p_in, p_out = run.x_ptr + c.row0 * run.in_row, run.out_ptr + c.row0 * run.out_row
+    prefetch = dev.prefetch_ok and run.plan.prefetch
+    to_host = dev.prefetch_ok and run.plan.to_host
+    e0 = dev.take_event(True, taken).record(s) if timing else None
+    if prefetch:
+        tagged(_driver.mem_prefetch, "prefetch", p_in, nb_in, dev.ordinal, s.handle)
+        if p_out != p_in:
+            tagged(_driver.mem_prefetch, "prefetch", p_out, nb_out, dev.ordinal, s.handle)
+    e1 = dev.take_event(True, taken).record(s) if timing else None
+    with nvtx_range("kernel", "blue"):
+        tagged(run.launch, "kernel", dev, s, p_in, p_out, c.rows * run.row_elems, c)
+    e2 = dev.take_event(True, taken).record(s) if timing else None
+    if to_host:
+        tagged(_driver.mem_prefetch, "prefetch", p_out, nb_out, "cpu", s.handle)
+    e3 = dev.take_event(timing, taken).record(s)
+    q.put((ChunkJob(c), slot, e3, "managed", k))
+    if rec is not None:
+        rec.mark("prefetch", dev.ordinal, slot.label, c.index, e0, e1)
+        rec.mark("kernel", dev.ordinal, slot.label, c.index, e1, e2)
+        rec.mark("prefetch_back", dev.ordinal, slot.label, c.index, e2, e3)
+
+
+# --- drainer ---
+
+
+def drain(run: Run, dev: DeviceState, q: queue.SimpleQueue[Any]) -> None:
+    """Drain thread of *dev*: wait for each chunk's D2H, then queue the staging copy of
+    its output on the host pool (drain work; it finishes the chunk when done) or finish
+    it here, unregister its pages (runs with dev's context current)."""
+    progress = run.progress[dev.ordinal]
+    copies: collections.deque[CopyBatch] = collections.deque()
+    try:
+        while True:
+            item = q.get()
+            if item is None:
+                break
+            job, slot, ev, mode, k = item
+            queued = False
+            try:
+                if run.stop.is_set():
+                    continue
+                sync_event(dev, ev, f"cuEventSynchronize after chunk {job.chunk.index}")
+                if mode == "staged":
+                    copies.append(_drain_staged(run, dev, slot, job.chunk, k))
+                    queued = True
+                    while copies and copies[0].done:
+                        copies.popleft()
+                else:
+                    _finish_output(run, dev, slot, job, mode)
+                if run.registrar is not None:
+                    for seg in job.segments():
+                        run.registrar.release(seg)
+            except BaseException as exc:
+                step = "drain" if mode in ("staged", "register") else "kernel"
+                run.fail(dev, job.chunk, step, exc)
+            finally:
+                if not queued:
+                    progress.advance(k)
+                    run.chunk_finished()
+    finally:
+        for batch in copies:
+            batch.settle()
+        _finish_device(run, dev)
+
+
+def _drain_staged(run: Run, dev: DeviceState, slot: Slot, c: Chunk, k: int) -> CopyBatch:
+    """Queue the copy of chunk *c*'s output from *slot* into the user's array; the slot
+    is free for chunk ``k + staging_buffers`` once it is done."""
+    nb, b0 = c.rows * run.out_row, c.row0 * run.out_row
+    assert run.pool is not None and slot.pin_out is not None
+    trace = (run.rec, "drain", dev.ordinal, c.index) if run.rec is not None else None
+    done = functools.partial(_drained, run, dev, c, k)
+    return run.pool.copy_async(
+        run.out_bytes[b0 : b0 + nb],
+        slot.pin_out[:nb],
+        trace,
+        name="drain",
+        urgent=False,
+        stop=run.stop,
+        on_done=done,
+        streaming=run.stream_out,
+    )
+
+
+def _drained(run: Run, dev: DeviceState, c: Chunk, k: int, batch: CopyBatch) -> None:
+    try:
+        if batch.error is not None:
+            run.fail(dev, c, "drain", batch.error)
+        run.chunk_finished()
+    finally:
+        run.progress[dev.ordinal].advance(k)
+
+
+def _finish_output(run: Run, dev: DeviceState, slot: Slot, job: ChunkJob, mode: str) -> None:
+    c = job.chunk
+    nb, b0 = c.rows * run.out_row, c.row0 * run.out_row
+    dst = run.out_bytes[b0 : b0 + nb]
+    if mode in ("held", "register"):
+        pc = job.out_pieces
+        if pc is not None and pc.bounced:
+            bounce = slot.bounce_out
+            dst[: pc.head] = bounce[: pc.head]
+            dst[nb - pc.tail :] = bounce[PAGE : PAGE + pc.tail]
+
+
+def _finish_device(run: Run, dev: DeviceState) -> None:
+    try:
+        for slot in dev.slots:
+            (err,) = drv.cuStreamSynchronize(slot.stream.handle)
+            if err:
+                raise dev.ctx.note_error(err, "cuStreamSynchronize")
+    except BaseException as exc:
+        if not any(getattr(e, "device", None) == dev.ordinal for e in run.errors):
+            run.fail(dev, None, "synchronize", exc)
+    if run.registrar is not None:
+        for failure in run.registrar.finish(dev.ordinal):
+            run.fail(dev, None, "unregister", failure)
+    run.stats[dev.ordinal].seconds = time.perf_counter() - run.started[dev.ordinal]

@@ -1,30 +1,583 @@
-"""Staging machinery of ``ctxkit.pipeline``: per-device state (worker threads, streams,
-slots of device and pinned buffers, an event pool); the host threads are in
-:mod:`ctxkit.pipeline.hostthreads`."""
+"""Staging of a map's host data: the host threads that copy and register pages, just-in-time
+page registration, and the per-device slots of device and pinned buffers.
+
+Host threads: staging copies split into pieces, page registrations. Two queues feed the
+threads: *fill* work (input staging copies, registrations ahead of an H2D) and *drain* work
+(output staging copies, unregistrations). A thread takes fill work first: the GPU waits on
+fills, while a drain may lag as long as its slot is not needed again. A copy is queued as a
+:class:`CopyBatch` of pieces and never waited for by the thread that queued it unless it
+asks (:meth:`CopyBatch.wait`), so the pieces of many chunks are in flight at once and no
+chunk's stragglers idle the other threads.
+
+A closed Pipeline leaves its pool idle for the next one (:func:`take_host_pool`,
+:func:`give_back_host_pool`): starting and joining 16 threads cost a new Pipeline about 3-4
+ms on an H200 host, 8-10% of a 1 GiB map.
+
+Just-in-time page-locking of the user's pageable arrays (``host_path="register"``): the
+whole pages of each chunk (:func:`ctxkit.pipeline.plan.host_pieces`) are registered with
+``cuMemHostRegister(PORTABLE)`` on the host pool a few chunks ahead of the feeder, the
+chunk's DMA runs straight from/to them, and the drain thread unregisters them once the
+chunk's D2H has completed. A page is registered by at most one chunk at a time, and
+:meth:`Registrar.finish` undoes every registration of a device before its run returns, also
+after an error or Ctrl-C.
+
+Per device: worker threads, streams, slots of device and pinned buffers, an event pool
+(:class:`DeviceState`).
+"""
 
 from __future__ import annotations
 
+import collections
+import os
+import queue
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
-from .._driver import drv, in_forked_child
+from .._driver import describe, drv, in_forked_child
 from ..context import Context
 from ..errors import OutOfMemoryError
 from ..executor import ContextExecutor
 from ..memory.device import DeviceBuffer
+from ..memory.host import register_pages as lock_pages
 from ..memory.pinned import pinned_pool
+from ..memory.streamcopy import copy_streaming
 from ..stream import Event, Stream
-from ..trace import Recorder
-from .hostthreads import HostPool
-from .plan import PAGE, round_up
+from ..trace import HOST_PREFIX, Recorder, nvtx_range
+from .plan import PAGE, MiB, round_up
 
-__all__ = ["DeviceState", "Progress", "Slot"]
+__all__ = [
+    "MAX_IDLE_POOLS",
+    "NO_USABLE_CONTEXT",
+    "REGISTER_PORTABLE",
+    "REGISTER_READ_ONLY",
+    "CopyBatch",
+    "DeviceState",
+    "HostPool",
+    "Progress",
+    "Registrar",
+    "Segment",
+    "Slot",
+    "close_idle_host_threads",
+    "copy_piece",
+    "default_host_threads",
+    "give_back_host_pool",
+    "idle_host_pools",
+    "register_pages",
+    "relaxed_capture",
+    "take_host_pool",
+    "thread_label",
+    "unregister_pages",
+]
 
+
+# --- host threads ---
+
+MIN_PIECE_BYTES = 1 * MiB
+
+MAX_IDLE_POOLS = 2
+"""Idle host pools kept for later Pipelines; more are closed (their threads joined)."""
+
+
+T = TypeVar("T")
+
+
+NVTX_COLORS = {"fill": "yellow", "drain": "orange"}
+
+
+class CopyBatch:
+    """The pieces of one staging copy on the host pool; done when every piece is.
+
+    *stop* (a :class:`threading.Event`) skips the pieces not started when it is set;
+    *on_done* is called with the batch by the thread that finishes its last piece,
+    before the batch counts as done (a failure of it becomes the batch's error).
+    """
+
+    __slots__ = ("_done", "_left", "_lock", "error", "on_done", "stop")
+
+    def __init__(
+        self,
+        pieces: int,
+        stop: threading.Event | None = None,
+        on_done: Callable[[CopyBatch], None] | None = None,
+    ) -> None:
+        self._left = pieces
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+        self.stop = stop
+        self.on_done = on_done
+
+    @property
+    def done(self) -> bool:
+        """True once every piece finished (or was skipped)."""
+        return self._done.is_set()
+
+    def piece_done(self, exc: BaseException | None) -> None:
+        """One piece finished (*exc*: how it failed; the first failure is kept)."""
+        with self._lock:
+            if exc is not None and self.error is None:
+                self.error = exc
+            self._left -= 1
+            last = self._left == 0
+        if last:
+            try:
+                if self.on_done is not None:
+                    self.on_done(self)
+            except BaseException as exc:  # kept, never raised into a pool thread
+                if self.error is None:
+                    self.error = exc
+            finally:
+                self._done.set()
+
+    def settle(self) -> None:
+        """Wait for every piece, whatever became of them."""
+        self._done.wait()
+
+    def wait(self) -> None:
+        """Wait for every piece; raise the first piece's failure."""
+        self._done.wait()
+        if self.error is not None:
+            raise self.error
+
+
+class HostPool:
+    """Host threads for the pipeline: parallel copies (``np.copyto``, or
+    :func:`copy_streaming` when asked; both release the GIL) and jobs such as page
+    registration (:meth:`submit`)."""
+
+    def __init__(self, n_threads: int, prefix: str = "ctxkit-stage") -> None:
+        self.size = n_threads
+        self.pid = os.getpid()
+        # One token per queued job, put after the job: a thread holding a token finds a
+        # job unless a helping thread (:meth:`help_until`) ran it, then it waits again.
+        self._tokens: queue.SimpleQueue[None] = queue.SimpleQueue()
+        self._fill: collections.deque[Callable[[], None] | None] = collections.deque()
+        self._drain: collections.deque[Callable[[], None] | None] = collections.deque()
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{prefix}_{i}", daemon=True)
+            for i in range(n_threads)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _put(self, job: Callable[[], None] | None, urgent: bool) -> None:
+        (self._fill if urgent else self._drain).append(job)
+        self._tokens.put(None)
+
+    def _take(self) -> tuple[bool, Callable[[], None] | None]:
+        for dq in (self._fill, self._drain):
+            try:
+                return True, dq.popleft()
+            except IndexError:
+                pass
+        return False, None
+
+    def _work(self) -> None:
+        while True:
+            self._tokens.get()
+            found, job = self._take()
+            if not found:
+                continue
+            if job is None:
+                return
+            job()
+            del job  # an idle thread must not keep the last job's arrays alive
+
+    def submit(self, fn: Callable[..., T], *args: Any, urgent: bool = True) -> Future[T]:
+        """Run ``fn(*args)`` on a pool thread; its result or exception lands in the
+        Future. *urgent*: queued with the fills (else with the drains)."""
+        fut: Future[T] = Future()
+
+        def job() -> None:
+            try:
+                result = fn(*args)
+            except BaseException as exc:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+
+        self._put(job, urgent)
+        return fut
+
+    def copy_async(
+        self,
+        dst: np.ndarray,
+        src: np.ndarray,
+        trace: tuple[Any, ...] | None,
+        *,
+        name: str = "fill",
+        urgent: bool = True,
+        stop: threading.Event | None = None,
+        on_done: Callable[[CopyBatch], None] | None = None,
+        streaming: bool = False,
+    ) -> CopyBatch:
+        """Queue the copy of *src* into *dst* (1-D uint8, same length) as pieces of at
+        least :data:`MIN_PIECE_BYTES`, one per thread at most; return its batch.
+        *streaming*: with non-temporal stores (:func:`copy_streaming`)."""
+        n = dst.shape[0]
+        pieces = max(1, min(self.size, n // MIN_PIECE_BYTES))
+        batch = CopyBatch(pieces, stop, on_done)
+        a = 0
+        for i in range(1, pieces + 1):
+            b = (i * n // pieces) & ~63 if i < pieces else n
+            self._put(_Piece(batch, dst[a:b], src[a:b], trace, name, streaming), urgent)
+            a = b
+        return batch
+
+    def help_until(self, batch: CopyBatch) -> None:
+        """Run queued fill pieces in the calling thread until *batch* is done (then wait
+        for its pieces other threads still run); raise its first failure. Other jobs
+        (a registration, an allocation) are left to the pool: the caller has GPU work
+        to enqueue."""
+        while not batch.done:
+            try:
+                job = self._fill.popleft()
+            except IndexError:
+                break
+            if not isinstance(job, _Piece):
+                self._fill.appendleft(job)
+                break
+            job()
+        batch.wait()
+
+    def copy(self, dst: np.ndarray, src: np.ndarray, trace: tuple[Any, ...] | None) -> None:
+        """Copy *src* into *dst* in parallel pieces and wait (the calling thread helps)."""
+        self.help_until(self.copy_async(dst, src, trace))
+
+    @property
+    def reusable(self) -> bool:
+        """True when nothing is queued and every thread runs in this process."""
+        return (
+            self.pid == os.getpid()
+            and not self._fill
+            and not self._drain
+            and all(t.is_alive() for t in self._threads)
+        )
+
+    def close(self) -> None:
+        """Stop and join the threads (queued jobs run first)."""
+        for _ in self._threads:
+            self._put(None, urgent=False)
+        for t in self._threads:
+            t.join()
+
+
+class _Idle:
+    lock = threading.Lock()
+    pools: ClassVar[list[HostPool]] = []
+
+
+def take_host_pool(n_threads: int) -> HostPool:
+    """A host pool of *n_threads* threads: one a closed Pipeline left idle, else new."""
+    with _Idle.lock:
+        for i, pool in enumerate(_Idle.pools):
+            if pool.size == n_threads and pool.reusable:
+                return _Idle.pools.pop(i)
+    return HostPool(n_threads)
+
+
+def give_back_host_pool(pool: HostPool) -> None:
+    """Keep *pool* idle for a later Pipeline (at most :data:`MAX_IDLE_POOLS`), else close
+    it."""
+    if pool.reusable:
+        with _Idle.lock:
+            if len(_Idle.pools) < MAX_IDLE_POOLS:
+                _Idle.pools.append(pool)
+                return
+    pool.close()
+
+
+def idle_host_pools() -> int:
+    """How many idle host pools the process keeps now."""
+    with _Idle.lock:
+        return len(_Idle.pools)
+
+
+def close_idle_host_threads() -> int:
+    """Join the threads closed Pipelines left idle for later ones; return how many.
+
+    They cost nothing while idle (each waits on a queue); call this to be rid of them,
+    e.g. before counting threads or after the last Pipeline a program makes.
+    """
+    with _Idle.lock:
+        pools, _Idle.pools = _Idle.pools, []
+    for pool in pools:
+        pool.close()
+    return sum(pool.size for pool in pools)
+
+
+def _forget_idle_pools_in_child() -> None:
+    # A forked child has none of the parent's threads: its idle pools are empty shells.
+    _Idle.lock = threading.Lock()
+    _Idle.pools = []
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_idle_pools_in_child)
+
+
+class _Piece:
+    """One piece of a :class:`CopyBatch`, a pool job."""
+
+    __slots__ = ("batch", "dst", "name", "src", "streaming", "trace")
+
+    def __init__(
+        self,
+        batch: CopyBatch,
+        dst: np.ndarray,
+        src: np.ndarray,
+        trace: tuple[Any, ...] | None,
+        name: str,
+        streaming: bool,
+    ) -> None:
+        self.batch, self.dst, self.src, self.trace, self.name = batch, dst, src, trace, name
+        self.streaming = streaming
+
+    def __call__(self) -> None:
+        batch = self.batch
+        failure: BaseException | None = None
+        if batch.stop is None or not batch.stop.is_set():
+            try:
+                with nvtx_range(self.name, NVTX_COLORS.get(self.name, "yellow")):
+                    copy_piece(self.dst, self.src, self.trace, thread_label(), self.streaming)
+            except BaseException as exc:
+                failure = exc
+        batch.piece_done(failure)
+
+
+def thread_label() -> str:
+    """The trace stream name of the calling host thread."""
+    return f"{HOST_PREFIX} {threading.current_thread().name}"
+
+
+def copy_piece(
+    dst: np.ndarray,
+    src: np.ndarray,
+    trace: tuple[Any, ...] | None,
+    label: str,
+    streaming: bool = False,
+) -> None:
+    """Copy one piece (with non-temporal stores when *streaming*), recording a host
+    interval when *trace* is ``(recorder, name, device, chunk)``."""
+    copy = copy_streaming if streaming else np.copyto
+    if trace is None:
+        copy(dst, src)
+        return
+    rec, name, device, chunk = trace
+    t0 = time.perf_counter()
+    copy(dst, src)
+    rec.host(name, device, label, chunk, t0, time.perf_counter())
+
+
+def default_host_threads(n_devices: int) -> int:
+    """Host threads: 16, leaving one CPU per device worker thread (feeder, drainer) and one
+    for the caller; at least 2.
+
+    The staging copies are bound by host memory bandwidth, which every device shares, so
+    the count does not grow with the devices. Measured on 2x H200 with 32 CPUs (2 GiB
+    float32 pageable in and out, staged, 32 MiB chunks): 1 GPU 17.5 GB/s with 12 threads,
+    21.1 GB/s with 16, 15.0 GB/s with 24; 2 GPUs 22.2-23.0 GB/s with 16 and 16.0 GB/s with
+    24 (over-subscribed next to the spinning event waits of feeders and drainers).
+    """
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 2
+    return max(2, min(cpus - 2 * n_devices - 1, 16))
+
+
+# --- page registration ---
+
+REGISTER_PORTABLE = 1  # CU_MEMHOSTREGISTER_PORTABLE: usable by every context
+
+
+REGISTER_READ_ONLY = 8  # CU_MEMHOSTREGISTER_READ_ONLY: the device only reads it
+
+
+_ALREADY_REGISTERED = 712
+
+
+NO_USABLE_CONTEXT = -1
+
+
+def register_pages(ptr: int, nbytes: int, read_only: bool) -> int:
+    """``cuMemHostRegister(PORTABLE)`` of whole pages in the current context; memory the
+    device only reads is retried ``READ_ONLY`` (read-only mappings refuse the first).
+    Returns the CUresult as an int."""
+    err = lock_pages(ptr, nbytes, REGISTER_PORTABLE)
+    if err and read_only and err != _ALREADY_REGISTERED:
+        err = lock_pages(ptr, nbytes, REGISTER_PORTABLE | REGISTER_READ_ONLY)
+    return err
+
+
+@contextmanager
+def relaxed_capture() -> Iterator[None]:
+    """This thread's stream-capture mode relaxed for the block
+    (``cuThreadExchangeStreamCaptureMode``): an unsafe call such as
+    ``cuMemHostUnregister`` then neither fails nor invalidates a capture open in this
+    thread or, in global mode, in another one. A driver that cannot exchange the mode
+    leaves it as it was."""
+    try:
+        mode = drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+        err, previous = drv.cuThreadExchangeStreamCaptureMode(mode)
+    except Exception:
+        err, previous = 1, None
+    try:
+        yield
+    finally:
+        if not err:
+            drv.cuThreadExchangeStreamCaptureMode(previous)
+
+
+def unregister_pages(ptr: int, contexts: Iterable[Context]) -> int:
+    """``cuMemHostUnregister(ptr)`` now, in relaxed capture mode, in the first usable
+    context of *contexts* (a ``PORTABLE`` registration is known to every context, so a
+    closed or poisoned one can be stood in for). Returns the CUresult as an int, or
+    :data:`NO_USABLE_CONTEXT`."""
+    for ctx in contexts:
+        if ctx.closed or ctx.poisoned:
+            continue
+        try:
+            with ctx, relaxed_capture():
+                (err,) = drv.cuMemHostUnregister(ptr)
+        except Exception:
+            continue
+        return int(err)
+    return NO_USABLE_CONTEXT
+
+
+class Segment:
+    """Whole pages ``[ptr, ptr + nbytes)`` of a user array, registered for one chunk."""
+
+    __slots__ = ("_reg", "_unreg", "chunk", "ctx", "device", "error", "nbytes", "ptr", "read_only")
+
+    def __init__(
+        self, ctx: Context, device: int, chunk: int, ptr: int, nbytes: int, read_only: bool
+    ) -> None:
+        self.ctx = ctx
+        self.device = device
+        self.chunk = chunk
+        self.ptr = ptr
+        self.nbytes = nbytes
+        self.read_only = read_only
+        self.error = ""
+        self._reg: Future[bool] | None = None
+        self._unreg: Future[None] | None = None
+
+    def __repr__(self) -> str:
+        return f"<Segment {self.ptr:#x}+{self.nbytes} chunk={self.chunk} device={self.device}>"
+
+
+class Registrar:
+    """Registers segments on a :class:`HostPool` and unregisters them after their DMA.
+
+    Parameters
+    ----------
+    pool : HostPool
+        Threads that run the (blocking) driver calls in parallel.
+    stop : threading.Event
+        Set when the run stops: registrations not started yet are skipped.
+    recorder : Recorder, optional
+        Gets a ``register``/``unregister`` host interval per call.
+    """
+
+    def __init__(self, pool: HostPool, stop: threading.Event, recorder: Recorder | None) -> None:
+        self.pool = pool
+        self.stop = stop
+        self.rec = recorder
+        self._lock = threading.Lock()
+        self._segments: dict[int, list[Segment]] = {}
+
+    def register(self, seg: Segment) -> None:
+        """Queue the registration of *seg* (see :meth:`wait`)."""
+        with self._lock:
+            self._segments.setdefault(seg.device, []).append(seg)
+        seg._reg = self.pool.submit(self._register, seg)
+
+    def register_here(self, seg: Segment, claim: Callable[[], bool]) -> bool:
+        """Register *seg* in the calling thread if ``claim()`` (called under the
+        registrar's lock, so the two cannot cross :meth:`finish`) says so; False when it
+        did not (then *seg* is not the registrar's)."""
+        fut: Future[bool] = Future()
+        seg._reg = fut  # before claim(): whoever sees the segment may wait for it
+        with self._lock:
+            if not claim():
+                return False
+            self._segments.setdefault(seg.device, []).append(seg)
+        try:
+            ok = self._register(seg)
+        except BaseException as exc:
+            fut.set_exception(exc)
+            raise
+        fut.set_result(ok)
+        return True
+
+    def wait(self, seg: Segment) -> bool:
+        """Wait for *seg*'s registration: True when its pages are locked; False when the
+        driver refused (``seg.error`` says why) or the run stopped first."""
+        assert seg._reg is not None
+        return seg._reg.result()
+
+    def release(self, seg: Segment) -> None:
+        """Queue the unregistration of a registered *seg* whose DMA has completed."""
+        if seg._unreg is None and self.wait(seg):
+            seg._unreg = self.pool.submit(self._unregister, seg, urgent=False)
+
+    def finish(self, device: int) -> list[BaseException]:
+        """Once *device*'s streams are idle: wait for each of its registrations, undo
+        those never released, wait for every unregistration; return the failures."""
+        with self._lock:
+            segments = self._segments.pop(device, [])
+        errors: list[BaseException] = []
+        for seg in segments:
+            try:
+                if seg._unreg is not None:
+                    seg._unreg.result()
+                elif self.wait(seg):
+                    self._unregister(seg)
+            except BaseException as exc:
+                errors.append(exc)
+        return errors
+
+    def _register(self, seg: Segment) -> bool:
+        if self.stop.is_set():
+            seg.error = "the run stopped"
+            return False
+        t0 = time.perf_counter()
+        try:
+            with seg.ctx:
+                err = register_pages(seg.ptr, seg.nbytes, seg.read_only)
+        except Exception as exc:
+            seg.error = f"{type(exc).__name__}: {exc}"
+            return False
+        self._trace("register", seg, t0)
+        if err:
+            seg.error = describe(int(err))[0]
+            return False
+        return True
+
+    def _unregister(self, seg: Segment) -> None:
+        t0 = time.perf_counter()
+        with seg.ctx:
+            err = unregister_pages(seg.ptr, (seg.ctx,))
+        self._trace("unregister", seg, t0)
+        if err:
+            raise seg.ctx.note_error(
+                err, f"cuMemHostUnregister({seg.ptr:#x}) of {seg.nbytes} bytes of chunk {seg.chunk}"
+            )
+
+    def _trace(self, name: str, seg: Segment, t0: float) -> None:
+        if self.rec is not None:
+            self.rec.host(name, seg.device, thread_label(), seg.chunk, t0, time.perf_counter())
+
+
+# --- per-device state and slots ---
 
 BOUNCE_BYTES = 4 * PAGE
 

@@ -365,7 +365,7 @@ def pipeline_missing_device(env: Env) -> None:
 
 @case(ValueError, "chunk_bytes must be >= 1")
 def pipeline_zero_chunk(env: Env) -> None:
-    ck.Pipeline(chunk_bytes=0)
+    ck.Pipeline(options=ck.PipelineOptions(chunk_bytes=0))
 
 
 @case(ck.LaunchArgumentError, "args=")

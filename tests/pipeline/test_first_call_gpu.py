@@ -107,10 +107,18 @@ def test_default_outputs_come_from_the_pool_and_fall_back_when_it_is_full(kern):
 def test_many_small_chunks_in_flight_are_exact(kern, slots, ndev, schedule):
     """64 MiB + 5 elements in 1 MiB chunks: the fills and drains of many chunks run on the
     host pool at once, slots are reused as soon as their drains finish."""
-    with Pipeline(need_devices(ndev), chunk_bytes=MiB, staging_buffers=slots) as p:
+    with Pipeline(
+        need_devices(ndev), options=ck.PipelineOptions(chunk_bytes=MiB, staging_buffers=slots)
+    ) as p:
         for seed in range(2):  # a new pipeline's first call, then fresh arrays again
             x = random_array((16 << 20) + 5, np.float32, 11 + seed)
-            y = p.map(kern["scale_f32"], x, args=(2.0,), schedule=schedule, out="pageable")
+            y = p.map(
+                kern["scale_f32"],
+                x,
+                args=(2.0,),
+                out="pageable",
+                options=ck.PipelineOptions(schedule=schedule),
+            )
             assert p.last_stats.path == "in=staged, out=staged"
             assert np.array_equal(y, scaled(x, 2.0))
             tl = p.trace()
@@ -124,10 +132,15 @@ def test_many_small_chunks_in_flight_are_exact(kern, slots, ndev, schedule):
 def test_split_input_is_exact_and_leaves_nothing_registered(kern, n):
     """``host_path="split"``: the input registered from its far end, staged from its near
     end; every chunk lands once and no page stays locked."""
-    with Pipeline([0], chunk_bytes=MiB) as p:
+    with Pipeline([0], options=ck.PipelineOptions(chunk_bytes=MiB)) as p:
         for seed in range(2):
             x = random_array(n, np.float32, 21 + seed)
-            y = p.map(kern["scale_f32"], x, args=(2.0,), host_path=("split", "auto"))
+            y = p.map(
+                kern["scale_f32"],
+                x,
+                args=(2.0,),
+                options=ck.PipelineOptions(host_path=("split", "auto")),
+            )
             assert np.array_equal(y, scaled(x, 2.0))
             assert_unregistered(x)
             if n >= 2 * MiB:
@@ -153,7 +166,10 @@ def own_pages(n: int, dtype: type) -> np.ndarray:
 def test_many_pipelines_share_the_pool_within_one_budget(kern):
     pool = ck.pinned_pool()
     pipes = [
-        Pipeline([0], chunk_bytes=MiB, staging_buffers=3, host_threads=2) for _ in range(8)
+        Pipeline(
+            [0], options=ck.PipelineOptions(chunk_bytes=MiB, staging_buffers=3, host_threads=2)
+        )
+        for _ in range(8)
     ]  # 8 x 3 x 2 MiB staging
     room = 40 * MiB  # two 16 MiB arrays (and their partial pages) may be held
     budget = 48 * MiB + room
@@ -266,7 +282,7 @@ def test_staging_copies_with_and_without_non_temporal_stores_are_exact(
     try:
         info = ck.memory.streaming_copy_info()
         assert info.enabled == streaming
-        with Pipeline([0], chunk_bytes=3 * MiB + 4 * 11) as p:
+        with Pipeline([0], options=ck.PipelineOptions(chunk_bytes=3 * MiB + 4 * 11)) as p:
             for seed in range(2):
                 x = random_array(n + 1, np.float32, 60 + seed)[1:]  # not page aligned
                 y = p.map(kern["scale_f32"], x, args=(2.0,), **({"out": out} if out else {}))

@@ -110,7 +110,7 @@ def test_child_forked_during_a_map_gets_fork_error_at_once(gpu):
         leave.wait(10)
 
     x = np.arange(64 * 1024, dtype=np.float32)
-    p = Pipeline([0], chunk_bytes=16 * 1024, host_threads=2)
+    p = Pipeline([0], options=ck.PipelineOptions(chunk_bytes=16 * 1024, host_threads=2))
     t = threading.Thread(target=p.map, args=(blocking_body, x), daemon=True)
     t.start()
     try:
@@ -148,7 +148,7 @@ def test_child_forked_during_a_map_gets_fork_error_at_once(gpu):
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_child_forked_while_process_wide_locks_are_held_gets_fork_error(gpu, hold):
     x = np.arange(64 * 1024, dtype=np.float32)
-    p = Pipeline([0], chunk_bytes=16 * 1024, host_threads=2)
+    p = Pipeline([0], options=ck.PipelineOptions(chunk_bytes=16 * 1024, host_threads=2))
     ctx = ck.registry.context(0)
     buf = ck.DeviceBuffer(4096, context=ctx)
     pins = pincache.process_pins()

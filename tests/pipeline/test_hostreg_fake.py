@@ -21,14 +21,13 @@ import ctxkit as ck
 from ctxkit.module import Kernel
 from ctxkit.pipeline import HostPieces, Pipeline, PipelineError, host_pieces
 from ctxkit.pipeline import plan as _plan
-from ctxkit.pipeline.hostreg import REGISTER_READ_ONLY, Registrar, Segment
-from ctxkit.pipeline.hostthreads import HostPool
 from ctxkit.pipeline.plan import (
     AUTO_HOST_PATH,
     AUTO_REGISTER_MIN_BYTES,
     check_host_path,
     choose_host_path,
 )
+from ctxkit.pipeline.staging import REGISTER_READ_ONLY, HostPool, Registrar, Segment
 from tests.support.fakegpu import ALREADY_REGISTERED, scale_body
 
 PAGE = 4096
@@ -105,7 +104,7 @@ def test_host_path_options():
     assert choose_host_path("auto", AUTO_REGISTER_MIN_BYTES) == AUTO_HOST_PATH
     assert choose_host_path("auto", AUTO_REGISTER_MIN_BYTES - 1) == "staged"
     with pytest.raises(ValueError, match="host_path"):
-        Pipeline(devices=[0], host_path="fast")
+        Pipeline(devices=[0], options=ck.PipelineOptions(host_path="fast"))
 
 
 # --- whole runs, host_path="register" -----------------------------------------------------
@@ -118,8 +117,10 @@ def test_register_path_exact_and_clean(gpu, offset, devices, dtype):
     n = 50_003
     x = at_offset((np.arange(n) % 1000).astype(dtype), offset)
     out = at_offset(np.zeros(n, dtype), (offset * 7) % PAGE)
-    with Pipeline(devices, chunk_bytes=3 * PAGE + 100, host_threads=3) as p:
-        res = p.map(scale_body(gpu, 3), x, out, host_path="register")
+    with Pipeline(
+        devices, options=ck.PipelineOptions(chunk_bytes=3 * PAGE + 100, host_threads=3)
+    ) as p:
+        res = p.map(scale_body(gpu, 3), x, out, options=ck.PipelineOptions(host_path="register"))
         stats = p.last_stats
         names = set(p.trace().names())
     assert res is out
@@ -131,20 +132,26 @@ def test_register_path_exact_and_clean(gpu, offset, devices, dtype):
 
 
 def test_register_path_small_and_empty_arrays(gpu):
-    with Pipeline([0, 1], chunk_bytes=PAGE, host_threads=2) as p:
+    with Pipeline([0, 1], options=ck.PipelineOptions(chunk_bytes=PAGE, host_threads=2)) as p:
         for n in (1, 7, 1000):
             x = np.arange(n, dtype=np.float32)
             np.testing.assert_array_equal(
-                p.map(scale_body(gpu, 2.0), x, host_path="register"), x * 2
+                p.map(scale_body(gpu, 2.0), x, options=ck.PipelineOptions(host_path="register")),
+                x * 2,
             )
-        assert p.map(scale_body(gpu, 2.0), np.zeros(0), host_path="register").shape == (0,)
+        assert p.map(
+            scale_body(gpu, 2.0), np.zeros(0), options=ck.PipelineOptions(host_path="register")
+        ).shape == (0,)
     assert_clean(gpu)
 
 
 def test_register_path_in_place_registers_shared_pages_once(gpu):
     x = at_offset(np.arange(40_000, dtype=np.int32), 100)
-    with Pipeline([0, 1], chunk_bytes=5 * PAGE, host_threads=4) as p:
-        assert p.map(scale_body(gpu, 3), x, out=x, host_path="register") is x
+    with Pipeline([0, 1], options=ck.PipelineOptions(chunk_bytes=5 * PAGE, host_threads=4)) as p:
+        assert (
+            p.map(scale_body(gpu, 3), x, out=x, options=ck.PipelineOptions(host_path="register"))
+            is x
+        )
         assert p.last_stats.fallbacks == 0
     np.testing.assert_array_equal(x, np.arange(40_000, dtype=np.int32) * 3)
     # One registration per chunk (input and output share the pages), none read-only.
@@ -157,8 +164,10 @@ def test_register_path_in_place_registers_shared_pages_once(gpu):
 def test_register_path_2d_rows_other_dtype_and_dynamic_schedule(gpu):
     x = at_offset(np.arange(3 * 20_000, dtype=np.float32).reshape(20_000, 3), 12)
     out = np.zeros((20_000, 3), np.float64)
-    with Pipeline([0, 1], chunk_bytes=7 * PAGE, schedule="dynamic", host_threads=4) as p:
-        p.map(scale_body(gpu, 2.0), x, out, host_path="register")
+    with Pipeline(
+        [0, 1], options=ck.PipelineOptions(chunk_bytes=7 * PAGE, schedule="dynamic", host_threads=4)
+    ) as p:
+        p.map(scale_body(gpu, 2.0), x, out, options=ck.PipelineOptions(host_path="register"))
         by_dev = {d.device: d.rows for d in p.last_stats.devices}
     np.testing.assert_array_equal(out, x.astype(np.float64) * 2)
     assert sum(by_dev.values()) == 20_000
@@ -175,8 +184,8 @@ def test_register_path_2d_rows_other_dtype_and_dynamic_schedule(gpu):
 )
 def test_mixed_host_paths(gpu, paths, expected):
     x = at_offset(np.arange(30_000, dtype=np.float64), 8)
-    with Pipeline([0, 1], chunk_bytes=4 * PAGE, host_threads=3) as p:
-        out = p.map(scale_body(gpu, 2.0), x, host_path=paths)
+    with Pipeline([0, 1], options=ck.PipelineOptions(chunk_bytes=4 * PAGE, host_threads=3)) as p:
+        out = p.map(scale_body(gpu, 2.0), x, options=ck.PipelineOptions(host_path=paths))
         assert p.last_stats.path == expected
         slots = [s for d in p._devices for s in d.slots]
         assert all((s.pin_in is not None) == (paths[0] == "staged") for s in slots)
@@ -188,7 +197,7 @@ def test_mixed_host_paths(gpu, paths, expected):
 def test_pinned_input_with_registered_output(gpu):
     x = ck.pinned_empty(20_000, np.float32, context=ck.registry.context(0))
     x[...] = np.arange(20_000)
-    with Pipeline([0], chunk_bytes=3 * PAGE, host_path="register") as p:
+    with Pipeline([0], options=ck.PipelineOptions(chunk_bytes=3 * PAGE, host_path="register")) as p:
         out = p.map(scale_body(gpu, 2.0), x)
         assert p.last_stats.path == "in=pinned, out=registered"
     np.testing.assert_array_equal(out, np.arange(20_000, dtype=np.float32) * 2)
@@ -200,13 +209,14 @@ def test_auto_stages_and_registration_is_explicit(gpu, monkeypatch):
     assert AUTO_HOST_PATH == "staged"
     big = np.arange(AUTO_REGISTER_MIN_BYTES // 4, dtype=np.float32)
     small = np.arange(1000, dtype=np.float32)
-    with Pipeline([0, 1], chunk_bytes=1 << 20, host_threads=3) as p:
+    with Pipeline([0, 1], options=ck.PipelineOptions(chunk_bytes=1 << 20, host_threads=3)) as p:
         np.testing.assert_array_equal(p.map(scale_body(gpu, 2.0), big, out="pageable"), big * 2)
         assert p.last_stats.path == "in=staged, out=staged" and not gpu.register_calls
         np.testing.assert_array_equal(p.map(scale_body(gpu, 2.0), big), big * 2)
         assert p.last_stats.path == "in=staged, out=pinned"  # default out: the pool
         np.testing.assert_array_equal(
-            p.map(scale_body(gpu, 2.0), big, host_path="register"), big * 2
+            p.map(scale_body(gpu, 2.0), big, options=ck.PipelineOptions(host_path="register")),
+            big * 2,
         )
         assert p.last_stats.path == "in=registered, out=registered"
         monkeypatch.setattr(_plan, "AUTO_HOST_PATH", "register")
@@ -230,8 +240,8 @@ def test_refused_registration_falls_back_to_staging(gpu):
 
     gpu.register_error = refuse_some
     x = at_offset(np.arange(60_000, dtype=np.float32), 40)
-    with Pipeline([0, 1], chunk_bytes=5 * PAGE, host_threads=3) as p:
-        out = p.map(scale_body(gpu, 2.0), x, host_path="register")
+    with Pipeline([0, 1], options=ck.PipelineOptions(chunk_bytes=5 * PAGE, host_threads=3)) as p:
+        out = p.map(scale_body(gpu, 2.0), x, options=ck.PipelineOptions(host_path="register"))
         stats = p.last_stats
         grown = [s.pin_in is not None or s.pin_out is not None for d in p._devices for s in d.slots]
     np.testing.assert_array_equal(out, x * 2)
@@ -245,8 +255,8 @@ def test_read_only_input_is_registered_read_only_after_a_refusal(gpu):
 
     gpu.register_error = needs_read_only
     x = at_offset(np.arange(30_000, dtype=np.float32), 0)
-    with Pipeline([0], chunk_bytes=4 * PAGE, host_threads=2) as p:
-        out = p.map(scale_body(gpu, 2.0), x, host_path="register")
+    with Pipeline([0], options=ck.PipelineOptions(chunk_bytes=4 * PAGE, host_threads=2)) as p:
+        out = p.map(scale_body(gpu, 2.0), x, options=ck.PipelineOptions(host_path="register"))
         fallbacks = p.last_stats.fallbacks
     np.testing.assert_array_equal(out, x * 2)
     in_lo, in_hi = x.ctypes.data, x.ctypes.data + x.nbytes
@@ -262,8 +272,8 @@ def test_pages_registered_elsewhere_are_not_registered_again(gpu):
     with ck.registry.context(0):
         assert gpu.cuMemHostRegister(lock_ptr, 4 * PAGE, 1) == (0,)
     try:
-        with Pipeline([0], chunk_bytes=3 * PAGE, host_threads=2) as p:
-            out = p.map(scale_body(gpu, 2.0), x, host_path="register")
+        with Pipeline([0], options=ck.PipelineOptions(chunk_bytes=3 * PAGE, host_threads=2)) as p:
+            out = p.map(scale_body(gpu, 2.0), x, options=ck.PipelineOptions(host_path="register"))
             assert p.last_stats.fallbacks > 0
         np.testing.assert_array_equal(out, x * 2)
         assert lock_ptr in gpu.registered  # someone else's registration is left alone
@@ -283,12 +293,14 @@ def test_register_path_error_mid_run_unregisters_everything(gpu):
             raise RuntimeError("bad chunk")
         scale_body(gpu, 2.0, delay=0.002)(ctx, stream, d_in, d_out, n)
 
-    with Pipeline([0, 1], chunk_bytes=4 * PAGE, host_threads=3) as p:
+    with Pipeline([0, 1], options=ck.PipelineOptions(chunk_bytes=4 * PAGE, host_threads=3)) as p:
         with pytest.raises(PipelineError, match="bad chunk") as info:
-            p.map(body, x, host_path="register")
+            p.map(body, x, options=ck.PipelineOptions(host_path="register"))
         assert info.value.step == "kernel"
         assert_clean(gpu)
-        out = p.map(scale_body(gpu, 2.0), x, host_path="register")  # usable afterwards
+        out = p.map(
+            scale_body(gpu, 2.0), x, options=ck.PipelineOptions(host_path="register")
+        )  # usable afterwards
     np.testing.assert_array_equal(out, x * 2)
     assert_clean(gpu)
 
@@ -297,16 +309,22 @@ def test_register_path_ctrl_c_unregisters_everything(gpu):
     x = at_offset(np.arange(256_000, dtype=np.float32), 4)  # 64 chunks of 4 pages
     main = threading.main_thread().ident
     assert main is not None
-    with Pipeline([0, 1], chunk_bytes=4 * PAGE, staging_buffers=2, host_threads=3) as p:
+    with Pipeline(
+        [0, 1], options=ck.PipelineOptions(chunk_bytes=4 * PAGE, staging_buffers=2, host_threads=3)
+    ) as p:
         timer = threading.Timer(0.05, signal.pthread_kill, (main, signal.SIGINT))
         timer.start()
         try:
             with pytest.raises(KeyboardInterrupt):
-                p.map(scale_body(gpu, 2.0, delay=0.01), x, host_path="register")
+                p.map(
+                    scale_body(gpu, 2.0, delay=0.01),
+                    x,
+                    options=ck.PipelineOptions(host_path="register"),
+                )
         finally:
             timer.cancel()
         assert_clean(gpu)
-        out = p.map(scale_body(gpu, 2.0), x, host_path="register")
+        out = p.map(scale_body(gpu, 2.0), x, options=ck.PipelineOptions(host_path="register"))
     np.testing.assert_array_equal(out, x * 2)
 
 
@@ -347,9 +365,9 @@ def test_unregister_failure_is_reported(gpu):
 
     gpu.cuMemHostUnregister = failing
     x = at_offset(np.arange(20_000, dtype=np.float32), 0)
-    with Pipeline([0], chunk_bytes=4 * PAGE, host_threads=2) as p:
+    with Pipeline([0], options=ck.PipelineOptions(chunk_bytes=4 * PAGE, host_threads=2)) as p:
         with pytest.raises(PipelineError, match="cuMemHostUnregister") as info:
-            p.map(scale_body(gpu, 2.0), x, host_path="register")
+            p.map(scale_body(gpu, 2.0), x, options=ck.PipelineOptions(host_path="register"))
         assert info.value.step == "unregister"
 
 
@@ -379,8 +397,10 @@ def test_work_in_flight_is_bounded(gpu, paths):
         scale_body(gpu, 2.0, delay=0.002)(ctx, stream, d_in, d_out, n)
         gpu.launch(stream, done)
 
-    with Pipeline([0, 1], chunk_bytes=4 * PAGE, staging_buffers=2, host_threads=3) as p:
-        out = p.map(body, x, host_path=paths)
+    with Pipeline(
+        [0, 1], options=ck.PipelineOptions(chunk_bytes=4 * PAGE, staging_buffers=2, host_threads=3)
+    ) as p:
+        out = p.map(body, x, options=ck.PipelineOptions(host_path=paths))
     np.testing.assert_array_equal(out, x * 2)
     limit = 3 if paths == "staged" else 5
     assert max(worst.values()) <= limit, worst
@@ -405,7 +425,7 @@ def test_pinned_path_bounds_work_in_flight(gpu):
         scale_body(gpu, 2.0, delay=0.002)(ctx, stream, d_in, d_out, n)
         gpu.launch(stream, done)
 
-    with Pipeline([0], chunk_bytes=2 * PAGE, staging_buffers=2) as p:
+    with Pipeline([0], options=ck.PipelineOptions(chunk_bytes=2 * PAGE, staging_buffers=2)) as p:
         p.map(body, x, out)
         assert p.last_stats.path == "pinned"
     np.testing.assert_array_equal(out, np.arange(64_000, dtype=np.float32) * 2)
@@ -432,7 +452,7 @@ def test_map_preloads_a_kernel_in_every_context_before_launching(gpu, monkeypatc
     monkeypatch.setattr(Kernel, "params", property(lambda self: (1, 2, 3, 4)))
     kern = Kernel.__new__(Kernel)
     x = np.arange(10_000, dtype=np.float32)
-    with Pipeline([0, 1], chunk_bytes=4096) as p:
+    with Pipeline([0, 1], options=ck.PipelineOptions(chunk_bytes=4096)) as p:
         out = p.map(kern, x, args=(2.0,))
     np.testing.assert_array_equal(out, x * 2)
     first_launch = next(i for i, e in enumerate(events) if e[0] == "launch")

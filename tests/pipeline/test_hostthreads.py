@@ -1,4 +1,4 @@
-"""The pipeline's host threads (``ctxkit.pipeline.hostthreads``) and the chunk progress
+"""The pipeline's host threads (``ctxkit.pipeline.staging``) and the chunk progress
 a feeder waits on: queued copies split into pieces, fill work before drain work,
 failures and stops, helping, out-of-order completion. No driver needed."""
 
@@ -11,9 +11,14 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 
-from ctxkit.pipeline import hostthreads as _threads
-from ctxkit.pipeline.hostthreads import MIN_PIECE_BYTES, CopyBatch, HostPool, default_host_threads
-from ctxkit.pipeline.staging import Progress
+from ctxkit.pipeline import staging as _threads
+from ctxkit.pipeline.staging import (
+    MIN_PIECE_BYTES,
+    CopyBatch,
+    HostPool,
+    Progress,
+    default_host_threads,
+)
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Pin on reuse (``Pipeline(pin_cache_bytes=...)``, ``ctxkit.pipeline.pincache``) on a
+"""Pin on reuse (``PipelineOptions(pin_cache_bytes=...)``, ``ctxkit.pipeline.pincache``) on a
 simulated GPU.
 
 The simulated GPU (tests/support/fakegpu.py) refuses overlapping registrations and records
@@ -75,7 +75,7 @@ def registered_bytes(gpu) -> int:
 
 def test_second_call_pins_and_later_calls_reuse_the_registration(gpu):
     x, out = data(), zeros()
-    with Pipeline([0, 1], chunk_bytes=8 * PAGE, host_threads=2) as p:
+    with Pipeline([0, 1], options=ck.PipelineOptions(chunk_bytes=8 * PAGE, host_threads=2)) as p:
         paths = []
         for _ in range(4):
             out[:] = 0
@@ -94,7 +94,7 @@ def test_second_call_pins_and_later_calls_reuse_the_registration(gpu):
 
 def test_held_input_is_registered_read_only_capable_and_output_writable(gpu):
     x, out = data(), zeros()
-    with Pipeline([0], host_threads=2) as p:
+    with Pipeline([0], options=ck.PipelineOptions(host_threads=2)) as p:
         p.map(scale_body(gpu, 2.0), x, out)
         p.map(scale_body(gpu, 2.0), x, out)
         starts = {ptr: (n, flags) for ptr, n, flags in gpu.register_calls}
@@ -104,7 +104,7 @@ def test_held_input_is_registered_read_only_capable_and_output_writable(gpu):
 
 def test_registration_is_released_when_the_array_dies(gpu):
     out = zeros()
-    with Pipeline([0], host_threads=2) as p:
+    with Pipeline([0], options=ck.PipelineOptions(host_threads=2)) as p:
         x = data()
         for _ in range(2):
             p.map(scale_body(gpu, 2.0), x, out)
@@ -120,7 +120,7 @@ def test_views_of_one_buffer_are_recognised_by_their_owner(gpu):
     base = data(2 * N)
     out = zeros()
     assert memory_owner(base[:N].reshape(-1)) is memory_owner(base)
-    with Pipeline([0], host_threads=2) as p:
+    with Pipeline([0], options=ck.PipelineOptions(host_threads=2)) as p:
         for _ in range(3):
             p.map(scale_body(gpu, 2.0), base[:N], out)  # a new view object every call
         assert p.last_stats.path == "in=held, out=held"
@@ -130,7 +130,7 @@ def test_views_of_one_buffer_are_recognised_by_their_owner(gpu):
 def test_in_place_map_registers_once(gpu):
     x = data()
     want = x.copy()
-    with Pipeline([0, 1], chunk_bytes=8 * PAGE, host_threads=2) as p:
+    with Pipeline([0, 1], options=ck.PipelineOptions(chunk_bytes=8 * PAGE, host_threads=2)) as p:
         p.map(scale_body(gpu, 2.0), x, out=x)
         assert p.last_stats.path == "in=staged, out=staged"
         p.map(scale_body(gpu, 2.0), x, out=x)
@@ -144,7 +144,7 @@ def test_budget_evicts_least_recently_used(gpu):
     arrays = [data(seed=i) for i in range(3)]
     out = zeros()
     budget = 2 * (N * 4 + 2 * PAGE)  # room for two arrays
-    with Pipeline([0], host_threads=2, pin_cache_bytes=budget) as p:
+    with Pipeline([0], options=ck.PipelineOptions(host_threads=2, pin_cache_bytes=budget)) as p:
         for _ in range(3):
             for a in arrays:
                 p.map(scale_body(gpu, 3.0), a, out)
@@ -156,7 +156,7 @@ def test_budget_evicts_least_recently_used(gpu):
 
 def test_array_larger_than_the_budget_is_never_held(gpu):
     x, out = data(), zeros()
-    with Pipeline([0], host_threads=2, pin_cache_bytes=4 * PAGE) as p:
+    with Pipeline([0], options=ck.PipelineOptions(host_threads=2, pin_cache_bytes=4 * PAGE)) as p:
         for _ in range(3):
             p.map(scale_body(gpu, 2.0), x, out)
         assert p.last_stats.path == "in=staged, out=staged"
@@ -166,7 +166,7 @@ def test_array_larger_than_the_budget_is_never_held(gpu):
 @pytest.mark.parametrize("kw", [{"pin_cache_bytes": 0}, {"host_path": "staged"}])
 def test_off_or_explicit_path_never_holds(gpu, kw):
     x, out = data(), zeros()
-    with Pipeline([0], host_threads=2, **kw) as p:
+    with Pipeline([0], options=ck.PipelineOptions(host_threads=2, **kw)) as p:
         for _ in range(3):
             p.map(scale_body(gpu, 2.0), x, out)
         assert p.last_stats.path == "in=staged, out=staged"
@@ -176,7 +176,7 @@ def test_off_or_explicit_path_never_holds(gpu, kw):
 
 def test_small_arrays_are_not_held(gpu):
     x = data(100)
-    with Pipeline([0], host_threads=2) as p:
+    with Pipeline([0], options=ck.PipelineOptions(host_threads=2)) as p:
         for _ in range(3):
             np.testing.assert_array_equal(p.map(scale_body(gpu, 2.0), x), x * 2)
     assert not gpu.register_calls
@@ -185,7 +185,7 @@ def test_small_arrays_are_not_held(gpu):
 def test_refused_registration_stays_staged_and_is_not_retried(gpu):
     gpu.register_error = lambda p, n, flags: 2  # CUDA_ERROR_OUT_OF_MEMORY
     x, out = data(), zeros()
-    with Pipeline([0], host_threads=2) as p:
+    with Pipeline([0], options=ck.PipelineOptions(host_threads=2)) as p:
         for _ in range(2):
             p.map(scale_body(gpu, 2.0), x, out)
         tries = len(gpu.register_calls)
@@ -202,7 +202,7 @@ def test_array_over_a_foreign_buffer_is_held_while_the_array_lives(gpu):
     x = np.frombuffer(raw, np.float32)
     assert memory_owner(x[5:]) is x
     out = zeros()
-    with Pipeline([0], host_threads=2) as p:
+    with Pipeline([0], options=ck.PipelineOptions(host_threads=2)) as p:
         for _ in range(3):
             p.map(scale_body(gpu, 2.0), x[PAGE : PAGE + N], out)
             np.testing.assert_array_equal(out, x[PAGE : PAGE + N] * 2)
@@ -237,7 +237,9 @@ def _inside(gpu, *arrays: np.ndarray) -> None:
 @pytest.mark.parametrize("path", ["auto", "register", "split"])
 def test_a_registration_covers_only_whole_pages_inside_the_arrays(gpu, path):
     _raw, _before, x, after = _row()
-    with Pipeline([0], chunk_bytes=8 * PAGE, host_threads=2, host_path=path) as p:
+    with Pipeline(
+        [0], options=ck.PipelineOptions(chunk_bytes=8 * PAGE, host_threads=2, host_path=path)
+    ) as p:
         for _ in range(3):
             after[:] = 0
             p.map(scale_body(gpu, 2.0), x, after)
@@ -253,7 +255,7 @@ def test_neighbour_of_a_held_array_is_copied_by_anyone(gpu, side):
     _raw, before, x, after = _row()
     b = before if side == "before" else after
     out = zeros()
-    with Pipeline([0], chunk_bytes=8 * PAGE, host_threads=2) as p:
+    with Pipeline([0], options=ck.PipelineOptions(chunk_bytes=8 * PAGE, host_threads=2)) as p:
         for _ in range(2):
             p.map(scale_body(gpu, 2.0), x, out)
         assert p.last_stats.path == "in=held, out=held"
@@ -272,7 +274,7 @@ def test_neighbour_of_a_held_array_is_copied_by_anyone(gpu, side):
 
 def test_neighbours_both_held_leave_their_shared_page_unregistered(gpu):
     _raw, before, x, after = _row()
-    with Pipeline([0], chunk_bytes=8 * PAGE, host_threads=2) as p:
+    with Pipeline([0], options=ck.PipelineOptions(chunk_bytes=8 * PAGE, host_threads=2)) as p:
         for _ in range(3):
             before[:] = after[:] = 0
             p.map(scale_body(gpu, 2.0), x, before)
@@ -290,7 +292,7 @@ def test_neighbours_both_held_leave_their_shared_page_unregistered(gpu):
 def test_range_overlapping_a_held_one_further_in_is_staged(gpu):
     raw, _before, x, _after = _row()
     inner = raw[x.ctypes.data // 4 - raw.ctypes.data // 4 + N // 2 :][:N]  # x's second half on
-    with Pipeline([0], host_threads=2) as p:
+    with Pipeline([0], options=ck.PipelineOptions(host_threads=2)) as p:
         for _ in range(2):
             p.map(scale_body(gpu, 2.0), x, zeros())
         assert p.last_stats.path == "in=held, out=staged"
@@ -306,7 +308,7 @@ def test_range_overlapping_a_held_one_further_in_is_staged(gpu):
 def test_held_owner_cannot_be_resized(gpu):
     x, out = data(), zeros()
     owner = memory_owner(x)
-    with Pipeline([0], host_threads=2) as p:
+    with Pipeline([0], options=ck.PipelineOptions(host_threads=2)) as p:
         for _ in range(2):
             p.map(scale_body(gpu, 2.0), x, out)
         assert p.last_stats.path == "in=held, out=held"
@@ -316,7 +318,7 @@ def test_held_owner_cannot_be_resized(gpu):
 
 def test_release_pinned_and_finalizer(gpu):
     x, out = data(), zeros()
-    p = Pipeline([0], host_threads=2)
+    p = Pipeline([0], options=ck.PipelineOptions(host_threads=2))
     for _ in range(2):
         p.map(scale_body(gpu, 2.0), x, out)
     held = p.pinned_bytes
@@ -334,7 +336,7 @@ def test_release_pinned_and_finalizer(gpu):
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "1G"])
 def test_bad_budget(bad):
     with pytest.raises(ValueError, match="pin_cache_bytes"):
-        Pipeline([0], pin_cache_bytes=bad)
+        Pipeline([0], options=ck.PipelineOptions(pin_cache_bytes=bad))
 
 
 def test_disabled_cache_answers_without_the_driver():
@@ -363,7 +365,10 @@ def test_pipelines_share_one_process_budget(gpu):
     arrays = [data(seed=i) for i in range(4)]
     out = zeros()
     pool = ck.pinned_pool()
-    with Pipeline([0], host_threads=2) as p, Pipeline([1], host_threads=2) as q:
+    with (
+        Pipeline([0], options=ck.PipelineOptions(host_threads=2)) as p,
+        Pipeline([1], options=ck.PipelineOptions(host_threads=2)) as q,
+    ):
         budget = leave_room([p, q], gpu, 2 * ONE)  # staging plus two held arrays
         base = gpu.max_registered
         for _ in range(3):
@@ -383,8 +388,8 @@ def test_pipelines_share_one_process_budget(gpu):
 
 def test_a_registration_serves_every_pipeline_until_the_last_lets_go(gpu):
     x, out = data(), zeros()
-    p = Pipeline([0], host_threads=2)
-    q = Pipeline([1], host_threads=2)
+    p = Pipeline([0], options=ck.PipelineOptions(host_threads=2))
+    q = Pipeline([1], options=ck.PipelineOptions(host_threads=2))
     try:
         for _ in range(2):
             p.map(scale_body(gpu, 2.0), x, out)
@@ -407,7 +412,7 @@ def test_a_registration_serves_every_pipeline_until_the_last_lets_go(gpu):
 def test_pin_cache_bytes_caps_one_pipeline_within_the_process_budget(gpu):
     arrays = [data(seed=i) for i in range(3)]
     one = N * 4 + 2 * PAGE
-    with Pipeline([0], host_threads=2, pin_cache_bytes=one) as p:
+    with Pipeline([0], options=ck.PipelineOptions(host_threads=2, pin_cache_bytes=one)) as p:
         for _ in range(3):
             for a in arrays:
                 p.map(scale_body(gpu, 2.0), a, a)  # in place: one range per array
@@ -418,7 +423,7 @@ def test_pin_cache_bytes_caps_one_pipeline_within_the_process_budget(gpu):
 def test_registrations_are_claimed_from_the_pinned_pool_and_given_back(gpu):
     x, out = data(), zeros()
     pool = ck.pinned_pool()
-    with Pipeline([0], host_threads=2) as p:
+    with Pipeline([0], options=ck.PipelineOptions(host_threads=2)) as p:
         for _ in range(2):
             p.map(scale_body(gpu, 2.0), x, out)
         assert p.last_stats.path == "in=held, out=held"
@@ -435,7 +440,7 @@ def test_registrations_are_claimed_from_the_pinned_pool_and_given_back(gpu):
 
 def test_a_full_pool_stages_instead_of_holding(gpu):
     x, out = data(), zeros()
-    with Pipeline([0], host_threads=2) as p:
+    with Pipeline([0], options=ck.PipelineOptions(host_threads=2)) as p:
         leave_room([p], gpu, 0)
         for _ in range(3):
             p.map(scale_body(gpu, 2.0), x, out)
@@ -446,7 +451,7 @@ def test_a_full_pool_stages_instead_of_holding(gpu):
 
 def test_room_in_the_pool_is_made_by_releasing_idle_ranges(gpu):
     arrays = [data(seed=i) for i in range(2)]
-    with Pipeline([0], host_threads=2) as p:
+    with Pipeline([0], options=ck.PipelineOptions(host_threads=2)) as p:
         leave_room([p], gpu, ONE + BOUNCE_BYTES)  # one held array (and its bounce buffer)
         for _ in range(3):
             for a in arrays:
@@ -514,7 +519,7 @@ def _hold(gpu, p: Pipeline, owner: np.ndarray, out: np.ndarray) -> None:
 @pytest.mark.parametrize("mode", ["thread_local", "global"])
 def test_array_dying_inside_a_capture_is_unregistered_at_once(rgpu, mode):
     mem, out = ForeignBuffer(), zeros()
-    with Pipeline([0], host_threads=2) as p:
+    with Pipeline([0], options=ck.PipelineOptions(host_threads=2)) as p:
         x = mem.array()
         _hold(rgpu, p, x, out)
         start = mem.start()
@@ -531,7 +536,7 @@ def test_array_dying_inside_a_capture_is_unregistered_at_once(rgpu, mode):
 
 def test_array_dying_while_another_thread_captures_globally(rgpu):
     mem, out = ForeignBuffer(), zeros()
-    with Pipeline([0], host_threads=2) as p:
+    with Pipeline([0], options=ck.PipelineOptions(host_threads=2)) as p:
         holder = {"x": mem.array()}
         _hold(rgpu, p, holder["x"], out)
         start = mem.start()
@@ -558,7 +563,7 @@ def test_array_dying_while_another_thread_captures_globally(rgpu):
 
 def test_poisoned_context_keeps_the_memory_of_pages_it_cannot_unregister(gpu):
     mem, out = ForeignBuffer(), zeros()
-    with Pipeline([0, 1], host_threads=2, chunk_bytes=8 * PAGE) as p:
+    with Pipeline([0, 1], options=ck.PipelineOptions(host_threads=2, chunk_bytes=8 * PAGE)) as p:
         x = mem.array()
         _hold(gpu, p, x, out)
         owner = weakref.ref(x)
@@ -585,7 +590,7 @@ def test_every_registration_left_behind_is_warned_about(gpu, monkeypatch):
     out = zeros()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")  # Python's own filter: repeats of one line hidden
-        with Pipeline([0], host_threads=2) as p:
+        with Pipeline([0], options=ck.PipelineOptions(host_threads=2)) as p:
             xs = [data(seed=i) for i in range(2)]
             for x in xs:
                 for _ in range(2):
@@ -604,7 +609,7 @@ def test_a_pipeline_context_cannot_close_under_held_pages(gpu):
     own = ck.Context.create(0)
     x, out = data(), zeros()
     try:
-        p = Pipeline([own], host_threads=2)
+        p = Pipeline([own], options=ck.PipelineOptions(host_threads=2))
         for _ in range(2):
             p.map(scale_body(gpu, 2.0), x, out)
         assert gpu.registered
@@ -619,8 +624,8 @@ def test_a_pipeline_context_cannot_close_under_held_pages(gpu):
 def test_registering_context_closed_later_unregisters_in_another(gpu):
     own = ck.Context.create(0)
     x, out = data(), zeros()
-    p = Pipeline([own], host_threads=2)
-    q = Pipeline([1], host_threads=2)
+    p = Pipeline([own], options=ck.PipelineOptions(host_threads=2))
+    q = Pipeline([1], options=ck.PipelineOptions(host_threads=2))
     try:
         for _ in range(2):
             p.map(scale_body(gpu, 2.0), x, out)

@@ -13,7 +13,7 @@ import pytest
 import ctxkit as ck
 from ctxkit.memory.host import host_pointer_kind
 from ctxkit.pipeline import Pipeline
-from ctxkit.pipeline.hostreg import relaxed_capture
+from ctxkit.pipeline.staging import relaxed_capture
 from tests.pipeline.gpu_support import (  # noqa: F401
     PAGE,
     PATH_NAMES,
@@ -122,7 +122,10 @@ def test_neighbours_sharing_a_page_are_both_held_and_stay_correct(kern):
     x, out = raw[16 : 16 + n], raw[16 + n : 16 + 2 * n]
     shared = int(out.ctypes.data) // PAGE * PAGE
     z = random_array(n, np.float32, 24)
-    with Pipeline(need_devices(1), chunk_bytes=4 << 20) as pa, Pipeline(need_devices(1)) as pb:
+    with (
+        Pipeline(need_devices(1), options=ck.PipelineOptions(chunk_bytes=4 << 20)) as pa,
+        Pipeline(need_devices(1)) as pb,
+    ):
         for _ in range(3):
             out[:] = 0
             pa.map(kern["scale_f32"], x, out, args=(2.0,))

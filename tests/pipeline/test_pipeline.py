@@ -28,20 +28,26 @@ ROOT = Path(__file__).resolve().parents[2]
         ({"devices": ["gpu0"]}, TypeError, "ints, Devices or Contexts"),
         ({"devices": [1, 1]}, ValueError, "listed twice"),
         ({"devices": [-1]}, ValueError, ">= 0"),
-        ({"devices": [0], "staging_buffers": 0}, ValueError, "staging_buffers"),
-        ({"devices": [0], "chunk_bytes": 1.5}, TypeError, "chunk_bytes must be an int"),
-        ({"devices": [0], "host_threads": 0}, ValueError, "host_threads"),
-        ({"devices": [0], "schedule": "random"}, ValueError, "schedule"),
-        ({"devices": [0], "host_path": "fast"}, ValueError, "host_path"),
-        ({"devices": [0], "pin_cache_bytes": -1}, ValueError, "pin_cache_bytes"),
-        ({"devices": [0], "pin_cache_bytes": 1.5}, ValueError, "pin_cache_bytes"),
-        ({"devices": [0], "pin_cache_bytes": True}, ValueError, "pin_cache_bytes"),
-        ({"devices": [0], "pin_cache_bytes": "1G"}, ValueError, "pin_cache_bytes"),
+        ({"devices": [0], "options": {"staging_buffers": 0}}, ValueError, "staging_buffers"),
+        ({"devices": [0], "options": {"chunk_bytes": 1.5}}, TypeError, "chunk_bytes must be"),
+        ({"devices": [0], "options": {"host_threads": 0}}, ValueError, "host_threads"),
+        ({"devices": [0], "options": {"schedule": "random"}}, ValueError, "schedule"),
+        ({"devices": [0], "options": {"host_path": "fast"}}, ValueError, "host_path"),
+        ({"devices": [0], "options": {"pin_cache_bytes": -1}}, ValueError, "pin_cache_bytes"),
+        ({"devices": [0], "options": {"pin_cache_bytes": 1.5}}, ValueError, "pin_cache_bytes"),
+        ({"devices": [0], "options": {"pin_cache_bytes": True}}, ValueError, "pin_cache_bytes"),
+        ({"devices": [0], "options": {"pin_cache_bytes": "1G"}}, ValueError, "pin_cache_bytes"),
     ],
 )
 def test_constructor_validates_before_touching_the_driver(kw, exc, match):
     with pytest.raises(exc, match=match):
-        Pipeline(**kw)
+        opts = kw.get("options")
+        Pipeline(kw["devices"], options=None if opts is None else ck.PipelineOptions(**opts))
+
+
+def test_constructor_takes_only_pipeline_options():
+    with pytest.raises(TypeError, match="options must be a ctxkit.PipelineOptions"):
+        Pipeline([0], options={"chunk_bytes": 1 << 20})
 
 
 @pytest.mark.skipif(ck.device_count() > 0, reason="checks the machine-without-GPU error")
@@ -69,7 +75,7 @@ def test_waiting_for_a_run_handles_a_pending_ctrl_c_promptly():
     """A KeyboardInterrupt that is pending but interrupts no system call (here
     ``_thread.interrupt_main``, or a signal landing just before the wait starts) must not
     wait for the whole run."""
-    from ctxkit.pipeline.runner import _result_interruptibly
+    from ctxkit.pipeline.pipeline import _result_interruptibly
 
     fut: Future[int] = Future()
     done_later = threading.Timer(3.0, fut.set_result, (1,))

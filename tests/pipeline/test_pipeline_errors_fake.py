@@ -36,7 +36,7 @@ def test_error_in_one_chunk_names_device_and_chunk_and_pipeline_is_reusable(gpu)
         scale_body(gpu, 2.0)(ctx, stream, d_in, d_out, n)
 
     calls: list[tuple[int, int]] = []
-    with Pipeline([0, 1], chunk_bytes=4000) as p:
+    with Pipeline([0, 1], options=ck.PipelineOptions(chunk_bytes=4000)) as p:
         with pytest.raises(PipelineError) as info:
             p.map(body, x)
         err = info.value
@@ -64,7 +64,7 @@ def test_kernel_fault_poisons_the_pipeline_with_a_clear_message(gpu):
         scale_body(gpu, 2.0)(ctx, stream, d_in, d_out, n)
 
     faulted: list[int] = []
-    with Pipeline([0, 1], chunk_bytes=4000) as p:
+    with Pipeline([0, 1], options=ck.PipelineOptions(chunk_bytes=4000)) as p:
         with pytest.raises(PipelineError) as info:
             p.map(body, x)
         err = info.value
@@ -89,7 +89,7 @@ def test_keyboard_interrupt_from_a_worker_propagates_and_pipeline_recovers(gpu):
             raise KeyboardInterrupt
         scale_body(gpu, 2.0)(ctx, stream, d_in, d_out, n)
 
-    with Pipeline([0, 1], chunk_bytes=4000) as p:
+    with Pipeline([0, 1], options=ck.PipelineOptions(chunk_bytes=4000)) as p:
         with pytest.raises(KeyboardInterrupt):
             p.map(body, x)
         out = p.map(scale_body(gpu, 2.0), x)
@@ -106,7 +106,7 @@ def test_ctrl_c_in_the_main_thread_during_map(gpu):
         calls.append(n)
         scale_body(gpu, 2.0, delay=0.02)(ctx, stream, d_in, d_out, n)
 
-    with Pipeline([0, 1], chunk_bytes=4000, staging_buffers=2) as p:
+    with Pipeline([0, 1], options=ck.PipelineOptions(chunk_bytes=4000, staging_buffers=2)) as p:
         main = threading.main_thread().ident
         assert main is not None
         timer = threading.Timer(0.05, signal.pthread_kill, (main, signal.SIGINT))
@@ -128,7 +128,7 @@ def test_a_second_ctrl_c_during_cleanup_still_waits_for_every_chunk(gpu, monkeyp
     """Ctrl-C, then Ctrl-C again while map stops its workers: map raises only once no
     chunk task runs and no kernel of the run is in flight, so nothing touches the
     arrays or the pipeline's buffers after map is back in the caller's hands."""
-    from ctxkit.pipeline import runner as _runner
+    from ctxkit.pipeline import pipeline as _runner
 
     lock = threading.Lock()
     active = {"tasks": 0, "kernels": 0}
@@ -162,7 +162,7 @@ def test_a_second_ctrl_c_during_cleanup_still_waits_for_every_chunk(gpu, monkeyp
     x = np.arange(64_000, dtype=np.float32)
     main = threading.main_thread().ident
     assert main is not None
-    with Pipeline([0, 1], chunk_bytes=4000, staging_buffers=2) as p:
+    with Pipeline([0, 1], options=ck.PipelineOptions(chunk_bytes=4000, staging_buffers=2)) as p:
         kill = (main, signal.SIGINT)
         timers = [threading.Timer(t, signal.pthread_kill, kill) for t in (0.05, 0.1)]
         for t in timers:
@@ -199,7 +199,7 @@ def mapping(p):
         if not np.array_equal(p.map(scale_body(fake, 2.0), x), x * 2):
             raise AssertionError("wrong result")
 for devices in ([0, 1], [1]):
-    p = ck.Pipeline(devices, chunk_bytes=4096, host_threads=2)
+    p = ck.Pipeline(devices, options=ck.PipelineOptions(chunk_bytes=4096, host_threads=2))
     p.map(scale_body(fake, 2.0), x)
     threading.Thread(target=mapping, args=(p,), daemon=True).start()
 time.sleep(0.1)
@@ -227,9 +227,9 @@ def test_maps_in_daemon_threads_at_exit_are_quiet():
 def test_pipeline_knobs_past_their_limits_are_refused_before_anything_starts(gpu):
     threads = threading.active_count()
     with pytest.raises(ValueError, match=r"staging_buffers must be in 1\.\.64, got 1099511627776"):
-        Pipeline([0], staging_buffers=2**40)
+        Pipeline([0], options=ck.PipelineOptions(staging_buffers=2**40))
     with pytest.raises(ValueError, match=r"host_threads must be in 1\.\.256, got 100000"):
-        Pipeline([0], host_threads=100_000)
+        Pipeline([0], options=ck.PipelineOptions(host_threads=100_000))
     assert threading.active_count() == threads
 
 

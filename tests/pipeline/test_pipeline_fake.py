@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import ctxkit as ck
-from ctxkit.pipeline import Pipeline, close_idle_host_threads
+from ctxkit.pipeline import Pipeline, PipelineOptions, close_idle_host_threads
 from tests.support.fakegpu import host_view, scale_body
 from tests.support.helpers import OBJECT_DTYPES, object_array, object_dtype_message
 
@@ -36,7 +36,10 @@ def _pinned(arr: np.ndarray) -> np.ndarray:
 def test_map_pageable_exact(gpu, dtype, alpha, n, devices):
     rng = np.random.default_rng(n)
     x = (rng.standard_normal(n) * 100).astype(dtype)
-    with Pipeline(devices, chunk_bytes=16 * 1024, staging_buffers=3, host_threads=3) as p:
+    with Pipeline(
+        devices,
+        options=ck.PipelineOptions(chunk_bytes=16 * 1024, staging_buffers=3, host_threads=3),
+    ) as p:
         out = p.map(scale_body(gpu, alpha), x)
         assert out.dtype == x.dtype and out.shape == x.shape
         np.testing.assert_array_equal(out, (x * alpha).astype(dtype))
@@ -51,7 +54,7 @@ def test_map_pageable_exact(gpu, dtype, alpha, n, devices):
 
 def test_map_is_reusable_and_buffers_are_reused(gpu):
     x = np.arange(50_000, dtype=np.float32)
-    with Pipeline([0, 1], chunk_bytes=8192, host_threads=2) as p:
+    with Pipeline([0, 1], options=ck.PipelineOptions(chunk_bytes=8192, host_threads=2)) as p:
         first = p.map(scale_body(gpu, 2.0), x)
         slots = [(s.d_in, s.pin_in) for d in p._devices for s in d.slots]
         second = p.map(scale_body(gpu, 2.0), x[:30_000])
@@ -67,7 +70,9 @@ def test_map_is_reusable_and_buffers_are_reused(gpu):
 def test_map_many_chunks_through_few_slots_stress(gpu):
     gpu.jitter = 0.001
     x = np.random.default_rng(1).random(40_000)
-    with Pipeline([0, 1], chunk_bytes=4096, staging_buffers=2, host_threads=4) as p:
+    with Pipeline(
+        [0, 1], options=ck.PipelineOptions(chunk_bytes=4096, staging_buffers=2, host_threads=4)
+    ) as p:
         out = p.map(scale_body(gpu, 2.0), x)
     np.testing.assert_array_equal(out, x * 2)
 
@@ -75,7 +80,7 @@ def test_map_many_chunks_through_few_slots_stress(gpu):
 def test_map_with_slow_host_copies_stress(gpu, monkeypatch):
     """Host copies slower than the GPU: a staging buffer must not be overwritten by the
     next D2H (or refilled before its H2D ran) however the threads interleave."""
-    from ctxkit.pipeline import hostthreads as _staging
+    from ctxkit.pipeline import staging as _staging
 
     real = _staging.copy_piece
     rng = np.random.default_rng(5)
@@ -90,7 +95,9 @@ def test_map_with_slow_host_copies_stress(gpu, monkeypatch):
     monkeypatch.setattr(_staging, "copy_piece", slow_piece)
     gpu.jitter = 0.0
     x = np.random.default_rng(2).random(30_000)
-    with Pipeline([0, 1], chunk_bytes=4096, staging_buffers=2, host_threads=3) as p:
+    with Pipeline(
+        [0, 1], options=ck.PipelineOptions(chunk_bytes=4096, staging_buffers=2, host_threads=3)
+    ) as p:
         out = p.map(scale_body(gpu, 2.0), x)
     np.testing.assert_array_equal(out, x * 2)
 
@@ -98,7 +105,7 @@ def test_map_with_slow_host_copies_stress(gpu, monkeypatch):
 def test_map_pinned_takes_the_zero_copy_path(gpu):
     x = _pinned(np.arange(10_000, dtype=np.float32))
     out = _pinned(np.zeros(10_000, np.float32))
-    with Pipeline([0, 1], chunk_bytes=4096) as p:
+    with Pipeline([0, 1], options=ck.PipelineOptions(chunk_bytes=4096)) as p:
         res = p.map(scale_body(gpu, 2.0), x, out)
         assert res is out
         assert p.last_stats.path == "pinned"
@@ -109,7 +116,7 @@ def test_map_pinned_takes_the_zero_copy_path(gpu):
 
 def test_map_mixed_pinned_input_pageable_output(gpu):
     x = _pinned(np.arange(5000, dtype=np.float64))
-    with Pipeline([0], chunk_bytes=4096) as p:
+    with Pipeline([0], options=ck.PipelineOptions(chunk_bytes=4096)) as p:
         out = p.map(scale_body(gpu, 2.0), x)
         assert p.last_stats.path == "in=pinned, out=staged"
     np.testing.assert_array_equal(out, np.arange(5000) * 2.0)
@@ -129,7 +136,7 @@ def test_map_2d_rows_and_other_out_dtype(gpu):
 
         gpu.launch(stream, kernel)
 
-    with Pipeline([0, 1], chunk_bytes=1200) as p:
+    with Pipeline([0, 1], options=ck.PipelineOptions(chunk_bytes=1200)) as p:
         p.map(body, x, out)
     np.testing.assert_array_equal(out, x.astype(np.float64) + 0.5)
     assert {s[3] for s in seen} == {0, 1}
@@ -138,7 +145,7 @@ def test_map_2d_rows_and_other_out_dtype(gpu):
 
 def test_map_in_place(gpu):
     x = np.arange(9000, dtype=np.int32)
-    with Pipeline([0, 1], chunk_bytes=4096) as p:
+    with Pipeline([0, 1], options=ck.PipelineOptions(chunk_bytes=4096)) as p:
         res = p.map(scale_body(gpu, 3), x, out=x)
     assert res is x
     np.testing.assert_array_equal(x, np.arange(9000, dtype=np.int32) * 3)
@@ -146,7 +153,7 @@ def test_map_in_place(gpu):
 
 def test_map_dynamic_schedule(gpu):
     x = np.arange(20_000, dtype=np.float32)
-    with Pipeline([0, 1], chunk_bytes=4096, schedule="dynamic") as p:
+    with Pipeline([0, 1], options=ck.PipelineOptions(chunk_bytes=4096, schedule="dynamic")) as p:
         out = p.map(scale_body(gpu, 2.0), x)
         stats = p.last_stats
     np.testing.assert_array_equal(out, x * 2)
@@ -161,8 +168,8 @@ def test_dynamic_schedule_gives_a_slow_device_less_work(gpu):
         delay = 0.02 if ctx.device.ordinal == 0 else 0.0
         scale_body(gpu, 2.0, delay)(ctx, stream, d_in, d_out, n)
 
-    with Pipeline([0, 1], chunk_bytes=4096, staging_buffers=2) as p:
-        out = p.map(body, x, schedule="dynamic")
+    with Pipeline([0, 1], options=ck.PipelineOptions(chunk_bytes=4096, staging_buffers=2)) as p:
+        out = p.map(body, x, options=ck.PipelineOptions(schedule="dynamic"))
         by_dev = {d.device: d.chunks for d in p.last_stats.devices}
     np.testing.assert_array_equal(out, x * 2)
     assert by_dev[1] > by_dev[0]
@@ -191,11 +198,13 @@ def test_map_argument_errors(gpu):
         with pytest.raises(TypeError, match="ObjectCode"):
             p.map((3.5, "scale_f32"), np.zeros(4))
         with pytest.raises(ValueError, match="block"):
-            p.map(scale_body(gpu, 2), np.zeros(4), block=2048)
+            p.map(scale_body(gpu, 2), np.zeros(4), options=ck.PipelineOptions(block=2048))
         with pytest.raises(TypeError, match="args must be a tuple"):
             p.map(scale_body(gpu, 2), np.zeros(4), args=2.0)
-        with pytest.raises(ValueError, match="mode"):
-            p.map(scale_body(gpu, 2), np.zeros(4), mode="magic")
+        with pytest.raises(TypeError, match="PipelineOptions"):
+            p.map(scale_body(gpu, 2), np.zeros(4), options={"block": 64})
+        with pytest.raises(ValueError, match=r"options.staging_buffers=8 differs"):
+            p.map(scale_body(gpu, 2), np.zeros(4), options=PipelineOptions(staging_buffers=8))
         with pytest.raises(ValueError, match="chunk_bytes"):
             p.map(scale_body(gpu, 2), np.zeros(4), chunk_bytes=0)
         with pytest.raises(ValueError, match="as many rows"):
@@ -239,7 +248,7 @@ def host_blocks(gpu) -> set[int]:
 def test_close_frees_every_buffer_and_stops_threads(gpu):
     before = set(gpu.mem)
     threads_before = {t.name for t in threading.enumerate()}
-    p = Pipeline([0, 1], chunk_bytes=4096, host_threads=2)
+    p = Pipeline([0, 1], options=ck.PipelineOptions(chunk_bytes=4096, host_threads=2))
     p.map(scale_body(gpu, 2.0), np.arange(20_000, dtype=np.float32))
     assert len(gpu.mem) > len(before)
     p.close()
@@ -258,10 +267,10 @@ def test_close_frees_every_buffer_and_stops_threads(gpu):
 def test_a_new_pipeline_takes_the_host_threads_a_closed_one_left(gpu):
     close_idle_host_threads()
     x = np.arange(20_000, dtype=np.float32)
-    with Pipeline([0], chunk_bytes=4096, host_threads=3) as p:
+    with Pipeline([0], options=ck.PipelineOptions(chunk_bytes=4096, host_threads=3)) as p:
         np.testing.assert_array_equal(p.map(scale_body(gpu, 2.0), x), 2 * x)
         first = set(p._host_pool[0]._threads)
-    with Pipeline([0], chunk_bytes=4096, host_threads=3) as p:
+    with Pipeline([0], options=ck.PipelineOptions(chunk_bytes=4096, host_threads=3)) as p:
         np.testing.assert_array_equal(p.map(scale_body(gpu, 3.0), x), 3 * x)
         assert set(p._host_pool[0]._threads) == first
     assert close_idle_host_threads() == 3
@@ -269,11 +278,11 @@ def test_a_new_pipeline_takes_the_host_threads_a_closed_one_left(gpu):
 
 def test_new_pipelines_reuse_the_staging_blocks_of_closed_ones(gpu):
     x = np.arange(20_000, dtype=np.float32)
-    with Pipeline([0, 1], chunk_bytes=4096, host_threads=2) as p:
+    with Pipeline([0, 1], options=ck.PipelineOptions(chunk_bytes=4096, host_threads=2)) as p:
         p.map(scale_body(gpu, 2.0), x)
     blocks = host_blocks(gpu)
     for k in range(3):  # a new Pipeline per call page-locks nothing
-        with Pipeline([0, 1], chunk_bytes=4096, host_threads=2) as p:
+        with Pipeline([0, 1], options=ck.PipelineOptions(chunk_bytes=4096, host_threads=2)) as p:
             np.testing.assert_array_equal(p.map(scale_body(gpu, k), x), x * k)
         assert host_blocks(gpu) == blocks
     stats = ck.pinned_pool().stats()
@@ -285,7 +294,7 @@ def test_new_pipelines_reuse_the_staging_blocks_of_closed_ones(gpu):
 
 def test_trace_shows_overlap_of_copies_kernels_and_devices(gpu, tmp_path):
     x = np.arange(16_000, dtype=np.float32)
-    with Pipeline([0, 1], chunk_bytes=4000, staging_buffers=3) as p:
+    with Pipeline([0, 1], options=ck.PipelineOptions(chunk_bytes=4000, staging_buffers=3)) as p:
         p.map(scale_body(gpu, 2.0, delay=0.01), x)
         tl = p.trace()
     names = set(tl.names())
@@ -306,14 +315,14 @@ def test_trace_shows_overlap_of_copies_kernels_and_devices(gpu, tmp_path):
 
 
 def test_trace_survives_close(gpu):
-    with Pipeline([0, 1], chunk_bytes=4000) as p:
+    with Pipeline([0, 1], options=ck.PipelineOptions(chunk_bytes=4000)) as p:
         p.map(scale_body(gpu, 2.0), np.arange(4000, dtype=np.float32))
     tl = p.trace()
     assert tl.dropped == 0 and len(tl.select(name="kernel")) == 4
 
 
 def test_trace_off(gpu):
-    with Pipeline([0], trace=False) as p:
+    with Pipeline([0], options=ck.PipelineOptions(trace=False)) as p:
         p.map(scale_body(gpu, 2.0), np.arange(100.0))
         assert len(p.trace()) == 0
         assert p._devices[0].events[False]  # pooled sync events came back
@@ -321,7 +330,7 @@ def test_trace_off(gpu):
 
 def test_map_managed(gpu):
     n = 10_000
-    with Pipeline([0, 1], chunk_bytes=4096) as p:
+    with Pipeline([0, 1], options=ck.PipelineOptions(chunk_bytes=4096)) as p:
         buf = ck.ManagedBuffer(n * 4, context=p.contexts[0])
         xm = buf.as_numpy(np.float32)
         xm[...] = np.arange(n, dtype=np.float32)
@@ -330,8 +339,8 @@ def test_map_managed(gpu):
         assert p.last_stats.path == "managed"
         targets = {t for _, _, t in gpu.prefetches}
         assert targets == {0, 1, "cpu"}
-        # mode="managed" with the numpy view, in place.
-        p.map(scale_body(gpu, 2.0), xm, xm, mode="managed")
+        # the numpy view, in place.
+        p.map_managed(scale_body(gpu, 2.0), xm, xm)
         np.testing.assert_array_equal(xm, np.arange(n, dtype=np.float32) * 2)
         assert {"prefetch", "kernel", "prefetch_back"} <= set(p.trace().names())
         with pytest.raises(ValueError, match="not unified"):
@@ -383,3 +392,16 @@ class FakeScaleKernel:
 
     def __call__(self, ctx, stream, d_in, d_out, n, alpha):
         self.launch(1, 256, d_in.ptr, d_out.ptr, n, alpha, stream=stream)
+
+
+def test_call_options_change_only_what_they_set(gpu):
+    """A call's options override the fields they set; the rest are the pipeline's."""
+    with Pipeline([0], options=PipelineOptions(chunk_bytes=4096, schedule="dynamic")) as p:
+        assert p.options.chunk_bytes == 4096 and p.options.staging_buffers == 4
+        x = np.arange(10_000, dtype=np.float32)
+        out = p.map(scale_body(gpu, 2.0), x, options=PipelineOptions(host_path="staged"))
+        np.testing.assert_array_equal(out, x * 2)
+        assert (p._run.plan.rows_per_chunk, p._run.plan.schedule) == (1024, "dynamic")
+        p.map(scale_body(gpu, 2.0), x, chunk_bytes=8192, options=PipelineOptions(schedule="static"))
+        assert (p._run.plan.rows_per_chunk, p._run.plan.schedule) == (2048, "static")
+        assert p.options.chunk_bytes == 4096  # the pipeline's own options are unchanged

@@ -43,8 +43,8 @@ from tests.pipeline.gpu_support import (  # noqa: F401
 def test_map_pageable_bit_exact(kern, ndev, n, dtype, host_path):
     entry, alpha = SCALE[dtype]
     x = random_array(n, dtype, n)
-    with Pipeline(need_devices(ndev), chunk_bytes=1 << 20) as p:
-        out = p.map(kern[entry], x, args=(alpha,), host_path=host_path)
+    with Pipeline(need_devices(ndev), options=ck.PipelineOptions(chunk_bytes=1 << 20)) as p:
+        out = p.map(kern[entry], x, args=(alpha,), options=ck.PipelineOptions(host_path=host_path))
         assert out.dtype == x.dtype and out.shape == x.shape
         np.testing.assert_array_equal(out, scaled(x, alpha))
         if n:
@@ -92,8 +92,16 @@ def test_register_path_unaligned_in_place_and_wider_output_rows(kern, offset):
     x = raw[start : start + n * 4].view(np.float32)
     x[...] = random_array(n, np.float32, 13)
     orig = x.copy()
-    with Pipeline([0], chunk_bytes=(1 << 20) + 12) as p:  # chunk ends fall mid-page
-        p.map(kern["scale_f32"], x, out=x, args=(2.0,), host_path="register")
+    with Pipeline(
+        [0], options=ck.PipelineOptions(chunk_bytes=(1 << 20) + 12)
+    ) as p:  # chunk ends fall mid-page
+        p.map(
+            kern["scale_f32"],
+            x,
+            out=x,
+            args=(2.0,),
+            options=ck.PipelineOptions(host_path="register"),
+        )
         assert p.last_stats.fallbacks == 0
         np.testing.assert_array_equal(x, orig * np.float32(2))
         # Output rows of 2 floats (8 bytes) from input rows of 1 float: each chunk's
@@ -105,7 +113,7 @@ def test_register_path_unaligned_in_place_and_wider_output_rows(kern, offset):
             k.launch(64, 256, d_in.ptr, d_out.ptr, rows, 2.0, stream=stream)
             k.launch(64, 256, d_in.ptr, d_out.ptr + 4 * rows, rows, 3.0, stream=stream)
 
-        p.map(two_scales, orig, wide, host_path="register")
+        p.map(two_scales, orig, wide, options=ck.PipelineOptions(host_path="register"))
         assert p.last_stats.fallbacks == 0
         chunks = p._run.plan.chunks
     assert len(chunks) > 2
@@ -125,8 +133,10 @@ def test_register_path_reads_a_read_only_file_mapping(kern, tmp_path):
     path = tmp_path / "x.f32"
     src.tofile(path)
     x = np.memmap(path, np.float32, mode="r", shape=(n,))
-    with Pipeline([0], chunk_bytes=1 << 20) as p:
-        out = p.map(kern["scale_f32"], x, args=(2.0,), host_path="register")
+    with Pipeline([0], options=ck.PipelineOptions(chunk_bytes=1 << 20)) as p:
+        out = p.map(
+            kern["scale_f32"], x, args=(2.0,), options=ck.PipelineOptions(host_path="register")
+        )
         print("read-only input: fallbacks", p.last_stats.fallbacks)
     np.testing.assert_array_equal(out, src * np.float32(2))
     assert_unregistered(out)
@@ -138,8 +148,10 @@ def test_register_path_leaves_the_arrays_readable_in_a_forked_child(kern):
     """Registration may mark pages MADV_DONTFORK; after map they must be ordinary again,
     or a child process would lose the arrays."""
     x = random_array(8 << 20, np.float32, 15)
-    with Pipeline([0], chunk_bytes=4 << 20) as p:
-        out = p.map(kern["scale_f32"], x, args=(2.0,), host_path="register")
+    with Pipeline([0], options=ck.PipelineOptions(chunk_bytes=4 << 20)) as p:
+        out = p.map(
+            kern["scale_f32"], x, args=(2.0,), options=ck.PipelineOptions(host_path="register")
+        )
     expected = float(np.float64(out.astype(np.float64).sum()))
     pid = os.fork()
     if pid == 0:  # the child touches every page of both arrays, no CUDA
@@ -208,7 +220,9 @@ def test_child_forked_while_a_thread_maps_gets_fork_error_at_once(kern):
 @pytest.mark.multigpu
 def test_map_dynamic_schedule_and_2d_rows(kern):
     x = random_array(3 * 400_001, np.float64, 3).reshape(400_001, 3)
-    with Pipeline(need_devices(2), schedule="dynamic", chunk_bytes=1 << 20) as p:
+    with Pipeline(
+        need_devices(2), options=ck.PipelineOptions(schedule="dynamic", chunk_bytes=1 << 20)
+    ) as p:
         out = p.map(kern["scale_f64"], x, args=(2.0,))
         assert sum(d.rows for d in p.last_stats.devices) == 400_001
     np.testing.assert_array_equal(out, x * 2.0)
@@ -241,8 +255,10 @@ def test_trace_shows_h2d_overlapping_the_previous_kernel(kern, ndev, host_path, 
     # Registering a chunk's pages takes longer than staging them: a longer kernel keeps
     # the device the bottleneck, so that the next chunk's H2D can land during it.
     cycles = SPIN_CYCLES * (4 if host_path == "register" else 1)
-    with Pipeline(need_devices(ndev), chunk_bytes=4 << 20) as p:
-        out = p.map(spin_copy_body(kern, cycles), x, host_path=host_path)
+    with Pipeline(need_devices(ndev), options=ck.PipelineOptions(chunk_bytes=4 << 20)) as p:
+        out = p.map(
+            spin_copy_body(kern, cycles), x, options=ck.PipelineOptions(host_path=host_path)
+        )
         tl = p.trace()
     np.testing.assert_array_equal(out, x)
     assert tl.dropped == 0
@@ -305,12 +321,12 @@ def test_map_managed_on_twoneed_devices(kern, ctx0):
     xm = buf.as_numpy(np.float32)
     xm[...] = random_array(n, np.float32, 21)
     expected = xm * np.float32(2)
-    with Pipeline(need_devices(2), chunk_bytes=1 << 20) as p:
+    with Pipeline(need_devices(2), options=ck.PipelineOptions(chunk_bytes=1 << 20)) as p:
         out = p.map_managed(kern["scale_f32"], buf, dtype=np.float32, args=(2.0,))
         np.testing.assert_array_equal(out, expected)
         assert {d.device for d in p.last_stats.devices} == {0, 1}
         assert {"prefetch", "kernel"} <= set(p.trace().names())
-        p.map(kern["scale_f32"], xm, xm, args=(2.0,), mode="managed")  # in place
+        p.map_managed(kern["scale_f32"], xm, xm, args=(2.0,))  # in place
         np.testing.assert_array_equal(xm, expected)
         with pytest.raises(ValueError, match="not unified"):
             p.map_managed(kern["scale_f32"], np.ones(4, np.float32), args=(2.0,))
@@ -333,7 +349,7 @@ def test_error_in_one_chunk_names_device_and_chunk(kern, ndev):
             raise RuntimeError("refusing this chunk")
         kern["scale_f32"].launch(64, 256, d_in.ptr, d_out.ptr, n, 2.0, stream=stream)
 
-    with Pipeline(need_devices(ndev), chunk_bytes=1 << 20) as p:
+    with Pipeline(need_devices(ndev), options=ck.PipelineOptions(chunk_bytes=1 << 20)) as p:
         with pytest.raises(PipelineError) as info:
             p.map(body, x)
         err = info.value
@@ -351,7 +367,7 @@ def test_kernel_fault_in_a_chunk_poisons_the_pipeline_clearly():
         """
         import numpy as np, ctxkit as ck
         from ctxkit import compiler as C
-        from ctxkit.pipeline import Pipeline, PipelineError
+        from ctxkit.pipeline import Pipeline, PipelineError, PipelineOptions
         arch = ck.Device(0).arch
         fault = ck.Module.load(ck.compile(C.kernel_source("fault.cu"), arch=arch)).function("fault")
         scale = ck.Module.load(ck.compile(C.kernel_source("scale.cu"), arch=arch)).function(
@@ -363,7 +379,7 @@ def test_kernel_fault_in_a_chunk_poisons_the_pipeline_clearly():
                 fault.launch(1, 1, d_out.ptr, stream=stream)
             else:
                 scale.launch(64, 256, d_in.ptr, d_out.ptr, n, 2.0, stream=stream)
-        p = Pipeline([0], chunk_bytes=1 << 20)
+        p = Pipeline([0], options=PipelineOptions(chunk_bytes=1 << 20))
         x = np.ones(4 << 20, np.float32)
         try:
             p.map(body, x)
@@ -397,9 +413,12 @@ def test_ctrl_c_during_map_stops_workers_and_leaves_the_pipeline_usable(kern, ho
     body = spin_copy_body(kern, 20_000_000)
     main = threading.main_thread().ident
     assert main is not None
-    with Pipeline([0], chunk_bytes=1 << 20) as p:
+    with Pipeline([0], options=ck.PipelineOptions(chunk_bytes=1 << 20)) as p:
         one = x[: 1 << 18]  # exactly one chunk; the first run also sets everything up
-        chunk_s = min(seconds_of(lambda: p.map(body, one, host_path=host_path)) for _ in range(3))
+        chunk_s = min(
+            seconds_of(lambda: p.map(body, one, options=ck.PipelineOptions(host_path=host_path)))
+            for _ in range(3)
+        )
         # Stopping must not run the remaining chunks: the whole map takes ~64 chunk times.
         limit = 0.6 * (x.nbytes // one.nbytes) * chunk_s
         fired: list[float] = []
@@ -412,7 +431,7 @@ def test_ctrl_c_during_map_stops_workers_and_leaves_the_pipeline_usable(kern, ho
         timer.start()
         try:
             with pytest.raises(KeyboardInterrupt):
-                p.map(body, x, host_path=host_path)
+                p.map(body, x, options=ck.PipelineOptions(host_path=host_path))
         finally:
             timer.cancel()
         stopped_s = time.perf_counter() - fired[0]
@@ -420,7 +439,9 @@ def test_ctrl_c_during_map_stops_workers_and_leaves_the_pipeline_usable(kern, ho
             f"map stopped {stopped_s * 1e3:.0f} ms after Ctrl-C; limit {limit * 1e3:.0f} ms "
             f"= 0.6 x the whole map ({chunk_s * 1e3:.1f} ms per chunk)\n" + p.trace().summary()
         )
-        out = p.map(kern["scale_f32"], x, args=(2.0,), host_path=host_path)
+        out = p.map(
+            kern["scale_f32"], x, args=(2.0,), options=ck.PipelineOptions(host_path=host_path)
+        )
     np.testing.assert_array_equal(out, x * np.float32(2))
     assert_unregistered(x, out)
 
@@ -430,7 +451,7 @@ def test_second_ctrl_c_during_cleanup_still_waits_for_every_chunk(kern):
     body = spin_copy_body(kern, 100_000_000)  # ~50 ms per chunk
     main = threading.main_thread().ident
     assert main is not None
-    with Pipeline([0], chunk_bytes=1 << 20) as p:
+    with Pipeline([0], options=ck.PipelineOptions(chunk_bytes=1 << 20)) as p:
         p.map(body, x[: 1 << 18])  # set up (buffers, kernel) before timing anything
         timers = [
             threading.Timer(t, signal.pthread_kill, (main, signal.SIGINT)) for t in (0.03, 0.06)

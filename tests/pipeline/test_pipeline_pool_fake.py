@@ -32,7 +32,7 @@ def host_allocs(gpu) -> int:
 @pytest.mark.parametrize("n", [0, 1, 7, 100_003])
 def test_pinned_output_is_right_and_pooled(gpu, n):
     x = np.random.default_rng(n).standard_normal(n).astype(np.float32)
-    with Pipeline([0, 1], chunk_bytes=16 * 1024, host_threads=2) as p:
+    with Pipeline([0, 1], options=ck.PipelineOptions(chunk_bytes=16 * 1024, host_threads=2)) as p:
         out = p.map(scale_body(gpu, 2.0), x, out="pinned")
         assert out.shape == x.shape and out.dtype == x.dtype
         np.testing.assert_array_equal(out, x * 2)
@@ -45,7 +45,7 @@ def test_pinned_output_is_right_and_pooled(gpu, n):
 def test_pinned_output_block_returns_when_dropped_and_is_reused(gpu):
     x = np.arange(50_000, dtype=np.float32)
     pool = ck.pinned_pool()
-    with Pipeline([0], chunk_bytes=16 * 1024, host_threads=2) as p:
+    with Pipeline([0], options=ck.PipelineOptions(chunk_bytes=16 * 1024, host_threads=2)) as p:
         out = p.map(scale_body(gpu, 2.0), x, out="pinned")
         ptr = out.ctypes.data
         view = out[10:]
@@ -68,7 +68,7 @@ def test_pinned_output_block_returns_when_dropped_and_is_reused(gpu):
 
 def test_pinned_output_of_other_shapes_and_2d(gpu):
     x = np.arange(3000, dtype=np.float64).reshape(1000, 3)
-    with Pipeline([0, 1], chunk_bytes=4096, host_threads=2) as p:
+    with Pipeline([0, 1], options=ck.PipelineOptions(chunk_bytes=4096, host_threads=2)) as p:
         out = p.map(scale_body(gpu, 2.0), x, out="pinned")
     assert out.shape == (1000, 3)
     np.testing.assert_array_equal(out, x * 2)
@@ -76,7 +76,7 @@ def test_pinned_output_of_other_shapes_and_2d(gpu):
 
 def test_pinned_output_does_not_fit_the_budget(gpu):
     x = np.zeros(1 << 20, np.uint8)
-    with Pipeline([0], chunk_bytes=4096, host_threads=2) as p:
+    with Pipeline([0], options=ck.PipelineOptions(chunk_bytes=4096, host_threads=2)) as p:
         p.map(scale_body(gpu, 1), x[:4096])  # staging buffers first
         ck.pinned_pool().set_budget(ck.pinned_pool().stats().in_use_bytes)
         with pytest.raises(ck.OutOfMemoryError, match="CTXKIT_PINNED_POOL_BYTES"):
@@ -89,7 +89,7 @@ def test_pinned_output_does_not_fit_the_budget(gpu):
 def test_default_output_of_a_large_map_is_pooled_and_reused(gpu):
     x = np.arange(POOLED_OUT_BYTES // 4 + 5, dtype=np.float32)  # just over the threshold
     pool = ck.pinned_pool()
-    with Pipeline([0, 1], chunk_bytes=MiB, host_threads=2) as p:
+    with Pipeline([0, 1], options=ck.PipelineOptions(chunk_bytes=MiB, host_threads=2)) as p:
         out = p.map(scale_body(gpu, 2.0), x)
         assert pool.owns(out) and p.last_stats.path == "in=staged, out=pinned"
         np.testing.assert_array_equal(out, x * 2)
@@ -108,7 +108,7 @@ def test_default_output_of_a_large_map_is_pooled_and_reused(gpu):
 
 def test_default_output_of_a_small_map_is_an_ordinary_array(gpu):
     x = np.arange(POOLED_OUT_BYTES // 4 - 1, dtype=np.float32)
-    with Pipeline([0], chunk_bytes=MiB, host_threads=2) as p:
+    with Pipeline([0], options=ck.PipelineOptions(chunk_bytes=MiB, host_threads=2)) as p:
         out = p.map(scale_body(gpu, 2.0), x)
         assert not ck.pinned_pool().owns(out) and p.last_stats.path == "in=staged, out=staged"
     np.testing.assert_array_equal(out, x * 2)
@@ -117,7 +117,7 @@ def test_default_output_of_a_small_map_is_an_ordinary_array(gpu):
 def test_default_output_without_room_in_the_pool_is_pageable_not_an_error(gpu):
     x = np.ones(POOLED_OUT_BYTES // 4, dtype=np.float32)
     pool = ck.pinned_pool()
-    with Pipeline([0], chunk_bytes=MiB, host_threads=2) as p:
+    with Pipeline([0], options=ck.PipelineOptions(chunk_bytes=MiB, host_threads=2)) as p:
         p.map(scale_body(gpu, 1.0), x, out="pageable")  # every staging buffer first
         pool.set_budget(pool.stats().in_use_bytes)
         out = p.map(scale_body(gpu, 2.0), x)
@@ -132,7 +132,9 @@ def test_default_output_leaves_room_for_the_staging_of_a_fallback(gpu):
     pageable output needs still fit: the call after that falls back and works."""
     x = np.ones(8 * MiB // 4, dtype=np.float32)
     pool = ck.pinned_pool()
-    with Pipeline([0], chunk_bytes=MiB, staging_buffers=2, host_threads=2) as p:
+    with Pipeline(
+        [0], options=ck.PipelineOptions(chunk_bytes=MiB, staging_buffers=2, host_threads=2)
+    ) as p:
         staging = 2 * 2 * MiB  # in and out, 2 slots of 1 MiB: held, or kept free
         pool.set_budget(3 * x.nbytes + 2 * staging)
         kept = [p.map(scale_body(gpu, float(k)), x) for k in range(4)]
@@ -154,7 +156,7 @@ def test_try_empty_never_waits_and_keeps_the_headroom(gpu):
 
 def test_pageable_output_is_never_pooled(gpu):
     x = np.ones(POOLED_OUT_BYTES // 4, dtype=np.float32)
-    with Pipeline([0], chunk_bytes=MiB, host_threads=2) as p:
+    with Pipeline([0], options=ck.PipelineOptions(chunk_bytes=MiB, host_threads=2)) as p:
         out = p.map(scale_body(gpu, 2.0), x, out="pageable")
         assert not ck.pinned_pool().owns(out) and p.last_stats.path == "in=staged, out=staged"
     np.testing.assert_array_equal(out, x * 2)
@@ -180,11 +182,11 @@ def test_pinned_output_on_a_closed_pipeline(gpu):
 def test_staging_and_bounce_buffers_come_from_the_pool(gpu):
     x = np.arange(100_003, dtype=np.float32)
     pool = ck.pinned_pool()
-    with Pipeline([0, 1], chunk_bytes=16 * 1024, host_threads=2) as p:
-        p.map(scale_body(gpu, 2.0), x, host_path="register")
+    with Pipeline([0, 1], options=ck.PipelineOptions(chunk_bytes=16 * 1024, host_threads=2)) as p:
+        p.map(scale_body(gpu, 2.0), x, options=ck.PipelineOptions(host_path="register"))
         slots = [s for d in p._devices for s in d.slots]
         assert all(pool.owns(s.bounce) for s in slots)
-        p.map(scale_body(gpu, 2.0), x, host_path="staged")
+        p.map(scale_body(gpu, 2.0), x, options=ck.PipelineOptions(host_path="staged"))
         assert all(pool.owns(s.pin_in) and pool.owns(s.pin_out) for s in slots)
         in_use = pool.stats().in_use_blocks
         assert in_use == 3 * len(slots)
@@ -226,8 +228,8 @@ def fake_nvtx(monkeypatch) -> FakeDomain:
 
 def test_chunk_stages_are_nvtx_ranges(gpu, fake_nvtx):
     x = np.arange(40_000, dtype=np.float32)  # 10 chunks
-    with Pipeline([0, 1], chunk_bytes=16 * 1024, host_threads=2) as p:
-        p.map(scale_body(gpu, 2.0), x, host_path="staged")
+    with Pipeline([0, 1], options=ck.PipelineOptions(chunk_bytes=16 * 1024, host_threads=2)) as p:
+        p.map(scale_body(gpu, 2.0), x, options=ck.PipelineOptions(host_path="staged"))
     names = fake_nvtx.pushed
     for stage in ("h2d", "kernel", "d2h", "fill", "drain"):
         assert names.count(stage) == 10, (stage, names)
@@ -236,7 +238,7 @@ def test_chunk_stages_are_nvtx_ranges(gpu, fake_nvtx):
 
 def test_no_nvtx_ranges_when_off(gpu, fake_nvtx, monkeypatch):
     monkeypatch.setattr(cn, "_nvtx_enabled", False)
-    with Pipeline([0], chunk_bytes=16 * 1024, host_threads=2) as p:
+    with Pipeline([0], options=ck.PipelineOptions(chunk_bytes=16 * 1024, host_threads=2)) as p:
         p.map(scale_body(gpu, 2.0), np.arange(40_000, dtype=np.float32))
     assert fake_nvtx.pushed == []
 
@@ -272,7 +274,7 @@ def fake_tqdm(monkeypatch):
 
 def test_progress_uses_tqdm_when_installed(gpu, fake_tqdm):
     x = np.arange(40_000, dtype=np.float32)
-    with Pipeline([0, 1], chunk_bytes=16 * 1024, host_threads=2) as p:
+    with Pipeline([0, 1], options=ck.PipelineOptions(chunk_bytes=16 * 1024, host_threads=2)) as p:
         p.map(scale_body(gpu, 2.0), x)
         assert fake_tqdm == []  # off by default
         out = p.map(scale_body(gpu, 2.0), x, progress=True)
@@ -284,7 +286,7 @@ def test_progress_uses_tqdm_when_installed(gpu, fake_tqdm):
 def test_progress_line_on_stderr_without_tqdm(gpu, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm raises ImportError
     x = np.arange(40_000, dtype=np.float32)
-    with Pipeline([0, 1], chunk_bytes=16 * 1024, host_threads=2) as p:
+    with Pipeline([0, 1], options=ck.PipelineOptions(chunk_bytes=16 * 1024, host_threads=2)) as p:
         p.map(scale_body(gpu, 2.0), x, progress=True)
     err = capsys.readouterr().err
     assert err.endswith("ctxkit map: 10/10 chunks (100%)\n")
@@ -295,6 +297,9 @@ def test_progress_bar_is_closed_when_the_map_fails(gpu, fake_tqdm):
     def body(ctx, stream, d_in, d_out, n):
         raise RuntimeError("bad body")
 
-    with Pipeline([0], chunk_bytes=16 * 1024) as p, pytest.raises(Exception, match="bad body"):
+    with (
+        Pipeline([0], options=ck.PipelineOptions(chunk_bytes=16 * 1024)) as p,
+        pytest.raises(Exception, match="bad body"),
+    ):
         p.map(body, np.arange(40_000, dtype=np.float32), progress=True)
     assert fake_tqdm[0].closed

@@ -12,8 +12,8 @@ import pytest
 
 from ctxkit.pipeline import (
     Chunk,
-    MapOptions,
     MapPlan,
+    PipelineOptions,
     default_chunk_bytes,
     grid_size,
     plan_map,
@@ -87,7 +87,7 @@ def test_chunk_rows():
 
 
 def test_static_chunks_are_row_aligned_and_complete():
-    plan = plan_map(1000, (12, 12), 2, MapOptions(chunk_bytes=1000))
+    plan = plan_map(1000, (12, 12), 2, PipelineOptions(chunk_bytes=1000))
     assert isinstance(plan, MapPlan)
     assert plan.rows_per_chunk == 83  # 1000 // 12
     assert plan.parts == ((0, 500), (500, 1000))
@@ -102,27 +102,27 @@ def test_static_chunks_are_row_aligned_and_complete():
 
 
 def test_chunks_are_sized_by_the_wider_rows():
-    plan = plan_map(1000, (12, 24), 1, MapOptions(chunk_bytes=1200))
+    plan = plan_map(1000, (12, 24), 1, PipelineOptions(chunk_bytes=1200))
     assert plan.rows_per_chunk == 50
     assert (plan.in_chunk_bytes, plan.out_chunk_bytes) == (600, 1200)
 
 
 def test_fewer_rows_than_devices_and_empty():
-    plan = plan_map(1, (4, 4), 3, MapOptions(chunk_bytes=MiB))
+    plan = plan_map(1, (4, 4), 3, PipelineOptions(chunk_bytes=MiB))
     assert [len(plan.for_part(p)) for p in range(3)] == [0, 0, 1]
     assert plan.active == (2,)  # only the device with work runs
-    empty = plan_map(0, (4, 4), 2, MapOptions(chunk_bytes=1024))
+    empty = plan_map(0, (4, 4), 2, PipelineOptions(chunk_bytes=1024))
     assert empty.chunks == () and empty.empty and empty.active == ()
     assert plan_map(5, (0, 0), 1).empty  # rows of zero bytes: nothing to move
 
 
 def test_row_bigger_than_chunk_gives_one_row_chunks():
-    plan = plan_map(5, (4096, 4096), 1, MapOptions(chunk_bytes=1000))
+    plan = plan_map(5, (4096, 4096), 1, PipelineOptions(chunk_bytes=1000))
     assert plan.rows_per_chunk == 1 and len(plan.chunks) == 5
 
 
 def test_dynamic_schedule_shares_one_queue():
-    plan = plan_map(100, (4, 4), 3, MapOptions(chunk_bytes=40, schedule="dynamic"))
+    plan = plan_map(100, (4, 4), 3, PipelineOptions(chunk_bytes=40, schedule="dynamic"))
     assert plan.schedule == "dynamic"
     assert all(c.part == -1 for c in plan.chunks)
     assert [c.rows for c in plan.chunks] == [10] * 10
@@ -144,7 +144,7 @@ def test_default_chunk_size_and_errors():
 
 
 def _modes(host=("pageable", "pageable"), n_rows=1 << 20, **kw) -> tuple[str, str, str]:
-    plan = plan_map(n_rows, (4, 4), 1, MapOptions(**kw), host)
+    plan = plan_map(n_rows, (4, 4), 1, PipelineOptions(**kw), host)
     return plan.in_mode, plan.out_mode, plan.path
 
 
@@ -183,26 +183,28 @@ def test_small_auto_sides_are_staged(monkeypatch):
 
 
 def test_managed_map_prefetches_instead_of_copying():
-    opts = MapOptions(managed=True, prefetch=False, to_host=True)
-    plan = plan_map(1000, (4, 4), 2, opts, host=("pinned", "pinned"))
+    opts = PipelineOptions(prefetch=False, to_host=True)
+    plan = plan_map(1000, (4, 4), 2, opts, host=("managed", "managed"))
     assert plan.managed and plan.path == "managed" and not plan.needs_pool
     assert (plan.prefetch, plan.to_host) == (False, True)
+    with pytest.raises(ValueError, match="managed on both sides"):
+        plan_map(1000, (4, 4), 2, opts, host=("managed", "pinned"))
 
 
 def test_registering_feeders_claim_a_few_chunks_ahead():
-    opts = MapOptions(host_path="register", staging_buffers=3, host_threads=16)
+    opts = PipelineOptions(host_path="register", staging_buffers=3, host_threads=16)
     assert plan_map(1 << 20, (4, 4), 1, opts).ahead == 6  # min(16, 2 * 3)
     assert plan_map(1 << 20, (4, 4), 4, opts).ahead == 4  # 16 threads over 4 devices
     few = dataclasses.replace(opts, host_threads=2)
     assert plan_map(1 << 20, (4, 4), 2, few).ahead == 3  # at least staging_buffers
-    staged = MapOptions(staging_buffers=4)
+    staged = PipelineOptions(staging_buffers=4)
     assert plan_map(1 << 20, (4, 4), 2, staged).ahead == 4  # every slot's input fills at once
     assert plan_map(1 << 20, (4, 4), 2).ahead == DEFAULT_STAGING_BUFFERS
-    dynamic = MapOptions(staging_buffers=6, schedule="dynamic")
+    dynamic = PipelineOptions(staging_buffers=6, schedule="dynamic")
     assert plan_map(1 << 20, (4, 4), 2, dynamic).ahead == 3  # leaves chunks to steal
     pinned_in = plan_map(1 << 20, (4, 4), 2, staged, host=("pinned", "pageable"))
     assert pinned_in.ahead == 1  # nothing to fill or register ahead
-    mixed = MapOptions(host_path=("staged", "register"), staging_buffers=2, host_threads=16)
+    mixed = PipelineOptions(host_path=("staged", "register"), staging_buffers=2, host_threads=16)
     assert plan_map(1 << 20, (4, 4), 1, mixed).ahead == 4  # registrations go further
 
 
@@ -210,10 +212,10 @@ def test_registering_feeders_claim_a_few_chunks_ahead():
 
 
 def test_map_options_normalise_the_host_path():
-    assert MapOptions(host_path="register").host_path == ("register", "register")
-    assert MapOptions(host_path=("register", "staged")).host_path == ("register", "staged")
+    assert PipelineOptions(host_path="register").host_path == ("register", "register")
+    assert PipelineOptions(host_path=("register", "staged")).host_path == ("register", "staged")
     with pytest.raises(dataclasses.FrozenInstanceError):
-        MapOptions().block = 128  # type: ignore[misc]
+        PipelineOptions().block = 128  # type: ignore[misc]
 
 
 @pytest.mark.parametrize(
@@ -235,14 +237,14 @@ def test_map_options_normalise_the_host_path():
 )
 def test_map_options_errors(kw, exc, match):
     with pytest.raises(exc, match=match):
-        MapOptions(**kw)
+        PipelineOptions(**kw)
 
 
 def test_chunk_bytes_that_cut_a_map_into_too_many_chunks_are_refused():
     with pytest.raises(ValueError, match=r"chunk_bytes=1 cuts .* 65536 chunks.*chunk_bytes >= "):
-        plan_map(1 << 20, (4, 4), 1, MapOptions(chunk_bytes=1))
+        plan_map(1 << 20, (4, 4), 1, PipelineOptions(chunk_bytes=1))
     fewest = -(-(1 << 20) // (MAX_CHUNKS - 2)) * 4
-    plan = plan_map(1 << 20, (4, 4), 2, MapOptions(chunk_bytes=fewest))
+    plan = plan_map(1 << 20, (4, 4), 2, PipelineOptions(chunk_bytes=fewest))
     assert len(plan.chunks) <= MAX_CHUNKS
 
 
@@ -253,9 +255,9 @@ def test_default_chunks_of_a_huge_map_stay_under_the_chunk_limit():
 
 
 def test_chunk_bytes_beyond_the_array_size_slot_buffers_by_the_array():
-    plan = plan_map(10, (4, 8), 1, MapOptions(chunk_bytes=2**62))
+    plan = plan_map(10, (4, 8), 1, PipelineOptions(chunk_bytes=2**62))
     assert (plan.rows_per_chunk, plan.in_chunk_bytes, plan.out_chunk_bytes) == (10, 40, 80)
-    assert plan_map(0, (4, 4), 1, MapOptions(chunk_bytes=2**62)).chunks == ()
+    assert plan_map(0, (4, 4), 1, PipelineOptions(chunk_bytes=2**62)).chunks == ()
 
 
 # --- arrays -------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The progress bar of ``Pipeline.map(progress=True)`` (ctxkit/pipeline/progressbar.py):
+"""The progress bar of ``Pipeline.map(progress=True)`` (ctxkit/pipeline/_run.py):
 tqdm when importable, else one line rewritten in place."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import types
 
 import pytest
 
-from ctxkit.pipeline import progressbar
+from ctxkit.pipeline import run as _run
 
 
 def test_line_bar_counts_and_closes_once():
     buf = io.StringIO()
-    bar = progressbar.LineBar(3, "copy", stream=buf)
+    bar = _run.LineBar(3, "copy", stream=buf)
     for _ in range(3):
         bar.update()
     bar.close()
@@ -26,9 +26,9 @@ def test_line_bar_counts_and_closes_once():
 
 
 def test_line_bar_is_exact_under_threads(monkeypatch):
-    monkeypatch.setattr(progressbar, "LINE_INTERVAL_S", 1e9)  # draw only the last
+    monkeypatch.setattr(_run, "LINE_INTERVAL_S", 1e9)  # draw only the last
     buf = io.StringIO()
-    bar = progressbar.LineBar(800, stream=buf)
+    bar = _run.LineBar(800, stream=buf)
     threads = [
         threading.Thread(target=lambda: [bar.update() for _ in range(100)]) for _ in range(8)
     ]
@@ -45,14 +45,14 @@ def test_make_bar_prefers_tqdm(monkeypatch):
     mod = types.ModuleType("tqdm")
     mod.tqdm = lambda **kw: made.setdefault("bar", kw)  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "tqdm", mod)
-    progressbar.make_bar(7)
+    _run.make_bar(7)
     assert made["bar"] == {"total": 7, "desc": "ctxkit map", "unit": "chunk"}
 
 
 def test_make_bar_falls_back_to_a_line(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tqdm", None)
-    bar = progressbar.make_bar(2)
-    assert isinstance(bar, progressbar.LineBar)
+    bar = _run.make_bar(2)
+    assert isinstance(bar, _run.LineBar)
     bar.update(2)
     bar.close()
     assert capsys.readouterr().err.endswith("ctxkit map: 2/2 chunks (100%)\n")
@@ -61,5 +61,5 @@ def test_make_bar_falls_back_to_a_line(monkeypatch, capsys):
 @pytest.mark.parametrize("total", [0])
 def test_line_bar_of_nothing(total):
     buf = io.StringIO()
-    progressbar.LineBar(total, stream=buf).close()
+    _run.LineBar(total, stream=buf).close()
     assert buf.getvalue().endswith("0/0 chunks (100%)\n")

@@ -14,7 +14,7 @@ import pytest
 
 import ctxkit as ck
 from ctxkit.pipeline import Pipeline, PipelineError
-from ctxkit.pipeline import hostthreads as _threads
+from ctxkit.pipeline import staging as _threads
 from tests.support.fakegpu import scale_body
 
 MiB = 1 << 20
@@ -63,7 +63,9 @@ class Pieces:
 def test_fills_of_several_chunks_run_at_once(gpu, monkeypatch):
     pieces = Pieces(monkeypatch)
     x = np.arange(8 * MiB // 4, dtype=np.float32)  # 8 chunks of one 1 MiB piece each
-    with Pipeline([0], chunk_bytes=MiB, staging_buffers=4, host_threads=4) as p:
+    with Pipeline(
+        [0], options=ck.PipelineOptions(chunk_bytes=MiB, staging_buffers=4, host_threads=4)
+    ) as p:
         p.map(scale_body(gpu, 2.0), x)  # threads started, buffers allocated
         pieces.rows.clear()
         pieces.delay["fill"] = 0.05
@@ -85,7 +87,7 @@ def test_maps_bigger_than_the_cache_stage_with_streaming_copies(
     pieces = Pieces(monkeypatch)
     x = np.random.default_rng(9).random(8 * MiB // 4, dtype=np.float32)
     out = np.zeros_like(x)
-    with Pipeline([0], chunk_bytes=MiB, host_threads=3) as p:
+    with Pipeline([0], options=ck.PipelineOptions(chunk_bytes=MiB, host_threads=3)) as p:
         p.map(scale_body(gpu, 2.0), x, out)
         assert p.last_stats.path == "in=staged, out=staged"
     np.testing.assert_array_equal(out, x * 2)
@@ -109,7 +111,9 @@ def test_a_slot_is_written_again_only_after_its_drain(gpu, monkeypatch):
 
     monkeypatch.setattr(gpu, "cuMemcpyDtoHAsync", d2h)
     x = np.random.default_rng(3).random(12 * MiB // 8)
-    with Pipeline([0, 1], chunk_bytes=MiB, staging_buffers=2, host_threads=3) as p:
+    with Pipeline(
+        [0, 1], options=ck.PipelineOptions(chunk_bytes=MiB, staging_buffers=2, host_threads=3)
+    ) as p:
         out = p.map(scale_body(gpu, 2.0), x, out="pageable")
     np.testing.assert_array_equal(out, x * 2)
     assert not clashes, clashes[:3]
@@ -120,7 +124,9 @@ def test_a_slot_is_written_again_only_after_its_drain(gpu, monkeypatch):
 def test_a_failing_piece_is_reported_with_its_chunk(gpu, monkeypatch, step):
     pieces = Pieces(monkeypatch, delay={"drain": 0.005}, fail=(step, 5))
     x = np.arange(8 * MiB // 4, dtype=np.float32)
-    with Pipeline([0], chunk_bytes=MiB, staging_buffers=3, host_threads=3) as p:
+    with Pipeline(
+        [0], options=ck.PipelineOptions(chunk_bytes=MiB, staging_buffers=3, host_threads=3)
+    ) as p:
         with pytest.raises(PipelineError) as info:
             p.map(scale_body(gpu, 2.0), x, out="pageable")
         err = info.value
@@ -151,7 +157,9 @@ def test_the_first_chunk_fills_before_every_slot_is_allocated(gpu, monkeypatch):
     pieces = Pieces(monkeypatch)
     allocs = Allocs(gpu, monkeypatch, delay=0.03)
     x = np.arange(8 * MiB // 4, dtype=np.float32)
-    with Pipeline([0], chunk_bytes=MiB, staging_buffers=4, host_threads=2) as p:
+    with Pipeline(
+        [0], options=ck.PipelineOptions(chunk_bytes=MiB, staging_buffers=4, host_threads=2)
+    ) as p:
         np.testing.assert_array_equal(p.map(scale_body(gpu, 2.0), x, out="pageable"), x * 2)
     first_fill = min(t0 for n, _, t0, _ in pieces.rows if n == "fill")
     assert len(allocs.times) == 8  # an input and an output buffer per slot
@@ -161,7 +169,9 @@ def test_the_first_chunk_fills_before_every_slot_is_allocated(gpu, monkeypatch):
 def test_a_map_allocates_only_the_slots_it_uses(gpu, monkeypatch):
     allocs = Allocs(gpu, monkeypatch)
     x = np.arange(2 * MiB // 4, dtype=np.float32)  # 2 chunks, 6 slots
-    with Pipeline([0], chunk_bytes=MiB, staging_buffers=6, host_threads=2) as p:
+    with Pipeline(
+        [0], options=ck.PipelineOptions(chunk_bytes=MiB, staging_buffers=6, host_threads=2)
+    ) as p:
         np.testing.assert_array_equal(p.map(scale_body(gpu, 2.0), x), x * 2)
         assert len(allocs.times) == 4
         assert sum(s.d_in is not None for s in p._devices[0].slots) == 2
@@ -185,12 +195,17 @@ def test_a_dropped_pipeline_leaves_its_blocks_to_the_next(gpu, monkeypatch):
     blocks in the process's pinned pool and page-locks nothing."""
     x = np.arange(4 * MiB // 4, dtype=np.float32)
     np.testing.assert_array_equal(
-        Pipeline([0], chunk_bytes=MiB).map(scale_body(gpu, 2.0), x, out="pageable"), x * 2
+        Pipeline([0], options=ck.PipelineOptions(chunk_bytes=MiB)).map(
+            scale_body(gpu, 2.0), x, out="pageable"
+        ),
+        x * 2,
     )
     gc.collect()
     allocs = Allocs(gpu, monkeypatch)
     for k in range(3):
-        out = Pipeline([0], chunk_bytes=MiB).map(scale_body(gpu, k), x, out="pageable")
+        out = Pipeline([0], options=ck.PipelineOptions(chunk_bytes=MiB)).map(
+            scale_body(gpu, k), x, out="pageable"
+        )
         np.testing.assert_array_equal(out, x * k)
         gc.collect()
     assert allocs.times == []
@@ -200,7 +215,9 @@ def test_a_dropped_pipeline_leaves_its_blocks_to_the_next(gpu, monkeypatch):
 def test_small_chunks_many_in_flight_stress(gpu):
     gpu.jitter = 0.0005
     x = np.random.default_rng(9).integers(-1000, 1000, 3 * MiB // 4).astype(np.int32)
-    with Pipeline([0, 1], chunk_bytes=64 * 1024, staging_buffers=6, host_threads=4) as p:
+    with Pipeline(
+        [0, 1], options=ck.PipelineOptions(chunk_bytes=64 * 1024, staging_buffers=6, host_threads=4)
+    ) as p:
         for _ in range(2):
             np.testing.assert_array_equal(p.map(scale_body(gpu, 3), x), x * 3)
     assert not gpu.kernel_errors

@@ -11,8 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from ctxkit.pipeline import Pipeline, PipelineError, plan_map
-from ctxkit.pipeline.plan import MapOptions
+from ctxkit.pipeline import Pipeline, PipelineError, PipelineOptions, plan_map
 from tests.support.fakegpu import scale_body
 
 PAGE = 4096
@@ -54,13 +53,15 @@ def fills_and_registers(p: Pipeline) -> tuple[set[int], set[int]]:
 
 
 def test_plan_split_is_for_the_input_of_a_static_map():
-    plan = plan_map(1 << 20, (4, 4), 2, MapOptions(host_path="split"))
+    plan = plan_map(1 << 20, (4, 4), 2, PipelineOptions(host_path="split"))
     assert (plan.in_mode, plan.out_mode) == ("split", "staged")
     assert plan.path == "in=split, out=staged"
     assert plan.stage_in and plan.registers and plan.needs_pool
-    dynamic = plan_map(1 << 20, (4, 4), 2, MapOptions(host_path="split", schedule="dynamic"))
+    dynamic = plan_map(1 << 20, (4, 4), 2, PipelineOptions(host_path="split", schedule="dynamic"))
     assert (dynamic.in_mode, dynamic.out_mode) == ("staged", "staged")
-    pinned = plan_map(1 << 20, (4, 4), 1, MapOptions(host_path="split"), ("pinned", "pageable"))
+    pinned = plan_map(
+        1 << 20, (4, 4), 1, PipelineOptions(host_path="split"), ("pinned", "pageable")
+    )
     assert pinned.in_mode == "pinned"
 
 
@@ -69,8 +70,10 @@ def test_plan_split_is_for_the_input_of_a_static_map():
 def test_split_meets_in_the_middle_and_is_exact(gpu, monkeypatch, offset, devices):
     slow_registrations(gpu, monkeypatch, 0.004)
     x = at_offset(np.random.default_rng(offset).random(96_000), offset)  # 48 chunks
-    with Pipeline(devices, chunk_bytes=4 * PAGE, staging_buffers=3, host_threads=3) as p:
-        out = p.map(scale_body(gpu, 2.0), x, host_path="split")
+    with Pipeline(
+        devices, options=PipelineOptions(chunk_bytes=4 * PAGE, staging_buffers=3, host_threads=3)
+    ) as p:
+        out = p.map(scale_body(gpu, 2.0), x, options=PipelineOptions(host_path="split"))
         assert p.last_stats.path == "in=split, out=staged"
         staged, registered = fills_and_registers(p)
         plan = p._run.plan
@@ -86,8 +89,10 @@ def test_split_meets_in_the_middle_and_is_exact(gpu, monkeypatch, offset, device
 @pytest.mark.parametrize("n", [0, 1, 1000, 50_001])
 def test_split_small_and_odd_sizes(gpu, n):
     x = at_offset(np.arange(n, dtype=np.float32), 12)
-    with Pipeline([0], chunk_bytes=3 * PAGE, host_threads=2) as p:
-        np.testing.assert_array_equal(p.map(scale_body(gpu, 3.0), x, host_path="split"), x * 3)
+    with Pipeline([0], options=PipelineOptions(chunk_bytes=3 * PAGE, host_threads=2)) as p:
+        np.testing.assert_array_equal(
+            p.map(scale_body(gpu, 3.0), x, options=PipelineOptions(host_path="split")), x * 3
+        )
     assert_clean(gpu)
 
 
@@ -95,8 +100,8 @@ def test_split_in_place(gpu, monkeypatch):
     slow_registrations(gpu, monkeypatch, 0.002)
     x = at_offset(np.arange(40_000, dtype=np.float32), 0)
     want = x * 2
-    with Pipeline([0], chunk_bytes=4 * PAGE, host_threads=3) as p:
-        assert p.map(scale_body(gpu, 2.0), x, x, host_path="split") is x
+    with Pipeline([0], options=PipelineOptions(chunk_bytes=4 * PAGE, host_threads=3)) as p:
+        assert p.map(scale_body(gpu, 2.0), x, x, options=PipelineOptions(host_path="split")) is x
     np.testing.assert_array_equal(x, want)
     assert_clean(gpu)
 
@@ -104,8 +109,8 @@ def test_split_in_place(gpu, monkeypatch):
 def test_split_chunks_the_driver_refuses_are_staged(gpu):
     gpu.register_error = lambda ptr, n, flags: OUT_OF_MEMORY
     x = at_offset(np.arange(60_000, dtype=np.float32), 40)
-    with Pipeline([0, 1], chunk_bytes=5 * PAGE, host_threads=3) as p:
-        out = p.map(scale_body(gpu, 2.0), x, host_path="split")
+    with Pipeline([0, 1], options=PipelineOptions(chunk_bytes=5 * PAGE, host_threads=3)) as p:
+        out = p.map(scale_body(gpu, 2.0), x, options=PipelineOptions(host_path="split"))
         assert p.last_stats.fallbacks >= 1
     np.testing.assert_array_equal(out, x * 2)
     assert_clean(gpu)
@@ -124,8 +129,10 @@ def test_split_error_mid_run_unregisters_everything(gpu, monkeypatch):
                 raise ValueError("bad chunk")
         scale_body(gpu, 2.0)(ctx, stream, d_in, d_out, n)
 
-    with Pipeline([0], chunk_bytes=4 * PAGE, host_threads=3) as p:
+    with Pipeline([0], options=PipelineOptions(chunk_bytes=4 * PAGE, host_threads=3)) as p:
         with pytest.raises(PipelineError, match="bad chunk"):
-            p.map(body, x, host_path="split")
-        np.testing.assert_array_equal(p.map(scale_body(gpu, 2.0), x, host_path="split"), x * 2)
+            p.map(body, x, options=PipelineOptions(host_path="split"))
+        np.testing.assert_array_equal(
+            p.map(scale_body(gpu, 2.0), x, options=PipelineOptions(host_path="split")), x * 2
+        )
     assert_clean(gpu)

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from ctxkit.pipeline import Pipeline, PipelineError, StageHandle
+from ctxkit.pipeline import Pipeline, PipelineError, PipelineOptions, StageHandle
 from ctxkit.stream import Event
 from tests.support.fakegpu import scale_body
 
@@ -93,7 +93,7 @@ def test_completed_stages_are_dropped_with_their_events(gpu, trace):
     alive (they once kept two events each), and the trace still shows every stage."""
     gpu.jitter = 0.0
     n = 2000
-    with Pipeline([0, 1], trace=trace) as p:
+    with Pipeline([0, 1], options=PipelineOptions(trace=trace)) as p:
         p.submit(0, lambda c, s: None).synchronize()
         before = _live_events(gpu)
         last: StageHandle | None = None
@@ -134,7 +134,7 @@ def test_a_dropped_stage_can_still_be_waited_for_through_its_handle(gpu):
 
 def test_stages_and_maps_share_the_pipeline(gpu):
     x = np.arange(10_000, dtype=np.float32)
-    with Pipeline([0, 1], chunk_bytes=4096) as p:
+    with Pipeline([0, 1], options=PipelineOptions(chunk_bytes=4096)) as p:
         h = p.submit(1, lambda c, s: "staged before the map")
         out = p.map(scale_body(gpu, 2.0), x)
         assert h.result() == "staged before the map"
