@@ -251,6 +251,7 @@ def test_every_module_and_class_level_lock_is_renewed_in_a_forked_child(hold):
 def test_a_child_forked_during_cuda_initialisation_is_a_forked_child(hold, monkeypatch):
     monkeypatch.setattr(_driver, "_init_pid", None)
     monkeypatch.setattr(_driver, "_parent_initialized_pid", None)
+    monkeypatch.setattr(_driver, "_no_device", False)  # a machine whose driver sees none
     hold(_driver._init_lock)  # cuInit under way in another thread
 
     def child() -> str:
