@@ -117,7 +117,7 @@ def _readme_tour() -> str:
 
 def test_downstream_mypy_strict_sees_the_api(tmp_path: Path) -> None:
     if importlib.util.find_spec("mypy") is None:
-        pytest.skip("mypy is not installed (it is in the dev extra)")
+        pytest.skip("mypy is not installed (it is in the test and dev extras)")
     (tmp_path / "tour.py").write_text(_readme_tour(), encoding="utf-8")
     env = dict(os.environ)
     # A path on sys.path is how a wheel, or `pip install -e . --config-settings
