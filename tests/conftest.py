@@ -100,10 +100,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if _is_gpu(item):
             item.add_marker(pytest.mark.gpu)
             item.add_marker(pytest.mark.xdist_group("gpu"))  # one GPU test at a time
-        elif GPU_MACHINE and _starts_processes(item):
-            # On a GPU machine their children use the GPU too: beside a GPU test they would
-            # change the device's free memory that the test reads.
-            item.add_marker(pytest.mark.xdist_group("gpu"))
             if GPU_COUNT == 0 and not GPU_ERROR:
                 item.add_marker(pytest.mark.skip(reason=NO_GPU_REASON))
         elif _is_fake(item):
@@ -115,6 +111,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                         "child process that sees none (tests/test_fake_isolation.py)"
                     )
                 )
+        elif GPU_MACHINE and _starts_processes(item):
+            # On a GPU machine their children use the GPU too: beside a GPU test they would
+            # change the device's free memory that the test reads.
+            item.add_marker(pytest.mark.xdist_group("gpu"))
         if item.get_closest_marker("multigpu") and 0 < GPU_COUNT < 2:
             item.add_marker(pytest.mark.skip(reason="needs at least two CUDA devices"))
 
