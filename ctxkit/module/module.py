@@ -403,6 +403,9 @@ class Module:
         return None
 
     def jit_error(self, code: int, what: str) -> CompileError:
+        """The :class:`CompileError` for JIT failure *code* of this module's code (*what*:
+        the call that failed), with the JIT's log: what a launch raises when the driver
+        compiles PTX lazily and fails."""
         return jit_error(code, what, self._image, decode_log(self._logs[1]))
 
     @property
@@ -413,6 +416,8 @@ class Module:
         return _enumerate_kernels(self._handle, self.context)
 
     def check_open(self) -> None:
+        """Raise :class:`CudaError` when the module is closed (its kernels can no longer
+        run): called before every use of its code."""
         if self.closed:
             raise CudaError(f"module {self.name} is closed; load it again")
 
