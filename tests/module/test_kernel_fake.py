@@ -6,11 +6,13 @@ CUDA's lazy loading). Launch attributes and argument refusals: test_launch_fake.
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
 
 import ctxkit as ck
+from ctxkit.context import thread_state
 from ctxkit.module import kernel as _kernel
 from tests.module.fakemodule import (  # noqa: F401
     FakeBuffer,
@@ -20,6 +22,7 @@ from tests.module.fakemodule import (  # noqa: F401
     fake,
     load,
 )
+from tests.support.helpers import in_thread
 
 
 @pytest.fixture
@@ -141,6 +144,27 @@ def test_no_current_context_in_a_worker_thread(fake):
     assert isinstance(errors[0], ck.NoCurrentContextError)
     assert "launching kernel 'vector_add'" in str(errors[0]) and "no-ctx-worker" in str(errors[0])
     assert fake.launches == []
+
+
+def test_a_thread_with_nothing_current_binds_what_the_launch_uses(fake):
+    c0, c1 = ck.registry.context(0), ck.registry.context(1)
+    k = load(context=c0).function("vector_add")
+    out: dict[str, Any] = {}
+
+    def worker() -> None:
+        k.launch(1, 1, 0, 0, 0, 0)  # the module's context
+        k.launch(1, 1, 0, 0, 0, 0, stream=FakeStream(c0, 0x77))  # the stream's
+        out["after"] = fake.base.current()
+        fake.fail_next = 1  # CUDA_ERROR_INVALID_VALUE
+        with pytest.raises(ck.CudaError):
+            k.launch(1, 1, 0, 0, 0, 0)
+        out["after_error"] = fake.base.current()
+        out["stack"] = list(thread_state().stack)
+
+    in_thread(worker)
+    assert [(x["ctx"], x["stream"]) for x in fake.launches] == [(c0.handle, 0), (c0.handle, 0x77)]
+    assert out == {"after": 0, "after_error": 0, "stack": []}  # bound for the launch only
+    assert c1.handle not in [x["ctx"] for x in fake.launches]
 
 
 def test_bad_arguments_never_reach_the_driver(fake):
