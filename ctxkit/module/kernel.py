@@ -924,71 +924,51 @@ class Kernel:
         """
         ctx = thread_state().top
         last = self._last
+        bound = None
         if last[0] is ctx:
             func = last[1]
         else:
-            owner = self._implied_context(ctx, stream, args)
-            if owner is not None:  # nothing current here: bind what the launch uses
-                with owner:
-                    ctx, func = self._launch_function(owner)
-                    self._enqueue(
-                        ctx,
-                        func,
-                        grid,
-                        block,
-                        args,
-                        stream,
-                        shared_mem,
-                        cooperative,
-                        cluster,
-                        config,
-                    )
-                return
-            ctx, func = self._launch_function(ctx)
-        self._enqueue(
-            ctx, func, grid, block, args, stream, shared_mem, cooperative, cluster, config
-        )
-
-    def _enqueue(
-        self,
-        ctx: Context,
-        func: Any,
-        grid: int | tuple[int, ...],
-        block: int | tuple[int, ...],
-        args: tuple[Any, ...],
-        stream: Any,
-        shared_mem: int,
-        cooperative: bool,
-        cluster: int | tuple[int, ...] | None,
-        config: LaunchConfig | None,
-    ) -> None:
-        """The launch in *ctx* (resolved once by :meth:`launch`) with its function *func*."""
-        if type(grid) is int and 0 < grid <= DIM_MAX:
-            gx, gy, gz = grid, 1, 1
-        else:
-            gx, gy, gz = normalize_dims(grid, "grid")
-        if type(block) is int and 0 < block <= DIM_MAX:
-            bx, by, bz = block, 1, 1
-        else:
-            bx, by, bz = normalize_dims(block, "block")
-        if type(stream) is Stream and stream.context is ctx and stream.handle is not None:
-            hs = stream.handle
-        else:
-            hs = stream_for(stream, ctx, "launch")
-        addr = (self._address or self._require_packer().address)(args, ctx, hs, stream)
-        if cooperative or cluster is not None or config is not None:
-            cfg = config_for(config, cooperative, cluster)
-            if not cfg.empty:
-                self._launch_ex(ctx, func, (gx, gy, gz), (bx, by, bz), shared_mem, hs, addr, cfg)
-                return
+            bound = self._implied_context(ctx, stream, args)
+            if bound is not None:  # nothing current here: bind what the launch uses
+                bound.__enter__()
+            try:
+                ctx, func = self._launch_function(ctx if bound is None else bound)
+            except BaseException:
+                if bound is not None:
+                    bound.__exit__(None, None, None)
+                raise
         try:
-            (err,) = drv.cuLaunchKernel(func, gx, gy, gz, bx, by, bz, shared_mem, hs, addr, 0)
-        except (OverflowError, TypeError) as exc:
-            raise ValueError(
-                f"launch of {self.name!r}: bad shared_mem={shared_mem!r}: {exc}"
-            ) from None
-        if err:
-            raise self._launch_error(int(err), ctx, func, (gx, gy, gz), (bx, by, bz), shared_mem)
+            if type(grid) is int and 0 < grid <= DIM_MAX:
+                gx, gy, gz = grid, 1, 1
+            else:
+                gx, gy, gz = normalize_dims(grid, "grid")
+            if type(block) is int and 0 < block <= DIM_MAX:
+                bx, by, bz = block, 1, 1
+            else:
+                bx, by, bz = normalize_dims(block, "block")
+            if type(stream) is Stream and stream.context is ctx and stream.handle is not None:
+                hs = stream.handle
+            else:
+                hs = stream_for(stream, ctx, "launch")
+            addr = (self._address or self._require_packer().address)(args, ctx, hs, stream)
+            if cooperative or cluster is not None or config is not None:
+                cfg = config_for(config, cooperative, cluster)
+                if not cfg.empty:
+                    dims = (gx, gy, gz), (bx, by, bz)
+                    self._launch_ex(ctx, func, *dims, shared_mem, hs, addr, cfg)
+                    return
+            try:
+                (err,) = drv.cuLaunchKernel(func, gx, gy, gz, bx, by, bz, shared_mem, hs, addr, 0)
+            except (OverflowError, TypeError) as exc:
+                raise ValueError(
+                    f"launch of {self.name!r}: bad shared_mem={shared_mem!r}: {exc}"
+                ) from None
+            if err:
+                dims = (gx, gy, gz), (bx, by, bz)
+                raise self._launch_error(int(err), ctx, func, *dims, shared_mem)
+        finally:
+            if bound is not None:
+                bound.__exit__(None, None, None)
 
     def _implied_context(self, top: Context | None, stream: Any, args: tuple[Any, ...]) -> Any:
         """The context to bind for a launch from a thread with nothing current: the
