@@ -13,7 +13,7 @@ import pytest
 import ctxkit as ck
 from ctxkit._driver import drv
 from ctxkit.context import Context, thread_state
-from tests.support.helpers import raw_current
+from tests.support.helpers import is_allocated, raw_current
 
 
 def _roundtrip(i: int) -> bool:
@@ -107,13 +107,15 @@ def test_stress_32_threads_random_nested_binds(ctx0, ctx1):
 
 
 def test_buffer_and_stream_dropped_in_thread_without_context(ctx0):
+    """Asked of the buffer itself, not the device's free memory (other processes of the
+    test run use the GPU meanwhile)."""
     nbytes = 256 << 20
     gc.collect()
+    failed = len(ck.lifetime.failed_frees())
     with ctx0:
-        free_before, _ = ctx0.memory_info()
         holder = {"buf": ck.DeviceBuffer(nbytes), "stream": ck.Stream()}
-        free_alloc, _ = ctx0.memory_info()
-    assert free_before - free_alloc >= nbytes
+        ptr = holder["buf"].ptr
+        assert is_allocated(ptr)
     errors: list[BaseException] = []
 
     def drop() -> None:
@@ -129,8 +131,9 @@ def test_buffer_and_stream_dropped_in_thread_without_context(ctx0):
     t.start()
     t.join()
     assert errors == []
-    free_after, _ = ctx0.memory_info()
-    assert free_after >= free_before - (8 << 20)
+    assert len(ck.lifetime.failed_frees()) == failed
+    with ctx0:
+        assert not is_allocated(ptr)
 
 
 def test_buffer_freed_in_its_own_context_while_another_is_current(ctx0):
@@ -139,9 +142,10 @@ def test_buffer_freed_in_its_own_context_while_another_is_current(ctx0):
     ctx1 = ck.registry.context(1)
     with ctx0:
         buf = ck.DeviceBuffer(64 << 20)
-    free0, _ = ctx0.memory_info()
+        ptr = buf.ptr
     with ctx1:
         del buf
         gc.collect()
         assert raw_current() == ctx1.handle
-    assert ctx0.memory_info()[0] >= free0 + (60 << 20)
+    with ctx0:
+        assert not is_allocated(ptr)

@@ -34,6 +34,17 @@ def raw_current() -> int:
     return int(cu)
 
 
+def is_allocated(ptr: int) -> bool:
+    """Whether the driver still knows an allocation at device address *ptr*.
+
+    Asked of the allocation itself (``cuMemGetAddressRange``), not of the device's free memory,
+    which other processes of a test run change meanwhile. Needs a current context."""
+    from ctxkit._driver import drv
+
+    err, _base, _size = drv.cuMemGetAddressRange(ptr)
+    return not int(err)
+
+
 def load_file_module(path: Any, name: str, register: bool = False) -> Any:
     """Import a script (``scripts/*.py``, ``benchmarks/*.py``, ``examples/*.py``) as a module,
     its folder on ``sys.path`` while it loads, as when it runs (its sibling imports work).
