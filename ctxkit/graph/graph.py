@@ -799,19 +799,6 @@ def capture(stream: Any, *, mode: str = "thread_local") -> Iterator[Graph]:
         raise ValueError("the default stream cannot be captured; capture a ck.Stream()")
     graph = Graph._pending(ctx)
     tracked, global_mode = mode != "relaxed", mode == "global"
-
-    def closed() -> None:
-        """The capture is over: run the frees it held back."""
-        stream_capture_ends(int(hs))
-        if tracked:
-            capture_ends(global_mode)
-
-    def end() -> Any:
-        try:
-            return drv.cuStreamEndCapture(hs)
-        finally:
-            closed()
-
     with guard(ctx, "graph capture"):
         # marked open before it begins (frees are held back, the block cache hands
         # nothing out for the stream): a free between the two -- the garbage collector
@@ -821,17 +808,18 @@ def capture(stream: Any, *, mode: str = "thread_local") -> Iterator[Graph]:
         stream_capture_begins(int(hs))
         try:
             _driver.raise_for(drv.cuStreamBeginCapture(hs, mode_enum)[0], "cuStreamBeginCapture")
-        except BaseException:
-            closed()
-            raise
-        try:
-            yield graph
-        except BaseException:
-            err, cu_graph = end()
-            if not err and cu_graph is not None and int(cu_graph):
-                drv.cuGraphDestroy(cu_graph)
-            raise
-        err, cu_graph = end()
+            try:
+                yield graph
+            except BaseException:
+                err, cu_graph = drv.cuStreamEndCapture(hs)
+                if not err and cu_graph is not None and int(cu_graph):
+                    drv.cuGraphDestroy(cu_graph)
+                raise
+            err, cu_graph = drv.cuStreamEndCapture(hs)
+        finally:  # the capture is over: run the frees it held back
+            stream_capture_ends(int(hs))
+            if tracked:
+                capture_ends(global_mode)
         if err:
             raise _driver.from_result(
                 int(err),
