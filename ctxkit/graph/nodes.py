@@ -248,9 +248,8 @@ def kernel_spec(
 
 
 class HostSide(NamedTuple):
-    """Pinned host memory taking part in a memcpy node."""
+    """Pinned host memory taking part in a memcpy node (the node keeps its array)."""
 
-    array: np.ndarray
     ptr: int
     nbytes: int
 
@@ -270,7 +269,7 @@ def copy_side(obj: Any, ctx: Context, what: str, name: str, write: bool) -> Mem 
                 "memory asynchronously, which needs page-locked memory: allocate it with "
                 "ck.pinned_empty(...) or pin it with `with ck.register_host(arr):`"
             )
-        return HostSide(obj, int(obj.ctypes.data), int(obj.nbytes))
+        return HostSide(int(obj.ctypes.data), int(obj.nbytes))
     mem = device_mem(obj, what, write=write)
     if isinstance(mem.context, Context):
         check_context(
