@@ -83,6 +83,7 @@ _ADD = {
     "event_wait": "cuGraphAddEventWaitNode",
     "empty": "cuGraphAddEmptyNode",
     "child": "cuGraphAddChildGraphNode",
+    "conditional": "cuGraphAddNode",
 }
 
 
@@ -410,14 +411,18 @@ class Graph:
         spec: KernelSpec | None = None,
         what: str = "",
     ) -> GraphNode:
-        """Add a *kind* node: ``drv.<_ADD[kind]>(graph, deps, len(deps), *params)``; keep
-        *keep* alive with the graph."""
+        """Add a *kind* node: ``drv.<_ADD[kind]>(graph, deps, len(deps), *params)`` (for
+        ``cuGraphAddNode``, the arguments of the bindings' version); keep *keep* alive
+        with the graph."""
         what = what or f"Graph.{kind}"
         handle = self._open(what)
         deps = dependency_handles(self, depends_on, what)
         name = _ADD[kind]
-        call = f"{name} ({what})"
-        node = _call(self.context, what, name, handle, deps, len(deps), *params, call=call)
+        if name == "cuGraphAddNode":
+            args = add_node_args(handle, deps, *params)
+        else:
+            args = (handle, deps, len(deps), *params)
+        node = _call(self.context, what, name, *args, call=f"{name} ({what})")
         self._keep.extend(keep)
         self._changed()
         return self._node(node, kind, spec)
@@ -612,7 +617,7 @@ class Graph:
         """
         what = f"Graph.conditional({kind!r})"
         kind_enum = kind_member(kind, what)
-        graph_handle = self._open(what)
+        self._open(what)
         if handle is None:
             handle = self.conditional_handle(default)
         elif not isinstance(handle, ConditionalHandle):
@@ -622,17 +627,11 @@ class Graph:
                 f"{what}: {handle!r} was made for {handle.graph!r}; make it with this "
                 "graph's conditional_handle()"
             )
-        deps = dependency_handles(self, depends_on, what)
-        ctx = self.context
-        params = conditional_params(handle.handle, kind_enum, ctx.cu)
-        args = add_node_args(graph_handle, deps, params)
-        node = _call(
-            ctx, what, "cuGraphAddNode", *args, call=f"cuGraphAddNode (conditional {kind})"
-        )
+        params = conditional_params(handle.handle, kind_enum, self.context.cu)
+        node = self._add("conditional", params, depends_on=depends_on, what=what)
         handle.kind = kind
-        self._changed()
-        body = Graph._pending(ctx, params.conditional.phGraph_out[0], self)
-        return self._node(node, "conditional"), body, handle
+        body = Graph._pending(self.context, params.conditional.phGraph_out[0], self)
+        return node, body, handle
 
     # --- whole-graph operations ------------------------------------------------------
 
