@@ -35,7 +35,6 @@ import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from .. import _driver
@@ -955,10 +954,11 @@ class GraphExec:
         check_context(ctx, graph.context, what, repr(graph), mine="the executable graph")
         with guard(ctx, what):
             err, info = drv.cuGraphExecUpdate(exe, handle)
-            if err and getattr(info, "result", None) is None:
-                err, info = _ask_libcuda(exe, handle, int(err), info)
+            result, node = getattr(info, "result", None), getattr(info, "errorNode", None)
+            if err and result is None:
+                err, result, node = _ask_libcuda(exe, handle, int(err))
         if err:
-            raise update_error(int(err), info, graph)
+            raise _update_error(int(err), result, node, graph)
         self._updated = (list(graph._keep), dict(graph._specs))  # kept alive while it runs
         self._params.clear()
         self._callbacks = _host_callbacks(graph._keep)
@@ -1016,32 +1016,28 @@ class GraphExec:
         return f"<GraphExec {state} of {self.graph!r}>"
 
 
-def _ask_libcuda(exe: Any, handle: Any, err: int, info: Any) -> tuple[int, Any]:
+def _ask_libcuda(exe: Any, handle: Any, err: int) -> tuple[int, Any, Any]:
     """Update again through libcuda to learn why the driver refused (cuda-bindings returns
-    no result info on failure); ``(err, info)`` as the bindings would have given them."""
+    no result info on failure): the status, the ``CUgraphExecUpdateResult`` and the
+    ``CUgraphNode`` it names (``None`` where libcuda cannot be asked)."""
     raw = _driver.graph_exec_update_info(exe, handle)
     if raw is None:
-        return err, info
+        return err, None, None
     code, result, node = raw
-    if not code:
-        return 0, None
-    try:
-        member = drv.CUgraphExecUpdateResult(result)
-    except ValueError:
-        member = result
-    return code, SimpleNamespace(result=member, errorNode=drv.CUgraphNode(node) if node else None)
+    with suppress(ValueError):
+        result = drv.CUgraphExecUpdateResult(result)
+    return code, result, drv.CUgraphNode(node) if node else None
 
 
-def update_error(code: int, info: Any, graph: Graph) -> GraphUpdateError:
-    """The :class:`GraphUpdateError` for a refused ``cuGraphExecUpdate``."""
-    member = getattr(info, "result", None)
-    if member is None:
+def _update_error(code: int, result: Any, handle: Any, graph: Graph) -> GraphUpdateError:
+    """The :class:`GraphUpdateError` for a refused ``cuGraphExecUpdate``: *result* says
+    why, *handle* is the node it names (either may be ``None``)."""
+    if result is None:
         suffix, full = "ERROR", "no CUgraphExecUpdateResultInfo: the driver gave no reason"
     else:
-        full = getattr(member, "name", None) or f"CUgraphExecUpdateResult {member}"
+        full = getattr(result, "name", None) or f"CUgraphExecUpdateResult {result}"
         suffix = full.removeprefix("CU_GRAPH_EXEC_UPDATE_").removeprefix("ERROR_")
     why = _REASONS.get(suffix, f"the driver answered {full}")
-    handle = getattr(info, "errorNode", None)
     try:
         node = graph._wrap(handle) if handle is not None and int(handle) else None
     except CudaError:
