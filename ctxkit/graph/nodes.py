@@ -201,8 +201,8 @@ class KernelSpec:
     ) -> KernelSpec:
         """A new spec: each field given (not ``None``) changed, the others kept; the
         arguments checked and packed again."""
-        given = (grid, block, args, shared_mem)
-        kept = (self.grid, self.block, self.args, self.shared_mem)
+        given: tuple[Any, ...] = (grid, block, args, shared_mem)
+        kept: tuple[Any, ...] = (self.grid, self.block, self.args, self.shared_mem)
         return kernel_spec(self.kernel, ctx, *(k if g is None else g for g, k in zip(given, kept)))
 
     def params(self, ctx: Context) -> Any:
