@@ -27,7 +27,7 @@ from .._driver import drv
 from ..context import Context
 from ..errors import CudaError, PageableCopyError, WrongContextError
 from ..memory.copies import Mem, device_mem
-from ..memory.host import is_pinned, plain_dtype
+from ..memory.host import host_array, is_pinned
 from ..memory.sizes import nbytes_arg
 from ..module.kernel import Kernel, normalize_dims, shared_mem_arg
 from ..module.params import ArgPacker, ParamBuffer
@@ -258,11 +258,7 @@ def copy_side(obj: Any, ctx: Context, what: str, name: str, write: bool) -> Mem 
     """One side of a memcpy or memset node: device memory of *ctx*, or a pinned numpy
     array."""
     if isinstance(obj, np.ndarray):
-        plain_dtype(obj.dtype, what)
-        if not obj.flags.c_contiguous:
-            raise ValueError(f"{what}: the {name} array is not C-contiguous; pass a contiguous one")
-        if write and not obj.flags.writeable:
-            raise ValueError(f"{what}: the {name} array is read-only")
+        host_array(obj, what, writable=write)
         if obj.nbytes and not is_pinned(obj):
             raise PageableCopyError(
                 f"{what}: the {name} array is pageable host memory; a graph copies host "
