@@ -7,9 +7,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .compile import DESCRIPTION as COMPILE_DESCRIPTION
-from .compile import add_arguments as add_compile_arguments
-from .compile import run as run_compile
+from . import compile as compile_command
 
 EXIT_NO_GPU = 2
 #: The status of a command whose reader went away (``ctxkit info | head -1``): 128 + SIGPIPE,
@@ -60,7 +58,7 @@ def run_command(args: argparse.Namespace) -> int:
 
         return print_info()
     if args.command == "compile":
-        return run_compile(args)
+        return compile_command.run(args)
     if args.command == "bench":
         from .bench import cli_bench
 
@@ -97,9 +95,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     c = sub.add_parser(
         "compile",
         help="compile a .cu file with NVRTC (no GPU needed)",
-        description=COMPILE_DESCRIPTION,
+        description=compile_command.DESCRIPTION,
     )
-    add_compile_arguments(c)
+    compile_command.add_arguments(c)
 
     d = sub.add_parser("demo", help="the multi-GPU copy -> kernel -> copy pipeline demo")
     d.add_argument(
@@ -142,7 +140,3 @@ def _reader_gone() -> int:
     os.dup2(devnull, sys.stdout.fileno())
     os.close(devnull)
     return EXIT_BROKEN_PIPE
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -15,7 +15,6 @@ import stat
 import sys
 import warnings
 from pathlib import Path
-from typing import Any
 
 __all__ = ["DESCRIPTION", "MAX_SOURCE_BYTES", "add_arguments", "run"]
 
@@ -92,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
 
     ``args`` carries the attributes defined by :func:`add_arguments`.
     """
+    from ..compiler.program import compile
     from ..errors import CompileError, PtxVersionWarning
 
     src_path = Path(args.file)
@@ -107,7 +107,17 @@ def run(args: argparse.Namespace) -> int:
         arch, target = _arch_and_target(args.arch, args.target)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", PtxVersionWarning)
-            obj = _compile(args, source, str(src_path), arch, target)
+            obj = compile(
+                source,
+                name=str(src_path),
+                arch=arch,
+                target=target,
+                defines=args.defines or None,
+                include_dirs=args.include_dirs,
+                name_expressions=args.name_expressions,
+                std=args.std,
+                cache=not args.no_cache,
+            )
         out = _output_path(args.output, src_path, obj.target)
     except _Usage as exc:
         return _fail(str(exc))
@@ -194,24 +204,6 @@ def _refuse_source(out: Path, src_path: Path, flag: str) -> None:
 def _fail(message: str) -> int:
     print(f"ctxkit compile: {message}", file=sys.stderr)
     return 1
-
-
-def _compile(
-    args: argparse.Namespace, source: str, name: str, arch: str | None, target: str
-) -> Any:
-    from ..compiler.program import compile
-
-    return compile(
-        source,
-        name=name,
-        arch=arch,
-        target=target,
-        defines=args.defines or None,
-        include_dirs=args.include_dirs,
-        name_expressions=args.name_expressions,
-        std=args.std,
-        cache=not args.no_cache,
-    )
 
 
 def _arch_and_target(arch: str | None, target: str | None) -> tuple[str | None, str]:

@@ -34,6 +34,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from .. import __version__, _driver
-from .._driver import drv
+from .._driver import call, drv
 from ..binding import registry
 from ..compiler.objectcode import ObjectCode
 from ..compiler.program import compile, kernel_source
@@ -57,19 +58,9 @@ from ..pipeline.plan import grid_size, split_rows
 from ..stream import Stream
 from ..trace import Timeline
 
-__all__ = [
-    "LABELS",
-    "ROW_ORDER",
-    "NaivePattern",
-    "Row",
-    "baseline_row",
-    "choose_size_mb",
-    "format_table",
-    "io_gbps",
-    "load_scale_kernel",
-    "run_demo",
-    "trace_paths",
-]
+#: what other modules use: ``cli`` runs the demo, ``benchmarks/bench_pipeline.py`` shares
+#: the naive pattern and the kernel
+__all__ = ["NaivePattern", "load_scale_kernel", "run_demo"]
 
 
 MiB = 1 << 20
@@ -84,19 +75,7 @@ ALPHA = 2.0
 GiB = 1 << 30
 
 
-#: Row keys, in the order the table lists them.
-ROW_ORDER = (
-    "naive",
-    "cupy",
-    "torch",
-    "torch_pinned",
-    "first_call",
-    "fresh",
-    "repeated",
-    "pinned",
-)
-
-
+#: Row keys and the variants' names in the table, in the order the table lists them.
 LABELS = {
     "naive": "naive pattern, 8 chunks per device",
     "cupy": "CuPy cp.asnumpy(cp.asarray(x) * 2)",
@@ -107,6 +86,7 @@ LABELS = {
     "repeated": "ctxkit repeated (same arrays)",
     "pinned": "ctxkit pinned arrays",
 }
+ROW_ORDER = tuple(LABELS)
 
 
 @dataclass(frozen=True)
@@ -233,18 +213,12 @@ class NaivePattern:
         self.contexts = list(contexts)
         self.row = row
         self.bufs: list[tuple[DeviceBuffer, DeviceBuffer, Stream, int]] = []
+        nbytes = max(1, max_rows * row)
         for ctx in self.contexts:
             dev = ctx.device
             cap = dev.multiprocessor_count * dev.attribute("max_threads_per_multiprocessor")
-            nbytes = max(1, max_rows * row)
-            self.bufs.append(
-                (
-                    DeviceBuffer(nbytes, context=ctx),
-                    DeviceBuffer(nbytes, context=ctx),
-                    Stream(context=ctx),
-                    cap,
-                )
-            )
+            d_in, d_out = DeviceBuffer(nbytes, context=ctx), DeviceBuffer(nbytes, context=ctx)
+            self.bufs.append((d_in, d_out, Stream(context=ctx), cap))
 
     def run(self, x: np.ndarray, out: np.ndarray, args: Sequence[Any], chunks: int = 1) -> None:
         """``out = kernel(x)``; *x* and *out* are split evenly over the devices."""
@@ -257,19 +231,13 @@ class NaivePattern:
                     if a == b:
                         continue
                     nb, off = (b - a) * row, a * row
-                    (err,) = drv.cuMemcpyHtoDAsync(
-                        d_in.ptr + off, xp + lo * row + off, nb, s.handle
-                    )
-                    _driver.raise_for(err, "cuMemcpyHtoDAsync")
+                    call(drv.cuMemcpyHtoDAsync, d_in.ptr + off, xp + lo * row + off, nb, s.handle)
                     n = (b - a) * elems
                     grid = grid_size(n, 256, cap // 256)
                     self.kernel.launch(
                         grid, 256, d_in.ptr + off, d_out.ptr + off, n, *args, stream=s
                     )
-                    (err,) = drv.cuMemcpyDtoHAsync(
-                        op + lo * row + off, d_out.ptr + off, nb, s.handle
-                    )
-                    _driver.raise_for(err, "cuMemcpyDtoHAsync")
+                    call(drv.cuMemcpyDtoHAsync, op + lo * row + off, d_out.ptr + off, nb, s.handle)
         for ctx, (_, _, s, _) in zip(self.contexts, self.bufs):
             with ctx:
                 s.synchronize()
@@ -309,13 +277,6 @@ def _print_devices(ordinals: Sequence[int]) -> None:
             f"  {mark} GPU {i}: {d.name} ({d.arch}), {d.total_memory / 2**30:.0f} GiB, "
             f"{d.multiprocessor_count} SMs, PCI {d.pci_bus_id}"
         )
-
-
-def fresh_copy(base: np.ndarray) -> np.ndarray:
-    """A new array (new pages, populated) holding *base*: input ctxkit has never seen."""
-    x = np.empty_like(base)
-    np.copyto(x, base)
-    return x
 
 
 def _write_trace(tl: Timeline, target: Path, title: str) -> None:
@@ -375,18 +336,14 @@ def torch_peers(template: np.ndarray) -> tuple[dict[str, Peer], str]:
 
 def _release_peers() -> None:
     """Give back the device memory CuPy's and PyTorch's caching allocators kept."""
-    try:
+    with suppress(Exception):
         import cupy as cp
 
         cp.get_default_memory_pool().free_all_blocks()
-    except Exception:
-        pass
-    try:
+    with suppress(Exception):
         import torch
 
         torch.cuda.empty_cache()
-    except Exception:
-        pass
 
 
 class _Demo:
@@ -430,17 +387,19 @@ class _Demo:
     def timed(
         self,
         key: str,
-        gpus: int,
         call: Callable[[np.ndarray], np.ndarray],
         fresh: bool,
         warmup: int = 0,
-        note: str = "",
+        note: str | Callable[[], str] = "",
+        gpus: int | None = None,
     ) -> None:
         """Time ``call(x) -> out`` *repeats* times after *warmup* untimed calls, on a
-        fresh copy of x each call when *fresh*; check every result."""
+        fresh copy of x each call when *fresh*; check every result. *note* is the row's
+        note, or a function that tells it after the calls (the host path they took);
+        *gpus* defaults to every device of the run."""
         values = []
         for i in range(warmup + self.repeats):
-            x = fresh_copy(self.x) if fresh else self.x
+            x = self.x.copy() if fresh else self.x  # new pages: input ctxkit never saw
             self._untimed = 0.0
             t0 = time.perf_counter()
             out = call(x)
@@ -451,7 +410,8 @@ class _Demo:
                 if self.progress:
                     say(f"    {LABELS[key]}: call {i + 1 - warmup}: {values[-1]:.1f} GB/s")
             del x, out
-        self.rows.append(Row(key, gpus, tuple(values), note))
+        gpus = len(self.ordinals) if gpus is None else gpus
+        self.rows.append(Row(key, gpus, tuple(values), note() if callable(note) else note))
 
     def naive(self, contexts: list[Context]) -> None:
         say("[1/6] the naive pattern (one thread, per-device streams, pageable, 8 chunks)")
@@ -464,7 +424,7 @@ class _Demo:
                 naive.run(x, out, (ALPHA,), 8)
                 return out
 
-            self.timed("naive", nd, run, fresh=False, warmup=1)
+            self.timed("naive", run, fresh=False, warmup=1)
         finally:
             naive.close()
 
@@ -485,7 +445,7 @@ class _Demo:
             self.skipped.append(why)
         for key, (fn, note) in peers.items():
             try:
-                self.timed(key, 1, fn, fresh=False, warmup=1, note=note)
+                self.timed(key, fn, fresh=False, warmup=1, note=note, gpus=1)
             except Exception as exc:
                 self.skipped.append(f"{LABELS[key]} (failed: {exc!r})")
         _release_peers()
@@ -504,8 +464,7 @@ class _Demo:
                 self._first_path = p.last_stats.path
             return out
 
-        self.timed("first_call", len(ordinals), run, fresh=True)
-        self._retag("first_call", self._first_path)
+        self.timed("first_call", run, fresh=True, note=lambda: self._first_path)
 
     def long_lived(self, p: Pipeline) -> None:
         say("[4/6] ctxkit long-lived Pipeline, a fresh array every call, default out")
@@ -513,8 +472,7 @@ class _Demo:
         def run(x: np.ndarray) -> np.ndarray:
             return p.map(self.kernel, x, args=(ALPHA,))
 
-        self.timed("fresh", len(self.ordinals), run, fresh=True, warmup=1)
-        self._retag("fresh", p.last_stats.path)
+        self.timed("fresh", run, fresh=True, warmup=1, note=lambda: p.last_stats.path)
 
     def same_arrays(self, p: Pipeline) -> None:
         say("[5/6] ctxkit, the same arrays again (pin on reuse)")
@@ -524,8 +482,7 @@ class _Demo:
             p.map(self.kernel, x, out, args=(ALPHA,))
             return out
 
-        self.timed("repeated", len(self.ordinals), run, fresh=False, warmup=2)
-        self._retag("repeated", p.last_stats.path)
+        self.timed("repeated", run, fresh=False, warmup=2, note=lambda: p.last_stats.path)
         self.repeated = (p.last_stats, p.trace())
         p.release_pinned()
 
@@ -539,13 +496,7 @@ class _Demo:
             p.map(self.kernel, xp, op, args=(ALPHA,))
             return op
 
-        self.timed("pinned", len(self.ordinals), run, fresh=False, warmup=1)
-
-    def _retag(self, key: str, path: str) -> None:
-        """Note the host path the pipeline took on the row of *key*."""
-        if not path:
-            return
-        self.rows = [Row(r.key, r.gpus, r.gbps, path) if r.key == key else r for r in self.rows]
+        self.timed("pinned", run, fresh=False, warmup=1)
 
 
 def run_demo(args: argparse.Namespace) -> int:

@@ -17,9 +17,8 @@ Graphs and executable graphs know their context and bind it for every call.
 from __future__ import annotations
 
 from ..errors import GraphUpdateError
-from .graph import Graph, GraphExec, GraphNode
+from .graph import Graph, GraphExec, GraphNode, capture
 from .nodes import CONDITIONAL_DEVICE_API, ConditionalHandle
-from .streamcapture import capture
 
 __all__ = [
     "CONDITIONAL_DEVICE_API",

@@ -1,5 +1,5 @@
-"""CUDA graphs: ``Graph`` (a ``CUgraph`` built node by node or captured), its nodes,
-and ``GraphExec`` (an instantiated ``CUgraphExec``: launch, update).
+"""CUDA graphs: ``Graph`` (a ``CUgraph`` built node by node or captured from a stream),
+its nodes, and ``GraphExec`` (an instantiated ``CUgraphExec``: launch, update).
 
 A graph's node builders check their arguments and build the node's parameters (with
 :mod:`ctxkit.graph.nodes`) before anything reaches the driver; ``depends_on=`` wires the
@@ -12,6 +12,11 @@ another graph of the same shape (``cuGraphExecUpdate``; a
 refuses), :meth:`GraphExec.set_kernel_params` changes one kernel node
 (``cuGraphExecKernelNodeSetParams``). Both live here because both hold and read what the
 graph keeps alive.
+
+:func:`capture` is the other way to make a graph: it yields a :class:`Graph` that is
+empty until its block ends, then holds the ``CUgraph`` the stream's work was recorded
+into. While the capture is open, ctxkit's frees are held back (:mod:`ctxkit.lifetime`):
+a free would invalidate it.
 
 Host nodes share one C trampoline, a key per callback: a host node runs at every launch
 of every executable graph made from its graph, so its callback is not popped when it
@@ -28,42 +33,68 @@ import itertools
 import logging
 import os
 import weakref
-from collections.abc import Callable, Iterable
-from contextlib import suppress
-from types import SimpleNamespace
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager, suppress
 from typing import TYPE_CHECKING, Any
 
 from .. import _driver
 from .._driver import drv
 from ..binding import ContextLike, guard, resolve_context
-from ..context import Context, thread_state
+from ..context import Context, require_current, thread_state
 from ..errors import ContextClosedError, CudaError, GraphUpdateError
-from ..lifetime import finalizer
+from ..lifetime import (
+    capture_begins,
+    capture_ends,
+    finalizer,
+    stream_capture_begins,
+    stream_capture_ends,
+)
 from ..stream import Event, Stream, implicit_stream, stream_for
 from .nodes import (
     ConditionalHandle,
-    HostSide,
     KernelSpec,
     add_node_args,
+    check_context,
     check_supported,
     conditional_params,
-    copy_nbytes,
-    copy_side,
     default_arg,
     kernel_spec,
     kind_member,
     memcpy_params,
     memset_params,
     node_type_name,
-    wrong_context,
 )
 
 if TYPE_CHECKING:
     from ..module.kernel import Kernel
 
-__all__ = ["Graph", "GraphExec", "GraphNode"]
+__all__ = ["Graph", "GraphExec", "GraphNode", "capture"]
 
 _EMPTY = "the graph is empty: its capture block has not finished, or it was closed"
+
+#: node type -> the driver function that adds such a node
+_ADD = {
+    "kernel": "cuGraphAddKernelNode",
+    "memcpy": "cuGraphAddMemcpyNode",
+    "memset": "cuGraphAddMemsetNode",
+    "host": "cuGraphAddHostNode",
+    "event_record": "cuGraphAddEventRecordNode",
+    "event_wait": "cuGraphAddEventWaitNode",
+    "empty": "cuGraphAddEmptyNode",
+    "child": "cuGraphAddChildGraphNode",
+    "conditional": "cuGraphAddNode",
+}
+
+
+def _call(ctx: Context, what: str, name: str, *args: Any, call: str = "") -> Any:
+    """``drv.<name>(*args)`` with *ctx* bound for *what* (as :func:`guard` allows), its
+    status checked (the error names *call*, by default *name*): ``None``, the one
+    result, or the results after the status."""
+    with guard(ctx, what):
+        err, *out = getattr(drv, name)(*args)
+    if err:
+        raise ctx.note_error(err, call or name)
+    return out[0] if len(out) == 1 else out or None
 
 
 # --- host node callbacks -------------------------------------------------------------
@@ -115,6 +146,12 @@ _HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(_run_host_node)
 
 #: address of the one C trampoline every host node calls (its userData is the key)
 HOST_FN_ADDR: int = ctypes.cast(_HOST_FN, ctypes.c_void_p).value or 0
+
+
+def _host_callbacks(keep: list[Any]) -> list[HostCallback]:
+    """The callbacks of the host nodes among what a graph keeps alive (also its
+    children's)."""
+    return [x for x in keep if isinstance(x, HostCallback)]
 
 
 # --- nodes ---------------------------------------------------------------------------
@@ -194,11 +231,10 @@ class GraphNode:
         ctx = graph.context
         with guard(ctx, what):
             new = spec.replaced(ctx, args or None, grid, block, shared_mem)
-            (err,) = drv.cuGraphKernelNodeSetParams(self.handle, new.params(ctx))
-        if err:
-            raise ctx.note_error(err, f"cuGraphKernelNodeSetParams({new.describe()})")
+            call = f"cuGraphKernelNodeSetParams({new.describe()})"
+            _call(ctx, what, "cuGraphKernelNodeSetParams", self.handle, new.params(ctx), call=call)
         self._spec = graph._specs[int(self.handle)] = new
-        graph._bump()
+        graph._changed()
 
     def __repr__(self) -> str:
         detail = f" {self._spec.describe()}" if self._spec is not None else ""
@@ -261,7 +297,7 @@ class Graph:
             err, handle = drv.cuGraphCreate(0)
         if err:
             raise ctx.note_error(err, "cuGraphCreate")
-        self._setup(ctx, handle, None)
+        self._setup(ctx, None, None)
         self._own(handle)
 
     @classmethod
@@ -278,28 +314,19 @@ class Graph:
         self.handle = handle
         self._parent = parent
         self._fin: weakref.finalize | None = None
-        # what nodes use (arrays, events, callbacks, children's), kernel node -> its
-        # current arguments, host nodes (also of children): a body shares its parent's
+        # what nodes use (arrays, events, host callbacks, children's) and kernel node ->
+        # its current arguments: a body shares its parent's
         self._keep: list[Any] = parent._keep if parent else []
         self._specs: dict[int, KernelSpec] = parent._specs if parent else {}
-        self._callbacks: list[HostCallback] = parent._callbacks if parent else []
         self._nodes: weakref.WeakValueDictionary[int, GraphNode] = weakref.WeakValueDictionary()
         self._origin: Graph | None = None  # the graph this one was cloned from
         self._origin_specs: dict[int, KernelSpec] = {}  # its kernel nodes' arguments
-        self._exec: GraphExec | None = None
-        self._exec_version = -1
-        self._version = 0
+        self._exec: GraphExec | None = None  # what launch() uses; dropped when nodes change
         self._count = 0
 
     def _own(self, handle: Any) -> None:
         self.handle = handle
         self._fin = finalizer(self, self.context, drv.cuGraphDestroy, handle)
-
-    def _captured(self, handle: Any) -> None:
-        """Own the ``CUgraph`` a capture block made, and instantiate it for :meth:`launch`."""
-        self._own(handle)
-        self.num_nodes  # noqa: B018  (remembered: repr and num_nodes after close)
-        self._ready("graph capture")
 
     # --- state -----------------------------------------------------------------------
 
@@ -325,10 +352,14 @@ class Graph:
             raise ContextClosedError(f"{what}: the graph cannot be used: {why}")
         return handle
 
-    def _bump(self) -> None:
-        self._version += 1
+    def _changed(self) -> None:
+        """Nodes were added or changed: the executable graph :meth:`launch` used is stale
+        (also its parent's, for a conditional body)."""
+        if self._exec is not None:
+            self._exec.close()
+            self._exec = None
         if self._parent is not None:
-            self._parent._bump()
+            self._parent._changed()
 
     @property
     def num_nodes(self) -> int:
@@ -372,23 +403,27 @@ class Graph:
 
     def _add(
         self,
-        what: str,
-        fn: Any,
+        kind: str,
         *params: Any,
         depends_on: Any,
-        kind: str,
         keep: tuple[Any, ...] = (),
         spec: KernelSpec | None = None,
+        what: str = "",
     ) -> GraphNode:
+        """Add a *kind* node: ``drv.<_ADD[kind]>(graph, deps, len(deps), *params)`` (for
+        ``cuGraphAddNode``, the arguments of the bindings' version); keep *keep* alive
+        with the graph."""
+        what = what or f"Graph.{kind}"
         handle = self._open(what)
         deps = dependency_handles(self, depends_on, what)
-        ctx = self.context
-        with guard(ctx, what):
-            err, node = fn(handle, deps, len(deps), *params)
-        if err:
-            raise ctx.note_error(err, f"{getattr(fn, '__name__', what)} ({what})")
+        name = _ADD[kind]
+        if name == "cuGraphAddNode":
+            args = add_node_args(handle, deps, *params)
+        else:
+            args = (handle, deps, len(deps), *params)
+        node = _call(self.context, what, name, *args, call=f"{name} ({what})")
         self._keep.extend(keep)
-        self._bump()
+        self._changed()
         return self._node(node, kind, spec)
 
     # --- nodes that do one thing -------------------------------------------------------
@@ -421,14 +456,7 @@ class Graph:
         with guard(ctx, what):
             spec = kernel_spec(kernel, ctx, grid, block, args, shared_mem)
             params = spec.params(ctx)
-        return self._add(
-            what,
-            drv.cuGraphAddKernelNode,
-            params,
-            depends_on=depends_on,
-            kind="kernel",
-            spec=spec,
-        )
+        return self._add("kernel", params, depends_on=depends_on, spec=spec, what=what)
 
     def memcpy(
         self, dst: Any, src: Any, nbytes: int | None = None, *, depends_on: Any = None
@@ -451,26 +479,10 @@ class Graph:
             Sizes differ (without *nbytes*), *nbytes* exceeds a side, or nothing to copy.
         """
         what = "Graph.memcpy"
-        ctx = self.context
         self._open(what)
-        d = copy_side(dst, ctx, what, "destination", write=True)
-        s = copy_side(src, ctx, what, "source", write=False)
-        if isinstance(d, HostSide) and isinstance(s, HostSide):
-            raise ValueError(f"{what}: both sides are host memory; copy them with numpy")
-        n = copy_nbytes(d, s, nbytes, what)
-        if n == 0:
-            raise ValueError(
-                f"{what}: nothing to copy (0 bytes); use graph.empty() for a node that does nothing"
-            )
-        return self._add(
-            what,
-            drv.cuGraphAddMemcpyNode,
-            memcpy_params(d, s, n),
-            ctx.cu,
-            depends_on=depends_on,
-            kind="memcpy",
-            keep=(dst, src),
-        )
+        ctx = self.context
+        params = memcpy_params(dst, src, nbytes, ctx, what)
+        return self._add("memcpy", params, ctx.cu, depends_on=depends_on, keep=(dst, src))
 
     def memset(
         self,
@@ -485,27 +497,10 @@ class Graph:
         (1, 2 or 4) bytes of device memory *dst* set to *value* (the element's bit
         pattern); *count* defaults to the whole of *dst*."""
         what = "Graph.memset"
-        ctx = self.context
         self._open(what)
-        if not hasattr(dst, "__cuda_array_interface__") and not hasattr(dst, "_ctxkit_mem"):
-            raise TypeError(
-                f"{what}: dst must be device memory (a ctxkit buffer/array or a device "
-                f"array of another library), got {type(dst).__name__}"
-            )
-        mem = copy_side(dst, ctx, what, "destination", write=True)
-        assert not isinstance(mem, HostSide)
-        params = memset_params(mem, value, count, element_size, what)
-        if not params.width:
-            raise ValueError(f"{what}: nothing to set (0 elements)")
-        return self._add(
-            what,
-            drv.cuGraphAddMemsetNode,
-            params,
-            ctx.cu,
-            depends_on=depends_on,
-            kind="memset",
-            keep=(dst,),
-        )
+        ctx = self.context
+        params = memset_params(dst, value, count, element_size, ctx, what)
+        return self._add("memset", params, ctx.cu, depends_on=depends_on, keep=(dst,))
 
     def host(self, fn: Any, *args: Any, depends_on: Any = None) -> GraphNode:
         """A host node (``cuGraphAddHostNode``): ``fn(*args)`` runs on a driver thread at
@@ -524,47 +519,33 @@ class Graph:
         params = drv.CUDA_HOST_NODE_PARAMS()
         params.fn = drv.CUhostFn(HOST_FN_ADDR)
         params.userData = cb.key
-        node = self._add(
-            what, drv.cuGraphAddHostNode, params, depends_on=depends_on, kind="host", keep=(cb,)
-        )
-        self._callbacks.append(cb)
-        return node
+        return self._add("host", params, depends_on=depends_on, keep=(cb,))
 
     def event_record(self, event: Event, *, depends_on: Any = None) -> GraphNode:
         """An event record node (``cuGraphAddEventRecordNode``); *event* must belong to
         the graph's context."""
-        return self._event_node(event, depends_on, "event_record", same_context=True)
+        return self._event_node(event, depends_on, "event_record")
 
     def event_wait(self, event: Event, *, depends_on: Any = None) -> GraphNode:
         """An event wait node (``cuGraphAddEventWaitNode``): the nodes after it wait for
         the work before *event*'s latest record (of any context)."""
-        return self._event_node(event, depends_on, "event_wait", same_context=False)
+        return self._event_node(event, depends_on, "event_wait")
 
-    def _event_node(
-        self, event: Event, depends_on: Any, kind: str, *, same_context: bool
-    ) -> GraphNode:
+    def _event_node(self, event: Event, depends_on: Any, kind: str) -> GraphNode:
         what = f"Graph.{kind}"
         if not isinstance(event, Event):
             raise TypeError(f"{what}: expected a ctxkit.Event, got {type(event).__name__}")
         handle = event.handle
         if handle is None:
             raise ContextClosedError(f"{what}: the event was closed")
-        if same_context and event.context.handle != self.context.handle:
-            raise wrong_context(
-                f"{what}: {event!r} belongs to {event.context!r}, but the graph belongs to "
-                f"{self.context!r}; create the event in the graph's context "
-                "(ck.Event(context=graph.context))"
-            )
-        add = (
-            drv.cuGraphAddEventRecordNode if kind == "event_record" else drv.cuGraphAddEventWaitNode
-        )
-        return self._add(what, add, handle, depends_on=depends_on, kind=kind, keep=(event,))
+        if kind == "event_record":
+            fix = "; create the event in the graph's context (ck.Event(context=graph.context))"
+            check_context(self.context, event.context, what, repr(event), fix)
+        return self._add(kind, handle, depends_on=depends_on, keep=(event,))
 
     def empty(self, *, depends_on: Any = None) -> GraphNode:
         """A node that does nothing (``cuGraphAddEmptyNode``): a join point of edges."""
-        return self._add(
-            "Graph.empty", drv.cuGraphAddEmptyNode, depends_on=depends_on, kind="empty"
-        )
+        return self._add("empty", depends_on=depends_on)
 
     # --- child and conditional nodes -------------------------------------------------
 
@@ -577,21 +558,10 @@ class Graph:
         if graph is self:
             raise ValueError(f"{what}: a graph cannot contain itself")
         child = graph._open(what)
-        if graph.context.handle != self.context.handle:
-            raise wrong_context(
-                f"{what}: {graph!r} belongs to {graph.context!r}, but this graph belongs to "
-                f"{self.context!r}; build both in one context"
-            )
-        node = self._add(
-            what,
-            drv.cuGraphAddChildGraphNode,
-            child,
-            depends_on=depends_on,
-            kind="child",
-            keep=(list(graph._keep), dict(graph._specs)),
-        )
-        self._callbacks.extend(graph._callbacks)
-        return node
+        fix = "; build both in one context"
+        check_context(self.context, graph.context, what, repr(graph), fix)
+        keep = (*graph._keep, *graph._specs.values())
+        return self._add("child", child, depends_on=depends_on, keep=keep)
 
     def conditional_handle(self, default: int = 0) -> ConditionalHandle:
         """A condition for a conditional node of this graph
@@ -612,10 +582,8 @@ class Graph:
         check_supported(what)
         ctx = self.context
         flags = int(getattr(drv, "CU_GRAPH_COND_ASSIGN_DEFAULT", 1))
-        with guard(ctx, what):
-            err, cond = drv.cuGraphConditionalHandleCreate(handle, ctx.cu, value, flags)
-        if err:
-            raise ctx.note_error(err, "cuGraphConditionalHandleCreate")
+        name = "cuGraphConditionalHandleCreate"
+        cond = _call(ctx, what, name, handle, ctx.cu, value, flags)
         return ConditionalHandle(cond, self, value)
 
     def conditional(
@@ -648,7 +616,7 @@ class Graph:
         """
         what = f"Graph.conditional({kind!r})"
         kind_enum = kind_member(kind, what)
-        graph_handle = self._open(what)
+        self._open(what)
         if handle is None:
             handle = self.conditional_handle(default)
         elif not isinstance(handle, ConditionalHandle):
@@ -658,18 +626,11 @@ class Graph:
                 f"{what}: {handle!r} was made for {handle.graph!r}; make it with this "
                 "graph's conditional_handle()"
             )
-        deps = dependency_handles(self, depends_on, what)
-        ctx = self.context
-        params = conditional_params(handle.handle, kind_enum, ctx.cu)
-        with guard(ctx, what):
-            err, node = drv.cuGraphAddNode(*add_node_args(graph_handle, deps, params))
-        if err:
-            raise ctx.note_error(err, f"cuGraphAddNode (conditional {kind})")
+        params = conditional_params(handle.handle, kind_enum, self.context.cu)
+        node = self._add("conditional", params, depends_on=depends_on, what=what)
         handle.kind = kind
-        self._bump()
-        out = self._node(node, "conditional")
-        body = Graph._pending(ctx, params.conditional.phGraph_out[0], self)
-        return out, body, handle
+        body = Graph._pending(self.context, params.conditional.phGraph_out[0], self)
+        return node, body, handle
 
     # --- whole-graph operations ------------------------------------------------------
 
@@ -679,15 +640,9 @@ class Graph:
         handle = self._open(what)
         if self._parent is not None:
             raise ValueError(f"{what}: clone the graph holding the conditional body instead")
-        ctx = self.context
-        with guard(ctx, what):
-            err, copy = drv.cuGraphClone(handle)
-        if err:
-            raise ctx.note_error(err, "cuGraphClone")
-        out = Graph._pending(ctx)
-        out._own(copy)
+        out = Graph._pending(self.context)
+        out._own(_call(self.context, what, "cuGraphClone", handle))
         out._keep = list(self._keep)
-        out._callbacks = list(self._callbacks)
         out._origin = self
         out._origin_specs = dict(self._specs)
         return out
@@ -705,10 +660,7 @@ class Graph:
             raise ValueError(
                 f"{what}: {node!r} is not a node of the graph this one was cloned from"
             )
-        with guard(self.context, what):
-            err, mine = drv.cuGraphNodeFindInClone(node.handle, handle)
-        if err:
-            raise self.context.note_error(err, "cuGraphNodeFindInClone")
+        mine = _call(self.context, what, "cuGraphNodeFindInClone", node.handle, handle)
         spec = self._origin_specs.get(int(node.handle))
         return self._nodes.get(int(mine)) or self._node(mine, node.type, spec)
 
@@ -728,15 +680,10 @@ class Graph:
         return GraphExec(self)
 
     def _ready(self, what: str) -> GraphExec:
-        exe = self._exec
-        if exe is not None and exe.handle is not None and self._exec_version == self._version:
-            return exe
-        if self._open_handle() is None or self._parent is not None:
-            raise CudaError(_EMPTY if self._parent is None else f"{what}: {_EMPTY}")
-        if exe is not None:
-            exe.close()
-        self._exec = self.instantiate()
-        self._exec_version = self._version
+        if self._exec is None:
+            if self._open_handle() is None or self._parent is not None:
+                raise CudaError(_EMPTY if self._parent is None else f"{what}: {_EMPTY}")
+            self._exec = self.instantiate()
         return self._exec
 
     def launch(self, stream: Any = None) -> None:
@@ -761,11 +708,13 @@ class Graph:
 
     def debug_dot(self, path: str | os.PathLike[str], *, verbose: bool = False) -> None:
         """Write the graph as Graphviz DOT to *path* (``cuGraphDebugDotPrint``)."""
-        handle = self._open("Graph.debug_dot")
-        with guard(self.context, "Graph.debug_dot"):  # flags: CU_GRAPH_DEBUG_DOT_FLAGS_VERBOSE
-            (err,) = drv.cuGraphDebugDotPrint(handle, os.fsencode(path), 1 if verbose else 0)
-        if err:
-            raise self.context.note_error(err, f"cuGraphDebugDotPrint({os.fspath(path)!r})")
+        what = "Graph.debug_dot"
+        handle = self._open(what)
+        call = f"cuGraphDebugDotPrint({os.fspath(path)!r})"
+        flags = 1 if verbose else 0  # CU_GRAPH_DEBUG_DOT_FLAGS_VERBOSE
+        _call(
+            self.context, what, "cuGraphDebugDotPrint", handle, os.fsencode(path), flags, call=call
+        )
 
     def close(self) -> None:
         """Destroy the graph (in its context) and the executable graph :meth:`launch`
@@ -774,6 +723,7 @@ class Graph:
             self.num_nodes  # noqa: B018  (remembered for repr)
         if self._exec is not None:
             self._exec.close()
+            self._exec = None
         if self._fin is not None:
             self._fin()
         self.handle = None
@@ -781,16 +731,106 @@ class Graph:
     def __repr__(self) -> str:
         if self._open_handle() is None:
             state = "empty"
-        elif self._exec is not None and self._exec_version == self._version:
+        elif self._exec is not None:
             state = "ready"
         else:
             state = "not instantiated"
         kind = " body" if self._parent is not None else ""
-        count = self._count
-        if state != "empty":
-            with suppress(CudaError):
-                count = self.num_nodes
+        count = self._count  # num_nodes answers it too once closed
+        with suppress(CudaError):
+            count = self.num_nodes
         return f"<Graph{kind} {count} nodes {state} in {self.context!r}>"
+
+
+# --- stream capture ------------------------------------------------------------------
+
+_CAPTURE_MODES = {
+    "global": "CU_STREAM_CAPTURE_MODE_GLOBAL",
+    "thread_local": "CU_STREAM_CAPTURE_MODE_THREAD_LOCAL",
+    "relaxed": "CU_STREAM_CAPTURE_MODE_RELAXED",
+}
+
+_SPECIAL_STREAMS = (0, 1, 2)  # legacy default, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD
+
+
+@contextmanager
+def capture(stream: Any, *, mode: str = "thread_local") -> Iterator[Graph]:
+    """Record the work enqueued on *stream* inside the block into a :class:`Graph`.
+
+    ``with capture(s) as g: k.launch(..., stream=s)`` -- after the block ``g.launch()``
+    replays it (an executable graph is made as the block ends, so what cannot be
+    instantiated fails there). The graph is kept: clone it, list its nodes, instantiate it
+    again, or capture the same work with other pointers and ``exe.update(g2)``. The
+    stream's context is bound for the block. Work inside must be asynchronous and on
+    *stream* (no synchronize, no pageable copies, no allocation). ctxkit objects closed or
+    garbage collected inside the block (the collector runs at any allocation) are freed
+    after it: a ``cuMemFree`` there would invalidate the capture. In ``global`` mode that
+    holds for frees in every thread.
+
+    Parameters
+    ----------
+    stream : Stream or foreign stream
+        A created stream; the legacy default stream cannot be captured.
+    mode : {"thread_local", "global", "relaxed"}
+        ``cuStreamBeginCapture`` mode: whose unsafe calls invalidate the capture -- this
+        thread's (``thread_local``), every thread's (``global``), none (``relaxed``:
+        frees are not held back then).
+
+    Raises
+    ------
+    CudaError
+        The capture was invalidated (``CUDA_ERROR_STREAM_CAPTURE_INVALIDATED``); the
+        stream is usable again afterwards.
+    """
+    if stream is None:
+        raise ValueError(
+            "capture needs a created stream (ck.Stream()); the default stream cannot be captured"
+        )
+    try:
+        mode_enum = getattr(drv.CUstreamCaptureMode, _CAPTURE_MODES[mode])
+    except KeyError:
+        raise ValueError(f"mode must be one of {sorted(_CAPTURE_MODES)}, not {mode!r}") from None
+    sc = getattr(stream, "context", None)
+    ctx = sc if isinstance(sc, Context) else require_current("graph capture")
+    hs = stream_for(stream, ctx, "graph")
+    if int(hs) in _SPECIAL_STREAMS:
+        raise ValueError("the default stream cannot be captured; capture a ck.Stream()")
+    graph = Graph._pending(ctx)
+    tracked, global_mode = mode != "relaxed", mode == "global"
+    with guard(ctx, "graph capture"):
+        # marked open before it begins (frees are held back, the block cache hands
+        # nothing out for the stream): a free between the two -- the garbage collector
+        # runs at any allocation -- would invalidate it
+        if tracked:
+            capture_begins(global_mode)
+        stream_capture_begins(int(hs))
+        try:
+            _driver.raise_for(drv.cuStreamBeginCapture(hs, mode_enum)[0], "cuStreamBeginCapture")
+            try:
+                yield graph
+            except BaseException:
+                err, cu_graph = drv.cuStreamEndCapture(hs)
+                if not err and cu_graph is not None and int(cu_graph):
+                    drv.cuGraphDestroy(cu_graph)
+                raise
+            err, cu_graph = drv.cuStreamEndCapture(hs)
+        finally:  # the capture is over: run the frees it held back
+            stream_capture_ends(int(hs))
+            if tracked:
+                capture_ends(global_mode)
+        if err:
+            raise _driver.from_result(
+                int(err),
+                "cuStreamEndCapture",
+                "something in the capture block could not be captured (a synchronize, a "
+                "synchronous or pageable copy, work on the legacy default stream, an "
+                "allocation, or work forked to another stream and not joined back) or, in "
+                "mode='global', another thread made such a call; enqueue everything "
+                "asynchronously on the captured stream",
+            )
+        graph._own(cu_graph)
+        graph.num_nodes  # noqa: B018  (remembered: repr and num_nodes after close)
+        graph._ready("graph capture")
 
 
 # --- executable graphs ---------------------------------------------------------------
@@ -824,18 +864,14 @@ class GraphExec:
 
     def __init__(self, graph: Graph) -> None:
         what = "Graph.instantiate"
-        handle = graph._open(what)
         ctx = graph.context
-        with guard(ctx, what):
-            err, exe = drv.cuGraphInstantiate(handle, 0)
-        if err:
-            raise ctx.note_error(err, "cuGraphInstantiate")
+        exe = _call(ctx, what, "cuGraphInstantiate", graph._open(what), 0)
         self.context = ctx
         self._graph = weakref.ref(graph)  # a graph launching its own exec holds it
         self.handle = exe
         self._uses = (list(graph._keep), dict(graph._specs))
         self._params: dict[int, KernelSpec] = {}  # set_kernel_params, by node handle
-        self._callbacks = list(graph._callbacks)
+        self._callbacks = _host_callbacks(graph._keep)
         self._fin: weakref.finalize | None = finalizer(self, ctx, drv.cuGraphExecDestroy, exe)
 
     @property
@@ -876,9 +912,7 @@ class GraphExec:
         self._enqueue(drv.cuGraphUpload, stream, "GraphExec.upload")
 
     def _enqueue(self, fn: Any, stream: Any, what: str) -> None:
-        exe = self.handle
-        if exe is None:
-            raise CudaError(f"{what}: {_EMPTY}")
+        exe = self._open(what)
         ctx = self.context
         hs = stream_for(stream, ctx, "graph")
         if self._callbacks:  # host nodes report exceptions to the stream of this launch
@@ -917,20 +951,17 @@ class GraphExec:
             raise TypeError(f"{what}: expected a ctxkit.Graph, got {type(graph).__name__}")
         handle = graph._open(what)
         ctx = self.context
-        if graph.context.handle != ctx.handle:
-            raise wrong_context(
-                f"{what}: {graph!r} belongs to {graph.context!r}, but the executable graph "
-                f"belongs to {ctx!r}"
-            )
+        check_context(ctx, graph.context, what, repr(graph), mine="the executable graph")
         with guard(ctx, what):
             err, info = drv.cuGraphExecUpdate(exe, handle)
-            if err and getattr(info, "result", None) is None:
-                err, info = _ask_libcuda(exe, handle, int(err), info)
+            result, node = getattr(info, "result", None), getattr(info, "errorNode", None)
+            if err and result is None:
+                err, result, node = _ask_libcuda(exe, handle, int(err))
         if err:
-            raise update_error(int(err), info, graph)
+            raise _update_error(int(err), result, node, graph)
         self._updated = (list(graph._keep), dict(graph._specs))  # kept alive while it runs
         self._params.clear()
-        self._callbacks = list(graph._callbacks)
+        self._callbacks = _host_callbacks(graph._keep)
 
     def set_kernel_params(
         self,
@@ -966,11 +997,12 @@ class GraphExec:
         key = int(node.handle)
         base = self._params.get(key) or self._uses[1].get(key) or node._require_spec(what)
         ctx = self.context
+        name = "cuGraphExecKernelNodeSetParams"
         with guard(ctx, what):
             new = base.replaced(ctx, args or None, grid, block, shared_mem)
-            (err,) = drv.cuGraphExecKernelNodeSetParams(exe, node.handle, new.params(ctx))
-        if err:
-            raise ctx.note_error(err, f"cuGraphExecKernelNodeSetParams({new.describe()})")
+            _call(
+                ctx, what, name, exe, node.handle, new.params(ctx), call=f"{name}({new.describe()})"
+            )
         self._params[key] = new
 
     def close(self) -> None:
@@ -984,34 +1016,28 @@ class GraphExec:
         return f"<GraphExec {state} of {self.graph!r}>"
 
 
-def _ask_libcuda(exe: Any, handle: Any, err: int, info: Any) -> tuple[int, Any]:
+def _ask_libcuda(exe: Any, handle: Any, err: int) -> tuple[int, Any, Any]:
     """Update again through libcuda to learn why the driver refused (cuda-bindings returns
-    no result info on failure); ``(err, info)`` as the bindings would have given them."""
+    no result info on failure): the status, the ``CUgraphExecUpdateResult`` and the
+    ``CUgraphNode`` it names (``None`` where libcuda cannot be asked)."""
     raw = _driver.graph_exec_update_info(exe, handle)
     if raw is None:
-        return err, info
+        return err, None, None
     code, result, node = raw
-    if not code:
-        return 0, None
-    try:
-        member = drv.CUgraphExecUpdateResult(result)
-    except ValueError:
-        member = result
-    return code, SimpleNamespace(result=member, errorNode=drv.CUgraphNode(node) if node else None)
+    with suppress(ValueError):
+        result = drv.CUgraphExecUpdateResult(result)
+    return code, result, drv.CUgraphNode(node) if node else None
 
 
-def update_error(code: int, info: Any, graph: Graph) -> GraphUpdateError:
-    """The :class:`GraphUpdateError` for a refused ``cuGraphExecUpdate``."""
-    member = getattr(info, "result", None)
-    full = getattr(member, "name", None) or f"CUgraphExecUpdateResult {member}"
-    suffix = full.removeprefix("CU_GRAPH_EXEC_UPDATE_").removeprefix("ERROR_")
-    if full == "CU_GRAPH_EXEC_UPDATE_ERROR" or member is None:
-        suffix = "ERROR"
-    if member is None:
-        full = "no CUgraphExecUpdateResultInfo: the driver gave no reason"
-    reason = suffix.lower()
+def _update_error(code: int, result: Any, handle: Any, graph: Graph) -> GraphUpdateError:
+    """The :class:`GraphUpdateError` for a refused ``cuGraphExecUpdate``: *result* says
+    why, *handle* is the node it names (either may be ``None``)."""
+    if result is None:
+        suffix, full = "ERROR", "no CUgraphExecUpdateResultInfo: the driver gave no reason"
+    else:
+        full = getattr(result, "name", None) or f"CUgraphExecUpdateResult {result}"
+        suffix = full.removeprefix("CU_GRAPH_EXEC_UPDATE_").removeprefix("ERROR_")
     why = _REASONS.get(suffix, f"the driver answered {full}")
-    handle = getattr(info, "errorNode", None)
     try:
         node = graph._wrap(handle) if handle is not None and int(handle) else None
     except CudaError:
@@ -1025,6 +1051,6 @@ def update_error(code: int, info: Any, graph: Graph) -> GraphUpdateError:
         "copy and memset addresses)",
         code,
         name,
-        reason=reason,
+        reason=suffix.lower(),
         node=node,
     )

@@ -1,9 +1,9 @@
 """The parameters of graph nodes: checked, then built as the driver structures.
 
 The helpers here check what a node builder of :class:`~ctxkit.graph.graph.Graph` was
-given -- kernel arguments (packed by the kernel's own
-:class:`~ctxkit.module.params.ArgPacker`, exactly as ``Kernel.launch`` packs them), copy
-and memset targets, conditional kinds -- and build the ``CUDA_*_NODE_PARAMS``
+given -- kernel arguments (packed by an :class:`~ctxkit.module.params.ArgPacker` of the
+kernel's signature, exactly as ``Kernel.launch`` packs them), copy and memset targets,
+conditional kinds, objects of other contexts -- and build the ``CUDA_*_NODE_PARAMS``
 structures, before anything reaches the driver.
 
 Conditional nodes (``if`` and ``while``, CUDA 12.4+) run their body graph once (``if``)
@@ -27,24 +27,27 @@ from .._driver import drv
 from ..context import Context
 from ..errors import CudaError, PageableCopyError, WrongContextError
 from ..memory.copies import Mem, device_mem
-from ..memory.host import is_pinned, plain_dtype
+from ..memory.host import host_array, is_pinned
+from ..memory.sizes import nbytes_arg
 from ..module.kernel import Kernel, normalize_dims, shared_mem_arg
-from ..module.params import ParamBuffer
+from ..module.params import ArgPacker, ParamBuffer
 
-__all__ = [
-    "CONDITIONAL_DEVICE_API",
-    "ConditionalHandle",
-    "KernelSpec",
-    "node_type_name",
-    "wrong_context",
-]
+__all__ = ["CONDITIONAL_DEVICE_API", "ConditionalHandle"]
 
 _INVALID_HANDLE = 400
 
 
-def wrong_context(message: str) -> WrongContextError:
-    """The error for an object of another context (``CUDA_ERROR_INVALID_HANDLE``)."""
-    return WrongContextError(message, _INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE")
+def check_context(
+    ctx: Context, owner: Context, what: str, obj: str, fix: str = "", mine: str = "the graph"
+) -> None:
+    """Raise :class:`WrongContextError` (``CUDA_ERROR_INVALID_HANDLE``) when *obj*, of the
+    context *owner*, is not of *ctx*, the context of *mine*; *fix* says what to do."""
+    if owner.handle != ctx.handle:
+        raise WrongContextError(
+            f"{what}: {obj} belongs to {owner!r}, but {mine} belongs to {ctx!r}{fix}",
+            _INVALID_HANDLE,
+            "CUDA_ERROR_INVALID_HANDLE",
+        )
 
 
 #: Declarations to put in front of NVRTC source that sets a conditional handle.
@@ -120,6 +123,7 @@ def kind_member(kind: Any, what: str) -> Any:
 
 
 def default_arg(default: Any, what: str) -> int:
+    """A conditional handle's default value, checked: an unsigned 32-bit int."""
     if isinstance(default, bool):
         default = int(default)
     if not isinstance(default, int) or not 0 <= default < 1 << 32:
@@ -170,6 +174,11 @@ def node_type_name(member: Any) -> str:
     return _TYPE_NAMES.get(suffix, suffix.lower())
 
 
+#: the argument packer of each kernel used in a graph (made once per kernel: making one
+#: compiles its packing code)
+_packers: weakref.WeakKeyDictionary[Kernel, ArgPacker] = weakref.WeakKeyDictionary()
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class KernelSpec:
     """What a kernel node runs: the kernel, its launch shape and its packed arguments
@@ -190,20 +199,16 @@ class KernelSpec:
         block: Any,
         shared_mem: int | None,
     ) -> KernelSpec:
-        """A new spec: the given fields changed, the others kept; arguments re-checked."""
-        return kernel_spec(
-            self.kernel,
-            ctx,
-            self.grid if grid is None else grid,
-            self.block if block is None else block,
-            self.args if args is None else args,
-            self.shared_mem if shared_mem is None else shared_mem,
-        )
+        """A new spec: each field given (not ``None``) changed, the others kept; the
+        arguments checked and packed again."""
+        given: tuple[Any, ...] = (grid, block, args, shared_mem)
+        kept: tuple[Any, ...] = (self.grid, self.block, self.args, self.shared_mem)
+        return kernel_spec(self.kernel, ctx, *(k if g is None else g for g, k in zip(given, kept)))
 
     def params(self, ctx: Context) -> Any:
-        """The ``CUDA_KERNEL_NODE_PARAMS`` (the function of *ctx*, which must be bound)."""
+        """The ``CUDA_KERNEL_NODE_PARAMS``, with the kernel's function in *ctx*."""
         p = drv.CUDA_KERNEL_NODE_PARAMS()
-        p.func = self.kernel._function(ctx)
+        p.func = self.kernel.function_handle(ctx)
         p.gridDimX, p.gridDimY, p.gridDimZ = self.grid
         p.blockDimX, p.blockDimY, p.blockDimZ = self.block
         p.sharedMemBytes = self.shared_mem
@@ -211,6 +216,7 @@ class KernelSpec:
         return p
 
     def describe(self) -> str:
+        """The kernel and its launch shape, for messages and reprs."""
         return f"{self.kernel.name} grid={self.grid} block={self.block}"
 
 
@@ -222,9 +228,13 @@ def kernel_spec(
     Raises ``LaunchArgumentError`` for arguments that do not fit the kernel's parameters
     (the message names the parameter), as ``Kernel.launch`` does.
     """
-    if not hasattr(kernel, "_require_packer"):
+    if not isinstance(kernel, Kernel):
         raise TypeError(f"kernel must be a ctxkit Kernel, got {type(kernel).__name__}")
-    packer = kernel._require_packer()
+    packer = _packers.get(kernel)
+    if packer is None:
+        kernel.params  # noqa: B018  (LaunchArgumentError naming why when it is unknown)
+        assert kernel.signature is not None
+        packer = _packers[kernel] = ArgPacker(kernel.signature, kernel.name)
     g = normalize_dims(grid, "grid")
     b = normalize_dims(block, "block")
     smem = shared_mem_arg(shared_mem, kernel.name)
@@ -238,81 +248,86 @@ def kernel_spec(
 
 
 class HostSide(NamedTuple):
-    """Pinned host memory taking part in a memcpy node."""
+    """Pinned host memory taking part in a memcpy node (the node keeps its array)."""
 
-    array: np.ndarray
     ptr: int
     nbytes: int
 
 
 def copy_side(obj: Any, ctx: Context, what: str, name: str, write: bool) -> Mem | HostSide:
-    """One side of a memcpy node: device memory of *ctx*, or a pinned numpy array."""
+    """One side of a memcpy or memset node: device memory of *ctx*, or a pinned numpy
+    array."""
     if isinstance(obj, np.ndarray):
-        plain_dtype(obj.dtype, what)
-        if not obj.flags.c_contiguous:
-            raise ValueError(f"{what}: the {name} array is not C-contiguous; pass a contiguous one")
-        if write and not obj.flags.writeable:
-            raise ValueError(f"{what}: the {name} array is read-only")
+        host_array(obj, what, writable=write)
         if obj.nbytes and not is_pinned(obj):
             raise PageableCopyError(
                 f"{what}: the {name} array is pageable host memory; a graph copies host "
                 "memory asynchronously, which needs page-locked memory: allocate it with "
                 "ck.pinned_empty(...) or pin it with `with ck.register_host(arr):`"
             )
-        return HostSide(obj, int(obj.ctypes.data), int(obj.nbytes))
+        return HostSide(int(obj.ctypes.data), int(obj.nbytes))
     mem = device_mem(obj, what, write=write)
-    mc = mem.context
-    if isinstance(mc, Context) and mc.handle != ctx.handle:
-        raise wrong_context(
-            f"{what}: the {name} ({type(obj).__name__}) belongs to {mc!r}, but the graph "
-            f"belongs to {ctx!r}; build the graph in the memory's context "
-            "(ck.Graph(context=buf.context)) or copy the data there first"
+    if isinstance(mem.context, Context):
+        check_context(
+            ctx,
+            mem.context,
+            what,
+            f"the {name} ({type(obj).__name__})",
+            "; build the graph in the memory's context (ck.Graph(context=buf.context)) or "
+            "copy the data there first",
         )
     return mem
 
 
-def copy_nbytes(dst: Mem | HostSide, src: Mem | HostSide, nbytes: Any, what: str) -> int:
-    """The byte count of a memcpy node: *nbytes*, or both sides' common size."""
+def memcpy_params(dst: Any, src: Any, nbytes: Any, ctx: Context, what: str) -> Any:
+    """A 1-D ``CUDA_MEMCPY3D`` from *src* to *dst* (device memory of *ctx* or pinned
+    numpy arrays) of *nbytes*, by default both sides' common size."""
+    d = copy_side(dst, ctx, what, "destination", write=True)
+    s = copy_side(src, ctx, what, "source", write=False)
+    if isinstance(d, HostSide) and isinstance(s, HostSide):
+        raise ValueError(f"{what}: both sides are host memory; copy them with numpy")
     if nbytes is None:
-        if dst.nbytes != src.nbytes:
+        if d.nbytes != s.nbytes:
             raise ValueError(
-                f"{what}: the destination holds {dst.nbytes} bytes and the source "
-                f"{src.nbytes}; pass nbytes= to copy a prefix"
+                f"{what}: the destination holds {d.nbytes} bytes and the source "
+                f"{s.nbytes}; pass nbytes= to copy a prefix"
             )
-        return int(src.nbytes)
-    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes < 0:
-        raise ValueError(f"{what}: nbytes must be an int >= 0, got {nbytes!r}")
-    n = int(nbytes)
-    for side, label in ((dst, "destination"), (src, "source")):
+        nbytes = s.nbytes
+    n = nbytes_arg(nbytes, what)
+    for side, label in ((d, "destination"), (s, "source")):
         if n > side.nbytes:
             raise ValueError(f"{what}: nbytes={n} exceeds the {label}'s {side.nbytes} bytes")
-    return n
-
-
-def memcpy_params(dst: Mem | HostSide, src: Mem | HostSide, n: int) -> Any:
-    """A 1-D ``CUDA_MEMCPY3D`` from *src* to *dst*."""
+    if n == 0:
+        raise ValueError(
+            f"{what}: nothing to copy (0 bytes); use graph.empty() for a node that does nothing"
+        )
     kinds = drv.CUmemorytype
     p = drv.CUDA_MEMCPY3D()
-    if isinstance(src, HostSide):
-        p.srcMemoryType = kinds.CU_MEMORYTYPE_HOST
-        p.srcHost = src.ptr
-    else:
-        p.srcMemoryType = kinds.CU_MEMORYTYPE_DEVICE
-        p.srcDevice = src.ptr
-    if isinstance(dst, HostSide):
-        p.dstMemoryType = kinds.CU_MEMORYTYPE_HOST
-        p.dstHost = dst.ptr
-    else:
-        p.dstMemoryType = kinds.CU_MEMORYTYPE_DEVICE
-        p.dstDevice = dst.ptr
+    for side, end in ((s, "src"), (d, "dst")):
+        if isinstance(side, HostSide):
+            setattr(p, f"{end}MemoryType", kinds.CU_MEMORYTYPE_HOST)
+            setattr(p, f"{end}Host", side.ptr)
+        else:
+            setattr(p, f"{end}MemoryType", kinds.CU_MEMORYTYPE_DEVICE)
+            setattr(p, f"{end}Device", side.ptr)
     p.WidthInBytes = n
     p.Height = 1
     p.Depth = 1
     return p
 
 
-def memset_params(dst: Mem, value: Any, count: Any, element_size: Any, what: str) -> Any:
-    """A 1-D ``CUDA_MEMSET_NODE_PARAMS``: *count* elements of *element_size* bytes."""
+def memset_params(
+    obj: Any, value: Any, count: Any, element_size: Any, ctx: Context, what: str
+) -> Any:
+    """A 1-D ``CUDA_MEMSET_NODE_PARAMS``: *count* elements of *element_size* bytes of
+    the device memory *obj* (of *ctx*), by default all of it."""
+    if isinstance(obj, np.ndarray):
+        raise TypeError(
+            f"{what}: dst must be device memory (a ctxkit buffer/array or a device array "
+            "of another library), got a numpy array"
+        )
+    dst = copy_side(obj, ctx, what, "destination", write=True)
+    assert isinstance(dst, Mem)
     if element_size not in (1, 2, 4) or isinstance(element_size, bool):
         raise ValueError(f"{what}: element_size must be 1, 2 or 4, got {element_size!r}")
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -339,6 +354,8 @@ def memset_params(dst: Mem, value: Any, count: Any, element_size: Any, what: str
         )
     if dst.ptr % element_size:
         raise ValueError(f"{what}: the destination is not aligned to {element_size} bytes")
+    if not count:
+        raise ValueError(f"{what}: nothing to set (0 elements)")
     p = drv.CUDA_MEMSET_NODE_PARAMS()
     p.dst = dst.ptr
     p.elementSize = int(element_size)
