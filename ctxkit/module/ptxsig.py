@@ -28,7 +28,6 @@ __all__ = [
     "classify_spelling",
     "mangled_param_types",
     "parse_entries",
-    "parse_entry",
     "signature_from_layout",
     "source_param_types",
 ]
@@ -258,9 +257,6 @@ def source_param_types(source: str, name: str, count: int) -> list[CType] | None
     return None
 
 
-_INT_BITS = {"8": 8, "16": 16, "32": 32, "64": 64}
-
-
 _UNSIGNED_CODE = {1: "B", 2: "H", 4: "I", 8: "Q"}
 
 
@@ -292,10 +288,8 @@ def _type_info(ptx_type: str) -> tuple[str, int]:
     if ptx_type in _RAW_TYPES:
         return BYTES, _RAW_TYPES[ptx_type]
     head, bits = ptx_type[:1], ptx_type[1:]
-    if head in ("s", "u") and bits in _INT_BITS:
-        return INT, _INT_BITS[bits] // 8
-    if head == "b" and bits in _INT_BITS:
-        return BITS, _INT_BITS[bits] // 8
+    if head in ("s", "u", "b") and bits in ("8", "16", "32", "64"):
+        return (BITS if head == "b" else INT), int(bits) // 8
     raise ValueError(f"unsupported PTX parameter type .{ptx_type}")
 
 
@@ -434,10 +428,6 @@ _DIRECTIVE = re.compile(r"\.(maxntid|reqntid)\s+([\d\s,]+)")
 _STATE_SPACES = {"global", "shared", "const", "local"}
 
 
-def _strip_comments(ptx: str) -> str:
-    return _COMMENT.sub(" ", ptx)
-
-
 def _parse_param(decl: str, index: int, offset: int) -> Param:
     text = re.sub(r"\s*\[\s*", "[", decl.strip())
     text = re.sub(r"\s*\]", "]", text)
@@ -506,7 +496,7 @@ def parse_entries(ptx: str | bytes) -> dict[str, Signature]:
     """
     if isinstance(ptx, (bytes, bytearray, memoryview)):
         ptx = bytes(ptx).rstrip(b"\0").decode("utf-8", errors="replace")
-    text = _strip_comments(ptx)
+    text = _COMMENT.sub(" ", ptx)
     out: dict[str, Signature] = {}
     for m in _ENTRY.finditer(text):
         name, plist, tail = m.group(1), m.group(2), m.group(3)
@@ -520,15 +510,6 @@ def parse_entries(ptx: str | bytes) -> dict[str, Signature]:
         d = _directives(tail)
         out[name] = Signature(name, tuple(params), end, d.get("maxntid"), d.get("reqntid"))
     return out
-
-
-def parse_entry(ptx: str | bytes, name: str) -> Signature:
-    """The signature of entry *name*; ``KeyError`` listing the entries present."""
-    entries = parse_entries(ptx)
-    try:
-        return entries[name]
-    except KeyError:
-        raise KeyError(f"no .entry {name!r} in the PTX (entries: {sorted(entries)})") from None
 
 
 def signature_from_layout(name: str, layout: Sequence[tuple[int, int]]) -> Signature:
