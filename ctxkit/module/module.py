@@ -13,6 +13,7 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +38,7 @@ from .ptxsig import (
 __all__ = [
     "Image",
     "Module",
-    "decode_log",
     "jit_detail",
-    "jit_error",
-    "jit_options",
     "missing_kernel_message",
     "read_image",
 ]
@@ -49,38 +47,29 @@ __all__ = [
 _LOG_BYTES = 1 << 15
 
 
+@dataclass
 class Image:
-    """What ``Module.load`` was given, normalised.
+    """What ``Module.load`` was given, normalised (PTX NUL-terminated once, its text kept).
 
     ``source`` is the CUDA C++ source when an ``ObjectCode`` carries it: the declared
     parameter types of ``extern "C"`` kernels are read from it.
     """
 
-    __slots__ = ("code", "format", "label", "lowered", "ptx", "source")
+    code: bytes
+    format: str
+    label: str
+    ptx: str | None = None
+    lowered: dict[str, str] = field(default_factory=dict)
+    source: str | None = None
 
-    def __init__(
-        self,
-        code: bytes,
-        fmt: str,
-        label: str,
-        ptx: str | None,
-        lowered: Mapping[str, str],
-        source: str | None = None,
-    ) -> None:
-        self.code = code
-        self.format = fmt
-        self.label = label
-        self.ptx = ptx
-        self.lowered = dict(lowered)
-        self.source = source
+    def __post_init__(self) -> None:
+        if self.format == "ptx":
+            self.ptx = self.code.rstrip(b"\0").decode()
+            self.code = self.ptx.encode() + b"\0"
 
 
 def _looks_like_ptx_text(text: str) -> bool:
     return "\n" in text and any(k in text for k in (".version", ".entry", ".target"))
-
-
-def _ptx_image(text: str) -> bytes:
-    return text.rstrip("\0").encode() + b"\0"
 
 
 def read_image(source: Any, name: str | None = None) -> Image:
@@ -89,26 +78,21 @@ def read_image(source: Any, name: str | None = None) -> Image:
         fmt = str(source.target)
         if fmt not in ("ptx", "cubin", "fatbin"):
             raise ValueError(f"ObjectCode.target must be ptx, cubin or fatbin, not {fmt!r}")
-        code = bytes(source.code)
-        ptx = getattr(source, "ptx", None)
-        if fmt == "ptx":
-            ptx = code.rstrip(b"\0").decode()
-            code = _ptx_image(ptx)
         label = name or getattr(source, "name", None) or "<ObjectCode>"
         text = getattr(source, "source", None)
         return Image(
-            code,
+            bytes(source.code),
             fmt,
             str(label),
-            ptx,
-            getattr(source, "lowered_names", None) or {},
+            getattr(source, "ptx", None),
+            dict(getattr(source, "lowered_names", None) or {}),
             text if isinstance(text, str) else None,
         )
     if isinstance(source, (bytes, bytearray, memoryview)):
         data = bytes(source)
-        return _from_bytes(data, name or f"<{len(data)} bytes>")
+        return Image(data, detect_target(data), name or f"<{len(data)} bytes>")
     if isinstance(source, str) and _looks_like_ptx_text(source):
-        return Image(_ptx_image(source), "ptx", name or "<PTX text>", source, {})
+        return Image(source.encode(), "ptx", name or "<PTX text>")
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         if not path.is_file():
@@ -116,18 +100,11 @@ def read_image(source: Any, name: str | None = None) -> Image:
                 f"Module.load: {str(source)[:200]!r} is neither a file nor PTX text "
                 "(PTX text must contain .version/.entry lines)"
             )
-        return _from_bytes(path.read_bytes(), name or str(path))
+        data = path.read_bytes()
+        return Image(data, detect_target(data), name or str(path))
     raise TypeError(
         f"Module.load takes a ck.ObjectCode, bytes, PTX text or a path, not {type(source).__name__}"
     )
-
-
-def _from_bytes(data: bytes, label: str) -> Image:
-    fmt = detect_target(data)
-    if fmt == "ptx":
-        text = data.rstrip(b"\0").decode()
-        return Image(_ptx_image(text), fmt, label, text, {})
-    return Image(data, fmt, label, None, {})
 
 
 def missing_kernel_message(
@@ -314,25 +291,17 @@ class Module:
         """
         image = read_image(source, name)
         _driver.init()
-        if context is None:
-            return cls._load_library(image)
-        return cls._load_bound(image, registry.resolve(context))
-
-    @classmethod
-    def _load_library(cls, image: Image) -> Module:
+        ctx = None if context is None else registry.resolve(context)
         keys, vals, info, err_log = jit_options()
-        res = drv.cuLibraryLoadData(image.code, keys, vals, len(keys), [], [], 0)
+        if ctx is None:
+            call_name = "cuLibraryLoadData"
+            res = drv.cuLibraryLoadData(image.code, keys, vals, len(keys), [], [], 0)
+        else:
+            call_name = "cuModuleLoadDataEx"
+            with ctx:
+                res = drv.cuModuleLoadDataEx(image.code, len(keys), keys, vals)
         if res[0]:
-            raise _load_error(int(res[0]), image, "cuLibraryLoadData", info, err_log)
-        return cls(image, res[1], None, (info, err_log))
-
-    @classmethod
-    def _load_bound(cls, image: Image, ctx: Context) -> Module:
-        keys, vals, info, err_log = jit_options()
-        with ctx:
-            res = drv.cuModuleLoadDataEx(image.code, len(keys), keys, vals)
-        if res[0]:
-            raise _load_error(int(res[0]), image, "cuModuleLoadDataEx", info, err_log, ctx)
+            raise _load_error(int(res[0]), image, call_name, info, err_log, ctx)
         return cls(image, res[1], ctx, (info, err_log))
 
     # -- kernels ---------------------------------------------------------------------
