@@ -6,6 +6,7 @@ compile that actually needs them, so a warm cache hit never loads NVRTC (~10 ms)
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import re
@@ -19,7 +20,6 @@ from .. import _driver
 from ..errors import CompileError
 
 __all__ = [
-    "TargetPlan",
     "cuda_include_dirs",
     "link_ptx",
     "load_nvrtc",
@@ -38,12 +38,18 @@ INSTALL_HINT = (
 )
 
 
-def load_nvrtc() -> ModuleType:
+def _bindings(module: str, library: str) -> ModuleType:
+    """``cuda.bindings.<module>``, or a :class:`CompileError` saying how to install it."""
     try:
-        nvrtc = importlib.import_module("cuda.bindings.nvrtc")
+        return importlib.import_module(f"cuda.bindings.{module}")
     except Exception as exc:
-        raise CompileError(f"NVRTC bindings are not available ({exc!r}); {INSTALL_HINT}") from None
-    return nvrtc
+        raise CompileError(
+            f"{library} bindings are not available ({exc!r}); {INSTALL_HINT}"
+        ) from None
+
+
+def load_nvrtc() -> ModuleType:
+    return _bindings("nvrtc", "NVRTC")
 
 
 @lru_cache(maxsize=1)
@@ -224,15 +230,11 @@ def cuda_include_dirs() -> tuple[str, ...]:
         from cuda.pathfinder import find_nvidia_header_directory
     except Exception:
         find_nvidia_header_directory = None
-    for lib in ("cudart", "cccl"):
-        found = None
-        if find_nvidia_header_directory is not None:
-            try:
-                found = find_nvidia_header_directory(lib)
-            except Exception:
-                found = None
-        if found and found not in dirs:
-            dirs.append(found)
+    for lib in ("cudart", "cccl") if find_nvidia_header_directory is not None else ():
+        with contextlib.suppress(Exception):
+            found = find_nvidia_header_directory(lib)
+            if found and found not in dirs:
+                dirs.append(found)
     if not dirs:
         for var in ("CUDA_PATH", "CUDA_HOME"):
             root = os.environ.get(var)
@@ -366,12 +368,7 @@ def link_ptx(ptx: str | bytes, arch: Any = "sm_90", *, name: str = "input.ptx") 
     CompileError
         nvJitLink rejected the PTX (``.log`` has ptxas' messages) or is not installed.
     """
-    try:
-        nvjitlink = importlib.import_module("cuda.bindings.nvjitlink")
-    except Exception as exc:
-        raise CompileError(
-            f"nvJitLink bindings are not available ({exc!r}); {INSTALL_HINT}"
-        ) from None
+    nvjitlink = _bindings("nvjitlink", "nvJitLink")
     data = ptx.encode() if isinstance(ptx, str) else bytes(ptx)
     target = normalize_arch(arch)
     try:
