@@ -367,32 +367,14 @@ def launch_limits(ctx: Context, func: Any, reqntid: tuple[int, ...] | None) -> d
     return out
 
 
-def failure_detail(
-    code: int,
-    ctx: Context,
-    func: Any,
-    grid: Dims,
-    block: Dims,
-    shared_mem: int,
-    reqntid: tuple[int, ...] | None,
-) -> str:
-    """What to add to the message of a launch the driver refused with *code*."""
-    if code in (_INVALID_VALUE, _OUT_OF_RESOURCES):
-        limits = launch_limits(ctx, func, reqntid)
-        return "\n".join(f"- {r}" for r in explain_launch_config(grid, block, shared_mem, limits))
-    if code in (_INVALID_HANDLE, _INVALID_CONTEXT):
-        return (
-            f"ctxkit launched in {ctx!r}; if other code pushed a different context "
-            "without ctxkit knowing, the kernel handle does not belong to it"
-        )
-    if code == _COOPERATIVE_TOO_LARGE:
-        return "a cooperative grid may hold at most occupancy x SM count blocks"
-    if code == _INVALID_CLUSTER_SIZE:
-        return (
-            "the cluster does not fit this kernel (compile-time __cluster_dims__, more "
-            "than 8 blocks without 'non_portable_cluster_size_allowed', or resources)"
-        )
-    return ""
+#: What the message of a launch the driver refused with one of these codes adds.
+_LAUNCH_HINTS = {
+    _COOPERATIVE_TOO_LARGE: "a cooperative grid may hold at most occupancy x SM count blocks",
+    _INVALID_CLUSTER_SIZE: (
+        "the cluster does not fit this kernel (compile-time __cluster_dims__, more "
+        "than 8 blocks without 'non_portable_cluster_size_allowed', or resources)"
+    ),
+}
 
 
 class PreparedLaunch:
@@ -466,8 +448,7 @@ class PreparedLaunch:
                 0,
             )
         else:
-            kernel._check_config(ctx, func, self.grid, self.block, self.shared_mem, cfg)
-            native = native_config(self.grid, self.block, self.shared_mem, hs, cfg.attributes())
+            native = kernel._native_config(ctx, func, self.grid, self.block, shared_mem, hs, cfg)
             self._launch = drv.cuLaunchKernelEx
             self._call = (native, func, self._buf.address, 0)
         self._raw = self._launch
@@ -788,19 +769,15 @@ class Kernel:
         ctx = thread_state().top
         last = self._last
         bound = None
-        if last[0] is ctx:
-            func = last[1]
-        else:
-            bound = self._implied_context(ctx, stream, args)
-            if bound is not None:  # nothing current here: bind what the launch uses
-                bound.__enter__()
-            try:
-                ctx, func = self._launch_function(ctx if bound is None else bound)
-            except BaseException:
-                if bound is not None:
-                    bound.__exit__(None, None, None)
-                raise
         try:
+            if last[0] is ctx:
+                func = last[1]
+            else:
+                implied = self._implied_context(ctx, stream, args)
+                if implied is not None:  # nothing current here: bind what the launch uses
+                    implied.__enter__()
+                    bound = implied
+                ctx, func = self._launch_function(ctx if bound is None else bound)
             if type(grid) is int and 0 < grid <= DIM_MAX:
                 gx, gy, gz = grid, 1, 1
             else:
@@ -818,7 +795,10 @@ class Kernel:
                 cfg = config_for(config, cooperative, cluster)
                 if not cfg.empty:
                     dims = (gx, gy, gz), (bx, by, bz)
-                    self._launch_ex(ctx, func, *dims, shared_mem, hs, addr, cfg)
+                    native = self._native_config(ctx, func, *dims, shared_mem, hs, cfg)
+                    (err,) = drv.cuLaunchKernelEx(native, func, addr, 0)
+                    if err:
+                        raise self._launch_error(int(err), ctx, func, *dims, shared_mem, cfg)
                     return
             try:
                 (err,) = drv.cuLaunchKernel(func, gx, gy, gz, bx, by, bz, shared_mem, hs, addr, 0)
@@ -839,15 +819,10 @@ class Kernel:
         context is current, or in strict mode: the launch then needs one)."""
         if top is not None or current_handle() or registry.strict:
             return None
-        sc = getattr(stream, "context", None)
-        if isinstance(sc, Context):
-            return sc
-        if isinstance(self.module.context, Context):
-            return self.module.context
-        for a in args:
-            ac = getattr(a, "context", None)
-            if isinstance(ac, Context):
-                return ac
+        for owner in (stream, self.module, *args):
+            ctx = getattr(owner, "context", None)
+            if isinstance(ctx, Context):
+                return ctx
         return None
 
     def _launch_function(self, ctx: Context | None) -> tuple[Context, Any]:
@@ -860,33 +835,25 @@ class Kernel:
         self._last = (ctx, func)
         return ctx, func
 
-    def _launch_ex(
+    def _native_config(
         self,
         ctx: Context,
         func: Any,
-        grid: tuple[int, int, int],
-        block: tuple[int, int, int],
-        shared_mem: int,
+        grid: Dims,
+        block: Dims,
+        shared_mem: Any,
         hs: Any,
-        addr: int,
         cfg: LaunchConfig,
-    ) -> None:
+    ) -> Any:
+        """The ``CUlaunchConfig`` of a launch with the options *cfg*, once what the device
+        or the kernel cannot run is refused, with the occupancy numbers in the message
+        (before the driver's bare error)."""
         shared_mem = shared_mem_arg(shared_mem, self.name)
-        self._check_config(ctx, func, grid, block, shared_mem, cfg)
-        native = native_config(grid, block, shared_mem, hs, cfg.attributes())
-        (err,) = drv.cuLaunchKernelEx(native, func, addr, 0)
-        if err:
-            raise self._launch_error(int(err), ctx, func, grid, block, shared_mem, cfg)
-
-    def _check_config(
-        self, ctx: Context, func: Any, grid: Dims, block: Dims, shared_mem: int, cfg: LaunchConfig
-    ) -> None:
-        """Refuse what *cfg* asks for and the device or kernel cannot run, with the
-        occupancy numbers in the message (before the driver's bare error)."""
         if cfg.cooperative:
             self._check_cooperative(ctx, func, grid, block, shared_mem)
         if cfg.cluster is not None:
             self._check_cluster(ctx, func, grid, block, shared_mem, cfg.cluster)
+        return native_config(grid, block, shared_mem, hs, cfg.attributes())
 
     def _check_cooperative(
         self, ctx: Context, func: Any, grid: Dims, block: Dims, shared_mem: int
@@ -1026,8 +993,18 @@ class Kernel:
             return ctx.note_error(code, what)
         if code in JIT_CODES:
             return self.module.jit_error(code, what)
-        reqntid = self.signature.reqntid if self.signature is not None else None
-        detail = failure_detail(code, ctx, func, grid, block, shared_mem, reqntid)
+        detail = _LAUNCH_HINTS.get(code, "")
+        if code in (_INVALID_VALUE, _OUT_OF_RESOURCES):
+            reqntid = self.signature.reqntid if self.signature is not None else None
+            reasons = explain_launch_config(
+                grid, block, shared_mem, launch_limits(ctx, func, reqntid)
+            )
+            detail = "\n".join(f"- {r}" for r in reasons)
+        elif code in (_INVALID_HANDLE, _INVALID_CONTEXT):
+            detail = (
+                f"ctxkit launched in {ctx!r}; if other code pushed a different context "
+                "without ctxkit knowing, the kernel handle does not belong to it"
+            )
         return _driver.from_result(code, what, detail)
 
     # -- attributes and occupancy ------------------------------------------------------
