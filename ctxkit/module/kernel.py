@@ -401,7 +401,6 @@ class PreparedLaunch:
         "_kernel",
         "_launch",
         "_module",
-        "_raw",
         "_stream",
         "block",
         "config",
@@ -437,7 +436,6 @@ class PreparedLaunch:
         self._stream = hs
         self._consumer = stream if stream is not None else implicit_stream(ctx)
         if cfg.empty:
-            self._launch = drv.cuLaunchKernel
             self._call: tuple[Any, ...] = (
                 func,
                 *self.grid,
@@ -449,18 +447,18 @@ class PreparedLaunch:
             )
         else:
             native = kernel._native_config(ctx, func, self.grid, self.block, shared_mem, hs, cfg)
-            self._launch = drv.cuLaunchKernelEx
             self._call = (native, func, self._buf.address, 0)
-        self._raw = self._launch
         self._wire()
 
     def _wire(self) -> None:
-        """Order after the producers of foreign arguments at each call, only if there are any."""
+        """The launch call: ordered after the producers of foreign arguments at each call,
+        only if there are any."""
+        raw = drv.cuLaunchKernel if self.config.empty else drv.cuLaunchKernelEx
         foreign = foreign_arrays(self._args)
         if not foreign:
-            self._launch = self._raw
+            self._launch = raw
             return
-        raw, ctx, consumer = self._raw, self.context, self._consumer
+        ctx, consumer = self.context, self._consumer
         hs = int(self._stream)
 
         def ordered_launch(*call: Any) -> Any:
