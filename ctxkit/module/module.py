@@ -193,10 +193,9 @@ def diagnose_jit(image: Image) -> str | None:
     """JIT the PTX in the current context just to read the error log (lazy loading
     can defer a library's JIT until a kernel is first used)."""
     try:
-        cur = _context.current_handle()
+        if not _context.current_handle():
+            return None
     except Exception:
-        return None
-    if not cur:
         return None
     keys, vals, _info, err_log = jit_options()
     res = drv.cuModuleLoadDataEx(image.code, len(keys), keys, vals)
@@ -300,9 +299,15 @@ class Module:
             call_name = "cuModuleLoadDataEx"
             with ctx:
                 res = drv.cuModuleLoadDataEx(image.code, len(keys), keys, vals)
-        if res[0]:
-            raise _load_error(int(res[0]), image, call_name, info, err_log, ctx)
-        return cls(image, res[1], ctx, (info, err_log))
+        code = int(res[0])
+        if not code:
+            return cls(image, res[1], ctx, (info, err_log))
+        call_text = f"{call_name}({image.label}, {image.format})"
+        if code in JIT_CODES:
+            raise jit_error(code, call_text, image, decode_log(err_log), decode_log(info))
+        if ctx is not None and code in STICKY_CODES:
+            raise ctx.note_error(code, call_text)
+        raise _driver.from_result(code, call_text)
 
     # -- kernels ---------------------------------------------------------------------
 
@@ -382,7 +387,19 @@ class Module:
         """Kernel names in the module (from the PTX, else from the driver)."""
         if self._signatures is not None:
             return list(self._signatures)
-        return _enumerate_kernels(self._handle, self.context)
+        try:
+            if self.context is None:
+                n = call(drv.cuLibraryGetKernelCount, self._handle)
+                items = call(drv.cuLibraryEnumerateKernels, n, self._handle)
+                names = [call(drv.cuKernelGetName, k) for k in items]
+            else:
+                with guard(self.context, "Module.entries"):
+                    n = call(drv.cuModuleGetFunctionCount, self._handle)
+                    items = call(drv.cuModuleEnumerateFunctions, n, self._handle)
+                    names = [call(drv.cuFuncGetName, f) for f in items]
+        except Exception:
+            return None
+        return [n.decode() if isinstance(n, bytes) else str(n) for n in names]
 
     def check_open(self) -> None:
         """Raise :class:`CudaError` when the module is closed (its kernels can no longer
@@ -402,22 +419,6 @@ class Module:
     def __repr__(self) -> str:
         where = "library" if self.context is None else f"bound to {self.context!r}"
         return f"<Module {self.name} ({self.format}, {where})>"
-
-
-def _load_error(
-    code: int,
-    image: Image,
-    what: str,
-    info: bytearray,
-    err_log: bytearray,
-    ctx: Context | None = None,
-) -> CudaError:
-    call_text = f"{what}({image.label}, {image.format})"
-    if code in JIT_CODES:
-        return jit_error(code, call_text, image, decode_log(err_log), decode_log(info))
-    if ctx is not None and code in STICKY_CODES:
-        return ctx.note_error(code, call_text)
-    return _driver.from_result(code, call_text)
 
 
 Layout = list[tuple[int, int]]
@@ -465,19 +466,3 @@ def library_layout(kernel: Any) -> tuple[Layout | None, str]:
     except CudaError as exc:
         return None, f"no usable context to query it in: {exc}"
     return layout, "" if layout is not None else f"{why}; {why2}"
-
-
-def _enumerate_kernels(handle: Any, ctx: Context | None) -> list[str] | None:
-    try:
-        if ctx is None:
-            n = call(drv.cuLibraryGetKernelCount, handle)
-            items = call(drv.cuLibraryEnumerateKernels, n, handle)
-            names = [call(drv.cuKernelGetName, k) for k in items]
-        else:
-            with guard(ctx, "Module.entries"):
-                n = call(drv.cuModuleGetFunctionCount, handle)
-                items = call(drv.cuModuleEnumerateFunctions, n, handle)
-                names = [call(drv.cuFuncGetName, f) for f in items]
-    except Exception:
-        return None
-    return [n.decode() if isinstance(n, bytes) else str(n) for n in names]
