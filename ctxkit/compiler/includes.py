@@ -226,19 +226,15 @@ class _Scan:
                 continue
             info = _header(path, st) if st is not None and regular else None
             self.files[path] = info.digest if info is not None else None
-            if info is not None:
-                self.follow(path, info)
-                return
-
-    def follow(self, path: str, info: _Header) -> None:
-        if path in self.followed:
+            if info is None:
+                continue
+            if path not in self.followed and len(self.followed) >= MAX_FILES:
+                self.truncated = True
+            elif path not in self.followed:
+                self.followed.add(path)
+                includer = os.path.dirname(path) if self.sp.source_dir is not None else None
+                self.add_text(info.found, includer)
             return
-        if len(self.followed) >= MAX_FILES:
-            self.truncated = True
-            return
-        self.followed.add(path)
-        includer = os.path.dirname(path) if self.sp.source_dir is not None else None
-        self.add_text(info.found, includer)
 
 
 def fingerprint(

@@ -263,11 +263,9 @@ def foreign_arrays(args: Sequence[Any]) -> list[Any]:
 def _int_range(p: Param) -> tuple[int, int]:
     """``[lo, hi)`` of the values a parameter takes: both signs' when its sign is unknown."""
     bits = p.size * 8
-    if p.signed:
-        return -(1 << (bits - 1)), 1 << (bits - 1)
-    if p.unsigned:
-        return 0, 1 << bits
-    return -(1 << (bits - 1)), 1 << bits
+    lo = 0 if p.unsigned else -(1 << (bits - 1))
+    hi = 1 << (bits - 1) if p.signed else 1 << bits
+    return lo, hi
 
 
 def _range_message(p: Param, x: int, lo: int, hi: int) -> str:
