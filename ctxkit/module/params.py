@@ -131,14 +131,23 @@ def _dlpack_device_pointer(obj: Any, ctx: Any = None) -> int:
     return dlpack_pointer(obj)
 
 
-#: type -> ``getter(value, ctx=None)`` of its device address (``None``: not memory)
-getters: dict[type, Callable[..., int] | None] = {}
+#: type -> ``pointer(value, ctx=None)`` of the memory types seen: their device address,
+#: for ctxkit buffers and arrays checked to be reachable from the launch's context *ctx*
+pointer_of: dict[type, Callable[..., int]] = {}
+
+
+#: the types seen that are not memory
+_not_memory: set[type] = set()
 
 
 def _classify(v: Any) -> Callable[..., int] | None:
     t = type(v)
     if isinstance(v, np.ndarray):
         return _ndarray_pointer
+    if isinstance(v, DeviceBuffer):
+        return _buffer_pointer
+    if isinstance(v, DeviceArray):
+        return _array_pointer
     if isinstance(v, np.generic) or hasattr(t, "__cuda_stream__"):
         return None  # numbers, and streams (which carry .ptr too) are not memory
     mod = t.__module__ or ""
@@ -156,13 +165,17 @@ def _classify(v: Any) -> Callable[..., int] | None:
 
 
 def pointer_getter(v: Any) -> Callable[..., int] | None:
-    """How to read *v*'s device address, worked out once per type: ``getter(v)`` (it
-    also takes the launch context as a second argument, which it ignores), or ``None``
-    when *v* is not a memory object."""
+    """How to read *v*'s device address, worked out once per type: ``pointer(v, ctx=None)``
+    (see :data:`pointer_of`), or ``None`` when *v* is not a memory object."""
     t = type(v)
-    if t not in getters:
-        getters[t] = _classify(v)  # a race stores the same getter twice: harmless
-    return getters[t]
+    g = pointer_of.get(t)
+    if g is None and t not in _not_memory:
+        g = _classify(v)  # a race works it out twice: harmless
+        if g is None:
+            _not_memory.add(t)
+        else:
+            pointer_of[t] = g
+    return g
 
 
 def device_pointer(v: Any) -> int | None:
@@ -192,31 +205,13 @@ def short_repr(v: Any) -> str:
     return f"{type(v).__name__} {r}"
 
 
-#: type -> ``pointer(value, launch context)`` for the memory types seen as pointer arguments
-pointer_of: dict[type, Callable[[Any, Any], int]] = {}
-
-
-def remember_pointer_type(t: type, g: Callable[..., int]) -> Callable[[Any, Any], int]:
-    """Record how a pointer of type *t* is read (*g*: its :mod:`~ctxkit.module.params`
-    getter, which takes ``(value, ctx)``); ctxkit buffers and arrays also get the device
-    check."""
-    if issubclass(t, DeviceBuffer):
-        two: Callable[[Any, Any], int] = _buffer_pointer
-    elif issubclass(t, DeviceArray):
-        two = _array_pointer
-    else:
-        two = g
-    pointer_of[t] = two
-    return two
-
-
-def _buffer_pointer(v: DeviceBuffer, ctx: Context | None) -> int:
+def _buffer_pointer(v: DeviceBuffer, ctx: Context | None = None) -> int:
     if v.context is not ctx and ctx is not None:
         _check_reachable(v, v, ctx)
     return v.ptr
 
 
-def _array_pointer(v: DeviceArray, ctx: Context | None) -> int:
+def _array_pointer(v: DeviceArray, ctx: Context | None = None) -> int:
     b = v.buffer
     if b.context is not ctx and ctx is not None:
         _check_reachable(v, b, ctx)
@@ -293,7 +288,7 @@ def _as_int(p: Param, v: Any, ctx: Context | None) -> int:
     g = pointer_getter(v)
     if g is not None:
         if p.accepts_pointer:
-            return remember_pointer_type(t, g)(v, ctx)
+            return g(v, ctx)
         if isinstance(v, np.ndarray):
             raise Refused(
                 f"got a numpy array {v.shape} {v.dtype}; the parameter takes one integer "
