@@ -28,6 +28,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
+from functools import cache
 from typing import TYPE_CHECKING, Any
 
 from .. import _driver
@@ -215,16 +216,10 @@ class LaunchConfig:
 
     def attributes(self) -> list[Any]:
         """The ``CUlaunchAttribute`` list (built once per distinct config)."""
-        hit = _attributes.get(self)
-        if hit is None:
-            hit = _attributes[self] = _build_attributes(self)
-        return hit
+        return _build_attributes(self)
 
 
 _PLAIN = LaunchConfig()
-
-
-_attributes: dict[LaunchConfig, list[Any]] = {}
 
 
 _from_keywords: dict[tuple[bool, Any], LaunchConfig] = {}
@@ -275,6 +270,7 @@ def _attribute(name: str, field: str = "", value: int = 0) -> Any:
     return attr
 
 
+@cache
 def _build_attributes(cfg: LaunchConfig) -> list[Any]:
     out = []
     if cfg.cooperative:
