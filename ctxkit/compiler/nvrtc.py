@@ -11,7 +11,6 @@ import importlib
 import os
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from functools import lru_cache
 from types import ModuleType
 from typing import Any
@@ -166,18 +165,12 @@ def arch_number(arch: str) -> int:
     return int(m.group(1))
 
 
-@dataclass(frozen=True)
-class TargetPlan:
-    """What NVRTC is asked for once arch and target are resolved."""
-
-    arch: str  # the arch asked for, normalised
-    build_arch: str  # what NVRTC compiles for (capped to what it supports)
-    target: str  # "ptx" | "cubin" | "fatbin"
-    note: str  # explains a capped arch / a PTX fallback (goes into the log)
-
-
-def plan(arch: str, target: str) -> TargetPlan:
+def plan(arch: str, target: str) -> tuple[str, str, str]:
     """Resolve ``target="auto"`` and cap *arch* to what this NVRTC supports.
+
+    Returns ``(build_arch, target, note)``: the ``sm_XY`` NVRTC compiles for (capped to
+    what it supports), ``"ptx"``, ``"cubin"`` or ``"fatbin"``, and what explains a capped
+    arch or a PTX fallback in the log (``""`` when nothing needs it).
 
     Raises
     ------
@@ -188,7 +181,7 @@ def plan(arch: str, target: str) -> TargetPlan:
     supported = supported_archs()
     num = arch_number(arch)
     if num in supported:
-        return TargetPlan(arch, arch, "cubin" if target == "auto" else target, "")
+        return arch, "cubin" if target == "auto" else target, ""
     lower = [a for a in supported if a < num]
     nv = "{}.{}".format(*nvrtc_version())
     span = f"sm_{supported[0]}..sm_{supported[-1]}"
@@ -213,7 +206,7 @@ def plan(arch: str, target: str) -> TargetPlan:
         f"{target} for {built} instead"
         + (" (the driver JIT-compiles the PTX for the device)" if target == "ptx" else "")
     )
-    return TargetPlan(arch, capped, target, note)
+    return capped, target, note
 
 
 @lru_cache(maxsize=1)

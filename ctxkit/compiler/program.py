@@ -249,9 +249,8 @@ class Program:
         )
 
     def _build(self, arch: str, target: str) -> ObjectCode:
-        p = plan(arch, target)
-        built = p.build_arch
-        nvrtc_arch = built.replace("sm_", "compute_") if p.target == "ptx" else built
+        built, target, note = plan(arch, target)
+        nvrtc_arch = built.replace("sm_", "compute_") if target == "ptx" else built
         options = [f"-arch={nvrtc_arch}", *self.options]
         if self._needs_cuda_headers():
             options += [f"-I{d}" for d in cuda_include_dirs()]
@@ -261,26 +260,26 @@ class Program:
             self.headers,
             self.name_expressions,
             options,
-            want_cubin=p.target != "ptx",
+            want_cubin=target != "ptx",
         )
         count("compiled")
-        if p.target == "ptx":
+        if target == "ptx":
             code = ptx.encode() + b"\0"
-        elif p.target == "cubin":
+        elif target == "cubin":
             code = cubin
         else:
             code = make_fatbin(cubin, ptx, built, self.name)
         return ObjectCode(
             code=code,
-            target=p.target,
+            target=target,
             arch=nvrtc_arch,
-            log="\n".join(x for x in (p.note, log) if x),
+            log="\n".join(x for x in (note, log) if x),
             ptx=ptx or None,
             lowered_names=lowered,
             name=self.name,
             options=tuple(options),
             nvrtc_version=nvrtc_version(),
-            source=_text(self.source),
+            source=self.source,
         )
 
 
