@@ -263,29 +263,25 @@ def open_dir(path: Path, create: bool = True) -> CacheDir | None:
     reached through a symbolic link of another user (see :func:`_follow`).
     """
     link, seen = _follow(path)
-    if not link and seen is None and create:
-        try:
+    fd = -1
+    try:
+        if not link and seen is None and create:
             _make_private_dir(path)
-        except OSError as exc:
-            _warn_unusable(path, exc)
+            link, seen = _follow(path)
+        if link:
+            _warn_unsafe(
+                path,
+                link,
+                "set CTXKIT_CACHE_DIR to a directory reached through no other user's link",
+            )
             return None
-        link, seen = _follow(path)
-    if link:
-        _warn_unsafe(
-            path, link, "set CTXKIT_CACHE_DIR to a directory reached through no other user's link"
-        )
-        return None
-    try:
         fd = os.open(path, _DIR_FLAGS)
-    except OSError as exc:
-        if create or exc.errno != errno.ENOENT:
-            _warn_unusable(path, exc)
-        return None
-    try:
         problem = _distrust(os.fstat(fd), seen)
     except OSError as exc:
-        os.close(fd)
-        _warn_unusable(path, exc)
+        if fd >= 0:
+            os.close(fd)
+        if create or exc.errno != errno.ENOENT:  # a missing directory to clear is no news
+            _warn_unusable(path, exc)
         return None
     if problem:
         os.close(fd)
@@ -444,17 +440,14 @@ def parse_entry(data: bytes, key: str) -> tuple[dict[str, Any], dict[str, bytes]
     blobs: dict[str, bytes] = {}
     offset = 0
     for item in layout:
-        if not (
-            isinstance(item, list)
-            and len(item) == 2
-            and isinstance(item[0], str)
-            and type(item[1]) is int
-            and item[1] >= 0
-            and item[0] not in blobs
-        ):
-            return None
-        blobs[item[0]] = payload[offset : offset + item[1]]
-        offset += item[1]
+        match item:
+            case [str() as name, int() as size] if type(size) is int and size >= 0:
+                if name in blobs:
+                    return None
+                blobs[name] = payload[offset : offset + size]
+                offset += size
+            case _:
+                return None
     if offset != len(payload):
         return None
     return header, blobs
