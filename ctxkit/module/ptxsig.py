@@ -118,30 +118,6 @@ _QUALIFIERS = frozenset(
 _BUILTIN_WORDS = frozenset({"signed", "unsigned", "int", "short", "long", "char", "__int128"})
 
 
-_UNSIGNED_NAMES = frozenset(
-    {
-        "size_t",
-        "uint8_t",
-        "uint16_t",
-        "uint32_t",
-        "uint64_t",
-        "uintptr_t",
-        "uintmax_t",
-        "uint",
-        "ushort",
-        "uchar",
-        "ulong",
-        "ulonglong",
-        "cuuint32_t",
-        "cuuint64_t",
-        "bool",
-        "char16_t",
-        "char32_t",
-        "char8_t",
-    }
-)
-
-
 _SIGNED_NAMES = frozenset(
     {
         "int8_t",
@@ -157,6 +133,18 @@ _SIGNED_NAMES = frozenset(
 )
 
 
+#: Unsigned besides ``u`` + a signed name (``uint32_t``, ``uint``, ``ulonglong``) and
+#: CUDA's ``cuu`` + one (``cuuint64_t``): ``bool`` and ``charN_t`` never take a negative value.
+_UNSIGNED_NAMES = frozenset({"size_t", "bool", "char8_t", "char16_t", "char32_t"})
+
+
+def _unsigned_name(word: str) -> bool:
+    base = word[3:] if word.startswith("cuu") else word[1:] if word.startswith("u") else ""
+    return (
+        word in _UNSIGNED_NAMES or base in _SIGNED_NAMES or base in ("int", "short", "char", "long")
+    )
+
+
 def classify_spelling(text: str) -> CType:
     """The :class:`CType` of a declared parameter type such as ``const size_t``."""
     spelled = " ".join(text.split())
@@ -169,7 +157,7 @@ def classify_spelling(text: str) -> CType:
     if not words:
         return CType(spelled, "")
     name = " ".join(words)
-    if len(words) == 1 and words[0] in _UNSIGNED_NAMES:
+    if len(words) == 1 and _unsigned_name(words[0]):
         return CType(name, UNSIGNED)
     if len(words) == 1 and words[0] in _SIGNED_NAMES:
         return CType(name, SIGNED)
