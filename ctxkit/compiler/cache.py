@@ -666,7 +666,7 @@ _MEMO_SIZE = 256
 _memo: OrderedDict[tuple[str, str], ObjectCode] = OrderedDict()
 
 
-_lock = threading.Lock()  # of the memo and the stats
+_lock = threading.Lock()  # of the memo, the stats and the table of key locks
 
 
 #: Counters for tests and benchmarks: NVRTC compiles, disk hits, memory hits.
@@ -782,12 +782,8 @@ def toolchain_fingerprint(nvrtc_version: Callable[[], tuple[int, int]], bindings
 _key_locks: weakref.WeakValueDictionary[tuple[str, str], Any] = weakref.WeakValueDictionary()
 
 
-_key_locks_lock = threading.Lock()
-
-
 # a lock held by another thread at fork time would never be released in the child
 _driver.renew_at_fork(__name__, "_lock")
-_driver.renew_at_fork(__name__, "_key_locks_lock")
 _driver.renew_at_fork(__name__, "_key_locks", weakref.WeakValueDictionary)
 
 
@@ -801,7 +797,7 @@ def cached(directory: Path, key: str, build: Callable[[], ObjectCode]) -> Object
     obj = _memo_hit(slot)
     if obj is not None:
         return obj
-    with _key_locks_lock:
+    with _lock:
         key_lock = _key_locks.setdefault(slot, threading.Lock())
     with key_lock:
         obj = _memo_hit(slot)
