@@ -22,6 +22,7 @@ launch attributes prebuilt).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 import threading
@@ -94,7 +95,7 @@ Dims = tuple[int, int, int]
 DIM_MAX = (1 << 32) - 1
 
 
-def normalize_dims(value: Any, what: str) -> tuple[int, int, int]:
+def normalize_dims(value: Any, what: str) -> Dims:
     """``grid``/``block`` as an int or 1-3 ints -> ``(x, y, z)``, each at least 1."""
     if type(value) is int and 0 < value <= DIM_MAX:
         return value, 1, 1
@@ -115,10 +116,7 @@ def normalize_dims(value: Any, what: str) -> tuple[int, int, int]:
 
 
 def explain_launch_config(
-    grid: tuple[int, int, int],
-    block: tuple[int, int, int],
-    shared_mem: int,
-    limits: dict[str, int],
+    grid: Dims, block: Dims, shared_mem: int, limits: dict[str, int]
 ) -> list[str]:
     """Reasons a launch configuration exceeds the device/kernel *limits*.
 
@@ -344,10 +342,8 @@ def launch_limits(ctx: Context, func: Any, reqntid: tuple[int, ...] | None) -> d
     names["max_shared_optin"] = "max_shared_memory_per_block_optin"
     names["regs_per_block"] = "max_registers_per_block"
     for key, attr in names.items():
-        try:
+        with contextlib.suppress(Exception):
             out[key] = dev.attribute(attr)
-        except Exception:
-            pass
     fattrs = {
         "max_threads_per_block": "max_threads_per_block",
         "max_dynamic_shared": "max_dynamic_shared_size_bytes",
@@ -972,8 +968,8 @@ class Kernel:
         code: int,
         ctx: Context,
         func: Any,
-        grid: tuple[int, int, int],
-        block: tuple[int, int, int],
+        grid: Dims,
+        block: Dims,
         shared_mem: int,
         cfg: LaunchConfig | None = None,
     ) -> CudaError:
