@@ -490,21 +490,22 @@ def write_entry(d: CacheDir, key: str, data: bytes) -> bool:
 def evict(d: CacheDir, max_bytes: int, keep: str = "") -> int:
     """Remove least recently used entries until they total at most *max_bytes*.
 
-    Also removes what :func:`_sweep` says was left behind, and entries that are not
-    regular files. The entry of *keep* (just written) stays. Returns the number of files
-    removed.
+    Also removes entries that are not regular files, and the temporary and lock files
+    last changed :data:`TMP_MAX_AGE_S` ago or more (left by a dead process; a younger one
+    may belong to a process at work). A lock file is also kept while any process holds
+    it (a process stopped mid-compile holds it for as long as it is stopped). The entry
+    of *keep* (just written) stays. Returns the number of files removed.
     """
-    old = time.time_ns() - int(TMP_MAX_AGE_S * 1e9)  # before this: left by a dead process
+    old = time.time_ns() - int(TMP_MAX_AGE_S * 1e9)
     removed = 0
     entries: list[tuple[int, str, int]] = []
     for name, st in d.scan():
-        if name.endswith(ENTRY_SUFFIX):
-            if stat.S_ISREG(st.st_mode):
-                entries.append((st.st_mtime_ns, name, st.st_size))
-            else:
-                removed += d.remove(name)
-        else:
-            removed += _sweep(d, name, st, old)
+        if name.endswith(ENTRY_SUFFIX) and stat.S_ISREG(st.st_mode):
+            entries.append((st.st_mtime_ns, name, st.st_size))
+        elif name.endswith(ENTRY_SUFFIX) or (st.st_mtime_ns < old and name.endswith(TMP_SUFFIX)):
+            removed += d.remove(name)
+        elif st.st_mtime_ns < old and name.endswith(LOCK_SUFFIX):
+            removed += _remove_unheld_lock(d, name, st)
     total = sum(size for _t, _n, size in entries)
     keep_name = _entry_name(keep) if keep else ""
     for _mtime, name, size in sorted(entries):
@@ -517,23 +518,8 @@ def evict(d: CacheDir, max_bytes: int, keep: str = "") -> int:
 
 
 def clear_entries(d: CacheDir) -> int:
-    """Remove every entry and what :func:`_sweep` says was left behind; return the count."""
+    """Remove every entry and what :func:`evict` says was left behind; return the count."""
     return evict(d, -1)
-
-
-def _sweep(d: CacheDir, name: str, st: os.stat_result, old: int) -> int:
-    """Remove *name* (1) when it is a temporary or lock file last changed before *old*.
-
-    A younger one may belong to a process at work. A lock file is also kept while any
-    process holds it (a process stopped mid-compile holds it for as long as it is stopped).
-    """
-    if st.st_mtime_ns >= old:
-        return 0
-    if name.endswith(TMP_SUFFIX):
-        return int(d.remove(name))
-    if name.endswith(LOCK_SUFFIX):
-        return int(_remove_unheld_lock(d, name, st))
-    return 0
 
 
 def _remove_unheld_lock(d: CacheDir, name: str, seen: os.stat_result) -> bool:
@@ -809,27 +795,20 @@ def cached(directory: Path, key: str, build: Callable[[], ObjectCode]) -> Object
             obj = build()
         else:
             with d, process_lock(d, key):
-                obj = _load(d, key, cap)
+                entry = read_entry(d, key, cap)
+                obj = _decode(*entry) if entry is not None else None
                 if obj is not None:
                     count("disk_hits")
                     _memo_put(slot, obj)
                     return obj
+                if entry is not None:  # verified, but not an ObjectCode of ours
+                    d.discard(_entry_name(key))
                 obj = build()
                 data = encode_entry(key, *_encode(obj))
                 if len(data) <= cap and write_entry(d, key, data):
                     evict(d, cap, keep=key)
         _memo_put(slot, dataclasses.replace(obj, from_cache=True))
         return obj
-
-
-def _load(d: CacheDir, key: str, cap: int) -> ObjectCode | None:
-    entry = read_entry(d, key, cap)
-    if entry is None:
-        return None
-    obj = _decode(*entry)
-    if obj is None:
-        d.discard(_entry_name(key))
-    return obj
 
 
 #: The header fields of an entry that hold text as they are in :class:`ObjectCode`.
