@@ -39,14 +39,7 @@ from ..memory.device import DeviceArray, DeviceBuffer
 from ..memory.host import host_device_pointer, plain_dtype
 from ..memory.interop import order_after_producers
 from ..memory.managed import ManagedBuffer
-from .ptxsig import (
-    BITS,
-    BYTES,
-    FLOAT,
-    INT,
-    Param,
-    Signature,
-)
+from .ptxsig import BITS, BYTES, FLOAT, INT, Param, Signature
 
 __all__ = [
     "ArgPacker",
