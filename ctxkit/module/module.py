@@ -26,14 +26,7 @@ from ..context import Context, current_handle
 from ..errors import STICKY_CODES, CompileError, CudaError, KernelNotFoundError
 from ..lifetime import finalizer
 from .kernel import JIT_CODES, Kernel
-from .ptxsig import (
-    CType,
-    Signature,
-    mangled_param_types,
-    parse_entries,
-    signature_from_layout,
-    source_param_types,
-)
+from .ptxsig import Signature, cpp_param_types, parse_entries, signature_from_layout
 
 __all__ = [
     "Image",
@@ -367,14 +360,7 @@ class Module:
             if layout is None:
                 return None, why
             sig = signature_from_layout(symbol, layout)
-        return sig.with_ctypes(self._param_types(symbol, len(sig.params))), ""
-
-    def _param_types(self, symbol: str, count: int) -> list[CType] | None:
-        if symbol.startswith("_Z"):
-            return mangled_param_types(symbol)
-        if self._image.source:
-            return source_param_types(self._image.source, symbol, count)
-        return None
+        return sig.with_ctypes(cpp_param_types(symbol, self._image.source, len(sig.params))), ""
 
     def jit_error(self, code: int, what: str) -> CompileError:
         """The :class:`CompileError` for JIT failure *code* of this module's code (*what*:

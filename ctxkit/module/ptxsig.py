@@ -11,7 +11,8 @@ read by the C++ runtime's demangler through the optional extra ``.[demangle]``
 (without it, C++ kernels keep the sign PTX gives), and, for an ``extern "C"`` kernel, its
 declaration in the CUDA source.
 :func:`mangled_param_types` and :func:`source_param_types` return one :class:`CType` per
-parameter, or ``None`` when they cannot tell (then nothing is assumed).
+parameter, or ``None`` when they cannot tell (then nothing is assumed);
+:func:`cpp_param_types` asks the one that applies to a kernel.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ __all__ = [
     "Param",
     "Signature",
     "classify_spelling",
+    "cpp_param_types",
     "mangled_param_types",
     "parse_entries",
     "signature_from_layout",
@@ -243,6 +245,15 @@ def source_param_types(source: str, name: str, count: int) -> list[CType] | None
             continue
         return [classify_spelling(_param_type_text(d)) for d in decls]
     return None
+
+
+def cpp_param_types(symbol: str, source: str | None, count: int) -> list[CType] | None:
+    """The C++ types of the *count* parameters of kernel *symbol*: from its mangled name
+    (C++ kernels), else from its declaration in *source* (``extern "C"`` kernels of a
+    program ctxkit compiled); ``None`` when neither tells."""
+    if symbol.startswith("_Z"):
+        return mangled_param_types(symbol)
+    return source_param_types(source, symbol, count) if source else None
 
 
 _UNSIGNED_CODE = {1: "B", 2: "H", 4: "I", 8: "Q"}
