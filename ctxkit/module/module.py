@@ -8,11 +8,11 @@ and the texts of load and lookup errors.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
 import re
 from collections.abc import Callable, Mapping
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -244,19 +244,13 @@ class Module:
         self._image = image
         self._handle = handle
         self._kernels: dict[str, Kernel] = {}
-        self._signatures = self._parse_signatures()
+        self._signatures: dict[str, Signature] | None = None
+        with contextlib.suppress(ValueError):  # PTX this parser cannot read: ask the driver
+            self._signatures = parse_entries(self.ptx) if self.ptx else None
         if context is None:
             self._fin = finalizer(self, None, _unload_library, drv.cuLibraryUnload, handle)
         else:
             self._fin = finalizer(self, context, drv.cuModuleUnload, handle)
-
-    def _parse_signatures(self) -> dict[str, Signature] | None:
-        if not self.ptx:
-            return None
-        try:
-            return parse_entries(self.ptx)
-        except ValueError:
-            return None
 
     @classmethod
     def load(
@@ -441,7 +435,7 @@ def library_layout(kernel: Any) -> tuple[Layout | None, str]:
     """
     try:
         ctx = None if current_handle() else bind(0)
-        with ctx if ctx is not None else nullcontext():
+        with ctx if ctx is not None else contextlib.nullcontext():
             layout, why = driver_layout(drv, "cuKernelGetParamInfo", kernel)
             if layout is not None:
                 return layout, ""
