@@ -630,12 +630,6 @@ def _acquire(d: CacheDir, name: str, timeout: float) -> int | None:
                 os.close(fd)
 
 
-ENV = "CTXKIT_CACHE_DIR"
-
-
-MAX_BYTES_ENV = "CTXKIT_CACHE_MAX_BYTES"
-
-
 #: The disk cache's size cap unless ``CTXKIT_CACHE_MAX_BYTES`` says otherwise.
 DEFAULT_MAX_BYTES = 1 << 30
 
@@ -702,9 +696,9 @@ def max_bytes() -> int:
     size = int(m.group(1)) << (10 * " kmgt".index(m.group(2).lower() or " ")) if m else 0
     if size <= 0:
         raise ValueError(
-            f"{MAX_BYTES_ENV}={value!r} is not a size; use a positive number of bytes, "
-            f"optionally with K, M or G (e.g. {MAX_BYTES_ENV}=2G), or {ENV}=off to "
-            "disable the disk cache"
+            f"CTXKIT_CACHE_MAX_BYTES={value!r} is not a size; use a positive number of bytes, "
+            "optionally with K, M or G (e.g. CTXKIT_CACHE_MAX_BYTES=2G), or CTXKIT_CACHE_DIR=off "
+            "to disable the disk cache"
         )
     return size
 

@@ -259,14 +259,6 @@ def _canary(d: str) -> str:
     return d
 
 
-def _program_log(nvrtc: ModuleType, prog: Any) -> str:
-    try:
-        buf = _get_blob(nvrtc, prog, "nvrtcGetProgramLogSize", "nvrtcGetProgramLog")
-    except CompileError:
-        return ""
-    return buf.rstrip(b"\0").decode("utf-8", "replace").strip()
-
-
 def _get_blob(nvrtc: ModuleType, prog: Any, size_fn: str, get_fn: str) -> bytes:
     err, size = getattr(nvrtc, size_fn)(prog)
     check(err, size_fn)
@@ -308,7 +300,10 @@ def run_nvrtc(
         for expr in name_expressions:
             check(nvrtc.nvrtcAddNameExpression(prog, expr.encode())[0], "nvrtcAddNameExpression")
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(options), [o.encode() for o in options])
-        log = _program_log(nvrtc, prog)
+        log = ""
+        with contextlib.suppress(CompileError):  # no log: the error, if any, still says why
+            blob = _get_blob(nvrtc, prog, "nvrtcGetProgramLogSize", "nvrtcGetProgramLog")
+            log = blob.rstrip(b"\0").decode("utf-8", "replace").strip()
         if err:
             raise compile_error(name, options, err, log)
         ptx = _get_blob(nvrtc, prog, "nvrtcGetPTXSize", "nvrtcGetPTX")
@@ -377,8 +372,7 @@ def link_ptx(ptx: str | bytes, arch: Any = "sm_90", *, name: str = "input.ptx") 
             raise CompileError(
                 f"nvJitLink failed to link {name!r} for {target}: {exc}\n{log}", log=log
             ) from None
-        size = nvjitlink.get_linked_cubin_size(handle)
-        buf = bytearray(size)
+        buf = bytearray(nvjitlink.get_linked_cubin_size(handle))
         nvjitlink.get_linked_cubin(handle, buf)
     finally:
         nvjitlink.destroy(handle)

@@ -108,8 +108,8 @@ def _split_arch_option(options: tuple[str, ...]) -> tuple[tuple[str, ...], str |
         m = _ARCH_OPT_RE.match(opt)
         if m:
             arch = m.group(1) or next(it, "")
-            continue
-        rest.append(opt)
+        else:
+            rest.append(opt)
     return tuple(rest), arch
 
 
