@@ -29,7 +29,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
-from functools import cache
+from functools import cache, lru_cache
 from typing import TYPE_CHECKING, Any
 
 from .. import _driver
@@ -220,7 +220,9 @@ class LaunchConfig:
 _PLAIN = LaunchConfig()
 
 
-_from_keywords: dict[tuple[bool, Any], LaunchConfig] = {}
+@lru_cache(maxsize=256)
+def _keyword_config(cooperative: bool, cluster: Any) -> LaunchConfig:
+    return LaunchConfig(cooperative=cooperative, cluster=cluster)
 
 
 def config_for(config: LaunchConfig | None, cooperative: bool, cluster: Any) -> LaunchConfig:
@@ -234,17 +236,10 @@ def config_for(config: LaunchConfig | None, cooperative: bool, cluster: Any) -> 
         if not isinstance(config, LaunchConfig):
             raise TypeError(f"config must be a ctxkit LaunchConfig, got {type(config).__name__}")
         return config
-    key: tuple[bool, Any] | None
-    try:
-        key = (cooperative, cluster) if type(cooperative) is bool else None
-        hit = _from_keywords.get(key) if key is not None else None
-    except TypeError:  # an unhashable cluster, e.g. a list
-        key = hit = None
-    if hit is None:
-        hit = LaunchConfig(cooperative=cooperative, cluster=cluster)
-        if key is not None and len(_from_keywords) < 256:
-            _from_keywords[key] = hit
-    return hit
+    if type(cooperative) is bool:
+        with contextlib.suppress(TypeError):  # an unhashable cluster (a list), or a bad one
+            return _keyword_config(cooperative, cluster)
+    return LaunchConfig(cooperative=cooperative, cluster=cluster)
 
 
 def _refusal(message: str, code: int) -> CudaError:
