@@ -615,9 +615,8 @@ class Kernel:
         NoCurrentContextError
             No *context* was given and the thread has none.
         """
-        ctx = context if context is not None else self._current(f"{self.name}.function_handle")
-        with ctx:
-            return self._function(ctx)
+        with self._function_here(f"{self.name}.function_handle", context) as func:
+            return func
 
     # -- per-context function ----------------------------------------------------------
 
@@ -679,9 +678,8 @@ class Kernel:
         CompileError
             The driver could not load the kernel's code for the device.
         """
-        ctx = context if context is not None else self._current(f"{self.name}.preload")
-        with ctx:
-            self._function(ctx)
+        with self._function_here(f"{self.name}.preload", context):
+            pass
 
     def _wrong_context(self, ctx: Context) -> CudaError:
         return _refusal(
@@ -995,10 +993,10 @@ class Kernel:
     # -- attributes and occupancy ------------------------------------------------------
 
     @contextmanager
-    def _function_here(self, what: str) -> Iterator[Any]:
-        """The ``CUfunction`` of the current context (the module's own for a bound module),
-        with that context current while the block runs."""
-        ctx = self._current(what)
+    def _function_here(self, what: str, context: Context | None = None) -> Iterator[Any]:
+        """The ``CUfunction`` of *context* (default: the current one, the module's own for a
+        bound module), loaded, with that context current while the block runs."""
+        ctx = context if context is not None else self._current(what)
         with ctx:
             yield self._function(ctx)
 
