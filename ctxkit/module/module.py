@@ -141,15 +141,14 @@ def jit_detail(code: int, ptx: str | None, error_log: str, info_log: str) -> str
         parts.append(f"JIT error log:\n{error_log}")
     if info_log:
         parts.append(f"JIT info log:\n{info_log}")
-    if code == 222 and ptx:
-        m = _PTX_VERSION.search(ptx)
+    m = _PTX_VERSION.search(ptx) if code == 222 and ptx else None
+    if m:
         drv_ver = _driver.driver_version()
-        if m:
-            have = f"{drv_ver[0]}.{drv_ver[1]}" if drv_ver else "unknown"
-            parts.append(
-                f"The PTX is ISA version {m.group(1)}.{m.group(2)}; the driver (CUDA {have}) "
-                "is older than the NVRTC that wrote it."
-            )
+        have = f"{drv_ver[0]}.{drv_ver[1]}" if drv_ver else "unknown"
+        parts.append(
+            f"The PTX is ISA version {m.group(1)}.{m.group(2)}; the driver (CUDA {have}) "
+            "is older than the NVRTC that wrote it."
+        )
     return "\n".join(parts)
 
 
