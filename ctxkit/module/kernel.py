@@ -632,7 +632,14 @@ class Kernel:
         ctx.check_usable()
         if mod.context is not None:
             if mod.context.handle != ctx.handle:
-                raise self._wrong_context(ctx)
+                raise _refusal(
+                    f"kernel {self.name!r} comes from a module bound to {mod.context!r} "
+                    f"(Module.load(..., context=...)), but the current context in thread "
+                    f"{threading.current_thread().name!r} is {ctx!r}. Launch it inside "
+                    f"`with ctxkit.bind(module.context):`, or load the module without context= "
+                    "so one kernel runs in every context.",
+                    _INVALID_HANDLE,
+                )
             func = self._handle
         else:
             err, func = drv.cuKernelGetFunction(self._handle)
@@ -680,16 +687,6 @@ class Kernel:
         """
         with self._function_here(f"{self.name}.preload", context):
             pass
-
-    def _wrong_context(self, ctx: Context) -> CudaError:
-        return _refusal(
-            f"kernel {self.name!r} comes from a module bound to {self.module.context!r} "
-            f"(Module.load(..., context=...)), but the current context in thread "
-            f"{threading.current_thread().name!r} is {ctx!r}. Launch it inside "
-            f"`with ctxkit.bind(module.context):`, or load the module without context= "
-            "so one kernel runs in every context.",
-            _INVALID_HANDLE,
-        )
 
     def _current(self, what: str) -> Context:
         self.module.check_open()
