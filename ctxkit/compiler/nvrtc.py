@@ -219,12 +219,10 @@ def cuda_include_dirs() -> tuple[str, ...]:
     Added to every compile whose source includes anything.
     """
     dirs: list[str] = []
-    try:
-        from cuda.pathfinder import find_nvidia_header_directory
-    except Exception:
-        find_nvidia_header_directory = None
-    for lib in ("cudart", "cccl") if find_nvidia_header_directory is not None else ():
-        with contextlib.suppress(Exception):
+    for lib in ("cudart", "cccl"):
+        with contextlib.suppress(Exception):  # no cuda-pathfinder, or it does not find lib
+            from cuda.pathfinder import find_nvidia_header_directory
+
             found = find_nvidia_header_directory(lib)
             if found and found not in dirs:
                 dirs.append(found)

@@ -332,8 +332,7 @@ class Module:
                 raise self.jit_error(int(err), what)
             raise _driver.from_result(int(err), what)
         sig, why = self._signature_for(symbol, handle)
-        k = Kernel(self, name, symbol, handle, sig, unknown_reason=why)
-        self._kernels[name] = k
+        k = self._kernels[name] = Kernel(self, name, symbol, handle, sig, unknown_reason=why)
         return k
 
     def _signature_for(self, symbol: str, handle: Any) -> tuple[Signature | None, str]:
