@@ -341,9 +341,8 @@ class Module:
         The C++ parameter types (from the mangled name, or from the declaration in the
         source an ``ObjectCode`` carries) add what PTX does not say: the sign.
         """
-        if self._signatures is not None and symbol in self._signatures:
-            sig = self._signatures[symbol]
-        else:
+        sig = (self._signatures or {}).get(symbol)
+        if sig is None:
             if self.context is None:
                 layout, why = library_layout(handle)
             else:
@@ -432,8 +431,7 @@ def library_layout(kernel: Any) -> tuple[Layout | None, str]:
     (``cuFuncGetParamInfo``). The reason names every failed call and its ``CUresult``.
     """
     try:
-        ctx = None if current_handle() else bind(0)
-        with ctx if ctx is not None else contextlib.nullcontext():
+        with contextlib.nullcontext() if current_handle() else bind(0):
             layout, why = driver_layout(drv, "cuKernelGetParamInfo", kernel)
             if layout is not None:
                 return layout, ""
