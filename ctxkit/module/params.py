@@ -37,7 +37,7 @@ from ..errors import LaunchArgumentError
 from ..memory.copies import peer_access_enabled
 from ..memory.device import DeviceArray, DeviceBuffer
 from ..memory.host import host_device_pointer, plain_dtype
-from ..memory.interop import order_after_producers
+from ..memory.interop import DLTensor, order_after_producers
 from ..memory.managed import ManagedBuffer
 from .ptxsig import BITS, BYTES, FLOAT, INT, Param, Signature
 
@@ -105,15 +105,11 @@ _capsule_pointer.restype = ctypes.c_void_p
 _capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
 
 
-_DLTENSOR_BYTE_OFFSET = 40  # data, device, ndim, dtype, shape, strides precede it
-
-
 def dlpack_pointer(obj: Any) -> int:
     """Address of the first element of a DLPack producer (``__dlpack__``)."""
-    capsule = obj.__dlpack__()
-    base = _capsule_pointer(capsule, b"dltensor")
-    data = ctypes.c_void_p.from_address(base).value or 0
-    return data + ctypes.c_uint64.from_address(base + _DLTENSOR_BYTE_OFFSET).value
+    capsule = obj.__dlpack__()  # alive while its tensor is read
+    tensor = DLTensor.from_address(_capsule_pointer(capsule, b"dltensor"))
+    return (tensor.data or 0) + tensor.byte_offset
 
 
 def _dlpack_device_pointer(obj: Any, ctx: Any = None) -> int:
