@@ -259,9 +259,6 @@ def cpp_param_types(symbol: str, source: str | None, count: int) -> list[CType] 
 _UNSIGNED_CODE = {1: "B", 2: "H", 4: "I", 8: "Q"}
 
 
-_SIGNED_CODE = {1: "b", 2: "h", 4: "i", 8: "q"}
-
-
 _FLOAT_CODE = {"f16": "e", "f32": "f", "f64": "d"}
 
 
@@ -378,8 +375,8 @@ class Param:
             return _FLOAT_CODE[self.type]
         if self.kind == BYTES:
             return f"{self.size}s"
-        table = _SIGNED_CODE if self.signed else _UNSIGNED_CODE
-        return table[self.size]
+        code = _UNSIGNED_CODE[self.size]
+        return code.lower() if self.signed else code  # struct: "b" signed, "B" unsigned
 
 
 @dataclass(frozen=True)
