@@ -670,7 +670,6 @@ def cache_dir() -> Path | None:
 
 @lru_cache(maxsize=16)
 def _cache_dir(value: str, xdg: str | None, home: str | None) -> Path | None:
-    value = value.strip()
     if value.lower() in DISABLED_VALUES:
         return None
     if value:
