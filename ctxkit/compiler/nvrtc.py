@@ -10,13 +10,16 @@ import contextlib
 import importlib
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from functools import lru_cache
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import _driver
 from ..errors import CompileError
+
+if TYPE_CHECKING:
+    from .program import Program
 
 __all__ = [
     "cuda_include_dirs",
@@ -269,14 +272,9 @@ def _get_blob(nvrtc: ModuleType, prog: Any, size_fn: str, get_fn: str) -> bytes:
 
 
 def run_nvrtc(
-    source: str,
-    name: str,
-    headers: Mapping[str, str],
-    name_expressions: Sequence[str],
-    options: Sequence[str],
-    want_cubin: bool,
+    prog: Program, options: Sequence[str], want_cubin: bool
 ) -> tuple[str, bytes, str, dict[str, str]]:
-    """Compile; return (PTX text, cubin or b"", log, lowered names).
+    """Compile *prog* with *options*; return (PTX text, cubin or b"", log, lowered names).
 
     Raises
     ------
@@ -285,36 +283,38 @@ def run_nvrtc(
     """
     nvrtc = load_nvrtc()
     nvrtc_version()
-    names = list(headers)
-    err, prog = nvrtc.nvrtcCreateProgram(
-        source.encode(),
-        name.encode(),
+    names = list(prog.headers)
+    err, handle = nvrtc.nvrtcCreateProgram(
+        prog.source.encode(),
+        prog.name.encode(),
         len(names),
-        [headers[n].encode() for n in names],
+        [prog.headers[n].encode() for n in names],
         [n.encode() for n in names],
     )
     check(err, "nvrtcCreateProgram")
     try:
-        for expr in name_expressions:
-            check(nvrtc.nvrtcAddNameExpression(prog, expr.encode())[0], "nvrtcAddNameExpression")
-        (err,) = nvrtc.nvrtcCompileProgram(prog, len(options), [o.encode() for o in options])
+        for expr in prog.name_expressions:
+            check(nvrtc.nvrtcAddNameExpression(handle, expr.encode())[0], "nvrtcAddNameExpression")
+        (err,) = nvrtc.nvrtcCompileProgram(handle, len(options), [o.encode() for o in options])
         log = ""
         with contextlib.suppress(CompileError):  # no log: the error, if any, still says why
-            blob = _get_blob(nvrtc, prog, "nvrtcGetProgramLogSize", "nvrtcGetProgramLog")
+            blob = _get_blob(nvrtc, handle, "nvrtcGetProgramLogSize", "nvrtcGetProgramLog")
             log = blob.rstrip(b"\0").decode("utf-8", "replace").strip()
         if err:
-            raise compile_error(name, options, err, log)
-        ptx = _get_blob(nvrtc, prog, "nvrtcGetPTXSize", "nvrtcGetPTX")
-        cubin = _get_blob(nvrtc, prog, "nvrtcGetCUBINSize", "nvrtcGetCUBIN") if want_cubin else b""
+            raise compile_error(prog.name, options, err, log)
+        ptx = _get_blob(nvrtc, handle, "nvrtcGetPTXSize", "nvrtcGetPTX")
+        cubin = (
+            _get_blob(nvrtc, handle, "nvrtcGetCUBINSize", "nvrtcGetCUBIN") if want_cubin else b""
+        )
         if want_cubin and not cubin:
-            raise CompileError(f"NVRTC produced no cubin for {name!r} ({list(options)})")
+            raise CompileError(f"NVRTC produced no cubin for {prog.name!r} ({list(options)})")
         lowered = {}
-        for expr in name_expressions:
-            err, mangled = nvrtc.nvrtcGetLoweredName(prog, expr.encode())
+        for expr in prog.name_expressions:
+            err, mangled = nvrtc.nvrtcGetLoweredName(handle, expr.encode())
             check(err, f"nvrtcGetLoweredName({expr!r})")
             lowered[expr] = mangled.decode() if isinstance(mangled, bytes) else str(mangled)
     finally:
-        nvrtc.nvrtcDestroyProgram(prog)
+        nvrtc.nvrtcDestroyProgram(handle)
     return ptx.rstrip(b"\0").decode("utf-8", "replace"), bytes(cubin), log, lowered
 
 

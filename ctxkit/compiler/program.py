@@ -254,14 +254,7 @@ class Program:
         options = [f"-arch={nvrtc_arch}", *self.options]
         if self._needs_cuda_headers():
             options += [f"-I{d}" for d in cuda_include_dirs()]
-        ptx, cubin, log, lowered = run_nvrtc(
-            self.source,
-            self.name,
-            self.headers,
-            self.name_expressions,
-            options,
-            want_cubin=target != "ptx",
-        )
+        ptx, cubin, log, lowered = run_nvrtc(self, options, want_cubin=target != "ptx")
         count("compiled")
         if target == "ptx":
             code = ptx.encode() + b"\0"
