@@ -373,16 +373,12 @@ def _warn_unusable(path: Path, exc: OSError) -> None:
     )
 
 
-def _entry_name(key: str) -> str:
-    return key + ENTRY_SUFFIX
-
-
 def read_entry(d: CacheDir, key: str, limit: int) -> tuple[dict[str, Any], dict[str, bytes]] | None:
     """The verified ``(header, blobs)`` of *key*, or ``None`` (missing or discarded).
 
     Never follows a link, never blocks, never reads more than *limit* bytes.
     """
-    name = _entry_name(key)
+    name = key + ENTRY_SUFFIX
     try:
         fd = d.open(name, _READ_FLAGS)
     except OSError as exc:
@@ -463,7 +459,7 @@ def encode_entry(key: str, header: dict[str, Any], blobs: dict[str, bytes]) -> b
 def write_entry(d: CacheDir, key: str, data: bytes) -> bool:
     """Store *data* as the entry of *key* atomically; False (one warning) when not writable."""
     tmp = f".{key[:16]}.{secrets.token_hex(8)}{TMP_SUFFIX}"
-    name = _entry_name(key)
+    name = key + ENTRY_SUFFIX
     try:
         fd = d.open(tmp, _CREATE_FLAGS)
         try:
@@ -507,7 +503,7 @@ def evict(d: CacheDir, max_bytes: int, keep: str = "") -> int:
         elif st.st_mtime_ns < old and name.endswith(LOCK_SUFFIX):
             removed += _remove_unheld_lock(d, name, st)
     total = sum(size for _t, _n, size in entries)
-    keep_name = _entry_name(keep) if keep else ""
+    keep_name = keep + ENTRY_SUFFIX if keep else ""
     for _mtime, name, size in sorted(entries):
         if total <= max_bytes:
             break
@@ -795,7 +791,7 @@ def cached(directory: Path, key: str, build: Callable[[], ObjectCode]) -> Object
                     _memo_put(slot, obj)
                     return obj
                 if entry is not None:  # verified, but not an ObjectCode of ours
-                    d.discard(_entry_name(key))
+                    d.discard(key + ENTRY_SUFFIX)
                 obj = build()
                 data = encode_entry(key, *_encode(obj))
                 if len(data) <= cap and write_entry(d, key, data):
