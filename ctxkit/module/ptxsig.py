@@ -408,8 +408,7 @@ class Signature:
         """This signature with the C++ type of each parameter (unchanged on a count mismatch)."""
         if ctypes is None or len(ctypes) != len(self.params):
             return self
-        params = tuple(p.with_ctype(t) for p, t in zip(self.params, ctypes))
-        return replace(self, params=params)
+        return replace(self, params=tuple(p.with_ctype(t) for p, t in zip(self.params, ctypes)))
 
 
 _COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
