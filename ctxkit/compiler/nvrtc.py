@@ -90,9 +90,8 @@ def result_name(err: Any) -> str:
 
 def check(err: Any, what: str) -> None:
     if err:
-        raise CompileError(
-            f"{what} failed: {result_name(err)}", code=int(err), name=result_name(err)
-        )
+        name = result_name(err)
+        raise CompileError(f"{what} failed: {name}", code=int(err), name=name)
 
 
 def versions_line() -> str:

@@ -205,9 +205,7 @@ _INVALID_VALUE = 1
 def _unload_library(unload: Any, lib: Any) -> Any:
     """Free of a library (through ctxkit.lifetime.finalizer, which holds it back while a
     stream capture is open); at interpreter exit the process teardown unloads."""
-    if _context.shutting_down():
-        return None
-    return unload(lib)
+    return None if _context.shutting_down() else unload(lib)
 
 
 class Module:

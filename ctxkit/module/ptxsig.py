@@ -175,8 +175,7 @@ def classify_spelling(text: str) -> CType:
 def _balanced(text: str, start: int) -> int:
     """Index just past the ``)`` that closes the ``(`` at *start*; -1 when unbalanced."""
     depth = 0
-    for i in range(start, len(text)):
-        ch = text[i]
+    for i, ch in enumerate(text[start:], start):
         if ch == "(":
             depth += 1
         elif ch == ")":
