@@ -79,45 +79,37 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from .. import _env
+from .. import _driver, _env
 from ..errors import KernelCacheWarning
 from .objectcode import ObjectCode, detect_target
 
 __all__ = [
     "DEFAULT_MAX_BYTES",
-    "DISABLED_VALUES",
-    "ENTRY_SUFFIX",
-    "ENV",
     "LOCK_TIMEOUT_S",
     "LOCK_WARN_S",
-    "MAX_BYTES_ENV",
     "TMP_MAX_AGE_S",
-    "TMP_SUFFIX",
-    "CacheDir",
     "cache_dir",
     "cached",
-    "clear",
     "clear_cache",
     "clear_entries",
+    "count",
     "encode_entry",
     "evict",
     "make_key",
     "max_bytes",
-    "memo_get",
-    "memo_put",
     "open_dir",
     "parse_entry",
     "process_lock",
     "read_entry",
     "stats",
     "toolchain_fingerprint",
-    "write_entry",
 ]
 
 
@@ -181,10 +173,16 @@ def _owned_by_me(st: os.stat_result) -> bool:
     return st.st_uid == _euid()
 
 
-def _warn_once(path: Path, reason: str, message: str) -> None:
-    if (str(path), reason) in _warned:
-        return
-    _warned.add((str(path), reason))
+def _file_id(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
+def _warn(message: str, once: tuple[Path, str] | None = None) -> None:
+    """A :class:`KernelCacheWarning` at the user's frame; only the first per *once* key."""
+    if once is not None:
+        if (str(once[0]), once[1]) in _warned:
+            return
+        _warned.add((str(once[0]), once[1]))
     warnings.warn(message, KernelCacheWarning, stacklevel=_user_stacklevel())
 
 
@@ -220,38 +218,25 @@ class CacheDir:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
 
-    def open(self, name: str, flags: int, mode: int = 0o600) -> int:
-        return os.open(name, flags, mode, dir_fd=self.fd)
+    def open(self, name: str, flags: int) -> int:
+        return os.open(name, flags, 0o600, dir_fd=self.fd)
 
     def lstat(self, name: str) -> os.stat_result:
         return os.stat(name, dir_fd=self.fd, follow_symlinks=False)
 
-    def unlink(self, name: str) -> bool:
-        try:
-            os.unlink(name, dir_fd=self.fd)
-        except OSError:
-            return False
-        return True
-
     def remove(self, name: str) -> bool:
         """Unlink *name*, or remove it if it is an empty directory; False when it stays."""
-        if self.unlink(name):
+        for remove in (os.unlink, os.rmdir):
+            try:
+                remove(name, dir_fd=self.fd)
+            except OSError:
+                continue
             return True
-        try:
-            os.rmdir(name, dir_fd=self.fd)
-        except OSError:
-            return False
-        return True
-
-    def replace(self, src: str, dst: str) -> None:
-        os.replace(src, dst, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+        return False
 
     def scan(self) -> Iterator[tuple[str, os.stat_result]]:
         """``(name, lstat)`` of every file in the directory."""
@@ -262,13 +247,11 @@ class CacheDir:
 
     def discard(self, name: str, seen: os.stat_result | None = None) -> None:
         """Remove *name*, unless it is no longer the file *seen* (a writer replaced it)."""
-        if seen is not None:
-            try:
-                now = self.lstat(name)
-            except OSError:
+        try:
+            if seen is not None and _file_id(self.lstat(name)) != _file_id(seen):
                 return
-            if (now.st_ino, now.st_dev) != (seen.st_ino, seen.st_dev):
-                return
+        except OSError:
+            return
         self.remove(name)
 
 
@@ -280,33 +263,26 @@ def open_dir(path: Path, create: bool = True) -> CacheDir | None:
     reached through a symbolic link of another user (see :func:`_follow`).
     """
     link, seen = _follow(path)
-    if not link and seen is None and create:
-        try:
+    fd = -1
+    try:
+        if not link and seen is None and create:
             _make_private_dir(path)
-        except OSError as exc:
-            _warn_unusable(path, exc)
+            link, seen = _follow(path)
+        if link:
+            _warn_unsafe(
+                path,
+                link,
+                "set CTXKIT_CACHE_DIR to a directory reached through no other user's link",
+            )
             return None
-        link, seen = _follow(path)
-    if link:
-        _warn_unsafe(
-            path, link, "set CTXKIT_CACHE_DIR to a directory reached through no other user's link"
-        )
-        return None
-    try:
         fd = os.open(path, _DIR_FLAGS)
+        problem = _distrust(os.fstat(fd), seen)
     except OSError as exc:
-        if create or exc.errno != errno.ENOENT:
+        if fd >= 0:
+            os.close(fd)
+        if create or exc.errno != errno.ENOENT:  # a missing directory to clear is no news
             _warn_unusable(path, exc)
         return None
-    try:
-        st = os.fstat(fd)
-        problem = _distrust(st)
-    except OSError as exc:
-        os.close(fd)
-        _warn_unusable(path, exc)
-        return None
-    if not problem and (seen is None or _file_id(st) != _file_id(seen)):
-        problem = "was replaced while it was checked"
     if problem:
         os.close(fd)
         _warn_unsafe(
@@ -320,12 +296,11 @@ def open_dir(path: Path, create: bool = True) -> CacheDir | None:
 
 
 def _warn_unsafe(path: Path, problem: str, fix: str) -> None:
-    _warn_once(
-        path,
-        "unsafe",
+    _warn(
         f"ctxkit: not using the kernel cache in {path}: {problem}, so another user could "
         "plant compiled code there. Kernels are compiled without the disk cache. "
         f"Fix: {fix} (or to 'off').",
+        once=(path, "unsafe"),
     )
 
 
@@ -376,28 +351,26 @@ def _make_private_dir(path: Path) -> None:
     os.chmod(path, 0o700)  # whatever the umask
 
 
-def _distrust(st: os.stat_result) -> str:
-    """Why a directory with this ``fstat`` must not be trusted ('' when it can be)."""
+def _distrust(st: os.stat_result, seen: os.stat_result | None) -> str:
+    """Why a directory with this ``fstat`` must not be trusted ('' when it can be);
+    *seen* is the ``lstat`` of the place its path led to when it was checked."""
     if not stat.S_ISDIR(st.st_mode):
         return "is not a directory"
     if not _owned_by_me(st):
         return f"is owned by uid {st.st_uid}, not by this process (euid {_euid()})"
     if st.st_mode & 0o022:
         return f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    if seen is None or _file_id(st) != _file_id(seen):
+        return "was replaced while it was checked"
     return ""
 
 
 def _warn_unusable(path: Path, exc: OSError) -> None:
-    _warn_once(
-        path,
-        "unwritable",
+    _warn(
         f"ctxkit: cannot use the kernel cache in {path} ({exc}); compiled kernels are "
         "not cached on disk. Set CTXKIT_CACHE_DIR to a writable directory, or to 'off'.",
+        once=(path, "unwritable"),
     )
-
-
-def _entry_name(key: str) -> str:
-    return key + ENTRY_SUFFIX
 
 
 def read_entry(d: CacheDir, key: str, limit: int) -> tuple[dict[str, Any], dict[str, bytes]] | None:
@@ -405,7 +378,7 @@ def read_entry(d: CacheDir, key: str, limit: int) -> tuple[dict[str, Any], dict[
 
     Never follows a link, never blocks, never reads more than *limit* bytes.
     """
-    name = _entry_name(key)
+    name = key + ENTRY_SUFFIX
     try:
         fd = d.open(name, _READ_FLAGS)
     except OSError as exc:
@@ -432,17 +405,15 @@ def read_entry(d: CacheDir, key: str, limit: int) -> tuple[dict[str, Any], dict[
 
 
 def _read_exactly(fd: int, size: int) -> bytes | None:
-    chunks = []
-    left = size
-    while left > 0:
-        chunk = os.read(fd, min(left, 1 << 24))
+    """The *size* bytes of *fd*; ``None`` when it holds fewer or more (it changed while
+    read: not an entry written by ``os.replace``)."""
+    data = bytearray()
+    while len(data) <= size:
+        chunk = os.read(fd, min(size + 1 - len(data), 1 << 24))
         if not chunk:
-            return None
-        chunks.append(chunk)
-        left -= len(chunk)
-    if os.read(fd, 1):
-        return None  # grew while read: not an entry written by os.replace
-    return b"".join(chunks)
+            break
+        data += chunk
+    return bytes(data) if len(data) == size else None
 
 
 def parse_entry(data: bytes, key: str) -> tuple[dict[str, Any], dict[str, bytes]] | None:
@@ -465,17 +436,14 @@ def parse_entry(data: bytes, key: str) -> tuple[dict[str, Any], dict[str, bytes]
     blobs: dict[str, bytes] = {}
     offset = 0
     for item in layout:
-        if not (
-            isinstance(item, list)
-            and len(item) == 2
-            and isinstance(item[0], str)
-            and type(item[1]) is int
-            and item[1] >= 0
-            and item[0] not in blobs
-        ):
-            return None
-        blobs[item[0]] = payload[offset : offset + item[1]]
-        offset += item[1]
+        match item:
+            case [str() as name, int() as size] if type(size) is int and size >= 0:
+                if name in blobs:
+                    return None
+                blobs[name] = payload[offset : offset + size]
+                offset += size
+            case _:
+                return None
     if offset != len(payload):
         return None
     return header, blobs
@@ -491,86 +459,63 @@ def encode_entry(key: str, header: dict[str, Any], blobs: dict[str, bytes]) -> b
 def write_entry(d: CacheDir, key: str, data: bytes) -> bool:
     """Store *data* as the entry of *key* atomically; False (one warning) when not writable."""
     tmp = f".{key[:16]}.{secrets.token_hex(8)}{TMP_SUFFIX}"
-    name = _entry_name(key)
+    name = key + ENTRY_SUFFIX
     try:
-        fd = d.open(tmp, _CREATE_FLAGS, 0o600)
+        fd = d.open(tmp, _CREATE_FLAGS)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
-            d.replace(tmp, name)
+            os.replace(tmp, name, src_dir_fd=d.fd, dst_dir_fd=d.fd)
         except BaseException:
-            d.unlink(tmp)
+            d.remove(tmp)
             raise
     except OSError as exc:
-        if exc.errno in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST):
-            _warn_blocked(d.path / name)
-        else:
+        if exc.errno not in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST):
             _warn_unusable(d.path, exc)
+        else:
+            _warn(
+                f"ctxkit: {d.path / name} is a directory that is not empty, not a kernel cache "
+                "entry; this kernel is compiled without the disk cache until that directory "
+                "is removed.",
+                once=(d.path / name, "blocked"),
+            )
         return False
     return True
-
-
-def _warn_blocked(path: Path) -> None:
-    _warn_once(
-        path,
-        "blocked",
-        f"ctxkit: {path} is a directory that is not empty, not a kernel cache entry; this "
-        "kernel is compiled without the disk cache until that directory is removed.",
-    )
 
 
 def evict(d: CacheDir, max_bytes: int, keep: str = "") -> int:
     """Remove least recently used entries until they total at most *max_bytes*.
 
-    Also removes what :func:`_sweep` says was left behind, and entries that are not
-    regular files. The entry of *keep* (just written) stays. Returns the number of files
-    removed.
+    Also removes entries that are not regular files, and the temporary and lock files
+    last changed :data:`TMP_MAX_AGE_S` ago or more (left by a dead process; a younger one
+    may belong to a process at work). A lock file is also kept while any process holds
+    it (a process stopped mid-compile holds it for as long as it is stopped). The entry
+    of *keep* (just written) stays. Returns the number of files removed.
     """
-    old = _left_before()
+    old = time.time_ns() - int(TMP_MAX_AGE_S * 1e9)
     removed = 0
     entries: list[tuple[int, str, int]] = []
     for name, st in d.scan():
-        if name.endswith(ENTRY_SUFFIX):
-            if stat.S_ISREG(st.st_mode):
-                entries.append((st.st_mtime_ns, name, st.st_size))
-            else:
-                removed += d.remove(name)
-        else:
-            removed += _sweep(d, name, st, old)
+        if name.endswith(ENTRY_SUFFIX) and stat.S_ISREG(st.st_mode):
+            entries.append((st.st_mtime_ns, name, st.st_size))
+        elif name.endswith(ENTRY_SUFFIX) or (st.st_mtime_ns < old and name.endswith(TMP_SUFFIX)):
+            removed += d.remove(name)
+        elif st.st_mtime_ns < old and name.endswith(LOCK_SUFFIX):
+            removed += _remove_unheld_lock(d, name, st)
     total = sum(size for _t, _n, size in entries)
-    keep_name = _entry_name(keep) if keep else ""
+    keep_name = keep + ENTRY_SUFFIX if keep else ""
     for _mtime, name, size in sorted(entries):
         if total <= max_bytes:
             break
-        if name != keep_name and d.unlink(name):
+        if name != keep_name and d.remove(name):
             removed += 1
             total -= size
     return removed
 
 
 def clear_entries(d: CacheDir) -> int:
-    """Remove every entry and what :func:`_sweep` says was left behind; return the count."""
+    """Remove every entry and what :func:`evict` says was left behind; return the count."""
     return evict(d, -1)
-
-
-def _left_before() -> int:
-    """The ``st_mtime_ns`` before which a temporary or lock file was left by a dead process."""
-    return time.time_ns() - int(TMP_MAX_AGE_S * 1e9)
-
-
-def _sweep(d: CacheDir, name: str, st: os.stat_result, old: int) -> int:
-    """Remove *name* (1) when it is a temporary or lock file last changed before *old*.
-
-    A younger one may belong to a process at work. A lock file is also kept while any
-    process holds it (a process stopped mid-compile holds it for as long as it is stopped).
-    """
-    if st.st_mtime_ns >= old:
-        return 0
-    if name.endswith(TMP_SUFFIX):
-        return int(d.unlink(name))
-    if name.endswith(LOCK_SUFFIX):
-        return int(_remove_unheld_lock(d, name, st))
-    return 0
 
 
 def _remove_unheld_lock(d: CacheDir, name: str, seen: os.stat_result) -> bool:
@@ -586,19 +531,27 @@ def _remove_unheld_lock(d: CacheDir, name: str, seen: os.stat_result) -> bool:
     except OSError:
         return False
     try:
-        if _file_id(os.fstat(fd)) != _file_id(seen):
-            return False  # replaced since the scan
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # not replaced since the scan, and no process holds it
+        return _file_id(os.fstat(fd)) == _file_id(seen) and _try_lock(fd) and d.remove(name)
     except OSError:
         return False
-    else:
-        return d.unlink(name)
     finally:
         os.close(fd)
 
 
-def _file_id(st: os.stat_result) -> tuple[int, int]:
-    return st.st_dev, st.st_ino
+def _try_lock(fd: int) -> bool:
+    """Take the POSIX record lock of *fd* if no other process holds it (False then).
+
+    A record lock (``lockf``) rather than ``flock``: it belongs to the process, so a
+    child forked while a compile runs does not keep it held; it also works on NFS.
+    """
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EAGAIN):
+            return False
+        raise
+    return True
 
 
 @contextlib.contextmanager
@@ -613,102 +566,64 @@ def process_lock(d: CacheDir, key: str, timeout: float | None = None) -> Iterato
     (the in-process lock of :func:`ctxkit.compiler.cache.cached` sees to that).
     """
     name = f".{key}{LOCK_SUFFIX}"
-    wait = _Wait(d.path / name, LOCK_TIMEOUT_S if timeout is None else timeout)
-    fd = _acquire(d, name, wait)
-    held = _file_id(os.fstat(fd)) if fd is not None else None
-    if held is not None:
-        _held.add(held)
+    fd = _acquire(d, name, LOCK_TIMEOUT_S if timeout is None else timeout)
+    if fd is None:
+        yield False
+        return
+    held = _file_id(os.fstat(fd))
+    _held.add(held)
     try:
-        yield fd is not None
+        yield True
     finally:
-        if fd is not None:
-            d.unlink(name)  # before unlocking: a waiter on this file sees it is gone
-            os.close(fd)
-        if held is not None:
-            _held.discard(held)
-
-
-class _Wait:
-    """One wait for another process's lock: when to say so, when to give up."""
-
-    def __init__(self, path: Path, timeout: float) -> None:
-        self.path = path
-        self.timeout = timeout
-        self.start = time.monotonic()
-        self.warned = False
-
-    def over(self) -> bool:
-        """True when the time is up (with a warning); warns once past :data:`LOCK_WARN_S`."""
-        waited = time.monotonic() - self.start
-        if waited >= self.timeout:
-            self._warn(
-                f"ctxkit: gave up after {waited:.1f} s waiting for {self.path}, the lock of "
-                "another process compiling the same kernel; compiling it here too."
-            )
-            return True
-        if waited >= LOCK_WARN_S and not self.warned:
-            self.warned = True
-            self._warn(
-                f"ctxkit: waiting for {self.path} for {waited:.1f} s: another process is "
-                "compiling the same kernel (or is stopped or hung holding its lock); "
-                f"waiting up to {self.timeout:g} s in all, then compiling it here."
-            )
-        return False
-
-    def _warn(self, message: str) -> None:
-        warnings.warn(message, KernelCacheWarning, stacklevel=_user_stacklevel())
-
-
-def _acquire(d: CacheDir, name: str, wait: _Wait) -> int | None:
-    while True:
-        try:
-            fd = d.open(name, _LOCK_FLAGS, 0o600)
-        except OSError:
-            return None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or not _owned_by_me(st):
-                raise OSError(errno.EPERM, "not a lock file")
-            if not _lock_until(fd, wait):
-                raise TimeoutError
-            now = d.lstat(name)
-        except FileNotFoundError:
-            os.close(fd)  # the holder removed it as we locked it: take the next one
-            continue
-        except OSError:
-            os.close(fd)
-            return None
-        except BaseException:  # e.g. the wait's warning, turned into an error
-            os.close(fd)
-            raise
-        if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
-            return fd
+        d.remove(name)  # before unlocking: a waiter on this file sees it is gone
         os.close(fd)
+        _held.discard(held)
 
 
-def _lock_until(fd: int, wait: _Wait) -> bool:
-    """Take the POSIX record lock of *fd*, polling until *wait* is over.
-
-    A record lock (``lockf``) rather than ``flock``: it belongs to the process, so a
-    child forked while a compile runs does not keep it held; it also works on NFS.
-    """
+def _acquire(d: CacheDir, name: str, timeout: float) -> int | None:
+    """The lock file *name* opened and locked; ``None`` when it cannot be (not a regular
+    file of this user, no file locks here) or after *timeout* seconds of waiting."""
+    start = time.monotonic()
+    warned = False
     pause = 0.001
     while True:
         try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno not in (errno.EACCES, errno.EAGAIN) or wait.over():
-                return False
-            time.sleep(pause)
-            pause = min(pause * 2, 0.02)
-        else:
-            return True
-
-
-ENV = "CTXKIT_CACHE_DIR"
-
-
-MAX_BYTES_ENV = "CTXKIT_CACHE_MAX_BYTES"
+            fd = d.open(name, _LOCK_FLAGS)
+        except OSError:
+            return None
+        keep = False
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or not _owned_by_me(st):
+                return None
+            while not _try_lock(fd):
+                waited = time.monotonic() - start
+                if waited >= timeout:
+                    _warn(
+                        f"ctxkit: gave up after {waited:.1f} s waiting for {d.path / name}, "
+                        "the lock of another process compiling the same kernel; compiling it "
+                        "here too."
+                    )
+                    return None
+                if waited >= LOCK_WARN_S and not warned:
+                    warned = True
+                    _warn(
+                        f"ctxkit: waiting for {d.path / name} for {waited:.1f} s: another "
+                        "process is compiling the same kernel (or is stopped or hung holding "
+                        f"its lock); waiting up to {timeout:g} s in all, then compiling it here."
+                    )
+                time.sleep(pause)
+                pause = min(pause * 2, 0.02)
+            keep = _file_id(d.lstat(name)) == _file_id(st)  # else replaced: lock the new one
+            if keep:
+                return fd
+        except FileNotFoundError:
+            continue  # the holder removed it as we locked it: take the next one
+        except OSError:
+            return None
+        finally:
+            if not keep:
+                os.close(fd)
 
 
 #: The disk cache's size cap unless ``CTXKIT_CACHE_MAX_BYTES`` says otherwise.
@@ -724,13 +639,10 @@ FORMAT_VERSION = 2
 _MEMO_SIZE = 256
 
 
-_memo: OrderedDict[tuple[str, str], Any] = OrderedDict()
+_memo: OrderedDict[tuple[str, str], ObjectCode] = OrderedDict()
 
 
-_memo_lock = threading.Lock()
-
-
-_stats_lock = threading.Lock()
+_lock = threading.Lock()  # of the memo, the stats and the table of key locks
 
 
 #: Counters for tests and benchmarks: NVRTC compiles, disk hits, memory hits.
@@ -738,7 +650,7 @@ stats = {"compiled": 0, "disk_hits": 0, "memory_hits": 0}
 
 
 def count(what: str) -> None:
-    with _stats_lock:
+    with _lock:
         stats[what] += 1
 
 
@@ -754,7 +666,6 @@ def cache_dir() -> Path | None:
 
 @lru_cache(maxsize=16)
 def _cache_dir(value: str, xdg: str | None, home: str | None) -> Path | None:
-    value = value.strip()
     if value.lower() in DISABLED_VALUES:
         return None
     if value:
@@ -780,9 +691,9 @@ def max_bytes() -> int:
     size = int(m.group(1)) << (10 * " kmgt".index(m.group(2).lower() or " ")) if m else 0
     if size <= 0:
         raise ValueError(
-            f"{MAX_BYTES_ENV}={value!r} is not a size; use a positive number of bytes, "
-            f"optionally with K, M or G (e.g. {MAX_BYTES_ENV}=2G), or {ENV}=off to "
-            "disable the disk cache"
+            f"CTXKIT_CACHE_MAX_BYTES={value!r} is not a size; use a positive number of bytes, "
+            "optionally with K, M or G (e.g. CTXKIT_CACHE_MAX_BYTES=2G), or CTXKIT_CACHE_DIR=off "
+            "to disable the disk cache"
         )
     return size
 
@@ -823,23 +734,14 @@ def _candidate_dirs() -> list[str]:
     return dirs
 
 
-def _stat_candidates(dirs: Iterable[str]) -> list[tuple[str, int, int]]:
-    found = []
-    for d in dirs:
-        for name in _NVRTC_NAMES:
-            path = os.path.join(d, name)
-            try:
-                st = os.stat(path)
-            except OSError:
-                continue
-            found.append((path, st.st_size, st.st_mtime_ns))
-    return found
-
-
 @lru_cache(maxsize=1)
 def toolchain_fingerprint(nvrtc_version: Callable[[], tuple[int, int]], bindings_major: int) -> str:
     """Identify the NVRTC this process uses, cheaply (see the module docstring)."""
-    found = _stat_candidates(_candidate_dirs())
+    found = []
+    for path in (os.path.join(d, n) for d in _candidate_dirs() for n in _NVRTC_NAMES):
+        with contextlib.suppress(OSError):
+            st = os.stat(path)
+            found.append((path, st.st_size, st.st_mtime_ns))
     if found:
         env = {v: os.environ.get(v, "") for v in _ENV_VARS}
         ident: Any = {"libs": found, "env": env}
@@ -851,38 +753,13 @@ def toolchain_fingerprint(nvrtc_version: Callable[[], tuple[int, int]], bindings
 # --- one compile per key ----------------------------------------------------------------
 
 
-_key_locks: dict[tuple[str, str], list[Any]] = {}
+# The in-process lock of each key being compiled, alive while a thread holds or awaits it.
+_key_locks: weakref.WeakValueDictionary[tuple[str, str], Any] = weakref.WeakValueDictionary()
 
 
-_key_locks_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def _key_lock(slot: tuple[str, str]) -> Iterator[None]:
-    with _key_locks_lock:
-        held = _key_locks.setdefault(slot, [threading.Lock(), 0])
-        held[1] += 1
-    try:
-        with held[0]:
-            yield
-    finally:
-        with _key_locks_lock:
-            held[1] -= 1
-            if held[1] == 0 and _key_locks.get(slot) is held:
-                del _key_locks[slot]
-
-
-def _after_fork_in_child() -> None:
-    # a lock held by another thread at fork time would never be released in the child
-    global _key_locks_lock, _memo_lock, _stats_lock
-    _key_locks.clear()
-    _key_locks_lock = threading.Lock()
-    _memo_lock = threading.Lock()
-    _stats_lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+# a lock held by another thread at fork time would never be released in the child
+_driver.renew_at_fork(__name__, "_lock")
+_driver.renew_at_fork(__name__, "_key_locks", weakref.WeakValueDictionary)
 
 
 def cached(directory: Path, key: str, build: Callable[[], ObjectCode]) -> ObjectCode:
@@ -892,63 +769,52 @@ def cached(directory: Path, key: str, build: Callable[[], ObjectCode]) -> Object
     *directory*, builds a given key at a time; the others wait and take its result.
     """
     slot = (str(directory), key)
-    obj = memo_get(directory, key)
+    obj = _memo_hit(slot)
     if obj is not None:
-        count("memory_hits")
-        return obj  # type: ignore[no-any-return]
-    with _key_lock(slot):
-        obj = memo_get(directory, key)
+        return obj
+    with _lock:
+        key_lock = _key_locks.setdefault(slot, threading.Lock())
+    with key_lock:
+        obj = _memo_hit(slot)
         if obj is not None:
-            count("memory_hits")
-            return obj  # type: ignore[no-any-return]
+            return obj
         cap = max_bytes()
         d = open_dir(directory)
         if d is None:
             obj = build()
         else:
             with d, process_lock(d, key):
-                obj = _load(d, key, cap)
+                entry = read_entry(d, key, cap)
+                obj = _decode(*entry) if entry is not None else None
                 if obj is not None:
                     count("disk_hits")
-                    memo_put(directory, key, obj)
+                    _memo_put(slot, obj)
                     return obj
+                if entry is not None:  # verified, but not an ObjectCode of ours
+                    d.discard(key + ENTRY_SUFFIX)
                 obj = build()
-                _store(d, key, obj, cap)
-        memo_put(directory, key, dataclasses.replace(obj, from_cache=True))
+                data = encode_entry(key, *_encode(obj))
+                if len(data) <= cap and write_entry(d, key, data):
+                    evict(d, cap, keep=key)
+        _memo_put(slot, dataclasses.replace(obj, from_cache=True))
         return obj
 
 
-def _load(d: CacheDir, key: str, cap: int) -> ObjectCode | None:
-    entry = read_entry(d, key, cap)
-    if entry is None:
-        return None
-    obj = _decode(*entry)
-    if obj is None:
-        d.discard(f"{key}{ENTRY_SUFFIX}")
-    return obj
+#: The header fields of an entry that hold text as they are in :class:`ObjectCode`.
+_TEXT_FIELDS = ("target", "arch", "log", "name")
 
 
-def _store(d: CacheDir, key: str, obj: ObjectCode, cap: int) -> None:
-    data = encode_entry(key, *_encode(obj))
-    if len(data) <= cap and write_entry(d, key, data):
-        evict(d, cap, keep=key)
+#: The blobs of an entry that hold text (UTF-8), beside the ``code`` blob.
+_TEXT_BLOBS = ("ptx", "source")
 
 
 def _encode(obj: ObjectCode) -> tuple[dict[str, Any], dict[str, bytes]]:
-    header = {
-        "target": obj.target,
-        "arch": obj.arch,
-        "log": obj.log,
-        "lowered_names": dict(obj.lowered_names),
-        "name": obj.name,
-        "options": list(obj.options),
-        "nvrtc_version": list(obj.nvrtc_version or ()),
-    }
+    header = {k: getattr(obj, k) for k in _TEXT_FIELDS}
+    header["lowered_names"] = dict(obj.lowered_names)
+    header["options"] = list(obj.options)
+    header["nvrtc_version"] = list(obj.nvrtc_version or ())
     blobs = {"code": obj.code}
-    if obj.ptx is not None:
-        blobs["ptx"] = obj.ptx.encode()
-    if obj.source is not None:
-        blobs["source"] = obj.source.encode()
+    blobs.update((k, getattr(obj, k).encode()) for k in _TEXT_BLOBS if getattr(obj, k) is not None)
     return header, blobs
 
 
@@ -958,16 +824,15 @@ def _strings(value: Any) -> bool:
 
 def _decode(header: dict[str, Any], blobs: dict[str, bytes]) -> ObjectCode | None:
     """The :class:`ObjectCode` of a verified entry, or ``None`` when any field is off."""
-    text = [header.get(k) for k in ("target", "arch", "log", "name")]
+    fields: dict[str, Any] = {k: header.get(k) for k in _TEXT_FIELDS}
     lowered = header.get("lowered_names")
     options = header.get("options")
     version = header.get("nvrtc_version")
     code = blobs.get("code")
     if not (
-        all(isinstance(v, str) for v in text)
+        _strings(list(fields.values()))
         and isinstance(lowered, dict)
-        and _strings(list(lowered))
-        and _strings(list(lowered.values()))
+        and _strings([*lowered, *lowered.values()])
         and _strings(options)
         and isinstance(version, list)
         and len(version) in (0, 2)
@@ -975,39 +840,28 @@ def _decode(header: dict[str, Any], blobs: dict[str, bytes]) -> ObjectCode | Non
         and code
     ):
         return None
-    target, arch, log, name = text
     try:
-        if detect_target(code) != target:
+        if detect_target(code) != fields["target"]:
             return None
-        ptx = blobs["ptx"].decode("utf-8") if "ptx" in blobs else None
-        source = blobs["source"].decode("utf-8") if "source" in blobs else None
+        texts = {k: blobs[k].decode("utf-8") for k in _TEXT_BLOBS if k in blobs}
     except (ValueError, UnicodeDecodeError):
         return None
     return ObjectCode(
         code=code,
-        target=target,  # type: ignore[arg-type]
-        arch=arch,  # type: ignore[arg-type]
-        log=log,  # type: ignore[arg-type]
-        ptx=ptx,
         lowered_names=dict(lowered),
-        name=name,  # type: ignore[arg-type]
         options=tuple(options),  # type: ignore[arg-type]
         nvrtc_version=(version[0], version[1]) if version else None,
         from_cache=True,
-        source=source,
+        **fields,
+        **texts,
     )
 
 
 def clear_cache() -> int:
     """Empty the in-memory and on-disk kernel caches; returns the number of files removed."""
-    return clear()
-
-
-def clear(directory: Path | None = None) -> int:
-    """Delete every entry (and leftover temporary file); return how many were removed."""
-    with _memo_lock:
+    with _lock:
         _memo.clear()
-    directory = directory if directory is not None else cache_dir()
+    directory = cache_dir()
     if directory is None or not directory.is_dir():
         return 0
     d = open_dir(directory, create=False)
@@ -1017,19 +871,20 @@ def clear(directory: Path | None = None) -> int:
         return clear_entries(d)
 
 
-def memo_get(directory: Path, key: str) -> Any:
-    """The object memoised for *key* in this process (``None`` when absent)."""
-    with _memo_lock:
-        value = _memo.get((str(directory), key))
-        if value is not None:
-            _memo.move_to_end((str(directory), key))
-        return value
+def _memo_hit(slot: tuple[str, str]) -> ObjectCode | None:
+    """The object memoised for *slot* in this process, counted as a memory hit."""
+    with _lock:
+        obj = _memo.get(slot)
+        if obj is not None:
+            _memo.move_to_end(slot)
+            stats["memory_hits"] += 1
+        return obj
 
 
-def memo_put(directory: Path, key: str, value: Any) -> None:
-    """Remember *value* for *key* (least recently used entries are dropped)."""
-    with _memo_lock:
-        _memo[(str(directory), key)] = value
-        _memo.move_to_end((str(directory), key))
+def _memo_put(slot: tuple[str, str], obj: ObjectCode) -> None:
+    """Remember *obj* for *slot* (least recently used objects are dropped)."""
+    with _lock:
+        _memo[slot] = obj
+        _memo.move_to_end(slot)
         while len(_memo) > _MEMO_SIZE:
             _memo.popitem(last=False)

@@ -191,12 +191,6 @@ class _Scan:
         if found[0]:
             self.todo.append((found[0], includer))
 
-    def run(self) -> None:
-        while self.todo:
-            items, includer = self.todo.pop()
-            for quoted, target in items:
-                self.resolve(quoted, target, includer)
-
     def candidates(self, quoted: bool, target: str, includer: str | None) -> list[tuple[str, bool]]:
         if os.path.isabs(target):
             return [(target, False)]
@@ -226,19 +220,15 @@ class _Scan:
                 continue
             info = _header(path, st) if st is not None and regular else None
             self.files[path] = info.digest if info is not None else None
-            if info is not None:
-                self.follow(path, info)
-                return
-
-    def follow(self, path: str, info: _Header) -> None:
-        if path in self.followed:
+            if info is None:
+                continue
+            if path not in self.followed and len(self.followed) >= MAX_FILES:
+                self.truncated = True
+            elif path not in self.followed:
+                self.followed.add(path)
+                includer = os.path.dirname(path) if self.sp.source_dir is not None else None
+                self.add_text(info.found, includer)
             return
-        if len(self.followed) >= MAX_FILES:
-            self.truncated = True
-            return
-        self.followed.add(path)
-        includer = os.path.dirname(path) if self.sp.source_dir is not None else None
-        self.add_text(info.found, includer)
 
 
 def fingerprint(
@@ -263,7 +253,10 @@ def fingerprint(
     scan = _Scan(sp, headers)
     scan.add_text(found, sp.source_dir)
     scan.add_text((tuple((True, p) for p in sp.pre_includes), False), sp.source_dir)
-    scan.run()
+    while scan.todo:
+        items, includer = scan.todo.pop()
+        for quoted, target in items:
+            scan.resolve(quoted, target, includer)
     out: list[Any] = [[path, digest] for path, digest in scan.files.items()]
     if scan.computed:
         roots = [sp.source_dir] if sp.source_dir is not None else []

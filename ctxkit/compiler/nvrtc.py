@@ -6,20 +6,22 @@ compile that actually needs them, so a warm cache hit never loads NVRTC (~10 ms)
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from functools import lru_cache
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import _driver
 from ..errors import CompileError
 
+if TYPE_CHECKING:
+    from .program import Program
+
 __all__ = [
-    "TargetPlan",
     "cuda_include_dirs",
     "link_ptx",
     "load_nvrtc",
@@ -38,12 +40,18 @@ INSTALL_HINT = (
 )
 
 
-def load_nvrtc() -> ModuleType:
+def _bindings(module: str, library: str) -> ModuleType:
+    """``cuda.bindings.<module>``, or a :class:`CompileError` saying how to install it."""
     try:
-        nvrtc = importlib.import_module("cuda.bindings.nvrtc")
+        return importlib.import_module(f"cuda.bindings.{module}")
     except Exception as exc:
-        raise CompileError(f"NVRTC bindings are not available ({exc!r}); {INSTALL_HINT}") from None
-    return nvrtc
+        raise CompileError(
+            f"{library} bindings are not available ({exc!r}); {INSTALL_HINT}"
+        ) from None
+
+
+def load_nvrtc() -> ModuleType:
+    return _bindings("nvrtc", "NVRTC")
 
 
 @lru_cache(maxsize=1)
@@ -82,9 +90,8 @@ def result_name(err: Any) -> str:
 
 def check(err: Any, what: str) -> None:
     if err:
-        raise CompileError(
-            f"{what} failed: {result_name(err)}", code=int(err), name=result_name(err)
-        )
+        name = result_name(err)
+        raise CompileError(f"{what} failed: {name}", code=int(err), name=name)
 
 
 def versions_line() -> str:
@@ -160,18 +167,12 @@ def arch_number(arch: str) -> int:
     return int(m.group(1))
 
 
-@dataclass(frozen=True)
-class TargetPlan:
-    """What NVRTC is asked for once arch and target are resolved."""
-
-    arch: str  # the arch asked for, normalised
-    build_arch: str  # what NVRTC compiles for (capped to what it supports)
-    target: str  # "ptx" | "cubin" | "fatbin"
-    note: str  # explains a capped arch / a PTX fallback (goes into the log)
-
-
-def plan(arch: str, target: str) -> TargetPlan:
+def plan(arch: str, target: str) -> tuple[str, str, str]:
     """Resolve ``target="auto"`` and cap *arch* to what this NVRTC supports.
+
+    Returns ``(build_arch, target, note)``: the ``sm_XY`` NVRTC compiles for (capped to
+    what it supports), ``"ptx"``, ``"cubin"`` or ``"fatbin"``, and what explains a capped
+    arch or a PTX fallback in the log (``""`` when nothing needs it).
 
     Raises
     ------
@@ -182,7 +183,7 @@ def plan(arch: str, target: str) -> TargetPlan:
     supported = supported_archs()
     num = arch_number(arch)
     if num in supported:
-        return TargetPlan(arch, arch, "cubin" if target == "auto" else target, "")
+        return arch, "cubin" if target == "auto" else target, ""
     lower = [a for a in supported if a < num]
     nv = "{}.{}".format(*nvrtc_version())
     span = f"sm_{supported[0]}..sm_{supported[-1]}"
@@ -207,7 +208,7 @@ def plan(arch: str, target: str) -> TargetPlan:
         f"{target} for {built} instead"
         + (" (the driver JIT-compiles the PTX for the device)" if target == "ptx" else "")
     )
-    return TargetPlan(arch, capped, target, note)
+    return capped, target, note
 
 
 @lru_cache(maxsize=1)
@@ -220,19 +221,13 @@ def cuda_include_dirs() -> tuple[str, ...]:
     Added to every compile whose source includes anything.
     """
     dirs: list[str] = []
-    try:
-        from cuda.pathfinder import find_nvidia_header_directory
-    except Exception:
-        find_nvidia_header_directory = None
     for lib in ("cudart", "cccl"):
-        found = None
-        if find_nvidia_header_directory is not None:
-            try:
-                found = find_nvidia_header_directory(lib)
-            except Exception:
-                found = None
-        if found and found not in dirs:
-            dirs.append(found)
+        with contextlib.suppress(Exception):  # no cuda-pathfinder, or it does not find lib
+            from cuda.pathfinder import find_nvidia_header_directory
+
+            found = find_nvidia_header_directory(lib)
+            if found and found not in dirs:
+                dirs.append(found)
     if not dirs:
         for var in ("CUDA_PATH", "CUDA_HOME"):
             root = os.environ.get(var)
@@ -264,14 +259,6 @@ def _canary(d: str) -> str:
     return d
 
 
-def _program_log(nvrtc: ModuleType, prog: Any) -> str:
-    try:
-        buf = _get_blob(nvrtc, prog, "nvrtcGetProgramLogSize", "nvrtcGetProgramLog")
-    except CompileError:
-        return ""
-    return buf.rstrip(b"\0").decode("utf-8", "replace").strip()
-
-
 def _get_blob(nvrtc: ModuleType, prog: Any, size_fn: str, get_fn: str) -> bytes:
     err, size = getattr(nvrtc, size_fn)(prog)
     check(err, size_fn)
@@ -284,14 +271,9 @@ def _get_blob(nvrtc: ModuleType, prog: Any, size_fn: str, get_fn: str) -> bytes:
 
 
 def run_nvrtc(
-    source: str,
-    name: str,
-    headers: Mapping[str, str],
-    name_expressions: Sequence[str],
-    options: Sequence[str],
-    want_cubin: bool,
+    prog: Program, options: Sequence[str], want_cubin: bool
 ) -> tuple[str, bytes, str, dict[str, str]]:
-    """Compile; return (PTX text, cubin or b"", log, lowered names).
+    """Compile *prog* with *options*; return (PTX text, cubin or b"", log, lowered names).
 
     Raises
     ------
@@ -300,33 +282,38 @@ def run_nvrtc(
     """
     nvrtc = load_nvrtc()
     nvrtc_version()
-    names = list(headers)
-    err, prog = nvrtc.nvrtcCreateProgram(
-        source.encode(),
-        name.encode(),
+    names = list(prog.headers)
+    err, handle = nvrtc.nvrtcCreateProgram(
+        prog.source.encode(),
+        prog.name.encode(),
         len(names),
-        [headers[n].encode() for n in names],
+        [prog.headers[n].encode() for n in names],
         [n.encode() for n in names],
     )
     check(err, "nvrtcCreateProgram")
     try:
-        for expr in name_expressions:
-            check(nvrtc.nvrtcAddNameExpression(prog, expr.encode())[0], "nvrtcAddNameExpression")
-        (err,) = nvrtc.nvrtcCompileProgram(prog, len(options), [o.encode() for o in options])
-        log = _program_log(nvrtc, prog)
+        for expr in prog.name_expressions:
+            check(nvrtc.nvrtcAddNameExpression(handle, expr.encode())[0], "nvrtcAddNameExpression")
+        (err,) = nvrtc.nvrtcCompileProgram(handle, len(options), [o.encode() for o in options])
+        log = ""
+        with contextlib.suppress(CompileError):  # no log: the error, if any, still says why
+            blob = _get_blob(nvrtc, handle, "nvrtcGetProgramLogSize", "nvrtcGetProgramLog")
+            log = blob.rstrip(b"\0").decode("utf-8", "replace").strip()
         if err:
-            raise compile_error(name, options, err, log)
-        ptx = _get_blob(nvrtc, prog, "nvrtcGetPTXSize", "nvrtcGetPTX")
-        cubin = _get_blob(nvrtc, prog, "nvrtcGetCUBINSize", "nvrtcGetCUBIN") if want_cubin else b""
+            raise compile_error(prog.name, options, err, log)
+        ptx = _get_blob(nvrtc, handle, "nvrtcGetPTXSize", "nvrtcGetPTX")
+        cubin = (
+            _get_blob(nvrtc, handle, "nvrtcGetCUBINSize", "nvrtcGetCUBIN") if want_cubin else b""
+        )
         if want_cubin and not cubin:
-            raise CompileError(f"NVRTC produced no cubin for {name!r} ({list(options)})")
+            raise CompileError(f"NVRTC produced no cubin for {prog.name!r} ({list(options)})")
         lowered = {}
-        for expr in name_expressions:
-            err, mangled = nvrtc.nvrtcGetLoweredName(prog, expr.encode())
+        for expr in prog.name_expressions:
+            err, mangled = nvrtc.nvrtcGetLoweredName(handle, expr.encode())
             check(err, f"nvrtcGetLoweredName({expr!r})")
             lowered[expr] = mangled.decode() if isinstance(mangled, bytes) else str(mangled)
     finally:
-        nvrtc.nvrtcDestroyProgram(prog)
+        nvrtc.nvrtcDestroyProgram(handle)
     return ptx.rstrip(b"\0").decode("utf-8", "replace"), bytes(cubin), log, lowered
 
 
@@ -366,12 +353,7 @@ def link_ptx(ptx: str | bytes, arch: Any = "sm_90", *, name: str = "input.ptx") 
     CompileError
         nvJitLink rejected the PTX (``.log`` has ptxas' messages) or is not installed.
     """
-    try:
-        nvjitlink = importlib.import_module("cuda.bindings.nvjitlink")
-    except Exception as exc:
-        raise CompileError(
-            f"nvJitLink bindings are not available ({exc!r}); {INSTALL_HINT}"
-        ) from None
+    nvjitlink = _bindings("nvjitlink", "nvJitLink")
     data = ptx.encode() if isinstance(ptx, str) else bytes(ptx)
     target = normalize_arch(arch)
     try:
@@ -387,8 +369,7 @@ def link_ptx(ptx: str | bytes, arch: Any = "sm_90", *, name: str = "input.ptx") 
             raise CompileError(
                 f"nvJitLink failed to link {name!r} for {target}: {exc}\n{log}", log=log
             ) from None
-        size = nvjitlink.get_linked_cubin_size(handle)
-        buf = bytearray(size)
+        buf = bytearray(nvjitlink.get_linked_cubin_size(handle))
         nvjitlink.get_linked_cubin(handle, buf)
     finally:
         nvjitlink.destroy(handle)

@@ -45,7 +45,11 @@ def _default_arch() -> str:
     try:
         return device_arch()
     except ValueError as exc:
-        raise ValueError(_no_gpu_arch_message(str(exc))) from None
+        raise ValueError(
+            f"arch=None means 'the current device', but there is no GPU here ({exc}). "
+            "Pass the target architecture explicitly, e.g. compile(src, arch='sm_90') "
+            "(python -m ctxkit compile --arch sm_90)"
+        ) from None
 
 
 def device_arch() -> str:
@@ -70,14 +74,6 @@ def device_arch() -> str:
     return Device(0).arch
 
 
-def _no_gpu_arch_message(reason: str) -> str:
-    return (
-        f"arch=None means 'the current device', but there is no GPU here ({reason}). "
-        "Pass the target architecture explicitly, e.g. compile(src, arch='sm_90') "
-        "(python -m ctxkit compile --arch sm_90)"
-    )
-
-
 _ARCH_OPT_RE = re.compile(r"^(?:-arch|--gpu-architecture)(?:=|$)(.*)$")
 
 
@@ -99,10 +95,7 @@ def _define_options(defines: Mapping[str, Any] | Iterable[str] | None) -> list[s
     if defines is None:
         return []
     if isinstance(defines, Mapping):
-        out = []
-        for k, v in defines.items():
-            out.append(f"-D{k}" if v is None or v is True else f"-D{k}={v}")
-        return out
+        return [f"-D{k}" if v is None or v is True else f"-D{k}={v}" for k, v in defines.items()]
     return [f"-D{d}" for d in _as_str_tuple(defines, "defines")]
 
 
@@ -115,8 +108,8 @@ def _split_arch_option(options: tuple[str, ...]) -> tuple[tuple[str, ...], str |
         m = _ARCH_OPT_RE.match(opt)
         if m:
             arch = m.group(1) or next(it, "")
-            continue
-        rest.append(opt)
+        else:
+            rest.append(opt)
     return tuple(rest), arch
 
 
@@ -229,26 +222,23 @@ class Program:
         return obj
 
     def _resolve_arch(self, arch: Any) -> str:
-        if arch is None and self._arch_option:
-            return normalize_arch(self._arch_option)
-        if arch is not None and self._arch_option:
-            a, b = normalize_arch(arch), normalize_arch(self._arch_option)
-            if a != b:
-                raise ValueError(
-                    f"arch={arch!r} conflicts with the option -arch={self._arch_option}"
-                )
-        return normalize_arch(arch) if arch is not None else _default_arch()
+        if arch is None:
+            return normalize_arch(self._arch_option) if self._arch_option else _default_arch()
+        chosen = normalize_arch(arch)
+        if self._arch_option and normalize_arch(self._arch_option) != chosen:
+            raise ValueError(f"arch={arch!r} conflicts with the option -arch={self._arch_option}")
+        return chosen
 
     def _cache_key(self, arch: str, target: str) -> str:
         key = _static_key(
-            self.source,
-            self.name,
-            tuple(sorted(self.headers.items())),
-            self.options,
-            self.name_expressions,
-            arch,
-            target,
-            _cache.toolchain_fingerprint(nvrtc_version, _driver.BINDINGS_VERSION[0]),
+            source=self.source,
+            name=self.name,
+            headers=tuple(sorted(self.headers.items())),
+            options=self.options,
+            name_expressions=self.name_expressions,
+            arch=arch,
+            target=target,
+            toolchain=_cache.toolchain_fingerprint(nvrtc_version, _driver.BINDINGS_VERSION[0]),
         )
         cuda_dirs = cuda_include_dirs() if self._needs_cuda_headers() else ()
         files = _includes.fingerprint(self.source, self.name, self.headers, self.options, cuda_dirs)
@@ -259,65 +249,40 @@ class Program:
         )
 
     def _build(self, arch: str, target: str) -> ObjectCode:
-        p = plan(arch, target)
-        built = p.build_arch
-        nvrtc_arch = built.replace("sm_", "compute_") if p.target == "ptx" else built
+        built, target, note = plan(arch, target)
+        nvrtc_arch = built.replace("sm_", "compute_") if target == "ptx" else built
         options = [f"-arch={nvrtc_arch}", *self.options]
         if self._needs_cuda_headers():
             options += [f"-I{d}" for d in cuda_include_dirs()]
-        ptx, cubin, log, lowered = run_nvrtc(
-            self.source,
-            self.name,
-            self.headers,
-            self.name_expressions,
-            options,
-            want_cubin=p.target != "ptx",
-        )
+        ptx, cubin, log, lowered = run_nvrtc(self, options, want_cubin=target != "ptx")
         count("compiled")
-        if p.target == "ptx":
+        if target == "ptx":
             code = ptx.encode() + b"\0"
-        elif p.target == "cubin":
+        elif target == "cubin":
             code = cubin
         else:
             code = make_fatbin(cubin, ptx, built, self.name)
         return ObjectCode(
             code=code,
-            target=p.target,
+            target=target,
             arch=nvrtc_arch,
-            log="\n".join(x for x in (p.note, log) if x),
+            log="\n".join(x for x in (note, log) if x),
             ptx=ptx or None,
             lowered_names=lowered,
             name=self.name,
             options=tuple(options),
             nvrtc_version=nvrtc_version(),
-            source=_text(self.source),
+            source=self.source,
         )
 
 
 @lru_cache(maxsize=1024)
-def _static_key(
-    source: str,
-    name: str,
-    headers: tuple[tuple[str, str], ...],
-    options: tuple[str, ...],
-    name_expressions: tuple[str, ...],
-    arch: str,
-    target: str,
-    toolchain: str,
-) -> str:
-    """The part of a cache key that does not depend on files (memoised: a warm hit is cheap)."""
-    return _cache.make_key(
-        {
-            "source": source,
-            "name": name,
-            "headers": [list(h) for h in headers],
-            "options": list(options),
-            "name_expressions": list(name_expressions),
-            "arch": arch,
-            "target": target,
-            "toolchain": toolchain,
-        }
-    )
+def _static_key(**parts: Any) -> str:
+    """The part of a cache key that does not depend on files (memoised: a warm hit is cheap).
+
+    The values are hashable (tuples); they go into the key as JSON lists.
+    """
+    return _cache.make_key(parts)
 
 
 def _text(value: str | bytes) -> str:

@@ -8,10 +8,10 @@ checked and packed by :mod:`ctxkit.module.params` before anything reaches the dr
 Launch configuration: :func:`normalize_dims` checks grid/block shapes. :class:`LaunchConfig`
 holds the options that need ``cuLaunchKernelEx`` (cooperative grids, thread-block clusters,
 programmatic dependent launch, per-launch priority), frozen and hashable, so their driver
-form is built once. Before a launch with them, :func:`check_cooperative` and
-:func:`check_cluster` refuse what the device or kernel cannot run, with the occupancy numbers
-in the message, instead of the driver's bare ``CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE`` or
-``CUDA_ERROR_INVALID_CLUSTER_SIZE``. A launch without them keeps ``cuLaunchKernel``.
+form is built once. Before a launch with them, the kernel refuses what the device or the
+kernel cannot run, with the occupancy numbers in the message, instead of the driver's bare
+``CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE`` or ``CUDA_ERROR_INVALID_CLUSTER_SIZE``. A launch
+without them keeps ``cuLaunchKernel``.
 :func:`explain_launch_config` says why a grid/block/shared-memory setting exceeds the
 device's or kernel's limits.
 
@@ -22,10 +22,14 @@ launch attributes prebuilt).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 import threading
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from functools import cache, lru_cache
 from typing import TYPE_CHECKING, Any
 
 from .. import _driver
@@ -46,11 +50,8 @@ __all__ = [
     "Kernel",
     "LaunchConfig",
     "PreparedLaunch",
-    "check_cluster",
-    "check_cooperative",
     "config_for",
     "explain_launch_config",
-    "failure_detail",
     "function_attribute",
     "load_function",
     "native_config",
@@ -63,10 +64,23 @@ __all__ = [
 JIT_CODES = frozenset({200, 218, 221, 222, 223})
 
 
-_NOT_SUPPORTED = 801
+# The CUresult codes of the launch failures ctxkit refuses or explains itself.
+_INVALID_VALUE = 1
+
+
+_INVALID_CONTEXT = 201
+
+
+_INVALID_HANDLE = 400
+
+
+_OUT_OF_RESOURCES = 701
 
 
 _COOPERATIVE_TOO_LARGE = 720
+
+
+_NOT_SUPPORTED = 801
 
 
 _INVALID_CLUSTER_SIZE = 912
@@ -81,7 +95,7 @@ Dims = tuple[int, int, int]
 DIM_MAX = (1 << 32) - 1
 
 
-def normalize_dims(value: Any, what: str) -> tuple[int, int, int]:
+def normalize_dims(value: Any, what: str) -> Dims:
     """``grid``/``block`` as an int or 1-3 ints -> ``(x, y, z)``, each at least 1."""
     if type(value) is int and 0 < value <= DIM_MAX:
         return value, 1, 1
@@ -102,10 +116,7 @@ def normalize_dims(value: Any, what: str) -> tuple[int, int, int]:
 
 
 def explain_launch_config(
-    grid: tuple[int, int, int],
-    block: tuple[int, int, int],
-    shared_mem: int,
-    limits: dict[str, int],
+    grid: Dims, block: Dims, shared_mem: int, limits: dict[str, int]
 ) -> list[str]:
     """Reasons a launch configuration exceeds the device/kernel *limits*.
 
@@ -130,16 +141,11 @@ def explain_launch_config(
     req = limits.get("reqntid")
     if req is not None and threads != req:
         out.append(f"the kernel requires exactly {req} threads per block (.reqntid)")
-    for axis, n, key in zip(
-        "xyz", block, ("max_block_dim_x", "max_block_dim_y", "max_block_dim_z")
-    ):
-        lim = limits.get(key)
-        if lim is not None and n > lim:
-            out.append(f"block.{axis} = {n} exceeds the device maximum {lim}")
-    for axis, n in zip("xyz", grid):
-        lim = limits.get(f"max_grid_dim_{axis}")
-        if lim is not None and n > lim:
-            out.append(f"grid.{axis} = {n} exceeds the device maximum {lim}")
+    for kind, dims in (("block", block), ("grid", grid)):
+        for axis, n in zip("xyz", dims):
+            lim = limits.get(f"max_{kind}_dim_{axis}")
+            if lim is not None and n > lim:
+                out.append(f"{kind}.{axis} = {n} exceeds the device maximum {lim}")
     dyn = limits.get("max_dynamic_shared")
     if dyn is not None and shared_mem > dyn:
         why = f"shared_mem={shared_mem} bytes exceeds this kernel's dynamic shared limit ({dyn})"
@@ -203,32 +209,20 @@ class LaunchConfig:
 
     def describe(self) -> str:
         """The set options, as keyword arguments (for messages)."""
-        parts = []
-        if self.cooperative:
-            parts.append("cooperative=True")
-        if self.cluster is not None:
-            parts.append(f"cluster={self.cluster}")
-        if self.programmatic_stream_serialization:
-            parts.append("programmatic_stream_serialization=True")
-        if self.priority is not None:
-            parts.append(f"priority={self.priority}")
-        return ", ".join(parts)
+        values = ((f.name, getattr(self, f.name)) for f in fields(self))
+        return ", ".join(f"{k}={v}" for k, v in values if v is not False and v is not None)
 
     def attributes(self) -> list[Any]:
         """The ``CUlaunchAttribute`` list (built once per distinct config)."""
-        hit = _attributes.get(self)
-        if hit is None:
-            hit = _attributes[self] = _build_attributes(self)
-        return hit
+        return _build_attributes(self)
 
 
 _PLAIN = LaunchConfig()
 
 
-_attributes: dict[LaunchConfig, list[Any]] = {}
-
-
-_from_keywords: dict[tuple[bool, Any], LaunchConfig] = {}
+@lru_cache(maxsize=256)
+def _keyword_config(cooperative: bool, cluster: Any) -> LaunchConfig:
+    return LaunchConfig(cooperative=cooperative, cluster=cluster)
 
 
 def config_for(config: LaunchConfig | None, cooperative: bool, cluster: Any) -> LaunchConfig:
@@ -242,53 +236,45 @@ def config_for(config: LaunchConfig | None, cooperative: bool, cluster: Any) -> 
         if not isinstance(config, LaunchConfig):
             raise TypeError(f"config must be a ctxkit LaunchConfig, got {type(config).__name__}")
         return config
-    key: tuple[bool, Any] | None
-    try:
-        key = (cooperative, cluster) if type(cooperative) is bool else None
-        hit = _from_keywords.get(key) if key is not None else None
-    except TypeError:  # an unhashable cluster, e.g. a list
-        key = hit = None
-    if hit is None:
-        hit = LaunchConfig(cooperative=cooperative, cluster=cluster)
-        if key is not None and len(_from_keywords) < 256:
-            _from_keywords[key] = hit
-    return hit
+    if type(cooperative) is bool:
+        with contextlib.suppress(TypeError):  # an unhashable cluster (a list), or a bad one
+            return _keyword_config(cooperative, cluster)
+    return LaunchConfig(cooperative=cooperative, cluster=cluster)
 
 
-def _attribute_id(name: str) -> Any:
+def _refusal(message: str, code: int) -> CudaError:
+    """ctxkit's own refusal of what the driver would fail with *code* (named as CUDA does)."""
+    return CudaError(message, code, _driver.describe(code)[0])
+
+
+def _attribute(name: str, field: str = "", value: int = 0) -> Any:
+    """A ``CU_LAUNCH_ATTRIBUTE_<name>``, with *value* in its ``value.<field>``."""
     member = getattr(drv.CUlaunchAttributeID, f"CU_LAUNCH_ATTRIBUTE_{name}", None)
     if member is None:
-        raise CudaError(
+        raise _refusal(
             f"cuda-bindings {_driver.BINDINGS_VERSION} has no CU_LAUNCH_ATTRIBUTE_{name}; "
             "install cuda-bindings 12.8 or newer",
             _NOT_SUPPORTED,
-            "CUDA_ERROR_NOT_SUPPORTED",
         )
-    return member
-
-
-def _attribute(name: str) -> Any:
     attr = drv.CUlaunchAttribute()
-    attr.id = _attribute_id(name)
+    attr.id = member
+    if field:
+        setattr(attr.value, field, value)
     return attr
 
 
+@cache
 def _build_attributes(cfg: LaunchConfig) -> list[Any]:
     out = []
     if cfg.cooperative:
-        a = _attribute("COOPERATIVE")
-        a.value.cooperative = 1
-        out.append(a)
+        out.append(_attribute("COOPERATIVE", "cooperative", 1))
     if cfg.cluster is not None:
         out.append(_cluster_attribute(cfg.cluster))
     if cfg.programmatic_stream_serialization:
-        a = _attribute("PROGRAMMATIC_STREAM_SERIALIZATION")
-        a.value.programmaticStreamSerializationAllowed = 1
-        out.append(a)
+        field = "programmaticStreamSerializationAllowed"
+        out.append(_attribute("PROGRAMMATIC_STREAM_SERIALIZATION", field, 1))
     if cfg.priority is not None:
-        a = _attribute("PRIORITY")
-        a.value.priority = cfg.priority
-        out.append(a)
+        out.append(_attribute("PRIORITY", "priority", cfg.priority))
     return out
 
 
@@ -320,121 +306,6 @@ def native_config(grid: Dims, block: Dims, shared_mem: int, stream: Any, attrs: 
     return c
 
 
-def _refusal(message: str, code: int, name: str) -> CudaError:
-    return CudaError(message, code, name)
-
-
-def check_cooperative(
-    kernel: str,
-    cache: dict[Any, Any],
-    ctx: Context,
-    func: Any,
-    grid: Dims,
-    block: Dims,
-    shared_mem: int,
-) -> None:
-    """Refuse a cooperative grid the device cannot hold resident all at once.
-
-    The limit is ``cuOccupancyMaxActiveBlocksPerMultiprocessor`` x the SM count, cached
-    in *cache* per context, block size and shared memory. A block the kernel cannot run
-    at all (occupancy 0) is left to the driver, whose error ctxkit explains.
-    """
-    threads = block[0] * block[1] * block[2]
-    key = ("cooperative", ctx.handle, threads, shared_mem)
-    limit = cache.get(key)
-    if limit is None:
-        dev = ctx.device
-        if not dev.attribute("cooperative_launch"):
-            raise _refusal(
-                f"launch of {kernel!r} with cooperative=True: device {dev.ordinal} "
-                f"({dev.name}) does not support cooperative launches "
-                "(CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH is 0)",
-                _NOT_SUPPORTED,
-                "CUDA_ERROR_NOT_SUPPORTED",
-            )
-        with ctx:
-            err, per_sm = drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(func, threads, shared_mem)
-        if err:
-            raise ctx.note_error(
-                int(err), f"cuOccupancyMaxActiveBlocksPerMultiprocessor({kernel!r}, {threads})"
-            )
-        limit = cache[key] = (int(per_sm), dev.multiprocessor_count)
-    per_sm, sms = limit
-    blocks = grid[0] * grid[1] * grid[2]
-    if per_sm and blocks > per_sm * sms:
-        raise _refusal(
-            f"cooperative launch of {kernel!r}: grid {grid} has {blocks} blocks, but at most "
-            f"{per_sm * sms} can be resident at once on device {ctx.device.ordinal}: "
-            f"{per_sm} blocks of {threads} threads (shared_mem={shared_mem}) per SM "
-            f"(cuOccupancyMaxActiveBlocksPerMultiprocessor) x {sms} SMs. Use a grid of at "
-            f"most {per_sm * sms} blocks with a grid-stride loop, or smaller blocks",
-            _COOPERATIVE_TOO_LARGE,
-            "CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE",
-        )
-
-
-def check_cluster(
-    kernel: str,
-    cache: dict[Any, Any],
-    ctx: Context,
-    func: Any,
-    grid: Dims,
-    block: Dims,
-    shared_mem: int,
-    cluster: Dims,
-) -> None:
-    """Refuse a cluster shape the device or the kernel cannot take.
-
-    Clusters need compute capability 9.0; the grid must be a multiple of the cluster;
-    ``cuOccupancyMaxActiveClusters`` (cached per context, block, shared memory and
-    cluster) must place at least one cluster.
-    """
-    dev = ctx.device
-    what = f"launch of {kernel!r} with cluster={cluster}"
-    major, minor = dev.compute_capability
-    if major < 9:
-        raise _refusal(
-            f"{what}: thread-block clusters need compute capability 9.0 or newer; device "
-            f"{dev.ordinal} ({dev.name}) is {major}.{minor}. Launch without cluster=",
-            _NOT_SUPPORTED,
-            "CUDA_ERROR_NOT_SUPPORTED",
-        )
-    for axis, g, c in zip("xyz", grid, cluster):
-        if g % c:
-            raise _refusal(
-                f"{what}: the grid {grid} is not a whole number of clusters (grid.{axis} = "
-                f"{g} is not a multiple of {c}); round the grid up to "
-                f"{tuple(-(-gi // ci) * ci for gi, ci in zip(grid, cluster))}",
-                _INVALID_CLUSTER_SIZE,
-                "CUDA_ERROR_INVALID_CLUSTER_SIZE",
-            )
-    key = ("cluster", ctx.handle, block, shared_mem, cluster)
-    fits = cache.get(key)
-    size = math.prod(cluster)
-    if fits is None:
-        cfg = native_config(grid, block, shared_mem, None, [_cluster_attribute(cluster)])
-        with ctx:
-            err, n = drv.cuOccupancyMaxActiveClusters(func, cfg)
-            if err:
-                raise _driver.from_result(
-                    int(err),
-                    f"cuOccupancyMaxActiveClusters({kernel!r}, cluster={cluster})",
-                    _non_portable_hint(func, size),
-                )
-        fits = cache[key] = int(n)
-    if fits == 0:
-        threads = block[0] * block[1] * block[2]
-        with ctx:
-            hint = _non_portable_hint(func, size)
-        raise _refusal(
-            f"{what}: device {dev.ordinal} cannot place a single cluster of {size} blocks "
-            f"x {threads} threads with shared_mem={shared_mem} (cuOccupancyMaxActiveClusters "
-            f"is 0): use a smaller cluster, smaller blocks or less shared memory{hint}",
-            _INVALID_CLUSTER_SIZE,
-            "CUDA_ERROR_INVALID_CLUSTER_SIZE",
-        )
-
-
 def _non_portable_hint(func: Any, size: int) -> str:
     """The fix for a cluster above the portable size, unless the kernel already allows it."""
     if size <= _PORTABLE_CLUSTER_MAX:
@@ -449,18 +320,6 @@ def _non_portable_hint(func: Any, size: int) -> str:
         "it first with kernel.set_attribute('non_portable_cluster_size_allowed', 1) "
         "(Hopper takes up to 16)"
     )
-
-
-_INVALID_VALUE = 1
-
-
-_OUT_OF_RESOURCES = 701
-
-
-_INVALID_HANDLE = 400
-
-
-_INVALID_CONTEXT = 201
 
 
 def function_attribute(name: str | Any) -> Any:
@@ -478,10 +337,8 @@ def launch_limits(ctx: Context, func: Any, reqntid: tuple[int, ...] | None) -> d
     names["max_shared_optin"] = "max_shared_memory_per_block_optin"
     names["regs_per_block"] = "max_registers_per_block"
     for key, attr in names.items():
-        try:
+        with contextlib.suppress(Exception):
             out[key] = dev.attribute(attr)
-        except Exception:
-            pass
     fattrs = {
         "max_threads_per_block": "max_threads_per_block",
         "max_dynamic_shared": "max_dynamic_shared_size_bytes",
@@ -497,32 +354,14 @@ def launch_limits(ctx: Context, func: Any, reqntid: tuple[int, ...] | None) -> d
     return out
 
 
-def failure_detail(
-    code: int,
-    ctx: Context,
-    func: Any,
-    grid: Dims,
-    block: Dims,
-    shared_mem: int,
-    reqntid: tuple[int, ...] | None,
-) -> str:
-    """What to add to the message of a launch the driver refused with *code*."""
-    if code in (_INVALID_VALUE, _OUT_OF_RESOURCES):
-        limits = launch_limits(ctx, func, reqntid)
-        return "\n".join(f"- {r}" for r in explain_launch_config(grid, block, shared_mem, limits))
-    if code in (_INVALID_HANDLE, _INVALID_CONTEXT):
-        return (
-            f"ctxkit launched in {ctx!r}; if other code pushed a different context "
-            "without ctxkit knowing, the kernel handle does not belong to it"
-        )
-    if code == _COOPERATIVE_TOO_LARGE:
-        return "a cooperative grid may hold at most occupancy x SM count blocks"
-    if code == _INVALID_CLUSTER_SIZE:
-        return (
-            "the cluster does not fit this kernel (compile-time __cluster_dims__, more "
-            "than 8 blocks without 'non_portable_cluster_size_allowed', or resources)"
-        )
-    return ""
+#: What the message of a launch the driver refused with one of these codes adds.
+_LAUNCH_HINTS = {
+    _COOPERATIVE_TOO_LARGE: "a cooperative grid may hold at most occupancy x SM count blocks",
+    _INVALID_CLUSTER_SIZE: (
+        "the cluster does not fit this kernel (compile-time __cluster_dims__, more "
+        "than 8 blocks without 'non_portable_cluster_size_allowed', or resources)"
+    ),
+}
 
 
 class PreparedLaunch:
@@ -549,7 +388,6 @@ class PreparedLaunch:
         "_kernel",
         "_launch",
         "_module",
-        "_raw",
         "_stream",
         "block",
         "config",
@@ -585,7 +423,6 @@ class PreparedLaunch:
         self._stream = hs
         self._consumer = stream if stream is not None else implicit_stream(ctx)
         if cfg.empty:
-            self._launch = drv.cuLaunchKernel
             self._call: tuple[Any, ...] = (
                 func,
                 *self.grid,
@@ -596,20 +433,19 @@ class PreparedLaunch:
                 0,
             )
         else:
-            kernel._check_config(ctx, func, self.grid, self.block, self.shared_mem, cfg)
-            native = native_config(self.grid, self.block, self.shared_mem, hs, cfg.attributes())
-            self._launch = drv.cuLaunchKernelEx
+            native = kernel._native_config(ctx, func, self.grid, self.block, shared_mem, hs, cfg)
             self._call = (native, func, self._buf.address, 0)
-        self._raw = self._launch
         self._wire()
 
     def _wire(self) -> None:
-        """Order after the producers of foreign arguments at each call, only if there are any."""
+        """The launch call: ordered after the producers of foreign arguments at each call,
+        only if there are any."""
+        raw = drv.cuLaunchKernel if self.config.empty else drv.cuLaunchKernelEx
         foreign = foreign_arrays(self._args)
         if not foreign:
-            self._launch = self._raw
+            self._launch = raw
             return
-        raw, ctx, consumer = self._raw, self.context, self._consumer
+        ctx, consumer = self.context, self._consumer
         hs = int(self._stream)
 
         def ordered_launch(*call: Any) -> Any:
@@ -660,9 +496,6 @@ class PreparedLaunch:
         )
 
 
-_INVALID_HANDLE = 400
-
-
 #: ``Kernel._last`` before any launch and after the module is closed: never a context
 _NO_LAUNCH: tuple[Any, Any] = (object(), None)
 
@@ -693,6 +526,8 @@ class Kernel:
     symbol : str
         The name in the binary (mangled for C++ name expressions).
     module : Module
+    signature : Signature or None
+        The parsed parameter list (``None`` when neither PTX nor the driver told it).
     """
 
     __slots__ = (
@@ -703,10 +538,10 @@ class Kernel:
         "_handle",
         "_last",
         "_packer",
-        "_sig",
         "_unknown_reason",
         "module",
         "name",
+        "signature",
         "symbol",
     )
 
@@ -724,7 +559,7 @@ class Kernel:
         self.name = name
         self.symbol = symbol
         self._handle = handle
-        self._sig = sig
+        self.signature = sig
         self._unknown_reason = unknown_reason
         self._packer = ArgPacker(sig, name) if sig is not None else None
         self._address = self._packer.address if self._packer is not None else None
@@ -733,14 +568,9 @@ class Kernel:
         self._fits: dict[Any, Any] = {}  # occupancy limits of cooperative and cluster launches
 
     def __repr__(self) -> str:
-        return f"<Kernel {self._sig or self.name} from {self.module.name}>"
+        return f"<Kernel {self.signature or self.name} from {self.module.name}>"
 
     # -- signature -------------------------------------------------------------------
-
-    @property
-    def signature(self) -> Signature | None:
-        """The parsed parameter list (``None`` when neither PTX nor the driver told it)."""
-        return self._sig
 
     @property
     def params(self) -> tuple[Param, ...]:
@@ -785,9 +615,8 @@ class Kernel:
         NoCurrentContextError
             No *context* was given and the thread has none.
         """
-        ctx = context if context is not None else self._current(f"{self.name}.function_handle")
-        with ctx:
-            return self._function(ctx)
+        with self._function_here(f"{self.name}.function_handle", context) as func:
+            return func
 
     # -- per-context function ----------------------------------------------------------
 
@@ -803,7 +632,14 @@ class Kernel:
         ctx.check_usable()
         if mod.context is not None:
             if mod.context.handle != ctx.handle:
-                raise self._wrong_context(ctx)
+                raise _refusal(
+                    f"kernel {self.name!r} comes from a module bound to {mod.context!r} "
+                    f"(Module.load(..., context=...)), but the current context in thread "
+                    f"{threading.current_thread().name!r} is {ctx!r}. Launch it inside "
+                    f"`with ctxkit.bind(module.context):`, or load the module without context= "
+                    "so one kernel runs in every context.",
+                    _INVALID_HANDLE,
+                )
             func = self._handle
         else:
             err, func = drv.cuKernelGetFunction(self._handle)
@@ -849,20 +685,8 @@ class Kernel:
         CompileError
             The driver could not load the kernel's code for the device.
         """
-        ctx = context if context is not None else self._current(f"{self.name}.preload")
-        with ctx:
-            self._function(ctx)
-
-    def _wrong_context(self, ctx: Context) -> CudaError:
-        return CudaError(
-            f"kernel {self.name!r} comes from a module bound to {self.module.context!r} "
-            f"(Module.load(..., context=...)), but the current context in thread "
-            f"{threading.current_thread().name!r} is {ctx!r}. Launch it inside "
-            f"`with ctxkit.bind(module.context):`, or load the module without context= "
-            "so one kernel runs in every context.",
-            _INVALID_HANDLE,
-            "CUDA_ERROR_INVALID_HANDLE",
-        )
+        with self._function_here(f"{self.name}.preload", context):
+            pass
 
     def _current(self, what: str) -> Context:
         self.module.check_open()
@@ -925,19 +749,15 @@ class Kernel:
         ctx = thread_state().top
         last = self._last
         bound = None
-        if last[0] is ctx:
-            func = last[1]
-        else:
-            bound = self._implied_context(ctx, stream, args)
-            if bound is not None:  # nothing current here: bind what the launch uses
-                bound.__enter__()
-            try:
-                ctx, func = self._launch_function(ctx if bound is None else bound)
-            except BaseException:
-                if bound is not None:
-                    bound.__exit__(None, None, None)
-                raise
         try:
+            if last[0] is ctx:
+                func = last[1]
+            else:
+                implied = self._implied_context(ctx, stream, args)
+                if implied is not None:  # nothing current here: bind what the launch uses
+                    implied.__enter__()
+                    bound = implied
+                ctx, func = self._launch_function(ctx if bound is None else bound)
             if type(grid) is int and 0 < grid <= DIM_MAX:
                 gx, gy, gz = grid, 1, 1
             else:
@@ -955,7 +775,10 @@ class Kernel:
                 cfg = config_for(config, cooperative, cluster)
                 if not cfg.empty:
                     dims = (gx, gy, gz), (bx, by, bz)
-                    self._launch_ex(ctx, func, *dims, shared_mem, hs, addr, cfg)
+                    native = self._native_config(ctx, func, *dims, shared_mem, hs, cfg)
+                    (err,) = drv.cuLaunchKernelEx(native, func, addr, 0)
+                    if err:
+                        raise self._launch_error(int(err), ctx, func, *dims, shared_mem, cfg)
                     return
             try:
                 (err,) = drv.cuLaunchKernel(func, gx, gy, gz, bx, by, bz, shared_mem, hs, addr, 0)
@@ -976,15 +799,10 @@ class Kernel:
         context is current, or in strict mode: the launch then needs one)."""
         if top is not None or current_handle() or registry.strict:
             return None
-        sc = getattr(stream, "context", None)
-        if isinstance(sc, Context):
-            return sc
-        if isinstance(self.module.context, Context):
-            return self.module.context
-        for a in args:
-            ac = getattr(a, "context", None)
-            if isinstance(ac, Context):
-                return ac
+        for owner in (stream, self.module, *args):
+            ctx = getattr(owner, "context", None)
+            if isinstance(ctx, Context):
+                return ctx
         return None
 
     def _launch_function(self, ctx: Context | None) -> tuple[Context, Any]:
@@ -997,37 +815,120 @@ class Kernel:
         self._last = (ctx, func)
         return ctx, func
 
-    def _launch_ex(
+    def _native_config(
         self,
         ctx: Context,
         func: Any,
-        grid: tuple[int, int, int],
-        block: tuple[int, int, int],
-        shared_mem: int,
+        grid: Dims,
+        block: Dims,
+        shared_mem: Any,
         hs: Any,
-        addr: int,
         cfg: LaunchConfig,
-    ) -> None:
+    ) -> Any:
+        """The ``CUlaunchConfig`` of a launch with the options *cfg*, once what the device
+        or the kernel cannot run is refused, with the occupancy numbers in the message
+        (before the driver's bare error)."""
         shared_mem = shared_mem_arg(shared_mem, self.name)
-        self._check_config(ctx, func, grid, block, shared_mem, cfg)
-        native = native_config(grid, block, shared_mem, hs, cfg.attributes())
-        (err,) = drv.cuLaunchKernelEx(native, func, addr, 0)
-        if err:
-            raise self._launch_error(int(err), ctx, func, grid, block, shared_mem, cfg)
-
-    def _check_config(
-        self,
-        ctx: Context,
-        func: Any,
-        grid: tuple[int, int, int],
-        block: tuple[int, int, int],
-        shared_mem: int,
-        cfg: LaunchConfig,
-    ) -> None:
         if cfg.cooperative:
-            check_cooperative(self.name, self._fits, ctx, func, grid, block, shared_mem)
+            self._check_cooperative(ctx, func, grid, block, shared_mem)
         if cfg.cluster is not None:
-            check_cluster(self.name, self._fits, ctx, func, grid, block, shared_mem, cfg.cluster)
+            self._check_cluster(ctx, func, grid, block, shared_mem, cfg.cluster)
+        return native_config(grid, block, shared_mem, hs, cfg.attributes())
+
+    def _check_cooperative(
+        self, ctx: Context, func: Any, grid: Dims, block: Dims, shared_mem: int
+    ) -> None:
+        """Refuse a cooperative grid the device cannot hold resident all at once.
+
+        The limit is ``cuOccupancyMaxActiveBlocksPerMultiprocessor`` x the SM count, cached
+        per context, block size and shared memory. A block the kernel cannot run at all
+        (occupancy 0) is left to the driver, whose error ctxkit explains.
+        """
+        threads = block[0] * block[1] * block[2]
+        key = ("cooperative", ctx.handle, threads, shared_mem)
+        limit = self._fits.get(key)
+        if limit is None:
+            dev = ctx.device
+            if not dev.attribute("cooperative_launch"):
+                raise _refusal(
+                    f"launch of {self.name!r} with cooperative=True: device {dev.ordinal} "
+                    f"({dev.name}) does not support cooperative launches "
+                    "(CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH is 0)",
+                    _NOT_SUPPORTED,
+                )
+            with ctx:
+                err, per_sm = drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(
+                    func, threads, shared_mem
+                )
+            if err:
+                raise ctx.note_error(
+                    int(err),
+                    f"cuOccupancyMaxActiveBlocksPerMultiprocessor({self.name!r}, {threads})",
+                )
+            limit = self._fits[key] = (int(per_sm), dev.multiprocessor_count)
+        per_sm, sms = limit
+        blocks = grid[0] * grid[1] * grid[2]
+        if per_sm and blocks > per_sm * sms:
+            raise _refusal(
+                f"cooperative launch of {self.name!r}: grid {grid} has {blocks} blocks, but at "
+                f"most {per_sm * sms} can be resident at once on device {ctx.device.ordinal}: "
+                f"{per_sm} blocks of {threads} threads (shared_mem={shared_mem}) per SM "
+                f"(cuOccupancyMaxActiveBlocksPerMultiprocessor) x {sms} SMs. Use a grid of at "
+                f"most {per_sm * sms} blocks with a grid-stride loop, or smaller blocks",
+                _COOPERATIVE_TOO_LARGE,
+            )
+
+    def _check_cluster(
+        self, ctx: Context, func: Any, grid: Dims, block: Dims, shared_mem: int, cluster: Dims
+    ) -> None:
+        """Refuse a cluster shape the device or the kernel cannot take.
+
+        Clusters need compute capability 9.0; the grid must be a multiple of the cluster;
+        ``cuOccupancyMaxActiveClusters`` (cached per context, block, shared memory and
+        cluster) must place at least one cluster.
+        """
+        dev = ctx.device
+        what = f"launch of {self.name!r} with cluster={cluster}"
+        major, minor = dev.compute_capability
+        if major < 9:
+            raise _refusal(
+                f"{what}: thread-block clusters need compute capability 9.0 or newer; device "
+                f"{dev.ordinal} ({dev.name}) is {major}.{minor}. Launch without cluster=",
+                _NOT_SUPPORTED,
+            )
+        for axis, g, c in zip("xyz", grid, cluster):
+            if g % c:
+                raise _refusal(
+                    f"{what}: the grid {grid} is not a whole number of clusters (grid.{axis} = "
+                    f"{g} is not a multiple of {c}); round the grid up to "
+                    f"{tuple(-(-gi // ci) * ci for gi, ci in zip(grid, cluster))}",
+                    _INVALID_CLUSTER_SIZE,
+                )
+        key = ("cluster", ctx.handle, block, shared_mem, cluster)
+        fits = self._fits.get(key)
+        size = math.prod(cluster)
+        if fits is None:
+            cfg = native_config(grid, block, shared_mem, None, [_cluster_attribute(cluster)])
+            with ctx:
+                err, n = drv.cuOccupancyMaxActiveClusters(func, cfg)
+                if err:
+                    raise _driver.from_result(
+                        int(err),
+                        f"cuOccupancyMaxActiveClusters({self.name!r}, cluster={cluster})",
+                        _non_portable_hint(func, size),
+                    )
+            fits = self._fits[key] = int(n)
+        if fits == 0:
+            threads = block[0] * block[1] * block[2]
+            with ctx:
+                hint = _non_portable_hint(func, size)
+            raise _refusal(
+                f"{what}: device {dev.ordinal} cannot place a single cluster of {size} blocks "
+                f"x {threads} threads with shared_mem={shared_mem} "
+                "(cuOccupancyMaxActiveClusters is 0): use a smaller cluster, smaller blocks or "
+                f"less shared memory{hint}",
+                _INVALID_CLUSTER_SIZE,
+            )
 
     def prepare(
         self,
@@ -1057,8 +958,8 @@ class Kernel:
         code: int,
         ctx: Context,
         func: Any,
-        grid: tuple[int, int, int],
-        block: tuple[int, int, int],
+        grid: Dims,
+        block: Dims,
         shared_mem: int,
         cfg: LaunchConfig | None = None,
     ) -> CudaError:
@@ -1072,23 +973,35 @@ class Kernel:
             return ctx.note_error(code, what)
         if code in JIT_CODES:
             return self.module.jit_error(code, what)
-        reqntid = self._sig.reqntid if self._sig is not None else None
-        detail = failure_detail(code, ctx, func, grid, block, shared_mem, reqntid)
+        detail = _LAUNCH_HINTS.get(code, "")
+        if code in (_INVALID_VALUE, _OUT_OF_RESOURCES):
+            reqntid = self.signature.reqntid if self.signature is not None else None
+            reasons = explain_launch_config(
+                grid, block, shared_mem, launch_limits(ctx, func, reqntid)
+            )
+            detail = "\n".join(f"- {r}" for r in reasons)
+        elif code in (_INVALID_HANDLE, _INVALID_CONTEXT):
+            detail = (
+                f"ctxkit launched in {ctx!r}; if other code pushed a different context "
+                "without ctxkit knowing, the kernel handle does not belong to it"
+            )
         return _driver.from_result(code, what, detail)
 
     # -- attributes and occupancy ------------------------------------------------------
 
-    def _func_here(self, what: str) -> tuple[Context, Any]:
-        ctx = self._current(what)
+    @contextmanager
+    def _function_here(self, what: str, context: Context | None = None) -> Iterator[Any]:
+        """The ``CUfunction`` of *context* (default: the current one, the module's own for a
+        bound module), loaded, with that context current while the block runs."""
+        ctx = context if context is not None else self._current(what)
         with ctx:
-            return ctx, self._function(ctx)
+            yield self._function(ctx)
 
     @property
     def attributes(self) -> dict[str, int]:
         """All ``CUfunction_attribute`` values in the current context, by readable name."""
-        ctx, func = self._func_here(f"{self.name}.attributes")
         out = {}
-        with ctx:
+        with self._function_here(f"{self.name}.attributes") as func:
             for member in drv.CUfunction_attribute:
                 key = member.name[len("CU_FUNC_ATTRIBUTE_") :]
                 if key == "MAX":
@@ -1100,15 +1013,13 @@ class Kernel:
 
     def attribute(self, name: str | Any) -> int:
         """One attribute, e.g. ``"num_regs"`` or ``"max_threads_per_block"``."""
-        ctx, func = self._func_here(f"{self.name}.attribute({name!r})")
-        with ctx:
+        with self._function_here(f"{self.name}.attribute({name!r})") as func:
             return int(call(drv.cuFuncGetAttribute, function_attribute(name), func))
 
     def set_attribute(self, name: str | Any, value: int) -> None:
         """Set an attribute in the current context (e.g. ``"max_dynamic_shared_size_bytes"``)."""
-        ctx, func = self._func_here(f"{self.name}.set_attribute({name!r})")
-        self._fits.clear()  # occupancy limits depend on the attributes
-        with ctx:
+        with self._function_here(f"{self.name}.set_attribute({name!r})") as func:
+            self._fits.clear()  # occupancy limits depend on the attributes
             call(
                 drv.cuFuncSetAttribute,
                 func,
@@ -1119,28 +1030,26 @@ class Kernel:
 
     def max_block_size(self, shared_mem: int = 0, block_size_limit: int = 0) -> int:
         """Block size with the highest occupancy (``cuOccupancyMaxPotentialBlockSize``)."""
-        return self._potential(shared_mem, block_size_limit)[1]
-
-    def _potential(self, shared_mem: int, limit: int) -> tuple[int, int]:
-        ctx, func = self._func_here(f"{self.name}.max_block_size")
-        with ctx:
-            grid, block = call(
-                drv.cuOccupancyMaxPotentialBlockSize, func, None, int(shared_mem), int(limit)
+        with self._function_here(f"{self.name}.max_block_size") as func:
+            _grid, block = call(
+                drv.cuOccupancyMaxPotentialBlockSize,
+                func,
+                None,
+                int(shared_mem),
+                int(block_size_limit),
             )
-        return int(grid), int(block)
+        return int(block)
 
     def occupancy(self, block_size: int, shared_mem: int = 0) -> int:
         """Resident blocks per SM at *block_size* (occupancy calculator)."""
-        ctx, func = self._func_here(f"{self.name}.occupancy")
-        with ctx:
-            return int(
-                call(
-                    drv.cuOccupancyMaxActiveBlocksPerMultiprocessor,
-                    func,
-                    int(block_size),
-                    int(shared_mem),
-                )
+        with self._function_here(f"{self.name}.occupancy") as func:
+            blocks = call(
+                drv.cuOccupancyMaxActiveBlocksPerMultiprocessor,
+                func,
+                int(block_size),
+                int(shared_mem),
             )
+        return int(blocks)
 
     def launch_config(self, n: int, shared_mem: int = 0) -> tuple[int, int]:
         """``(grid, block)`` covering *n* threads with the occupancy-optimal block size."""

@@ -8,11 +8,12 @@ and the texts of load and lookup errors.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
 import re
 from collections.abc import Callable, Mapping
-from contextlib import nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,22 +26,12 @@ from ..context import Context, current_handle
 from ..errors import STICKY_CODES, CompileError, CudaError, KernelNotFoundError
 from ..lifetime import finalizer
 from .kernel import JIT_CODES, Kernel
-from .ptxsig import (
-    CType,
-    Signature,
-    mangled_param_types,
-    parse_entries,
-    signature_from_layout,
-    source_param_types,
-)
+from .ptxsig import Signature, cpp_param_types, parse_entries, signature_from_layout
 
 __all__ = [
     "Image",
     "Module",
-    "decode_log",
     "jit_detail",
-    "jit_error",
-    "jit_options",
     "missing_kernel_message",
     "read_image",
 ]
@@ -49,38 +40,29 @@ __all__ = [
 _LOG_BYTES = 1 << 15
 
 
+@dataclass
 class Image:
-    """What ``Module.load`` was given, normalised.
+    """What ``Module.load`` was given, normalised (PTX NUL-terminated once, its text kept).
 
     ``source`` is the CUDA C++ source when an ``ObjectCode`` carries it: the declared
     parameter types of ``extern "C"`` kernels are read from it.
     """
 
-    __slots__ = ("code", "format", "label", "lowered", "ptx", "source")
+    code: bytes
+    format: str
+    label: str
+    ptx: str | None = None
+    lowered: dict[str, str] = field(default_factory=dict)
+    source: str | None = None
 
-    def __init__(
-        self,
-        code: bytes,
-        fmt: str,
-        label: str,
-        ptx: str | None,
-        lowered: Mapping[str, str],
-        source: str | None = None,
-    ) -> None:
-        self.code = code
-        self.format = fmt
-        self.label = label
-        self.ptx = ptx
-        self.lowered = dict(lowered)
-        self.source = source
+    def __post_init__(self) -> None:
+        if self.format == "ptx":
+            self.ptx = self.code.rstrip(b"\0").decode()
+            self.code = self.ptx.encode() + b"\0"
 
 
 def _looks_like_ptx_text(text: str) -> bool:
     return "\n" in text and any(k in text for k in (".version", ".entry", ".target"))
-
-
-def _ptx_image(text: str) -> bytes:
-    return text.rstrip("\0").encode() + b"\0"
 
 
 def read_image(source: Any, name: str | None = None) -> Image:
@@ -89,26 +71,21 @@ def read_image(source: Any, name: str | None = None) -> Image:
         fmt = str(source.target)
         if fmt not in ("ptx", "cubin", "fatbin"):
             raise ValueError(f"ObjectCode.target must be ptx, cubin or fatbin, not {fmt!r}")
-        code = bytes(source.code)
-        ptx = getattr(source, "ptx", None)
-        if fmt == "ptx":
-            ptx = code.rstrip(b"\0").decode()
-            code = _ptx_image(ptx)
         label = name or getattr(source, "name", None) or "<ObjectCode>"
         text = getattr(source, "source", None)
         return Image(
-            code,
+            bytes(source.code),
             fmt,
             str(label),
-            ptx,
-            getattr(source, "lowered_names", None) or {},
+            getattr(source, "ptx", None),
+            dict(getattr(source, "lowered_names", None) or {}),
             text if isinstance(text, str) else None,
         )
     if isinstance(source, (bytes, bytearray, memoryview)):
         data = bytes(source)
-        return _from_bytes(data, name or f"<{len(data)} bytes>")
+        return Image(data, detect_target(data), name or f"<{len(data)} bytes>")
     if isinstance(source, str) and _looks_like_ptx_text(source):
-        return Image(_ptx_image(source), "ptx", name or "<PTX text>", source, {})
+        return Image(source.encode(), "ptx", name or "<PTX text>")
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         if not path.is_file():
@@ -116,18 +93,11 @@ def read_image(source: Any, name: str | None = None) -> Image:
                 f"Module.load: {str(source)[:200]!r} is neither a file nor PTX text "
                 "(PTX text must contain .version/.entry lines)"
             )
-        return _from_bytes(path.read_bytes(), name or str(path))
+        data = path.read_bytes()
+        return Image(data, detect_target(data), name or str(path))
     raise TypeError(
         f"Module.load takes a ck.ObjectCode, bytes, PTX text or a path, not {type(source).__name__}"
     )
-
-
-def _from_bytes(data: bytes, label: str) -> Image:
-    fmt = detect_target(data)
-    if fmt == "ptx":
-        text = data.rstrip(b"\0").decode()
-        return Image(_ptx_image(text), fmt, label, text, {})
-    return Image(data, fmt, label, None, {})
 
 
 def missing_kernel_message(
@@ -171,15 +141,14 @@ def jit_detail(code: int, ptx: str | None, error_log: str, info_log: str) -> str
         parts.append(f"JIT error log:\n{error_log}")
     if info_log:
         parts.append(f"JIT info log:\n{info_log}")
-    if code == 222 and ptx:
-        m = _PTX_VERSION.search(ptx)
+    m = _PTX_VERSION.search(ptx) if code == 222 and ptx else None
+    if m:
         drv_ver = _driver.driver_version()
-        if m:
-            have = f"{drv_ver[0]}.{drv_ver[1]}" if drv_ver else "unknown"
-            parts.append(
-                f"The PTX is ISA version {m.group(1)}.{m.group(2)}; the driver (CUDA {have}) "
-                "is older than the NVRTC that wrote it."
-            )
+        have = f"{drv_ver[0]}.{drv_ver[1]}" if drv_ver else "unknown"
+        parts.append(
+            f"The PTX is ISA version {m.group(1)}.{m.group(2)}; the driver (CUDA {have}) "
+            "is older than the NVRTC that wrote it."
+        )
     return "\n".join(parts)
 
 
@@ -216,10 +185,9 @@ def diagnose_jit(image: Image) -> str | None:
     """JIT the PTX in the current context just to read the error log (lazy loading
     can defer a library's JIT until a kernel is first used)."""
     try:
-        cur = _context.current_handle()
+        if not _context.current_handle():
+            return None
     except Exception:
-        return None
-    if not cur:
         return None
     keys, vals, _info, err_log = jit_options()
     res = drv.cuModuleLoadDataEx(image.code, len(keys), keys, vals)
@@ -237,9 +205,7 @@ _INVALID_VALUE = 1
 def _unload_library(unload: Any, lib: Any) -> Any:
     """Free of a library (through ctxkit.lifetime.finalizer, which holds it back while a
     stream capture is open); at interpreter exit the process teardown unloads."""
-    if _context.shutting_down():
-        return None
-    return unload(lib)
+    return None if _context.shutting_down() else unload(lib)
 
 
 class Module:
@@ -275,19 +241,13 @@ class Module:
         self._image = image
         self._handle = handle
         self._kernels: dict[str, Kernel] = {}
-        self._signatures = self._parse_signatures()
+        self._signatures: dict[str, Signature] | None = None
+        with contextlib.suppress(ValueError):  # PTX this parser cannot read: ask the driver
+            self._signatures = parse_entries(self.ptx) if self.ptx else None
         if context is None:
             self._fin = finalizer(self, None, _unload_library, drv.cuLibraryUnload, handle)
         else:
             self._fin = finalizer(self, context, drv.cuModuleUnload, handle)
-
-    def _parse_signatures(self) -> dict[str, Signature] | None:
-        if not self.ptx:
-            return None
-        try:
-            return parse_entries(self.ptx)
-        except ValueError:
-            return None
 
     @classmethod
     def load(
@@ -314,26 +274,24 @@ class Module:
         """
         image = read_image(source, name)
         _driver.init()
-        if context is None:
-            return cls._load_library(image)
-        return cls._load_bound(image, registry.resolve(context))
-
-    @classmethod
-    def _load_library(cls, image: Image) -> Module:
+        ctx = None if context is None else registry.resolve(context)
         keys, vals, info, err_log = jit_options()
-        res = drv.cuLibraryLoadData(image.code, keys, vals, len(keys), [], [], 0)
-        if res[0]:
-            raise _load_error(int(res[0]), image, "cuLibraryLoadData", info, err_log)
-        return cls(image, res[1], None, (info, err_log))
-
-    @classmethod
-    def _load_bound(cls, image: Image, ctx: Context) -> Module:
-        keys, vals, info, err_log = jit_options()
-        with ctx:
-            res = drv.cuModuleLoadDataEx(image.code, len(keys), keys, vals)
-        if res[0]:
-            raise _load_error(int(res[0]), image, "cuModuleLoadDataEx", info, err_log, ctx)
-        return cls(image, res[1], ctx, (info, err_log))
+        if ctx is None:
+            call_name = "cuLibraryLoadData"
+            res = drv.cuLibraryLoadData(image.code, keys, vals, len(keys), [], [], 0)
+        else:
+            call_name = "cuModuleLoadDataEx"
+            with ctx:
+                res = drv.cuModuleLoadDataEx(image.code, len(keys), keys, vals)
+        code = int(res[0])
+        if not code:
+            return cls(image, res[1], ctx, (info, err_log))
+        call_text = f"{call_name}({image.label}, {image.format})"
+        if code in JIT_CODES:
+            raise jit_error(code, call_text, image, decode_log(err_log), decode_log(info))
+        if ctx is not None and code in STICKY_CODES:
+            raise ctx.note_error(code, call_text)
+        raise _driver.from_result(code, call_text)
 
     # -- kernels ---------------------------------------------------------------------
 
@@ -372,8 +330,7 @@ class Module:
                 raise self.jit_error(int(err), what)
             raise _driver.from_result(int(err), what)
         sig, why = self._signature_for(symbol, handle)
-        k = Kernel(self, name, symbol, handle, sig, unknown_reason=why)
-        self._kernels[name] = k
+        k = self._kernels[name] = Kernel(self, name, symbol, handle, sig, unknown_reason=why)
         return k
 
     def _signature_for(self, symbol: str, handle: Any) -> tuple[Signature | None, str]:
@@ -382,9 +339,8 @@ class Module:
         The C++ parameter types (from the mangled name, or from the declaration in the
         source an ``ObjectCode`` carries) add what PTX does not say: the sign.
         """
-        if self._signatures is not None and symbol in self._signatures:
-            sig = self._signatures[symbol]
-        else:
+        sig = (self._signatures or {}).get(symbol)
+        if sig is None:
             if self.context is None:
                 layout, why = library_layout(handle)
             else:
@@ -393,14 +349,7 @@ class Module:
             if layout is None:
                 return None, why
             sig = signature_from_layout(symbol, layout)
-        return sig.with_ctypes(self._param_types(symbol, len(sig.params))), ""
-
-    def _param_types(self, symbol: str, count: int) -> list[CType] | None:
-        if symbol.startswith("_Z"):
-            return mangled_param_types(symbol)
-        if self._image.source:
-            return source_param_types(self._image.source, symbol, count)
-        return None
+        return sig.with_ctypes(cpp_param_types(symbol, self._image.source, len(sig.params))), ""
 
     def jit_error(self, code: int, what: str) -> CompileError:
         """The :class:`CompileError` for JIT failure *code* of this module's code (*what*:
@@ -413,7 +362,19 @@ class Module:
         """Kernel names in the module (from the PTX, else from the driver)."""
         if self._signatures is not None:
             return list(self._signatures)
-        return _enumerate_kernels(self._handle, self.context)
+        try:
+            if self.context is None:
+                n = call(drv.cuLibraryGetKernelCount, self._handle)
+                items = call(drv.cuLibraryEnumerateKernels, n, self._handle)
+                names = [call(drv.cuKernelGetName, k) for k in items]
+            else:
+                with guard(self.context, "Module.entries"):
+                    n = call(drv.cuModuleGetFunctionCount, self._handle)
+                    items = call(drv.cuModuleEnumerateFunctions, n, self._handle)
+                    names = [call(drv.cuFuncGetName, f) for f in items]
+        except Exception:
+            return None
+        return [n.decode() if isinstance(n, bytes) else str(n) for n in names]
 
     def check_open(self) -> None:
         """Raise :class:`CudaError` when the module is closed (its kernels can no longer
@@ -433,22 +394,6 @@ class Module:
     def __repr__(self) -> str:
         where = "library" if self.context is None else f"bound to {self.context!r}"
         return f"<Module {self.name} ({self.format}, {where})>"
-
-
-def _load_error(
-    code: int,
-    image: Image,
-    what: str,
-    info: bytearray,
-    err_log: bytearray,
-    ctx: Context | None = None,
-) -> CudaError:
-    call_text = f"{what}({image.label}, {image.format})"
-    if code in JIT_CODES:
-        return jit_error(code, call_text, image, decode_log(err_log), decode_log(info))
-    if ctx is not None and code in STICKY_CODES:
-        return ctx.note_error(code, call_text)
-    return _driver.from_result(code, call_text)
 
 
 Layout = list[tuple[int, int]]
@@ -484,8 +429,7 @@ def library_layout(kernel: Any) -> tuple[Layout | None, str]:
     (``cuFuncGetParamInfo``). The reason names every failed call and its ``CUresult``.
     """
     try:
-        ctx = None if current_handle() else bind(0)
-        with ctx if ctx is not None else nullcontext():
+        with contextlib.nullcontext() if current_handle() else bind(0):
             layout, why = driver_layout(drv, "cuKernelGetParamInfo", kernel)
             if layout is not None:
                 return layout, ""
@@ -496,19 +440,3 @@ def library_layout(kernel: Any) -> tuple[Layout | None, str]:
     except CudaError as exc:
         return None, f"no usable context to query it in: {exc}"
     return layout, "" if layout is not None else f"{why}; {why2}"
-
-
-def _enumerate_kernels(handle: Any, ctx: Context | None) -> list[str] | None:
-    try:
-        if ctx is None:
-            n = call(drv.cuLibraryGetKernelCount, handle)
-            items = call(drv.cuLibraryEnumerateKernels, n, handle)
-            names = [call(drv.cuKernelGetName, k) for k in items]
-        else:
-            with guard(ctx, "Module.entries"):
-                n = call(drv.cuModuleGetFunctionCount, handle)
-                items = call(drv.cuModuleEnumerateFunctions, n, handle)
-                names = [call(drv.cuFuncGetName, f) for f in items]
-    except Exception:
-        return None
-    return [n.decode() if isinstance(n, bytes) else str(n) for n in names]

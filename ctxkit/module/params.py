@@ -32,36 +32,21 @@ from typing import Any
 
 import numpy as np
 
-from .. import _driver
 from ..context import Context
 from ..errors import LaunchArgumentError
 from ..memory.copies import peer_access_enabled
 from ..memory.device import DeviceArray, DeviceBuffer
 from ..memory.host import host_device_pointer, plain_dtype
-from ..memory.interop import order_after_producers
+from ..memory.interop import DLTensor, order_after_producers
 from ..memory.managed import ManagedBuffer
-from .ptxsig import (
-    BITS,
-    BYTES,
-    FLOAT,
-    INT,
-    Param,
-    Signature,
-)
+from .ptxsig import BITS, BYTES, FLOAT, INT, Param, Signature
 
 __all__ = [
-    "OWN_TYPES",
     "ArgPacker",
     "ParamBuffer",
-    "Refused",
     "device_pointer",
     "dlpack_pointer",
     "foreign_arrays",
-    "getters",
-    "order_foreign",
-    "pointer_getter",
-    "pointer_of",
-    "remember_pointer_type",
     "short_repr",
 ]
 
@@ -120,15 +105,11 @@ _capsule_pointer.restype = ctypes.c_void_p
 _capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
 
 
-_DLTENSOR_BYTE_OFFSET = 40  # data, device, ndim, dtype, shape, strides precede it
-
-
 def dlpack_pointer(obj: Any) -> int:
     """Address of the first element of a DLPack producer (``__dlpack__``)."""
-    capsule = obj.__dlpack__()
-    base = _capsule_pointer(capsule, b"dltensor")
-    data = ctypes.c_void_p.from_address(base).value or 0
-    return data + ctypes.c_uint64.from_address(base + _DLTENSOR_BYTE_OFFSET).value
+    capsule = obj.__dlpack__()  # alive while its tensor is read
+    tensor = DLTensor.from_address(_capsule_pointer(capsule, b"dltensor"))
+    return (tensor.data or 0) + tensor.byte_offset
 
 
 def _dlpack_device_pointer(obj: Any, ctx: Any = None) -> int:
@@ -139,18 +120,23 @@ def _dlpack_device_pointer(obj: Any, ctx: Any = None) -> int:
     return dlpack_pointer(obj)
 
 
-#: type -> ``getter(value, ctx=None)`` of its device address (``None``: not memory)
-getters: dict[type, Callable[..., int] | None] = {}
+#: type -> ``pointer(value, ctx=None)`` of the memory types seen: their device address,
+#: for ctxkit buffers and arrays checked to be reachable from the launch's context *ctx*
+pointer_of: dict[type, Callable[..., int]] = {}
 
 
-_lock = threading.Lock()
-_driver.renew_at_fork(__name__, "_lock")
+#: the types seen that are not memory
+_not_memory: set[type] = set()
 
 
 def _classify(v: Any) -> Callable[..., int] | None:
     t = type(v)
     if isinstance(v, np.ndarray):
         return _ndarray_pointer
+    if isinstance(v, DeviceBuffer):
+        return _buffer_pointer
+    if isinstance(v, DeviceArray):
+        return _array_pointer
     if isinstance(v, np.generic) or hasattr(t, "__cuda_stream__"):
         return None  # numbers, and streams (which carry .ptr too) are not memory
     mod = t.__module__ or ""
@@ -168,17 +154,16 @@ def _classify(v: Any) -> Callable[..., int] | None:
 
 
 def pointer_getter(v: Any) -> Callable[..., int] | None:
-    """How to read *v*'s device address, worked out once per type: ``getter(v)`` (it
-    also takes the launch context as a second argument, which it ignores), or ``None``
-    when *v* is not a memory object."""
+    """How to read *v*'s device address, worked out once per type: ``pointer(v, ctx=None)``
+    (see :data:`pointer_of`), or ``None`` when *v* is not a memory object."""
     t = type(v)
-    try:
-        return getters[t]
-    except KeyError:
-        pass
-    g = _classify(v)
-    with _lock:
-        getters[t] = g
+    g = pointer_of.get(t)
+    if g is None and t not in _not_memory:
+        g = _classify(v)  # a race works it out twice: harmless
+        if g is None:
+            _not_memory.add(t)
+        else:
+            pointer_of[t] = g
     return g
 
 
@@ -209,31 +194,13 @@ def short_repr(v: Any) -> str:
     return f"{type(v).__name__} {r}"
 
 
-#: type -> ``pointer(value, launch context)`` for the memory types seen as pointer arguments
-pointer_of: dict[type, Callable[[Any, Any], int]] = {}
-
-
-def remember_pointer_type(t: type, g: Callable[..., int]) -> Callable[[Any, Any], int]:
-    """Record how a pointer of type *t* is read (*g*: its :mod:`~ctxkit.module.params`
-    getter, which takes ``(value, ctx)``); ctxkit buffers and arrays also get the device
-    check."""
-    if issubclass(t, DeviceBuffer):
-        two: Callable[[Any, Any], int] = _buffer_pointer
-    elif issubclass(t, DeviceArray):
-        two = _array_pointer
-    else:
-        two = g
-    pointer_of[t] = two
-    return two
-
-
-def _buffer_pointer(v: DeviceBuffer, ctx: Context | None) -> int:
+def _buffer_pointer(v: DeviceBuffer, ctx: Context | None = None) -> int:
     if v.context is not ctx and ctx is not None:
         _check_reachable(v, v, ctx)
     return v.ptr
 
 
-def _array_pointer(v: DeviceArray, ctx: Context | None) -> int:
+def _array_pointer(v: DeviceArray, ctx: Context | None = None) -> int:
     b = v.buffer
     if b.context is not ctx and ctx is not None:
         _check_reachable(v, b, ctx)
@@ -250,8 +217,7 @@ def _check_reachable(v: Any, buf: DeviceBuffer, ctx: Context) -> None:
     there, here = owner.device.ordinal, ctx.device.ordinal
     if there == here or isinstance(buf, ManagedBuffer) or peer_access_enabled(ctx, owner):
         return
-    base = buf._base if buf._base is not None else buf
-    what = "" if base is buf else " (a view)"
+    what = " (a view)" if buf._base is not None else ""
     raise Refused(
         f"got a {type(v).__name__}{what} on device {there} ({owner!r}), but the kernel "
         f"launches on device {here} ({ctx!r}) without peer access to it; the kernel "
@@ -277,25 +243,12 @@ def foreign_arrays(args: Sequence[Any]) -> list[Any]:
     ]
 
 
-def order_foreign(
-    args: Sequence[Any], stream: Any, ctx: Context | None, consumer: Any = None
-) -> None:
-    """Make *stream* (a handle; ``None``: the legacy default) wait for the producers of the
-    foreign arrays among *args* (``__cuda_array_interface__`` streams, DLPack, PyTorch,
-    CuPy; see :mod:`ctxkit.memory.interop`). *consumer* is the stream object the launch
-    was given (``None``: the current stream), whose flags spare waits CUDA makes anyway.
-    Numbers, host arrays and ctxkit buffers cost one dictionary lookup each."""
-    order_after_producers(args, stream, ctx, consumer)
-
-
 def _int_range(p: Param) -> tuple[int, int]:
     """``[lo, hi)`` of the values a parameter takes: both signs' when its sign is unknown."""
     bits = p.size * 8
-    if p.signed:
-        return -(1 << (bits - 1)), 1 << (bits - 1)
-    if p.unsigned:
-        return 0, 1 << bits
-    return -(1 << (bits - 1)), 1 << bits
+    lo = 0 if p.unsigned else -(1 << (bits - 1))
+    hi = 1 << (bits - 1) if p.signed else 1 << bits
+    return lo, hi
 
 
 def _range_message(p: Param, x: int, lo: int, hi: int) -> str:
@@ -323,7 +276,7 @@ def _as_int(p: Param, v: Any, ctx: Context | None) -> int:
     g = pointer_getter(v)
     if g is not None:
         if p.accepts_pointer:
-            return remember_pointer_type(t, g)(v, ctx)
+            return g(v, ctx)
         if isinstance(v, np.ndarray):
             raise Refused(
                 f"got a numpy array {v.shape} {v.dtype}; the parameter takes one integer "
@@ -444,14 +397,13 @@ def _bits_converter(p: Param) -> Callable[[Any, Any], int]:
     return conv
 
 
-def _converter(p: Param) -> Callable[[Any, Any], Any]:
-    if p.kind == INT:
-        return _int_converter(p)
-    if p.kind == FLOAT:
-        return _float_converter(p)
-    if p.kind == BITS:
-        return _bits_converter(p)
-    return _bytes_converter(p)
+#: parameter kind -> the maker of its converter ``conv(value, ctx)``
+_CONVERTER = {
+    INT: _int_converter,
+    FLOAT: _float_converter,
+    BITS: _bits_converter,
+    BYTES: _bytes_converter,
+}
 
 
 def _inline(p: Param, i: int) -> str:
@@ -478,70 +430,6 @@ def _inline(p: Param, i: int) -> str:
     if p.kind == FLOAT:
         return f"({a} if type({a}) is float else {c})"
     return c
-
-
-def _compile_packers(
-    params: Sequence[Param],
-    convs: Sequence[Callable[[Any, Any], Any]],
-    pack_into: Any,
-    local: threading.local,
-    new_buffer: Callable[[], ParamBuffer],
-    count_error: Callable[[Sequence[Any]], Exception],
-    explain: Callable[[Sequence[Any], Any, BaseException], BaseException],
-) -> tuple[Any, Any]:
-    """``fill(data, args, ctx)`` and ``address(args, ctx, hs, stream=None)``, each one
-    generated function.
-
-    Generated so the hot path has no per-argument loop or call for plain numbers (about
-    half the cost of a comprehension); the source contains only generated names, never
-    user input. ``address`` packs into the calling thread's reusable buffer and, when an
-    argument is a foreign array (not a number or a ctxkit buffer), orders *hs* (the
-    handle of *stream*, the launch's stream object) after its producer
-    (:func:`~ctxkit.memory.interop.order_after_producers`).
-    """
-    n = len(params)
-    names = "".join(f"a{i}, " for i in range(n))
-    exprs = ", ".join(_inline(p, i) for i, p in enumerate(params))
-    namespace: dict[str, Any] = {f"c{i}": c for i, c in enumerate(convs)}
-    namespace.update(
-        DeviceBuffer=DeviceBuffer,
-        DeviceArray=DeviceArray,
-        pointer_of=pointer_of,
-        plain=OWN_TYPES,
-        order=order_after_producers,
-        pack_into=pack_into,
-        local=local,
-        new_buffer=new_buffer,
-        count_error=count_error,
-        explain=explain,
-    )
-    unpack = (
-        f"    try:\n        {names}= a\n    except ValueError:\n"
-        "        raise count_error(a) from None\n"
-        if n
-        else "    if a:\n        raise count_error(a)\n"
-    )
-    pack = (
-        f"    try:\n        pack_into(d, 0, {exprs})\n    except Exception as exc:\n"
-        "        raise explain(a, ctx, exc) from None\n"
-        if n
-        else ""
-    )
-    own = [
-        f"t{i} in plain" if p.kind == INT else f"type(a{i}) in plain"
-        for i, p in enumerate(params)
-        if p.accepts_pointer
-    ]
-    order = f"    if not ({' and '.join(own)}):\n        order(a, hs, ctx, so)\n" if own else ""
-    src = f"def fill(d, a, ctx):\n{unpack}{pack}\ndef address(a, ctx, hs, so=None):\n{unpack}" + (
-        "    try:\n        d, address, _ = local.buf\n    except AttributeError:\n"
-        "        b = new_buffer()\n        d, address, _ = local.buf = (b.data, b.address, b)\n"
-        f"{pack}{order}    return address\n"
-        if n
-        else "    return 0\n"
-    )
-    exec(src, namespace)
-    return namespace["fill"], namespace["address"]
 
 
 def _layout_format(params: Sequence[Param], total: int) -> str:
@@ -588,61 +476,92 @@ class ArgPacker:
 
     Every method takes the launch's context (*ctx*): ctxkit buffers of another device are
     refused unless that context has peer access to them. ``None`` skips that check.
+
+    Attributes
+    ----------
+    pack_into : callable
+        ``pack_into(buf, args, ctx=None)``: check *args* and write them into the
+        :class:`ParamBuffer` *buf*.
+    address : callable
+        ``address(args, ctx=None, stream=None, consumer=None)``: pack *args* into this
+        thread's reusable buffer and return its ``void**`` address (what the launch hot
+        path calls). The buffer is reused by the next call in the same thread, which is
+        safe because ``cuLaunchKernel`` copies the parameters before it returns. With a
+        context, *stream* (a handle, ``None``: legacy default) is ordered after the
+        producers of foreign array arguments; *consumer* is the stream object it came
+        from (its flags can make a wait unnecessary; ``None``: the thread's current
+        stream).
     """
 
-    __slots__ = (
-        "_convs",
-        "_fill",
-        "_local",
-        "_n",
-        "_one",
-        "_struct",
-        "address",
-        "kernel",
-        "sig",
-    )
+    __slots__ = ("_convs", "_n", "_one", "address", "kernel", "pack_into", "sig")
 
     def __init__(self, sig: Signature, kernel: str | None = None) -> None:
         self.sig = sig
         self.kernel = kernel or sig.name
         self._n = len(sig.params)
-        self._convs = tuple(_converter(p) for p in sig.params)
-        self._struct = struct.Struct(_layout_format(sig.params, sig.size))
+        self._convs = tuple(_CONVERTER[p.kind](p) for p in sig.params)
         self._one = tuple(struct.Struct("<" + p.code) for p in sig.params)
-        self._local = threading.local()
-        self._fill, self.address = _compile_packers(
-            sig.params,
-            self._convs,
-            self._struct.pack_into,
-            self._local,
-            lambda: ParamBuffer(sig),
-            self._count_error,
-            self._explain,
+        self.pack_into, self.address = self._compile()
+
+    def _compile(self) -> tuple[Any, Any]:
+        """:attr:`pack_into` and :attr:`address`, each one generated function.
+
+        Generated so the hot path has no per-argument loop or call for plain numbers
+        (about half the cost of a comprehension); the source contains only generated
+        names, never user input, and runs with this module's names. ``address`` packs
+        into the calling thread's reusable buffer and, when an argument is a foreign array
+        (not a number or a ctxkit buffer), orders *hs* (the handle of *so*, the launch's
+        stream object) after its producer
+        (:func:`~ctxkit.memory.interop.order_after_producers`).
+        """
+        params = self.sig.params
+        n = len(params)
+        names = "".join(f"a{i}, " for i in range(n))
+        exprs = ", ".join(_inline(p, i) for i, p in enumerate(params))
+        unpack = (
+            f"    try:\n        {names}= a\n    except ValueError:\n"
+            "        raise packer._count_error(a) from None\n"
+            if n
+            else "    if a:\n        raise packer._count_error(a)\n"
         )
+        pack = (
+            f"    try:\n        pack(d, 0, {exprs})\n    except Exception as exc:\n"
+            "        raise packer._explain(a, ctx, exc) from None\n"
+            if n
+            else ""
+        )
+        own = [
+            f"t{i} in OWN_TYPES" if p.kind == INT else f"type(a{i}) in OWN_TYPES"
+            for i, p in enumerate(params)
+            if p.accepts_pointer
+        ]
+        order = f"    if not ({' and '.join(own)}):\n        order(a, hs, ctx, so)\n" if own else ""
+        src = (
+            f"def pack_into(b, a, ctx=None):\n{unpack}    d = b.data\n{pack}\n"
+            f"def address(a, ctx=None, hs=None, so=None):\n{unpack}"
+        ) + (
+            "    try:\n        d, address, _ = local.buf\n    except AttributeError:\n"
+            "        b = ParamBuffer(packer.sig)\n"
+            "        d, address, _ = local.buf = (b.data, b.address, b)\n"
+            f"{pack}{order}    return address\n"
+            if n
+            else "    return 0\n"
+        )
+        namespace = {**globals(), "packer": self, "local": threading.local()}
+        layout = struct.Struct(_layout_format(params, self.sig.size))
+        namespace.update(order=order_after_producers, pack=layout.pack_into)
+        namespace.update((f"c{i}", c) for i, c in enumerate(self._convs))
+        exec(src, namespace)
+        return namespace["pack_into"], namespace["address"]
 
     # -- checking --------------------------------------------------------------------
-
-    def values(self, args: Sequence[Any], ctx: Context | None = None) -> list[Any]:
-        """Check *args* and convert each to the value that gets packed.
-
-        Raises
-        ------
-        LaunchArgumentError
-            Wrong count, or an argument that does not fit its parameter (the message
-            names the parameter: index, PTX name and type).
-        """
-        if len(args) != self._n:
-            raise self._count_error(args)
-        return [self._check_one(i, v, ctx) for i, v in enumerate(args)]
 
     def _check_one(self, i: int, v: Any, ctx: Context | None) -> Any:
         p = self.sig.params[i]
         try:
             x = self._convs[i](v, ctx)
             self._one[i].pack(x)
-        except Refused as exc:
-            raise self._arg_error(p, str(exc)) from None
-        except LaunchArgumentError as exc:
+        except (Refused, LaunchArgumentError) as exc:
             raise self._arg_error(p, str(exc)) from None
         except (struct.error, OverflowError, TypeError, ValueError) as exc:
             raise self._arg_error(p, f"got {short_repr(v)}: {exc}") from None
@@ -686,35 +605,12 @@ class ArgPacker:
         self.pack_into(buf, args, ctx)
         return bytes(buf)
 
-    def pack_into(self, buf: ParamBuffer, args: Sequence[Any], ctx: Context | None = None) -> None:
-        """Check *args* and write them into *buf*."""
-        self._fill(buf.data, args, ctx)
-
     def pack_one(
         self, buf: ParamBuffer, index: int, value: Any, ctx: Context | None = None
     ) -> None:
         """Check and write the argument of parameter *index* only."""
         x = self._check_one(index, value, ctx)
         self._one[index].pack_into(buf.data, self.sig.params[index].offset, x)
-
-    def address_for(
-        self,
-        args: Sequence[Any],
-        ctx: Context | None = None,
-        stream: Any = None,
-        consumer: Any = None,
-    ) -> int:
-        """Pack *args* into this thread's reusable buffer; return its ``void**`` address.
-
-        The buffer is reused by the next call in the same thread, which is safe because
-        ``cuLaunchKernel`` copies the parameters before it returns. With a context,
-        *stream* (a handle, ``None``: legacy default) is ordered after the producers of
-        foreign array arguments; *consumer* is the stream object it came from (its flags
-        can make a wait unnecessary; ``None``: the thread's current stream).
-        :attr:`address` is the same function without the method call (the launch hot
-        path uses it).
-        """
-        return self.address(args, ctx, stream, consumer)  # type: ignore[no-any-return]
 
     def index_of(self, key: int | str) -> int:
         """Parameter index for an index or a PTX parameter name."""

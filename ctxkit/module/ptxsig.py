@@ -11,7 +11,8 @@ read by the C++ runtime's demangler through the optional extra ``.[demangle]``
 (without it, C++ kernels keep the sign PTX gives), and, for an ``extern "C"`` kernel, its
 declaration in the CUDA source.
 :func:`mangled_param_types` and :func:`source_param_types` return one :class:`CType` per
-parameter, or ``None`` when they cannot tell (then nothing is assumed).
+parameter, or ``None`` when they cannot tell (then nothing is assumed);
+:func:`cpp_param_types` asks the one that applies to a kernel.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ __all__ = [
     "Param",
     "Signature",
     "classify_spelling",
+    "cpp_param_types",
     "mangled_param_types",
     "parse_entries",
-    "parse_entry",
     "signature_from_layout",
     "source_param_types",
 ]
@@ -119,30 +120,6 @@ _QUALIFIERS = frozenset(
 _BUILTIN_WORDS = frozenset({"signed", "unsigned", "int", "short", "long", "char", "__int128"})
 
 
-_UNSIGNED_NAMES = frozenset(
-    {
-        "size_t",
-        "uint8_t",
-        "uint16_t",
-        "uint32_t",
-        "uint64_t",
-        "uintptr_t",
-        "uintmax_t",
-        "uint",
-        "ushort",
-        "uchar",
-        "ulong",
-        "ulonglong",
-        "cuuint32_t",
-        "cuuint64_t",
-        "bool",
-        "char16_t",
-        "char32_t",
-        "char8_t",
-    }
-)
-
-
 _SIGNED_NAMES = frozenset(
     {
         "int8_t",
@@ -158,6 +135,18 @@ _SIGNED_NAMES = frozenset(
 )
 
 
+#: Unsigned besides ``u`` + a signed name (``uint32_t``, ``uint``, ``ulonglong``) and
+#: CUDA's ``cuu`` + one (``cuuint64_t``): ``bool`` and ``charN_t`` never take a negative value.
+_UNSIGNED_NAMES = frozenset({"size_t", "bool", "char8_t", "char16_t", "char32_t"})
+
+
+def _unsigned_name(word: str) -> bool:
+    base = word[3:] if word.startswith("cuu") else word[1:] if word.startswith("u") else ""
+    return (
+        word in _UNSIGNED_NAMES or base in _SIGNED_NAMES or base in ("int", "short", "char", "long")
+    )
+
+
 def classify_spelling(text: str) -> CType:
     """The :class:`CType` of a declared parameter type such as ``const size_t``."""
     spelled = " ".join(text.split())
@@ -170,7 +159,7 @@ def classify_spelling(text: str) -> CType:
     if not words:
         return CType(spelled, "")
     name = " ".join(words)
-    if len(words) == 1 and words[0] in _UNSIGNED_NAMES:
+    if len(words) == 1 and _unsigned_name(words[0]):
         return CType(name, UNSIGNED)
     if len(words) == 1 and words[0] in _SIGNED_NAMES:
         return CType(name, SIGNED)
@@ -186,8 +175,7 @@ def classify_spelling(text: str) -> CType:
 def _balanced(text: str, start: int) -> int:
     """Index just past the ``)`` that closes the ``(`` at *start*; -1 when unbalanced."""
     depth = 0
-    for i in range(start, len(text)):
-        ch = text[i]
+    for i, ch in enumerate(text[start:], start):
         if ch == "(":
             depth += 1
         elif ch == ")":
@@ -258,13 +246,16 @@ def source_param_types(source: str, name: str, count: int) -> list[CType] | None
     return None
 
 
-_INT_BITS = {"8": 8, "16": 16, "32": 32, "64": 64}
+def cpp_param_types(symbol: str, source: str | None, count: int) -> list[CType] | None:
+    """The C++ types of the *count* parameters of kernel *symbol*: from its mangled name
+    (C++ kernels), else from its declaration in *source* (``extern "C"`` kernels of a
+    program ctxkit compiled); ``None`` when neither tells."""
+    if symbol.startswith("_Z"):
+        return mangled_param_types(symbol)
+    return source_param_types(source, symbol, count) if source else None
 
 
 _UNSIGNED_CODE = {1: "B", 2: "H", 4: "I", 8: "Q"}
-
-
-_SIGNED_CODE = {1: "b", 2: "h", 4: "i", 8: "q"}
 
 
 _FLOAT_CODE = {"f16": "e", "f32": "f", "f64": "d"}
@@ -292,10 +283,8 @@ def _type_info(ptx_type: str) -> tuple[str, int]:
     if ptx_type in _RAW_TYPES:
         return BYTES, _RAW_TYPES[ptx_type]
     head, bits = ptx_type[:1], ptx_type[1:]
-    if head in ("s", "u") and bits in _INT_BITS:
-        return INT, _INT_BITS[bits] // 8
-    if head == "b" and bits in _INT_BITS:
-        return BITS, _INT_BITS[bits] // 8
+    if head in ("s", "u", "b") and bits in ("8", "16", "32", "64"):
+        return (BITS if head == "b" else INT), int(bits) // 8
     raise ValueError(f"unsupported PTX parameter type .{ptx_type}")
 
 
@@ -385,8 +374,8 @@ class Param:
             return _FLOAT_CODE[self.type]
         if self.kind == BYTES:
             return f"{self.size}s"
-        table = _SIGNED_CODE if self.signed else _UNSIGNED_CODE
-        return table[self.size]
+        code = _UNSIGNED_CODE[self.size]
+        return code.lower() if self.signed else code  # struct: "b" signed, "B" unsigned
 
 
 @dataclass(frozen=True)
@@ -418,8 +407,7 @@ class Signature:
         """This signature with the C++ type of each parameter (unchanged on a count mismatch)."""
         if ctypes is None or len(ctypes) != len(self.params):
             return self
-        params = tuple(p.with_ctype(t) for p, t in zip(self.params, ctypes))
-        return replace(self, params=params)
+        return replace(self, params=tuple(p.with_ctype(t) for p, t in zip(self.params, ctypes)))
 
 
 _COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.S)
@@ -432,10 +420,6 @@ _DIRECTIVE = re.compile(r"\.(maxntid|reqntid)\s+([\d\s,]+)")
 
 
 _STATE_SPACES = {"global", "shared", "const", "local"}
-
-
-def _strip_comments(ptx: str) -> str:
-    return _COMMENT.sub(" ", ptx)
 
 
 def _parse_param(decl: str, index: int, offset: int) -> Param:
@@ -506,7 +490,7 @@ def parse_entries(ptx: str | bytes) -> dict[str, Signature]:
     """
     if isinstance(ptx, (bytes, bytearray, memoryview)):
         ptx = bytes(ptx).rstrip(b"\0").decode("utf-8", errors="replace")
-    text = _strip_comments(ptx)
+    text = _COMMENT.sub(" ", ptx)
     out: dict[str, Signature] = {}
     for m in _ENTRY.finditer(text):
         name, plist, tail = m.group(1), m.group(2), m.group(3)
@@ -520,15 +504,6 @@ def parse_entries(ptx: str | bytes) -> dict[str, Signature]:
         d = _directives(tail)
         out[name] = Signature(name, tuple(params), end, d.get("maxntid"), d.get("reqntid"))
     return out
-
-
-def parse_entry(ptx: str | bytes, name: str) -> Signature:
-    """The signature of entry *name*; ``KeyError`` listing the entries present."""
-    entries = parse_entries(ptx)
-    try:
-        return entries[name]
-    except KeyError:
-        raise KeyError(f"no .entry {name!r} in the PTX (entries: {sorted(entries)})") from None
 
 
 def signature_from_layout(name: str, layout: Sequence[tuple[int, int]]) -> Signature:

@@ -100,20 +100,20 @@ def test_pack_hand_written_types():
     assert at("d", 64) == 2.0
 
 
-def test_address_for_points_into_a_thread_local_buffer():
+def test_address_points_into_a_thread_local_buffer():
     pk = packer("empty")
-    addr = pk.address_for((FakeBuffer(0xABC), 42))
+    addr = pk.address((FakeBuffer(0xABC), 42))
     p0, p1 = (int(p or 0) for p in (ctypes.c_void_p * 2).from_address(addr))
     assert ctypes.c_uint64.from_address(p0).value == 0xABC
     assert ctypes.c_uint32.from_address(p1).value == 42
     assert p1 - p0 == 8
-    assert pk.address_for((1, 2)) == addr  # reused in this thread
+    assert pk.address((1, 2)) == addr  # reused in this thread
     other: list[int] = []
-    t = threading.Thread(target=lambda: other.append(pk.address_for((1, 2))))
+    t = threading.Thread(target=lambda: other.append(pk.address((1, 2))))
     t.start()
     t.join()
     assert other[0] != addr
-    assert packer("noargs").address_for(()) == 0
+    assert packer("noargs").address(()) == 0
 
 
 def test_pack_one_and_index_of():
@@ -130,10 +130,6 @@ def test_pack_one_and_index_of():
     with pytest.raises(LaunchArgumentError, match="parameter 1"):
         pk.pack_one(buf, 1, 1.5)
     assert struct.unpack("<QI", bytes(buf)) == (5, 99)  # a refused value changes nothing
-
-
-def test_values_returns_the_converted_arguments():
-    assert packer("empty").values((FakeBuffer(3), -1)) == [3, 0xFFFF_FFFF]
 
 
 # --- argument errors --------------------------------------------------------------------
@@ -169,7 +165,7 @@ FLOAT_P = (FakeBuffer(1), 1.0)  # _Z2tk: (.u64, .f32)
 )
 def test_argument_errors_name_the_parameter(name, args, where, why):
     pk = packer(name)
-    for attempt in (pk.pack, pk.address_for, pk.values):
+    for attempt in (pk.pack, pk.address):
         with pytest.raises(LaunchArgumentError) as info:
             attempt(args)
         msg = str(info.value)
@@ -296,8 +292,7 @@ def test_unsigned_parameters_refuse_negative_values_on_every_path(i: int, bad: A
     args = with_one(i, bad)
     for attempt in (
         lambda: pk.pack(args),
-        lambda: pk.address_for(args),
-        lambda: pk.values(args),
+        lambda: pk.address(args),
         lambda: pk.pack_one(P.ParamBuffer(pk.sig), i, bad),
     ):
         with pytest.raises(LaunchArgumentError) as info:
@@ -332,7 +327,7 @@ def test_signed_parameters_take_their_signed_range(i: int) -> None:
         with pytest.raises(LaunchArgumentError, match=rf"got {bad}, out of range"):
             pk.pack(with_one(i, bad))
         with pytest.raises(LaunchArgumentError, match=rf"got {bad}, out of range"):
-            pk.address_for(with_one(i, bad))
+            pk.address(with_one(i, bad))
 
 
 @pytest.mark.parametrize("i", range(4), ids=["8", "16", "32", "64"])
@@ -353,7 +348,7 @@ def test_pointer_parameters_refuse_negative_integers() -> None:
     pk = P.ArgPacker(sig)
     assert struct.unpack("<Qi", pk.pack((0x1000, -4))) == (0x1000, -4)
     with pytest.raises(LaunchArgumentError, match=r"argument 0 .*\(\.u64, void\*\).*negative"):
-        pk.address_for((-1, 0))
+        pk.address((-1, 0))
     assert "empty_param_0 (void*)" in pk._signature_text()
 
 
