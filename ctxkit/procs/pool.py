@@ -33,7 +33,7 @@ from typing import Any
 from ..device import Device
 from ..errors import DeviceTaskError
 from . import devmem, spawn, wire
-from .devmem import LeaseBook, WorkerKey, gone_message
+from .devmem import LeaseBook, WorkerKey
 from .wire import SHM_THRESHOLD
 from .worker import worker_main
 
@@ -60,14 +60,7 @@ class TaskOptions:
     timeout: float | None = None
 
     def __post_init__(self) -> None:
-        check_timeout(self.timeout, "TaskOptions(timeout=)")
-
-
-def check_timeout(timeout: float | None, what: str) -> None:
-    if timeout is None:
-        return
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"{what} must be a positive number of seconds or None, not {timeout!r}")
+        spawn.check_timeout(self.timeout, "TaskOptions(timeout=)")
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -96,7 +89,6 @@ class Slot:
     """
 
     ordinal: int
-    bind_ordinal: int
     visible: str | None
     proc: Any = None
     task_w: Any = None
@@ -125,22 +117,18 @@ def lost_error(
     """The error of a task whose worker died under it (or was stopped for its timeout)."""
     head = f"task {task.label} on device {slot.ordinal}"
     if timed_out:
-        return DeviceTaskError(
+        kind = "timeout"
+        msg = (
             f"{head} did not finish within {task.timeout:g} s: worker process {pid} was "
-            f"stopped ({spawn.exit_reason(code)}) and replaced",
-            device=slot.ordinal,
-            kind="timeout",
-            pid=pid,
-            exitcode=code,
+            f"stopped ({spawn.exit_reason(code)}) and replaced"
         )
-    return DeviceTaskError(
-        f"{head}: worker process {pid} {spawn.exit_reason(code)} while running it; the "
-        f"worker was replaced. {spawn.death_hint(code)}",
-        device=slot.ordinal,
-        kind="crash",
-        pid=pid,
-        exitcode=code,
-    )
+    else:
+        kind = "crash"
+        msg = (
+            f"{head}: worker process {pid} {spawn.exit_reason(code)} while running it; the "
+            f"worker was replaced. {spawn.death_hint(code)}"
+        )
+    return DeviceTaskError(msg, device=slot.ordinal, kind=kind, pid=pid, exitcode=code)
 
 
 def terminated_error(slot: Slot | None, task: Task) -> DeviceTaskError:
@@ -243,7 +231,7 @@ class DevicePool(Executor):
         if initializer is not None:
             by_value = wire.check_shippable("DevicePool(initializer=)", initializer)
         wire.check_main("DevicePool")
-        check_timeout(task_timeout, "task_timeout")
+        spawn.check_timeout(task_timeout, "task_timeout")
         if shm_limit is not None and (isinstance(shm_limit, bool) or shm_limit < 0):
             raise ValueError(f"shm_limit must be a byte count >= 0 or None, not {shm_limit!r}")
         self._init_payload = wire.dumps(
@@ -251,9 +239,7 @@ class DevicePool(Executor):
         )
         ordinals = spawn.resolve_ordinals(devices, _bind)
         visible = spawn.visible_for(ordinals, isolate)
-        self._slots = [
-            Slot(o, 0 if isolate else o, v) for o, v in zip(ordinals, visible, strict=True)
-        ]
+        self._slots = [Slot(o, v) for o, v in zip(ordinals, visible, strict=True)]
         self._by_ordinal = {s.ordinal: s for s in self._slots}
         self._threshold = shm_threshold
         self._shm_limit = _default_shm_limit() if shm_limit is None else shm_limit
@@ -375,7 +361,7 @@ class DevicePool(Executor):
         if not self._owned():
             return
         for key in self._book.workers():
-            self._book.invalidate(key, gone_message(key, "the DevicePool was terminated"), False)
+            self._book.invalidate(key, "the DevicePool was terminated", False)
         with self._lock:
             self._shutdown = True
             self._terminating = True
@@ -476,15 +462,13 @@ class DevicePool(Executor):
             devices.check_target(spawn.ordinal_of(options.device, False), self._isolate)
             allowed = None
         else:
-            allowed = devices.mappable_on(self.devices, self._isolate)
+            allowed = [o for o in self.devices if not devices.problem(o, self._isolate)]
             if not allowed:
-                try:
-                    devices.check_target(self.devices[0], self._isolate)
-                except ValueError as exc:
-                    raise ValueError(
-                        f"no device of this pool {self.devices} can map the task's device "
-                        f"arguments; on device {self.devices[0]}: {exc}"
-                    ) from None
+                raise ValueError(
+                    f"no device of this pool {self.devices} can map the task's device "
+                    f"arguments; on device {self.devices[0]}: "
+                    f"{devices.problem(self.devices[0], self._isolate)}"
+                )
         devices.synchronize()
         return allowed, devices.affinity
 
@@ -576,7 +560,7 @@ class DevicePool(Executor):
             with slot.send_lock:
                 conn.send((task.id, task.payload.data, parts, releases))
             devices = task.payload.devices
-            n, nbytes = (len(devices), devices.nbytes) if devices is not None else (0, 0)
+            n, nbytes = (devices.sent, devices.sent_bytes) if devices is not None else (0, 0)
             wire.count_sent(task.payload.data, parts, n, nbytes)
         except (OSError, ValueError):  # the worker is gone: run it on the replacement
             self._drop(task, keep_payload=True)
@@ -617,8 +601,7 @@ class DevicePool(Executor):
         self._wake()
 
     def _wake(self) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            self._wake_w.send_bytes(b"w")
+        _wake_through(self._wake_w)
 
     def _collect_releases(self) -> None:
         """Move the book's queued releases to their live workers' slots (lock held);
@@ -631,21 +614,10 @@ class DevicePool(Executor):
     def _spawn(self, slot: Slot) -> None:
         result_r, result_w = self._ctx.Pipe(duplex=False)
         task_r, task_w = self._ctx.Pipe(duplex=False)
-        prefix = wire.child_shm_prefix()
+        child = spawn.Child(slot.ordinal, slot.visible, self._bind)
         proc = self._ctx.Process(
             target=worker_main,
-            args=(
-                task_r,
-                result_w,
-                slot.ordinal,
-                slot.bind_ordinal,
-                slot.visible,
-                self._bind,
-                os.getpid(),
-                self._threshold,
-                self._init_payload,
-                prefix,
-            ),
+            args=(task_r, result_w, child, self._threshold, self._init_payload),
             name=f"ctxkit-pool-device-{slot.ordinal}",
         )
         try:
@@ -657,7 +629,12 @@ class DevicePool(Executor):
         finally:
             result_w.close()
             task_r.close()
-        slot.proc, slot.result_r, slot.task_w, slot.prefix = proc, result_r, task_w, prefix
+        slot.proc, slot.result_r, slot.task_w, slot.prefix = (
+            proc,
+            result_r,
+            task_w,
+            child.shm_prefix,
+        )
         slot.state = "starting"
         slot.deadline = slot.kill_at = slot.timed_out = slot.stop_pending = None
         slot.releases = []
@@ -755,8 +732,7 @@ class DevicePool(Executor):
         """Close the parent's ``WorkerBuffer``s of *slot*'s worker (exiting or gone)."""
         if slot.proc is None:
             return
-        key = (slot.ordinal, slot.proc.pid)
-        self._book.invalidate(key, gone_message(key, why), synchronize)
+        self._book.invalidate((slot.ordinal, slot.proc.pid), why, synchronize)
 
     def _receive(self, slot: Slot) -> None:
         try:

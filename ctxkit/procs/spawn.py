@@ -184,14 +184,31 @@ def ordinal_of(d: Device | int, bind: bool) -> int:
     return int(d)
 
 
-@contextlib.contextmanager
-def bound_context(ordinal: int, bind: bool) -> Iterator[Any]:
-    if not bind:
-        yield None
-        return
-    ctx = registry.context(ordinal)
-    with ctx:
-        yield ctx
+@dataclasses.dataclass(frozen=True)
+class Child:
+    """What a spawned child needs to set itself up, chosen by its parent: the logical
+    device it serves, its ``CUDA_VISIBLE_DEVICES`` (``None`` unless isolated; then it
+    binds device 0), whether it binds a context at all, and (filled in by the parent)
+    the parent's pid and the child's shared-memory prefix."""
+
+    ordinal: int
+    visible: str | None
+    bind: bool
+    parent_pid: int = dataclasses.field(default_factory=os.getpid)
+    shm_prefix: str = dataclasses.field(default_factory=wire.child_shm_prefix)
+
+    @contextlib.contextmanager
+    def setup(self) -> Iterator[Any]:
+        """In the child: :func:`child_setup`, then the registry's context of its device
+        current for the block (``None`` without *bind*)."""
+        global current_device
+        current_device = self.ordinal
+        child_setup(self.parent_pid, self.visible, self.shm_prefix)
+        if not self.bind:
+            yield None
+            return
+        with registry.context(0 if self.visible is not None else self.ordinal) as ctx:
+            yield ctx
 
 
 def worker_device() -> int | None:
@@ -286,26 +303,33 @@ def run_per_device(
     ctx = spawn_context(mp_context)
     by_value = wire.check_shippable("run_per_device", fn)
     wire.check_main("run_per_device")
-    if timeout is not None and not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds or None, not {timeout!r}")
+    check_timeout(timeout, "timeout")
     if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
         raise ValueError(f"retries must be an int >= 0, not {retries!r}")
     ordinals = resolve_ordinals(devices, _bind)
     visible = visible_for(ordinals, isolate)
     sent = devmem.Outgoing("run_per_device")
     payload = wire.dumps("run_per_device", (fn, tuple(args), dict(kwargs or {})), by_value, sent)
-    for o in ordinals if len(sent) else ():
+    for o in ordinals if sent.sent else ():
         sent.check_target(o, isolate)
     sent.synchronize()
-    runner = _Runner(ctx, payload, ordinals, visible, isolate, timeout, retries, _bind, sent)
+    runner = _Runner(ctx, payload, ordinals, visible, timeout, retries, _bind, sent)
     try:
         return runner.run()
     finally:
         sent.release()  # every child has exited: nothing maps the memory any more
 
 
+def check_timeout(timeout: float | None, what: str) -> None:
+    """``ValueError`` unless *timeout* is a positive number of seconds or ``None``."""
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"{what} must be a positive number of seconds or None, not {timeout!r}")
+
+
 @dataclasses.dataclass(slots=True)
-class _Child:
+class _Running:
     index: int
     attempt: int
     proc: Any
@@ -323,12 +347,11 @@ class _Runner:
     payload: bytes
     ordinals: list[int]
     visible: list[str | None]
-    isolate: bool
     timeout: float | None
     retries: int
     bind: bool
     sent: devmem.Outgoing
-    running: dict[int, _Child] = dataclasses.field(default_factory=dict)
+    running: dict[int, _Running] = dataclasses.field(default_factory=dict)
     started: list[Any] = dataclasses.field(default_factory=list)  # every Process, before start()
     prefixes: list[str] = dataclasses.field(default_factory=list)  # and its shm prefix
     failures: dict[int, DeviceTaskError] = dataclasses.field(default_factory=dict)
@@ -356,34 +379,25 @@ class _Runner:
 
     def _start(self, index: int, attempt: int) -> None:
         ordinal = self.ordinals[index]
-        prefix = wire.child_shm_prefix()
+        child = Child(ordinal, self.visible[index], self.bind)
         reader, writer = self.ctx.Pipe(duplex=False)
         try:
             proc = self.ctx.Process(
                 target=_child_main,
-                args=(
-                    writer,
-                    self.payload,
-                    ordinal,
-                    0 if self.isolate else ordinal,
-                    self.visible[index],
-                    self.bind,
-                    os.getpid(),
-                    prefix,
-                ),
+                args=(writer, self.payload, child),
                 name=f"ctxkit-device-{ordinal}",
             )
             self.started.append(proc)
-            self.prefixes.append(prefix)
+            self.prefixes.append(child.shm_prefix)
             proc.start()
-            wire.count_sent(self.payload, (), len(self.sent), self.sent.nbytes)
+            wire.count_sent(self.payload, (), self.sent.sent, self.sent.sent_bytes)
         except BaseException:
             reader.close()
             raise
         finally:
             writer.close()
         deadline = time.monotonic() + self.timeout if self.timeout is not None else None
-        self.running[index] = _Child(index, attempt, proc, reader, deadline, prefix)
+        self.running[index] = _Running(index, attempt, proc, reader, deadline, child.shm_prefix)
 
     def _step(self) -> None:
         children = list(self.running.values())
@@ -406,7 +420,7 @@ class _Runner:
                 stop_processes([c.proc], TERM_GRACE_S)
                 self._settle(c, timed_out=c.message is None)
 
-    def _receive(self, c: _Child) -> None:
+    def _receive(self, c: _Running) -> None:
         try:
             c.message = c.conn.recv()
         except (EOFError, OSError):
@@ -415,7 +429,7 @@ class _Runner:
             c.deadline = time.monotonic() + EXIT_GRACE_S
         c.conn.close()
 
-    def _settle(self, c: _Child, timed_out: bool) -> None:
+    def _settle(self, c: _Running, timed_out: bool) -> None:
         del self.running[c.index]
         c.conn.close()
         try:
@@ -429,7 +443,7 @@ class _Runner:
         else:
             self.failures[self.ordinals[c.index]] = failure
 
-    def _outcome(self, c: _Child, timed_out: bool) -> DeviceTaskError | None:
+    def _outcome(self, c: _Running, timed_out: bool) -> DeviceTaskError | None:
         ordinal = self.ordinals[c.index]
         pid, code = c.proc.pid, c.proc.exitcode
         tries = f"attempt {c.attempt} of {self.retries + 1}"
@@ -449,20 +463,15 @@ class _Runner:
                 msg[1], ordinal, pid, code, c.attempt, f"device {ordinal} ({tries})"
             )
         if timed_out:
-            return DeviceTaskError(
-                f"device {ordinal}: child process {pid} did not finish within "
-                f"{self.timeout:g} s and was stopped ({tries})",
-                device=ordinal,
-                kind="timeout",
-                pid=pid,
-                exitcode=code,
-                attempts=c.attempt,
-            )
+            kind = "timeout"
+            what = f"did not finish within {self.timeout:g} s and was stopped ({tries})"
+        else:
+            kind = "crash"
+            what = f"{exit_reason(code)} before sending a result ({tries}): {death_hint(code)}"
         return DeviceTaskError(
-            f"device {ordinal}: child process {pid} {exit_reason(code)} before "
-            f"sending a result ({tries}): {death_hint(code)}",
+            f"device {ordinal}: child process {pid} {what}",
             device=ordinal,
-            kind="crash",
+            kind=kind,
             pid=pid,
             exitcode=code,
             attempts=c.attempt,
@@ -520,36 +529,32 @@ def run_task(
     return out, restart
 
 
-def _child_main(
-    conn: Any,
-    payload: bytes,
-    ordinal: int,
-    bind_ordinal: int,
-    visible: str | None,
-    bind: bool,
-    parent_pid: int,
-    shm_prefix: str,
-) -> None:
+def reply(conn: Any, msg: Any, out: tuple[Any, ...], session: devmem.ChildSession | None) -> bool:
+    """Send *msg*, which holds a task's *out*, and count it; ``False`` when the parent is
+    gone (the result's blocks are removed then)."""
+    try:
+        conn.send(msg)
+    except Exception:
+        if out[0] == "ok":
+            wire.discard_blocks(out[2])
+        return False
+    if out[0] == "ok" and session is not None:
+        wire.count_sent(out[1], out[2], session.sent, session.sent_bytes)
+    return True
+
+
+def _child_main(conn: Any, payload: bytes, child: Child) -> None:
     """Entry point of a ``run_per_device`` child (spawned)."""
-    global current_device
-    current_device = ordinal
     msg: tuple[Any, ...] = ("none",)
     session: devmem.ChildSession | None = None
+    ordinal = child.ordinal
     try:
-        child_setup(parent_pid, visible, shm_prefix)
-        with bound_context(bind_ordinal, bind) as ctx:
+        with child.setup() as ctx:
             session = devmem.ChildSession(ctx, None, ordinal)
             msg = run_task(payload, [], ordinal, ctx, wire.SHM_THRESHOLD, session, (ordinal,))[0]
     except BaseException as exc:
         if msg[0] == "ok":
             wire.discard_blocks(msg[2])
         msg = ("error", wire.describe_exception(exc))
-    parts = msg[2] if msg[0] == "ok" else []
-    try:
-        conn.send(msg)
-    except Exception:
-        wire.discard_blocks(parts)
-    else:
-        if msg[0] == "ok" and session is not None:
-            wire.count_sent(msg[1], parts, session.sent, session.sent_bytes)
+    reply(conn, msg, msg, session)
     conn.close()

@@ -26,8 +26,8 @@ A block is a file in ``/dev/shm`` (tmpfs). Creating a file of N bytes there rese
 nothing: tmpfs finds a page on the first write to it, and a write it cannot back kills
 the writer with SIGBUS (Docker's default ``/dev/shm`` is 64 MiB). So every block is
 reserved whole with ``posix_fallocate`` before a byte is written, and :func:`create_block`
-returns ``None`` when there is no room; the caller then sends the buffer through the
-pipe.
+returns ``None`` when there is no room (or no ``/dev/shm``: ctxkit runs on Linux, where
+``shm_open`` works only there); the caller then sends the buffer through the pipe.
 
 Names are ``<prefix>-<random>``. A process's prefix is ``ctxkit-<pid>-<random>``; a child
 gets ``<parent prefix>.<k>`` from its parent, so when the parent reaps a child it can
@@ -37,9 +37,12 @@ remove what the child left behind (killed while sending a result): :func:`sweep_
 (by chance or by one squatting the names it sees there). A block is only ever made with
 ``O_CREAT | O_EXCL`` under a fresh random name, retried with new names; when all are
 taken the buffer goes through the pipe with a :class:`RuntimeWarning`. A receiver opens a
-block by name only if it is the very block its sender made (same inode, or same random
-token where there is no ``/dev/shm``): a name unlinked and re-made by someone else raises
-:class:`BlockIdentityError` and is left alone.
+block by name only if it is the very block its sender made (same inode and size): a name
+unlinked and re-made by someone else raises :class:`BlockIdentityError` and is left alone.
+
+The blocks are files of ``/dev/shm`` rather than ``multiprocessing.shared_memory``
+objects because that class can neither reserve the pages first nor say which inode it
+opened (both would need its private file descriptor).
 
 Blocks are registered with multiprocessing's resource tracker, which every spawned
 child shares with its parent: a block still named when the last of them exits is
@@ -62,8 +65,8 @@ import traceback
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
-from multiprocessing import process, resource_tracker, shared_memory
-from typing import Any, Protocol
+from multiprocessing import process, resource_tracker
+from typing import Any
 
 from .. import _driver
 from ..errors import BlockIdentityError, CudaError, DeviceTaskError
@@ -77,10 +80,9 @@ SHM_THRESHOLD = 1 << 20
 
 _SHM_DIR = "/dev/shm"
 _NAME_ATTEMPTS = 4
-_TOKEN_BYTES = 8  # the identity token at the start of a portable block
 
 #: A block as a message names it: ``(name, size, key)``; *key* is the inode of the
-#: ``/dev/shm`` file, or the random token at the start of a portable block.
+#: ``/dev/shm`` file (a name re-made by someone else has another).
 Block = tuple[str, int, int]
 #: Entry of a message's buffer list: a block or the bytes themselves.
 Part = Block | bytearray
@@ -140,14 +142,12 @@ def create_block(raw: memoryview) -> Block | None:
     """A new block holding a copy of *raw* (a contiguous byte view).
 
     ``None`` when ``/dev/shm`` cannot hold it (``ENOSPC`` from the reservation, or no
-    usable shared memory at all), or, with a :class:`RuntimeWarning`, when every fresh
-    name tried was already taken: send the bytes through the pipe instead.
+    ``/dev/shm`` at all), or, with a :class:`RuntimeWarning`, when every fresh name tried
+    was already taken: send the bytes through the pipe instead.
     """
-    portable = not os.path.isdir(_SHM_DIR)
     for _ in range(_NAME_ATTEMPTS):
-        name = _fresh_name()
         try:
-            return _create_portable(name, raw) if portable else _create_file(name, raw)
+            return _create(_fresh_name(), raw)
         except FileExistsError:
             continue
     warnings.warn(
@@ -161,7 +161,7 @@ def create_block(raw: memoryview) -> Block | None:
     return None
 
 
-def _create_file(name: str, raw: memoryview) -> Block | None:
+def _create(name: str, raw: memoryview) -> Block | None:
     """Make block *name* in ``/dev/shm`` (``FileExistsError`` if the name is taken)."""
     path = os.path.join(_SHM_DIR, name)
     try:
@@ -190,35 +190,14 @@ def _create_file(name: str, raw: memoryview) -> Block | None:
         os.close(fd)
 
 
-def _create_portable(name: str, raw: memoryview) -> Block | None:
-    try:
-        shm = shared_memory.SharedMemory(name=name, create=True, size=_TOKEN_BYTES + raw.nbytes)
-    except FileExistsError:
-        raise
-    except OSError:
-        return None
-    token = secrets.randbits(8 * _TOKEN_BYTES)
-    try:
-        shm.buf[:_TOKEN_BYTES] = token.to_bytes(_TOKEN_BYTES, "little")  # type: ignore[index]
-        shm.buf[_TOKEN_BYTES : _TOKEN_BYTES + raw.nbytes] = raw  # type: ignore[index]
-    except BaseException:
-        shm.close()
-        shm.unlink()
-        raise
-    shm.close()
-    return name, raw.nbytes, token
-
-
 def attach_block(name: str, size: int, key: int) -> Any:
-    """Map block *name* and unlink it: a writable buffer that owns the memory.
+    """Map block *name* and unlink it: a writable buffer (the mapping, no copy) that owns
+    the memory.
 
-    With ``/dev/shm`` the mapping itself is the buffer (no copy); elsewhere the block is
-    copied into a ``bytearray``. Raises :class:`BlockIdentityError` when the name holds
-    another block than the one its sender made (*size*, *key*).
+    Raises :class:`BlockIdentityError` when the name holds another block than the one
+    its sender made (*size*, *key*).
     """
     path = os.path.join(_SHM_DIR, name)
-    if not os.path.isdir(_SHM_DIR):
-        return _attach_copy(name, size, key)
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
     except PermissionError as exc:  # ours is always open to us
@@ -233,30 +212,6 @@ def attach_block(name: str, size: int, key: int) -> Any:
     os.unlink(path)
     _untrack(name)
     return mapped
-
-
-def _attach_copy(name: str, size: int, key: int) -> bytearray:
-    shm = shared_memory.SharedMemory(name=name)
-    try:
-        if not _holds(shm, size, key):
-            _untrack(name)  # opening it registered the name; it is not ours to remove
-            raise _not_the_block(name, size)
-        out = bytearray(shm.buf[_TOKEN_BYTES : _TOKEN_BYTES + size])  # type: ignore[index]
-        shm.unlink()
-    finally:
-        shm.close()
-    return out
-
-
-def _holds(shm: shared_memory.SharedMemory, size: int, key: int) -> bool:
-    return (
-        shm.size >= _TOKEN_BYTES + size
-        and int.from_bytes(
-            shm.buf[:_TOKEN_BYTES],  # type: ignore[index]
-            "little",
-        )
-        == key
-    )
 
 
 def _not_the_block(name: str, size: int) -> BlockIdentityError:
@@ -298,19 +253,6 @@ def sweep_blocks(child: str) -> int:
 def _remove(name: str, size: int, key: int) -> None:
     """Unlink a block this process created or received. A name already gone is left
     alone (its receiver mapped it and untracked it), and so is another block at its name."""
-    if not os.path.isdir(_SHM_DIR):
-        try:
-            shm = shared_memory.SharedMemory(name=name)
-        except FileNotFoundError:
-            return
-        try:
-            if _holds(shm, size, key):
-                shm.unlink()  # unlink() also untracks
-            else:
-                _untrack(name)
-        finally:
-            shm.close()
-        return
     path = os.path.join(_SHM_DIR, name)
     try:
         if os.stat(path, follow_symlinks=False).st_ino != key:
@@ -403,31 +345,19 @@ def count_sent(
 # --- device memory in pickles ----------------------------------------------------------
 
 
-class Session(Protocol):
-    """One side of a message's device memory (:mod:`.devmem`): ``reduce`` replaces a
-    device object by a reference when pickling, ``load`` resolves one when unpickling."""
-
-    error: BaseException | None
-    received: int
-    received_bytes: int
-
-    def reduce(self, obj: Any) -> Any: ...
-
-    def load(self, ref: devmem.DeviceRef) -> Any: ...
-
-
 _session_picklers: dict[type, type] = {}
 
 
 def _session_pickler(base: type) -> type:
     """A subclass of the pickler class *base* (``pickle.Pickler`` or cloudpickle's) that
-    reduces the session's device objects through :meth:`Session.reduce`."""
+    reduces the session's device objects through ``session.reduce``
+    (:class:`~.devmem.Session`)."""
     cls = _session_picklers.get(base)
     if cls is None:
 
         class _SessionPickler(base):  # type: ignore[valid-type,misc]
             def __init__(
-                self, file: Any, session: Session, types: tuple[type, ...], **kwargs: Any
+                self, file: Any, session: devmem.Session, types: tuple[type, ...], **kwargs: Any
             ) -> None:
                 super().__init__(file, **kwargs)
                 self._session = session
@@ -444,13 +374,13 @@ def _session_pickler(base: type) -> type:
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: Any, session: Session | None, buffers: Any) -> None:
+    def __init__(self, file: Any, session: devmem.Session, buffers: Any) -> None:
         super().__init__(file, buffers=buffers)
         self._session = session
 
     def find_class(self, module: str, name: str) -> Any:
         if module == devmem.__name__ and name == devmem.load_ref.__name__:
-            return self._session.load if self._session is not None else devmem.load_ref
+            return self._session.load
         return super().find_class(module, name)
 
 
@@ -537,7 +467,9 @@ def check_main(what: str) -> None:
 # --- encoding --------------------------------------------------------------------------
 
 
-def _dumps(obj: Any, by_value: bool, buffer_callback: Any, session: Session | None = None) -> bytes:
+def _dumps(
+    obj: Any, by_value: bool, buffer_callback: Any, session: devmem.Session | None = None
+) -> bytes:
     cp = _cloudpickle() if by_value else None
     types = devmem.device_types() if session is not None else ()
     if not types:  # no device object can exist here: the plain (C-speed) picklers
@@ -550,7 +482,9 @@ def _dumps(obj: Any, by_value: bool, buffer_callback: Any, session: Session | No
     return out.getvalue()
 
 
-def dumps(what: str, obj: Any, by_value: bool = False, session: Session | None = None) -> bytes:
+def dumps(
+    what: str, obj: Any, by_value: bool = False, session: devmem.Session | None = None
+) -> bytes:
     """Pickle *obj* whole (no shared memory); ``TypeError`` naming *what* when it cannot be.
 
     Device objects go through *session*; its refusal (``session.error``) is raised as is.
@@ -568,6 +502,20 @@ def _not_picklable(what: str, exc: Exception) -> TypeError:
         f"{what}: the function and its arguments must be picklable to reach a spawned "
         f"process, but pickling failed: {exc}"
     )
+
+
+def _collect(threshold: int | None, found: list[memoryview]) -> Callable[[Any], bool]:
+    """A ``buffer_callback`` that keeps buffers of *threshold* bytes or more out of band,
+    in *found*, and the smaller ones in the pickle (all of them for ``None``)."""
+
+    def out_of_band(buf: pickle.PickleBuffer) -> bool:
+        raw = buf.raw()
+        if threshold is None or raw.nbytes < max(threshold, 1):
+            return True
+        found.append(raw)
+        return False
+
+    return out_of_band
 
 
 class Payload:
@@ -600,17 +548,10 @@ class Payload:
         ``ValueError``, ``TypeError``, ``ContextClosedError`` or the driver's
         ``CudaError``); ``TypeError`` for anything else that cannot be pickled.
         """
-        found: list[pickle.PickleBuffer] = []
-
-        def out_of_band(buf: pickle.PickleBuffer) -> bool:
-            if threshold is None or buf.raw().nbytes < max(threshold, 1):
-                return True
-            found.append(buf)
-            return False
-
+        found: list[memoryview] = []
         devices = devmem.Outgoing(what)
         try:
-            data = _dumps(obj, by_value, out_of_band, devices)
+            data = _dumps(obj, by_value, _collect(threshold, found), devices)
         except Exception as exc:
             if devices.error is not None:
                 raise devices.error from None
@@ -620,23 +561,21 @@ class Payload:
             found.clear()
             devices = devmem.Outgoing(what)
             try:  # a lambda among the arguments: cloudpickle can send that too
-                data = _dumps(obj, True, out_of_band, devices)
+                data = _dumps(obj, True, _collect(threshold, found), devices)
             except Exception:
                 if devices.error is not None:
                     raise devices.error from None
                 raise _not_picklable(what, exc) from exc
-        return cls(data, [b.raw() for b in found], devices if len(devices) else None)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(memoryview(b).nbytes for b in self.buffers)
+        return cls(data, list(found), devices if devices.sent else None)
 
     def snapshot(self) -> None:
         """Copy the buffers out of the caller's memory (the task waits in a queue)."""
         self.buffers = [b if isinstance(b, bytearray) else bytearray(b) for b in self.buffers]
 
     def parts(
-        self, reserve: Callable[[int], bool], unreserve: Callable[[int], None]
+        self,
+        reserve: Callable[[int], bool] = lambda nbytes: True,
+        unreserve: Callable[[int], None] = lambda nbytes: None,
     ) -> tuple[list[Part], int]:
         """The buffers as message parts: a block for each buffer ``reserve(nbytes)``
         allows and ``/dev/shm`` has room for, the bytes themselves otherwise.
@@ -672,33 +611,18 @@ class Payload:
 
 
 def encode(
-    obj: Any, threshold: int | None = SHM_THRESHOLD, session: Session | None = None
+    obj: Any, threshold: int | None = SHM_THRESHOLD, session: devmem.Session | None = None
 ) -> tuple[bytes, list[Part]]:
     """Pickle *obj* now; buffers of *threshold* bytes or more go to shared-memory blocks,
-    or stay in the pickle where ``/dev/shm`` has no room. ``threshold=None``: no blocks.
+    or through the pipe where ``/dev/shm`` has no room. ``threshold=None``: no blocks.
     Device objects go through *session* (without one they are pickled as plain objects,
     which fails)."""
-    parts: list[Part] = []
-
-    def out_of_band(buf: pickle.PickleBuffer) -> bool:
-        raw = buf.raw()
-        if threshold is None or raw.nbytes < max(threshold, 1):
-            return True
-        block = create_block(raw)
-        if block is None:
-            return True
-        parts.append(block)
-        return False
-
-    try:
-        data = _dumps(obj, False, out_of_band, session)
-    except BaseException:
-        discard_blocks(parts)
-        raise
-    return data, parts
+    found: list[memoryview] = []
+    data = _dumps(obj, False, _collect(threshold, found), session)
+    return data, Payload(data, list(found)).parts()[0]
 
 
-def decode(data: bytes, parts: Sequence[Part], session: Session | None = None) -> Any:
+def decode(data: bytes, parts: Sequence[Part], session: devmem.Session | None = None) -> Any:
     """Inverse of :func:`encode` / :meth:`Payload.parts`; consumes the blocks, also when
     it fails. Device references are resolved by *session* (``load``)."""
     buffers: list[Any] = []
@@ -708,18 +632,13 @@ def decode(data: bytes, parts: Sequence[Part], session: Session | None = None) -
     except BaseException:
         discard_blocks(parts[len(buffers) :])
         raise
-    before = _device_count(session)
+    session = session if session is not None else devmem.Session()
+    before = session.received, session.received_bytes
     try:
         return _Unpickler(io.BytesIO(data), session, buffers).load()
     finally:
-        devices, dev_bytes = _device_count(session)
-        _count("received", len(data), parts, devices - before[0], dev_bytes - before[1])
-
-
-def _device_count(session: Session | None) -> tuple[int, int]:
-    if session is None:
-        return 0, 0
-    return session.received, session.received_bytes
+        devices, dev_bytes = session.received - before[0], session.received_bytes - before[1]
+        _count("received", len(data), parts, devices, dev_bytes)
 
 
 def result_bytes(
@@ -727,13 +646,13 @@ def result_bytes(
     ordinal: int,
     value: Any,
     threshold: int | None = SHM_THRESHOLD,
-    session: Any = None,
+    session: devmem.Session | None = None,
 ) -> tuple[bytes, list[Part]]:
     """Pickle a task's result for the parent; device memory goes through *session*
     (a :class:`~ctxkit.procs.devmem.ChildSession`), whose refusal is raised as is."""
     label = f"the result of {getattr(fn, '__qualname__', fn)!r} on device {ordinal}"
     if session is not None:
-        session.label = label
+        session.what = label
     try:
         return encode(value, threshold, session)
     except Exception as exc:

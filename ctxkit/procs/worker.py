@@ -25,23 +25,12 @@ __all__ = ["worker_main"]
 
 
 def worker_main(
-    task_r: Any,
-    result_w: Any,
-    ordinal: int,
-    bind_ordinal: int,
-    visible: str | None,
-    bind: bool,
-    parent_pid: int,
-    threshold: int | None,
-    init_payload: bytes,
-    shm_prefix: str,
+    task_r: Any, result_w: Any, child: spawn.Child, threshold: int | None, init_payload: bytes
 ) -> None:
     """Entry point of a ``DevicePool`` worker (spawned)."""
-    spawn.current_device = ordinal
     with contextlib.ExitStack() as stack:
         try:
-            spawn.child_setup(parent_pid, visible, shm_prefix)
-            ctx = stack.enter_context(spawn.bound_context(bind_ordinal, bind))
+            ctx = stack.enter_context(child.setup())
             initializer, initargs = pickle.loads(init_payload)
             if initializer is not None:
                 initializer(*initargs)
@@ -50,7 +39,7 @@ def worker_main(
                 result_w.send(("init_error", wire.describe_exception(exc)))
             return
         result_w.send(("ready", os.getpid()))
-        _serve(task_r, result_w, ordinal, ctx, threshold, devmem.WorkerLeases())
+        _serve(task_r, result_w, child.ordinal, ctx, threshold, devmem.WorkerLeases())
 
 
 def _serve(
@@ -61,48 +50,28 @@ def _serve(
     threshold: int | None,
     leases: devmem.WorkerLeases,
 ) -> None:
-    """Run tasks until told to stop; what is still lent is freed on the way out (while
-    the context is bound)."""
+    """Run tasks and send their results until told to stop (or a sticky error: then the
+    worker exits); what is still lent is freed on the way out (while the context is
+    bound)."""
     try:
         while (msg := _receive(task_r)) is not None:
             if msg[0] == "release":
                 leases.release(msg[1])
                 continue
-            box, msg = [msg], None  # only the box holds the payload: dropped once decoded
-            if _answer(box, task_r, result_w, ordinal, ctx, threshold, leases):
+            task_id, data, parts, releases = msg
+            del msg  # the payload goes as soon as the task is over
+            leases.release(releases)
+            session = devmem.ChildSession(ctx, leases, ordinal)
+            out, restart = spawn.run_task(data, parts, ordinal, ctx, threshold, session)
+            del data, parts
+            if not spawn.reply(result_w, ("result", task_id, out, restart), out, session):
+                return
+            del session, out
+            if restart:
+                _wait_for_stop(task_r, leases)
                 return
     finally:
         leases.clear()
-
-
-def _answer(
-    box: list[tuple[Any, ...]],
-    task_r: Any,
-    result_w: Any,
-    ordinal: int,
-    ctx: Any,
-    threshold: int | None,
-    leases: devmem.WorkerLeases,
-) -> bool:
-    """Run the task taken out of *box* and send its result; True when the worker must stop."""
-    task_id, data, parts, releases = box.pop()
-    leases.release(releases)
-    session = devmem.ChildSession(ctx, leases, ordinal)
-    out, restart = spawn.run_task(data, parts, ordinal, ctx, threshold, session)
-    del data, parts
-    try:
-        result_w.send(("result", task_id, out, restart))
-    except (OSError, ValueError):
-        if out[0] == "ok":
-            wire.discard_blocks(out[2])
-            leases.release(out[3])
-        return True
-    if out[0] == "ok":
-        wire.count_sent(out[1], out[2], session.sent, session.sent_bytes)
-    del session, out
-    if restart and len(leases):
-        _wait_for_stop(task_r, leases)
-    return restart
 
 
 def _receive(task_r: Any) -> Any:

@@ -131,7 +131,7 @@ def test_device_arguments_travel_as_handles_and_are_written_in_place(vfake, vctx
     payload = task(write_in_place, buf, arr)
     assert len(payload.data) < 4096 and payload.buffers == []  # 1 MiB buffer, no bytes
     assert payload.devices is not None and payload.devices.objects == [buf, arr]
-    assert payload.devices.nbytes == buf.nbytes + arr.nbytes
+    assert payload.devices.sent_bytes == buf.nbytes + arr.nbytes
     assert [ctx for c, ctx, _d in vfake.log if c == "ipcget"] == [vctx0.handle] * 2
 
     before = wire.traffic()
@@ -176,7 +176,7 @@ def test_memory_on_another_device_is_mapped_in_the_tasks_context(vfake, vctx0, v
     payload = task(write_in_place, buf, arr)
     assert payload.devices is not None
     payload.devices.check_target(0, isolate=False)  # peer access: allowed
-    assert payload.devices.mappable_on([0, 1], isolate=False) == [0, 1]
+    assert not any(payload.devices.problem(o, isolate=False) for o in (0, 1))
     *_, in_bound_context = receive(Worker("w0", vctx0).run(payload), payload)
     assert in_bound_context  # device 0's context maps device 1's memory
     assert (buf.copy_to_host() == 3).all()
@@ -191,7 +191,7 @@ def test_memory_a_task_device_cannot_map_is_refused_before_sending(vfake, vctx0,
     vfake.no_peer = True
     with pytest.raises(ValueError, match=r"cuDeviceCanAccessPeer\(0, 1\) is 0"):
         devices.check_target(0, isolate=False)
-    assert devices.mappable_on([0, 1], isolate=False) == [1]
+    assert [o for o in (0, 1) if not devices.problem(o, isolate=False)] == [1]
     assert devices.affinity == 1
     devices.check_target(1, isolate=True)  # its own device: fine
 
@@ -220,7 +220,7 @@ def test_one_object_twice_is_sent_once(vfake, vctx0, tags):
     payload = task(return_arguments, buf, buf.view(dtype=np.float32))
     again = task(identify, [buf, buf, (buf,)])
     assert payload.devices is not None and again.devices is not None
-    assert len(payload.devices) == 2 and len(again.devices) == 1
+    assert payload.devices.sent == 2 and again.devices.sent == 1
 
 
 # --- results ---------------------------------------------------------------------------
