@@ -242,7 +242,8 @@ class DevicePool(Executor):
         self._slots = [Slot(o, v) for o, v in zip(ordinals, visible, strict=True)]
         self._by_ordinal = {s.ordinal: s for s in self._slots}
         self._threshold = shm_threshold
-        self._shm_limit = _default_shm_limit() if shm_limit is None else shm_limit
+        # default: half of /dev/shm; no limit where there is none to measure
+        self._shm_limit = (wire.shm_space()[1] // 2 or 1 << 62) if shm_limit is None else shm_limit
         self._shm_used = 0
         self._shm_lock = threading.Lock()
         self._task_timeout = task_timeout
@@ -255,7 +256,9 @@ class DevicePool(Executor):
         self._shutdown = False
         self._terminating = False
         self._wake_r, self._wake_w = self._ctx.Pipe(duplex=False)
-        self._book = LeaseBook(functools.partial(_wake_through, self._wake_w))
+        # wakes the manager thread; for the lease book too (finalizers, any thread)
+        self._wake = functools.partial(_wake_through, self._wake_w)
+        self._book = LeaseBook(self._wake)
         self._manager = threading.Thread(target=self._manage, name="ctxkit-devicepool", daemon=True)
         self._manager.start()
         _live_pools.add(self)
@@ -432,23 +435,20 @@ class DevicePool(Executor):
             # sent before submit() returns, or copied first: the caller may reuse its arrays
             task.ready = (slot.state == "idle" and not slot.pending) or not payload.buffers
             slot.pending.append(task)
-            nxt = self._take(slot) if slot.state == "idle" else None
+            nxt = self._take(slot) if slot.state == "idle" else None  # this thread sends it
         self._send(slot, nxt)
         if not task.ready:
             try:
                 payload.snapshot()
             except BaseException:  # e.g. MemoryError: the task never was
-                with self._lock:
-                    with contextlib.suppress(ValueError):
-                        slot.pending.remove(task)
-                    nxt = self._take(slot) if slot.state == "idle" else None
-                self._send(slot, nxt)
+                with self._lock, contextlib.suppress(ValueError):
+                    slot.pending.remove(task)
+                self._feed(slot)
                 task.future.cancel()
                 raise
             with self._lock:
                 task.ready = True
-                nxt = self._take(slot) if slot.state == "idle" else None
-            self._send(slot, nxt)
+            self._feed(slot)
         return task.future
 
     def _placement(
@@ -523,6 +523,12 @@ class DevicePool(Executor):
             self._stop_worker(slot)
         return None
 
+    def _feed(self, slot: Slot) -> None:
+        """Send an idle worker its next task, if there is one ready (no lock held)."""
+        with self._lock:
+            task = self._take(slot) if slot.state == "idle" else None
+        self._send(slot, task)
+
     def _send(self, slot: Slot, task: Task | None) -> None:
         """Put *task*'s buffers in shared memory (within the budget) and send it (no lock;
         nothing to do for ``None``, what :meth:`_take` gives when there is no task)."""
@@ -532,14 +538,12 @@ class DevicePool(Executor):
             parts, used = task.payload.parts(self._reserve, self._unreserve)
         except BaseException as exc:
             with self._lock:
-                mine = slot.current is task
-                if mine:
+                if slot.current is task:
                     slot.current = None
                     if slot.state == "busy":
                         slot.state = "idle"
-                nxt = self._take(slot) if mine and slot.state == "idle" else None
             task.future.set_exception(exc)
-            self._send(slot, nxt)
+            self._feed(slot)
             return
         with self._lock, self._shm_lock:
             mine = slot.current is task
@@ -600,9 +604,6 @@ class DevicePool(Executor):
             slot.stop_pending = slot.proc.pid
         self._wake()
 
-    def _wake(self) -> None:
-        _wake_through(self._wake_w)
-
     def _collect_releases(self) -> None:
         """Move the book's queued releases to their live workers' slots (lock held);
         those of workers that are gone are dropped."""
@@ -629,12 +630,8 @@ class DevicePool(Executor):
         finally:
             result_w.close()
             task_r.close()
-        slot.proc, slot.result_r, slot.task_w, slot.prefix = (
-            proc,
-            result_r,
-            task_w,
-            child.shm_prefix,
-        )
+        slot.proc, slot.result_r, slot.task_w = proc, result_r, task_w
+        slot.prefix = child.shm_prefix
         slot.state = "starting"
         slot.deadline = slot.kill_at = slot.timed_out = slot.stop_pending = None
         slot.releases = []
@@ -743,11 +740,9 @@ class DevicePool(Executor):
         kind = msg[0]
         if kind == "ready":
             with self._lock:
-                nxt = None
                 if slot.state == "starting":
                     slot.state = "idle"
-                    nxt = self._take(slot)
-            self._send(slot, nxt)
+            self._feed(slot)
         elif kind == "init_error":
             head = f"DevicePool worker for device {slot.ordinal} failed to start"
             err = wire.error_from(msg[1], slot.ordinal, slot.proc.pid, None, 1, head, "init")
@@ -757,7 +752,6 @@ class DevicePool(Executor):
             self._complete(slot, msg[1], msg[2], msg[3])
 
     def _complete(self, slot: Slot, task_id: int, out: Any, restart: bool) -> None:
-        nxt = None
         pid = slot.proc.pid
         key: WorkerKey = (slot.ordinal, pid)
         with self._lock:
@@ -771,12 +765,11 @@ class DevicePool(Executor):
                     slot.stop_pending = pid  # once its lent memory is unmapped here
                 elif slot.state == "busy":
                     slot.state = "idle"
-                    nxt = self._take(slot)
         sent = None
         if task is not None:
             sent, task.payload.devices = task.payload.devices, None  # results may refer to them
             self._drop(task)  # the worker has let go of the arguments' blocks
-        self._send(slot, nxt)
+        self._feed(slot)
         if task is None:
             if out[0] == "ok":
                 wire.discard_blocks(out[2])
@@ -866,15 +859,9 @@ class DevicePool(Executor):
 
 
 def _wake_through(conn: Any) -> None:
-    """Wake the manager thread (for the lease book: from finalizers, any thread)."""
+    """Wake the manager thread (its wake-up pipe is *conn*, not the pool: no cycle)."""
     with contextlib.suppress(OSError, ValueError):
         conn.send_bytes(b"r")
-
-
-def _default_shm_limit() -> int:
-    """Half of ``/dev/shm``; no limit where there is no ``/dev/shm`` to measure."""
-    total = wire.shm_space()[1]
-    return total // 2 if total else 1 << 62
 
 
 @atexit.register

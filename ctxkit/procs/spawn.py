@@ -351,9 +351,7 @@ class _Runner:
     retries: int
     bind: bool
     sent: devmem.Outgoing
-    running: dict[int, _Running] = dataclasses.field(default_factory=dict)
-    started: list[Any] = dataclasses.field(default_factory=list)  # every Process, before start()
-    prefixes: list[str] = dataclasses.field(default_factory=list)  # and its shm prefix
+    running: dict[int, _Running] = dataclasses.field(default_factory=dict)  # from before start()
     failures: dict[int, DeviceTaskError] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -366,9 +364,9 @@ class _Runner:
             while self.running:
                 self._step()
         except BaseException:
-            stop_processes(self.started, TERM_GRACE_S)
-            for prefix in self.prefixes:
-                wire.sweep_blocks(prefix)
+            stop_processes([c.proc for c in self.running.values()], TERM_GRACE_S)
+            for c in self.running.values():
+                wire.sweep_blocks(c.prefix)
             raise
         finally:
             for c in self.running.values():
@@ -381,23 +379,16 @@ class _Runner:
         ordinal = self.ordinals[index]
         child = Child(ordinal, self.visible[index], self.bind)
         reader, writer = self.ctx.Pipe(duplex=False)
-        try:
-            proc = self.ctx.Process(
-                target=_child_main,
-                args=(writer, self.payload, child),
-                name=f"ctxkit-device-{ordinal}",
-            )
-            self.started.append(proc)
-            self.prefixes.append(child.shm_prefix)
-            proc.start()
-            wire.count_sent(self.payload, (), self.sent.sent, self.sent.sent_bytes)
-        except BaseException:
-            reader.close()
-            raise
-        finally:
-            writer.close()
+        proc = self.ctx.Process(
+            target=_child_main, args=(writer, self.payload, child), name=f"ctxkit-device-{ordinal}"
+        )
         deadline = time.monotonic() + self.timeout if self.timeout is not None else None
         self.running[index] = _Running(index, attempt, proc, reader, deadline, child.shm_prefix)
+        try:
+            proc.start()
+            wire.count_sent(self.payload, (), self.sent.sent, self.sent.sent_bytes)
+        finally:
+            writer.close()
 
     def _step(self) -> None:
         children = list(self.running.values())

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import io
 import itertools
 import mmap
@@ -345,32 +346,27 @@ def count_sent(
 # --- device memory in pickles ----------------------------------------------------------
 
 
-_session_picklers: dict[type, type] = {}
-
-
+@functools.cache
 def _session_pickler(base: type) -> type:
     """A subclass of the pickler class *base* (``pickle.Pickler`` or cloudpickle's) that
     reduces the session's device objects through ``session.reduce``
     (:class:`~.devmem.Session`)."""
-    cls = _session_picklers.get(base)
-    if cls is None:
 
-        class _SessionPickler(base):  # type: ignore[valid-type,misc]
-            def __init__(
-                self, file: Any, session: devmem.Session, types: tuple[type, ...], **kwargs: Any
-            ) -> None:
-                super().__init__(file, **kwargs)
-                self._session = session
-                self._types = types
+    class _SessionPickler(base):  # type: ignore[valid-type,misc]
+        def __init__(
+            self, file: Any, session: devmem.Session, types: tuple[type, ...], **kwargs: Any
+        ) -> None:
+            super().__init__(file, **kwargs)
+            self._session = session
+            self._types = types
 
-            def reducer_override(self, obj: Any) -> Any:
-                if isinstance(obj, self._types):
-                    return self._session.reduce(obj)
-                inherited = getattr(super(), "reducer_override", None)
-                return NotImplemented if inherited is None else inherited(obj)
+        def reducer_override(self, obj: Any) -> Any:
+            if isinstance(obj, self._types):
+                return self._session.reduce(obj)
+            inherited = getattr(super(), "reducer_override", None)
+            return NotImplemented if inherited is None else inherited(obj)
 
-        cls = _session_picklers[base] = _SessionPickler
-    return cls
+    return _SessionPickler
 
 
 class _Unpickler(pickle.Unpickler):
@@ -518,6 +514,7 @@ def _collect(threshold: int | None, found: list[memoryview]) -> Callable[[Any], 
     return out_of_band
 
 
+@dataclass(slots=True)
 class Payload:
     """A pickled task whose large buffers are not copied anywhere yet.
 
@@ -528,17 +525,9 @@ class Payload:
     references (``None`` when there are none).
     """
 
-    __slots__ = ("buffers", "data", "devices")
-
-    def __init__(
-        self,
-        data: bytes,
-        buffers: list[memoryview | bytearray],
-        devices: devmem.Outgoing | None = None,
-    ) -> None:
-        self.data = data
-        self.buffers = buffers
-        self.devices = devices
+    data: bytes
+    buffers: list[memoryview | bytearray]
+    devices: devmem.Outgoing | None = None
 
     @classmethod
     def build(cls, what: str, obj: Any, threshold: int | None, by_value: bool) -> Payload:
