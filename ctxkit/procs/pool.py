@@ -563,9 +563,7 @@ class DevicePool(Executor):
         try:
             with slot.send_lock:
                 conn.send((task.id, task.payload.data, parts, releases))
-            devices = task.payload.devices
-            n, nbytes = (devices.sent, devices.sent_bytes) if devices is not None else (0, 0)
-            wire.count_sent(task.payload.data, parts, n, nbytes)
+            wire.count_sent(task.payload.data, parts, task.payload.devices)
         except (OSError, ValueError):  # the worker is gone: run it on the replacement
             self._drop(task, keep_payload=True)
             task.payload.snapshot()  # submit() may have returned by the time it is resent

@@ -386,7 +386,7 @@ class _Runner:
         self.running[index] = _Running(index, attempt, proc, reader, deadline, child.shm_prefix)
         try:
             proc.start()
-            wire.count_sent(self.payload, (), self.sent.sent, self.sent.sent_bytes)
+            wire.count_sent(self.payload, (), self.sent)
         finally:
             writer.close()
 
@@ -529,8 +529,8 @@ def reply(conn: Any, msg: Any, out: tuple[Any, ...], session: devmem.ChildSessio
         if out[0] == "ok":
             wire.discard_blocks(out[2])
         return False
-    if out[0] == "ok" and session is not None:
-        wire.count_sent(out[1], out[2], session.sent, session.sent_bytes)
+    if out[0] == "ok":
+        wire.count_sent(out[1], out[2], session)
     return True
 
 

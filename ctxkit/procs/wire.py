@@ -90,27 +90,21 @@ Part = Block | bytearray
 
 
 class _Names:
-    """This process's prefix and counters (renewed after ``fork``: new pid, new names)."""
+    """This process's prefix and the count of its children (a forked child gets new
+    ones: new pid, new names)."""
 
     def __init__(self, base: str | None = None) -> None:
-        self.pid = os.getpid()
-        self.base = base or f"ctxkit-{self.pid}-{secrets.token_hex(3)}"
+        self.base = base or f"ctxkit-{os.getpid()}-{secrets.token_hex(3)}"
         self.children = itertools.count()
 
 
 _names = _Names()
-
-
-def _current() -> _Names:
-    global _names
-    if _names.pid != os.getpid():
-        _names = _Names()
-    return _names
+_driver.renew_at_fork(__name__, "_names", _Names)
 
 
 def shm_prefix() -> str:
     """The name prefix of this process's blocks (and of its children's: ``prefix.k``)."""
-    return _current().base
+    return _names.base
 
 
 def set_shm_prefix(base: str) -> None:
@@ -121,13 +115,12 @@ def set_shm_prefix(base: str) -> None:
 
 def child_shm_prefix() -> str:
     """A fresh prefix for the next child this process starts."""
-    names = _current()
-    return f"{names.base}.{next(names.children)}"
+    return f"{_names.base}.{next(_names.children)}"
 
 
 def _fresh_name() -> str:
     """A block name of this process that nobody can guess (64 random bits)."""
-    return f"{_current().base}-{secrets.token_hex(8)}"
+    return f"{_names.base}-{secrets.token_hex(8)}"
 
 
 def shm_space() -> tuple[int, int]:
@@ -337,10 +330,12 @@ def _count(
 
 
 def count_sent(
-    data: bytes, parts: Sequence[Part] = (), devices: int = 0, dev_bytes: int = 0
+    data: bytes, parts: Sequence[Part] = (), session: devmem.Session | None = None
 ) -> None:
-    """Count a message this process sent (its pickle, its buffers, its device references)."""
-    _count("sent", len(data), parts, devices, dev_bytes)
+    """Count a message this process sent: its pickle, its buffers, and the device
+    references *session* put in it."""
+    devices = (session.sent, session.sent_bytes) if session is not None else (0, 0)
+    _count("sent", len(data), parts, *devices)
 
 
 # --- device memory in pickles ----------------------------------------------------------
