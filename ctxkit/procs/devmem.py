@@ -235,6 +235,7 @@ class Session:
     def reduce(self, obj: Any) -> tuple[Any, tuple[DeviceRef]]:
         """``reducer_override`` of a device object: a reference in its place."""
         try:
+            _refuse_virtual(obj, self.what)
             ref = self.ref(obj)
         except BaseException as exc:
             self.error = exc
@@ -272,7 +273,6 @@ class Outgoing(Session):
         self.ordinals: list[int] = []
 
     def ref(self, obj: Any) -> DeviceRef:
-        _refuse_virtual(obj, self.what)
         buf, shape, dtype = _split(obj)
         if buf.closed:
             try:
@@ -435,7 +435,6 @@ class ChildSession(Session):
 
     # sending the result
     def ref(self, obj: Any) -> DeviceRef:
-        _refuse_virtual(obj, self.what)
         buf, shape, dtype = _split(obj)
         ptr, n, index = buf.ptr, buf.nbytes, self.sent
         ordinal = self.ordinal if self.ordinal is not None else buf.context.device.ordinal

@@ -773,23 +773,15 @@ class DevicePool(Executor):
                 wire.discard_blocks(out[2])
                 self._book.enqueue(key, out[3])
             return
+        loader = devmem.ResultLoader(sent, self._book, key)
         head = f"task {task.label} on device {slot.ordinal}"
-        if out[0] == "ok":
-            loader = devmem.ResultLoader(sent, self._book, key)
-            try:
-                value = wire.decode(out[1], out[2], loader)
-            except Exception as exc:
-                self._book.enqueue(key, [lease for lease in out[3] if lease not in loader.adopted])
-                desc = wire.describe_exception(exc)
-                task.future.set_exception(
-                    wire.error_from(
-                        desc, slot.ordinal, pid, None, 1, head + ": result not loadable"
-                    )
-                )
-            else:
-                task.future.set_result(value)
-        else:
-            task.future.set_exception(wire.error_from(out[1], slot.ordinal, pid, None, 1, head))
+        value, err = wire.outcome(out, loader, head, slot.ordinal, pid)
+        if err is None:
+            task.future.set_result(value)
+            return
+        if out[0] == "ok":  # not loadable: the leases it did not map are released
+            self._book.enqueue(key, [lease for lease in out[3] if lease not in loader.adopted])
+        task.future.set_exception(err)
 
     def _exited(self, slot: Slot) -> None:
         slot.proc.join()

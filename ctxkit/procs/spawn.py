@@ -438,21 +438,12 @@ class _Runner:
         ordinal = self.ordinals[c.index]
         pid, code = c.proc.pid, c.proc.exitcode
         tries = f"attempt {c.attempt} of {self.retries + 1}"
-        msg = c.message
-        if msg is not None and msg[0] == "ok":
-            try:
-                loader = devmem.ResultLoader(self.sent, None, None)
-                self.results[c.index] = wire.decode(msg[1], msg[2], loader)
-                return None
-            except Exception as exc:
-                desc = wire.describe_exception(exc)
-                return wire.error_from(
-                    desc, ordinal, pid, code, c.attempt, f"device {ordinal}: result not loadable"
-                )
-        if msg is not None:
-            return wire.error_from(
-                msg[1], ordinal, pid, code, c.attempt, f"device {ordinal} ({tries})"
-            )
+        if c.message is not None:
+            loader = devmem.ResultLoader(self.sent, None, None)
+            head = f"device {ordinal} ({tries})"
+            value, err = wire.outcome(c.message, loader, head, ordinal, pid, code, c.attempt)
+            self.results[c.index] = value
+            return err
         if timed_out:
             kind = "timeout"
             what = f"did not finish within {self.timeout:g} s and was stopped ({tries})"

@@ -437,15 +437,11 @@ def check_main(what: str) -> None:
     anything; with ``python -`` there is no file and the child dies at start-up.
     """
     main = sys.modules.get("__main__")
-    if getattr(main, "__spec__", None) is not None:
-        return
     shown = getattr(main, "__file__", None)
-    if shown is None:
+    if getattr(main, "__spec__", None) is not None or shown is None:
         return
-    path = str(shown)
-    origin = getattr(process, "ORIGINAL_DIR", None)  # where multiprocessing resolves it
-    if not os.path.isabs(path) and origin is not None:
-        path = os.path.join(origin, path)
+    # a relative path is resolved where multiprocessing resolves it (an absolute one is kept)
+    path = os.path.join(getattr(process, "ORIGINAL_DIR", None) or "", str(shown))
     if not os.path.isfile(path):
         raise RuntimeError(
             f"{what}: the main module {shown!r} is not a file, so a spawned process "
@@ -696,6 +692,27 @@ def unpickle_exception(desc: dict[str, Any]) -> BaseException | None:
     except Exception:
         return None
     return exc if isinstance(exc, BaseException) else None
+
+
+def outcome(
+    out: tuple[Any, ...],
+    loader: devmem.Session,
+    head: str,
+    device: int,
+    pid: int | None,
+    exitcode: int | None = None,
+    attempts: int = 1,
+) -> tuple[Any, DeviceTaskError | None]:
+    """A task's reply ``out`` (``("ok", data, parts, ...)`` or ``("error", desc)``) in
+    the parent: ``(value, None)``, or ``(None, the DeviceTaskError it stands for)``."""
+    if out[0] != "ok":
+        return None, error_from(out[1], device, pid, exitcode, attempts, head)
+    try:
+        return decode(out[1], out[2], loader), None
+    except Exception as exc:
+        desc = describe_exception(exc)
+        head += ": result not loadable"
+        return None, error_from(desc, device, pid, exitcode, attempts, head)
 
 
 def error_from(
