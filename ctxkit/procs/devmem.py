@@ -340,14 +340,12 @@ class Outgoing(Session):
 
     def rebuild(self, ref: DeviceRef) -> Any:
         """The parent's object for a result that lies in device argument ``ref.arg``."""
-        import numpy as np
-
         if ref.arg is None or not 0 <= ref.arg < len(self.objects):
             raise RuntimeError(f"a result refers to device argument {ref.arg}, which was not sent")
         base = self.objects[ref.arg]
         buf, shape, dtype = _split(base)
         whole = ref.offset == 0 and ref.nbytes == buf.nbytes
-        if whole and ref.shape == shape and (shape is None or np.dtype(ref.dtype) == dtype):
+        if whole and ref.shape == shape and ref.dtype == dtype:
             return base
         part = buf if whole else buf[ref.offset : ref.offset + ref.nbytes]
         return _wrap(part, ref)
@@ -402,10 +400,11 @@ class ChildSession(Session):
     exports (pool workers) or refuses (``run_per_device``, *leases* ``None``).
 
     *context* is where arguments are mapped (``None``: the registry's context of the
-    memory's device); *ordinal* the task's device as the parent numbers it.
+    memory's device); *ordinal* the task's device as the parent numbers it (what result
+    references name).
     """
 
-    def __init__(self, context: Any, leases: WorkerLeases | None, ordinal: int | None) -> None:
+    def __init__(self, context: Any, leases: WorkerLeases | None, ordinal: int) -> None:
         super().__init__("the task's result")
         self.context = context
         self.leases = leases
@@ -436,18 +435,18 @@ class ChildSession(Session):
     # sending the result
     def ref(self, obj: Any) -> DeviceRef:
         buf, shape, dtype = _split(obj)
-        ptr, n, index = buf.ptr, buf.nbytes, self.sent
-        ordinal = self.ordinal if self.ordinal is not None else buf.context.device.ordinal
+        ptr, n = buf.ptr, buf.nbytes
+        make = functools.partial(DeviceRef, self.sent, n, self.ordinal, shape, dtype)
         for k, (arg, abuf) in self.args.items():
             if arg is obj or abuf is buf:
-                return DeviceRef(index, n, ordinal, shape, dtype, arg=k)
+                return make(arg=k)
         if n == 0:
-            return DeviceRef(index, 0, ordinal, shape, dtype)
+            return make()
         for k, (_arg, abuf) in self.args.items():
             if abuf.closed or not abuf.nbytes:
                 continue
             if abuf.ptr <= ptr and ptr + n <= abuf.ptr + abuf.nbytes:
-                return DeviceRef(index, n, ordinal, shape, dtype, arg=k, offset=ptr - abuf.ptr)
+                return make(arg=k, offset=ptr - abuf.ptr)
         if self.leases is None:
             raise TypeError(
                 f"run_per_device: {self.what} holds {obj!r}, device memory allocated in the "
@@ -460,9 +459,7 @@ class ChildSession(Session):
         lease = self.leases.keep(obj, handle)
         self.new_leases.append(lease)
         self.exported.append(buf)
-        return DeviceRef(
-            index, n, ordinal, shape, dtype, handle, lease=lease, owner=process_token()
-        )
+        return make(handle=handle, lease=lease, owner=process_token())
 
     # the end of the task
     def finish(self) -> None:
@@ -539,12 +536,6 @@ class LeaseBook:
             except IndexError:
                 return out
             out.setdefault(key, []).append(lease)
-
-    def live(self, key: WorkerKey | None = None) -> int:
-        """Open ``WorkerBuffer``s (of worker *key*, or of every worker)."""
-        with self._lock:
-            sets = [self._live.get(key, ())] if key is not None else list(self._live.values())
-            return sum(1 for s in sets for b in list(s) if not b.closed)
 
     def workers(self) -> list[WorkerKey]:
         """The workers that have lent buffers (open or not yet forgotten)."""

@@ -698,13 +698,7 @@ class DevicePool(Executor):
                     s.releases = []
                 elif s.releases and s.state in ("stopping", "dead", "broken"):
                     s.releases = []
-            stops = [
-                s
-                for s in self._slots
-                if s.proc is not None
-                and s.stop_pending is not None
-                and s.stop_pending == s.proc.pid
-            ]
+            stops = [s for s in self._slots if s.proc is not None and s.stop_pending == s.proc.pid]
             for s in self._slots:
                 s.stop_pending = None
         for s, leases in idle:

@@ -169,11 +169,9 @@ def resolve_ordinals(devices: Sequence[Device | int] | None, bind: bool) -> list
         n = device_count()
         if n == 0:
             Device(0)  # raises the precise reason (no driver / no device)
-        ordinals = list(range(n))
-    else:
-        specs = check_devices(devices, "run_per_device/DevicePool", contexts=False) or []
-        ordinals = [ordinal_of(d, bind) for d in specs if not isinstance(d, Context)]
-    return ordinals
+        return list(range(n))
+    specs = check_devices(devices, "run_per_device/DevicePool", contexts=False) or []
+    return [ordinal_of(d, bind) for d in specs if not isinstance(d, Context)]
 
 
 def ordinal_of(d: Device | int, bind: bool) -> int:
@@ -412,11 +410,8 @@ class _Runner:
                 self._settle(c, timed_out=c.message is None)
 
     def _receive(self, c: _Running) -> None:
-        try:
+        with contextlib.suppress(EOFError, OSError):
             c.message = c.conn.recv()
-        except (EOFError, OSError):
-            pass
-        else:
             c.deadline = time.monotonic() + EXIT_GRACE_S
         c.conn.close()
 
@@ -480,21 +475,19 @@ class _Runner:
 def run_task(
     data: bytes,
     parts: list[wire.Part],
-    ordinal: int,
-    ctx: Any,
     threshold: int | None,
     session: devmem.ChildSession,
     lead: tuple[Any, ...] = (),
 ) -> tuple[tuple[Any, ...], bool]:
     """Run one task, ``fn(*lead, *args, **kwargs)`` (in a pool worker or a
-    ``run_per_device`` child); returns the reply's ``out`` and whether the process must
-    restart (a sticky CUDA error)."""
+    ``run_per_device`` child, on the device and in the context of *session*); returns
+    the reply's ``out`` and whether the process must restart (a sticky CUDA error)."""
     restart = False
     out_parts: list[wire.Part] = []
     try:
         fn, args, kwargs = wire.decode(data, parts, session)
         value = fn(*lead, *args, **kwargs)
-        out_data, out_parts = wire.result_bytes(fn, ordinal, value, threshold, session)
+        out_data, out_parts = wire.result_bytes(fn, session.ordinal, value, threshold, session)
         fn = args = kwargs = value = None
         session.finish()
         out: tuple[Any, ...] = ("ok", out_data, out_parts, list(session.new_leases))
@@ -506,7 +499,7 @@ def run_task(
         restart = isinstance(exc, ContextPoisonedError) or (
             isinstance(exc, CudaError) and exc.code in STICKY_CODES
         )
-    if ctx is not None and ctx.poisoned:
+    if session.context is not None and session.context.poisoned:
         restart = True
     return out, restart
 
@@ -533,7 +526,7 @@ def _child_main(conn: Any, payload: bytes, child: Child) -> None:
     try:
         with child.setup() as ctx:
             session = devmem.ChildSession(ctx, None, ordinal)
-            msg = run_task(payload, [], ordinal, ctx, wire.SHM_THRESHOLD, session, (ordinal,))[0]
+            msg = run_task(payload, [], wire.SHM_THRESHOLD, session, (ordinal,))[0]
     except BaseException as exc:
         if msg[0] == "ok":
             wire.discard_blocks(msg[2])

@@ -682,18 +682,6 @@ def _safe_str(exc: BaseException) -> str:
         return f"<str() of this {type(exc).__name__} raised {why}>"
 
 
-def unpickle_exception(desc: dict[str, Any]) -> BaseException | None:
-    """The child's exception object, when it could be pickled; else ``None``."""
-    data: bytes | None = desc.get("pickled")
-    if data is None:
-        return None
-    try:
-        exc = pickle.loads(data)
-    except Exception:
-        return None
-    return exc if isinstance(exc, BaseException) else None
-
-
 def outcome(
     out: tuple[Any, ...],
     loader: devmem.Session,
@@ -725,6 +713,10 @@ def error_from(
     kind: str = "exception",
 ) -> DeviceTaskError:
     tb = desc["traceback"]
+    try:  # the child's exception object, when it could be pickled (and loads here)
+        exc = pickle.loads(desc["pickled"])
+    except Exception:  # None (not picklable) or a class this process cannot import
+        exc = None
     return DeviceTaskError(
         f"{head}: {desc['type']}: {desc['message']}\n--- traceback in child process {pid} ---\n"
         f"{tb.rstrip()}",
@@ -734,7 +726,7 @@ def error_from(
         exitcode=exitcode,
         traceback=tb,
         exception_type=desc["type"],
-        child_exception=unpickle_exception(desc),
+        child_exception=exc if isinstance(exc, BaseException) else None,
         attempts=attempts,
         code=desc["code"],
         name=desc["name"],

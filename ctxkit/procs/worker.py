@@ -62,7 +62,7 @@ def _serve(
             del msg  # the payload goes as soon as the task is over
             leases.release(releases)
             session = devmem.ChildSession(ctx, leases, ordinal)
-            out, restart = spawn.run_task(data, parts, ordinal, ctx, threshold, session)
+            out, restart = spawn.run_task(data, parts, threshold, session)
             del data, parts
             if not spawn.reply(result_w, ("result", task_id, out, restart), out, session):
                 return

@@ -53,7 +53,7 @@ class Worker(Process):
     def run(self, payload: wire.Payload) -> tuple[Any, ...]:
         with self.acting(), self.ctx:
             session = devmem.ChildSession(self.ctx, self.leases, self.ordinal)
-            out, restart = spawn.run_task(payload.data, [], self.ordinal, self.ctx, None, session)
+            out, restart = spawn.run_task(payload.data, [], None, session)
         assert not restart
         return out
 
@@ -252,7 +252,6 @@ def test_memory_a_worker_allocates_is_lent_until_the_parent_closes_it(vfake, vct
     assert isinstance(arr, ck.DeviceArray) and isinstance(arr.buffer, WorkerBuffer)
     assert (buf.copy_to_host() == 5).all()
     np.testing.assert_array_equal(arr.to_host(), np.arange(6, dtype=np.float32).reshape(2, 3))
-    assert book.live((0, 4242)) == 2
     worker_ptr = buf.ptr  # the same process here: the mapping is the worker's address
 
     buf.close()
@@ -267,7 +266,6 @@ def test_memory_a_worker_allocates_is_lent_until_the_parent_closes_it(vfake, vct
     del arr
     gc.collect()
     assert book.drain() == {(0, 4242): [out[3][1]]}  # collected: released too
-    assert book.live() == 0
 
 
 def test_a_lent_buffer_goes_back_to_its_worker_as_its_own_object(vfake, vctx0, tags):
@@ -310,7 +308,7 @@ def test_run_per_device_refuses_memory_allocated_in_the_child(vfake, vctx0, tags
     payload = task(allocate, 4096, 1)
     with Process("child").acting(), vctx0:
         session = devmem.ChildSession(vctx0, None, 0)
-        out, _restart = spawn.run_task(payload.data, [], 0, vctx0, None, session)
+        out, _restart = spawn.run_task(payload.data, [], None, session)
     assert "TypeError: run_per_device: the result of 'allocate' on device 0" in the_error(out)
     assert "freed when the child exits" in the_error(out) and "DevicePool" in the_error(out)
     assert not vfake.calls("ipcget")

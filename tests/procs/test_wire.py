@@ -210,8 +210,9 @@ def test_describe_exception_survives_unpicklable_exceptions():
     desc = _described(Unpicklable, "odd")
     assert desc["pickled"] is None and desc["message"] == "odd"
     assert desc["type"].endswith("Unpicklable") and "raise exc_type" in desc["traceback"]
-    assert wire.unpickle_exception(desc) is None
-    assert isinstance(wire.unpickle_exception(_described(KeyError, 1)), KeyError)
+    assert wire.error_from(desc, 0, 1, None, 1, "t").child_exception is None
+    err = wire.error_from(_described(KeyError, 1), 0, 1, None, 1, "t")
+    assert isinstance(err.child_exception, KeyError)
 
 
 def test_describe_exception_survives_a_str_that_raises():
