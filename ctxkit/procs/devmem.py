@@ -358,25 +358,23 @@ class Outgoing(Session):
 # --- the child's side of one task -----------------------------------------------------
 
 
-class WorkerLeases:
-    """Device memory a pool worker returned, kept alive until the parent releases it."""
+class WorkerLeases(dict[int, tuple[Any, Any]]):
+    """Device memory a pool worker returned, kept alive until the parent releases it:
+    ``{lease: (object, its IpcBufferHandle)}``."""
 
     def __init__(self) -> None:
-        self._kept: dict[int, tuple[Any, IpcBufferHandle]] = {}
+        super().__init__()
         self._ids = itertools.count(1)
-
-    def __len__(self) -> int:
-        return len(self._kept)
 
     def keep(self, obj: Any, handle: IpcBufferHandle) -> int:
         lease = next(self._ids)
-        self._kept[lease] = (obj, handle)
+        self[lease] = (obj, handle)
         return lease
 
     def view(self, lease: int, handle: IpcBufferHandle, nbytes: int) -> DeviceBuffer:
         """This worker's own memory, sent back to it: the bytes *handle* names."""
         try:
-            obj, mine = self._kept[lease]
+            obj, mine = self[lease]
         except KeyError:
             raise RuntimeError(
                 f"the parent sent memory of lease {lease}, which this worker has already released"
@@ -389,10 +387,7 @@ class WorkerLeases:
 
     def release(self, leases: list[int] | tuple[int, ...]) -> None:
         for lease in leases:
-            self._kept.pop(lease, None)
-
-    def clear(self) -> None:
-        self._kept.clear()
+            self.pop(lease, None)
 
 
 class ChildSession(Session):
@@ -530,12 +525,10 @@ class LeaseBook:
     def drain(self) -> dict[WorkerKey, list[int]]:
         """The queued releases, by worker (and the queue emptied)."""
         out: dict[WorkerKey, list[int]] = {}
-        while True:
-            try:
-                key, lease = self._released.popleft()
-            except IndexError:
-                return out
+        while self._released:  # one consumer at a time: the pool drains under its lock
+            key, lease = self._released.popleft()
             out.setdefault(key, []).append(lease)
+        return out
 
     def workers(self) -> list[WorkerKey]:
         """The workers that have lent buffers (open or not yet forgotten)."""

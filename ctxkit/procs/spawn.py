@@ -47,28 +47,6 @@ current_device: int | None = None
 _PR_SET_PDEATHSIG = 1
 
 
-def child_setup(parent_pid: int, visible: str | None, shm_prefix: str | None = None) -> None:
-    """First thing a spawned child does, before it unpickles any user code.
-
-    Ignores SIGINT, asks Linux to kill this process when the parent thread that started
-    it dies, names its shared-memory blocks with the prefix its parent chose (so the
-    parent can remove them if this process dies while sending), and applies
-    ``CUDA_VISIBLE_DEVICES`` isolation while CUDA is still uninitialised.
-    """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent(parent_pid)
-    if shm_prefix is not None:
-        wire.set_shm_prefix(shm_prefix)
-    if visible is not None:
-        if _driver.initialized():
-            raise RuntimeError(
-                "isolate=True: CUDA was already initialised in the child before "
-                "CUDA_VISIBLE_DEVICES could be set (the main module touched CUDA at import); "
-                "guard the program's top-level code with `if __name__ == '__main__':`"
-            )
-        os.environ["CUDA_VISIBLE_DEVICES"] = visible
-
-
 def _die_with_parent(parent_pid: int) -> None:
     if sys.platform.startswith("linux"):
         with contextlib.suppress(Exception):
@@ -197,11 +175,29 @@ class Child:
 
     @contextlib.contextmanager
     def setup(self) -> Iterator[Any]:
-        """In the child: :func:`child_setup`, then the registry's context of its device
-        current for the block (``None`` without *bind*)."""
+        """First thing a spawned child does, before it unpickles any user code.
+
+        Ignores SIGINT, asks Linux to kill this process when the parent thread that
+        started it dies, applies ``CUDA_VISIBLE_DEVICES`` isolation while CUDA is still
+        uninitialised, names its shared-memory blocks with the prefix its parent chose
+        (so the parent can remove them if this process dies while sending); then makes
+        the registry's context of its device current for the block (``None`` without
+        *bind*).
+        """
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _die_with_parent(self.parent_pid)
+        if self.visible is not None:
+            if _driver.initialized():
+                raise RuntimeError(
+                    "isolate=True: CUDA was already initialised in the child before "
+                    "CUDA_VISIBLE_DEVICES could be set (the main module touched CUDA at "
+                    "import); guard the program's top-level code with "
+                    "`if __name__ == '__main__':`"
+                )
+            os.environ["CUDA_VISIBLE_DEVICES"] = self.visible
+        wire.set_shm_prefix(self.shm_prefix)
         global current_device
         current_device = self.ordinal
-        child_setup(self.parent_pid, self.visible, self.shm_prefix)
         if not self.bind:
             yield None
             return

@@ -375,12 +375,6 @@ class _Unpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-CLOUDPICKLE_HINT = (
-    "install cloudpickle to send it by value (pip install cloudpickle, or in a ctxkit "
-    'checkout pip install -e ".[cloudpickle]")'
-)
-
-
 def _cloudpickle() -> Any:
     try:
         import cloudpickle
@@ -425,7 +419,9 @@ def check_shippable(what: str, fn: Any) -> bool:
     if _cloudpickle() is None:
         raise TypeError(
             f"{what}: {fn!r} is {reason}, which a spawned process cannot import by name. "
-            f"Define it at module level in a file and import it from there, or {CLOUDPICKLE_HINT}"
+            "Define it at module level in a file and import it from there, or install "
+            "cloudpickle to send it by value (pip install cloudpickle, or in a ctxkit "
+            'checkout pip install -e ".[cloudpickle]")'
         )
     return True
 
