@@ -167,11 +167,20 @@ def load_ref(ref: DeviceRef) -> Any:
     )
 
 
-def _split(obj: Any) -> tuple[DeviceBuffer, tuple[int, ...] | None, Any]:
+def _split(obj: Any, what: str = "") -> tuple[DeviceBuffer, tuple[int, ...] | None, Any]:
+    """A device object's buffer, shape and dtype; a ``VirtualBuffer`` (which cannot
+    travel) is refused, naming *what* sends it."""
     from ..memory.device import DeviceArray
+    from ..memory.vmm import VirtualBuffer
 
     if isinstance(obj, DeviceArray):
         return obj.buffer, obj.shape, obj.dtype
+    if isinstance(obj, VirtualBuffer):
+        raise TypeError(
+            f"{what}: {obj!r} cannot travel to another process as an argument or result; "
+            "pass a DeviceBuffer (cuMemAlloc memory), or share it yourself with "
+            "ctxkit.memory.export_buffer(vb) (a VirtualBuffer(..., shareable=True))"
+        )
     return obj, None, None
 
 
@@ -185,17 +194,6 @@ def _empty(context: Any) -> DeviceBuffer:
     from ..memory.device import DeviceBuffer
 
     return DeviceBuffer(0, context=context)
-
-
-def _refuse_virtual(obj: Any, what: str) -> None:
-    from ..memory.vmm import VirtualBuffer
-
-    if isinstance(obj, VirtualBuffer):
-        raise TypeError(
-            f"{what}: {obj!r} cannot travel to another process as an argument or result; "
-            "pass a DeviceBuffer (cuMemAlloc memory), or share it yourself with "
-            "ctxkit.memory.export_buffer(vb) (a VirtualBuffer(..., shareable=True))"
-        )
 
 
 def _export(obj: Any, what: str) -> IpcBufferHandle:
@@ -235,7 +233,6 @@ class Session:
     def reduce(self, obj: Any) -> tuple[Any, tuple[DeviceRef]]:
         """``reducer_override`` of a device object: a reference in its place."""
         try:
-            _refuse_virtual(obj, self.what)
             ref = self.ref(obj)
         except BaseException as exc:
             self.error = exc
@@ -273,7 +270,7 @@ class Outgoing(Session):
         self.ordinals: list[int] = []
 
     def ref(self, obj: Any) -> DeviceRef:
-        buf, shape, dtype = _split(obj)
+        buf, shape, dtype = _split(obj, self.what)
         if buf.closed:
             try:
                 buf.ptr  # noqa: B018 - raises the buffer's own reason
@@ -429,7 +426,7 @@ class ChildSession(Session):
 
     # sending the result
     def ref(self, obj: Any) -> DeviceRef:
-        buf, shape, dtype = _split(obj)
+        buf, shape, dtype = _split(obj, self.what)
         ptr, n = buf.ptr, buf.nbytes
         make = functools.partial(DeviceRef, self.sent, n, self.ordinal, shape, dtype)
         for k, (arg, abuf) in self.args.items():

@@ -719,15 +719,9 @@ class DevicePool(Executor):
                 if s.state == "restarting"
                 else "the DevicePool that returned it was shut down"
             )
-            self._close_lent(s, why, synchronize=True)
+            self._book.invalidate((s.ordinal, s.proc.pid), why, synchronize=True)
             with s.send_lock, contextlib.suppress(OSError, ValueError):
                 s.task_w.send(None)
-
-    def _close_lent(self, slot: Slot, why: str, synchronize: bool) -> None:
-        """Close the parent's ``WorkerBuffer``s of *slot*'s worker (exiting or gone)."""
-        if slot.proc is None:
-            return
-        self._book.invalidate((slot.ordinal, slot.proc.pid), why, synchronize)
 
     def _receive(self, slot: Slot) -> None:
         try:
@@ -790,7 +784,8 @@ class DevicePool(Executor):
         wire.sweep_blocks(slot.prefix)  # blocks of a worker killed while sending a result
         code = slot.proc.exitcode
         pid = slot.proc.pid
-        self._close_lent(slot, f"its worker {spawn.exit_reason(code)}", synchronize=False)
+        why = f"its worker {spawn.exit_reason(code)}"  # the parent's WorkerBuffers of it close
+        self._book.invalidate((slot.ordinal, pid), why, synchronize=False)
         with self._lock:
             task, slot.current = slot.current, None
             timed_out = task is not None and slot.timed_out is task
@@ -926,10 +921,7 @@ def _next_message(task_r: Any) -> Any:
 def _wait_for_stop(task_r: Any, leases: devmem.WorkerLeases) -> None:
     """Keep the memory lent to the parent until it has unmapped it: the parent answers a
     restart with releases and then ``None`` (or dies: EOF)."""
-    while len(leases):
-        msg = _next_message(task_r)
-        if msg is None:
-            return
+    while leases and (msg := _next_message(task_r)) is not None:
         if msg[0] == "release":
             leases.release(msg[1])
         elif len(msg) == 4:

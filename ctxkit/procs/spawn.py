@@ -483,7 +483,7 @@ def run_task(
     try:
         fn, args, kwargs = wire.decode(data, parts, session)
         value = fn(*lead, *args, **kwargs)
-        out_data, out_parts = wire.result_bytes(fn, session.ordinal, value, threshold, session)
+        out_data, out_parts = wire.result_bytes(fn, value, threshold, session)
         fn = args = kwargs = value = None
         session.finish()
         out: tuple[Any, ...] = ("ok", out_data, out_parts, list(session.new_leases))

@@ -236,10 +236,8 @@ def sweep_blocks(child: str) -> int:
     left = [e for e in entries if e.startswith((child + "-", child + "."))]
     for name in left:
         _track(name)  # balances the untrack below whether or not the child had tracked it
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(os.path.join(_SHM_DIR, name))
-        except OSError:
-            pass
         _untrack(name)
     return len(left)
 
@@ -393,16 +391,11 @@ def by_value_reason(fn: Any) -> str:
         return "a lambda"
     if "<locals>" in qual:
         return "a nested function (closure)"
-    if getattr(fn, "__module__", None) == "__main__" and not _main_is_importable():
+    main = sys.modules.get("__main__")
+    importable = any(getattr(main, a, None) is not None for a in ("__file__", "__spec__"))
+    if getattr(fn, "__module__", None) == "__main__" and not importable:
         return "defined in an interactive session (python -c, a REPL or a notebook)"
     return ""
-
-
-def _main_is_importable() -> bool:
-    main = sys.modules.get("__main__")
-    return (
-        getattr(main, "__file__", None) is not None or getattr(main, "__spec__", None) is not None
-    )
 
 
 def check_shippable(what: str, fn: Any) -> bool:
@@ -618,25 +611,19 @@ def decode(data: bytes, parts: Sequence[Part], session: devmem.Session | None = 
 
 
 def result_bytes(
-    fn: Any,
-    ordinal: int,
-    value: Any,
-    threshold: int | None = SHM_THRESHOLD,
-    session: devmem.Session | None = None,
+    fn: Any, value: Any, threshold: int | None, session: devmem.ChildSession
 ) -> tuple[bytes, list[Part]]:
-    """Pickle a task's result for the parent; device memory goes through *session*
-    (a :class:`~ctxkit.procs.devmem.ChildSession`), whose refusal is raised as is."""
-    label = f"the result of {getattr(fn, '__qualname__', fn)!r} on device {ordinal}"
-    if session is not None:
-        session.what = label
+    """Pickle the result of task *fn* for the parent; device memory goes through
+    *session* (the task's), whose refusal is raised as is."""
+    session.what = f"the result of {getattr(fn, '__qualname__', fn)!r} on device {session.ordinal}"
     try:
         return encode(value, threshold, session)
     except Exception as exc:
-        if session is not None and session.error is not None:
+        if session.error is not None:
             raise session.error from None
         raise TypeError(
-            f"{label} cannot be pickled back to the parent ({exc}); return host data (numpy "
-            "arrays, numbers) or ctxkit device buffers and arrays"
+            f"{session.what} cannot be pickled back to the parent ({exc}); return host data "
+            "(numpy arrays, numbers) or ctxkit device buffers and arrays"
         ) from exc
 
 
