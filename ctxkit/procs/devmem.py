@@ -294,11 +294,6 @@ class Outgoing(Session):
             self.sent, buf.nbytes, ordinal, shape, dtype, handle, lease=lease, owner=owner
         )
 
-    @property
-    def affinity(self) -> int | None:
-        """The device of the first device argument (where the task best runs)."""
-        return self.ordinals[0] if self.ordinals else None
-
     def problem(self, ordinal: int, isolate: bool) -> str:
         """Why a child on device *ordinal* cannot map every argument (``""``: it can)."""
         for obj, where in zip(self.objects, self.ordinals, strict=True):

@@ -476,7 +476,7 @@ class DevicePool(Executor):
                     f"{devices.problem(self.devices[0], self._isolate)}"
                 )
         devices.synchronize()
-        return allowed, devices.affinity
+        return allowed, devices.ordinals[0]  # best run where its first device argument is
 
     # --- scheduling ----------------------------------------------------------------
 
@@ -782,8 +782,7 @@ class DevicePool(Executor):
         while not slot.result_r.closed and slot.result_r.poll():
             self._receive(slot)
         wire.sweep_blocks(slot.prefix)  # blocks of a worker killed while sending a result
-        code = slot.proc.exitcode
-        pid = slot.proc.pid
+        code, pid = slot.proc.exitcode, slot.proc.pid
         why = f"its worker {spawn.exit_reason(code)}"  # the parent's WorkerBuffers of it close
         self._book.invalidate((slot.ordinal, pid), why, synchronize=False)
         with self._lock:

@@ -348,10 +348,8 @@ class _Runner:
     running: dict[int, _Running] = dataclasses.field(default_factory=dict)  # from before start()
     failures: dict[int, DeviceTaskError] = dataclasses.field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        self.results: list[Any] = [None] * len(self.ordinals)
-
     def run(self) -> list[Any]:
+        self.results: list[Any] = [None] * len(self.ordinals)
         try:
             for i in range(len(self.ordinals)):
                 self._start(i, 1)
@@ -455,9 +453,7 @@ class _Runner:
         first = self.failures[order[0]]
         err = first
         if len(order) > 1:
-            others = "; ".join(
-                f"device {o}: {self.failures[o].kind}" for o in order[1:] if o != first.device
-            )
+            others = "; ".join(f"device {o}: {self.failures[o].kind}" for o in order[1:])
             err = copy.copy(first)  # every attribute of the first failure, a new message
             err.args = (
                 f"{len(order)} of {len(self.ordinals)} devices failed (also {others}). "
