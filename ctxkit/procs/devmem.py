@@ -248,10 +248,13 @@ class Session:
         return self.resolve(ref)
 
     def ref(self, obj: Any) -> DeviceRef:  # pragma: no cover - a side that only loads
+        """The reference that stands for *obj* in a message this side sends."""
         raise TypeError(f"{type(self).__name__} sends no device memory")
 
     def resolve(self, ref: DeviceRef) -> Any:
-        return load_ref(ref)  # a side that only sends, or a message decoded without one
+        """The object *ref* stands for on this side (here: a side that only sends, or a
+        message decoded without a session, refuses it)."""
+        return load_ref(ref)
 
 
 # --- the parent's arguments -----------------------------------------------------------

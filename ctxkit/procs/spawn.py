@@ -374,13 +374,13 @@ class _Runner:
         proc = self.ctx.Process(
             target=_child_main, args=(writer, self.payload, child), name=f"ctxkit-device-{ordinal}"
         )
-        deadline = time.monotonic() + self.timeout if self.timeout is not None else None
-        self.running[index] = _Running(index, attempt, proc, reader, deadline, child.shm_prefix)
+        c = self.running[index] = _Running(index, attempt, proc, reader, None, child.shm_prefix)
         try:
             proc.start()
             wire.count_sent(self.payload, (), self.sent)
         finally:
             writer.close()
+        c.deadline = time.monotonic() + self.timeout if self.timeout is not None else None
 
     def _step(self) -> None:
         children = list(self.running.values())
