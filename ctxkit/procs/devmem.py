@@ -167,11 +167,20 @@ def load_ref(ref: DeviceRef) -> Any:
     )
 
 
-def _split(obj: Any) -> tuple[DeviceBuffer, tuple[int, ...] | None, Any]:
+def _split(obj: Any, what: str = "") -> tuple[DeviceBuffer, tuple[int, ...] | None, Any]:
+    """A device object's buffer, shape and dtype; a ``VirtualBuffer`` (which cannot
+    travel) is refused, naming *what* sends it."""
     from ..memory.device import DeviceArray
+    from ..memory.vmm import VirtualBuffer
 
     if isinstance(obj, DeviceArray):
         return obj.buffer, obj.shape, obj.dtype
+    if isinstance(obj, VirtualBuffer):
+        raise TypeError(
+            f"{what}: {obj!r} cannot travel to another process as an argument or result; "
+            "pass a DeviceBuffer (cuMemAlloc memory), or share it yourself with "
+            "ctxkit.memory.export_buffer(vb) (a VirtualBuffer(..., shareable=True))"
+        )
     return obj, None, None
 
 
@@ -187,17 +196,6 @@ def _empty(context: Any) -> DeviceBuffer:
     return DeviceBuffer(0, context=context)
 
 
-def _refuse_virtual(obj: Any, what: str) -> None:
-    from ..memory.vmm import VirtualBuffer
-
-    if isinstance(obj, VirtualBuffer):
-        raise TypeError(
-            f"{what}: {obj!r} cannot travel to another process as an argument or result; "
-            "pass a DeviceBuffer (cuMemAlloc memory), or share it yourself with "
-            "ctxkit.memory.export_buffer(vb) (a VirtualBuffer(..., shareable=True))"
-        )
-
-
 def _export(obj: Any, what: str) -> IpcBufferHandle:
     from ..memory.ipc import IpcBufferHandle, export_buffer
 
@@ -211,17 +209,58 @@ def _export(obj: Any, what: str) -> IpcBufferHandle:
     return handle
 
 
-def _unique_contexts(bufs: list[DeviceBuffer]) -> list[Any]:
+def _unique_contexts(bufs: Iterable[DeviceBuffer]) -> list[Any]:
     seen: dict[int, Any] = {}
     for b in bufs:
         seen.setdefault(id(b.context), b.context)
     return list(seen.values())
 
 
+class Session:
+    """One side of the device memory in a message (``wire``'s picklers call it).
+
+    :meth:`reduce` puts a :class:`DeviceRef` in a device object's place when pickling
+    (a refusal is kept in ``error``, which the caller raises as is); :meth:`load`
+    resolves one when unpickling. Both count what they handled.
+    """
+
+    def __init__(self, what: str = "") -> None:
+        self.what = what
+        self.error: BaseException | None = None
+        self.sent = self.sent_bytes = 0
+        self.received = self.received_bytes = 0
+
+    def reduce(self, obj: Any) -> tuple[Any, tuple[DeviceRef]]:
+        """``reducer_override`` of a device object: a reference in its place."""
+        try:
+            ref = self.ref(obj)
+        except BaseException as exc:
+            self.error = exc
+            raise
+        self.sent += 1
+        self.sent_bytes += ref.nbytes
+        return (load_ref, (ref,))
+
+    def load(self, ref: DeviceRef) -> Any:
+        """This process's object for a reference in a message it received."""
+        self.received += 1
+        self.received_bytes += ref.nbytes
+        return self.resolve(ref)
+
+    def ref(self, obj: Any) -> DeviceRef:  # pragma: no cover - a side that only loads
+        """The reference that stands for *obj* in a message this side sends."""
+        raise TypeError(f"{type(self).__name__} sends no device memory")
+
+    def resolve(self, ref: DeviceRef) -> Any:
+        """The object *ref* stands for on this side (here: a side that only sends, or a
+        message decoded without a session, refuses it)."""
+        return load_ref(ref)
+
+
 # --- the parent's arguments -----------------------------------------------------------
 
 
-class Outgoing:
+class Outgoing(Session):
     """The device memory among one task's arguments, found while they are pickled.
 
     :attr:`objects` holds each such object (argument ``k`` at index ``k``) until
@@ -229,32 +268,12 @@ class Outgoing:
     """
 
     def __init__(self, what: str) -> None:
-        self.what = what
+        super().__init__(what)
         self.objects: list[Any] = []
         self.ordinals: list[int] = []
-        self.nbytes = 0
-        self._bufs: list[DeviceBuffer] = []
-        self.error: BaseException | None = None
-        self.received = self.received_bytes = 0  # (a session that only sends)
 
-    def __len__(self) -> int:
-        return len(self.ordinals)
-
-    def load(self, ref: DeviceRef) -> Any:  # pragma: no cover - the parent never loads args
-        raise TypeError("Outgoing only sends")
-
-    def reduce(self, obj: Any) -> tuple[Any, tuple[DeviceRef]]:
-        """``reducer_override`` of a device object: a reference in its place."""
-        try:
-            ref = self._ref(obj)
-        except BaseException as exc:
-            self.error = exc
-            raise
-        return (load_ref, (ref,))
-
-    def _ref(self, obj: Any) -> DeviceRef:
-        _refuse_virtual(obj, self.what)
-        buf, shape, dtype = _split(obj)
+    def ref(self, obj: Any) -> DeviceRef:
+        buf, shape, dtype = _split(obj, self.what)
         if buf.closed:
             try:
                 buf.ptr  # noqa: B018 - raises the buffer's own reason
@@ -271,21 +290,15 @@ class Outgoing:
                 handle, lease, owner = lent
             else:
                 handle = _export(obj, self.what)
-        k = len(self.objects)
         ordinal = buf.context.device.ordinal
         self.objects.append(obj)
         self.ordinals.append(ordinal)
-        self._bufs.append(buf)
-        self.nbytes += buf.nbytes
-        return DeviceRef(k, buf.nbytes, ordinal, shape, dtype, handle, lease=lease, owner=owner)
+        return DeviceRef(
+            self.sent, buf.nbytes, ordinal, shape, dtype, handle, lease=lease, owner=owner
+        )
 
-    @property
-    def affinity(self) -> int | None:
-        """The device of the first device argument (where the task best runs)."""
-        return self.ordinals[0] if self.ordinals else None
-
-    def check_target(self, ordinal: int, isolate: bool) -> None:
-        """Raise ``ValueError`` unless a child on device *ordinal* can map every argument."""
+    def problem(self, ordinal: int, isolate: bool) -> str:
+        """Why a child on device *ordinal* cannot map every argument (``""``: it can)."""
         for obj, where in zip(self.objects, self.ordinals, strict=True):
             if where == ordinal:
                 continue
@@ -297,43 +310,37 @@ class Outgoing:
                 f".copy_from(buf)), or run the task on device {where}"
             )
             if isolate:
-                raise ValueError(
+                return (
                     f"{head} in a process that sees only its own device (isolate=True), "
                     f"which cannot map another device's memory: {fix}, or run without isolate"
                 )
             if not Device(ordinal).can_access_peer(where):
-                raise ValueError(
+                return (
                     f"{head}, which cannot access device {where}'s memory "
                     f"(cuDeviceCanAccessPeer({ordinal}, {where}) is 0), so the child could not "
                     f"map it: {fix}"
                 )
+        return ""
 
-    def mappable_on(self, ordinals: list[int], isolate: bool) -> list[int]:
-        """The devices among *ordinals* whose child can map every argument."""
-        out = []
-        for o in ordinals:
-            try:
-                self.check_target(o, isolate)
-            except ValueError:
-                continue
-            out.append(o)
-        return out
+    def check_target(self, ordinal: int, isolate: bool) -> None:
+        """Raise ``ValueError`` unless a child on device *ordinal* can map every argument."""
+        why = self.problem(ordinal, isolate)
+        if why:
+            raise ValueError(why)
 
     def synchronize(self) -> None:
         """Wait for the work queued in each argument's context (the ordering rule)."""
-        for ctx in _unique_contexts(self._bufs):
+        for ctx in _unique_contexts(_split(obj)[0] for obj in self.objects):
             ctx.synchronize()
 
     def rebuild(self, ref: DeviceRef) -> Any:
         """The parent's object for a result that lies in device argument ``ref.arg``."""
-        import numpy as np
-
         if ref.arg is None or not 0 <= ref.arg < len(self.objects):
             raise RuntimeError(f"a result refers to device argument {ref.arg}, which was not sent")
         base = self.objects[ref.arg]
         buf, shape, dtype = _split(base)
         whole = ref.offset == 0 and ref.nbytes == buf.nbytes
-        if whole and ref.shape == shape and (shape is None or np.dtype(ref.dtype) == dtype):
+        if whole and ref.shape == shape and ref.dtype == dtype:
             return base
         part = buf if whole else buf[ref.offset : ref.offset + ref.nbytes]
         return _wrap(part, ref)
@@ -341,31 +348,28 @@ class Outgoing:
     def release(self) -> None:
         """The task is over: stop holding the memory."""
         self.objects = []
-        self._bufs = []
 
 
 # --- the child's side of one task -----------------------------------------------------
 
 
-class WorkerLeases:
-    """Device memory a pool worker returned, kept alive until the parent releases it."""
+class WorkerLeases(dict[int, tuple[Any, Any]]):
+    """Device memory a pool worker returned, kept alive until the parent releases it:
+    ``{lease: (object, its IpcBufferHandle)}``."""
 
     def __init__(self) -> None:
-        self._kept: dict[int, tuple[Any, IpcBufferHandle]] = {}
+        super().__init__()
         self._ids = itertools.count(1)
-
-    def __len__(self) -> int:
-        return len(self._kept)
 
     def keep(self, obj: Any, handle: IpcBufferHandle) -> int:
         lease = next(self._ids)
-        self._kept[lease] = (obj, handle)
+        self[lease] = (obj, handle)
         return lease
 
     def view(self, lease: int, handle: IpcBufferHandle, nbytes: int) -> DeviceBuffer:
         """This worker's own memory, sent back to it: the bytes *handle* names."""
         try:
-            obj, mine = self._kept[lease]
+            obj, mine = self[lease]
         except KeyError:
             raise RuntimeError(
                 f"the parent sent memory of lease {lease}, which this worker has already released"
@@ -378,45 +382,33 @@ class WorkerLeases:
 
     def release(self, leases: list[int] | tuple[int, ...]) -> None:
         for lease in leases:
-            self._kept.pop(lease, None)
-
-    def clear(self) -> None:
-        self._kept.clear()
+            self.pop(lease, None)
 
 
-class ChildSession:
+class ChildSession(Session):
     """Device memory of one task in its child: the arguments it maps, the results it
     exports (pool workers) or refuses (``run_per_device``, *leases* ``None``).
 
     *context* is where arguments are mapped (``None``: the registry's context of the
-    memory's device); *ordinal* the task's device as the parent numbers it.
+    memory's device); *ordinal* the task's device as the parent numbers it (what result
+    references name).
     """
 
-    def __init__(self, context: Any, leases: WorkerLeases | None, ordinal: int | None) -> None:
+    def __init__(self, context: Any, leases: WorkerLeases | None, ordinal: int) -> None:
+        super().__init__("the task's result")
         self.context = context
         self.leases = leases
         self.ordinal = ordinal
-        self.label = "the task's result"
         self.args: dict[int, tuple[Any, DeviceBuffer]] = {}
         self.imports: list[DeviceBuffer] = []
         self.exported: list[DeviceBuffer] = []
         self.new_leases: list[int] = []
-        self.received = self.received_bytes = 0
-        self.sent = self.sent_bytes = 0
-        self._count = itertools.count()
-        self.error: BaseException | None = None
-
-    @property
-    def used(self) -> bool:
-        return bool(self.args or self.exported)
 
     # receiving the arguments
-    def load(self, ref: DeviceRef) -> Any:
+    def resolve(self, ref: DeviceRef) -> Any:
         buf = self._map(ref)
         obj = _wrap(buf, ref)
         self.args[ref.index] = (obj, buf)
-        self.received += 1
-        self.received_bytes += ref.nbytes
         return obj
 
     def _map(self, ref: DeviceRef) -> DeviceBuffer:
@@ -431,81 +423,60 @@ class ChildSession:
         return buf
 
     # sending the result
-    def reduce(self, obj: Any) -> tuple[Any, tuple[DeviceRef]]:
-        try:
-            ref = self._result_ref(obj)
-        except BaseException as exc:
-            self.error = exc
-            raise
-        return (load_ref, (ref,))
-
-    def _result_ref(self, obj: Any) -> DeviceRef:
-        _refuse_virtual(obj, self.label)
-        buf, shape, dtype = _split(obj)
+    def ref(self, obj: Any) -> DeviceRef:
+        buf, shape, dtype = _split(obj, self.what)
         ptr, n = buf.ptr, buf.nbytes
-        index = next(self._count)
-        self.sent += 1
-        self.sent_bytes += n
-        ordinal = self.ordinal if self.ordinal is not None else buf.context.device.ordinal
+        make = functools.partial(DeviceRef, self.sent, n, self.ordinal, shape, dtype)
         for k, (arg, abuf) in self.args.items():
             if arg is obj or abuf is buf:
-                return DeviceRef(index, n, ordinal, shape, dtype, arg=k)
+                return make(arg=k)
         if n == 0:
-            return DeviceRef(index, 0, ordinal, shape, dtype)
+            return make()
         for k, (_arg, abuf) in self.args.items():
             if abuf.closed or not abuf.nbytes:
                 continue
             if abuf.ptr <= ptr and ptr + n <= abuf.ptr + abuf.nbytes:
-                return DeviceRef(index, n, ordinal, shape, dtype, arg=k, offset=ptr - abuf.ptr)
+                return make(arg=k, offset=ptr - abuf.ptr)
         if self.leases is None:
             raise TypeError(
-                f"run_per_device: {self.label} holds {obj!r}, device memory allocated in the "
+                f"run_per_device: {self.what} holds {obj!r}, device memory allocated in the "
                 "child, which is freed when the child exits. Return host data (.to_host(), "
                 ".copy_to_host()), write into a buffer passed as an argument (its memory is "
                 "the parent's), or use a DevicePool, whose workers keep returned device memory "
                 "alive for the parent"
             )
-        handle = _export(obj, self.label)
+        handle = _export(obj, self.what)
         lease = self.leases.keep(obj, handle)
         self.new_leases.append(lease)
         self.exported.append(buf)
-        return DeviceRef(
-            index, n, ordinal, shape, dtype, handle, lease=lease, owner=process_token()
-        )
+        return make(handle=handle, lease=lease, owner=process_token())
 
     # the end of the task
     def finish(self) -> None:
         """The task returned: wait for the work it queued on device memory in every
-        context involved (``cuCtxSynchronize``), then unmap the arguments."""
-        if self.used:
-            for ctx in self._contexts():
-                ctx.synchronize()
-        self._close()
+        context involved (``cuCtxSynchronize``), then unmap the arguments (also when
+        that fails)."""
+        imports, self.imports = self.imports, []
+        try:
+            if self.args or self.exported:
+                ctxs = _unique_contexts([b for _o, b in self.args.values()] + self.exported)
+                if self.context is not None and all(c is not self.context for c in ctxs):
+                    ctxs.append(self.context)
+                for ctx in ctxs:
+                    ctx.synchronize()
+        finally:
+            self.args = {}
+            for buf in imports:
+                buf.close()
 
     def abandon(self) -> None:
         """The task failed: best-effort :meth:`finish`, and forget what it exported."""
         with contextlib.suppress(Exception):
-            if self.used:
-                for ctx in self._contexts():
-                    ctx.synchronize()
-        self._close()
+            self.finish()
         if self.leases is not None:
             self.leases.release(self.new_leases)
         self.new_leases = []
         self.exported = []
-
-    def _contexts(self) -> list[Any]:
-        bufs = [b for _o, b in self.args.values()] + self.exported
-        ctxs = _unique_contexts(bufs)
-        if self.context is not None and all(c is not self.context for c in ctxs):
-            ctxs.append(self.context)
-        return ctxs
-
-    def _close(self) -> None:
-        imports, self.imports = self.imports, []
-        self.args = {}
-        for buf in imports:
-            buf.close()
 
 
 # --- memory a pool worker lent the parent -------------------------------------------
@@ -541,28 +512,18 @@ class LeaseBook:
 
     def enqueue(self, key: WorkerKey, leases: Iterable[int]) -> None:
         """Queue releases of *key*'s leases for the manager to send."""
-        added = False
-        for lease in leases:
-            self._released.append((key, lease))
-            added = True
-        if added:
+        queued = [(key, lease) for lease in leases]
+        if queued:
+            self._released.extend(queued)
             self._wake()
 
     def drain(self) -> dict[WorkerKey, list[int]]:
         """The queued releases, by worker (and the queue emptied)."""
         out: dict[WorkerKey, list[int]] = {}
-        while True:
-            try:
-                key, lease = self._released.popleft()
-            except IndexError:
-                return out
+        while self._released:  # one consumer at a time: the pool drains under its lock
+            key, lease = self._released.popleft()
             out.setdefault(key, []).append(lease)
-
-    def live(self, key: WorkerKey | None = None) -> int:
-        """Open ``WorkerBuffer``s (of worker *key*, or of every worker)."""
-        with self._lock:
-            sets = [self._live.get(key, ())] if key is not None else list(self._live.values())
-            return sum(1 for s in sets for b in list(s) if not b.closed)
+        return out
 
     def workers(self) -> list[WorkerKey]:
         """The workers that have lent buffers (open or not yet forgotten)."""
@@ -571,69 +532,56 @@ class LeaseBook:
 
     def invalidate(self, key: WorkerKey, why: str, synchronize: bool) -> int:
         """Close every ``WorkerBuffer`` of worker *key*, which is exiting or gone; using
-        one afterwards raises ``ContextClosedError`` saying *why*. With *synchronize*,
-        first wait for the work queued in their contexts. Returns how many were open."""
+        one afterwards raises ``ContextClosedError`` saying *why* and what to do instead.
+        With *synchronize*, first wait for the work queued in their contexts. Returns how
+        many were open."""
         with self._lock:
             bufs = [b for b in list(self._live.pop(key, ())) if not b.closed]
         if synchronize:
-            seen: set[int] = set()
-            for b in bufs:
-                if id(b.context) not in seen:
-                    seen.add(id(b.context))
-                    try:
-                        b.context.synchronize()
-                    except Exception:  # a poisoned context: close anyway
-                        pass
+            for ctx in _unique_contexts(bufs):
+                with contextlib.suppress(Exception):  # a poisoned context: close anyway
+                    ctx.synchronize()
         if bufs:
             from .workerbuffer import revoke
 
+            ordinal, pid = key
             for b in bufs:
-                revoke(b, why)
+                revoke(
+                    b,
+                    f"{why}: the worker of device {ordinal} (pid {pid}) held this memory, "
+                    "which this process may no longer use. Copy what must outlive the worker "
+                    "(copy_to_host, copy_to, a new DeviceBuffer) while the pool still runs",
+                )
         return len(bufs)
-
-
-def gone_message(key: WorkerKey, why: str) -> str:
-    """Why a ``WorkerBuffer`` of worker *key* was closed, and what to do instead."""
-    ordinal, pid = key
-    return (
-        f"{why}: the worker of device {ordinal} (pid {pid}) held this memory, which this "
-        "process may no longer use. Copy what must outlive the worker (copy_to_host, "
-        "copy_to, a new DeviceBuffer) while the pool still runs"
-    )
 
 
 # --- the parent receiving a result ----------------------------------------------------
 
 
-class ResultLoader:
+class ResultLoader(Session):
     """Device memory in a task's result, as objects of the parent.
 
-    An argument reference gives the parent's own object (:meth:`Outgoing.rebuild`); a
+    An argument reference gives the parent's own object among *args*
+    (:meth:`Outgoing.rebuild`); a
     pool worker's memory a :class:`~ctxkit.procs.WorkerBuffer` from *book*.
     ``adopted`` lists the leases that became buffers (the others must be released when
     loading fails).
     """
 
     def __init__(
-        self, sent: Outgoing | None, book: LeaseBook | None, key: WorkerKey | None
+        self, args: Outgoing | None, book: LeaseBook | None, key: WorkerKey | None
     ) -> None:
-        self.sent = sent
+        super().__init__()
+        self.args = args
         self.book = book
         self.key = key
         self.adopted: set[int] = set()
-        self.error: BaseException | None = None
-        self.received = self.received_bytes = 0
 
-    def reduce(self, obj: Any) -> Any:  # pragma: no cover - a loader never pickles
-        raise TypeError("ResultLoader only loads")
-
-    def load(self, ref: DeviceRef) -> Any:
-        self.received += 1
-        self.received_bytes += ref.nbytes
+    def resolve(self, ref: DeviceRef) -> Any:
         if ref.arg is not None:
-            if self.sent is None:
+            if self.args is None:
                 raise RuntimeError("a result refers to a device argument, but none was sent")
-            return self.sent.rebuild(ref)
+            return self.args.rebuild(ref)
         if ref.handle is None:
             return _wrap(_empty(ref.device), ref)
         if self.book is None or self.key is None or ref.lease is None:

@@ -8,8 +8,17 @@ in shared memory within the pool's budget), and the manager thread
 sentinel, and on a wake-up pipe: it completes futures with their results, stops a worker
 whose task ran past its timeout, replaces workers that died or hit a sticky CUDA error,
 marks a device whose worker cannot start as broken, and sends idle workers the releases
-of the device memory they lent (:class:`~.devmem.LeaseBook`). The worker's side is
-:mod:`.worker`.
+of the device memory they lent (:class:`~.devmem.LeaseBook`).
+
+The worker process's side (:func:`worker_main`, at the end): set up once, then run tasks
+until told to stop. Messages from the parent: ``(task_id, data, parts, releases)`` (a
+task, after the leases it releases), ``("release", leases)`` (sent while the worker is
+idle) and ``None`` (exit). Replies: ``("ready", pid)``, ``("init_error", desc)`` and
+``("result", task_id, out, restart)`` with ``out`` = ``("ok", data, parts, leases)``
+(``leases``: the device memory of the result this worker now keeps for the parent) or
+``("error", desc)``. A worker that must restart (a sticky CUDA error) while it still
+keeps memory for the parent waits for the parent's ``None``: the parent closes its
+mappings of that memory first.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import itertools
 import multiprocessing.connection
 import multiprocessing.util  # its atexit hook must be registered before ours
 import os
+import pickle
 import threading
 import time
 import weakref
@@ -33,9 +43,8 @@ from typing import Any
 from ..device import Device
 from ..errors import DeviceTaskError
 from . import devmem, spawn, wire
-from .devmem import LeaseBook, WorkerKey, gone_message
+from .devmem import LeaseBook, WorkerKey
 from .wire import SHM_THRESHOLD
-from .worker import worker_main
 
 __all__ = ["DevicePool", "TaskOptions"]
 
@@ -60,14 +69,7 @@ class TaskOptions:
     timeout: float | None = None
 
     def __post_init__(self) -> None:
-        check_timeout(self.timeout, "TaskOptions(timeout=)")
-
-
-def check_timeout(timeout: float | None, what: str) -> None:
-    if timeout is None:
-        return
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"{what} must be a positive number of seconds or None, not {timeout!r}")
+        spawn.check_timeout(self.timeout, "TaskOptions(timeout=)")
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -96,7 +98,6 @@ class Slot:
     """
 
     ordinal: int
-    bind_ordinal: int
     visible: str | None
     proc: Any = None
     task_w: Any = None
@@ -125,22 +126,18 @@ def lost_error(
     """The error of a task whose worker died under it (or was stopped for its timeout)."""
     head = f"task {task.label} on device {slot.ordinal}"
     if timed_out:
-        return DeviceTaskError(
+        kind = "timeout"
+        msg = (
             f"{head} did not finish within {task.timeout:g} s: worker process {pid} was "
-            f"stopped ({spawn.exit_reason(code)}) and replaced",
-            device=slot.ordinal,
-            kind="timeout",
-            pid=pid,
-            exitcode=code,
+            f"stopped ({spawn.exit_reason(code)}) and replaced"
         )
-    return DeviceTaskError(
-        f"{head}: worker process {pid} {spawn.exit_reason(code)} while running it; the "
-        f"worker was replaced. {spawn.death_hint(code)}",
-        device=slot.ordinal,
-        kind="crash",
-        pid=pid,
-        exitcode=code,
-    )
+    else:
+        kind = "crash"
+        msg = (
+            f"{head}: worker process {pid} {spawn.exit_reason(code)} while running it; the "
+            f"worker was replaced. {spawn.death_hint(code)}"
+        )
+    return DeviceTaskError(msg, device=slot.ordinal, kind=kind, pid=pid, exitcode=code)
 
 
 def terminated_error(slot: Slot | None, task: Task) -> DeviceTaskError:
@@ -243,7 +240,7 @@ class DevicePool(Executor):
         if initializer is not None:
             by_value = wire.check_shippable("DevicePool(initializer=)", initializer)
         wire.check_main("DevicePool")
-        check_timeout(task_timeout, "task_timeout")
+        spawn.check_timeout(task_timeout, "task_timeout")
         if shm_limit is not None and (isinstance(shm_limit, bool) or shm_limit < 0):
             raise ValueError(f"shm_limit must be a byte count >= 0 or None, not {shm_limit!r}")
         self._init_payload = wire.dumps(
@@ -251,12 +248,11 @@ class DevicePool(Executor):
         )
         ordinals = spawn.resolve_ordinals(devices, _bind)
         visible = spawn.visible_for(ordinals, isolate)
-        self._slots = [
-            Slot(o, 0 if isolate else o, v) for o, v in zip(ordinals, visible, strict=True)
-        ]
+        self._slots = [Slot(o, v) for o, v in zip(ordinals, visible, strict=True)]
         self._by_ordinal = {s.ordinal: s for s in self._slots}
         self._threshold = shm_threshold
-        self._shm_limit = _default_shm_limit() if shm_limit is None else shm_limit
+        # default: half of /dev/shm; no limit where there is none to measure
+        self._shm_limit = (wire.shm_space()[1] // 2 or 1 << 62) if shm_limit is None else shm_limit
         self._shm_used = 0
         self._shm_lock = threading.Lock()
         self._task_timeout = task_timeout
@@ -269,7 +265,9 @@ class DevicePool(Executor):
         self._shutdown = False
         self._terminating = False
         self._wake_r, self._wake_w = self._ctx.Pipe(duplex=False)
-        self._book = LeaseBook(functools.partial(_wake_through, self._wake_w))
+        # wakes the manager thread; for the lease book too (finalizers, any thread)
+        self._wake = functools.partial(_wake_through, self._wake_w)
+        self._book = LeaseBook(self._wake)
         self._manager = threading.Thread(target=self._manage, name="ctxkit-devicepool", daemon=True)
         self._manager.start()
         _live_pools.add(self)
@@ -375,7 +373,7 @@ class DevicePool(Executor):
         if not self._owned():
             return
         for key in self._book.workers():
-            self._book.invalidate(key, gone_message(key, "the DevicePool was terminated"), False)
+            self._book.invalidate(key, "the DevicePool was terminated", False)
         with self._lock:
             self._shutdown = True
             self._terminating = True
@@ -402,9 +400,6 @@ class DevicePool(Executor):
         self._wake()
         if threading.current_thread() is not self._manager:
             self._manager.join()
-
-    def __enter__(self) -> DevicePool:
-        return self
 
     def __exit__(self, exc_type: Any, *exc: object) -> None:
         if exc_type is None:
@@ -446,23 +441,20 @@ class DevicePool(Executor):
             # sent before submit() returns, or copied first: the caller may reuse its arrays
             task.ready = (slot.state == "idle" and not slot.pending) or not payload.buffers
             slot.pending.append(task)
-            nxt = self._take(slot) if slot.state == "idle" else None
+            nxt = self._take(slot) if slot.state == "idle" else None  # this thread sends it
         self._send(slot, nxt)
         if not task.ready:
             try:
                 payload.snapshot()
             except BaseException:  # e.g. MemoryError: the task never was
-                with self._lock:
-                    with contextlib.suppress(ValueError):
-                        slot.pending.remove(task)
-                    nxt = self._take(slot) if slot.state == "idle" else None
-                self._send(slot, nxt)
+                with self._lock, contextlib.suppress(ValueError):
+                    slot.pending.remove(task)
+                self._feed(slot)
                 task.future.cancel()
                 raise
             with self._lock:
                 task.ready = True
-                nxt = self._take(slot) if slot.state == "idle" else None
-            self._send(slot, nxt)
+            self._feed(slot)
         return task.future
 
     def _placement(
@@ -476,17 +468,15 @@ class DevicePool(Executor):
             devices.check_target(spawn.ordinal_of(options.device, False), self._isolate)
             allowed = None
         else:
-            allowed = devices.mappable_on(self.devices, self._isolate)
+            allowed = [o for o in self.devices if not devices.problem(o, self._isolate)]
             if not allowed:
-                try:
-                    devices.check_target(self.devices[0], self._isolate)
-                except ValueError as exc:
-                    raise ValueError(
-                        f"no device of this pool {self.devices} can map the task's device "
-                        f"arguments; on device {self.devices[0]}: {exc}"
-                    ) from None
+                raise ValueError(
+                    f"no device of this pool {self.devices} can map the task's device "
+                    f"arguments; on device {self.devices[0]}: "
+                    f"{devices.problem(self.devices[0], self._isolate)}"
+                )
         devices.synchronize()
-        return allowed, devices.affinity
+        return allowed, devices.ordinals[0]  # best run where its first device argument is
 
     # --- scheduling ----------------------------------------------------------------
 
@@ -539,6 +529,12 @@ class DevicePool(Executor):
             self._stop_worker(slot)
         return None
 
+    def _feed(self, slot: Slot) -> None:
+        """Send an idle worker its next task, if there is one ready (no lock held)."""
+        with self._lock:
+            task = self._take(slot) if slot.state == "idle" else None
+        self._send(slot, task)
+
     def _send(self, slot: Slot, task: Task | None) -> None:
         """Put *task*'s buffers in shared memory (within the budget) and send it (no lock;
         nothing to do for ``None``, what :meth:`_take` gives when there is no task)."""
@@ -548,14 +544,12 @@ class DevicePool(Executor):
             parts, used = task.payload.parts(self._reserve, self._unreserve)
         except BaseException as exc:
             with self._lock:
-                mine = slot.current is task
-                if mine:
+                if slot.current is task:
                     slot.current = None
                     if slot.state == "busy":
                         slot.state = "idle"
-                nxt = self._take(slot) if mine and slot.state == "idle" else None
             task.future.set_exception(exc)
-            self._send(slot, nxt)
+            self._feed(slot)
             return
         with self._lock, self._shm_lock:
             mine = slot.current is task
@@ -575,9 +569,7 @@ class DevicePool(Executor):
         try:
             with slot.send_lock:
                 conn.send((task.id, task.payload.data, parts, releases))
-            devices = task.payload.devices
-            n, nbytes = (len(devices), devices.nbytes) if devices is not None else (0, 0)
-            wire.count_sent(task.payload.data, parts, n, nbytes)
+            wire.count_sent(task.payload.data, parts, task.payload.devices)
         except (OSError, ValueError):  # the worker is gone: run it on the replacement
             self._drop(task, keep_payload=True)
             task.payload.snapshot()  # submit() may have returned by the time it is resent
@@ -616,10 +608,6 @@ class DevicePool(Executor):
             slot.stop_pending = slot.proc.pid
         self._wake()
 
-    def _wake(self) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            self._wake_w.send_bytes(b"w")
-
     def _collect_releases(self) -> None:
         """Move the book's queued releases to their live workers' slots (lock held);
         those of workers that are gone are dropped."""
@@ -631,21 +619,10 @@ class DevicePool(Executor):
     def _spawn(self, slot: Slot) -> None:
         result_r, result_w = self._ctx.Pipe(duplex=False)
         task_r, task_w = self._ctx.Pipe(duplex=False)
-        prefix = wire.child_shm_prefix()
+        child = spawn.Child(slot.ordinal, slot.visible, self._bind)
         proc = self._ctx.Process(
             target=worker_main,
-            args=(
-                task_r,
-                result_w,
-                slot.ordinal,
-                slot.bind_ordinal,
-                slot.visible,
-                self._bind,
-                os.getpid(),
-                self._threshold,
-                self._init_payload,
-                prefix,
-            ),
+            args=(task_r, result_w, child, self._threshold, self._init_payload),
             name=f"ctxkit-pool-device-{slot.ordinal}",
         )
         try:
@@ -657,7 +634,8 @@ class DevicePool(Executor):
         finally:
             result_w.close()
             task_r.close()
-        slot.proc, slot.result_r, slot.task_w, slot.prefix = proc, result_r, task_w, prefix
+        slot.proc, slot.result_r, slot.task_w = proc, result_r, task_w
+        slot.prefix = child.shm_prefix
         slot.state = "starting"
         slot.deadline = slot.kill_at = slot.timed_out = slot.stop_pending = None
         slot.releases = []
@@ -726,13 +704,7 @@ class DevicePool(Executor):
                     s.releases = []
                 elif s.releases and s.state in ("stopping", "dead", "broken"):
                     s.releases = []
-            stops = [
-                s
-                for s in self._slots
-                if s.proc is not None
-                and s.stop_pending is not None
-                and s.stop_pending == s.proc.pid
-            ]
+            stops = [s for s in self._slots if s.proc is not None and s.stop_pending == s.proc.pid]
             for s in self._slots:
                 s.stop_pending = None
         for s, leases in idle:
@@ -747,16 +719,9 @@ class DevicePool(Executor):
                 if s.state == "restarting"
                 else "the DevicePool that returned it was shut down"
             )
-            self._close_lent(s, why, synchronize=True)
+            self._book.invalidate((s.ordinal, s.proc.pid), why, synchronize=True)
             with s.send_lock, contextlib.suppress(OSError, ValueError):
                 s.task_w.send(None)
-
-    def _close_lent(self, slot: Slot, why: str, synchronize: bool) -> None:
-        """Close the parent's ``WorkerBuffer``s of *slot*'s worker (exiting or gone)."""
-        if slot.proc is None:
-            return
-        key = (slot.ordinal, slot.proc.pid)
-        self._book.invalidate(key, gone_message(key, why), synchronize)
 
     def _receive(self, slot: Slot) -> None:
         try:
@@ -767,11 +732,9 @@ class DevicePool(Executor):
         kind = msg[0]
         if kind == "ready":
             with self._lock:
-                nxt = None
                 if slot.state == "starting":
                     slot.state = "idle"
-                    nxt = self._take(slot)
-            self._send(slot, nxt)
+            self._feed(slot)
         elif kind == "init_error":
             head = f"DevicePool worker for device {slot.ordinal} failed to start"
             err = wire.error_from(msg[1], slot.ordinal, slot.proc.pid, None, 1, head, "init")
@@ -781,7 +744,6 @@ class DevicePool(Executor):
             self._complete(slot, msg[1], msg[2], msg[3])
 
     def _complete(self, slot: Slot, task_id: int, out: Any, restart: bool) -> None:
-        nxt = None
         pid = slot.proc.pid
         key: WorkerKey = (slot.ordinal, pid)
         with self._lock:
@@ -795,43 +757,34 @@ class DevicePool(Executor):
                     slot.stop_pending = pid  # once its lent memory is unmapped here
                 elif slot.state == "busy":
                     slot.state = "idle"
-                    nxt = self._take(slot)
         sent = None
         if task is not None:
             sent, task.payload.devices = task.payload.devices, None  # results may refer to them
             self._drop(task)  # the worker has let go of the arguments' blocks
-        self._send(slot, nxt)
+        self._feed(slot)
         if task is None:
             if out[0] == "ok":
                 wire.discard_blocks(out[2])
                 self._book.enqueue(key, out[3])
             return
+        loader = devmem.ResultLoader(sent, self._book, key)
         head = f"task {task.label} on device {slot.ordinal}"
-        if out[0] == "ok":
-            loader = devmem.ResultLoader(sent, self._book, key)
-            try:
-                value = wire.decode(out[1], out[2], loader)
-            except Exception as exc:
-                self._book.enqueue(key, [lease for lease in out[3] if lease not in loader.adopted])
-                desc = wire.describe_exception(exc)
-                task.future.set_exception(
-                    wire.error_from(
-                        desc, slot.ordinal, pid, None, 1, head + ": result not loadable"
-                    )
-                )
-            else:
-                task.future.set_result(value)
-        else:
-            task.future.set_exception(wire.error_from(out[1], slot.ordinal, pid, None, 1, head))
+        value, err = wire.outcome(out, loader, head, slot.ordinal, pid)
+        if err is None:
+            task.future.set_result(value)
+            return
+        if out[0] == "ok":  # not loadable: the leases it did not map are released
+            self._book.enqueue(key, [lease for lease in out[3] if lease not in loader.adopted])
+        task.future.set_exception(err)
 
     def _exited(self, slot: Slot) -> None:
         slot.proc.join()
         while not slot.result_r.closed and slot.result_r.poll():
             self._receive(slot)
         wire.sweep_blocks(slot.prefix)  # blocks of a worker killed while sending a result
-        code = slot.proc.exitcode
-        pid = slot.proc.pid
-        self._close_lent(slot, f"its worker {spawn.exit_reason(code)}", synchronize=False)
+        code, pid = slot.proc.exitcode, slot.proc.pid
+        why = f"its worker {spawn.exit_reason(code)}"  # the parent's WorkerBuffers of it close
+        self._book.invalidate((slot.ordinal, pid), why, synchronize=False)
         with self._lock:
             task, slot.current = slot.current, None
             timed_out = task is not None and slot.timed_out is task
@@ -890,15 +843,9 @@ class DevicePool(Executor):
 
 
 def _wake_through(conn: Any) -> None:
-    """Wake the manager thread (for the lease book: from finalizers, any thread)."""
+    """Wake the manager thread (its wake-up pipe is *conn*, not the pool: no cycle)."""
     with contextlib.suppress(OSError, ValueError):
         conn.send_bytes(b"r")
-
-
-def _default_shm_limit() -> int:
-    """Half of ``/dev/shm``; no limit where there is no ``/dev/shm`` to measure."""
-    total = wire.shm_space()[1]
-    return total // 2 if total else 1 << 62
 
 
 @atexit.register
@@ -907,3 +854,74 @@ def _terminate_live_pools() -> None:
         if pool._owned():  # a forked child must not stop its parent's workers
             with contextlib.suppress(Exception):
                 pool.terminate()
+
+
+# --- the worker process ------------------------------------------------------------
+
+
+def worker_main(
+    task_r: Any, result_w: Any, child: spawn.Child, threshold: int | None, init_payload: bytes
+) -> None:
+    """Entry point of a ``DevicePool`` worker (spawned)."""
+    with contextlib.ExitStack() as stack:
+        try:
+            ctx = stack.enter_context(child.setup())
+            initializer, initargs = pickle.loads(init_payload)
+            if initializer is not None:
+                initializer(*initargs)
+        except BaseException as exc:
+            with contextlib.suppress(Exception):
+                result_w.send(("init_error", wire.describe_exception(exc)))
+            return
+        result_w.send(("ready", os.getpid()))
+        _serve(task_r, result_w, child.ordinal, ctx, threshold, devmem.WorkerLeases())
+
+
+def _serve(
+    task_r: Any,
+    result_w: Any,
+    ordinal: int,
+    ctx: Any,
+    threshold: int | None,
+    leases: devmem.WorkerLeases,
+) -> None:
+    """Run tasks and send their results until told to stop (or a sticky error: then the
+    worker exits); what is still lent is freed on the way out (while the context is
+    bound)."""
+    try:
+        while (msg := _next_message(task_r)) is not None:
+            if msg[0] == "release":
+                leases.release(msg[1])
+                continue
+            task_id, data, parts, releases = msg
+            del msg  # the payload goes as soon as the task is over
+            leases.release(releases)
+            session = devmem.ChildSession(ctx, leases, ordinal)
+            out, restart = spawn.run_task(data, parts, threshold, session)
+            del data, parts
+            if not spawn.reply(result_w, ("result", task_id, out, restart), out, session):
+                return
+            del session, out
+            if restart:
+                _wait_for_stop(task_r, leases)
+                return
+    finally:
+        leases.clear()
+
+
+def _next_message(task_r: Any) -> Any:
+    """The parent's next message; ``None`` when it said stop or the pipe closed."""
+    try:
+        return task_r.recv()
+    except (EOFError, OSError):
+        return None
+
+
+def _wait_for_stop(task_r: Any, leases: devmem.WorkerLeases) -> None:
+    """Keep the memory lent to the parent until it has unmapped it: the parent answers a
+    restart with releases and then ``None`` (or dies: EOF)."""
+    while leases and (msg := _next_message(task_r)) is not None:
+        if msg[0] == "release":
+            leases.release(msg[1])
+        elif len(msg) == 4:
+            leases.release(msg[3])

@@ -47,28 +47,6 @@ current_device: int | None = None
 _PR_SET_PDEATHSIG = 1
 
 
-def child_setup(parent_pid: int, visible: str | None, shm_prefix: str | None = None) -> None:
-    """First thing a spawned child does, before it unpickles any user code.
-
-    Ignores SIGINT, asks Linux to kill this process when the parent thread that started
-    it dies, names its shared-memory blocks with the prefix its parent chose (so the
-    parent can remove them if this process dies while sending), and applies
-    ``CUDA_VISIBLE_DEVICES`` isolation while CUDA is still uninitialised.
-    """
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent(parent_pid)
-    if shm_prefix is not None:
-        wire.set_shm_prefix(shm_prefix)
-    if visible is not None:
-        if _driver.initialized():
-            raise RuntimeError(
-                "isolate=True: CUDA was already initialised in the child before "
-                "CUDA_VISIBLE_DEVICES could be set (the main module touched CUDA at import); "
-                "guard the program's top-level code with `if __name__ == '__main__':`"
-            )
-        os.environ["CUDA_VISIBLE_DEVICES"] = visible
-
-
 def _die_with_parent(parent_pid: int) -> None:
     if sys.platform.startswith("linux"):
         with contextlib.suppress(Exception):
@@ -169,11 +147,9 @@ def resolve_ordinals(devices: Sequence[Device | int] | None, bind: bool) -> list
         n = device_count()
         if n == 0:
             Device(0)  # raises the precise reason (no driver / no device)
-        ordinals = list(range(n))
-    else:
-        specs = check_devices(devices, "run_per_device/DevicePool", contexts=False) or []
-        ordinals = [ordinal_of(d, bind) for d in specs if not isinstance(d, Context)]
-    return ordinals
+        return list(range(n))
+    specs = check_devices(devices, "run_per_device/DevicePool", contexts=False) or []
+    return [ordinal_of(d, bind) for d in specs if not isinstance(d, Context)]
 
 
 def ordinal_of(d: Device | int, bind: bool) -> int:
@@ -184,14 +160,49 @@ def ordinal_of(d: Device | int, bind: bool) -> int:
     return int(d)
 
 
-@contextlib.contextmanager
-def bound_context(ordinal: int, bind: bool) -> Iterator[Any]:
-    if not bind:
-        yield None
-        return
-    ctx = registry.context(ordinal)
-    with ctx:
-        yield ctx
+@dataclasses.dataclass(frozen=True)
+class Child:
+    """What a spawned child needs to set itself up, chosen by its parent: the logical
+    device it serves, its ``CUDA_VISIBLE_DEVICES`` (``None`` unless isolated; then it
+    binds device 0), whether it binds a context at all, and (filled in by the parent)
+    the parent's pid and the child's shared-memory prefix."""
+
+    ordinal: int
+    visible: str | None
+    bind: bool
+    parent_pid: int = dataclasses.field(default_factory=os.getpid)
+    shm_prefix: str = dataclasses.field(default_factory=wire.child_shm_prefix)
+
+    @contextlib.contextmanager
+    def setup(self) -> Iterator[Any]:
+        """First thing a spawned child does, before it unpickles any user code.
+
+        Ignores SIGINT, asks Linux to kill this process when the parent thread that
+        started it dies, applies ``CUDA_VISIBLE_DEVICES`` isolation while CUDA is still
+        uninitialised, names its shared-memory blocks with the prefix its parent chose
+        (so the parent can remove them if this process dies while sending); then makes
+        the registry's context of its device current for the block (``None`` without
+        *bind*).
+        """
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        _die_with_parent(self.parent_pid)
+        if self.visible is not None:
+            if _driver.initialized():
+                raise RuntimeError(
+                    "isolate=True: CUDA was already initialised in the child before "
+                    "CUDA_VISIBLE_DEVICES could be set (the main module touched CUDA at "
+                    "import); guard the program's top-level code with "
+                    "`if __name__ == '__main__':`"
+                )
+            os.environ["CUDA_VISIBLE_DEVICES"] = self.visible
+        wire.set_shm_prefix(self.shm_prefix)
+        global current_device
+        current_device = self.ordinal
+        if not self.bind:
+            yield None
+            return
+        with registry.context(0 if self.visible is not None else self.ordinal) as ctx:
+            yield ctx
 
 
 def worker_device() -> int | None:
@@ -286,26 +297,33 @@ def run_per_device(
     ctx = spawn_context(mp_context)
     by_value = wire.check_shippable("run_per_device", fn)
     wire.check_main("run_per_device")
-    if timeout is not None and not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds or None, not {timeout!r}")
+    check_timeout(timeout, "timeout")
     if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
         raise ValueError(f"retries must be an int >= 0, not {retries!r}")
     ordinals = resolve_ordinals(devices, _bind)
     visible = visible_for(ordinals, isolate)
     sent = devmem.Outgoing("run_per_device")
     payload = wire.dumps("run_per_device", (fn, tuple(args), dict(kwargs or {})), by_value, sent)
-    for o in ordinals if len(sent) else ():
+    for o in ordinals if sent.sent else ():
         sent.check_target(o, isolate)
     sent.synchronize()
-    runner = _Runner(ctx, payload, ordinals, visible, isolate, timeout, retries, _bind, sent)
+    runner = _Runner(ctx, payload, ordinals, visible, timeout, retries, _bind, sent)
     try:
         return runner.run()
     finally:
         sent.release()  # every child has exited: nothing maps the memory any more
 
 
+def check_timeout(timeout: float | None, what: str) -> None:
+    """``ValueError`` unless *timeout* is a positive number of seconds or ``None``."""
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"{what} must be a positive number of seconds or None, not {timeout!r}")
+
+
 @dataclasses.dataclass(slots=True)
-class _Child:
+class _Running:
     index: int
     attempt: int
     proc: Any
@@ -323,29 +341,24 @@ class _Runner:
     payload: bytes
     ordinals: list[int]
     visible: list[str | None]
-    isolate: bool
     timeout: float | None
     retries: int
     bind: bool
     sent: devmem.Outgoing
-    running: dict[int, _Child] = dataclasses.field(default_factory=dict)
-    started: list[Any] = dataclasses.field(default_factory=list)  # every Process, before start()
-    prefixes: list[str] = dataclasses.field(default_factory=list)  # and its shm prefix
+    running: dict[int, _Running] = dataclasses.field(default_factory=dict)  # from before start()
     failures: dict[int, DeviceTaskError] = dataclasses.field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        self.results: list[Any] = [None] * len(self.ordinals)
-
     def run(self) -> list[Any]:
+        self.results: list[Any] = [None] * len(self.ordinals)
         try:
             for i in range(len(self.ordinals)):
                 self._start(i, 1)
             while self.running:
                 self._step()
         except BaseException:
-            stop_processes(self.started, TERM_GRACE_S)
-            for prefix in self.prefixes:
-                wire.sweep_blocks(prefix)
+            stop_processes([c.proc for c in self.running.values()], TERM_GRACE_S)
+            for c in self.running.values():
+                wire.sweep_blocks(c.prefix)
             raise
         finally:
             for c in self.running.values():
@@ -356,34 +369,18 @@ class _Runner:
 
     def _start(self, index: int, attempt: int) -> None:
         ordinal = self.ordinals[index]
-        prefix = wire.child_shm_prefix()
+        child = Child(ordinal, self.visible[index], self.bind)
         reader, writer = self.ctx.Pipe(duplex=False)
+        proc = self.ctx.Process(
+            target=_child_main, args=(writer, self.payload, child), name=f"ctxkit-device-{ordinal}"
+        )
+        c = self.running[index] = _Running(index, attempt, proc, reader, None, child.shm_prefix)
         try:
-            proc = self.ctx.Process(
-                target=_child_main,
-                args=(
-                    writer,
-                    self.payload,
-                    ordinal,
-                    0 if self.isolate else ordinal,
-                    self.visible[index],
-                    self.bind,
-                    os.getpid(),
-                    prefix,
-                ),
-                name=f"ctxkit-device-{ordinal}",
-            )
-            self.started.append(proc)
-            self.prefixes.append(prefix)
             proc.start()
-            wire.count_sent(self.payload, (), len(self.sent), self.sent.nbytes)
-        except BaseException:
-            reader.close()
-            raise
+            wire.count_sent(self.payload, (), self.sent)
         finally:
             writer.close()
-        deadline = time.monotonic() + self.timeout if self.timeout is not None else None
-        self.running[index] = _Child(index, attempt, proc, reader, deadline, prefix)
+        c.deadline = time.monotonic() + self.timeout if self.timeout is not None else None
 
     def _step(self) -> None:
         children = list(self.running.values())
@@ -406,16 +403,13 @@ class _Runner:
                 stop_processes([c.proc], TERM_GRACE_S)
                 self._settle(c, timed_out=c.message is None)
 
-    def _receive(self, c: _Child) -> None:
-        try:
+    def _receive(self, c: _Running) -> None:
+        with contextlib.suppress(EOFError, OSError):
             c.message = c.conn.recv()
-        except (EOFError, OSError):
-            pass
-        else:
             c.deadline = time.monotonic() + EXIT_GRACE_S
         c.conn.close()
 
-    def _settle(self, c: _Child, timed_out: bool) -> None:
+    def _settle(self, c: _Running, timed_out: bool) -> None:
         del self.running[c.index]
         c.conn.close()
         try:
@@ -429,40 +423,26 @@ class _Runner:
         else:
             self.failures[self.ordinals[c.index]] = failure
 
-    def _outcome(self, c: _Child, timed_out: bool) -> DeviceTaskError | None:
+    def _outcome(self, c: _Running, timed_out: bool) -> DeviceTaskError | None:
         ordinal = self.ordinals[c.index]
         pid, code = c.proc.pid, c.proc.exitcode
         tries = f"attempt {c.attempt} of {self.retries + 1}"
-        msg = c.message
-        if msg is not None and msg[0] == "ok":
-            try:
-                loader = devmem.ResultLoader(self.sent, None, None)
-                self.results[c.index] = wire.decode(msg[1], msg[2], loader)
-                return None
-            except Exception as exc:
-                desc = wire.describe_exception(exc)
-                return wire.error_from(
-                    desc, ordinal, pid, code, c.attempt, f"device {ordinal}: result not loadable"
-                )
-        if msg is not None:
-            return wire.error_from(
-                msg[1], ordinal, pid, code, c.attempt, f"device {ordinal} ({tries})"
-            )
+        if c.message is not None:
+            loader = devmem.ResultLoader(self.sent, None, None)
+            head = f"device {ordinal} ({tries})"
+            value, err = wire.outcome(c.message, loader, head, ordinal, pid, code, c.attempt)
+            self.results[c.index] = value
+            return err
         if timed_out:
-            return DeviceTaskError(
-                f"device {ordinal}: child process {pid} did not finish within "
-                f"{self.timeout:g} s and was stopped ({tries})",
-                device=ordinal,
-                kind="timeout",
-                pid=pid,
-                exitcode=code,
-                attempts=c.attempt,
-            )
+            kind = "timeout"
+            what = f"did not finish within {self.timeout:g} s and was stopped ({tries})"
+        else:
+            kind = "crash"
+            what = f"{exit_reason(code)} before sending a result ({tries}): {death_hint(code)}"
         return DeviceTaskError(
-            f"device {ordinal}: child process {pid} {exit_reason(code)} before "
-            f"sending a result ({tries}): {death_hint(code)}",
+            f"device {ordinal}: child process {pid} {what}",
             device=ordinal,
-            kind="crash",
+            kind=kind,
             pid=pid,
             exitcode=code,
             attempts=c.attempt,
@@ -473,9 +453,7 @@ class _Runner:
         first = self.failures[order[0]]
         err = first
         if len(order) > 1:
-            others = "; ".join(
-                f"device {o}: {self.failures[o].kind}" for o in order[1:] if o != first.device
-            )
+            others = "; ".join(f"device {o}: {self.failures[o].kind}" for o in order[1:])
             err = copy.copy(first)  # every attribute of the first failure, a new message
             err.args = (
                 f"{len(order)} of {len(self.ordinals)} devices failed (also {others}). "
@@ -489,21 +467,19 @@ class _Runner:
 def run_task(
     data: bytes,
     parts: list[wire.Part],
-    ordinal: int,
-    ctx: Any,
     threshold: int | None,
     session: devmem.ChildSession,
     lead: tuple[Any, ...] = (),
 ) -> tuple[tuple[Any, ...], bool]:
     """Run one task, ``fn(*lead, *args, **kwargs)`` (in a pool worker or a
-    ``run_per_device`` child); returns the reply's ``out`` and whether the process must
-    restart (a sticky CUDA error)."""
+    ``run_per_device`` child, on the device and in the context of *session*); returns
+    the reply's ``out`` and whether the process must restart (a sticky CUDA error)."""
     restart = False
     out_parts: list[wire.Part] = []
     try:
         fn, args, kwargs = wire.decode(data, parts, session)
         value = fn(*lead, *args, **kwargs)
-        out_data, out_parts = wire.result_bytes(fn, ordinal, value, threshold, session)
+        out_data, out_parts = wire.result_bytes(fn, value, threshold, session)
         fn = args = kwargs = value = None
         session.finish()
         out: tuple[Any, ...] = ("ok", out_data, out_parts, list(session.new_leases))
@@ -515,41 +491,37 @@ def run_task(
         restart = isinstance(exc, ContextPoisonedError) or (
             isinstance(exc, CudaError) and exc.code in STICKY_CODES
         )
-    if ctx is not None and ctx.poisoned:
+    if session.context is not None and session.context.poisoned:
         restart = True
     return out, restart
 
 
-def _child_main(
-    conn: Any,
-    payload: bytes,
-    ordinal: int,
-    bind_ordinal: int,
-    visible: str | None,
-    bind: bool,
-    parent_pid: int,
-    shm_prefix: str,
-) -> None:
+def reply(conn: Any, msg: Any, out: tuple[Any, ...], session: devmem.ChildSession | None) -> bool:
+    """Send *msg*, which holds a task's *out*, and count it; ``False`` when the parent is
+    gone (the result's blocks are removed then)."""
+    try:
+        conn.send(msg)
+    except Exception:
+        if out[0] == "ok":
+            wire.discard_blocks(out[2])
+        return False
+    if out[0] == "ok":
+        wire.count_sent(out[1], out[2], session)
+    return True
+
+
+def _child_main(conn: Any, payload: bytes, child: Child) -> None:
     """Entry point of a ``run_per_device`` child (spawned)."""
-    global current_device
-    current_device = ordinal
     msg: tuple[Any, ...] = ("none",)
     session: devmem.ChildSession | None = None
+    ordinal = child.ordinal
     try:
-        child_setup(parent_pid, visible, shm_prefix)
-        with bound_context(bind_ordinal, bind) as ctx:
+        with child.setup() as ctx:
             session = devmem.ChildSession(ctx, None, ordinal)
-            msg = run_task(payload, [], ordinal, ctx, wire.SHM_THRESHOLD, session, (ordinal,))[0]
+            msg = run_task(payload, [], wire.SHM_THRESHOLD, session, (ordinal,))[0]
     except BaseException as exc:
         if msg[0] == "ok":
             wire.discard_blocks(msg[2])
         msg = ("error", wire.describe_exception(exc))
-    parts = msg[2] if msg[0] == "ok" else []
-    try:
-        conn.send(msg)
-    except Exception:
-        wire.discard_blocks(parts)
-    else:
-        if msg[0] == "ok" and session is not None:
-            wire.count_sent(msg[1], parts, session.sent, session.sent_bytes)
+    reply(conn, msg, msg, session)
     conn.close()

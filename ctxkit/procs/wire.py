@@ -26,8 +26,8 @@ A block is a file in ``/dev/shm`` (tmpfs). Creating a file of N bytes there rese
 nothing: tmpfs finds a page on the first write to it, and a write it cannot back kills
 the writer with SIGBUS (Docker's default ``/dev/shm`` is 64 MiB). So every block is
 reserved whole with ``posix_fallocate`` before a byte is written, and :func:`create_block`
-returns ``None`` when there is no room; the caller then sends the buffer through the
-pipe.
+returns ``None`` when there is no room (or no ``/dev/shm``: ctxkit runs on Linux, where
+``shm_open`` works only there); the caller then sends the buffer through the pipe.
 
 Names are ``<prefix>-<random>``. A process's prefix is ``ctxkit-<pid>-<random>``; a child
 gets ``<parent prefix>.<k>`` from its parent, so when the parent reaps a child it can
@@ -37,9 +37,12 @@ remove what the child left behind (killed while sending a result): :func:`sweep_
 (by chance or by one squatting the names it sees there). A block is only ever made with
 ``O_CREAT | O_EXCL`` under a fresh random name, retried with new names; when all are
 taken the buffer goes through the pipe with a :class:`RuntimeWarning`. A receiver opens a
-block by name only if it is the very block its sender made (same inode, or same random
-token where there is no ``/dev/shm``): a name unlinked and re-made by someone else raises
-:class:`BlockIdentityError` and is left alone.
+block by name only if it is the very block its sender made (same inode and size): a name
+unlinked and re-made by someone else raises :class:`BlockIdentityError` and is left alone.
+
+The blocks are files of ``/dev/shm`` rather than ``multiprocessing.shared_memory``
+objects because that class can neither reserve the pages first nor say which inode it
+opened (both would need its private file descriptor).
 
 Blocks are registered with multiprocessing's resource tracker, which every spawned
 child shares with its parent: a block still named when the last of them exits is
@@ -50,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import io
 import itertools
 import mmap
@@ -62,8 +66,8 @@ import traceback
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
-from multiprocessing import process, resource_tracker, shared_memory
-from typing import Any, Protocol
+from multiprocessing import process, resource_tracker
+from typing import Any
 
 from .. import _driver
 from ..errors import BlockIdentityError, CudaError, DeviceTaskError
@@ -77,37 +81,30 @@ SHM_THRESHOLD = 1 << 20
 
 _SHM_DIR = "/dev/shm"
 _NAME_ATTEMPTS = 4
-_TOKEN_BYTES = 8  # the identity token at the start of a portable block
 
 #: A block as a message names it: ``(name, size, key)``; *key* is the inode of the
-#: ``/dev/shm`` file, or the random token at the start of a portable block.
+#: ``/dev/shm`` file (a name re-made by someone else has another).
 Block = tuple[str, int, int]
 #: Entry of a message's buffer list: a block or the bytes themselves.
 Part = Block | bytearray
 
 
 class _Names:
-    """This process's prefix and counters (renewed after ``fork``: new pid, new names)."""
+    """This process's prefix and the count of its children (a forked child gets new
+    ones: new pid, new names)."""
 
     def __init__(self, base: str | None = None) -> None:
-        self.pid = os.getpid()
-        self.base = base or f"ctxkit-{self.pid}-{secrets.token_hex(3)}"
+        self.base = base or f"ctxkit-{os.getpid()}-{secrets.token_hex(3)}"
         self.children = itertools.count()
 
 
 _names = _Names()
-
-
-def _current() -> _Names:
-    global _names
-    if _names.pid != os.getpid():
-        _names = _Names()
-    return _names
+_driver.renew_at_fork(__name__, "_names", _Names)
 
 
 def shm_prefix() -> str:
     """The name prefix of this process's blocks (and of its children's: ``prefix.k``)."""
-    return _current().base
+    return _names.base
 
 
 def set_shm_prefix(base: str) -> None:
@@ -118,13 +115,12 @@ def set_shm_prefix(base: str) -> None:
 
 def child_shm_prefix() -> str:
     """A fresh prefix for the next child this process starts."""
-    names = _current()
-    return f"{names.base}.{next(names.children)}"
+    return f"{_names.base}.{next(_names.children)}"
 
 
 def _fresh_name() -> str:
     """A block name of this process that nobody can guess (64 random bits)."""
-    return f"{_current().base}-{secrets.token_hex(8)}"
+    return f"{_names.base}-{secrets.token_hex(8)}"
 
 
 def shm_space() -> tuple[int, int]:
@@ -140,14 +136,12 @@ def create_block(raw: memoryview) -> Block | None:
     """A new block holding a copy of *raw* (a contiguous byte view).
 
     ``None`` when ``/dev/shm`` cannot hold it (``ENOSPC`` from the reservation, or no
-    usable shared memory at all), or, with a :class:`RuntimeWarning`, when every fresh
-    name tried was already taken: send the bytes through the pipe instead.
+    ``/dev/shm`` at all), or, with a :class:`RuntimeWarning`, when every fresh name tried
+    was already taken: send the bytes through the pipe instead.
     """
-    portable = not os.path.isdir(_SHM_DIR)
     for _ in range(_NAME_ATTEMPTS):
-        name = _fresh_name()
         try:
-            return _create_portable(name, raw) if portable else _create_file(name, raw)
+            return _create(_fresh_name(), raw)
         except FileExistsError:
             continue
     warnings.warn(
@@ -161,7 +155,7 @@ def create_block(raw: memoryview) -> Block | None:
     return None
 
 
-def _create_file(name: str, raw: memoryview) -> Block | None:
+def _create(name: str, raw: memoryview) -> Block | None:
     """Make block *name* in ``/dev/shm`` (``FileExistsError`` if the name is taken)."""
     path = os.path.join(_SHM_DIR, name)
     try:
@@ -190,35 +184,14 @@ def _create_file(name: str, raw: memoryview) -> Block | None:
         os.close(fd)
 
 
-def _create_portable(name: str, raw: memoryview) -> Block | None:
-    try:
-        shm = shared_memory.SharedMemory(name=name, create=True, size=_TOKEN_BYTES + raw.nbytes)
-    except FileExistsError:
-        raise
-    except OSError:
-        return None
-    token = secrets.randbits(8 * _TOKEN_BYTES)
-    try:
-        shm.buf[:_TOKEN_BYTES] = token.to_bytes(_TOKEN_BYTES, "little")  # type: ignore[index]
-        shm.buf[_TOKEN_BYTES : _TOKEN_BYTES + raw.nbytes] = raw  # type: ignore[index]
-    except BaseException:
-        shm.close()
-        shm.unlink()
-        raise
-    shm.close()
-    return name, raw.nbytes, token
-
-
 def attach_block(name: str, size: int, key: int) -> Any:
-    """Map block *name* and unlink it: a writable buffer that owns the memory.
+    """Map block *name* and unlink it: a writable buffer (the mapping, no copy) that owns
+    the memory.
 
-    With ``/dev/shm`` the mapping itself is the buffer (no copy); elsewhere the block is
-    copied into a ``bytearray``. Raises :class:`BlockIdentityError` when the name holds
-    another block than the one its sender made (*size*, *key*).
+    Raises :class:`BlockIdentityError` when the name holds another block than the one
+    its sender made (*size*, *key*).
     """
     path = os.path.join(_SHM_DIR, name)
-    if not os.path.isdir(_SHM_DIR):
-        return _attach_copy(name, size, key)
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
     except PermissionError as exc:  # ours is always open to us
@@ -233,30 +206,6 @@ def attach_block(name: str, size: int, key: int) -> Any:
     os.unlink(path)
     _untrack(name)
     return mapped
-
-
-def _attach_copy(name: str, size: int, key: int) -> bytearray:
-    shm = shared_memory.SharedMemory(name=name)
-    try:
-        if not _holds(shm, size, key):
-            _untrack(name)  # opening it registered the name; it is not ours to remove
-            raise _not_the_block(name, size)
-        out = bytearray(shm.buf[_TOKEN_BYTES : _TOKEN_BYTES + size])  # type: ignore[index]
-        shm.unlink()
-    finally:
-        shm.close()
-    return out
-
-
-def _holds(shm: shared_memory.SharedMemory, size: int, key: int) -> bool:
-    return (
-        shm.size >= _TOKEN_BYTES + size
-        and int.from_bytes(
-            shm.buf[:_TOKEN_BYTES],  # type: ignore[index]
-            "little",
-        )
-        == key
-    )
 
 
 def _not_the_block(name: str, size: int) -> BlockIdentityError:
@@ -287,10 +236,8 @@ def sweep_blocks(child: str) -> int:
     left = [e for e in entries if e.startswith((child + "-", child + "."))]
     for name in left:
         _track(name)  # balances the untrack below whether or not the child had tracked it
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(os.path.join(_SHM_DIR, name))
-        except OSError:
-            pass
         _untrack(name)
     return len(left)
 
@@ -298,19 +245,6 @@ def sweep_blocks(child: str) -> int:
 def _remove(name: str, size: int, key: int) -> None:
     """Unlink a block this process created or received. A name already gone is left
     alone (its receiver mapped it and untracked it), and so is another block at its name."""
-    if not os.path.isdir(_SHM_DIR):
-        try:
-            shm = shared_memory.SharedMemory(name=name)
-        except FileNotFoundError:
-            return
-        try:
-            if _holds(shm, size, key):
-                shm.unlink()  # unlink() also untracks
-            else:
-                _untrack(name)
-        finally:
-            shm.close()
-        return
     path = os.path.join(_SHM_DIR, name)
     try:
         if os.stat(path, follow_symlinks=False).st_ino != key:
@@ -394,70 +328,49 @@ def _count(
 
 
 def count_sent(
-    data: bytes, parts: Sequence[Part] = (), devices: int = 0, dev_bytes: int = 0
+    data: bytes, parts: Sequence[Part] = (), session: devmem.Session | None = None
 ) -> None:
-    """Count a message this process sent (its pickle, its buffers, its device references)."""
-    _count("sent", len(data), parts, devices, dev_bytes)
+    """Count a message this process sent: its pickle, its buffers, and the device
+    references *session* put in it."""
+    devices = (session.sent, session.sent_bytes) if session is not None else (0, 0)
+    _count("sent", len(data), parts, *devices)
 
 
 # --- device memory in pickles ----------------------------------------------------------
 
 
-class Session(Protocol):
-    """One side of a message's device memory (:mod:`.devmem`): ``reduce`` replaces a
-    device object by a reference when pickling, ``load`` resolves one when unpickling."""
-
-    error: BaseException | None
-    received: int
-    received_bytes: int
-
-    def reduce(self, obj: Any) -> Any: ...
-
-    def load(self, ref: devmem.DeviceRef) -> Any: ...
-
-
-_session_picklers: dict[type, type] = {}
-
-
+@functools.cache
 def _session_pickler(base: type) -> type:
     """A subclass of the pickler class *base* (``pickle.Pickler`` or cloudpickle's) that
-    reduces the session's device objects through :meth:`Session.reduce`."""
-    cls = _session_picklers.get(base)
-    if cls is None:
+    reduces the session's device objects through ``session.reduce``
+    (:class:`~.devmem.Session`)."""
 
-        class _SessionPickler(base):  # type: ignore[valid-type,misc]
-            def __init__(
-                self, file: Any, session: Session, types: tuple[type, ...], **kwargs: Any
-            ) -> None:
-                super().__init__(file, **kwargs)
-                self._session = session
-                self._types = types
+    class _SessionPickler(base):  # type: ignore[valid-type,misc]
+        def __init__(
+            self, file: Any, session: devmem.Session, types: tuple[type, ...], **kwargs: Any
+        ) -> None:
+            super().__init__(file, **kwargs)
+            self._session = session
+            self._types = types
 
-            def reducer_override(self, obj: Any) -> Any:
-                if isinstance(obj, self._types):
-                    return self._session.reduce(obj)
-                inherited = getattr(super(), "reducer_override", None)
-                return NotImplemented if inherited is None else inherited(obj)
+        def reducer_override(self, obj: Any) -> Any:
+            if isinstance(obj, self._types):
+                return self._session.reduce(obj)
+            inherited = getattr(super(), "reducer_override", None)
+            return NotImplemented if inherited is None else inherited(obj)
 
-        cls = _session_picklers[base] = _SessionPickler
-    return cls
+    return _SessionPickler
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: Any, session: Session | None, buffers: Any) -> None:
+    def __init__(self, file: Any, session: devmem.Session, buffers: Any) -> None:
         super().__init__(file, buffers=buffers)
         self._session = session
 
     def find_class(self, module: str, name: str) -> Any:
         if module == devmem.__name__ and name == devmem.load_ref.__name__:
-            return self._session.load if self._session is not None else devmem.load_ref
+            return self._session.load
         return super().find_class(module, name)
-
-
-CLOUDPICKLE_HINT = (
-    "install cloudpickle to send it by value (pip install cloudpickle, or in a ctxkit "
-    'checkout pip install -e ".[cloudpickle]")'
-)
 
 
 def _cloudpickle() -> Any:
@@ -478,16 +391,11 @@ def by_value_reason(fn: Any) -> str:
         return "a lambda"
     if "<locals>" in qual:
         return "a nested function (closure)"
-    if getattr(fn, "__module__", None) == "__main__" and not _main_is_importable():
+    main = sys.modules.get("__main__")
+    importable = any(getattr(main, a, None) is not None for a in ("__file__", "__spec__"))
+    if getattr(fn, "__module__", None) == "__main__" and not importable:
         return "defined in an interactive session (python -c, a REPL or a notebook)"
     return ""
-
-
-def _main_is_importable() -> bool:
-    main = sys.modules.get("__main__")
-    return (
-        getattr(main, "__file__", None) is not None or getattr(main, "__spec__", None) is not None
-    )
 
 
 def check_shippable(what: str, fn: Any) -> bool:
@@ -504,7 +412,9 @@ def check_shippable(what: str, fn: Any) -> bool:
     if _cloudpickle() is None:
         raise TypeError(
             f"{what}: {fn!r} is {reason}, which a spawned process cannot import by name. "
-            f"Define it at module level in a file and import it from there, or {CLOUDPICKLE_HINT}"
+            "Define it at module level in a file and import it from there, or install "
+            "cloudpickle to send it by value (pip install cloudpickle, or in a ctxkit "
+            'checkout pip install -e ".[cloudpickle]")'
         )
     return True
 
@@ -516,15 +426,11 @@ def check_main(what: str) -> None:
     anything; with ``python -`` there is no file and the child dies at start-up.
     """
     main = sys.modules.get("__main__")
-    if getattr(main, "__spec__", None) is not None:
-        return
     shown = getattr(main, "__file__", None)
-    if shown is None:
+    if getattr(main, "__spec__", None) is not None or shown is None:
         return
-    path = str(shown)
-    origin = getattr(process, "ORIGINAL_DIR", None)  # where multiprocessing resolves it
-    if not os.path.isabs(path) and origin is not None:
-        path = os.path.join(origin, path)
+    # a relative path is resolved where multiprocessing resolves it (an absolute one is kept)
+    path = os.path.join(getattr(process, "ORIGINAL_DIR", None) or "", str(shown))
     if not os.path.isfile(path):
         raise RuntimeError(
             f"{what}: the main module {shown!r} is not a file, so a spawned process "
@@ -537,7 +443,9 @@ def check_main(what: str) -> None:
 # --- encoding --------------------------------------------------------------------------
 
 
-def _dumps(obj: Any, by_value: bool, buffer_callback: Any, session: Session | None = None) -> bytes:
+def _dumps(
+    obj: Any, by_value: bool, buffer_callback: Any, session: devmem.Session | None = None
+) -> bytes:
     cp = _cloudpickle() if by_value else None
     types = devmem.device_types() if session is not None else ()
     if not types:  # no device object can exist here: the plain (C-speed) picklers
@@ -550,7 +458,9 @@ def _dumps(obj: Any, by_value: bool, buffer_callback: Any, session: Session | No
     return out.getvalue()
 
 
-def dumps(what: str, obj: Any, by_value: bool = False, session: Session | None = None) -> bytes:
+def dumps(
+    what: str, obj: Any, by_value: bool = False, session: devmem.Session | None = None
+) -> bytes:
     """Pickle *obj* whole (no shared memory); ``TypeError`` naming *what* when it cannot be.
 
     Device objects go through *session*; its refusal (``session.error``) is raised as is.
@@ -570,6 +480,21 @@ def _not_picklable(what: str, exc: Exception) -> TypeError:
     )
 
 
+def _collect(threshold: int | None, found: list[memoryview]) -> Callable[[Any], bool]:
+    """A ``buffer_callback`` that keeps buffers of *threshold* bytes or more out of band,
+    in *found*, and the smaller ones in the pickle (all of them for ``None``)."""
+
+    def out_of_band(buf: pickle.PickleBuffer) -> bool:
+        raw = buf.raw()
+        if threshold is None or raw.nbytes < max(threshold, 1):
+            return True
+        found.append(raw)
+        return False
+
+    return out_of_band
+
+
+@dataclass(slots=True)
 class Payload:
     """A pickled task whose large buffers are not copied anywhere yet.
 
@@ -580,17 +505,9 @@ class Payload:
     references (``None`` when there are none).
     """
 
-    __slots__ = ("buffers", "data", "devices")
-
-    def __init__(
-        self,
-        data: bytes,
-        buffers: list[memoryview | bytearray],
-        devices: devmem.Outgoing | None = None,
-    ) -> None:
-        self.data = data
-        self.buffers = buffers
-        self.devices = devices
+    data: bytes
+    buffers: list[memoryview | bytearray]
+    devices: devmem.Outgoing | None = None
 
     @classmethod
     def build(cls, what: str, obj: Any, threshold: int | None, by_value: bool) -> Payload:
@@ -600,17 +517,10 @@ class Payload:
         ``ValueError``, ``TypeError``, ``ContextClosedError`` or the driver's
         ``CudaError``); ``TypeError`` for anything else that cannot be pickled.
         """
-        found: list[pickle.PickleBuffer] = []
-
-        def out_of_band(buf: pickle.PickleBuffer) -> bool:
-            if threshold is None or buf.raw().nbytes < max(threshold, 1):
-                return True
-            found.append(buf)
-            return False
-
+        found: list[memoryview] = []
         devices = devmem.Outgoing(what)
         try:
-            data = _dumps(obj, by_value, out_of_band, devices)
+            data = _dumps(obj, by_value, _collect(threshold, found), devices)
         except Exception as exc:
             if devices.error is not None:
                 raise devices.error from None
@@ -620,23 +530,21 @@ class Payload:
             found.clear()
             devices = devmem.Outgoing(what)
             try:  # a lambda among the arguments: cloudpickle can send that too
-                data = _dumps(obj, True, out_of_band, devices)
+                data = _dumps(obj, True, _collect(threshold, found), devices)
             except Exception:
                 if devices.error is not None:
                     raise devices.error from None
                 raise _not_picklable(what, exc) from exc
-        return cls(data, [b.raw() for b in found], devices if len(devices) else None)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(memoryview(b).nbytes for b in self.buffers)
+        return cls(data, list(found), devices if devices.sent else None)
 
     def snapshot(self) -> None:
         """Copy the buffers out of the caller's memory (the task waits in a queue)."""
         self.buffers = [b if isinstance(b, bytearray) else bytearray(b) for b in self.buffers]
 
     def parts(
-        self, reserve: Callable[[int], bool], unreserve: Callable[[int], None]
+        self,
+        reserve: Callable[[int], bool] = lambda nbytes: True,
+        unreserve: Callable[[int], None] = lambda nbytes: None,
     ) -> tuple[list[Part], int]:
         """The buffers as message parts: a block for each buffer ``reserve(nbytes)``
         allows and ``/dev/shm`` has room for, the bytes themselves otherwise.
@@ -672,33 +580,18 @@ class Payload:
 
 
 def encode(
-    obj: Any, threshold: int | None = SHM_THRESHOLD, session: Session | None = None
+    obj: Any, threshold: int | None = SHM_THRESHOLD, session: devmem.Session | None = None
 ) -> tuple[bytes, list[Part]]:
     """Pickle *obj* now; buffers of *threshold* bytes or more go to shared-memory blocks,
-    or stay in the pickle where ``/dev/shm`` has no room. ``threshold=None``: no blocks.
+    or through the pipe where ``/dev/shm`` has no room. ``threshold=None``: no blocks.
     Device objects go through *session* (without one they are pickled as plain objects,
     which fails)."""
-    parts: list[Part] = []
-
-    def out_of_band(buf: pickle.PickleBuffer) -> bool:
-        raw = buf.raw()
-        if threshold is None or raw.nbytes < max(threshold, 1):
-            return True
-        block = create_block(raw)
-        if block is None:
-            return True
-        parts.append(block)
-        return False
-
-    try:
-        data = _dumps(obj, False, out_of_band, session)
-    except BaseException:
-        discard_blocks(parts)
-        raise
-    return data, parts
+    found: list[memoryview] = []
+    data = _dumps(obj, False, _collect(threshold, found), session)
+    return data, Payload(data, list(found)).parts()[0]
 
 
-def decode(data: bytes, parts: Sequence[Part], session: Session | None = None) -> Any:
+def decode(data: bytes, parts: Sequence[Part], session: devmem.Session | None = None) -> Any:
     """Inverse of :func:`encode` / :meth:`Payload.parts`; consumes the blocks, also when
     it fails. Device references are resolved by *session* (``load``)."""
     buffers: list[Any] = []
@@ -708,40 +601,29 @@ def decode(data: bytes, parts: Sequence[Part], session: Session | None = None) -
     except BaseException:
         discard_blocks(parts[len(buffers) :])
         raise
-    before = _device_count(session)
+    session = session if session is not None else devmem.Session()
+    before = session.received, session.received_bytes
     try:
         return _Unpickler(io.BytesIO(data), session, buffers).load()
     finally:
-        devices, dev_bytes = _device_count(session)
-        _count("received", len(data), parts, devices - before[0], dev_bytes - before[1])
-
-
-def _device_count(session: Session | None) -> tuple[int, int]:
-    if session is None:
-        return 0, 0
-    return session.received, session.received_bytes
+        devices, dev_bytes = session.received - before[0], session.received_bytes - before[1]
+        _count("received", len(data), parts, devices, dev_bytes)
 
 
 def result_bytes(
-    fn: Any,
-    ordinal: int,
-    value: Any,
-    threshold: int | None = SHM_THRESHOLD,
-    session: Any = None,
+    fn: Any, value: Any, threshold: int | None, session: devmem.ChildSession
 ) -> tuple[bytes, list[Part]]:
-    """Pickle a task's result for the parent; device memory goes through *session*
-    (a :class:`~ctxkit.procs.devmem.ChildSession`), whose refusal is raised as is."""
-    label = f"the result of {getattr(fn, '__qualname__', fn)!r} on device {ordinal}"
-    if session is not None:
-        session.label = label
+    """Pickle the result of task *fn* for the parent; device memory goes through
+    *session* (the task's), whose refusal is raised as is."""
+    session.what = f"the result of {getattr(fn, '__qualname__', fn)!r} on device {session.ordinal}"
     try:
         return encode(value, threshold, session)
     except Exception as exc:
-        if session is not None and session.error is not None:
+        if session.error is not None:
             raise session.error from None
         raise TypeError(
-            f"{label} cannot be pickled back to the parent ({exc}); return host data (numpy "
-            "arrays, numbers) or ctxkit device buffers and arrays"
+            f"{session.what} cannot be pickled back to the parent ({exc}); return host data "
+            "(numpy arrays, numbers) or ctxkit device buffers and arrays"
         ) from exc
 
 
@@ -783,16 +665,25 @@ def _safe_str(exc: BaseException) -> str:
         return f"<str() of this {type(exc).__name__} raised {why}>"
 
 
-def unpickle_exception(desc: dict[str, Any]) -> BaseException | None:
-    """The child's exception object, when it could be pickled; else ``None``."""
-    data: bytes | None = desc.get("pickled")
-    if data is None:
-        return None
+def outcome(
+    out: tuple[Any, ...],
+    loader: devmem.Session,
+    head: str,
+    device: int,
+    pid: int | None,
+    exitcode: int | None = None,
+    attempts: int = 1,
+) -> tuple[Any, DeviceTaskError | None]:
+    """A task's reply ``out`` (``("ok", data, parts, ...)`` or ``("error", desc)``) in
+    the parent: ``(value, None)``, or ``(None, the DeviceTaskError it stands for)``."""
+    if out[0] != "ok":
+        return None, error_from(out[1], device, pid, exitcode, attempts, head)
     try:
-        exc = pickle.loads(data)
-    except Exception:
-        return None
-    return exc if isinstance(exc, BaseException) else None
+        return decode(out[1], out[2], loader), None
+    except Exception as exc:
+        desc = describe_exception(exc)
+        head += ": result not loadable"
+        return None, error_from(desc, device, pid, exitcode, attempts, head)
 
 
 def error_from(
@@ -805,6 +696,10 @@ def error_from(
     kind: str = "exception",
 ) -> DeviceTaskError:
     tb = desc["traceback"]
+    try:  # the child's exception object, when it could be pickled (and loads here)
+        exc = pickle.loads(desc["pickled"])
+    except Exception:  # None (not picklable) or a class this process cannot import
+        exc = None
     return DeviceTaskError(
         f"{head}: {desc['type']}: {desc['message']}\n--- traceback in child process {pid} ---\n"
         f"{tb.rstrip()}",
@@ -814,7 +709,7 @@ def error_from(
         exitcode=exitcode,
         traceback=tb,
         exception_type=desc["type"],
-        child_exception=unpickle_exception(desc),
+        child_exception=exc if isinstance(exc, BaseException) else None,
         attempts=attempts,
         code=desc["code"],
         name=desc["name"],

@@ -24,17 +24,17 @@ class Lease:
     __slots__ = ("__weakref__",)
 
 
+@dataclasses.dataclass
 class Info:
-    """A ``WorkerBuffer``'s lease: the worker's handle, the lease, the worker's token,
-    and why the pool closed it (``""`` while open)."""
+    """A ``WorkerBuffer``'s lease: the worker's handle of the whole buffer and its
+    address in this process, the lease, the worker's token, and why the pool closed it
+    (``""`` while open). Its views share it."""
 
-    __slots__ = ("handle", "lease", "owner", "why")
-
-    def __init__(self, handle: IpcBufferHandle, lease: int, owner: str) -> None:
-        self.handle = handle
-        self.lease = lease
-        self.owner = owner
-        self.why = ""
+    handle: IpcBufferHandle
+    ptr: int
+    lease: int
+    owner: str
+    why: str = ""
 
 
 class WorkerBuffer(ImportedBuffer):
@@ -58,19 +58,17 @@ class WorkerBuffer(ImportedBuffer):
     @property
     def worker_pid(self) -> int:
         """The worker process that holds the memory."""
-        info = self._lease_info()
-        return info.handle.pid if info is not None else -1
+        return self._info.handle.pid
 
-    def _root(self) -> DeviceBuffer:
-        return self._base if self._base is not None else self
-
-    def _lease_info(self) -> Info | None:
-        return getattr(self._root(), "_info", None)
+    def __getitem__(self, key: slice) -> WorkerBuffer:
+        """``buf[a:b]``: a view of bytes ``a..b``, a ``WorkerBuffer`` of the same lease."""
+        view = cast(WorkerBuffer, super().__getitem__(key))
+        view._info = self._info
+        return view
 
     def _closed_error(self, what: str) -> ContextClosedError:
-        info = self._lease_info()
-        if info is not None and info.why:
-            return ContextClosedError(f"WorkerBuffer.{what}: {info.why}")
+        if self._info.why:
+            return ContextClosedError(f"WorkerBuffer.{what}: {self._info.why}")
         return ContextClosedError(
             f"WorkerBuffer.{what}: the buffer was closed, so its worker may have freed the "
             "memory; keep a WorkerBuffer open while you use it"
@@ -82,10 +80,8 @@ def lease_of(buf: DeviceBuffer) -> tuple[IpcBufferHandle, int, str] | None:
     of exactly *buf*'s bytes, the lease and the worker's process token."""
     if not isinstance(buf, WorkerBuffer):
         return None
-    info = buf._lease_info()
-    if info is None:
-        return None
-    offset = info.handle.offset + (buf.ptr - buf._root().ptr)
+    info = buf._info
+    offset = info.handle.offset + (buf.ptr - info.ptr)
     handle = dataclasses.replace(info.handle, offset=offset, nbytes=buf.nbytes)
     return handle, info.lease, info.owner
 
@@ -100,7 +96,7 @@ def adopt(
     fin = weakref.finalize(token, _release, imp, on_release)
     fin.atexit = False
     buf = cast(WorkerBuffer, WorkerBuffer.from_pointer(imp.ptr, imp.nbytes, imp.context, token))
-    buf._info = Info(handle, lease, owner)
+    buf._info = Info(handle, imp.ptr, lease, owner)
     return buf
 
 

@@ -37,13 +37,14 @@ def test_isolate_entries():
     assert spawn.visible_for([0, 1], False) == [None, None]
 
 
-def test_child_setup_refuses_isolation_after_cuda_init(monkeypatch):
+def test_child_set_up_refuses_isolation_after_cuda_init(monkeypatch):
     from ctxkit import _driver
 
     monkeypatch.setattr(_driver, "_init_pid", os.getpid())
     monkeypatch.setattr(signal, "signal", lambda *a: None)
     with pytest.raises(RuntimeError, match="CUDA was already initialised"):
-        spawn.child_setup(os.getppid(), "0")
+        with spawn.Child(0, "0", False, parent_pid=os.getppid(), shm_prefix="x").setup():
+            pass
 
 
 def _ignore_term(ready):

@@ -263,7 +263,7 @@ def test_unpicklable_result_is_explained():
 def test_result_that_does_not_load_in_the_parent():
     with pytest.raises(DeviceTaskError) as info:
         run_per_device(child_only_result, [0], _bind=False)
-    assert "device 0: result not loadable" in str(info.value)
+    assert "device 0 (attempt 1 of 1): result not loadable" in str(info.value)
     assert "only loads inside a ctxkit child" in str(info.value)
 
 
