@@ -126,14 +126,8 @@ class Chunk:
 HOST_KINDS = ("pageable", "pinned", "held", "managed")
 
 
-MODE_NAMES = {
-    "pinned": "pinned",
-    "held": "held",
-    "staged": "staged",
-    "register": "registered",
-    "split": "split",
-    "managed": "managed",
-}
+#: How ``RunStats.path`` names a mode that is not named as it is.
+MODE_NAMES = {"register": "registered"}
 
 
 @dataclass(frozen=True)
@@ -231,6 +225,11 @@ class PipelineOptions:
             raise ValueError(f"block must be an int in 1..1024, got {block!r}")
         if self.schedule is not None and self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, not {self.schedule!r}")
+        pin = self.pin_cache_bytes
+        if pin is not None and (isinstance(pin, bool) or not isinstance(pin, int) or pin < 0):
+            raise ValueError(
+                f"pin_cache_bytes must be a byte count >= 0 (0 turns pin on reuse off), not {pin!r}"
+            )
         if self.host_path is not None:
             object.__setattr__(self, "host_path", check_host_path(self.host_path))
 
@@ -360,7 +359,8 @@ class MapPlan:
             return "managed"
         if (self.in_mode, self.out_mode) == ("pinned", "pinned"):
             return "pinned"
-        return f"in={MODE_NAMES[self.in_mode]}, out={MODE_NAMES[self.out_mode]}"
+        names = [MODE_NAMES.get(m, m) for m in (self.in_mode, self.out_mode)]
+        return f"in={names[0]}, out={names[1]}"
 
 
 def plan_map(
