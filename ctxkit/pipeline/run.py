@@ -49,7 +49,7 @@ unregistered after their D2H, like ``host_path="register"`` does.
 
 A device never has more than ``staging_buffers`` chunks (twice that when nothing is
 staged) past their D2H enqueue and not yet drained, so stopping a run waits for at most
-those chunks. A failure names the step it happened in (:func:`tagged`). The progress bar of
+those chunks. A failure names the step it happened in (:class:`Step`). The progress bar of
 ``map(..., progress=True)`` counts finished chunks, shown with tqdm when it is installed (an
 optional extra, imported at the first bar), else as one line on stderr rewritten in place.
 """
@@ -104,24 +104,16 @@ from .staging import (
 )
 
 __all__ = [
-    "Bar",
-    "ChunkJob",
     "ChunkView",
     "DeviceStats",
     "LineBar",
     "Run",
     "RunStats",
-    "Split",
-    "Starter",
-    "Stopped",
-    "check_param_count",
-    "chunk_error",
     "drain",
     "feed",
     "make_bar",
     "make_launcher",
     "run_stats",
-    "tagged",
     "unblock_if_not_run",
 ]
 
@@ -338,17 +330,29 @@ class Stopped(Exception):
     """Internal: the run was stopped while a worker waited."""
 
 
-def tagged(fn: Callable[..., Any], step: str, *args: Any) -> Any:
-    """Call *fn*; tag an exception with the pipeline step it happened in."""
-    try:
-        return fn(*args)
-    except BaseException as exc:
-        if not hasattr(exc, "_ctxkit_step"):
+class Step:
+    """Tag an exception raised in the block with the pipeline step it happened in (the
+    innermost step names it); :meth:`Run.fail` reports it."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+        if exc is not None and not hasattr(exc, "_ctxkit_step"):
             try:
-                exc._ctxkit_step = step  # type: ignore[attr-defined]
+                exc._ctxkit_step = self.name  # type: ignore[attr-defined]
             except AttributeError:
                 pass
-        raise
+
+
+def step_of(exc: BaseException, default: str) -> str:
+    """The step *exc* was tagged with, else *default*."""
+    return getattr(exc, "_ctxkit_step", default)
 
 
 def unblock_if_not_run(q: queue.SimpleQueue[Any], feeder: Future[Any]) -> None:
@@ -517,35 +521,17 @@ class Split:
         for c in reversed(chunks):
             if run.stop.is_set():
                 return
-            b0, b1 = c.row0 * run.in_row, c.row1 * run.in_row
-            pieces = host_pieces(run.x_ptr, run.x.nbytes, b0, b1)
-            if not pieces.seg_len:
-                if not self._claim(c, pieces, None):
+            pieces = host_pieces(run.x_ptr, run.x.nbytes, c.row0 * run.in_row, c.row1 * run.in_row)
+            seg = _segment(dev, c, pieces, not run.in_place)
+            with self._lock:
+                if c.index in self._staged:
                     return
-                continue
-            seg = Segment(
-                dev.ctx, dev.ordinal, c.index, pieces.seg_ptr, pieces.seg_len, not run.in_place
-            )
-            claim = functools.partial(self._claim, c, pieces, seg)
-            if not registrar.register_here(seg, claim):
-                return
-
-    def _claim(self, c: Chunk, pieces: HostPieces, seg: Segment | None) -> bool:
-        with self._lock:
-            if c.index in self._staged:
-                return False
-            self._registered[c.index] = (pieces, seg)
-            return True
+                self._registered[c.index] = (pieces, seg)
+            if seg is not None:  # registered here, one chunk after the other
+                registrar.register(seg, here=True)
 
 
 # --- feeder ---
-
-
-def _check_copy(dev: DeviceState, err: Any, what: str, step: str) -> None:
-    if err:
-        exc = dev.ctx.note_error(err, what)
-        exc._ctxkit_step = step  # type: ignore[attr-defined]
-        raise exc
 
 
 class Starter:
@@ -558,10 +544,10 @@ class Starter:
     (the slot's previous user) was enqueued and its H2D has read the buffer.
     """
 
-    def __init__(self, run: Run, dev: DeviceState, split: Split | None = None) -> None:
+    def __init__(self, run: Run, dev: DeviceState) -> None:
         self.run = run
         self.dev = dev
-        self.split = split
+        self.split: Split | None = None
         self.jobs: collections.deque[ChunkJob] = collections.deque()
         self._claimed = run.chunks_for(dev.part)
         self._next = 0
@@ -616,10 +602,13 @@ def feed(run: Run, dev: DeviceState, q: queue.SimpleQueue[Any]) -> None:
     run.started[dev.ordinal] = time.perf_counter()
     starter = Starter(run, dev)
     try:
-        _prepare_device(run, dev)
+        with Step("setup"):
+            for slot in dev.slots:
+                slot.h2d_done = None
+            if run.rec is not None and not run.rec.calibrated(dev.ordinal):
+                calibrate(dev, run.rec)
         if run.in_mode == "split":
             starter.split = Split(run, dev, run.plan.for_part(dev.part))
-        n_slots = len(dev.slots)
         k = 0
         while not run.stop.is_set():
             starter.top_up(k)
@@ -627,11 +616,7 @@ def feed(run: Run, dev: DeviceState, q: queue.SimpleQueue[Any]) -> None:
                 break
             job = starter.jobs[0]
             chunk = job.chunk
-            slot = dev.slots[k % n_slots]
-            if run.plan.managed:
-                _enqueue_managed(run, dev, slot, chunk, q, k)
-            else:
-                _enqueue(run, dev, slot, job, q, k)
+            _enqueue(run, dev, dev.slots[k % len(dev.slots)], job, q, k)
             starter.jobs.popleft()
             k += 1
             stats.chunks += 1
@@ -641,7 +626,7 @@ def feed(run: Run, dev: DeviceState, q: queue.SimpleQueue[Any]) -> None:
     except Stopped:
         pass
     except BaseException as exc:
-        run.fail(dev, chunk, getattr(exc, "_ctxkit_step", "enqueue"), exc)
+        run.fail(dev, chunk, step_of(exc, "enqueue"), exc)
     finally:
         if starter.split is not None:
             starter.split.settle()
@@ -649,28 +634,14 @@ def feed(run: Run, dev: DeviceState, q: queue.SimpleQueue[Any]) -> None:
         q.put(None)
 
 
-def _prepare_device(run: Run, dev: DeviceState) -> None:
-    try:
-        for slot in dev.slots:
-            slot.h2d_done = None
-        if run.rec is not None and not run.rec.calibrated(dev.ordinal):
-            calibrate(dev, run.rec)
-    except BaseException as exc:
-        exc._ctxkit_step = "setup"  # type: ignore[attr-defined]
-        raise
-
-
 def _setup_slot(run: Run, dev: DeviceState, slot: Slot) -> None:
     """The slot's buffers for this run, at its first chunk (the first chunk starts after
     one slot's allocations, not all of them)."""
     plan = run.plan
-    try:
+    with Step("setup"):
         ensure_slot(
             dev, slot, plan.in_chunk_bytes, plan.out_chunk_bytes, plan.stage_in, plan.bounces
         )
-    except BaseException as exc:
-        exc._ctxkit_step = "setup"  # type: ignore[attr-defined]
-        raise
     out = slot.pin_out
     if plan.stage_out and (out is None or out.nbytes < plan.out_chunk_bytes):
         # Allocated on the host pool while the chunk fills, ready by its D2H.
@@ -694,40 +665,47 @@ def _fill(run: Run, dev: DeviceState, slot: Slot, c: Chunk) -> CopyBatch:
 
 
 def _claim(run: Run, dev: DeviceState, c: Chunk) -> ChunkJob:
-    """A job for chunk *c*: the pieces of its held sides; the pages of its registered
-    sides start registering now."""
+    """A job for chunk *c*: the pieces of its held and registered sides (the pages of
+    registered ones start registering now)."""
     job = ChunkJob(c)
     if run.plan.managed:
         return job
-    if run.in_mode == "held":
-        b0, b1 = c.row0 * run.in_row, c.row1 * run.in_row
-        job.in_pieces = held_pieces(run.x_ptr, run.x.nbytes, b0, b1)
-    if run.out_mode == "held":
-        b0, b1 = c.row0 * run.out_row, c.row1 * run.out_row
-        job.out_pieces = held_pieces(run.out_ptr, run.out.nbytes, b0, b1)
-    if run.in_mode == "register":
-        job.in_pieces, job.in_seg = _side(run, dev, c, run.x_ptr, run.x.nbytes, run.in_row, True)
-    if run.out_mode == "register":
-        if run.in_place and run.in_mode == "register":
-            job.out_pieces, job.out_seg = job.in_pieces, job.in_seg
-        else:
-            job.out_pieces, job.out_seg = _side(
-                run, dev, c, run.out_ptr, run.out.nbytes, run.out_row, False
-            )
+    job.in_pieces, job.in_seg = _side(
+        run, dev, c, run.in_mode, run.x_ptr, run.x.nbytes, run.in_row, not run.in_place
+    )
+    if run.in_place and run.in_mode == run.out_mode == "register":
+        job.out_pieces, job.out_seg = job.in_pieces, job.in_seg  # the same pages
+    else:
+        job.out_pieces, job.out_seg = _side(
+            run, dev, c, run.out_mode, run.out_ptr, run.out.nbytes, run.out_row, False
+        )
     return job
 
 
 def _side(
-    run: Run, dev: DeviceState, c: Chunk, base: int, total: int, row: int, is_input: bool
-) -> tuple[HostPieces, Segment | None]:
-    pieces = host_pieces(base, total, c.row0 * row, c.row1 * row)
-    if not pieces.seg_len:
-        return pieces, None
-    read_only = is_input and not run.in_place
-    seg = Segment(dev.ctx, dev.ordinal, c.index, pieces.seg_ptr, pieces.seg_len, read_only)
-    assert run.registrar is not None
-    run.registrar.register(seg)
+    run: Run, dev: DeviceState, c: Chunk, mode: str, base: int, total: int, row: int, ro: bool
+) -> tuple[HostPieces | None, Segment | None]:
+    """How chunk *c* of one side moves when its pages are held or registered (else
+    ``(None, None)``); a registered side's segment starts registering now (*ro*: the
+    device only reads it)."""
+    b0, b1 = c.row0 * row, c.row1 * row
+    if mode == "held":
+        return held_pieces(base, total, b0, b1), None
+    if mode != "register":
+        return None, None
+    pieces = host_pieces(base, total, b0, b1)
+    seg = _segment(dev, c, pieces, ro)
+    if seg is not None:
+        assert run.registrar is not None
+        run.registrar.register(seg)
     return pieces, seg
+
+
+def _segment(dev: DeviceState, c: Chunk, pieces: HostPieces, ro: bool) -> Segment | None:
+    """The segment of chunk *c*'s registered pages (None: it owns no whole page)."""
+    if not pieces.seg_len:
+        return None
+    return Segment(dev.ctx, dev.ordinal, c.index, pieces.seg_ptr, pieces.seg_len, ro)
 
 
 def _registered(run: Run, seg: Segment | None) -> bool:
@@ -743,34 +721,58 @@ def _registered(run: Run, seg: Segment | None) -> bool:
 def _enqueue(
     run: Run, dev: DeviceState, slot: Slot, job: ChunkJob, q: queue.SimpleQueue[Any], k: int
 ) -> None:
+    """Enqueue chunk *k* of the device on *slot*'s stream: H2D -> kernel -> D2H, or
+    over unified memory prefetch -> kernel -> prefetch back, between events; hand it to
+    the drain thread."""
     c = job.chunk
     s = slot.stream
-    sh = s.handle
     rec, taken, timing = run.rec, run.taken[dev.ordinal], run.rec is not None
-    assert slot.d_in is not None and slot.d_out is not None
-    h2d = _input(run, dev, slot, job)
+    managed = run.plan.managed
+    if managed:
+        _wait_window(run, dev, k, False)
+        d_in, d_out = run.x_ptr + c.row0 * run.in_row, run.out_ptr + c.row0 * run.out_row
+        nb_in, nb_out = c.rows * run.in_row, c.rows * run.out_row
+    else:
+        assert slot.d_in is not None and slot.d_out is not None
+        d_in, d_out = slot.d_in.ptr, slot.d_out.ptr
+        h2d = _input(run, dev, slot, job)
     e0 = dev.take_event(True, taken).record(s) if timing else None
-    with nvtx_range("h2d", "green"):
-        for off, src, n in h2d:
-            (err,) = drv.cuMemcpyHtoDAsync(slot.d_in.ptr + off, src, n, sh)
-            _check_copy(dev, err, "cuMemcpyHtoDAsync", "h2d")
-    e1 = dev.take_event(timing, taken).record(s)
-    slot.h2d_done = e1
-    n_elems = c.rows * run.row_elems
-    with nvtx_range("kernel", "blue"):
-        tagged(run.launch, "kernel", dev, s, slot.d_in.ptr, slot.d_out.ptr, n_elems, c)
+    if managed:
+        if dev.prefetch_ok and run.plan.prefetch:
+            with Step("prefetch"):
+                _driver.mem_prefetch(d_in, nb_in, dev.ordinal, s.handle)
+                if d_out != d_in:
+                    _driver.mem_prefetch(d_out, nb_out, dev.ordinal, s.handle)
+        e1 = dev.take_event(True, taken).record(s) if timing else None
+    else:
+        with nvtx_range("h2d", "green"), Step("h2d"):
+            for off, src, n in h2d:
+                (err,) = drv.cuMemcpyHtoDAsync(d_in + off, src, n, s.handle)
+                if err:
+                    raise dev.ctx.note_error(err, "cuMemcpyHtoDAsync")
+        e1 = slot.h2d_done = dev.take_event(timing, taken).record(s)
+    with nvtx_range("kernel", "blue"), Step("kernel"):
+        run.launch(dev, s, d_in, d_out, c.rows * run.row_elems, c)
     e2 = dev.take_event(True, taken).record(s) if timing else None
-    out_mode, d2h = _output(run, dev, slot, job, k)
-    with nvtx_range("d2h", "red"):
-        for dst, off, n in d2h:
-            (err,) = drv.cuMemcpyDtoHAsync(dst, slot.d_out.ptr + off, n, sh)
-            _check_copy(dev, err, "cuMemcpyDtoHAsync", "d2h")
+    if managed:
+        out_mode = "managed"
+        if dev.prefetch_ok and run.plan.to_host:
+            with Step("prefetch"):
+                _driver.mem_prefetch(d_out, nb_out, "cpu", s.handle)
+    else:
+        out_mode, d2h = _output(run, dev, slot, job, k)
+        with nvtx_range("d2h", "red"), Step("d2h"):
+            for dst, off, n in d2h:
+                (err,) = drv.cuMemcpyDtoHAsync(dst, d_out + off, n, s.handle)
+                if err:
+                    raise dev.ctx.note_error(err, "cuMemcpyDtoHAsync")
     e3 = dev.take_event(timing, taken).record(s)
     q.put((job, slot, e3, out_mode, k))
     if rec is not None:
-        rec.mark("h2d", dev.ordinal, slot.label, c.index, e0, e1)
+        names = ("prefetch", "prefetch_back") if managed else ("h2d", "d2h")
+        rec.mark(names[0], dev.ordinal, slot.label, c.index, e0, e1)
         rec.mark("kernel", dev.ordinal, slot.label, c.index, e1, e2)
-        rec.mark("d2h", dev.ordinal, slot.label, c.index, e2, e3)
+        rec.mark(names[1], dev.ordinal, slot.label, c.index, e2, e3)
 
 
 def _input(run: Run, dev: DeviceState, slot: Slot, job: ChunkJob) -> list[tuple[int, int, int]]:
@@ -779,9 +781,8 @@ def _input(run: Run, dev: DeviceState, slot: Slot, job: ChunkJob) -> list[tuple[
     nb, b0 = c.rows * run.in_row, c.row0 * run.in_row
     if run.in_mode == "pinned":
         return [(0, run.x_ptr + b0, nb)]
-    pc = job.in_pieces
-    registered = run.in_mode in ("held", "register", "split") and job.fill is None
-    if registered and pc is not None and _registered(run, job.in_seg):
+    pc = job.in_pieces  # held or registered pages (staged: None)
+    if pc is not None and _registered(run, job.in_seg):
         if pc.bounced:
             _wait_h2d(dev, slot, c.index)
             bounce = slot.bounce_in
@@ -789,16 +790,13 @@ def _input(run: Run, dev: DeviceState, slot: Slot, job: ChunkJob) -> list[tuple[
             bounce[: pc.head] = src[: pc.head]
             bounce[PAGE : PAGE + pc.tail] = src[nb - pc.tail :]
         return _pieces(pc, addr(slot.bounce_in) if pc.bounced else 0, run.x_ptr + b0)
-    try:
+    with Step("fill"):
         if job.fill is None:  # a registration the driver refused: staged here
             _wait_h2d(dev, slot, c.index)
             slot.pin_in = grow_pinned(slot.pin_in, nb, dev.ctx)
             job.fill = _fill(run, dev, slot, c)
         assert run.pool is not None and slot.pin_in is not None
         run.pool.help_until(job.fill)
-    except BaseException as exc:
-        exc._ctxkit_step = "fill"  # type: ignore[attr-defined]
-        raise
     return [(0, addr(slot.pin_in), nb)]
 
 
@@ -815,19 +813,14 @@ def _output(
         mode = "staged"
     into_slot = mode == "staged" or (pc is not None and pc.bounced > 0)
     _wait_window(run, dev, k, into_slot)
+    if mode == "pinned":
+        return mode, [(run.out_ptr + b0, 0, nb)]
     if mode == "staged":
-        try:
+        with Step("d2h"):
             if slot.pin_out_next is not None:
                 nxt, slot.pin_out_next = slot.pin_out_next, None
                 slot.pin_out = nxt.result()
             slot.pin_out = grow_pinned(slot.pin_out, nb, dev.ctx)
-        except BaseException as exc:
-            exc._ctxkit_step = "d2h"  # type: ignore[attr-defined]
-            raise
-    if mode == "pinned":
-        return mode, [(run.out_ptr + b0, 0, nb)]
-    if mode == "staged":
-        assert slot.pin_out is not None
         return mode, [(addr(slot.pin_out), 0, nb)]
     assert pc is not None
     bounce = addr(slot.bounce_out) if pc.bounced else 0
@@ -860,35 +853,6 @@ def _wait_h2d(dev: DeviceState, slot: Slot, index: int) -> None:
     *index* uses them)."""
     if slot.h2d_done is not None:
         sync_event(dev, slot.h2d_done, f"waiting for the H2D copy before chunk {index}")
-
-
-def _enqueue_managed(
-    run: Run, dev: DeviceState, slot: Slot, c: Chunk, q: queue.SimpleQueue[Any], k: int
-) -> None:
-    _wait_window(run, dev, k, False)
-    s = slot.stream
-    rec, taken, timing = run.rec, run.taken[dev.ordinal], run.rec is not None
-    nb_in, nb_out = c.rows * run.in_row, c.rows * run.out_row
-    p_in, p_out = run.x_ptr + c.row0 * run.in_row, run.out_ptr + c.row0 * run.out_row
-    prefetch = dev.prefetch_ok and run.plan.prefetch
-    to_host = dev.prefetch_ok and run.plan.to_host
-    e0 = dev.take_event(True, taken).record(s) if timing else None
-    if prefetch:
-        tagged(_driver.mem_prefetch, "prefetch", p_in, nb_in, dev.ordinal, s.handle)
-        if p_out != p_in:
-            tagged(_driver.mem_prefetch, "prefetch", p_out, nb_out, dev.ordinal, s.handle)
-    e1 = dev.take_event(True, taken).record(s) if timing else None
-    with nvtx_range("kernel", "blue"):
-        tagged(run.launch, "kernel", dev, s, p_in, p_out, c.rows * run.row_elems, c)
-    e2 = dev.take_event(True, taken).record(s) if timing else None
-    if to_host:
-        tagged(_driver.mem_prefetch, "prefetch", p_out, nb_out, "cpu", s.handle)
-    e3 = dev.take_event(timing, taken).record(s)
-    q.put((ChunkJob(c), slot, e3, "managed", k))
-    if rec is not None:
-        rec.mark("prefetch", dev.ordinal, slot.label, c.index, e0, e1)
-        rec.mark("kernel", dev.ordinal, slot.label, c.index, e1, e2)
-        rec.mark("prefetch_back", dev.ordinal, slot.label, c.index, e2, e3)
 
 
 # --- drainer ---

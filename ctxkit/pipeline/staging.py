@@ -28,6 +28,7 @@ Per device: worker threads, streams, slots of device and pinned buffers, an even
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import queue
 import threading
@@ -35,10 +36,12 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
-from typing import Any, ClassVar, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import numpy as np
 
+from .. import _driver
 from .._driver import describe, drv, in_forked_child
 from ..context import Context
 from ..errors import OutOfMemoryError
@@ -193,16 +196,7 @@ class HostPool:
         """Run ``fn(*args)`` on a pool thread; its result or exception lands in the
         Future. *urgent*: queued with the fills (else with the drains)."""
         fut: Future[T] = Future()
-
-        def job() -> None:
-            try:
-                result = fn(*args)
-            except BaseException as exc:
-                fut.set_exception(exc)
-            else:
-                fut.set_result(result)
-
-        self._put(job, urgent)
+        self._put(functools.partial(run_into, fut, fn, *args), urgent)
         return fut
 
     def copy_async(
@@ -246,10 +240,6 @@ class HostPool:
             job()
         batch.wait()
 
-    def copy(self, dst: np.ndarray, src: np.ndarray, trace: tuple[Any, ...] | None) -> None:
-        """Copy *src* into *dst* in parallel pieces and wait (the calling thread helps)."""
-        self.help_until(self.copy_async(dst, src, trace))
-
     @property
     def reusable(self) -> bool:
         """True when nothing is queued and every thread runs in this process."""
@@ -268,17 +258,29 @@ class HostPool:
             t.join()
 
 
-class _Idle:
-    lock = threading.Lock()
-    pools: ClassVar[list[HostPool]] = []
+def run_into(fut: Future[T], fn: Callable[..., T], *args: Any) -> None:
+    """Run ``fn(*args)``; its result or exception lands in *fut*."""
+    try:
+        result = fn(*args)
+    except BaseException as exc:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
+
+
+_idle_lock = threading.Lock()
+_idle_pools: list[HostPool] = []
+_driver.renew_at_fork(__name__, "_idle_lock")
+# A forked child has none of the parent's threads: its idle pools are empty shells.
+_driver.renew_at_fork(__name__, "_idle_pools", list)
 
 
 def take_host_pool(n_threads: int) -> HostPool:
     """A host pool of *n_threads* threads: one a closed Pipeline left idle, else new."""
-    with _Idle.lock:
-        for i, pool in enumerate(_Idle.pools):
+    with _idle_lock:
+        for i, pool in enumerate(_idle_pools):
             if pool.size == n_threads and pool.reusable:
-                return _Idle.pools.pop(i)
+                return _idle_pools.pop(i)
     return HostPool(n_threads)
 
 
@@ -286,17 +288,17 @@ def give_back_host_pool(pool: HostPool) -> None:
     """Keep *pool* idle for a later Pipeline (at most :data:`MAX_IDLE_POOLS`), else close
     it."""
     if pool.reusable:
-        with _Idle.lock:
-            if len(_Idle.pools) < MAX_IDLE_POOLS:
-                _Idle.pools.append(pool)
+        with _idle_lock:
+            if len(_idle_pools) < MAX_IDLE_POOLS:
+                _idle_pools.append(pool)
                 return
     pool.close()
 
 
 def idle_host_pools() -> int:
     """How many idle host pools the process keeps now."""
-    with _Idle.lock:
-        return len(_Idle.pools)
+    with _idle_lock:
+        return len(_idle_pools)
 
 
 def close_idle_host_threads() -> int:
@@ -305,21 +307,12 @@ def close_idle_host_threads() -> int:
     They cost nothing while idle (each waits on a queue); call this to be rid of them,
     e.g. before counting threads or after the last Pipeline a program makes.
     """
-    with _Idle.lock:
-        pools, _Idle.pools = _Idle.pools, []
+    with _idle_lock:
+        pools = _idle_pools[:]
+        _idle_pools.clear()
     for pool in pools:
         pool.close()
     return sum(pool.size for pool in pools)
-
-
-def _forget_idle_pools_in_child() -> None:
-    # A forked child has none of the parent's threads: its idle pools are empty shells.
-    _Idle.lock = threading.Lock()
-    _Idle.pools = []
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_idle_pools_in_child)
 
 
 class _Piece:
@@ -452,26 +445,24 @@ def unregister_pages(ptr: int, contexts: Iterable[Context]) -> int:
     return NO_USABLE_CONTEXT
 
 
+@dataclass(eq=False)
 class Segment:
-    """Whole pages ``[ptr, ptr + nbytes)`` of a user array, registered for one chunk."""
+    """Whole pages ``[ptr, ptr + nbytes)`` of a user array, registered for one chunk.
 
-    __slots__ = ("_reg", "_unreg", "chunk", "ctx", "device", "error", "nbytes", "ptr", "read_only")
+    ``registered`` is done once the registration was tried (True: the pages are
+    locked), ``unregistered`` once their unregistration (queued after the DMA) ran;
+    ``error`` says why a registration failed.
+    """
 
-    def __init__(
-        self, ctx: Context, device: int, chunk: int, ptr: int, nbytes: int, read_only: bool
-    ) -> None:
-        self.ctx = ctx
-        self.device = device
-        self.chunk = chunk
-        self.ptr = ptr
-        self.nbytes = nbytes
-        self.read_only = read_only
-        self.error = ""
-        self._reg: Future[bool] | None = None
-        self._unreg: Future[None] | None = None
-
-    def __repr__(self) -> str:
-        return f"<Segment {self.ptr:#x}+{self.nbytes} chunk={self.chunk} device={self.device}>"
+    ctx: Context
+    device: int
+    chunk: int
+    ptr: int
+    nbytes: int
+    read_only: bool
+    error: str = ""
+    registered: Future[bool] = field(default_factory=Future, repr=False)
+    unregistered: Future[None] | None = field(default=None, repr=False)
 
 
 class Registrar:
@@ -494,40 +485,25 @@ class Registrar:
         self._lock = threading.Lock()
         self._segments: dict[int, list[Segment]] = {}
 
-    def register(self, seg: Segment) -> None:
-        """Queue the registration of *seg* (see :meth:`wait`)."""
+    def register(self, seg: Segment, here: bool = False) -> None:
+        """Queue the registration of *seg* on the pool, or (*here*) run it in the
+        calling thread now (see :meth:`wait`)."""
         with self._lock:
             self._segments.setdefault(seg.device, []).append(seg)
-        seg._reg = self.pool.submit(self._register, seg)
-
-    def register_here(self, seg: Segment, claim: Callable[[], bool]) -> bool:
-        """Register *seg* in the calling thread if ``claim()`` (called under the
-        registrar's lock, so the two cannot cross :meth:`finish`) says so; False when it
-        did not (then *seg* is not the registrar's)."""
-        fut: Future[bool] = Future()
-        seg._reg = fut  # before claim(): whoever sees the segment may wait for it
-        with self._lock:
-            if not claim():
-                return False
-            self._segments.setdefault(seg.device, []).append(seg)
-        try:
-            ok = self._register(seg)
-        except BaseException as exc:
-            fut.set_exception(exc)
-            raise
-        fut.set_result(ok)
-        return True
+        if here:
+            run_into(seg.registered, self._register, seg)
+        else:
+            self.pool.submit(run_into, seg.registered, self._register, seg)
 
     def wait(self, seg: Segment) -> bool:
         """Wait for *seg*'s registration: True when its pages are locked; False when the
         driver refused (``seg.error`` says why) or the run stopped first."""
-        assert seg._reg is not None
-        return seg._reg.result()
+        return seg.registered.result()
 
     def release(self, seg: Segment) -> None:
         """Queue the unregistration of a registered *seg* whose DMA has completed."""
-        if seg._unreg is None and self.wait(seg):
-            seg._unreg = self.pool.submit(self._unregister, seg, urgent=False)
+        if seg.unregistered is None and self.wait(seg):
+            seg.unregistered = self.pool.submit(self._unregister, seg, urgent=False)
 
     def finish(self, device: int) -> list[BaseException]:
         """Once *device*'s streams are idle: wait for each of its registrations, undo
@@ -537,8 +513,8 @@ class Registrar:
         errors: list[BaseException] = []
         for seg in segments:
             try:
-                if seg._unreg is not None:
-                    seg._unreg.result()
+                if seg.unregistered is not None:
+                    seg.unregistered.result()
                 elif self.wait(seg):
                     self._unregister(seg)
             except BaseException as exc:
@@ -724,7 +700,7 @@ class DeviceState:
             pool.clear()
 
 
-def shutdown_all(devices: list[DeviceState], pool: list[HostPool], pins: Any = None) -> None:
+def shutdown_all(devices: list[DeviceState], pool: list[HostPool], pins: Any) -> None:
     """Finalizer of a Pipeline collected without :meth:`close`: stop its threads, unlock
     the memory it kept page-locked (a :class:`ctxkit.pipeline.pincache.PinClaims`).
 
@@ -738,8 +714,7 @@ def shutdown_all(devices: list[DeviceState], pool: list[HostPool], pins: Any = N
         dev.drainer.shutdown(wait=False)
     for p in pool:
         p.close()
-    if pins is not None:
-        pins.release()
+    pins.release()
 
 
 def sync_event(dev: DeviceState, ev: Event, what: str) -> None:
