@@ -5,7 +5,9 @@ the progress bar, and the result and error types (re-exported by ``ctxkit.pipeli
 
 Per device, a feeder thread enqueues every chunk (host input -> H2D -> kernel -> D2H) and a
 drain thread waits for each chunk's last event, finishes its host output and unregisters its
-pages. Both run with the device's context current.
+pages. Both run with the device's context current; :meth:`Run.execute` starts them and
+waits for them in short timed waits, so that Ctrl-C stops the run promptly, yet it never
+returns while a worker may still touch the arrays.
 
 The feeder starts chunks ahead of the GPU (:class:`Starter`: claims them, begins
 registering the pages of their registered sides, queues the staging copies of their inputs
@@ -65,6 +67,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -114,7 +117,6 @@ __all__ = [
     "make_bar",
     "make_launcher",
     "run_stats",
-    "unblock_if_not_run",
 ]
 
 
@@ -355,10 +357,26 @@ def step_of(exc: BaseException, default: str) -> str:
     return getattr(exc, "_ctxkit_step", default)
 
 
-def unblock_if_not_run(q: queue.SimpleQueue[Any], feeder: Future[Any]) -> None:
+def _unblock_if_not_run(q: queue.SimpleQueue[Any], feeder: Future[Any]) -> None:
     """A feeder task that never ran (its worker could not start) still ends the drainer."""
     if feeder.cancelled() or feeder.exception() is not None:
         q.put(None)
+
+
+INTERRUPT_POLL_S = 0.05
+
+
+def _result_interruptibly(f: Future[Any]) -> Any:
+    """``f.result()``, with Ctrl-C handled within :data:`INTERRUPT_POLL_S`.
+
+    A signal that arrives just before a thread blocks on a lock without a timeout is only
+    handled once the lock is released (CPython checks pending signals between bytecodes,
+    not before the wait): ``map`` would run to its end before raising KeyboardInterrupt.
+    Short timed waits bound that delay.
+    """
+    while not f.done():
+        wait_futures([f], timeout=INTERRUPT_POLL_S)
+    return f.result()
 
 
 def check_param_count(kernel: Kernel, args: tuple[Any, ...]) -> None:
@@ -439,6 +457,46 @@ class Run:
         self.bar: Bar | None = None
         self._bar_lock = threading.Lock()
         self._queue = iter(plan.chunks)
+
+    def execute(self, devices: list[DeviceState], pool: HostPool | None, progress: bool) -> None:
+        """Run a feeder and a drain thread on each of *devices* (the plan's active ones;
+        *pool*: the host threads, when the plan needs them) and wait for them in short
+        timed waits, so that Ctrl-C stops the run promptly, yet never return while a
+        worker may still touch the arrays. Failures are left in :attr:`errors`."""
+        self.pool = pool
+        if self.plan.registers:
+            assert pool is not None
+            self.registrar = Registrar(pool, self.stop, self.rec)
+        if progress:
+            self.bar = make_bar(len(self.plan.chunks))
+        futures: list[Future[Any]] = []
+        try:
+            for dev in devices:
+                q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+                self.stats[dev.ordinal] = DeviceStats(dev.ordinal)
+                self.taken[dev.ordinal] = []
+                self.progress[dev.ordinal] = Progress()
+                feeder = dev.worker.submit(feed, self, dev, q)
+                feeder.add_done_callback(functools.partial(_unblock_if_not_run, q))
+                futures.append(feeder)
+                futures.append(dev.drainer.submit(drain, self, dev, q))
+            for f in futures:
+                _result_interruptibly(f)
+        except BaseException:
+            # However many more Ctrl-C arrive meanwhile (the first one is what map
+            # raises), the workers must be done before map is back in the caller's hands.
+            while True:
+                try:
+                    self.stop.set()
+                    wait_futures(futures)
+                    break
+                except BaseException:
+                    continue
+            raise
+        finally:
+            self.drop_arrays()
+            if self.bar is not None:
+                self.bar.close()
 
     def drop_arrays(self) -> None:
         """The run is over: stop referencing the user's arrays (the pipeline keeps the
