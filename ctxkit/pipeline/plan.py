@@ -13,7 +13,6 @@ import numpy as np
 from ..memory.host import plain_dtype
 
 __all__ = [
-    "HOST_PATHS",
     "PIPELINE_FIELDS",
     "Chunk",
     "HostPieces",

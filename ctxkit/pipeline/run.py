@@ -242,7 +242,7 @@ class LineBar:
         self.total = total
         self.desc = desc
         self.n = 0
-        self._stream = stream
+        self._stream = stream if stream is not None else sys.stderr
         self._lock = threading.Lock()
         self._shown = 0.0
         self._closed = False
@@ -263,18 +263,12 @@ class LineBar:
             if self._closed:
                 return
             self._closed = True
-            self._draw()
-            self._out().write("\n")
-            self._out().flush()
+            self._draw("\n")
 
-    def _out(self) -> Any:
-        return self._stream if self._stream is not None else sys.stderr
-
-    def _draw(self) -> None:
+    def _draw(self, end: str = "") -> None:
         pct = 100 * self.n // self.total if self.total else 100
-        out = self._out()
-        out.write(f"\r{self.desc}: {self.n}/{self.total} chunks ({pct}%)")
-        out.flush()
+        self._stream.write(f"\r{self.desc}: {self.n}/{self.total} chunks ({pct}%){end}")
+        self._stream.flush()
 
 
 def make_bar(total: int, desc: str = "ctxkit map") -> Bar:
@@ -716,7 +710,6 @@ def _fill(run: Run, dev: DeviceState, slot: Slot, c: Chunk) -> CopyBatch:
         slot.pin_in[:nb],
         run.x_bytes[b0 : b0 + nb],
         trace,
-        name="fill",
         stop=run.stop,
         streaming=run.stream_in,
     )
@@ -967,7 +960,6 @@ def _drain_staged(run: Run, dev: DeviceState, slot: Slot, c: Chunk, k: int) -> C
         run.out_bytes[b0 : b0 + nb],
         slot.pin_out[:nb],
         trace,
-        name="drain",
         urgent=False,
         stop=run.stop,
         on_done=done,

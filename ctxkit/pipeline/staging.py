@@ -74,7 +74,6 @@ __all__ = [
     "register_pages",
     "relaxed_capture",
     "take_host_pool",
-    "thread_label",
     "unregister_pages",
 ]
 
@@ -205,7 +204,6 @@ class HostPool:
         src: np.ndarray,
         trace: tuple[Any, ...] | None,
         *,
-        name: str = "fill",
         urgent: bool = True,
         stop: threading.Event | None = None,
         on_done: Callable[[CopyBatch], None] | None = None,
@@ -213,11 +211,12 @@ class HostPool:
     ) -> CopyBatch:
         """Queue the copy of *src* into *dst* (1-D uint8, same length) as pieces of at
         least :data:`MIN_PIECE_BYTES`, one per thread at most; return its batch.
+        *urgent*: fill work (an input staging copy), else drain work (an output one).
         *streaming*: with non-temporal stores (:func:`copy_streaming`)."""
         n = dst.shape[0]
         pieces = max(1, min(self.size, n // MIN_PIECE_BYTES))
         batch = CopyBatch(pieces, stop, on_done)
-        a = 0
+        name, a = "fill" if urgent else "drain", 0
         for i in range(1, pieces + 1):
             b = (i * n // pieces) & ~63 if i < pieces else n
             self._put(_Piece(batch, dst[a:b], src[a:b], trace, name, streaming), urgent)

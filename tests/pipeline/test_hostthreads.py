@@ -74,7 +74,7 @@ def test_copy_pieces_are_traced_per_thread(pool):
     rec = Rec()
     src = np.ones(4 * MIN_PIECE_BYTES, np.uint8)
     dst = np.zeros_like(src)
-    pool.copy_async(dst, src, (rec, "drain", 1, 7), name="drain", urgent=False).wait()
+    pool.copy_async(dst, src, (rec, "drain", 1, 7), urgent=False).wait()
     assert len(rec.rows) == 2  # one piece per thread
     assert {r[:2] + r[3:] for r in rec.rows} == {("drain", 1, 7)}
     assert all(r[2].startswith("host test-pool_") for r in rec.rows)
