@@ -544,7 +544,8 @@ class Pipeline:
             progress,
         )
         if not self.tracing:
-            self._recycle(run)
+            for dev in self._devices:
+                dev.recycle()
         if run.errors:
             if self.poisoned:
                 self._pins.cache.strand_poisoned()
@@ -609,17 +610,9 @@ class Pipeline:
     # --- trace recording -------------------------------------------------------------
 
     def _new_recording(self) -> None:
-        old = self._run
-        if old is not None:
-            self._recycle(old)
-            self._run = None
+        for dev in self._devices:
+            dev.recycle()  # the last run's trace is dropped with its recorder
         self._recorder = Recorder() if self.tracing else None
-
-    def _recycle(self, run: Run) -> None:
-        by_ordinal = {d.ordinal: d for d in self._devices}
-        for ordinal, events in run.taken.items():
-            by_ordinal[ordinal].give_back(events)
-        run.taken = {}
 
     # --- checks -------------------------------------------------------------------
 

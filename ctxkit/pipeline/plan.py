@@ -215,9 +215,9 @@ class PipelineOptions:
     trace: bool | None = None
 
     def __post_init__(self) -> None:
-        _check_count(self.chunk_bytes, "chunk_bytes", none_ok=True)
-        _check_count(self.staging_buffers, "staging_buffers", MAX_STAGING_BUFFERS, True)
-        _check_count(self.host_threads, "host_threads", MAX_HOST_THREADS, True)
+        _check_count(self.chunk_bytes, "chunk_bytes")
+        _check_count(self.staging_buffers, "staging_buffers", MAX_STAGING_BUFFERS)
+        _check_count(self.host_threads, "host_threads", MAX_HOST_THREADS)
         block = self.block
         bad = isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= 1024
         if block is not None and bad:
@@ -270,8 +270,8 @@ _DEFAULTS: dict[str, Any] = {
 PIPELINE_FIELDS = ("staging_buffers", "host_threads", "pin_cache_bytes", "trace")
 
 
-def _check_count(value: Any, label: str, most: int | None = None, none_ok: bool = False) -> None:
-    if value is None and none_ok:
+def _check_count(value: Any, label: str, most: int | None = None) -> None:
+    if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{label} must be an int, got {type(value).__name__}")
@@ -545,11 +545,7 @@ def check_host_path(host_path: Any) -> tuple[str, str]:
     """``(input, output)`` host paths from ``"auto"``/``"staged"``/``"register"``/``"split"``
     or a pair of them."""
     pair = (host_path, host_path) if isinstance(host_path, str) else host_path
-    if (
-        not isinstance(pair, tuple)
-        or len(pair) != 2
-        or any(not isinstance(p, str) or p not in HOST_PATHS for p in pair)
-    ):
+    if not isinstance(pair, tuple) or len(pair) != 2 or any(p not in HOST_PATHS for p in pair):
         raise ValueError(
             f"host_path must be one of {HOST_PATHS} or an (input, output) pair of them, "
             f"not {host_path!r}"

@@ -78,7 +78,7 @@ from .._driver import drv
 from ..errors import ContextPoisonedError, LaunchArgumentError, PipelineError
 from ..memory.streamcopy import streaming_pays
 from ..module.kernel import Kernel
-from ..stream import Event, Stream
+from ..stream import Stream
 from ..trace import Recorder, nvtx_range
 from .plan import (
     PAGE,
@@ -390,19 +390,17 @@ def check_param_count(kernel: Kernel, args: tuple[Any, ...]) -> None:
 # --- run state ---
 
 
+@dataclass(slots=True)
 class ChunkJob:
     """One chunk as its device processes it: the staging copy of its input queued on the
-    host pool, pieces and segments of registered sides."""
+    host pool, pieces and segments of held and registered sides."""
 
-    __slots__ = ("chunk", "fill", "in_pieces", "in_seg", "out_pieces", "out_seg")
-
-    def __init__(self, chunk: Chunk) -> None:
-        self.chunk = chunk
-        self.fill: CopyBatch | None = None
-        self.in_pieces: HostPieces | None = None
-        self.out_pieces: HostPieces | None = None
-        self.in_seg: Segment | None = None
-        self.out_seg: Segment | None = None
+    chunk: Chunk
+    fill: CopyBatch | None = None
+    in_pieces: HostPieces | None = None
+    out_pieces: HostPieces | None = None
+    in_seg: Segment | None = None
+    out_seg: Segment | None = None
 
     def segments(self) -> list[Segment]:
         """The distinct segments of the chunk (one when input and output share pages)."""
@@ -443,7 +441,6 @@ class Run:
         self.stop = threading.Event()
         self.errors: list[BaseException] = []
         self.lock = threading.Lock()
-        self.taken: dict[int, list[Event]] = {}
         self.stats: dict[int, DeviceStats] = {}
         self.progress: dict[int, Progress] = {}
         self.started: dict[int, float] = {}
@@ -468,7 +465,6 @@ class Run:
             for dev in devices:
                 q: queue.SimpleQueue[Any] = queue.SimpleQueue()
                 self.stats[dev.ordinal] = DeviceStats(dev.ordinal)
-                self.taken[dev.ordinal] = []
                 self.progress[dev.ordinal] = Progress()
                 feeder = dev.worker.submit(feed, self, dev, q)
                 feeder.add_done_callback(functools.partial(_unblock_if_not_run, q))
@@ -777,7 +773,7 @@ def _enqueue(
     the drain thread."""
     c = job.chunk
     s = slot.stream
-    rec, taken, timing = run.rec, run.taken[dev.ordinal], run.rec is not None
+    rec, timing = run.rec, run.rec is not None
     managed = run.plan.managed
     if managed:
         _wait_window(run, dev, k, False)
@@ -787,24 +783,24 @@ def _enqueue(
         assert slot.d_in is not None and slot.d_out is not None
         d_in, d_out = slot.d_in.ptr, slot.d_out.ptr
         h2d = _input(run, dev, slot, job)
-    e0 = dev.take_event(True, taken).record(s) if timing else None
+    e0 = dev.take_event(True).record(s) if timing else None
     if managed:
         if dev.prefetch_ok and run.plan.prefetch:
             with Step("prefetch"):
                 _driver.mem_prefetch(d_in, nb_in, dev.ordinal, s.handle)
                 if d_out != d_in:
                     _driver.mem_prefetch(d_out, nb_out, dev.ordinal, s.handle)
-        e1 = dev.take_event(True, taken).record(s) if timing else None
+        e1 = dev.take_event(True).record(s) if timing else None
     else:
         with nvtx_range("h2d", "green"), Step("h2d"):
             for off, src, n in h2d:
                 (err,) = drv.cuMemcpyHtoDAsync(d_in + off, src, n, s.handle)
                 if err:
                     raise dev.ctx.note_error(err, "cuMemcpyHtoDAsync")
-        e1 = slot.h2d_done = dev.take_event(timing, taken).record(s)
+        e1 = slot.h2d_done = dev.take_event(timing).record(s)
     with nvtx_range("kernel", "blue"), Step("kernel"):
         run.launch(dev, s, d_in, d_out, c.rows * run.row_elems, c)
-    e2 = dev.take_event(True, taken).record(s) if timing else None
+    e2 = dev.take_event(True).record(s) if timing else None
     if managed:
         out_mode = "managed"
         if dev.prefetch_ok and run.plan.to_host:
@@ -817,7 +813,7 @@ def _enqueue(
                 (err,) = drv.cuMemcpyDtoHAsync(dst, d_out + off, n, s.handle)
                 if err:
                     raise dev.ctx.note_error(err, "cuMemcpyDtoHAsync")
-    e3 = dev.take_event(timing, taken).record(s)
+    e3 = dev.take_event(timing).record(s)
     q.put((job, slot, e3, out_mode, k))
     if rec is not None:
         names = ("prefetch", "prefetch_back") if managed else ("h2d", "d2h")
@@ -932,7 +928,7 @@ def drain(run: Run, dev: DeviceState, q: queue.SimpleQueue[Any]) -> None:
                     while copies and copies[0].done:
                         copies.popleft()
                 else:
-                    _finish_output(run, dev, slot, job, mode)
+                    _finish_output(run, slot, job)
                 if run.registrar is not None:
                     for seg in job.segments():
                         run.registrar.release(seg)
@@ -976,16 +972,16 @@ def _drained(run: Run, dev: DeviceState, c: Chunk, k: int, batch: CopyBatch) -> 
         run.progress[dev.ordinal].advance(k)
 
 
-def _finish_output(run: Run, dev: DeviceState, slot: Slot, job: ChunkJob, mode: str) -> None:
-    c = job.chunk
-    nb, b0 = c.rows * run.out_row, c.row0 * run.out_row
-    dst = run.out_bytes[b0 : b0 + nb]
-    if mode in ("held", "register"):
-        pc = job.out_pieces
-        if pc is not None and pc.bounced:
-            bounce = slot.bounce_out
-            dst[: pc.head] = bounce[: pc.head]
-            dst[nb - pc.tail :] = bounce[PAGE : PAGE + pc.tail]
+def _finish_output(run: Run, slot: Slot, job: ChunkJob) -> None:
+    """Copy the bounced bytes of a chunk whose output pages are held or registered into
+    the user's array (nothing to do for other outputs, written by the DMA itself)."""
+    pc = job.out_pieces
+    if pc is not None and pc.bounced:
+        c = job.chunk
+        nb, b0 = c.rows * run.out_row, c.row0 * run.out_row
+        dst, bounce = run.out_bytes[b0 : b0 + nb], slot.bounce_out
+        dst[: pc.head] = bounce[: pc.head]
+        dst[nb - pc.tail :] = bounce[PAGE : PAGE + pc.tail]
 
 
 def _finish_device(run: Run, dev: DeviceState) -> None:

@@ -652,6 +652,7 @@ class DeviceState:
         self.stage_stream = Stream(context=ctx)
         self.ref_stream = Stream(context=ctx)
         self.events: dict[bool, list[Event]] = {True: [], False: []}
+        self.taken: list[Event] = []  # handed out since the last recycle()
         self.clock: tuple[Recorder, Event, float] | None = None
         dev = ctx.device
         per_sm = max(1, dev.attribute("max_threads_per_multiprocessor"))
@@ -673,20 +674,23 @@ class DeviceState:
         """Blocks of *block* threads that fill every SM once."""
         return max(1, self.sm_threads // block)
 
-    def take_event(self, timing: bool, taken: list[Event]) -> Event:
-        """An event from the pool (or a new one), remembered in *taken*."""
+    def take_event(self, timing: bool) -> Event:
+        """An event from the pool (or a new one), remembered in :attr:`taken`."""
         pool = self.events[timing]
         ev = pool.pop() if pool else Event(timing=timing, context=self.ctx)
-        taken.append(ev)
+        self.taken.append(ev)
         return ev
 
-    def give_back(self, events: Iterable[Event]) -> None:
-        """Return events to the pool once nothing reads them any more."""
-        for ev in events:
+    def recycle(self) -> None:
+        """Return the events taken so far to the pool (nothing reads them any more: the
+        run is over, and so is its trace)."""
+        for ev in self.taken:
             self.events[ev.timing].append(ev)
+        self.taken.clear()
 
     def release(self) -> None:
         """Stop the worker threads; free slots, streams and pooled events."""
+        self.recycle()
         self.worker.shutdown(wait=True)
         self.drainer.shutdown(wait=True)
         for slot in self.slots:
