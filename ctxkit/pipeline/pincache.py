@@ -66,7 +66,13 @@ from ..memory.pinned import PinnedPool, pinned_pool
 from .plan import PAGE, MiB, addr
 from .staging import NO_USABLE_CONTEXT, register_pages, unregister_pages
 
-__all__ = ["MIN_HOLD_BYTES", "PinCache", "PinClaims", "memory_owner", "process_pins"]
+__all__ = [
+    "MIN_HOLD_BYTES",
+    "PinCache",
+    "PinClaims",
+    "memory_owner",
+    "process_pins",
+]
 
 
 MIN_HOLD_BYTES = 16 * MiB

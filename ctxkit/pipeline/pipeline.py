@@ -51,12 +51,7 @@ from .plan import (
     prepare_io,
     row_bytes,
 )
-from .run import (
-    Run,
-    RunStats,
-    make_launcher,
-    run_stats,
-)
+from .run import Run, RunStats, make_launcher, run_stats
 from .stages import StageHandle, Stages
 from .staging import (
     DeviceState,

@@ -101,7 +101,6 @@ from .staging import (
     Slot,
     calibrate,
     ensure_slot,
-    event_ready,
     grow_pinned,
     sync_event,
 )
@@ -344,11 +343,6 @@ class Step:
                 exc._ctxkit_step = self.name  # type: ignore[attr-defined]
             except AttributeError:
                 pass
-
-
-def step_of(exc: BaseException, default: str) -> str:
-    """The step *exc* was tagged with, else *default*."""
-    return getattr(exc, "_ctxkit_step", default)
 
 
 def _unblock_if_not_run(q: queue.SimpleQueue[Any], feeder: Future[Any]) -> None:
@@ -616,7 +610,8 @@ class Starter:
                 self._exhausted = True
                 return
             if p < n_slots and not run.plan.managed:
-                _setup_slot(run, dev, slot)
+                with Step("setup"):
+                    ensure_slot(dev, slot, run.plan, run.pool)
             job = _claim(run, dev, c)
             self.jobs.append(job)  # before the fill: settle() must see its batch
             self._next += 1
@@ -632,7 +627,7 @@ class Starter:
         if slot.h2d_done is None:
             return True
         if self.jobs:
-            return event_ready(self.dev, slot.h2d_done)
+            return slot.h2d_done.query()
         _wait_h2d(self.dev, slot, p)
         return True
 
@@ -674,7 +669,7 @@ def feed(run: Run, dev: DeviceState, q: queue.SimpleQueue[Any]) -> None:
     except Stopped:
         pass
     except BaseException as exc:
-        run.fail(dev, chunk, step_of(exc, "enqueue"), exc)
+        run.fail(dev, chunk, getattr(exc, "_ctxkit_step", "enqueue"), exc)
     finally:
         if starter.split is not None:
             starter.split.settle()
@@ -682,32 +677,30 @@ def feed(run: Run, dev: DeviceState, q: queue.SimpleQueue[Any]) -> None:
         q.put(None)
 
 
-def _setup_slot(run: Run, dev: DeviceState, slot: Slot) -> None:
-    """The slot's buffers for this run, at its first chunk (the first chunk starts after
-    one slot's allocations, not all of them)."""
-    plan = run.plan
-    with Step("setup"):
-        ensure_slot(
-            dev, slot, plan.in_chunk_bytes, plan.out_chunk_bytes, plan.stage_in, plan.bounces
-        )
-    out = slot.pin_out
-    if plan.stage_out and (out is None or out.nbytes < plan.out_chunk_bytes):
-        # Allocated on the host pool while the chunk fills, ready by its D2H.
-        assert run.pool is not None
-        slot.pin_out_next = run.pool.submit(grow_pinned, out, plan.out_chunk_bytes, dev.ctx)
-
-
 def _fill(run: Run, dev: DeviceState, slot: Slot, c: Chunk) -> CopyBatch:
     """Queue the staging copy of chunk *c*'s input into *slot* (fill work)."""
     nb, b0 = c.rows * run.in_row, c.row0 * run.in_row
-    assert run.pool is not None and slot.pin_in is not None
-    trace = (run.rec, "fill", dev.ordinal, c.index) if run.rec is not None else None
+    assert slot.pin_in is not None
+    return _stage(run, dev, c, slot.pin_in[:nb], run.x_bytes[b0 : b0 + nb], True)
+
+
+def _stage(
+    run: Run,
+    dev: DeviceState,
+    c: Chunk,
+    dst: np.ndarray,
+    src: np.ndarray,
+    fill: bool,
+    on_done: Callable[[CopyBatch], None] | None = None,
+) -> CopyBatch:
+    """Queue a staging copy of chunk *c* on the host pool: its input's fill, or its
+    output's drain (*on_done*: see :class:`CopyBatch`)."""
+    assert run.pool is not None
+    name = "fill" if fill else "drain"
+    trace = (run.rec, name, dev.ordinal, c.index) if run.rec is not None else None
+    streaming = run.stream_in if fill else run.stream_out
     return run.pool.copy_async(
-        slot.pin_in[:nb],
-        run.x_bytes[b0 : b0 + nb],
-        trace,
-        stop=run.stop,
-        streaming=run.stream_in,
+        dst, src, trace, urgent=fill, stop=run.stop, on_done=on_done, streaming=streaming
     )
 
 
@@ -949,18 +942,9 @@ def _drain_staged(run: Run, dev: DeviceState, slot: Slot, c: Chunk, k: int) -> C
     """Queue the copy of chunk *c*'s output from *slot* into the user's array; the slot
     is free for chunk ``k + staging_buffers`` once it is done."""
     nb, b0 = c.rows * run.out_row, c.row0 * run.out_row
-    assert run.pool is not None and slot.pin_out is not None
-    trace = (run.rec, "drain", dev.ordinal, c.index) if run.rec is not None else None
+    assert slot.pin_out is not None
     done = functools.partial(_drained, run, dev, c, k)
-    return run.pool.copy_async(
-        run.out_bytes[b0 : b0 + nb],
-        slot.pin_out[:nb],
-        trace,
-        urgent=False,
-        stop=run.stop,
-        on_done=done,
-        streaming=run.stream_out,
-    )
+    return _stage(run, dev, c, run.out_bytes[b0 : b0 + nb], slot.pin_out[:nb], False, on_done=done)
 
 
 def _drained(run: Run, dev: DeviceState, c: Chunk, k: int, batch: CopyBatch) -> None:

@@ -52,7 +52,7 @@ from ..memory.pinned import pinned_pool
 from ..memory.streamcopy import copy_streaming
 from ..stream import Event, Stream
 from ..trace import HOST_PREFIX, Recorder, nvtx_range
-from .plan import PAGE, MiB, round_up
+from .plan import PAGE, MapPlan, MiB, round_up
 
 __all__ = [
     "MAX_IDLE_POOLS",
@@ -557,9 +557,6 @@ class Registrar:
 BOUNCE_BYTES = 4 * PAGE
 
 
-NOT_READY = 600
-
-
 class Slot:
     """One staging slot of a device: device buffers, pinned buffers and a stream.
 
@@ -746,18 +743,19 @@ def calibrate(dev: DeviceState, rec: Recorder) -> None:
     dev.clock = (rec, ev, host_s)
 
 
-def ensure_slot(
-    dev: DeviceState, slot: Slot, in_bytes: int, out_bytes: int, stage_in: bool, bounce: bool
-) -> None:
-    """Grow *slot*'s device buffers (and its input staging or bounce buffer when needed)
-    at its first use in a run; its output staging buffer grows when its first D2H is
-    enqueued (:func:`grow_pinned`), so the first chunk waits for one slot only."""
+def ensure_slot(dev: DeviceState, slot: Slot, plan: MapPlan, pool: HostPool | None) -> None:
+    """Grow *slot*'s buffers for a run as *plan* says, at the slot's first use in it (the
+    first chunk starts after one slot's allocations, not all of them): its device
+    buffers, and its input staging or bounce buffer when needed. Its output staging
+    buffer is allocated on the host *pool* meanwhile, ready by the chunk's D2H
+    (``slot.pin_out_next``)."""
+    in_bytes, out_bytes = plan.in_chunk_bytes, plan.out_chunk_bytes
     try:
         slot.d_in = grow_device(slot.d_in, in_bytes, dev.ctx)
         slot.d_out = grow_device(slot.d_out, out_bytes, dev.ctx)
-        if stage_in:
+        if plan.stage_in:
             slot.pin_in = grow_pinned(slot.pin_in, in_bytes, dev.ctx)
-        if bounce and slot.bounce is None:
+        if plan.bounces and slot.bounce is None:
             slot.bounce = pinned_pool().empty((BOUNCE_BYTES,), np.uint8, context=dev.ctx)
     except OutOfMemoryError as exc:
         raise OutOfMemoryError(
@@ -767,6 +765,10 @@ def ensure_slot(
             exc.code,
             exc.name,
         ) from exc
+    out = slot.pin_out
+    if plan.stage_out and (out is None or out.nbytes < out_bytes):
+        assert pool is not None
+        slot.pin_out_next = pool.submit(grow_pinned, out, out_bytes, dev.ctx)
 
 
 def grow_device(buf: DeviceBuffer | None, need: int, ctx: Context) -> DeviceBuffer:
@@ -790,13 +792,3 @@ def grow_pinned(arr: np.ndarray | None, need: int, ctx: Context) -> np.ndarray:
     if arr is not None and arr.nbytes >= need:
         return arr
     return pinned_pool().empty((round_up(max(need, 1)),), np.uint8, context=ctx)
-
-
-def event_ready(dev: DeviceState, ev: Event) -> bool:
-    """True when *ev* completed, False while its work runs (``cuEventQuery``, no wait)."""
-    (err,) = drv.cuEventQuery(ev.handle)
-    if err == NOT_READY:
-        return False
-    if err:
-        raise dev.ctx.note_error(err, "cuEventQuery")
-    return True
