@@ -220,22 +220,13 @@ class PinCache:
 
     # --- internals -------------------------------------------------------------------
 
-    def _note(
-        self, table: dict[tuple[int, int, int], weakref.ref[Any]], key: Any, owner: Any
-    ) -> None:
-        """Put *key* in *table*, with a weak reference to *owner* that removes it when
-        the owner dies."""
-        me = weakref.ref(self)
-
-        def forget(ref: weakref.ref[Any]) -> None:
-            cache = me()
-            if cache is None:
-                return
-            with cache._lock:
-                if table.get(key) is ref:
-                    del table[key]
-
-        table[key] = weakref.ref(owner, forget)
+    @staticmethod
+    def _note(table: dict[tuple[int, int, int], weakref.ref[Any]], key: Any, owner: Any) -> None:
+        """Put *key* in *table* with a weak reference to *owner* (an entry whose owner
+        died matches nothing); the table keeps the :data:`MAX_SIGHTINGS` newest."""
+        table[key] = weakref.ref(owner)
+        while len(table) > MAX_SIGHTINGS:
+            table.pop(next(iter(table)))
 
     def _register(
         self,
@@ -253,8 +244,6 @@ class PinCache:
         prev = self._seen.pop(key, None)
         if prev is None or prev() is not owner:  # the first sighting: noted, staged
             self._note(self._seen, key, owner)
-            while len(self._seen) > MAX_SIGHTINGS:
-                self._seen.pop(next(iter(self._seen)))
             return None
         refused = self._refused.get(key)
         if refused is not None and refused() is owner:
