@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from ..memory.host import plain_dtype
+from ..memory.pinned import pinned_pool
 
 __all__ = [
     "PIPELINE_FIELDS",
@@ -470,8 +471,6 @@ def _default_out(x: np.ndarray, context: Any, headroom: int) -> np.ndarray:
     """
     if x.nbytes < POOLED_OUT_BYTES:
         return np.empty_like(x)
-    from ..memory.pinned import pinned_pool
-
     arr = pinned_pool().try_empty(x.shape, x.dtype, context=context, headroom=headroom)
     return np.empty_like(x) if arr is None else arr
 
@@ -509,8 +508,6 @@ def prepare_io(
     if isinstance(out, str):
         if out == "pageable":
             return x, np.empty_like(x)
-        from ..memory.pinned import pinned_pool
-
         return x, pinned_pool().empty(x.shape, x.dtype, context=context)
     if not isinstance(out, np.ndarray):
         raise TypeError(f"out must be a numpy array, got {type(out).__name__}")
