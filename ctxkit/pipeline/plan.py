@@ -19,7 +19,6 @@ __all__ = [
     "HostPieces",
     "MapPlan",
     "PipelineOptions",
-    "check_host_path",
     "choose_host_path",
     "default_chunk_bytes",
     "grid_size",

@@ -108,12 +108,10 @@ from .staging import (
 __all__ = [
     "ChunkView",
     "DeviceStats",
-    "LineBar",
     "Run",
     "RunStats",
     "drain",
     "feed",
-    "make_bar",
     "make_launcher",
     "run_stats",
 ]

@@ -55,10 +55,7 @@ from ..trace import HOST_PREFIX, Recorder, nvtx_range
 from .plan import PAGE, MapPlan, MiB, round_up
 
 __all__ = [
-    "MAX_IDLE_POOLS",
     "NO_USABLE_CONTEXT",
-    "REGISTER_PORTABLE",
-    "REGISTER_READ_ONLY",
     "CopyBatch",
     "DeviceState",
     "HostPool",
@@ -67,10 +64,8 @@ __all__ = [
     "Segment",
     "Slot",
     "close_idle_host_threads",
-    "copy_piece",
     "default_host_threads",
     "give_back_host_pool",
-    "idle_host_pools",
     "register_pages",
     "relaxed_capture",
     "take_host_pool",
