@@ -171,12 +171,13 @@ class PinCache:
             held.users += 1
             return held
 
-    def done(self, held: Held) -> None:
-        """A map call stopped using *held*; nobody keeping it, it is released."""
+    def done(self, held: Iterable[Held]) -> None:
+        """A map call stopped using the ranges *held*; those nobody keeps are released."""
         with self._lock:
-            held.users -= 1
-            if not held.users and not held.claims:
-                self._evict(held)
+            for h in held:
+                h.users -= 1
+                if not h.users and not h.claims:
+                    self._evict(h)
 
     def drop(self, claims: PinClaims) -> int:
         """*claims* keeps nothing any more; return the bytes it kept. Ranges nobody else
@@ -343,9 +344,9 @@ def _unregister(h: Held) -> None:
 
 
 class PinClaims:
-    """One Pipeline's share of the process's :class:`PinCache`, at most *limit* bytes
-    (``None``: the pool's budget; 0: hold nothing; checked by
-    :class:`~ctxkit.pipeline.PipelineOptions`)."""
+    """One Pipeline's share of the process's :class:`PinCache` (the *claims* its methods
+    take), at most *limit* bytes (``None``: the pool's budget; 0: hold nothing; checked
+    by :class:`~ctxkit.pipeline.PipelineOptions`)."""
 
     def __init__(self, cache: PinCache, limit: int | None) -> None:
         self.cache = cache
@@ -355,20 +356,6 @@ class PinClaims:
     def limit(self) -> int:
         """Most bytes this share may keep page-locked."""
         return pinned_pool().budget if self._limit is None else self._limit
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes kept page-locked for this share."""
-        return self.cache.claimed_bytes(self)
-
-    def acquire(self, arr: np.ndarray, contexts: list[Context], read_only: bool) -> Held | None:
-        """See :meth:`PinCache.acquire`."""
-        return self.cache.acquire(arr, contexts, read_only, self)
-
-    def done(self, held: Iterable[Held]) -> None:
-        """The map call that acquired *held* is over."""
-        for h in held:
-            self.cache.done(h)
 
     def release(self) -> int:
         """Keep nothing page-locked any more; return the bytes released."""

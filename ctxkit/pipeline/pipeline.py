@@ -171,7 +171,7 @@ class Pipeline:
     def pinned_bytes(self) -> int:
         """Bytes of the user's pageable arrays kept page-locked for this pipeline by pin
         on reuse."""
-        return self._pins.nbytes
+        return self._pins.cache.claimed_bytes(self._pins)
 
     def release_pinned(self) -> int:
         """Stop keeping arrays page-locked for this pipeline; return the bytes it kept.
@@ -521,7 +521,7 @@ class Pipeline:
                     if not plan.empty:
                         self._execute(run, progress)
                 finally:
-                    self._pins.done(held)
+                    self._pins.cache.done(held)
                 self._stats = run_stats(run, time.perf_counter() - t0, x.nbytes)
         except RuntimeError:
             _park_if_exiting()
@@ -565,7 +565,8 @@ class Pipeline:
         ctxs = self.contexts
 
         def kind(a: np.ndarray, path: str, read_only: bool) -> str:
-            h = self._pins.acquire(a, ctxs, read_only) if path == "auto" else None
+            pins = self._pins
+            h = pins.cache.acquire(a, ctxs, read_only, pins) if path == "auto" else None
             if h is None:
                 return "pinned" if a.nbytes and is_pinned(a) else "pageable"
             held.append(h)
