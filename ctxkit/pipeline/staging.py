@@ -352,14 +352,11 @@ def copy_piece(
 ) -> None:
     """Copy one piece (with non-temporal stores when *streaming*), recording a host
     interval when *trace* is ``(recorder, name, device, chunk)``."""
-    copy = copy_streaming if streaming else np.copyto
-    if trace is None:
-        copy(dst, src)
-        return
-    rec, name, device, chunk = trace
     t0 = time.perf_counter()
-    copy(dst, src)
-    rec.host(name, device, label, chunk, t0, time.perf_counter())
+    (copy_streaming if streaming else np.copyto)(dst, src)
+    if trace is not None:
+        rec, name, device, chunk = trace
+        rec.host(name, device, label, chunk, t0, time.perf_counter())
 
 
 def default_host_threads(n_devices: int) -> int:
