@@ -93,128 +93,101 @@ def memory_owner(arr: np.ndarray) -> np.ndarray:
     return owner
 
 
-def _whole_pages(ptr: int, nbytes: int) -> tuple[int, int]:
-    """The whole pages inside ``[ptr, ptr + nbytes)``, as ``(start, end)``."""
-    return -(-ptr // PAGE) * PAGE, (ptr + nbytes) // PAGE * PAGE
-
-
 @dataclass(eq=False)
 class Held:
     """One registered range ``[start, end)`` whose memory owner keeps it valid.
 
-    *contexts* may unregister it (the registering one first); *claims* are the
-    pipelines keeping it; *users* the map calls using it now (it is not released
-    while they run); a *stranded* range can no longer be unregistered (see
-    :meth:`PinCache.strand_poisoned`).
+    *contexts* may unregister it (the registering one first); *pool* counts its bytes
+    against its budget (claimed); *claims* are the pipelines keeping it; *users* the map
+    calls using it now (it is not released while they run). *registered* turns False
+    once it is unregistered or stranded (see :meth:`PinCache.strand_poisoned`): then it
+    is no longer the cache's to undo.
     """
 
     start: int
     end: int
     contexts: list[Context]
-    ref: weakref.ref[Any] | None = None
+    pool: PinnedPool
+    ref: Any = None  # a weak reference to the memory owner (set once registered)
     registered: bool = True
     last_use: int = 0
     users: int = 0
     claims: weakref.WeakSet[PinClaims] = field(default_factory=weakref.WeakSet)
-    stranded: bool = False
-    pool: PinnedPool | None = None  # whose budget counts the range (claimed)
 
     @property
     def nbytes(self) -> int:
         return self.end - self.start
 
-    def covers(self, start: int, end: int) -> bool:
-        return self.start <= start and end <= self.end
-
 
 class PinCache:
-    """Registrations of reused pageable arrays, counted against a pinned pool's budget.
+    """Registrations of reused pageable arrays, counted against the budget of the
+    process's pinned pool (:meth:`PinnedPool.claim <ctxkit.memory.PinnedPool.claim>`)."""
 
-    Parameters
-    ----------
-    cap : int, optional
-        Most bytes kept page-locked at once (0 disables holding); default: the pool's
-        budget.
-    pool : PinnedPool, optional
-        The pool whose budget the registrations count against (:meth:`PinnedPool.claim`);
-        default: the process's, :func:`ctxkit.pinned_pool`.
-    """
-
-    def __init__(self, cap: int | None = None, pool: PinnedPool | None = None) -> None:
-        self._cap = cap
-        self._pool = pool
+    def __init__(self) -> None:
         self._lock = threading.RLock()
-        self._held: dict[int, list[Held]] = {}
+        self._held: list[Held] = []
+        # (id(owner), start, end) -> the owner, weakly: ranges seen once / refused by the driver
         self._seen: dict[tuple[int, int, int], weakref.ref[Any]] = {}
         self._refused: dict[tuple[int, int, int], weakref.ref[Any]] = {}
-        self._stranded: list[tuple[Held, Any]] = []
+        self._stranded: list[Any] = []  # owners of pages no context can unregister
         self._clock = 0
         self._warned_stranded = False
 
     @property
-    def pool(self) -> PinnedPool:
-        """The pinned pool whose budget the registrations count against."""
-        return self._pool if self._pool is not None else pinned_pool()
-
-    @property
-    def budget(self) -> int:
-        """Most bytes the cache may keep page-locked: its cap, at most the pool's budget."""
-        budget = self.pool.budget
-        return budget if self._cap is None else min(self._cap, budget)
-
-    @property
     def nbytes(self) -> int:
         """Bytes page-locked now."""
-        return sum(h.nbytes for h in self._entries() if h.registered)
+        return self.claimed_bytes(None)
 
-    def claimed_bytes(self, claims: PinClaims) -> int:
-        """Bytes of the ranges *claims* keeps."""
-        return sum(h.nbytes for h in self._entries() if h.registered and claims in h.claims)
+    def claimed_bytes(self, claims: PinClaims | None) -> int:
+        """Bytes of the ranges *claims* keeps (``None``: of every range)."""
+        with self._lock:
+            return sum(h.nbytes for h in self._held if claims is None or claims in h.claims)
 
     def acquire(
         self, arr: np.ndarray, contexts: list[Context], read_only: bool, claims: PinClaims
     ) -> Held | None:
         """Use *arr* for one map call: its held range (now registered if this is its
         second sighting and it fits), or None. Pair a range with :meth:`done`."""
-        limit = min(self.budget, claims.limit)
-        if limit <= 0 or arr.nbytes < MIN_HOLD_BYTES:
-            return None
-        start, end = _whole_pages(addr(arr), arr.nbytes)
-        if end <= start:
+        limit = min(pinned_pool().budget, claims.limit)
+        ptr = addr(arr)
+        start, end = -(-ptr // PAGE) * PAGE, (ptr + arr.nbytes) // PAGE * PAGE  # whole pages
+        if limit <= 0 or arr.nbytes < MIN_HOLD_BYTES or end <= start:
             return None
         owner = memory_owner(arr)
         with self._lock:
             self._clock += 1
-            held = self._find(owner, start, end)
+            held = next(
+                (h for h in self._held if h.ref() is owner and h.start <= start < end <= h.end),
+                None,
+            )
             if held is None:
-                if not self._seen_before(owner, start, end):
-                    return None
                 held = self._register(owner, start, end, contexts, read_only, claims, limit)
                 if held is None:
                     return None
-            elif claims not in held.claims and self._make_room(0, claims, held.nbytes, limit):
+            elif claims not in held.claims and self._make_room(claims, held.nbytes, limit):
                 held.claims.add(claims)
             held.contexts.extend(c for c in contexts if c not in held.contexts)
             held.last_use = self._clock
             held.users += 1
             return held
 
-    def done(self, held: Held) -> None:
-        """A map call stopped using *held*; nobody keeping it, it is released."""
+    def done(self, held: Iterable[Held]) -> None:
+        """A map call stopped using the ranges *held*; those nobody keeps are released."""
         with self._lock:
-            held.users -= 1
-            if not held.users and not held.claims:
-                self._evict(held)
+            for h in held:
+                h.users -= 1
+                if not h.users and not h.claims:
+                    self._evict(h)
 
     def drop(self, claims: PinClaims) -> int:
         """*claims* keeps nothing any more; return the bytes it kept. Ranges nobody else
         keeps (and no map uses) are unregistered."""
         released = 0
         with self._lock:
-            for h in self._entries():
+            for h in list(self._held):
                 if claims in h.claims:
                     h.claims.discard(claims)
-                    released += h.nbytes if h.registered else 0
+                    released += h.nbytes
                     if not h.claims and not h.users:
                         self._evict(h)
         return released
@@ -229,11 +202,11 @@ class PinCache:
         poisoned context; warns once."""
         kept = 0
         with self._lock:
-            for h in self._entries():
-                if h.registered and any(c.poisoned for c in h.contexts):
-                    self._forget(h)
-                    h.stranded = True
-                    self._stranded.append((h, h.ref() if h.ref is not None else None))
+            for h in list(self._held):
+                if any(c.poisoned for c in h.contexts):
+                    self._held.remove(h)
+                    h.registered = False
+                    self._stranded.append(h.ref())
                     kept += h.nbytes
         if kept and not self._warned_stranded:
             self._warned_stranded = True
@@ -248,46 +221,13 @@ class PinCache:
 
     # --- internals -------------------------------------------------------------------
 
-    def _entries(self) -> list[Held]:
-        with self._lock:
-            return [h for hs in list(self._held.values()) for h in hs]
-
-    def _find(self, owner: Any, start: int, end: int) -> Held | None:
-        for h in self._held.get(id(owner), ()):
-            if h.registered and h.ref is not None and h.ref() is owner and h.covers(start, end):
-                return h
-        return None
-
-    def _seen_before(self, owner: Any, start: int, end: int) -> bool:
-        """Record the sighting; True when the same range of the same owner was seen."""
-        key = (id(owner), start, end)
-        prev = self._seen.pop(key, None)
-        if prev is not None and prev() is owner:
-            return True
-        self._seen[key] = self._note(self._seen, key, owner)
-        while len(self._seen) > MAX_SIGHTINGS:
-            self._seen.pop(next(iter(self._seen)))
-        return False
-
-    def _was_refused(self, owner: Any, start: int, end: int) -> bool:
-        ref = self._refused.get((id(owner), start, end))
-        return ref is not None and ref() is owner
-
-    def _note(
-        self, table: dict[tuple[int, int, int], weakref.ref[Any]], key: Any, owner: Any
-    ) -> weakref.ref[Any]:
-        """A weak reference to *owner* that removes *key* from *table* when it dies."""
-        me = weakref.ref(self)
-
-        def forget(ref: weakref.ref[Any]) -> None:
-            cache = me()
-            if cache is None:
-                return
-            with cache._lock:
-                if table.get(key) is ref:
-                    del table[key]
-
-        return weakref.ref(owner, forget)
+    @staticmethod
+    def _note(table: dict[tuple[int, int, int], weakref.ref[Any]], key: Any, owner: Any) -> None:
+        """Put *key* in *table* with a weak reference to *owner* (an entry whose owner
+        died matches nothing); the table keeps the :data:`MAX_SIGHTINGS` newest."""
+        table[key] = weakref.ref(owner)
+        while len(table) > MAX_SIGHTINGS:
+            table.pop(next(iter(table)))
 
     def _register(
         self,
@@ -299,27 +239,31 @@ class PinCache:
         claims: PinClaims,
         limit: int,
     ) -> Held | None:
-        if self._was_refused(owner, start, end):
+        """Hold the range if it was seen before (the sighting is used up), never refused,
+        overlaps no held range and fits; None when it is not held."""
+        key = (id(owner), start, end)
+        prev = self._seen.pop(key, None)
+        if prev is None or prev() is not owner:  # the first sighting: noted, staged
+            self._note(self._seen, key, owner)
             return None
-        nbytes = end - start
-        if not self._make_room(nbytes, claims, nbytes, limit):
+        refused = self._refused.get(key)
+        if refused is not None and refused() is owner:
             return None
-        if any(h.start < end and start < h.end for h in self._entries() if h.registered):
+        if any(h.start < end and start < h.end for h in self._held):
             return None
-        pool = self.pool
-        if not self._claim(pool, nbytes):
+        nbytes, pool = end - start, pinned_pool()
+        if not self._make_room(claims, nbytes, limit, pool):
             return None
         with contexts[0]:
             err = register_pages(start, nbytes, read_only)
         if err:
             pool.unclaim(nbytes)
-            key = (id(owner), start, end)
-            self._refused[key] = self._note(self._refused, key, owner)
+            self._note(self._refused, key, owner)
             return None
-        held = Held(start, end, list(contexts), pool=pool)
+        held = Held(start, end, list(contexts), pool)
         held.claims.add(claims)
         held.ref = weakref.ref(owner, self._on_owner_death(held))
-        self._held.setdefault(id(owner), []).append(held)
+        self._held.append(held)
         return held
 
     def _on_owner_death(self, held: Held) -> Any:
@@ -338,61 +282,43 @@ class PinCache:
 
         return dead
 
-    def _make_room(self, nbytes: int, claims: PinClaims, claim_bytes: int, limit: int) -> bool:
-        """Evict idle ranges (least recently used first) until *nbytes* more fit the
-        budget and *claim_bytes* more fit *claims*' *limit*."""
-        if nbytes > self.budget or claim_bytes > limit:
+    def _make_room(
+        self, claims: PinClaims, nbytes: int, limit: int, pool: PinnedPool | None = None
+    ) -> bool:
+        """Let idle ranges go (least recently used first) until *nbytes* more fit
+        *claims*' *limit* and, given a *pool*, are claimed from its budget (the pool frees
+        cached blocks for them too). False: do not hold."""
+        if nbytes > limit:
             return False
-        idle = sorted(
-            (h for h in self._entries() if h.registered and not h.users),
-            key=lambda h: h.last_use,
-        )
-        used = self.nbytes
-        for h in idle:
-            if used + nbytes <= self.budget:
-                break
-            self._evict(h)
-            used -= h.nbytes
+        idle = sorted((h for h in self._held if not h.users), key=lambda h: h.last_use)
         mine = self.claimed_bytes(claims)
         for h in idle:
-            if mine + claim_bytes <= limit:
+            if mine + nbytes <= limit:
                 break
-            if h.registered and claims in h.claims:
+            if claims in h.claims:
                 h.claims.discard(claims)
                 mine -= h.nbytes
                 if not h.claims:
                     self._evict(h)
-        return used + nbytes <= self.budget and mine + claim_bytes <= limit
-
-    def _claim(self, pool: PinnedPool, nbytes: int) -> bool:
-        """Count *nbytes* against *pool*'s budget; when the pool cannot make room, release
-        idle ranges (least recently used first) until it can. False: do not hold."""
-        idle = sorted(
-            (h for h in self._entries() if h.registered and not h.users),
-            key=lambda h: h.last_use,
-        )
-        while not pool.claim(nbytes):
+        if mine + nbytes > limit:
+            return False
+        idle = [h for h in idle if h.registered]
+        while pool is not None and not pool.claim(nbytes):
             if not idle:
                 return False
             self._evict(idle.pop(0))
         return True
 
-    def _forget(self, h: Held) -> None:
-        for key, hs in list(self._held.items()):
-            if h in hs:
-                hs.remove(h)
-                if not hs:
-                    del self._held[key]
-
     def _evict(self, h: Held) -> None:
-        self._forget(h)
+        if h in self._held:
+            self._held.remove(h)
         _unregister(h)
 
 
 def _unregister(h: Held) -> None:
     """Undo *h*'s registration now (see the module notes); never raises (each failure is
     a :class:`~ctxkit.errors.PinLeakWarning` naming its range)."""
-    if not h.registered or h.stranded:
+    if not h.registered:
         return
     h.registered = False
     try:
@@ -402,8 +328,7 @@ def _unregister(h: Held) -> None:
     else:
         why = "every context that could unregister them is closed or poisoned"
     if err in (0, _NOT_REGISTERED):
-        if h.pool is not None:
-            h.pool.unclaim(h.nbytes)
+        h.pool.unclaim(h.nbytes)
         return
     if err != NO_USABLE_CONTEXT:  # still page-locked: it stays counted against the budget
         why = f"cuMemHostUnregister failed with CUresult {err}"
@@ -419,37 +344,18 @@ def _unregister(h: Held) -> None:
 
 
 class PinClaims:
-    """One Pipeline's share of the process's :class:`PinCache`, at most *limit* bytes
-    (``None``: the cache's budget; 0: hold nothing)."""
+    """One Pipeline's share of the process's :class:`PinCache` (the *claims* its methods
+    take), at most *limit* bytes (``None``: the pool's budget; 0: hold nothing; checked
+    by :class:`~ctxkit.pipeline.PipelineOptions`)."""
 
     def __init__(self, cache: PinCache, limit: int | None) -> None:
-        bad = isinstance(limit, bool) or not isinstance(limit, int) or limit < 0
-        if limit is not None and bad:
-            raise ValueError(
-                "pin_cache_bytes must be a byte count >= 0 (0 turns pin on reuse off), "
-                f"not {limit!r}"
-            )
         self.cache = cache
         self._limit = limit
 
     @property
     def limit(self) -> int:
         """Most bytes this share may keep page-locked."""
-        return self.cache.budget if self._limit is None else self._limit
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes kept page-locked for this share."""
-        return self.cache.claimed_bytes(self)
-
-    def acquire(self, arr: np.ndarray, contexts: list[Context], read_only: bool) -> Held | None:
-        """See :meth:`PinCache.acquire`."""
-        return self.cache.acquire(arr, contexts, read_only, self)
-
-    def done(self, held: Iterable[Held]) -> None:
-        """The map call that acquired *held* is over."""
-        for h in held:
-            self.cache.done(h)
+        return pinned_pool().budget if self._limit is None else self._limit
 
     def release(self) -> int:
         """Keep nothing page-locked any more; return the bytes released."""

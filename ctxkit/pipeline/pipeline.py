@@ -4,10 +4,10 @@ and how it carries out a map call.
 
 For one call it merges the call's options into the pipeline's, tells
 :func:`~ctxkit.pipeline.plan.plan_map` what the host memory of both arrays is (claiming
-pin on reuse), loads a kernel given as ``(ObjectCode, name)``, then starts a feeder and a
-drain thread per active device (:mod:`ctxkit.pipeline.run`) and waits for them in short
-timed waits, so that Ctrl-C stops the run promptly, yet never returns while a worker may
-still touch the arrays. What a Pipeline is given is turned into what it works on here too:
+pin on reuse), loads a kernel given as ``(ObjectCode, name)``, then carries out the run
+(:meth:`Run.execute <ctxkit.pipeline.run.Run.execute>`: a feeder and a drain thread per
+active device) and reports its first failure. What a Pipeline is given is turned into
+what it works on here too:
 ``devices=`` into contexts, a device argument into an ordinal, an array into the kind of
 its host memory and the ``x``/``out`` of ``map_managed`` into numpy views of managed
 memory; the checks of a map's host arrays and options are
@@ -17,15 +17,11 @@ memory; the checks of a map's host arrays and options are
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
-import queue
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future
-from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import numpy as np
@@ -55,23 +51,11 @@ from .plan import (
     prepare_io,
     row_bytes,
 )
-from .run import (
-    DeviceStats,
-    Run,
-    RunStats,
-    drain,
-    feed,
-    make_bar,
-    make_launcher,
-    run_stats,
-    unblock_if_not_run,
-)
+from .run import Run, RunStats, make_launcher, run_stats
 from .stages import StageHandle, Stages
 from .staging import (
     DeviceState,
     HostPool,
-    Progress,
-    Registrar,
     default_host_threads,
     give_back_host_pool,
     quiet_sync,
@@ -187,7 +171,7 @@ class Pipeline:
     def pinned_bytes(self) -> int:
         """Bytes of the user's pageable arrays kept page-locked for this pipeline by pin
         on reuse."""
-        return self._pins.nbytes
+        return self._pins.cache.claimed_bytes(self._pins)
 
     def release_pinned(self) -> int:
         """Stop keeping arrays page-locked for this pipeline; return the bytes it kept.
@@ -462,8 +446,9 @@ class Pipeline:
     # --- helpers -------------------------------------------------------------------
 
     def _device_for(self, device: int | Device | Context) -> DeviceState:
+        ordinal = device.ordinal if isinstance(device, Device) else device
         for dev in self._devices:
-            if dev.ctx == device or dev.ordinal == _ordinal(device):
+            if dev.ctx == device or (type(ordinal) is int and dev.ordinal == ordinal):
                 return dev
         raise ValueError(
             f"{device!r} is not one of this pipeline's devices {[d.ordinal for d in self._devices]}"
@@ -536,7 +521,7 @@ class Pipeline:
                     if not plan.empty:
                         self._execute(run, progress)
                 finally:
-                    self._pins.done(held)
+                    self._pins.cache.done(held)
                 self._stats = run_stats(run, time.perf_counter() - t0, x.nbytes)
         except RuntimeError:
             _park_if_exiting()
@@ -545,42 +530,17 @@ class Pipeline:
 
     def _execute(self, run: Run, progress: bool = False) -> None:
         plan = run.plan
-        if progress:
-            run.bar = make_bar(len(plan.chunks))
-        try:
-            self._execute_run(run)
-        finally:
-            if run.bar is not None:
-                run.bar.close()
-
-    def _execute_run(self, run: Run) -> None:
-        plan = run.plan
-        if plan.needs_pool:
-            run.pool = self._pool()
-        if plan.registers:
-            assert run.pool is not None
-            run.registrar = Registrar(run.pool, run.stop, run.rec)
+        if plan.needs_pool and not self._host_pool:
+            self._host_pool.append(take_host_pool(self._options.host_threads or 2))
         self._run = run
-        futures: list[Future[Any]] = []
-        try:
-            for dev in (self._devices[part] for part in plan.active):
-                q: queue.SimpleQueue[Any] = queue.SimpleQueue()
-                run.stats[dev.ordinal] = DeviceStats(dev.ordinal)
-                run.taken[dev.ordinal] = []
-                run.progress[dev.ordinal] = Progress()
-                feeder = dev.worker.submit(feed, run, dev, q)
-                feeder.add_done_callback(functools.partial(unblock_if_not_run, q))
-                futures.append(feeder)
-                futures.append(dev.drainer.submit(drain, run, dev, q))
-            for f in futures:
-                _result_interruptibly(f)
-        except BaseException:
-            _stop_and_wait(run, futures)
-            raise
-        finally:
-            run.drop_arrays()
+        run.execute(
+            [self._devices[part] for part in plan.active],
+            self._host_pool[0] if plan.needs_pool else None,
+            progress,
+        )
         if not self.tracing:
-            self._recycle(run)
+            for dev in self._devices:
+                dev.recycle()
         if run.errors:
             if self.poisoned:
                 self._pins.cache.strand_poisoned()
@@ -588,11 +548,6 @@ class Pipeline:
             if isinstance(first, PipelineError) and len(run.errors) > 1:
                 first.args = (f"{first} (+{len(run.errors) - 1} more errors in this run)",)
             raise first
-
-    def _pool(self) -> HostPool:
-        if not self._host_pool:
-            self._host_pool.append(take_host_pool(self._options.host_threads or 2))
-        return self._host_pool[0]
 
     def _host_kinds(
         self,
@@ -609,24 +564,20 @@ class Pipeline:
         else ``"pageable"``."""
         ctxs = self.contexts
 
-        def hold(a: np.ndarray, read_only: bool) -> bool:
-            h = self._pins.acquire(a, ctxs, read_only)
-            if h is not None:
-                held.append(h)
-            return h is not None
+        def kind(a: np.ndarray, path: str, read_only: bool) -> str:
+            pins = self._pins
+            h = pins.cache.acquire(a, ctxs, read_only, pins) if path == "auto" else None
+            if h is None:
+                return "pinned" if a.nbytes and is_pinned(a) else "pageable"
+            held.append(h)
+            return "held"
 
         if pooled_out:
-            held_in = paths[0] == "auto" and hold(x, True)
-            return ("held" if held_in else _memory_kind(x)), "pinned"
-        if x.nbytes and x.nbytes == out.nbytes and addr(x) == addr(out):
-            held_in = held_out = "auto" in paths and hold(x, False)
-        else:
-            held_in = paths[0] == "auto" and hold(x, True)
-            held_out = paths[1] == "auto" and hold(out, False)
-        return (
-            "held" if held_in else _memory_kind(x),
-            "held" if held_out else _memory_kind(out),
-        )
+            return kind(x, paths[0], True), "pinned"
+        if x.nbytes and x.nbytes == out.nbytes and addr(x) == addr(out):  # in place
+            both = kind(x, "auto" if "auto" in paths else paths[0], False)
+            return both, both
+        return kind(x, paths[0], True), kind(out, paths[1], False)
 
     # --- kernels -------------------------------------------------------------------
 
@@ -655,17 +606,9 @@ class Pipeline:
     # --- trace recording -------------------------------------------------------------
 
     def _new_recording(self) -> None:
-        old = self._run
-        if old is not None:
-            self._recycle(old)
-            self._run = None
+        for dev in self._devices:
+            dev.recycle()  # the last run's trace is dropped with its recorder
         self._recorder = Recorder() if self.tracing else None
-
-    def _recycle(self, run: Run) -> None:
-        by_ordinal = {d.ordinal: d for d in self._devices}
-        for ordinal, events in run.taken.items():
-            by_ordinal[ordinal].give_back(events)
-        run.taken = {}
 
     # --- checks -------------------------------------------------------------------
 
@@ -687,52 +630,12 @@ class Pipeline:
                     ) from exc
 
 
-INTERRUPT_POLL_S = 0.05
-
-
-def _result_interruptibly(f: Future[Any]) -> Any:
-    """``f.result()``, with Ctrl-C handled within :data:`INTERRUPT_POLL_S`.
-
-    A signal that arrives just before a thread blocks on a lock without a timeout is only
-    handled once the lock is released (CPython checks pending signals between bytecodes,
-    not before the wait): ``map`` would run to its end before raising KeyboardInterrupt.
-    Short timed waits bound that delay.
-    """
-    while not f.done():
-        wait_futures([f], timeout=INTERRUPT_POLL_S)
-    return f.result()
-
-
-def _stop_and_wait(run: Run, futures: list[Future[Any]]) -> None:
-    """Stop *run* and wait until its feeders and drainers have finished, however many
-    more Ctrl-C arrive meanwhile (the first one is what ``map`` raises): the arrays must
-    not be touched once ``map`` is back in the caller's hands."""
-    while True:
-        try:
-            run.stop.set()
-            wait_futures(futures)
-            return
-        except BaseException:
-            continue
-
-
 def _park_if_exiting() -> None:
     """A daemon thread that cannot start a thread or submit work because the interpreter
     is exiting waits here for the exit instead of printing a traceback (the interpreter
     stops daemon threads; non-daemon ones get the error)."""
     if threading.current_thread().daemon and not threading.main_thread().is_alive():
         threading.Event().wait()
-
-
-_NO_DEVICE = 100
-
-
-def _ordinal(device: object) -> int | None:
-    if isinstance(device, Device):
-        return device.ordinal
-    if isinstance(device, int) and not isinstance(device, bool):
-        return device
-    return None
 
 
 def _resolve_contexts(specs: list[int | Device | Context] | None) -> list[Context]:
@@ -743,7 +646,7 @@ def _resolve_contexts(specs: list[int | Device | Context] | None) -> list[Contex
             raise CudaError(
                 "Pipeline(devices=None): no CUDA device is visible (the driver reports "
                 "none); check nvidia-smi and CUDA_VISIBLE_DEVICES",
-                _NO_DEVICE,
+                _driver.CUDA_ERROR_NO_DEVICE,
                 "CUDA_ERROR_NO_DEVICE",
             )
         specs = list(range(n))
@@ -751,10 +654,6 @@ def _resolve_contexts(specs: list[int | Device | Context] | None) -> list[Contex
     for ctx in contexts:
         ctx.check_usable()
     return contexts
-
-
-def _memory_kind(a: np.ndarray) -> str:
-    return "pinned" if a.nbytes and is_pinned(a) else "pageable"
 
 
 def _managed_array(

@@ -11,15 +11,14 @@ from typing import Any
 import numpy as np
 
 from ..memory.host import plain_dtype
+from ..memory.pinned import pinned_pool
 
 __all__ = [
-    "HOST_PATHS",
     "PIPELINE_FIELDS",
     "Chunk",
     "HostPieces",
     "MapPlan",
     "PipelineOptions",
-    "check_host_path",
     "choose_host_path",
     "default_chunk_bytes",
     "grid_size",
@@ -126,14 +125,8 @@ class Chunk:
 HOST_KINDS = ("pageable", "pinned", "held", "managed")
 
 
-MODE_NAMES = {
-    "pinned": "pinned",
-    "held": "held",
-    "staged": "staged",
-    "register": "registered",
-    "split": "split",
-    "managed": "managed",
-}
+#: How ``RunStats.path`` names a mode that is not named as it is.
+MODE_NAMES = {"register": "registered"}
 
 
 @dataclass(frozen=True)
@@ -222,15 +215,20 @@ class PipelineOptions:
     trace: bool | None = None
 
     def __post_init__(self) -> None:
-        _check_count(self.chunk_bytes, "chunk_bytes", none_ok=True)
-        _check_count(self.staging_buffers, "staging_buffers", MAX_STAGING_BUFFERS, True)
-        _check_count(self.host_threads, "host_threads", MAX_HOST_THREADS, True)
+        _check_count(self.chunk_bytes, "chunk_bytes")
+        _check_count(self.staging_buffers, "staging_buffers", MAX_STAGING_BUFFERS)
+        _check_count(self.host_threads, "host_threads", MAX_HOST_THREADS)
         block = self.block
         bad = isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= 1024
         if block is not None and bad:
             raise ValueError(f"block must be an int in 1..1024, got {block!r}")
         if self.schedule is not None and self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, not {self.schedule!r}")
+        pin = self.pin_cache_bytes
+        if pin is not None and (isinstance(pin, bool) or not isinstance(pin, int) or pin < 0):
+            raise ValueError(
+                f"pin_cache_bytes must be a byte count >= 0 (0 turns pin on reuse off), not {pin!r}"
+            )
         if self.host_path is not None:
             object.__setattr__(self, "host_path", check_host_path(self.host_path))
 
@@ -272,8 +270,8 @@ _DEFAULTS: dict[str, Any] = {
 PIPELINE_FIELDS = ("staging_buffers", "host_threads", "pin_cache_bytes", "trace")
 
 
-def _check_count(value: Any, label: str, most: int | None = None, none_ok: bool = False) -> None:
-    if value is None and none_ok:
+def _check_count(value: Any, label: str, most: int | None = None) -> None:
+    if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{label} must be an int, got {type(value).__name__}")
@@ -360,7 +358,8 @@ class MapPlan:
             return "managed"
         if (self.in_mode, self.out_mode) == ("pinned", "pinned"):
             return "pinned"
-        return f"in={MODE_NAMES[self.in_mode]}, out={MODE_NAMES[self.out_mode]}"
+        names = [MODE_NAMES.get(m, m) for m in (self.in_mode, self.out_mode)]
+        return f"in={names[0]}, out={names[1]}"
 
 
 def plan_map(
@@ -471,8 +470,6 @@ def _default_out(x: np.ndarray, context: Any, headroom: int) -> np.ndarray:
     """
     if x.nbytes < POOLED_OUT_BYTES:
         return np.empty_like(x)
-    from ..memory.pinned import pinned_pool
-
     arr = pinned_pool().try_empty(x.shape, x.dtype, context=context, headroom=headroom)
     return np.empty_like(x) if arr is None else arr
 
@@ -510,8 +507,6 @@ def prepare_io(
     if isinstance(out, str):
         if out == "pageable":
             return x, np.empty_like(x)
-        from ..memory.pinned import pinned_pool
-
         return x, pinned_pool().empty(x.shape, x.dtype, context=context)
     if not isinstance(out, np.ndarray):
         raise TypeError(f"out must be a numpy array, got {type(out).__name__}")
@@ -546,11 +541,7 @@ def check_host_path(host_path: Any) -> tuple[str, str]:
     """``(input, output)`` host paths from ``"auto"``/``"staged"``/``"register"``/``"split"``
     or a pair of them."""
     pair = (host_path, host_path) if isinstance(host_path, str) else host_path
-    if (
-        not isinstance(pair, tuple)
-        or len(pair) != 2
-        or any(not isinstance(p, str) or p not in HOST_PATHS for p in pair)
-    ):
+    if not isinstance(pair, tuple) or len(pair) != 2 or any(p not in HOST_PATHS for p in pair):
         raise ValueError(
             f"host_path must be one of {HOST_PATHS} or an (input, output) pair of them, "
             f"not {host_path!r}"

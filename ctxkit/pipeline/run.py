@@ -5,7 +5,9 @@ the progress bar, and the result and error types (re-exported by ``ctxkit.pipeli
 
 Per device, a feeder thread enqueues every chunk (host input -> H2D -> kernel -> D2H) and a
 drain thread waits for each chunk's last event, finishes its host output and unregisters its
-pages. Both run with the device's context current.
+pages. Both run with the device's context current; :meth:`Run.execute` starts them and
+waits for them in short timed waits, so that Ctrl-C stops the run promptly, yet it never
+returns while a worker may still touch the arrays.
 
 The feeder starts chunks ahead of the GPU (:class:`Starter`: claims them, begins
 registering the pages of their registered sides, queues the staging copies of their inputs
@@ -49,7 +51,7 @@ unregistered after their D2H, like ``host_path="register"`` does.
 
 A device never has more than ``staging_buffers`` chunks (twice that when nothing is
 staged) past their D2H enqueue and not yet drained, so stopping a run waits for at most
-those chunks. A failure names the step it happened in (:func:`tagged`). The progress bar of
+those chunks. A failure names the step it happened in (:class:`Step`). The progress bar of
 ``map(..., progress=True)`` counts finished chunks, shown with tqdm when it is installed (an
 optional extra, imported at the first bar), else as one line on stderr rewritten in place.
 """
@@ -65,6 +67,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -75,7 +78,7 @@ from .._driver import drv
 from ..errors import ContextPoisonedError, LaunchArgumentError, PipelineError
 from ..memory.streamcopy import streaming_pays
 from ..module.kernel import Kernel
-from ..stream import Event, Stream
+from ..stream import Stream
 from ..trace import Recorder, nvtx_range
 from .plan import (
     PAGE,
@@ -98,31 +101,19 @@ from .staging import (
     Slot,
     calibrate,
     ensure_slot,
-    event_ready,
     grow_pinned,
     sync_event,
 )
 
 __all__ = [
-    "Bar",
-    "ChunkJob",
     "ChunkView",
     "DeviceStats",
-    "LineBar",
     "Run",
     "RunStats",
-    "Split",
-    "Starter",
-    "Stopped",
-    "check_param_count",
-    "chunk_error",
     "drain",
     "feed",
-    "make_bar",
     "make_launcher",
     "run_stats",
-    "tagged",
-    "unblock_if_not_run",
 ]
 
 
@@ -248,7 +239,7 @@ class LineBar:
         self.total = total
         self.desc = desc
         self.n = 0
-        self._stream = stream
+        self._stream = stream if stream is not None else sys.stderr
         self._lock = threading.Lock()
         self._shown = 0.0
         self._closed = False
@@ -269,18 +260,12 @@ class LineBar:
             if self._closed:
                 return
             self._closed = True
-            self._draw()
-            self._out().write("\n")
-            self._out().flush()
+            self._draw("\n")
 
-    def _out(self) -> Any:
-        return self._stream if self._stream is not None else sys.stderr
-
-    def _draw(self) -> None:
+    def _draw(self, end: str = "") -> None:
         pct = 100 * self.n // self.total if self.total else 100
-        out = self._out()
-        out.write(f"\r{self.desc}: {self.n}/{self.total} chunks ({pct}%)")
-        out.flush()
+        self._stream.write(f"\r{self.desc}: {self.n}/{self.total} chunks ({pct}%){end}")
+        self._stream.flush()
 
 
 def make_bar(total: int, desc: str = "ctxkit map") -> Bar:
@@ -338,23 +323,46 @@ class Stopped(Exception):
     """Internal: the run was stopped while a worker waited."""
 
 
-def tagged(fn: Callable[..., Any], step: str, *args: Any) -> Any:
-    """Call *fn*; tag an exception with the pipeline step it happened in."""
-    try:
-        return fn(*args)
-    except BaseException as exc:
-        if not hasattr(exc, "_ctxkit_step"):
+class Step:
+    """Tag an exception raised in the block with the pipeline step it happened in (the
+    innermost step names it); :meth:`Run.fail` reports it."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
+        if exc is not None and not hasattr(exc, "_ctxkit_step"):
             try:
-                exc._ctxkit_step = step  # type: ignore[attr-defined]
+                exc._ctxkit_step = self.name  # type: ignore[attr-defined]
             except AttributeError:
                 pass
-        raise
 
 
-def unblock_if_not_run(q: queue.SimpleQueue[Any], feeder: Future[Any]) -> None:
+def _unblock_if_not_run(q: queue.SimpleQueue[Any], feeder: Future[Any]) -> None:
     """A feeder task that never ran (its worker could not start) still ends the drainer."""
     if feeder.cancelled() or feeder.exception() is not None:
         q.put(None)
+
+
+INTERRUPT_POLL_S = 0.05
+
+
+def _result_interruptibly(f: Future[Any]) -> Any:
+    """``f.result()``, with Ctrl-C handled within :data:`INTERRUPT_POLL_S`.
+
+    A signal that arrives just before a thread blocks on a lock without a timeout is only
+    handled once the lock is released (CPython checks pending signals between bytecodes,
+    not before the wait): ``map`` would run to its end before raising KeyboardInterrupt.
+    Short timed waits bound that delay.
+    """
+    while not f.done():
+        wait_futures([f], timeout=INTERRUPT_POLL_S)
+    return f.result()
 
 
 def check_param_count(kernel: Kernel, args: tuple[Any, ...]) -> None:
@@ -374,19 +382,17 @@ def check_param_count(kernel: Kernel, args: tuple[Any, ...]) -> None:
 # --- run state ---
 
 
+@dataclass(slots=True)
 class ChunkJob:
     """One chunk as its device processes it: the staging copy of its input queued on the
-    host pool, pieces and segments of registered sides."""
+    host pool, pieces and segments of held and registered sides."""
 
-    __slots__ = ("chunk", "fill", "in_pieces", "in_seg", "out_pieces", "out_seg")
-
-    def __init__(self, chunk: Chunk) -> None:
-        self.chunk = chunk
-        self.fill: CopyBatch | None = None
-        self.in_pieces: HostPieces | None = None
-        self.out_pieces: HostPieces | None = None
-        self.in_seg: Segment | None = None
-        self.out_seg: Segment | None = None
+    chunk: Chunk
+    fill: CopyBatch | None = None
+    in_pieces: HostPieces | None = None
+    out_pieces: HostPieces | None = None
+    in_seg: Segment | None = None
+    out_seg: Segment | None = None
 
     def segments(self) -> list[Segment]:
         """The distinct segments of the chunk (one when input and output share pages)."""
@@ -427,7 +433,6 @@ class Run:
         self.stop = threading.Event()
         self.errors: list[BaseException] = []
         self.lock = threading.Lock()
-        self.taken: dict[int, list[Event]] = {}
         self.stats: dict[int, DeviceStats] = {}
         self.progress: dict[int, Progress] = {}
         self.started: dict[int, float] = {}
@@ -435,6 +440,45 @@ class Run:
         self.bar: Bar | None = None
         self._bar_lock = threading.Lock()
         self._queue = iter(plan.chunks)
+
+    def execute(self, devices: list[DeviceState], pool: HostPool | None, progress: bool) -> None:
+        """Run a feeder and a drain thread on each of *devices* (the plan's active ones;
+        *pool*: the host threads, when the plan needs them) and wait for them in short
+        timed waits, so that Ctrl-C stops the run promptly, yet never return while a
+        worker may still touch the arrays. Failures are left in :attr:`errors`."""
+        self.pool = pool
+        if self.plan.registers:
+            assert pool is not None
+            self.registrar = Registrar(pool, self.stop, self.rec)
+        if progress:
+            self.bar = make_bar(len(self.plan.chunks))
+        futures: list[Future[Any]] = []
+        try:
+            for dev in devices:
+                q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+                self.stats[dev.ordinal] = DeviceStats(dev.ordinal)
+                self.progress[dev.ordinal] = Progress()
+                feeder = dev.worker.submit(feed, self, dev, q)
+                feeder.add_done_callback(functools.partial(_unblock_if_not_run, q))
+                futures.append(feeder)
+                futures.append(dev.drainer.submit(drain, self, dev, q))
+            for f in futures:
+                _result_interruptibly(f)
+        except BaseException:
+            # However many more Ctrl-C arrive meanwhile (the first one is what map
+            # raises), the workers must be done before map is back in the caller's hands.
+            while True:
+                try:
+                    self.stop.set()
+                    wait_futures(futures)
+                    break
+                except BaseException:
+                    continue
+            raise
+        finally:
+            self.drop_arrays()
+            if self.bar is not None:
+                self.bar.close()
 
     def drop_arrays(self) -> None:
         """The run is over: stop referencing the user's arrays (the pipeline keeps the
@@ -517,35 +561,17 @@ class Split:
         for c in reversed(chunks):
             if run.stop.is_set():
                 return
-            b0, b1 = c.row0 * run.in_row, c.row1 * run.in_row
-            pieces = host_pieces(run.x_ptr, run.x.nbytes, b0, b1)
-            if not pieces.seg_len:
-                if not self._claim(c, pieces, None):
+            pieces = host_pieces(run.x_ptr, run.x.nbytes, c.row0 * run.in_row, c.row1 * run.in_row)
+            seg = _segment(dev, c, pieces, not run.in_place)
+            with self._lock:
+                if c.index in self._staged:
                     return
-                continue
-            seg = Segment(
-                dev.ctx, dev.ordinal, c.index, pieces.seg_ptr, pieces.seg_len, not run.in_place
-            )
-            claim = functools.partial(self._claim, c, pieces, seg)
-            if not registrar.register_here(seg, claim):
-                return
-
-    def _claim(self, c: Chunk, pieces: HostPieces, seg: Segment | None) -> bool:
-        with self._lock:
-            if c.index in self._staged:
-                return False
-            self._registered[c.index] = (pieces, seg)
-            return True
+                self._registered[c.index] = (pieces, seg)
+            if seg is not None:  # registered here, one chunk after the other
+                registrar.register(seg, here=True)
 
 
 # --- feeder ---
-
-
-def _check_copy(dev: DeviceState, err: Any, what: str, step: str) -> None:
-    if err:
-        exc = dev.ctx.note_error(err, what)
-        exc._ctxkit_step = step  # type: ignore[attr-defined]
-        raise exc
 
 
 class Starter:
@@ -558,10 +584,10 @@ class Starter:
     (the slot's previous user) was enqueued and its H2D has read the buffer.
     """
 
-    def __init__(self, run: Run, dev: DeviceState, split: Split | None = None) -> None:
+    def __init__(self, run: Run, dev: DeviceState) -> None:
         self.run = run
         self.dev = dev
-        self.split = split
+        self.split: Split | None = None
         self.jobs: collections.deque[ChunkJob] = collections.deque()
         self._claimed = run.chunks_for(dev.part)
         self._next = 0
@@ -582,7 +608,8 @@ class Starter:
                 self._exhausted = True
                 return
             if p < n_slots and not run.plan.managed:
-                _setup_slot(run, dev, slot)
+                with Step("setup"):
+                    ensure_slot(dev, slot, run.plan, run.pool)
             job = _claim(run, dev, c)
             self.jobs.append(job)  # before the fill: settle() must see its batch
             self._next += 1
@@ -598,7 +625,7 @@ class Starter:
         if slot.h2d_done is None:
             return True
         if self.jobs:
-            return event_ready(self.dev, slot.h2d_done)
+            return slot.h2d_done.query()
         _wait_h2d(self.dev, slot, p)
         return True
 
@@ -616,10 +643,13 @@ def feed(run: Run, dev: DeviceState, q: queue.SimpleQueue[Any]) -> None:
     run.started[dev.ordinal] = time.perf_counter()
     starter = Starter(run, dev)
     try:
-        _prepare_device(run, dev)
+        with Step("setup"):
+            for slot in dev.slots:
+                slot.h2d_done = None
+            if run.rec is not None and not run.rec.calibrated(dev.ordinal):
+                calibrate(dev, run.rec)
         if run.in_mode == "split":
             starter.split = Split(run, dev, run.plan.for_part(dev.part))
-        n_slots = len(dev.slots)
         k = 0
         while not run.stop.is_set():
             starter.top_up(k)
@@ -627,11 +657,7 @@ def feed(run: Run, dev: DeviceState, q: queue.SimpleQueue[Any]) -> None:
                 break
             job = starter.jobs[0]
             chunk = job.chunk
-            slot = dev.slots[k % n_slots]
-            if run.plan.managed:
-                _enqueue_managed(run, dev, slot, chunk, q, k)
-            else:
-                _enqueue(run, dev, slot, job, q, k)
+            _enqueue(run, dev, dev.slots[k % len(dev.slots)], job, q, k)
             starter.jobs.popleft()
             k += 1
             stats.chunks += 1
@@ -649,85 +675,75 @@ def feed(run: Run, dev: DeviceState, q: queue.SimpleQueue[Any]) -> None:
         q.put(None)
 
 
-def _prepare_device(run: Run, dev: DeviceState) -> None:
-    try:
-        for slot in dev.slots:
-            slot.h2d_done = None
-        if run.rec is not None and not run.rec.calibrated(dev.ordinal):
-            calibrate(dev, run.rec)
-    except BaseException as exc:
-        exc._ctxkit_step = "setup"  # type: ignore[attr-defined]
-        raise
-
-
-def _setup_slot(run: Run, dev: DeviceState, slot: Slot) -> None:
-    """The slot's buffers for this run, at its first chunk (the first chunk starts after
-    one slot's allocations, not all of them)."""
-    plan = run.plan
-    try:
-        ensure_slot(
-            dev, slot, plan.in_chunk_bytes, plan.out_chunk_bytes, plan.stage_in, plan.bounces
-        )
-    except BaseException as exc:
-        exc._ctxkit_step = "setup"  # type: ignore[attr-defined]
-        raise
-    out = slot.pin_out
-    if plan.stage_out and (out is None or out.nbytes < plan.out_chunk_bytes):
-        # Allocated on the host pool while the chunk fills, ready by its D2H.
-        assert run.pool is not None
-        slot.pin_out_next = run.pool.submit(grow_pinned, out, plan.out_chunk_bytes, dev.ctx)
-
-
 def _fill(run: Run, dev: DeviceState, slot: Slot, c: Chunk) -> CopyBatch:
     """Queue the staging copy of chunk *c*'s input into *slot* (fill work)."""
     nb, b0 = c.rows * run.in_row, c.row0 * run.in_row
-    assert run.pool is not None and slot.pin_in is not None
-    trace = (run.rec, "fill", dev.ordinal, c.index) if run.rec is not None else None
+    assert slot.pin_in is not None
+    return _stage(run, dev, c, slot.pin_in[:nb], run.x_bytes[b0 : b0 + nb], True)
+
+
+def _stage(
+    run: Run,
+    dev: DeviceState,
+    c: Chunk,
+    dst: np.ndarray,
+    src: np.ndarray,
+    fill: bool,
+    on_done: Callable[[CopyBatch], None] | None = None,
+) -> CopyBatch:
+    """Queue a staging copy of chunk *c* on the host pool: its input's fill, or its
+    output's drain (*on_done*: see :class:`CopyBatch`)."""
+    assert run.pool is not None
+    name = "fill" if fill else "drain"
+    trace = (run.rec, name, dev.ordinal, c.index) if run.rec is not None else None
+    streaming = run.stream_in if fill else run.stream_out
     return run.pool.copy_async(
-        slot.pin_in[:nb],
-        run.x_bytes[b0 : b0 + nb],
-        trace,
-        name="fill",
-        stop=run.stop,
-        streaming=run.stream_in,
+        dst, src, trace, urgent=fill, stop=run.stop, on_done=on_done, streaming=streaming
     )
 
 
 def _claim(run: Run, dev: DeviceState, c: Chunk) -> ChunkJob:
-    """A job for chunk *c*: the pieces of its held sides; the pages of its registered
-    sides start registering now."""
+    """A job for chunk *c*: the pieces of its held and registered sides (the pages of
+    registered ones start registering now)."""
     job = ChunkJob(c)
     if run.plan.managed:
         return job
-    if run.in_mode == "held":
-        b0, b1 = c.row0 * run.in_row, c.row1 * run.in_row
-        job.in_pieces = held_pieces(run.x_ptr, run.x.nbytes, b0, b1)
-    if run.out_mode == "held":
-        b0, b1 = c.row0 * run.out_row, c.row1 * run.out_row
-        job.out_pieces = held_pieces(run.out_ptr, run.out.nbytes, b0, b1)
-    if run.in_mode == "register":
-        job.in_pieces, job.in_seg = _side(run, dev, c, run.x_ptr, run.x.nbytes, run.in_row, True)
-    if run.out_mode == "register":
-        if run.in_place and run.in_mode == "register":
-            job.out_pieces, job.out_seg = job.in_pieces, job.in_seg
-        else:
-            job.out_pieces, job.out_seg = _side(
-                run, dev, c, run.out_ptr, run.out.nbytes, run.out_row, False
-            )
+    job.in_pieces, job.in_seg = _side(
+        run, dev, c, run.in_mode, run.x_ptr, run.x.nbytes, run.in_row, not run.in_place
+    )
+    if run.in_place and run.in_mode == run.out_mode == "register":
+        job.out_pieces, job.out_seg = job.in_pieces, job.in_seg  # the same pages
+    else:
+        job.out_pieces, job.out_seg = _side(
+            run, dev, c, run.out_mode, run.out_ptr, run.out.nbytes, run.out_row, False
+        )
     return job
 
 
 def _side(
-    run: Run, dev: DeviceState, c: Chunk, base: int, total: int, row: int, is_input: bool
-) -> tuple[HostPieces, Segment | None]:
-    pieces = host_pieces(base, total, c.row0 * row, c.row1 * row)
-    if not pieces.seg_len:
-        return pieces, None
-    read_only = is_input and not run.in_place
-    seg = Segment(dev.ctx, dev.ordinal, c.index, pieces.seg_ptr, pieces.seg_len, read_only)
-    assert run.registrar is not None
-    run.registrar.register(seg)
+    run: Run, dev: DeviceState, c: Chunk, mode: str, base: int, total: int, row: int, ro: bool
+) -> tuple[HostPieces | None, Segment | None]:
+    """How chunk *c* of one side moves when its pages are held or registered (else
+    ``(None, None)``); a registered side's segment starts registering now (*ro*: the
+    device only reads it)."""
+    b0, b1 = c.row0 * row, c.row1 * row
+    if mode == "held":
+        return held_pieces(base, total, b0, b1), None
+    if mode != "register":
+        return None, None
+    pieces = host_pieces(base, total, b0, b1)
+    seg = _segment(dev, c, pieces, ro)
+    if seg is not None:
+        assert run.registrar is not None
+        run.registrar.register(seg)
     return pieces, seg
+
+
+def _segment(dev: DeviceState, c: Chunk, pieces: HostPieces, ro: bool) -> Segment | None:
+    """The segment of chunk *c*'s registered pages (None: it owns no whole page)."""
+    if not pieces.seg_len:
+        return None
+    return Segment(dev.ctx, dev.ordinal, c.index, pieces.seg_ptr, pieces.seg_len, ro)
 
 
 def _registered(run: Run, seg: Segment | None) -> bool:
@@ -743,34 +759,58 @@ def _registered(run: Run, seg: Segment | None) -> bool:
 def _enqueue(
     run: Run, dev: DeviceState, slot: Slot, job: ChunkJob, q: queue.SimpleQueue[Any], k: int
 ) -> None:
+    """Enqueue chunk *k* of the device on *slot*'s stream: H2D -> kernel -> D2H, or
+    over unified memory prefetch -> kernel -> prefetch back, between events; hand it to
+    the drain thread."""
     c = job.chunk
     s = slot.stream
-    sh = s.handle
-    rec, taken, timing = run.rec, run.taken[dev.ordinal], run.rec is not None
-    assert slot.d_in is not None and slot.d_out is not None
-    h2d = _input(run, dev, slot, job)
-    e0 = dev.take_event(True, taken).record(s) if timing else None
-    with nvtx_range("h2d", "green"):
-        for off, src, n in h2d:
-            (err,) = drv.cuMemcpyHtoDAsync(slot.d_in.ptr + off, src, n, sh)
-            _check_copy(dev, err, "cuMemcpyHtoDAsync", "h2d")
-    e1 = dev.take_event(timing, taken).record(s)
-    slot.h2d_done = e1
-    n_elems = c.rows * run.row_elems
-    with nvtx_range("kernel", "blue"):
-        tagged(run.launch, "kernel", dev, s, slot.d_in.ptr, slot.d_out.ptr, n_elems, c)
-    e2 = dev.take_event(True, taken).record(s) if timing else None
-    out_mode, d2h = _output(run, dev, slot, job, k)
-    with nvtx_range("d2h", "red"):
-        for dst, off, n in d2h:
-            (err,) = drv.cuMemcpyDtoHAsync(dst, slot.d_out.ptr + off, n, sh)
-            _check_copy(dev, err, "cuMemcpyDtoHAsync", "d2h")
-    e3 = dev.take_event(timing, taken).record(s)
+    rec, timing = run.rec, run.rec is not None
+    managed = run.plan.managed
+    if managed:
+        _wait_window(run, dev, k, False)
+        d_in, d_out = run.x_ptr + c.row0 * run.in_row, run.out_ptr + c.row0 * run.out_row
+        nb_in, nb_out = c.rows * run.in_row, c.rows * run.out_row
+    else:
+        assert slot.d_in is not None and slot.d_out is not None
+        d_in, d_out = slot.d_in.ptr, slot.d_out.ptr
+        h2d = _input(run, dev, slot, job)
+    e0 = dev.take_event(True).record(s) if timing else None
+    if managed:
+        if dev.prefetch_ok and run.plan.prefetch:
+            with Step("prefetch"):
+                _driver.mem_prefetch(d_in, nb_in, dev.ordinal, s.handle)
+                if d_out != d_in:
+                    _driver.mem_prefetch(d_out, nb_out, dev.ordinal, s.handle)
+        e1 = dev.take_event(True).record(s) if timing else None
+    else:
+        with nvtx_range("h2d", "green"), Step("h2d"):
+            for off, src, n in h2d:
+                (err,) = drv.cuMemcpyHtoDAsync(d_in + off, src, n, s.handle)
+                if err:
+                    raise dev.ctx.note_error(err, "cuMemcpyHtoDAsync")
+        e1 = slot.h2d_done = dev.take_event(timing).record(s)
+    with nvtx_range("kernel", "blue"), Step("kernel"):
+        run.launch(dev, s, d_in, d_out, c.rows * run.row_elems, c)
+    e2 = dev.take_event(True).record(s) if timing else None
+    if managed:
+        out_mode = "managed"
+        if dev.prefetch_ok and run.plan.to_host:
+            with Step("prefetch"):
+                _driver.mem_prefetch(d_out, nb_out, "cpu", s.handle)
+    else:
+        out_mode, d2h = _output(run, dev, slot, job, k)
+        with nvtx_range("d2h", "red"), Step("d2h"):
+            for dst, off, n in d2h:
+                (err,) = drv.cuMemcpyDtoHAsync(dst, d_out + off, n, s.handle)
+                if err:
+                    raise dev.ctx.note_error(err, "cuMemcpyDtoHAsync")
+    e3 = dev.take_event(timing).record(s)
     q.put((job, slot, e3, out_mode, k))
     if rec is not None:
-        rec.mark("h2d", dev.ordinal, slot.label, c.index, e0, e1)
+        names = ("prefetch", "prefetch_back") if managed else ("h2d", "d2h")
+        rec.mark(names[0], dev.ordinal, slot.label, c.index, e0, e1)
         rec.mark("kernel", dev.ordinal, slot.label, c.index, e1, e2)
-        rec.mark("d2h", dev.ordinal, slot.label, c.index, e2, e3)
+        rec.mark(names[1], dev.ordinal, slot.label, c.index, e2, e3)
 
 
 def _input(run: Run, dev: DeviceState, slot: Slot, job: ChunkJob) -> list[tuple[int, int, int]]:
@@ -779,9 +819,8 @@ def _input(run: Run, dev: DeviceState, slot: Slot, job: ChunkJob) -> list[tuple[
     nb, b0 = c.rows * run.in_row, c.row0 * run.in_row
     if run.in_mode == "pinned":
         return [(0, run.x_ptr + b0, nb)]
-    pc = job.in_pieces
-    registered = run.in_mode in ("held", "register", "split") and job.fill is None
-    if registered and pc is not None and _registered(run, job.in_seg):
+    pc = job.in_pieces  # held or registered pages (staged: None)
+    if pc is not None and _registered(run, job.in_seg):
         if pc.bounced:
             _wait_h2d(dev, slot, c.index)
             bounce = slot.bounce_in
@@ -789,16 +828,13 @@ def _input(run: Run, dev: DeviceState, slot: Slot, job: ChunkJob) -> list[tuple[
             bounce[: pc.head] = src[: pc.head]
             bounce[PAGE : PAGE + pc.tail] = src[nb - pc.tail :]
         return _pieces(pc, addr(slot.bounce_in) if pc.bounced else 0, run.x_ptr + b0)
-    try:
+    with Step("fill"):
         if job.fill is None:  # a registration the driver refused: staged here
             _wait_h2d(dev, slot, c.index)
             slot.pin_in = grow_pinned(slot.pin_in, nb, dev.ctx)
             job.fill = _fill(run, dev, slot, c)
         assert run.pool is not None and slot.pin_in is not None
         run.pool.help_until(job.fill)
-    except BaseException as exc:
-        exc._ctxkit_step = "fill"  # type: ignore[attr-defined]
-        raise
     return [(0, addr(slot.pin_in), nb)]
 
 
@@ -815,19 +851,14 @@ def _output(
         mode = "staged"
     into_slot = mode == "staged" or (pc is not None and pc.bounced > 0)
     _wait_window(run, dev, k, into_slot)
+    if mode == "pinned":
+        return mode, [(run.out_ptr + b0, 0, nb)]
     if mode == "staged":
-        try:
+        with Step("d2h"):
             if slot.pin_out_next is not None:
                 nxt, slot.pin_out_next = slot.pin_out_next, None
                 slot.pin_out = nxt.result()
             slot.pin_out = grow_pinned(slot.pin_out, nb, dev.ctx)
-        except BaseException as exc:
-            exc._ctxkit_step = "d2h"  # type: ignore[attr-defined]
-            raise
-    if mode == "pinned":
-        return mode, [(run.out_ptr + b0, 0, nb)]
-    if mode == "staged":
-        assert slot.pin_out is not None
         return mode, [(addr(slot.pin_out), 0, nb)]
     assert pc is not None
     bounce = addr(slot.bounce_out) if pc.bounced else 0
@@ -862,35 +893,6 @@ def _wait_h2d(dev: DeviceState, slot: Slot, index: int) -> None:
         sync_event(dev, slot.h2d_done, f"waiting for the H2D copy before chunk {index}")
 
 
-def _enqueue_managed(
-    run: Run, dev: DeviceState, slot: Slot, c: Chunk, q: queue.SimpleQueue[Any], k: int
-) -> None:
-    _wait_window(run, dev, k, False)
-    s = slot.stream
-    rec, taken, timing = run.rec, run.taken[dev.ordinal], run.rec is not None
-    nb_in, nb_out = c.rows * run.in_row, c.rows * run.out_row
-    p_in, p_out = run.x_ptr + c.row0 * run.in_row, run.out_ptr + c.row0 * run.out_row
-    prefetch = dev.prefetch_ok and run.plan.prefetch
-    to_host = dev.prefetch_ok and run.plan.to_host
-    e0 = dev.take_event(True, taken).record(s) if timing else None
-    if prefetch:
-        tagged(_driver.mem_prefetch, "prefetch", p_in, nb_in, dev.ordinal, s.handle)
-        if p_out != p_in:
-            tagged(_driver.mem_prefetch, "prefetch", p_out, nb_out, dev.ordinal, s.handle)
-    e1 = dev.take_event(True, taken).record(s) if timing else None
-    with nvtx_range("kernel", "blue"):
-        tagged(run.launch, "kernel", dev, s, p_in, p_out, c.rows * run.row_elems, c)
-    e2 = dev.take_event(True, taken).record(s) if timing else None
-    if to_host:
-        tagged(_driver.mem_prefetch, "prefetch", p_out, nb_out, "cpu", s.handle)
-    e3 = dev.take_event(timing, taken).record(s)
-    q.put((ChunkJob(c), slot, e3, "managed", k))
-    if rec is not None:
-        rec.mark("prefetch", dev.ordinal, slot.label, c.index, e0, e1)
-        rec.mark("kernel", dev.ordinal, slot.label, c.index, e1, e2)
-        rec.mark("prefetch_back", dev.ordinal, slot.label, c.index, e2, e3)
-
-
 # --- drainer ---
 
 
@@ -917,7 +919,7 @@ def drain(run: Run, dev: DeviceState, q: queue.SimpleQueue[Any]) -> None:
                     while copies and copies[0].done:
                         copies.popleft()
                 else:
-                    _finish_output(run, dev, slot, job, mode)
+                    _finish_output(run, slot, job)
                 if run.registrar is not None:
                     for seg in job.segments():
                         run.registrar.release(seg)
@@ -938,19 +940,9 @@ def _drain_staged(run: Run, dev: DeviceState, slot: Slot, c: Chunk, k: int) -> C
     """Queue the copy of chunk *c*'s output from *slot* into the user's array; the slot
     is free for chunk ``k + staging_buffers`` once it is done."""
     nb, b0 = c.rows * run.out_row, c.row0 * run.out_row
-    assert run.pool is not None and slot.pin_out is not None
-    trace = (run.rec, "drain", dev.ordinal, c.index) if run.rec is not None else None
+    assert slot.pin_out is not None
     done = functools.partial(_drained, run, dev, c, k)
-    return run.pool.copy_async(
-        run.out_bytes[b0 : b0 + nb],
-        slot.pin_out[:nb],
-        trace,
-        name="drain",
-        urgent=False,
-        stop=run.stop,
-        on_done=done,
-        streaming=run.stream_out,
-    )
+    return _stage(run, dev, c, run.out_bytes[b0 : b0 + nb], slot.pin_out[:nb], False, on_done=done)
 
 
 def _drained(run: Run, dev: DeviceState, c: Chunk, k: int, batch: CopyBatch) -> None:
@@ -962,16 +954,16 @@ def _drained(run: Run, dev: DeviceState, c: Chunk, k: int, batch: CopyBatch) -> 
         run.progress[dev.ordinal].advance(k)
 
 
-def _finish_output(run: Run, dev: DeviceState, slot: Slot, job: ChunkJob, mode: str) -> None:
-    c = job.chunk
-    nb, b0 = c.rows * run.out_row, c.row0 * run.out_row
-    dst = run.out_bytes[b0 : b0 + nb]
-    if mode in ("held", "register"):
-        pc = job.out_pieces
-        if pc is not None and pc.bounced:
-            bounce = slot.bounce_out
-            dst[: pc.head] = bounce[: pc.head]
-            dst[nb - pc.tail :] = bounce[PAGE : PAGE + pc.tail]
+def _finish_output(run: Run, slot: Slot, job: ChunkJob) -> None:
+    """Copy the bounced bytes of a chunk whose output pages are held or registered into
+    the user's array (nothing to do for other outputs, written by the DMA itself)."""
+    pc = job.out_pieces
+    if pc is not None and pc.bounced:
+        c = job.chunk
+        nb, b0 = c.rows * run.out_row, c.row0 * run.out_row
+        dst, bounce = run.out_bytes[b0 : b0 + nb], slot.bounce_out
+        dst[: pc.head] = bounce[: pc.head]
+        dst[nb - pc.tail :] = bounce[PAGE : PAGE + pc.tail]
 
 
 def _finish_device(run: Run, dev: DeviceState) -> None:

@@ -22,7 +22,7 @@ from ..stream import Event, Stream
 from ..trace import Recorder
 from .staging import DeviceState, calibrate
 
-__all__ = ["StageHandle", "Stages", "run_stage", "stage_error"]
+__all__ = ["StageHandle", "Stages"]
 
 
 STAGE_STREAM = "stage"
@@ -137,9 +137,7 @@ def run_stage(
         end = Event(timing=timing, context=dev.ctx).record(s)
     except PipelineError:
         raise
-    except BaseException as exc:
-        if not isinstance(exc, Exception):
-            raise
+    except Exception as exc:
         raise stage_error(handle, "enqueue", exc) from exc
     if rec is not None and s0 is not None:
         marks.append((f"stage:{handle.name}", s0, end))
@@ -196,36 +194,32 @@ class Stages:
         """Wait for the GPU work of *handles* (default: every outstanding stage, which is
         then forgotten); raise the first failure."""
         todo = self.outstanding() if handles is None else list(handles)
-        first: BaseException | None = None
-        for h in todo:
-            try:
-                h.synchronize()
-            except BaseException as exc:
-                if first is None:
-                    first = exc
-            else:
-                with self._lock:
-                    h._resolve_trace()
+        errors = self._sync(todo)
         if handles is None:
             done = set(map(id, todo))
             with self._lock:
                 self._failed = [h for h in self._failed if id(h) not in done]
-                for q in self._pending.values():
-                    kept = [h for h in q if id(h) not in done]
-                    q.clear()
-                    q.extend(kept)
-        if first is not None:
-            raise first
+                for k, q in self._pending.items():
+                    self._pending[k] = collections.deque(h for h in q if id(h) not in done)
+        if errors:
+            raise errors[0]
 
     def settle(self) -> None:
         """Wait for every outstanding stage without raising (before a trace or close)."""
-        for h in self.outstanding():
+        self._sync(self.outstanding())
+
+    def _sync(self, handles: list[StageHandle]) -> list[BaseException]:
+        """Wait for the GPU work of *handles*; return their failures."""
+        errors = []
+        for h in handles:
             try:
                 h.synchronize()
-            except BaseException:
-                continue
-            with self._lock:
-                h._resolve_trace()
+            except BaseException as exc:
+                errors.append(exc)
+            else:
+                with self._lock:
+                    h._resolve_trace()
+        return errors
 
     def join(self) -> None:
         """Wait until every stage function has run (its worker may be shut down next)."""

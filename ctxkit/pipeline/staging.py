@@ -28,6 +28,7 @@ Per device: worker threads, streams, slots of device and pinned buffers, an even
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import queue
 import threading
@@ -35,10 +36,12 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
-from typing import Any, ClassVar, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import numpy as np
 
+from .. import _driver
 from .._driver import describe, drv, in_forked_child
 from ..context import Context
 from ..errors import OutOfMemoryError
@@ -49,13 +52,10 @@ from ..memory.pinned import pinned_pool
 from ..memory.streamcopy import copy_streaming
 from ..stream import Event, Stream
 from ..trace import HOST_PREFIX, Recorder, nvtx_range
-from .plan import PAGE, MiB, round_up
+from .plan import PAGE, MapPlan, MiB, round_up
 
 __all__ = [
-    "MAX_IDLE_POOLS",
     "NO_USABLE_CONTEXT",
-    "REGISTER_PORTABLE",
-    "REGISTER_READ_ONLY",
     "CopyBatch",
     "DeviceState",
     "HostPool",
@@ -64,14 +64,11 @@ __all__ = [
     "Segment",
     "Slot",
     "close_idle_host_threads",
-    "copy_piece",
     "default_host_threads",
     "give_back_host_pool",
-    "idle_host_pools",
     "register_pages",
     "relaxed_capture",
     "take_host_pool",
-    "thread_label",
     "unregister_pages",
 ]
 
@@ -193,16 +190,7 @@ class HostPool:
         """Run ``fn(*args)`` on a pool thread; its result or exception lands in the
         Future. *urgent*: queued with the fills (else with the drains)."""
         fut: Future[T] = Future()
-
-        def job() -> None:
-            try:
-                result = fn(*args)
-            except BaseException as exc:
-                fut.set_exception(exc)
-            else:
-                fut.set_result(result)
-
-        self._put(job, urgent)
+        self._put(functools.partial(run_into, fut, fn, *args), urgent)
         return fut
 
     def copy_async(
@@ -211,7 +199,6 @@ class HostPool:
         src: np.ndarray,
         trace: tuple[Any, ...] | None,
         *,
-        name: str = "fill",
         urgent: bool = True,
         stop: threading.Event | None = None,
         on_done: Callable[[CopyBatch], None] | None = None,
@@ -219,11 +206,12 @@ class HostPool:
     ) -> CopyBatch:
         """Queue the copy of *src* into *dst* (1-D uint8, same length) as pieces of at
         least :data:`MIN_PIECE_BYTES`, one per thread at most; return its batch.
+        *urgent*: fill work (an input staging copy), else drain work (an output one).
         *streaming*: with non-temporal stores (:func:`copy_streaming`)."""
         n = dst.shape[0]
         pieces = max(1, min(self.size, n // MIN_PIECE_BYTES))
         batch = CopyBatch(pieces, stop, on_done)
-        a = 0
+        name, a = "fill" if urgent else "drain", 0
         for i in range(1, pieces + 1):
             b = (i * n // pieces) & ~63 if i < pieces else n
             self._put(_Piece(batch, dst[a:b], src[a:b], trace, name, streaming), urgent)
@@ -246,10 +234,6 @@ class HostPool:
             job()
         batch.wait()
 
-    def copy(self, dst: np.ndarray, src: np.ndarray, trace: tuple[Any, ...] | None) -> None:
-        """Copy *src* into *dst* in parallel pieces and wait (the calling thread helps)."""
-        self.help_until(self.copy_async(dst, src, trace))
-
     @property
     def reusable(self) -> bool:
         """True when nothing is queued and every thread runs in this process."""
@@ -268,17 +252,29 @@ class HostPool:
             t.join()
 
 
-class _Idle:
-    lock = threading.Lock()
-    pools: ClassVar[list[HostPool]] = []
+def run_into(fut: Future[T], fn: Callable[..., T], *args: Any) -> None:
+    """Run ``fn(*args)``; its result or exception lands in *fut*."""
+    try:
+        result = fn(*args)
+    except BaseException as exc:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
+
+
+_idle_lock = threading.Lock()
+_idle_pools: list[HostPool] = []
+_driver.renew_at_fork(__name__, "_idle_lock")
+# A forked child has none of the parent's threads: its idle pools are empty shells.
+_driver.renew_at_fork(__name__, "_idle_pools", list)
 
 
 def take_host_pool(n_threads: int) -> HostPool:
     """A host pool of *n_threads* threads: one a closed Pipeline left idle, else new."""
-    with _Idle.lock:
-        for i, pool in enumerate(_Idle.pools):
+    with _idle_lock:
+        for i, pool in enumerate(_idle_pools):
             if pool.size == n_threads and pool.reusable:
-                return _Idle.pools.pop(i)
+                return _idle_pools.pop(i)
     return HostPool(n_threads)
 
 
@@ -286,17 +282,17 @@ def give_back_host_pool(pool: HostPool) -> None:
     """Keep *pool* idle for a later Pipeline (at most :data:`MAX_IDLE_POOLS`), else close
     it."""
     if pool.reusable:
-        with _Idle.lock:
-            if len(_Idle.pools) < MAX_IDLE_POOLS:
-                _Idle.pools.append(pool)
+        with _idle_lock:
+            if len(_idle_pools) < MAX_IDLE_POOLS:
+                _idle_pools.append(pool)
                 return
     pool.close()
 
 
 def idle_host_pools() -> int:
     """How many idle host pools the process keeps now."""
-    with _Idle.lock:
-        return len(_Idle.pools)
+    with _idle_lock:
+        return len(_idle_pools)
 
 
 def close_idle_host_threads() -> int:
@@ -305,21 +301,12 @@ def close_idle_host_threads() -> int:
     They cost nothing while idle (each waits on a queue); call this to be rid of them,
     e.g. before counting threads or after the last Pipeline a program makes.
     """
-    with _Idle.lock:
-        pools, _Idle.pools = _Idle.pools, []
+    with _idle_lock:
+        pools = _idle_pools[:]
+        _idle_pools.clear()
     for pool in pools:
         pool.close()
     return sum(pool.size for pool in pools)
-
-
-def _forget_idle_pools_in_child() -> None:
-    # A forked child has none of the parent's threads: its idle pools are empty shells.
-    _Idle.lock = threading.Lock()
-    _Idle.pools = []
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_idle_pools_in_child)
 
 
 class _Piece:
@@ -365,14 +352,11 @@ def copy_piece(
 ) -> None:
     """Copy one piece (with non-temporal stores when *streaming*), recording a host
     interval when *trace* is ``(recorder, name, device, chunk)``."""
-    copy = copy_streaming if streaming else np.copyto
-    if trace is None:
-        copy(dst, src)
-        return
-    rec, name, device, chunk = trace
     t0 = time.perf_counter()
-    copy(dst, src)
-    rec.host(name, device, label, chunk, t0, time.perf_counter())
+    (copy_streaming if streaming else np.copyto)(dst, src)
+    if trace is not None:
+        rec, name, device, chunk = trace
+        rec.host(name, device, label, chunk, t0, time.perf_counter())
 
 
 def default_host_threads(n_devices: int) -> int:
@@ -452,26 +436,24 @@ def unregister_pages(ptr: int, contexts: Iterable[Context]) -> int:
     return NO_USABLE_CONTEXT
 
 
+@dataclass(eq=False)
 class Segment:
-    """Whole pages ``[ptr, ptr + nbytes)`` of a user array, registered for one chunk."""
+    """Whole pages ``[ptr, ptr + nbytes)`` of a user array, registered for one chunk.
 
-    __slots__ = ("_reg", "_unreg", "chunk", "ctx", "device", "error", "nbytes", "ptr", "read_only")
+    ``registered`` is done once the registration was tried (True: the pages are
+    locked), ``unregistered`` once their unregistration (queued after the DMA) ran;
+    ``error`` says why a registration failed.
+    """
 
-    def __init__(
-        self, ctx: Context, device: int, chunk: int, ptr: int, nbytes: int, read_only: bool
-    ) -> None:
-        self.ctx = ctx
-        self.device = device
-        self.chunk = chunk
-        self.ptr = ptr
-        self.nbytes = nbytes
-        self.read_only = read_only
-        self.error = ""
-        self._reg: Future[bool] | None = None
-        self._unreg: Future[None] | None = None
-
-    def __repr__(self) -> str:
-        return f"<Segment {self.ptr:#x}+{self.nbytes} chunk={self.chunk} device={self.device}>"
+    ctx: Context
+    device: int
+    chunk: int
+    ptr: int
+    nbytes: int
+    read_only: bool
+    error: str = ""
+    registered: Future[bool] = field(default_factory=Future, repr=False)
+    unregistered: Future[None] | None = field(default=None, repr=False)
 
 
 class Registrar:
@@ -494,40 +476,25 @@ class Registrar:
         self._lock = threading.Lock()
         self._segments: dict[int, list[Segment]] = {}
 
-    def register(self, seg: Segment) -> None:
-        """Queue the registration of *seg* (see :meth:`wait`)."""
+    def register(self, seg: Segment, here: bool = False) -> None:
+        """Queue the registration of *seg* on the pool, or (*here*) run it in the
+        calling thread now (see :meth:`wait`)."""
         with self._lock:
             self._segments.setdefault(seg.device, []).append(seg)
-        seg._reg = self.pool.submit(self._register, seg)
-
-    def register_here(self, seg: Segment, claim: Callable[[], bool]) -> bool:
-        """Register *seg* in the calling thread if ``claim()`` (called under the
-        registrar's lock, so the two cannot cross :meth:`finish`) says so; False when it
-        did not (then *seg* is not the registrar's)."""
-        fut: Future[bool] = Future()
-        seg._reg = fut  # before claim(): whoever sees the segment may wait for it
-        with self._lock:
-            if not claim():
-                return False
-            self._segments.setdefault(seg.device, []).append(seg)
-        try:
-            ok = self._register(seg)
-        except BaseException as exc:
-            fut.set_exception(exc)
-            raise
-        fut.set_result(ok)
-        return True
+        if here:
+            run_into(seg.registered, self._register, seg)
+        else:
+            self.pool.submit(run_into, seg.registered, self._register, seg)
 
     def wait(self, seg: Segment) -> bool:
         """Wait for *seg*'s registration: True when its pages are locked; False when the
         driver refused (``seg.error`` says why) or the run stopped first."""
-        assert seg._reg is not None
-        return seg._reg.result()
+        return seg.registered.result()
 
     def release(self, seg: Segment) -> None:
         """Queue the unregistration of a registered *seg* whose DMA has completed."""
-        if seg._unreg is None and self.wait(seg):
-            seg._unreg = self.pool.submit(self._unregister, seg, urgent=False)
+        if seg.unregistered is None and self.wait(seg):
+            seg.unregistered = self.pool.submit(self._unregister, seg, urgent=False)
 
     def finish(self, device: int) -> list[BaseException]:
         """Once *device*'s streams are idle: wait for each of its registrations, undo
@@ -537,8 +504,8 @@ class Registrar:
         errors: list[BaseException] = []
         for seg in segments:
             try:
-                if seg._unreg is not None:
-                    seg._unreg.result()
+                if seg.unregistered is not None:
+                    seg.unregistered.result()
                 elif self.wait(seg):
                     self._unregister(seg)
             except BaseException as exc:
@@ -580,9 +547,6 @@ class Registrar:
 # --- per-device state and slots ---
 
 BOUNCE_BYTES = 4 * PAGE
-
-
-NOT_READY = 600
 
 
 class Slot:
@@ -677,6 +641,7 @@ class DeviceState:
         self.stage_stream = Stream(context=ctx)
         self.ref_stream = Stream(context=ctx)
         self.events: dict[bool, list[Event]] = {True: [], False: []}
+        self.taken: list[Event] = []  # handed out since the last recycle()
         self.clock: tuple[Recorder, Event, float] | None = None
         dev = ctx.device
         per_sm = max(1, dev.attribute("max_threads_per_multiprocessor"))
@@ -698,20 +663,23 @@ class DeviceState:
         """Blocks of *block* threads that fill every SM once."""
         return max(1, self.sm_threads // block)
 
-    def take_event(self, timing: bool, taken: list[Event]) -> Event:
-        """An event from the pool (or a new one), remembered in *taken*."""
+    def take_event(self, timing: bool) -> Event:
+        """An event from the pool (or a new one), remembered in :attr:`taken`."""
         pool = self.events[timing]
         ev = pool.pop() if pool else Event(timing=timing, context=self.ctx)
-        taken.append(ev)
+        self.taken.append(ev)
         return ev
 
-    def give_back(self, events: Iterable[Event]) -> None:
-        """Return events to the pool once nothing reads them any more."""
-        for ev in events:
+    def recycle(self) -> None:
+        """Return the events taken so far to the pool (nothing reads them any more: the
+        run is over, and so is its trace)."""
+        for ev in self.taken:
             self.events[ev.timing].append(ev)
+        self.taken.clear()
 
     def release(self) -> None:
         """Stop the worker threads; free slots, streams and pooled events."""
+        self.recycle()
         self.worker.shutdown(wait=True)
         self.drainer.shutdown(wait=True)
         for slot in self.slots:
@@ -724,7 +692,7 @@ class DeviceState:
             pool.clear()
 
 
-def shutdown_all(devices: list[DeviceState], pool: list[HostPool], pins: Any = None) -> None:
+def shutdown_all(devices: list[DeviceState], pool: list[HostPool], pins: Any) -> None:
     """Finalizer of a Pipeline collected without :meth:`close`: stop its threads, unlock
     the memory it kept page-locked (a :class:`ctxkit.pipeline.pincache.PinClaims`).
 
@@ -738,8 +706,7 @@ def shutdown_all(devices: list[DeviceState], pool: list[HostPool], pins: Any = N
         dev.drainer.shutdown(wait=False)
     for p in pool:
         p.close()
-    if pins is not None:
-        pins.release()
+    pins.release()
 
 
 def sync_event(dev: DeviceState, ev: Event, what: str) -> None:
@@ -768,18 +735,19 @@ def calibrate(dev: DeviceState, rec: Recorder) -> None:
     dev.clock = (rec, ev, host_s)
 
 
-def ensure_slot(
-    dev: DeviceState, slot: Slot, in_bytes: int, out_bytes: int, stage_in: bool, bounce: bool
-) -> None:
-    """Grow *slot*'s device buffers (and its input staging or bounce buffer when needed)
-    at its first use in a run; its output staging buffer grows when its first D2H is
-    enqueued (:func:`grow_pinned`), so the first chunk waits for one slot only."""
+def ensure_slot(dev: DeviceState, slot: Slot, plan: MapPlan, pool: HostPool | None) -> None:
+    """Grow *slot*'s buffers for a run as *plan* says, at the slot's first use in it (the
+    first chunk starts after one slot's allocations, not all of them): its device
+    buffers, and its input staging or bounce buffer when needed. Its output staging
+    buffer is allocated on the host *pool* meanwhile, ready by the chunk's D2H
+    (``slot.pin_out_next``)."""
+    in_bytes, out_bytes = plan.in_chunk_bytes, plan.out_chunk_bytes
     try:
         slot.d_in = grow_device(slot.d_in, in_bytes, dev.ctx)
         slot.d_out = grow_device(slot.d_out, out_bytes, dev.ctx)
-        if stage_in:
+        if plan.stage_in:
             slot.pin_in = grow_pinned(slot.pin_in, in_bytes, dev.ctx)
-        if bounce and slot.bounce is None:
+        if plan.bounces and slot.bounce is None:
             slot.bounce = pinned_pool().empty((BOUNCE_BYTES,), np.uint8, context=dev.ctx)
     except OutOfMemoryError as exc:
         raise OutOfMemoryError(
@@ -789,6 +757,10 @@ def ensure_slot(
             exc.code,
             exc.name,
         ) from exc
+    out = slot.pin_out
+    if plan.stage_out and (out is None or out.nbytes < out_bytes):
+        assert pool is not None
+        slot.pin_out_next = pool.submit(grow_pinned, out, out_bytes, dev.ctx)
 
 
 def grow_device(buf: DeviceBuffer | None, need: int, ctx: Context) -> DeviceBuffer:
@@ -812,13 +784,3 @@ def grow_pinned(arr: np.ndarray | None, need: int, ctx: Context) -> np.ndarray:
     if arr is not None and arr.nbytes >= need:
         return arr
     return pinned_pool().empty((round_up(max(need, 1)),), np.uint8, context=ctx)
-
-
-def event_ready(dev: DeviceState, ev: Event) -> bool:
-    """True when *ev* completed, False while its work runs (``cuEventQuery``, no wait)."""
-    (err,) = drv.cuEventQuery(ev.handle)
-    if err == NOT_READY:
-        return False
-    if err:
-        raise dev.ctx.note_error(err, "cuEventQuery")
-    return True

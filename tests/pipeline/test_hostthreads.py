@@ -47,7 +47,7 @@ def test_host_pool_submit_returns_results_and_exceptions(pool):
         bad.result(5)
     src = np.arange(3 << 20, dtype=np.uint8)
     dst = np.empty_like(src)
-    pool.copy(dst, src, None)
+    pool.help_until(pool.copy_async(dst, src, None))
     assert np.array_equal(dst, src)
 
 
@@ -74,7 +74,7 @@ def test_copy_pieces_are_traced_per_thread(pool):
     rec = Rec()
     src = np.ones(4 * MIN_PIECE_BYTES, np.uint8)
     dst = np.zeros_like(src)
-    pool.copy_async(dst, src, (rec, "drain", 1, 7), name="drain", urgent=False).wait()
+    pool.copy_async(dst, src, (rec, "drain", 1, 7), urgent=False).wait()
     assert len(rec.rows) == 2  # one piece per thread
     assert {r[:2] + r[3:] for r in rec.rows} == {("drain", 1, 7)}
     assert all(r[2].startswith("host test-pool_") for r in rec.rows)
@@ -252,7 +252,7 @@ def test_a_pool_given_back_is_taken_again_with_its_threads(no_idle_pools):
     assert again is first and set(again._threads) == threads
     assert _threads.idle_host_pools() == 0
     src, dst = np.arange(1 << 20, dtype=np.uint8), np.zeros(1 << 20, np.uint8)
-    again.copy(dst, src, None)  # still works
+    again.help_until(again.copy_async(dst, src, None))  # still works
     np.testing.assert_array_equal(dst, src)
     _threads.give_back_host_pool(again)
 

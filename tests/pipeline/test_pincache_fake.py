@@ -340,8 +340,8 @@ def test_bad_budget(bad):
 
 
 def test_disabled_cache_answers_without_the_driver():
-    assert PinClaims(PinCache(0), None).acquire(data(), [], True) is None
-    assert PinClaims(PinCache(1 << 30), 0).acquire(data(), [], True) is None
+    cache = PinCache()
+    assert cache.acquire(data(), [], True, PinClaims(cache, 0)) is None
 
 
 # --- one budget per process -------------------------------------------------------------------

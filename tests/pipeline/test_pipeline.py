@@ -75,7 +75,7 @@ def test_waiting_for_a_run_handles_a_pending_ctrl_c_promptly():
     """A KeyboardInterrupt that is pending but interrupts no system call (here
     ``_thread.interrupt_main``, or a signal landing just before the wait starts) must not
     wait for the whole run."""
-    from ctxkit.pipeline.pipeline import _result_interruptibly
+    from ctxkit.pipeline.run import _result_interruptibly
 
     fut: Future[int] = Future()
     done_later = threading.Timer(3.0, fut.set_result, (1,))

@@ -128,7 +128,7 @@ def test_a_second_ctrl_c_during_cleanup_still_waits_for_every_chunk(gpu, monkeyp
     """Ctrl-C, then Ctrl-C again while map stops its workers: map raises only once no
     chunk task runs and no kernel of the run is in flight, so nothing touches the
     arrays or the pipeline's buffers after map is back in the caller's hands."""
-    from ctxkit.pipeline import pipeline as _runner
+    from ctxkit.pipeline import run as _runner
 
     lock = threading.Lock()
     active = {"tasks": 0, "kernels": 0}
