@@ -44,7 +44,6 @@ log = logging.getLogger("ctxkit.stream")
 STREAM_NON_BLOCKING = 1
 EVENT_BLOCKING_SYNC = 1
 EVENT_DISABLE_TIMING = 2
-_INVALID_HANDLE = 400
 _NOT_READY = 600
 
 
@@ -80,9 +79,7 @@ def stream_for(stream: Any, ctx: Context, what: str) -> Any:
     if isinstance(sc, Context) and sc.handle != ctx.handle:
         raise WrongContextError(
             f"{what}: stream {stream!r} belongs to {sc!r}, but the operation runs in {ctx!r}; "
-            "use a stream of that context, or run it inside `with stream.context:`",
-            _INVALID_HANDLE,
-            "CUDA_ERROR_INVALID_HANDLE",
+            "use a stream of that context, or run it inside `with stream.context:`"
         )
     return _handle_of(stream, what)
 
@@ -113,13 +110,6 @@ def _foreign_stream_int(obj: Any) -> int:
         f"expected a stream (ctxkit.Stream, CUstream, int handle, an object with "
         f"__cuda_stream__, a CuPy or PyTorch stream) or None, got {type(obj).__name__}"
     )
-
-
-def _context_of_stream(handle: Any) -> Context:
-    err, cu = drv.cuStreamGetCtx(handle)
-    if err:
-        raise from_result(int(err), f"cuStreamGetCtx({int(handle):#x})")
-    return context_of_cu(cu)
 
 
 class _CurrentStreams(threading.local):
@@ -180,8 +170,7 @@ def _run_host_func(key: int | None) -> None:
         if stream is None:
             log.error("host function %r raised after its stream was dropped", fn, exc_info=exc)
         else:
-            with stream._lock:
-                stream._callback_errors.append(exc)
+            stream.keep_callback_error(exc)
 
 
 _HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(_run_host_func)
@@ -238,8 +227,15 @@ class Stream:
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         flags = STREAM_NON_BLOCKING if nonblocking else 0
         with ctx:
-            if priority:
-                _check_priority(ctx, priority)
+            if priority:  # 0 is always valid: no range to ask for
+                err, least, greatest = drv.cuCtxGetStreamPriorityRange()
+                if err:
+                    raise ctx.note_error(err, "cuCtxGetStreamPriorityRange")
+                if not greatest <= priority <= least:
+                    raise ValueError(
+                        f"stream priority {priority} is outside the range of device "
+                        f"{ctx.device.ordinal}: {greatest} (highest) .. {least} (lowest)"
+                    )
             err, handle = drv.cuStreamCreateWithPriority(flags, priority)
         if err:
             raise ctx.note_error(err, f"cuStreamCreateWithPriority(flags={flags}, {priority})")
@@ -278,7 +274,10 @@ class Stream:
         elif value in (0, 1, 2):
             ctx = require_current("Stream.from_handle(default stream)")
         else:
-            ctx = _context_of_stream(handle)
+            err, cu = drv.cuStreamGetCtx(handle)
+            if err:
+                raise from_result(int(err), f"cuStreamGetCtx({value:#x})")
+            ctx = context_of_cu(cu)
         obj = cls.__new__(cls)
         owner = None if isinstance(stream, (int, np.integer)) else stream
         nonblocking, priority = _stream_properties(handle, value)
@@ -363,8 +362,8 @@ class Stream:
         return handle
 
     def keep_callback_error(self, exc: BaseException) -> None:
-        """Keep *exc*, raised by a host callback of this stream's work, for the next
-        :meth:`synchronize` to raise (callbacks run on a driver thread)."""
+        """Keep *exc*, raised by a host function run on this stream (also a graph's host
+        node), for the next :meth:`synchronize` to raise (they run on a driver thread)."""
         with self._lock:
             self._callback_errors.append(exc)
 
@@ -382,20 +381,10 @@ class Stream:
             since the last synchronize; later ones are logged.
         """
         handle = self._open_handle("Stream.synchronize")
-        ctx = self.context
-        ctx.check_usable()
-        with guard(ctx, "Stream.synchronize"):
-            (err,) = drv.cuStreamSynchronize(handle)
-        if err:
-            raise ctx.note_error(err, "cuStreamSynchronize")
+        self.context.check_usable()
+        _call(self.context, "Stream.synchronize", drv.cuStreamSynchronize, handle)
         if self._callback_errors:
             self._raise_callback_error()
-
-    def report_callback_error(self, exc: BaseException) -> None:
-        """Keep *exc*, raised by a host function run on this stream (also a graph's host
-        node), for the next :meth:`synchronize` to raise."""
-        with self._lock:
-            self._callback_errors.append(exc)
 
     def _raise_callback_error(self) -> None:
         with self._lock:
@@ -407,7 +396,9 @@ class Stream:
 
     def query(self) -> bool:
         """True when all work in the stream has completed (``cuStreamQuery``)."""
-        return _query(self.context, self._open_handle("Stream.query"), "Stream.query")
+        handle = self._open_handle("Stream.query")
+        (err,) = _call(self.context, "Stream.query", drv.cuStreamQuery, handle, ok=_NOT_READY)
+        return not err
 
     def wait(self, event_or_stream: Event | Stream | Any) -> None:
         """Make later work in this stream wait for an event or for another stream's work.
@@ -424,11 +415,7 @@ class Stream:
             event = Event(timing=False, context=other.context)
             event.record(other)
         ev = event._open_handle("Stream.wait")
-        ctx = self.context
-        with guard(ctx, "Stream.wait"):
-            (err,) = drv.cuStreamWaitEvent(handle, ev, 0)
-        if err:
-            raise ctx.note_error(err, "cuStreamWaitEvent")
+        _call(self.context, "Stream.wait", drv.cuStreamWaitEvent, handle, ev, 0)
 
     def record(self, event: Event | None = None, *, timing: bool = True) -> Event:
         """Record *event* (a new one when ``None``) at this point of the stream."""
@@ -463,17 +450,6 @@ class Stream:
             fin()
         self.handle = None
         self._owner = None
-
-
-def _check_priority(ctx: Context, priority: int) -> None:
-    err, least, greatest = drv.cuCtxGetStreamPriorityRange()
-    if err:
-        raise ctx.note_error(err, "cuCtxGetStreamPriorityRange")
-    if not greatest <= priority <= least:
-        raise ValueError(
-            f"stream priority {priority} is outside the range of device "
-            f"{ctx.device.ordinal}: {greatest} (highest) .. {least} (lowest)"
-        )
 
 
 def _stream_properties(handle: Any, value: int) -> tuple[bool, int]:
@@ -540,17 +516,15 @@ class Event:
 
     def query(self) -> bool:
         """True when the work before the recorded point has completed."""
-        return _query(self.context, self._open_handle("Event.query"), "Event.query")
+        handle = self._open_handle("Event.query")
+        (err,) = _call(self.context, "Event.query", drv.cuEventQuery, handle, ok=_NOT_READY)
+        return not err
 
     def synchronize(self) -> None:
         """Wait until the recorded work has completed (GIL released while waiting)."""
         handle = self._open_handle("Event.synchronize")
-        ctx = self.context
-        ctx.check_usable()
-        with guard(ctx, "Event.synchronize"):
-            (err,) = drv.cuEventSynchronize(handle)
-        if err:
-            raise ctx.note_error(err, "cuEventSynchronize")
+        self.context.check_usable()
+        _call(self.context, "Event.synchronize", drv.cuEventSynchronize, handle)
 
     def elapsed_ms(self, end: Event) -> float:
         """Milliseconds from this event to *end*; waits for *end* to complete first.
@@ -561,18 +535,39 @@ class Event:
             Either event was created with ``timing=False``, was never recorded, or the
             two belong to different devices/contexts.
         """
-        check_elapsed(self, end)
+        if not isinstance(end, Event):
+            raise TypeError(f"end must be a ctxkit.Event, got {type(end).__name__}")
+        self._open_handle("Event.elapsed_ms")
+        end._open_handle("Event.elapsed_ms")
+        for ev, name in ((self, "start"), (end, "end")):
+            if not ev.timing:
+                raise ValueError(
+                    f"elapsed_ms: the {name} event {ev!r} was created with timing=False and has "
+                    "no timestamp; create both events with Event(timing=True)"
+                )
+            if not ev._recorded:
+                raise ValueError(f"elapsed_ms: the {name} event {ev!r} was never recorded")
+        d0, d1 = self.context.device.ordinal, end.context.device.ordinal
+        if d0 != d1:
+            raise ValueError(
+                f"elapsed_ms: the events are on different devices ({d0} and {d1}); GPU clocks "
+                "are per device: time each device with its own pair of events"
+            )
+        if self.context != end.context:
+            raise ValueError(
+                f"elapsed_ms: the events belong to different contexts ({self.context!r} and "
+                f"{end.context!r}) of device {d0}; create both in one context"
+            )
         end.synchronize()
-        ctx = self.context
-        with guard(ctx, "Event.elapsed_ms"):
-            err, ms = drv.cuEventElapsedTime(self.handle, end.handle)
-        if err == _NOT_READY:
+        fn = drv.cuEventElapsedTime
+        err, ms = _call(
+            self.context, "Event.elapsed_ms", fn, self.handle, end.handle, ok=_NOT_READY
+        )
+        if err:
             raise ValueError(
                 f"{self!r} has not completed although {end!r} has: record the start event "
                 "before the end event on the same stream"
             )
-        if err:
-            raise ctx.note_error(err, "cuEventElapsedTime")
         return float(ms)
 
     def close(self) -> None:
@@ -597,49 +592,18 @@ class Event:
                 f"{stream.context!r}: create the event in the stream's context "
                 "(Event(context=stream.context) or stream.record())"
             )
-        sh = stream_handle(stream)
-        with guard(ctx, "Event.record"):
-            (err,) = drv.cuEventRecord(handle, sh)
-        if err:
-            raise ctx.note_error(err, "cuEventRecord")
+        _call(ctx, "Event.record", drv.cuEventRecord, handle, stream_handle(stream))
         self._recorded = True
         return self
 
 
-def check_elapsed(start: Event, end: Event) -> None:
-    """The checks of :meth:`Event.elapsed_ms`, before any driver call."""
-    if not isinstance(end, Event):
-        raise TypeError(f"end must be a ctxkit.Event, got {type(end).__name__}")
-    start._open_handle("Event.elapsed_ms")
-    end._open_handle("Event.elapsed_ms")
-    for ev, name in ((start, "start"), (end, "end")):
-        if not ev.timing:
-            raise ValueError(
-                f"elapsed_ms: the {name} event {ev!r} was created with timing=False and has "
-                "no timestamp; create both events with Event(timing=True)"
-            )
-        if not ev._recorded:
-            raise ValueError(f"elapsed_ms: the {name} event {ev!r} was never recorded")
-    d0, d1 = start.context.device.ordinal, end.context.device.ordinal
-    if d0 != d1:
-        raise ValueError(
-            f"elapsed_ms: the events are on different devices ({d0} and {d1}); GPU clocks "
-            "are per device: time each device with its own pair of events"
-        )
-    if start.context != end.context:
-        raise ValueError(
-            f"elapsed_ms: the events belong to different contexts ({start.context!r} and "
-            f"{end.context!r}) of device {d0}; create both in one context"
-        )
-
-
-def _query(ctx: Context, handle: Any, what: str) -> bool:
-    """``cuStreamQuery``/``cuEventQuery`` (by *what*) in *ctx*: done, or still running."""
-    name = "cuStreamQuery" if what.startswith("Stream") else "cuEventQuery"
+def _call(ctx: Context, what: str, fn: Callable[..., Any], *args: Any, ok: int = 0) -> Any:
+    """``fn(*args)``, a driver call for an object of *ctx* named *what* (bound as
+    :func:`~ctxkit.binding.guard` says), checked: an error other than *ok* raises, noted
+    by *ctx*. Returns what *fn* returned, its status first."""
     with guard(ctx, what):
-        (err,) = getattr(drv, name)(handle)
-    if err == _NOT_READY:
-        return False
-    if err:
-        raise ctx.note_error(err, name)
-    return True
+        res = fn(*args)
+    err = res[0]
+    if err and err != ok:
+        raise ctx.note_error(err, getattr(fn, "__name__", what))
+    return res
