@@ -39,9 +39,6 @@ except Exception as exc:  # pragma: no cover - depends on the installation
 #: The ``cuda.bindings.driver`` module (``None`` when cuda-bindings is not installed).
 drv: Any = _drv_module
 
-CUDA_ERROR_NOT_INITIALIZED = 3
-CUDA_ERROR_NO_DEVICE = 100
-
 
 def parse_version(text: str) -> tuple[int, int]:
     """Return ``(major, minor)`` from a version string such as ``"13.3.0"``."""
@@ -132,7 +129,7 @@ def _fork_error(what: str = "") -> ForkError:
         f"and this process ({os.getpid()}) was forked from it; CUDA cannot be used in "
         "a forked child. Use the 'spawn' start method "
         "(multiprocessing.get_context('spawn') or ctxkit.procs.run_per_device)",
-        errors._NOT_INITIALIZED,
+        errors.CUDA_ERROR_NOT_INITIALIZED,
         "CUDA_ERROR_NOT_INITIALIZED",
     )
 
@@ -173,7 +170,7 @@ def _no_device_error() -> DriverNotFoundError:
     return DriverNotFoundError(
         f"the NVIDIA driver loaded but reports no CUDA device{hint}; check nvidia-smi "
         "and CUDA_VISIBLE_DEVICES",
-        CUDA_ERROR_NO_DEVICE,
+        errors.CUDA_ERROR_NO_DEVICE,
         "CUDA_ERROR_NO_DEVICE",
     )
 
@@ -193,7 +190,7 @@ def _init_slow() -> None:
                 "no NVIDIA driver found (libcuda.so.1 could not be loaded: "
                 f"{exc}); this machine has no usable GPU driver"
             ) from None
-        if err == CUDA_ERROR_NO_DEVICE:
+        if err == errors.CUDA_ERROR_NO_DEVICE:
             _no_device = True
             raise _no_device_error()
         if err:
@@ -237,7 +234,7 @@ def describe(code: int) -> tuple[str, str]:
 
 def from_result(code: int, what: str = "", detail: str = "") -> CudaError:
     """Exception for a failed driver call, with fork detection."""
-    if code == CUDA_ERROR_NOT_INITIALIZED and _parent_initialized_pid is not None:
+    if code == errors.CUDA_ERROR_NOT_INITIALIZED and _parent_initialized_pid is not None:
         return _fork_error(what)
     name, text = describe(code)
     return errors.from_result(code, what, detail, name=name, text=text)

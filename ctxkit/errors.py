@@ -97,7 +97,13 @@ class ForkError(CudaError):
 
 
 class WrongContextError(CudaError, ValueError):
-    """An object of one context (a stream, buffer, event) was used with another context."""
+    """An object of one context (a stream, buffer, event) was used with another context
+    (by default ``CUDA_ERROR_INVALID_HANDLE``, what the driver would answer)."""
+
+    def __init__(
+        self, message: str, code: int = 400, name: str = "CUDA_ERROR_INVALID_HANDLE"
+    ) -> None:
+        super().__init__(message, code, name)
 
 
 class LaunchArgumentError(CudaError, TypeError):
@@ -106,7 +112,8 @@ class LaunchArgumentError(CudaError, TypeError):
 
 # Codes from the CUDA driver API (cuda.h), by number with their names beside them, so the
 # mapping also works (and can be tested) on a machine where the driver library is absent.
-_NOT_INITIALIZED = 3
+CUDA_ERROR_NOT_INITIALIZED = 3
+CUDA_ERROR_NO_DEVICE = 100
 
 #: Sticky errors: the context (and, on current drivers, the process) cannot be used again.
 #: ILLEGAL_ADDRESS 700, HARDWARE_STACK_ERROR 714, ILLEGAL_INSTRUCTION 715,
@@ -125,14 +132,12 @@ _CLASS_FOR_CODE: dict[int, type[CudaError]] = {
 }
 
 _HINTS: dict[int, str] = {
-    # CUDA_ERROR_NOT_INITIALIZED
-    _NOT_INITIALIZED: "the driver is not initialised in this process; call ctxkit APIs "
+    CUDA_ERROR_NOT_INITIALIZED: "the driver is not initialised in this process; call ctxkit APIs "
     "(they initialise it) rather than raw cuda.bindings calls first",
     # CUDA_ERROR_OUT_OF_MEMORY
     2: "free buffers you no longer need (close() them), use smaller chunks, "
     "or pick a device with more free memory",
-    # CUDA_ERROR_NO_DEVICE
-    100: "no CUDA device is visible; check nvidia-smi and CUDA_VISIBLE_DEVICES",
+    CUDA_ERROR_NO_DEVICE: "no CUDA device is visible; check nvidia-smi and CUDA_VISIBLE_DEVICES",
     # CUDA_ERROR_INVALID_DEVICE
     101: "use an ordinal in range(ctxkit.device_count())",
     # CUDA_ERROR_INVALID_CONTEXT
@@ -170,22 +175,15 @@ _HINTS: dict[int, str] = {
     704: "peer access is already on (ctxkit.enable_peer_access is idempotent)",
     # CUDA_ERROR_DEINITIALIZED
     4: "the driver is shutting down (interpreter exit)",
+    **dict.fromkeys(
+        STICKY_CODES,
+        "a kernel faulted and poisoned the context; on current drivers (observed: 580 / "
+        "CUDA 13.0) every other context in the process, on every device, fails too. Restart "
+        "the process (or the ctxkit.procs worker); to keep other devices working, run device "
+        "work in separate processes (ctxkit.procs.run_per_device / DevicePool). Find the "
+        "faulting access with compute-sanitizer",
+    ),
 }
-
-_STICKY_HINT = (
-    "a kernel faulted and poisoned the context; on current drivers (observed: 580 / "
-    "CUDA 13.0) every other context in the process, on every device, fails too. Restart "
-    "the process (or the ctxkit.procs worker); to keep other devices working, run device "
-    "work in separate processes (ctxkit.procs.run_per_device / DevicePool). Find the "
-    "faulting access with compute-sanitizer"
-)
-
-
-def hint_for(code: int) -> str:
-    """Return the "what to do" sentence for *code* (empty when there is none)."""
-    if code in STICKY_CODES:
-        return _STICKY_HINT
-    return _HINTS.get(code, "")
 
 
 def error_class_for(code: int) -> type[CudaError]:
@@ -215,7 +213,7 @@ def from_result(
     parts = [f"{what} failed: {name}" if what else name]
     if text:
         parts[0] += f" ({text})"
-    hint = hint_for(code)
+    hint = _HINTS.get(code)
     if hint:
         parts.append(f"Fix: {hint}.")
     if detail:
