@@ -87,9 +87,6 @@ class ContextRegistry:
         ctx = self._contexts.get(ordinal)
         if ctx is not None and not ctx.closed:
             return ctx
-        return self._create(ordinal)
-
-    def _create(self, ordinal: int) -> Context:
         dev = Device(ordinal)
         _driver.check_fork(f"registry.context({ordinal})")
         with self._lock:

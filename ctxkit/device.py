@@ -56,13 +56,9 @@ class Device:
     def __new__(cls, ordinal: int | Device) -> Device:
         if isinstance(ordinal, Device):
             return ordinal
-        dev = cls._instances.get(ordinal) if isinstance(ordinal, int) else None
+        dev = cls._instances.get(ordinal) if type(ordinal) is int else None
         if dev is not None:
             return dev
-        return cls._create(ordinal)
-
-    @classmethod
-    def _create(cls, ordinal: Any) -> Device:
         if isinstance(ordinal, bool) or not isinstance(ordinal, int):
             raise TypeError(f"device ordinal must be an int, got {type(ordinal).__name__}")
         n = device_count()

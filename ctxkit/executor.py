@@ -57,24 +57,19 @@ def _blas_release() -> None:
             _blas_limiter = None
 
 
-class _WorkItem:
-    __slots__ = ("args", "fn", "future", "kwargs")
+#: A queued task: its future, the function and its arguments (``None``: a worker stops).
+_Task = tuple[Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 
-    def __init__(self, future: Future[Any], fn: Callable[..., Any], args: Any, kwargs: Any):
-        self.future = future
-        self.fn = fn
-        self.args = args
-        self.kwargs = kwargs
 
-    def run(self) -> None:
-        if not self.future.set_running_or_notify_cancel():
-            return
-        try:
-            result = self.fn(*self.args, **self.kwargs)
-        except BaseException as exc:
-            self.future.set_exception(exc)
-        else:
-            self.future.set_result(result)
+def _run(future: Future[Any], fn: Callable[..., Any], args: Any, kwargs: Any) -> None:
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        result = fn(*args, **kwargs)
+    except BaseException as exc:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
 
 
 class ContextExecutor(Executor):
@@ -121,7 +116,7 @@ class ContextExecutor(Executor):
         self.max_workers = max_workers
         self.blas_threads = blas_threads
         self._prefix = thread_name_prefix
-        self._queue: queue.SimpleQueue[_WorkItem | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._shutdown = False
@@ -138,28 +133,20 @@ class ContextExecutor(Executor):
             if self._shutdown:
                 raise RuntimeError("cannot submit to a ContextExecutor after shutdown()")
             future: Future[R] = Future()
-            self._queue.put(_WorkItem(future, fn, args, kwargs))
-            self._maybe_start_worker()
+            self._queue.put((future, fn, args, kwargs))
+            if not self._idle.acquire(blocking=False) and len(self._threads) < self.max_workers:
+                name = f"{self._prefix}-{len(self._threads)}"  # no idle worker: one more
+                t = threading.Thread(target=self._worker, name=name, daemon=True)
+                t.start()
+                self._threads.append(t)
         return future
-
-    def _maybe_start_worker(self) -> None:
-        if self._idle.acquire(blocking=False):
-            return
-        if len(self._threads) < self.max_workers:
-            t = threading.Thread(
-                target=self._worker,
-                name=f"{self._prefix}-{len(self._threads)}",
-                daemon=True,
-            )
-            t.start()
-            self._threads.append(t)
 
     def _worker(self) -> None:
         ctx = self.context
         try:
             ctx.push()
         except BaseException as exc:
-            self._drain_with(exc)
+            self._drain(exc)
             return
         st = thread_state()
         depth = len(st.stack)
@@ -168,7 +155,7 @@ class ContextExecutor(Executor):
                 item = self._queue.get()
                 if item is None:
                     break
-                item.run()
+                _run(*item)
                 del item
                 if len(st.stack) != depth or st.top is not ctx:
                     self._repair(st, depth)
@@ -183,7 +170,9 @@ class ContextExecutor(Executor):
         while len(st.stack) > depth:
             entry_context(st.stack[-1]).pop()
 
-    def _drain_with(self, exc: BaseException) -> None:
+    def _drain(self, exc: BaseException | None) -> None:
+        """Take the queued tasks (up to a worker's stop) off the queue: fail them with
+        *exc*, or cancel them (``None``)."""
         while True:
             try:
                 item = self._queue.get_nowait()
@@ -192,8 +181,11 @@ class ContextExecutor(Executor):
             if item is None:
                 self._queue.put(None)
                 return
-            if item.future.set_running_or_notify_cancel():
-                item.future.set_exception(exc)
+            future = item[0]
+            if exc is None:
+                future.cancel()
+            elif future.set_running_or_notify_cancel():
+                future.set_exception(exc)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stop accepting work; workers finish queued tasks, pop the context and exit.
@@ -205,13 +197,7 @@ class ContextExecutor(Executor):
                 return
             self._shutdown = True
             if cancel_futures:
-                while True:
-                    try:
-                        item = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    if item is not None:
-                        item.future.cancel()
+                self._drain(None)
             threads = list(self._threads)
             for _ in threads:
                 self._queue.put(None)
