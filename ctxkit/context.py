@@ -253,13 +253,10 @@ class Context:
         ``CUctx_flags`` values (e.g. ``CU_CTX_SCHED_BLOCKING_SYNC``) as an int.
         """
         dev = Device(device)
-        if isinstance(flags, bool) or not isinstance(flags, int):
-            try:
-                flags = int(flags)
-            except (TypeError, ValueError):
-                raise TypeError(
-                    f"flags must be an int of CUctx_flags bits, got {flags!r}"
-                ) from None
+        try:
+            flags = int(flags)  # CUctx_flags members too
+        except (TypeError, ValueError):
+            raise TypeError(f"flags must be an int of CUctx_flags bits, got {flags!r}") from None
         cu = _driver.ctx_create(flags, dev.handle)
         err, popped = drv.cuCtxPopCurrent()
         _driver.raise_for(err, "cuCtxPopCurrent after cuCtxCreate")
@@ -348,7 +345,7 @@ class Context:
             st.stack.append(self)
             return self
         if self._unusable:
-            self._raise_unusable()
+            self.check_usable()
         if top is None:
             err, cu = drv.cuCtxGetCurrent()
             if not err and ((cu == self.cu) if self._by_value else (int(cu) == self.handle)):
@@ -469,7 +466,11 @@ class Context:
 
     # --- lifetime ------------------------------------------------------------------
 
-    def _raise_unusable(self) -> None:
+    def check_usable(self) -> None:
+        """Raise ``ContextClosedError``/``ContextPoisonedError`` if it cannot be used
+        (``ForkError`` in a forked child)."""
+        if not self._unusable:
+            return
         _driver.check_fork(f"{self!r}")
         if self.closed:
             raise ContextClosedError(f"{self!r} is closed; create a new context")
@@ -479,11 +480,6 @@ class Context:
             self._poison.code,
             self._poison.name,
         )
-
-    def check_usable(self) -> None:
-        """Raise ``ContextClosedError``/``ContextPoisonedError`` if it cannot be used."""
-        if self._unusable:
-            self._raise_unusable()
 
     def note_error(self, err: Any, what: str) -> CudaError:
         """Build the exception for a failed call made in this context.
@@ -546,22 +542,16 @@ class Context:
                     f"cannot close {self!r}: it is current in thread(s) {users}; leave "
                     "the `with` blocks (or pop it) in those threads first"
                 )
-            self._release()
-
-    def _release(self) -> None:
-        self.closed = True
-        self._unusable = True
-        Context._known.pop(self.handle, None)
-        if self.kind == "owned":
-            call(drv.cuCtxDestroy, self.cu, what=f"cuCtxDestroy({self.handle:#x})")
-        elif self.kind == "primary":
-            if Context._primaries.get(self.device.ordinal) is self:
-                del Context._primaries[self.device.ordinal]
-            call(
-                drv.cuDevicePrimaryCtxRelease,
-                self.device.handle,
-                what=f"cuDevicePrimaryCtxRelease(device={self.device.ordinal})",
-            )
+            self.closed = True
+            self._unusable = True
+            Context._known.pop(self.handle, None)
+            if self.kind == "owned":
+                call(drv.cuCtxDestroy, self.cu, what=f"cuCtxDestroy({self.handle:#x})")
+            elif self.kind == "primary":
+                if Context._primaries.get(self.device.ordinal) is self:
+                    del Context._primaries[self.device.ordinal]
+                what = f"cuDevicePrimaryCtxRelease(device={self.device.ordinal})"
+                call(drv.cuDevicePrimaryCtxRelease, self.device.handle, what=what)
 
     # --- freeing resources from any thread ----------------------------------------
 

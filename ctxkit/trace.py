@@ -366,6 +366,7 @@ class Timeline:
         try:
             from matplotlib.backends.backend_agg import FigureCanvasAgg
             from matplotlib.figure import Figure
+            from matplotlib.patches import Patch
         except ImportError as exc:
             raise ImportError(
                 'Timeline.to_png needs matplotlib (pip install -e ".[plot]" in a checkout, '
@@ -396,13 +397,8 @@ class Timeline:
         ax.invert_yaxis()
         ax.set_xlabel("time (ms)")
         ax.set_title(title or f"ctxkit timeline ({self.duration_ms:.2f} ms)")
-        from matplotlib.patches import Patch
-
-        ax.legend(
-            handles=[Patch(color=color[c], label=c) for c in cats],
-            loc="upper right",
-            fontsize="small",
-        )
+        legend = [Patch(color=color[c], label=c) for c in cats]
+        ax.legend(handles=legend, loc="upper right", fontsize="small")
         fig.tight_layout()
         fig.savefig(os.fspath(path), dpi=dpi)
 
