@@ -27,7 +27,6 @@ from .context import (
     no_context_error,
     require_current,
     thread_bindings,
-    thread_state,
 )
 from .device import Device
 
@@ -244,8 +243,6 @@ def guard(owner: Context, what: str) -> Context:
     (``ck.registry.strict = True``) a thread with no current context at all gets
     :class:`NoCurrentContextError` instead of an implicit bind.
     """
-    if not registry.strict or thread_state().top is not None:
-        return owner
-    if current_handle():
-        return owner
-    raise no_context_error(what)
+    if registry.strict and not current_handle():
+        raise no_context_error(what)
+    return owner
