@@ -180,7 +180,28 @@ _HOST_FN_ADDR = ctypes.cast(_HOST_FN, ctypes.c_void_p).value or 0
 # --- streams --------------------------------------------------------------------------
 
 
-class Stream:
+class _InContext:
+    """What streams and events share: a driver handle (``None`` once closed) that lives
+    in its own context."""
+
+    __slots__ = ()
+
+    handle: Any
+    context: Context
+
+    @property
+    def device(self) -> Device:
+        """The device of its context."""
+        return self.context.device
+
+    def _open_handle(self, what: str) -> Any:
+        handle = self.handle
+        if handle is None:
+            raise ContextClosedError(f"{what}: the {type(self).__name__.lower()} was closed")
+        return handle
+
+
+class Stream(_InContext):
     """A CUDA stream, created in its own context.
 
     Parameters
@@ -215,8 +236,6 @@ class Stream:
         "priority",
     )
 
-    handle: Any
-    context: Context
     _fin: weakref.finalize | None
 
     def __init__(
@@ -257,13 +276,14 @@ class Stream:
 
     @classmethod
     def from_handle(cls, stream: Any, context: ContextLike | None = None) -> Stream:
-        """Wrap an existing stream without owning it (it is never destroyed by ctxkit).
+        """Wrap an existing stream without owning it (it is never destroyed by ctxkit);
+        :meth:`wrap` is the same.
 
-        *stream* is anything :func:`stream_handle` accepts (a CuPy or PyTorch stream, an
-        object with ``__cuda_stream__``, an int or ``CUstream``); the wrapper keeps a
-        Python object alive while it lives. *context* defaults to the stream's own context
-        (``cuStreamGetCtx``); for the special handles 0 (legacy default), 1 and 2 it is
-        the current context.
+        *stream* is anything :func:`stream_handle` accepts (a PyTorch, CuPy, cuda.core or
+        Numba stream, an object with ``__cuda_stream__``, an int or ``CUstream``); the
+        wrapper keeps a Python object alive while it lives. *context* defaults to the
+        stream's own context (``cuStreamGetCtx``); for the special handles 0 (legacy
+        default), 1 and 2 it is the current context.
         """
         if isinstance(stream, Stream):
             return stream
@@ -284,15 +304,10 @@ class Stream:
         obj._setup(ctx, handle, nonblocking, priority, owned=False, owner=owner)
         return obj
 
-    @classmethod
-    def wrap(cls, stream: Any, context: ContextLike | None = None) -> Stream:
-        """A ctxkit view of another library's stream (anything with ``__cuda_stream__``, a
-        PyTorch, CuPy, cuda.core or Numba stream, a handle); see :meth:`from_handle`.
-
-        ``with ck.Stream.wrap(torch.cuda.current_stream()):`` runs ctxkit work in torch's
-        stream order.
-        """
-        return cls.from_handle(stream, context)
+    #: ``Stream.wrap(obj)``: the same as :meth:`from_handle`, a ctxkit view of another
+    #: library's stream; ``with ck.Stream.wrap(torch.cuda.current_stream()):`` runs ctxkit
+    #: work in torch's stream order.
+    wrap = from_handle
 
     # --- current stream --------------------------------------------------------------
 
@@ -328,11 +343,6 @@ class Stream:
         return int(self.handle)
 
     @property
-    def device(self) -> Device:
-        """The device of the stream's context."""
-        return self.context.device
-
-    @property
     def closed(self) -> bool:
         """True after :meth:`close`."""
         return self.handle is None
@@ -354,12 +364,6 @@ class Stream:
             f"<Stream{kind} {int(self.handle):#x} device={self.context.device.ordinal} "
             f"priority={self.priority}>"
         )
-
-    def _open_handle(self, what: str) -> Any:
-        handle = self.handle
-        if handle is None:
-            raise ContextClosedError(f"{what}: the stream was closed")
-        return handle
 
     def keep_callback_error(self, exc: BaseException) -> None:
         """Keep *exc*, raised by a host function run on this stream (also a graph's host
@@ -464,7 +468,7 @@ def _stream_properties(handle: Any, value: int) -> tuple[bool, int]:
 # --- events ---------------------------------------------------------------------------
 
 
-class Event:
+class Event(_InContext):
     """A CUDA event, created in its own context.
 
     Parameters
@@ -502,17 +506,6 @@ class Event:
             f"<Event {int(self.handle):#x} device={self.context.device.ordinal} "
             f"timing={self.timing}>"
         )
-
-    def _open_handle(self, what: str) -> Any:
-        handle = self.handle
-        if handle is None:
-            raise ContextClosedError(f"{what}: the event was closed")
-        return handle
-
-    @property
-    def device(self) -> Device:
-        """The device of the event's context."""
-        return self.context.device
 
     def query(self) -> bool:
         """True when the work before the recorded point has completed."""
