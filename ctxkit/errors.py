@@ -7,6 +7,7 @@ for the errors people meet most, what to do about it.
 
 from __future__ import annotations
 
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 __all__ = [
@@ -290,6 +291,7 @@ class BlockIdentityError(RuntimeError):
     another process re-created it. The block is neither read nor unlinked."""
 
 
+@dataclass(eq=False, repr=False)
 class DeviceTaskError(CudaError):
     """Work for one device failed in its child process.
 
@@ -323,32 +325,23 @@ class DeviceTaskError(CudaError):
         ``run_per_device`` only: the error of every failed device, by ordinal.
     """
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        device: int,
-        kind: str,
-        pid: int | None = None,
-        exitcode: int | None = None,
-        traceback: str = "",
-        exception_type: str = "",
-        child_exception: BaseException | None = None,
-        attempts: int = 1,
-        code: int = 0,
-        name: str = "",
-    ) -> None:
-        super().__init__(message, code, name)
-        self.device = device
-        self.kind = kind
-        self.pid = pid
-        self.exitcode = exitcode
-        self.traceback = traceback
-        self.exception_type = exception_type
-        self.child_exception = child_exception
-        self.attempts = attempts
-        self.results: list[Any] = []
-        self.failures: dict[int, DeviceTaskError] = {}
+    message: str
+    _: KW_ONLY
+    device: int
+    kind: str
+    pid: int | None = None
+    exitcode: int | None = None
+    traceback: str = ""
+    exception_type: str = ""
+    child_exception: BaseException | None = None
+    attempts: int = 1
+    code: int = 0
+    name: str = ""
+    results: list[Any] = field(default_factory=list, init=False)
+    failures: dict[int, DeviceTaskError] = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        CudaError.__init__(self, self.message, self.code, self.name)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild_task_error, (str(self),), dict(self.__dict__))
