@@ -10,6 +10,7 @@ no ctxkit worker is alive (:func:`_at_exit`).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import queue
 import threading
@@ -231,10 +232,8 @@ def _at_exit() -> None:
         return  # the contexts are the parent's
     if any(t.is_alive() for ex in list(_live_executors) for t in list(ex._threads)):
         return
-    try:
+    with contextlib.suppress(Exception):
         registry.close(quiet=True)
-    except Exception:
-        pass
 
 
 atexit.register(_at_exit)

@@ -20,6 +20,7 @@ the frees other threads have already started, so no free slips in between.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 import weakref
@@ -223,7 +224,7 @@ def _note_failed_free(ctx: _Context | None, name: str, error: str) -> None:
         return
     _warned_failed_free = True
     where = "" if ctx is None else f" in {ctx!r}"
-    try:
+    with contextlib.suppress(Exception):  # a warnings filter may raise: a finalizer must not
         warnings.warn(
             f"ctxkit: {name}{where} failed while a finalizer freed a resource, which "
             f"stays allocated: {error}. Later failures are listed by "
@@ -231,8 +232,6 @@ def _note_failed_free(ctx: _Context | None, name: str, error: str) -> None:
             ResourceWarning,
             stacklevel=2,
         )
-    except Exception:
-        pass
 
 
 def finalizer(

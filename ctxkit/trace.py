@@ -335,16 +335,12 @@ class Timeline:
         events = data.get("traceEvents")
         if not isinstance(events, list):
             raise ValueError("not a Chrome trace: no 'traceEvents' list")
-        names: dict[tuple[int, int], str] = {}
-        for ev in events:
-            if ev.get("ph") == "M" and ev.get("name") == "thread_name":
-                names[(ev["pid"], ev["tid"])] = ev["args"]["name"]
         intervals = []
         for ev in events:
             if ev.get("ph") != "X":
                 continue
             args = ev.get("args") or {}
-            stream = args.get("stream") or names.get((ev["pid"], ev["tid"]), str(ev["tid"]))
+            stream = args.get("stream") or str(ev["tid"])  # to_chrome_trace writes the stream
             start, dur = float(ev["ts"]) / 1000.0, float(ev.get("dur", 0.0)) / 1000.0
             chunk = args.get("chunk")
             intervals.append(
@@ -481,21 +477,16 @@ class Recorder:
         intervals = list(self._host)
         dropped = 0
         for name, dev, stream, chunk, start, end in list(self._marks):
-            ref = self._refs.get(dev)
-            if ref is None:
-                dropped += 1
-                continue
-            base = self.ms(ref[1])
-            try:
-                s = base + self._elapsed(ref[0], start)
-                e = base + self._elapsed(ref[0], end)
+            try:  # KeyError: the device was never calibrated; or an event never ran
+                ref, ref_s = self._refs[dev]
+                s = self.ms(ref_s) + self._elapsed(ref, start)
+                e = self.ms(ref_s) + self._elapsed(ref, end)
             except Exception:
                 dropped += 1
                 continue
             intervals.append(Interval(name, dev, stream, chunk, s, max(s, e)))
-        tl = Timeline(intervals, dropped=dropped)
-        self._cached = tl
-        return tl
+        self._cached = Timeline(intervals, dropped=dropped)
+        return self._cached
 
 
 # --- NVTX ranges ----------------------------------------------------------------------
