@@ -194,11 +194,6 @@ def initialized() -> bool:
     return _init_pid is not None
 
 
-def no_device() -> bool:
-    """True when the driver loaded but reported no CUDA device (after :func:`init`)."""
-    return _no_device
-
-
 def describe(code: int) -> tuple[str, str]:
     """``(name, explanation)`` of a ``CUresult`` code.
 

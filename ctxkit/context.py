@@ -615,10 +615,7 @@ def require_current(what: str) -> Context:
     Called before operations that the driver would otherwise refuse with
     ``CUDA_ERROR_INVALID_CONTEXT``.
     """
-    try:
-        top = _fast.s.top
-    except AttributeError:
-        top = _first_use().top
+    top = thread_state().top
     if top is not None:
         return top
     ctx = current_context()

@@ -21,9 +21,7 @@ def device_count() -> int:
     """
     try:
         _driver.init()
-    except DriverNotFoundError:
-        return 0
-    if _driver.no_device():
+    except DriverNotFoundError:  # no bindings, no driver, or the driver sees no device
         return 0
     return int(call(drv.cuDeviceGetCount, what="cuDeviceGetCount"))
 
