@@ -102,17 +102,13 @@ def held_back_frees() -> int:
         return len(_held_back)
 
 
-def _forbidden_here(tid: int) -> bool:
-    return bool(_global_captures) or tid in _capturing_threads
-
-
 def begin_free(ctx: _Context | None, fn: Callable[..., Any], args: tuple[Any, ...]) -> bool:
     """Ask before a free: ``True`` -- make it now, then call :func:`end_free`; ``False``
     -- an open capture forbids it in this thread, so it was held back and runs (through
     :func:`free_quietly`) when the capture ends."""
     tid = threading.get_ident()
     with _capture_cond:
-        if _forbidden_here(tid):
+        if _global_captures or tid in _capturing_threads:
             _held_back.append((ctx, fn, args))
             return False
         _frees_running[tid] = _frees_running.get(tid, 0) + 1
@@ -128,10 +124,6 @@ def end_free() -> None:
             _frees_running[tid] = left
         else:
             _capture_cond.notify_all()
-
-
-def _others_freeing(tid: int) -> bool:
-    return any(t != tid for t in _frees_running)
 
 
 #: stream handle -> open ctxkit captures on it, in every mode (``relaxed`` included)
@@ -166,7 +158,7 @@ def capture_begins(global_mode: bool) -> None:
         _capturing_threads[tid] = _capturing_threads.get(tid, 0) + 1
         if global_mode:
             _global_captures += 1
-            _capture_cond.wait_for(lambda: not _others_freeing(tid))
+            _capture_cond.wait_for(lambda: all(t == tid for t in _frees_running))
 
 
 def capture_ends(global_mode: bool) -> None:
