@@ -300,7 +300,12 @@ class Stream(_InContext):
             ctx = context_of_cu(cu)
         obj = cls.__new__(cls)
         owner = None if isinstance(stream, (int, np.integer)) else stream
-        nonblocking, priority = _stream_properties(handle, value)
+        nonblocking, priority = False, 0  # what the special handles 0, 1 and 2 have
+        if value not in (0, 1, 2):
+            err, flags = drv.cuStreamGetFlags(handle)
+            nonblocking = not err and bool(int(flags) & STREAM_NON_BLOCKING)
+            err, prio = drv.cuStreamGetPriority(handle)
+            priority = 0 if err else int(prio)
         obj._setup(ctx, handle, nonblocking, priority, owned=False, owner=owner)
         return obj
 
@@ -454,15 +459,6 @@ class Stream(_InContext):
             fin()
         self.handle = None
         self._owner = None
-
-
-def _stream_properties(handle: Any, value: int) -> tuple[bool, int]:
-    """``(nonblocking, priority)`` of an existing stream (defaults for special handles)."""
-    if value in (0, 1, 2):
-        return False, 0
-    err, flags = drv.cuStreamGetFlags(handle)
-    err2, priority = drv.cuStreamGetPriority(handle)
-    return (not err and bool(int(flags) & STREAM_NON_BLOCKING)), (0 if err2 else int(priority))
 
 
 # --- events ---------------------------------------------------------------------------

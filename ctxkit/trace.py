@@ -151,10 +151,6 @@ def _union_ms(intervals: Iterable[Interval]) -> float:
     return total
 
 
-def _stream_key(name: str) -> tuple[bool, str]:
-    return (name.startswith(HOST_PREFIX), name)
-
-
 class Timeline:
     """Intervals of one or more runs, sorted by start time.
 
@@ -214,7 +210,7 @@ class Timeline:
     def streams(self, device: int | None = None) -> list[str]:
         """Distinct streams (GPU streams first, then host threads), optionally of one device."""
         names = {iv.stream for iv in self.intervals if device is None or iv.device == device}
-        return sorted(names, key=_stream_key)
+        return sorted(names, key=lambda n: (n.startswith(HOST_PREFIX), n))
 
     @property
     def start_ms(self) -> float:
