@@ -184,15 +184,27 @@ class _InContext:
     """What streams and events share: a driver handle (``None`` once closed) that lives
     in its own context."""
 
-    __slots__ = ()
+    __slots__ = ("__weakref__", "_fin", "context", "handle")
 
     handle: Any
     context: Context
+    _fin: weakref.finalize | None
 
     @property
     def device(self) -> Device:
         """The device of its context."""
         return self.context.device
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self.handle is None
+
+    def close(self) -> None:
+        """Destroy it now (in its context); idempotent."""
+        if self._fin is not None:
+            self._fin()
+        self.handle = None
 
     def _open_handle(self, what: str) -> Any:
         handle = self.handle
@@ -223,20 +235,7 @@ class Stream(_InContext):
         *priority* is outside the device's range (the message gives the range).
     """
 
-    __slots__ = (
-        "__weakref__",
-        "_callback_errors",
-        "_fin",
-        "_lock",
-        "_owner",
-        "context",
-        "handle",
-        "nonblocking",
-        "owned",
-        "priority",
-    )
-
-    _fin: weakref.finalize | None
+    __slots__ = ("_callback_errors", "_lock", "_owner", "nonblocking", "owned", "priority")
 
     def __init__(
         self, context: ContextLike | None = None, nonblocking: bool = True, priority: int = 0
@@ -347,11 +346,6 @@ class Stream(_InContext):
         """The stream handle as an int."""
         return int(self.handle)
 
-    @property
-    def closed(self) -> bool:
-        """True after :meth:`close`."""
-        return self.handle is None
-
     def __eq__(self, other: object) -> bool:
         if isinstance(other, Stream):
             a, b = self.handle, other.handle
@@ -454,10 +448,7 @@ class Stream(_InContext):
 
     def close(self) -> None:
         """Destroy an owned stream now (in its context); idempotent. Borrowed: forget it."""
-        fin = self._fin
-        if fin is not None:
-            fin()
-        self.handle = None
+        super().close()
         self._owner = None
 
 
@@ -478,7 +469,7 @@ class Event(_InContext):
         ``CU_EVENT_BLOCKING_SYNC``: :meth:`synchronize` sleeps instead of spinning.
     """
 
-    __slots__ = ("__weakref__", "_fin", "_recorded", "context", "handle", "timing")
+    __slots__ = ("_recorded", "timing")
 
     def __init__(
         self, timing: bool = True, context: ContextLike | None = None, *, blocking: bool = False
@@ -558,11 +549,6 @@ class Event(_InContext):
                 "before the end event on the same stream"
             )
         return float(ms)
-
-    def close(self) -> None:
-        """Destroy the event now (in its context); idempotent."""
-        self._fin()
-        self.handle = None
 
     def record(self, stream: Stream | Any = None) -> Event:
         """Record the event on *stream* (default: the context's legacy default stream).
