@@ -60,7 +60,9 @@ class _ThreadState:
         self.stack: list[Any] = []
 
 
-_all_threads: dict[int, tuple[weakref.ref[threading.Thread], str, list[Any]]] = {}
+#: Every thread's ``stack`` (of :class:`_ThreadState`), for :func:`thread_bindings`; a
+#: thread leaves with its ``Thread`` object.
+_all_threads: weakref.WeakKeyDictionary[threading.Thread, list[Any]] = weakref.WeakKeyDictionary()
 
 
 # Re-entrant: a finalizer run by the collector while this thread holds it may be the
@@ -107,12 +109,8 @@ def _first_use() -> _ThreadState:
     state, and this one keeps it (``setdefault``).
     """
     st: _ThreadState = _fast.__dict__.setdefault("s", _ThreadState())
-    t = threading.current_thread()
     with _all_lock:
-        _all_threads[threading.get_ident()] = (weakref.ref(t), t.name, st.stack)
-        for ident, v in _all_threads.copy().items():
-            if v[0]() is None:
-                del _all_threads[ident]
+        _all_threads[threading.current_thread()] = st.stack
     return st
 
 
@@ -129,12 +127,10 @@ def thread_bindings() -> dict[str, list[Context]]:
     with _all_lock:
         states = _all_threads.copy()
     out: dict[str, list[Context]] = {}
-    for ident, (ref, name, stack) in states.items():
-        if ref() is None:
-            continue
+    for t, stack in states.items():
         ctxs = [e[0] for e in list(stack) if type(e) is tuple]
         if ctxs:
-            out[f"{name} ({ident})"] = ctxs
+            out[f"{t.name} ({t.ident})"] = ctxs
     return out
 
 
