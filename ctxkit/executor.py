@@ -152,24 +152,16 @@ class ContextExecutor(Executor):
         st = thread_state()
         depth = len(st.stack)
         try:
-            while True:
-                item = self._queue.get()
-                if item is None:
-                    break
+            while (item := self._queue.get()) is not None:
                 _run(*item)
                 del item
-                if len(st.stack) != depth or st.top is not ctx:
-                    self._repair(st, depth)
+                while len(st.stack) > depth:  # a task left contexts pushed: the next starts clean
+                    entry_context(st.stack[-1]).pop()
                 self._idle.release()
         finally:
-            self._repair(st, depth)
+            while len(st.stack) > depth:
+                entry_context(st.stack[-1]).pop()
             ctx.pop()
-
-    @staticmethod
-    def _repair(st: Any, depth: int) -> None:
-        """A task left contexts pushed: pop them so the next task starts clean."""
-        while len(st.stack) > depth:
-            entry_context(st.stack[-1]).pop()
 
     def _drain(self, exc: BaseException | None) -> None:
         """Take the queued tasks (up to a worker's stop) off the queue: fail them with
