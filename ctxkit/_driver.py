@@ -251,18 +251,13 @@ def enum_member(enum: Any, prefix: str, name: str | Any, what: str) -> Any:
     """
     if not isinstance(name, str):
         return name
-    key = name.upper()
-    if not key.startswith(prefix):
-        key = prefix + key
+    key = name.upper().removeprefix(prefix)
     try:
-        return getattr(enum, key)
+        return getattr(enum, prefix + key)
     except AttributeError:
-        known = sorted(
-            m[len(prefix) :].lower()
-            for m in dir(enum)
-            if m.startswith(prefix) and m[len(prefix) :] != "MAX"
-        )
-        short = key[len(prefix) :].lower()
+        members = [m.removeprefix(prefix) for m in dir(enum) if m.startswith(prefix)]
+        known = sorted(m.lower() for m in members if m != "MAX")
+        short = key.lower()
         close = difflib.get_close_matches(short, known, n=5, cutoff=0.5)
         close += [k for k in known if short in k and k not in close]
         hint = f"did you mean one of {close[:5]}?" if close else f"known: {known}"
