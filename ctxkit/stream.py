@@ -170,7 +170,7 @@ def _run_host_func(key: int | None) -> None:
         if stream is None:
             log.error("host function %r raised after its stream was dropped", fn, exc_info=exc)
         else:
-            stream.keep_callback_error(exc)
+            stream.report_callback_error(exc)
 
 
 _HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(_run_host_func)
@@ -364,7 +364,7 @@ class Stream(_InContext):
             f"priority={self.priority}>"
         )
 
-    def keep_callback_error(self, exc: BaseException) -> None:
+    def report_callback_error(self, exc: BaseException) -> None:
         """Keep *exc*, raised by a host function run on this stream (also a graph's host
         node), for the next :meth:`synchronize` to raise (they run on a driver thread)."""
         with self._lock:
