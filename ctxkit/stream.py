@@ -145,8 +145,7 @@ def current_stream(context: ContextLike | None = None) -> Stream:
         Whose current stream; ``None``: the calling thread's current context.
     """
     ctx = resolve_context(context, "current_stream()")
-    cur = implicit_stream(ctx)
-    return cur if cur is not None else Stream.from_handle(0, ctx)
+    return implicit_stream(ctx) or Stream.from_handle(0, ctx)
 
 
 _NULL_STREAM: Any = drv.CUstream(0) if drv is not None else None
@@ -413,10 +412,8 @@ class Stream(_InContext):
         handle = self._open_handle("Stream.wait")
         if isinstance(event_or_stream, Event):
             event = event_or_stream
-        else:
-            other = Stream.from_handle(event_or_stream)
-            event = Event(timing=False, context=other.context)
-            event.record(other)
+        else:  # everything enqueued on that stream so far
+            event = Stream.from_handle(event_or_stream).record(timing=False)
         ev = event._open_handle("Stream.wait")
         _call(self.context, "Stream.wait", drv.cuStreamWaitEvent, handle, ev, 0)
 
@@ -424,8 +421,7 @@ class Stream(_InContext):
         """Record *event* (a new one when ``None``) at this point of the stream."""
         if event is None:
             event = Event(timing=timing, context=self.context)
-        event.record(self)
-        return event
+        return event.record(self)
 
     def launch_host_func(self, fn: Callable[[], Any]) -> None:
         """Run ``fn()`` on a driver thread once the work enqueued so far has completed.
@@ -517,9 +513,8 @@ class Event(_InContext):
         """
         if not isinstance(end, Event):
             raise TypeError(f"end must be a ctxkit.Event, got {type(end).__name__}")
-        self._open_handle("Event.elapsed_ms")
-        end._open_handle("Event.elapsed_ms")
         for ev, name in ((self, "start"), (end, "end")):
+            ev._open_handle("Event.elapsed_ms")
             if not ev.timing:
                 raise ValueError(
                     f"elapsed_ms: the {name} event {ev!r} was created with timing=False and has "
