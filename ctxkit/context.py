@@ -276,11 +276,8 @@ class Context:
         with cls._class_lock:
             ctx = cls._primaries.get(dev.ordinal)
             if ctx is None or ctx.closed:
-                cu = call(
-                    drv.cuDevicePrimaryCtxRetain,
-                    dev.handle,
-                    what=f"cuDevicePrimaryCtxRetain(device={dev.ordinal})",
-                )
+                what = f"cuDevicePrimaryCtxRetain(device={dev.ordinal})"
+                cu = call(drv.cuDevicePrimaryCtxRetain, dev.handle, what=what)
                 ctx = cls(cu, dev, "primary")
                 cls._primaries[dev.ordinal] = ctx
         return ctx
