@@ -91,10 +91,8 @@ class ContextRegistry:
         with self._lock:
             ctx = self._contexts.get(ordinal)
             if ctx is None or ctx.closed:
-                if self.kind == "primary":
-                    ctx = Context.primary(dev)
-                else:
-                    ctx = Context.create(dev, flags=self.flags)
+                primary = self.kind == "primary"
+                ctx = Context.primary(dev) if primary else Context.create(dev, flags=self.flags)
                 self._contexts[ordinal] = ctx
                 self._created.append(ctx)
         return ctx
