@@ -130,18 +130,15 @@ class Device:
         attr = _driver.enum_member(
             drv.CUdevice_attribute, "CU_DEVICE_ATTRIBUTE_", name, "device attribute"
         )
-        return int(
-            call(drv.cuDeviceGetAttribute, attr, self.handle, what=f"cuDeviceGetAttribute({name})")
-        )
+        what = f"cuDeviceGetAttribute({name})"
+        return int(call(drv.cuDeviceGetAttribute, attr, self.handle, what=what))
 
     def can_access_peer(self, other: Device | int) -> bool:
         """True when this device can map memory of *other* (``cuDeviceCanAccessPeer``)."""
         peer = Device(other)
         if peer.ordinal == self.ordinal:
             return False
-        return bool(
-            call(drv.cuDeviceCanAccessPeer, self.handle, peer.handle, what="cuDeviceCanAccessPeer")
-        )
+        return bool(call(drv.cuDeviceCanAccessPeer, self.handle, peer.handle))
 
 
 _driver.renew_at_fork(Device, "_lock")
