@@ -30,16 +30,7 @@ from .context import (
 )
 from .device import Device
 
-__all__ = [
-    "ContextLike",
-    "ContextRegistry",
-    "bind",
-    "bound",
-    "check_devices",
-    "guard",
-    "registry",
-    "resolve_context",
-]
+__all__ = ["ContextLike", "ContextRegistry", "bind", "bound", "registry"]
 
 
 P = ParamSpec("P")

@@ -32,14 +32,7 @@ from .errors import (
     NoCurrentContextError,
 )
 
-__all__ = [
-    "Context",
-    "context_of_cu",
-    "current_context",
-    "current_handle",
-    "shutting_down",
-    "thread_bindings",
-]
+__all__ = ["Context", "context_of_cu", "current_context", "shutting_down"]
 
 
 class _ThreadState:

@@ -24,8 +24,6 @@ __all__ = [
     "LaunchArgumentError",
     "NoCurrentContextError",
     "OutOfMemoryError",
-    "error_class_for",
-    "from_result",
 ]
 
 

@@ -29,14 +29,7 @@ from typing import Any, NamedTuple, Protocol
 
 from . import _driver
 
-__all__ = [
-    "FailedFree",
-    "check_free",
-    "context_closing",
-    "failed_frees",
-    "held_back_frees",
-    "on_context_close",
-]
+__all__ = ["FailedFree", "failed_frees", "held_back_frees"]
 
 
 class _Context(Protocol):

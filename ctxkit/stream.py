@@ -7,7 +7,7 @@ anything with ``__cuda_stream__``) are accepted wherever a stream is, and can be
 without being owned (:meth:`Stream.from_handle`).
 
 Here: :class:`Stream`, :class:`Event`, the current stream per thread, the one stream
-resolver (:func:`stream_for`), and the handles and contexts of streams ctxkit did not
+resolver (``stream_for``), and the handles and contexts of streams ctxkit did not
 create.
 """
 
@@ -30,14 +30,7 @@ from .device import Device
 from .errors import ContextClosedError, WrongContextError
 from .lifetime import finalizer
 
-__all__ = [
-    "Event",
-    "Stream",
-    "current_stream",
-    "implicit_stream",
-    "stream_for",
-    "stream_handle",
-]
+__all__ = ["Event", "Stream", "current_stream", "stream_handle"]
 
 log = logging.getLogger("ctxkit.stream")
 
