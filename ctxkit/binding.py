@@ -21,13 +21,7 @@ from typing import ParamSpec, TypeVar
 
 from . import _driver
 from ._env import env_flag
-from .context import (
-    Context,
-    current_handle,
-    no_context_error,
-    require_current,
-    thread_bindings,
-)
+from .context import Context, current_handle, no_context_error, require_current, thread_bindings
 from .device import Device
 
 __all__ = ["ContextLike", "ContextRegistry", "bind", "bound", "registry"]
