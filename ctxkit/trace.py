@@ -376,12 +376,9 @@ class Timeline:
         FigureCanvasAgg(fig)
         ax = fig.add_subplot(1, 1, 1)
         for y, (dev, stream) in enumerate(rows):
+            row = self.select(device=dev, stream=stream)
             for cat in cats:
-                bars = [
-                    (iv.start_ms, iv.duration_ms)
-                    for iv in self.intervals
-                    if iv.device == dev and iv.stream == stream and iv.category == cat
-                ]
+                bars = [(iv.start_ms, iv.duration_ms) for iv in row if iv.category == cat]
                 if bars:
                     ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=color[cat])
         ax.set_yticks(range(len(rows)))
