@@ -420,7 +420,6 @@ class Recorder:
         self._marks: list[tuple[str, int, str, int | None, Any, Any]] = []
         self._refs: dict[int, tuple[Any, float]] = {}
         self._cached: Timeline | None = None
-        self._lock = threading.Lock()
 
     def ms(self, host_s: float) -> float:
         """A host-clock time in seconds as milliseconds since the recording started."""
@@ -447,9 +446,8 @@ class Recorder:
 
     def calibrate(self, device: int, ref_event: Any, host_s: float) -> None:
         """Record that *ref_event* of *device* completed at host time *host_s* (seconds)."""
-        with self._lock:
-            self._refs[device] = (ref_event, host_s)
-            self._cached = None
+        self._refs[device] = (ref_event, host_s)
+        self._cached = None
 
     def calibrated(self, device: int) -> bool:
         """True once *device* has a reference event."""
