@@ -7,7 +7,7 @@ for the errors people meet most, what to do about it.
 
 from __future__ import annotations
 
-from dataclasses import KW_ONLY, dataclass, field
+from dataclasses import KW_ONLY, InitVar, dataclass, field
 from typing import Any
 
 __all__ = [
@@ -246,6 +246,7 @@ class KernelNotFoundError(CudaError, LookupError):
     """The module has no kernel of that name (the message lists those it has)."""
 
 
+@dataclass(eq=False, repr=False)
 class PipelineError(CudaError):
     """A failure inside a pipeline run, naming the device, chunk (or stage) and step.
 
@@ -264,22 +265,16 @@ class PipelineError(CudaError):
     The original exception is ``__cause__``; ``code``/``name`` are copied from it.
     """
 
-    def __init__(
-        self,
-        message: str,
-        device: int = -1,
-        chunk: int | None = None,
-        step: str = "",
-        cause: BaseException | None = None,
-        poisoned: bool = False,
-    ) -> None:
-        code = getattr(cause, "code", 0) if isinstance(cause, CudaError) else 0
-        name = getattr(cause, "name", "") if isinstance(cause, CudaError) else ""
-        super().__init__(message, code, name)
-        self.device = device
-        self.chunk = chunk
-        self.step = step
-        self.poisoned = poisoned
+    message: str
+    device: int = -1
+    chunk: int | None = None
+    step: str = ""
+    cause: InitVar[BaseException | None] = None
+    poisoned: bool = False
+
+    def __post_init__(self, cause: BaseException | None) -> None:
+        code, name = (cause.code, cause.name) if isinstance(cause, CudaError) else (0, "")
+        CudaError.__init__(self, self.message, code, name)
         if cause is not None:
             self.__cause__ = cause
 
