@@ -310,12 +310,10 @@ class Stream(_InContext):
     def __enter__(self) -> Stream:
         """Make this stream (and its context) current in the calling thread."""
         self._open_handle("with stream")
-        ctx = self.context
-        ctx.__enter__()
-        cur = _current
-        key = ctx.handle
-        cur.saved.append((key, cur.by_context.get(key)))
-        cur.by_context[key] = self
+        self.context.__enter__()
+        by_context, key = _current.by_context, self.context.handle
+        _current.saved.append((key, by_context.get(key)))
+        by_context[key] = self
         return self
 
     def __exit__(self, et: object, ev: object, tb: object) -> None:
