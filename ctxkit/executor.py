@@ -20,9 +20,8 @@ from concurrent.futures import Executor, Future
 from typing import Any, TypeVar
 
 from . import _driver
-from . import context as _context
 from .binding import ContextLike, registry
-from .context import entry_context, thread_state
+from .context import begin_shutdown, entry_context, thread_state
 
 __all__ = ["ContextExecutor"]
 
@@ -219,7 +218,7 @@ def _at_exit() -> None:
     released only when no ctxkit worker is alive and they are current nowhere; otherwise the
     process teardown releases them. Nothing here may raise or print.
     """
-    _context.begin_shutdown()
+    begin_shutdown()
     if _driver.in_forked_child():
         return  # the contexts are the parent's
     if any(t.is_alive() for ex in list(_live_executors) for t in list(ex._threads)):
