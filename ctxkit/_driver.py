@@ -72,15 +72,6 @@ def renew_at_fork(owner: Any, name: str, factory: Callable[[], Any] = threading.
     _renewed_at_fork.append((owner, name, factory))
 
 
-def _renew(owner: Any, name: str, factory: Callable[[], Any]) -> None:
-    obj = sys.modules[owner] if isinstance(owner, str) else owner
-    *path, attr = name.split(".")
-    for part in path:
-        obj = getattr(obj, part, None)
-    if obj is not None:
-        setattr(obj, attr, factory())
-
-
 def on_fork_in_child(fn: Callable[[], None]) -> None:
     """Run *fn* in every forked child, after the fork flag and the locks are renewed."""
     _hooks_in_child.append(fn)
@@ -92,8 +83,13 @@ def _mark_forked_child() -> None:
         _parent_initialized_pid = _init_pid or os.getppid()
     _init_pid = None
     _init_lock = threading.Lock()
-    for owner, name, factory in _renewed_at_fork:
-        _renew(owner, name, factory)
+    for owner, name, factory in _renewed_at_fork:  # the locks of renew_at_fork
+        obj = sys.modules[owner] if isinstance(owner, str) else owner
+        *path, attr = name.split(".")
+        for part in path:
+            obj = getattr(obj, part, None)
+        if obj is not None:
+            setattr(obj, attr, factory())
     for fn in _hooks_in_child:
         fn()
 
