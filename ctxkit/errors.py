@@ -209,15 +209,10 @@ def from_result(
     """
     code = int(code)
     name = name or f"CUresult {code}"
-    parts = [f"{what} failed: {name}" if what else name]
-    if text:
-        parts[0] += f" ({text})"
+    head = f"{what} failed: {name}" if what else name
     hint = _HINTS.get(code)
-    if hint:
-        parts.append(f"Fix: {hint}.")
-    if detail:
-        parts.append(detail)
-    return error_class_for(code)("\n".join(parts), code, name)
+    lines = [f"{head} ({text})" if text else head, f"Fix: {hint}." if hint else "", detail]
+    return error_class_for(code)("\n".join(line for line in lines if line), code, name)
 
 
 class KernelCacheWarning(UserWarning):
