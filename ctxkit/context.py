@@ -152,9 +152,7 @@ def context_of_cu(cu: Any) -> Context:
     known = Context._known_open(int(cu))
     if known is not None:
         return known
-    (err,) = drv.cuCtxPushCurrent(cu)
-    if err:
-        raise _driver.from_result(int(err), f"cuCtxPushCurrent({int(cu):#x})")
+    call(drv.cuCtxPushCurrent, cu, what=f"cuCtxPushCurrent({int(cu):#x})")
     try:
         return Context._adopt_current(cu)
     finally:
@@ -247,8 +245,7 @@ class Context:
         except (TypeError, ValueError):
             raise TypeError(f"flags must be an int of CUctx_flags bits, got {flags!r}") from None
         cu = _driver.ctx_create(flags, dev.handle)
-        err, popped = drv.cuCtxPopCurrent()
-        _driver.raise_for(err, "cuCtxPopCurrent after cuCtxCreate")
+        popped = call(drv.cuCtxPopCurrent, what="cuCtxPopCurrent after cuCtxCreate")
         ctx = cls(cu, dev, "owned")
         if int(popped) != ctx.handle:  # pragma: no cover - driver contract
             raise ContextStackError(

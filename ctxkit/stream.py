@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ._driver import drv, from_result
+from ._driver import call, drv
 from .binding import ContextLike, guard, resolve_context
 from .context import Context, context_of_cu, require_current
 from .device import Device
@@ -285,9 +285,7 @@ class Stream(_InContext):
         elif value in (0, 1, 2):
             ctx = require_current("Stream.from_handle(default stream)")
         else:
-            err, cu = drv.cuStreamGetCtx(handle)
-            if err:
-                raise from_result(int(err), f"cuStreamGetCtx({value:#x})")
+            cu = call(drv.cuStreamGetCtx, handle, what=f"cuStreamGetCtx({value:#x})")
             ctx = context_of_cu(cu)
         obj = cls.__new__(cls)
         owner = None if isinstance(stream, (int, np.integer)) else stream
