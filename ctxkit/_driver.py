@@ -346,9 +346,8 @@ def pointer_device_ordinal(ptr: int) -> tuple[int, int]:
     if fn is None:
         fn = _raw_pointer_get_attribute = _load_raw_pointer_get_attribute()
     if fn is False:
-        err, value = drv.cuPointerGetAttribute(
-            drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr
-        )
+        attr = drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+        err, value = drv.cuPointerGetAttribute(attr, ptr)
         return int(err), int(value or 0)
     out = ctypes.c_int(-1)
     err = fn(ctypes.pointer(out), POINTER_ATTRIBUTE_DEVICE_ORDINAL, int(ptr))

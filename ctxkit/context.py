@@ -577,9 +577,8 @@ _driver.on_fork_in_child(_disown_in_forked_child)
 def no_context_error(what: str) -> NoCurrentContextError:
     """The error for an operation that needs a context in a thread that has none."""
     t = threading.current_thread()
-    known = sorted(
-        (c for c in list(Context._known.values()) if not c.closed), key=lambda c: c.device.ordinal
-    )
+    known = [c for c in list(Context._known.values()) if not c.closed]
+    known.sort(key=lambda c: c.device.ordinal)
     listing = ", ".join(f"device {c.device.ordinal}: {c!r}" for c in known) or "none yet"
     return NoCurrentContextError(
         f"{what} needs a current CUDA context, but thread {t.name!r} (ident {t.ident}) "

@@ -95,10 +95,8 @@ class Device:
     @cached_property
     def compute_capability(self) -> tuple[int, int]:
         """``(major, minor)``, e.g. ``(9, 0)`` for Hopper."""
-        return (
-            self.attribute("compute_capability_major"),
-            self.attribute("compute_capability_minor"),
-        )
+        major = self.attribute("compute_capability_major")
+        return major, self.attribute("compute_capability_minor")
 
     @property
     def arch(self) -> str:

@@ -372,7 +372,6 @@ class Stream(_InContext):
             since the last synchronize; later ones are logged.
         """
         handle = self._open_handle("Stream.synchronize")
-        self.context.check_usable()
         _call(self.context, "Stream.synchronize", drv.cuStreamSynchronize, handle)
         if self._callback_errors:
             self._raise_callback_error()
@@ -488,7 +487,6 @@ class Event(_InContext):
     def synchronize(self) -> None:
         """Wait until the recorded work has completed (GIL released while waiting)."""
         handle = self._open_handle("Event.synchronize")
-        self.context.check_usable()
         _call(self.context, "Event.synchronize", drv.cuEventSynchronize, handle)
 
     def elapsed_ms(self, end: Event) -> float:
@@ -557,9 +555,10 @@ class Event(_InContext):
 
 
 def _call(ctx: Context, what: str, fn: Callable[..., Any], *args: Any, ok: int = 0) -> Any:
-    """``fn(*args)``, a driver call for an object of *ctx* named *what* (bound as
-    :func:`~ctxkit.binding.guard` says), checked: an error other than *ok* raises, noted
-    by *ctx*. Returns what *fn* returned, its status first."""
+    """``fn(*args)``, a driver call for an object of *ctx* named *what*: *ctx* must be
+    usable, and is bound as ``guard`` says; an error other than *ok* raises, noted by
+    *ctx*. Returns what *fn* returned, its status first."""
+    ctx.check_usable()
     with guard(ctx, what):
         res = fn(*args)
     err = res[0]

@@ -338,10 +338,8 @@ class Timeline:
             args = ev.get("args") or {}
             stream = args.get("stream") or str(ev["tid"])  # to_chrome_trace writes the stream
             start, dur = float(ev["ts"]) / 1000.0, float(ev.get("dur", 0.0)) / 1000.0
-            chunk = args.get("chunk")
-            intervals.append(
-                Interval(ev["name"], int(ev["pid"]), stream, chunk, start, start + dur)
-            )
+            iv = Interval(ev["name"], int(ev["pid"]), stream, args.get("chunk"), start, start + dur)
+            intervals.append(iv)
         other = data.get("otherData") or {}
         return cls(intervals, dropped=int(other.get("dropped", 0)))
 
