@@ -503,6 +503,10 @@ _nvtx_enabled: bool = _nvtx_available() and not env_off(NVTX_ENV)
 _nvtx_domain: Any = None
 
 
+#: The event attributes made so far, by (name, color).
+_nvtx_attrs: dict[tuple[str, Any], Any] = {}
+
+
 _nvtx_lock = threading.Lock()
 _driver.renew_at_fork(__name__, "_nvtx_lock")
 
@@ -553,13 +557,12 @@ def _nvtx_attributes(name: str, color: Any) -> tuple[Any, Any]:
                 _nvtx_enabled = False
                 return None, None
             _nvtx_domain = dom
-    return dom, _event_attributes(name, color)
-
-
-@functools.lru_cache(maxsize=4096)
-def _event_attributes(name: str, color: Any) -> Any:
-    """The event attributes of *name*/*color* in the ``ctxkit`` domain, made once."""
-    return _nvtx_domain.get_event_attributes(message=name, color=color)
+    attrs = _nvtx_attrs.get((name, color))
+    if attrs is None:
+        attrs = dom.get_event_attributes(message=name, color=color)
+        if len(_nvtx_attrs) < 4096:  # names and colors are few: a bound, not an eviction
+            _nvtx_attrs[(name, color)] = attrs
+    return dom, attrs
 
 
 @contextlib.contextmanager

@@ -51,7 +51,7 @@ class FakeDomain:
 def fresh(monkeypatch):
     """ctxkit.trace's NVTX half as if just imported: no domain loaded yet, no cached attributes."""
     monkeypatch.setattr(cn, "_nvtx_domain", None)
-    cn._event_attributes.cache_clear()
+    monkeypatch.setattr(cn, "_nvtx_attrs", {})
     monkeypatch.setattr(cn, "_nvtx_enabled", cn._nvtx_enabled)
 
 
