@@ -148,12 +148,7 @@ def resolve_context(target: ContextLike | None, what: str) -> Context:
     fix when it has none); a Device or ordinal means the registry's context of that device.
     The context must be usable (not closed, not poisoned).
     """
-    if type(target) is Context:
-        ctx = target
-    elif target is None:
-        ctx = require_current(what)
-    else:
-        ctx = registry.resolve(target)
+    ctx = require_current(what) if target is None else registry.resolve(target)
     ctx.check_usable()
     return ctx
 
