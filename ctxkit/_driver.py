@@ -14,13 +14,13 @@ Hot paths elsewhere call ``drv.cuXxx`` directly and pass a non-zero status to
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import difflib
 import os
 import sys
 import threading
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
 from . import errors
@@ -38,9 +38,6 @@ except Exception as exc:  # pragma: no cover - depends on the installation
 
 #: The ``cuda.bindings.driver`` module (``None`` when cuda-bindings is not installed).
 drv: Any = _drv_module
-
-CUDA_ERROR_NOT_INITIALIZED = 3
-CUDA_ERROR_NO_DEVICE = 100
 
 
 def parse_version(text: str) -> tuple[int, int]:
@@ -75,15 +72,6 @@ def renew_at_fork(owner: Any, name: str, factory: Callable[[], Any] = threading.
     _renewed_at_fork.append((owner, name, factory))
 
 
-def _renew(owner: Any, name: str, factory: Callable[[], Any]) -> None:
-    obj = sys.modules[owner] if isinstance(owner, str) else owner
-    *path, attr = name.split(".")
-    for part in path:
-        obj = getattr(obj, part, None)
-    if obj is not None:
-        setattr(obj, attr, factory())
-
-
 def on_fork_in_child(fn: Callable[[], None]) -> None:
     """Run *fn* in every forked child, after the fork flag and the locks are renewed."""
     _hooks_in_child.append(fn)
@@ -95,8 +83,13 @@ def _mark_forked_child() -> None:
         _parent_initialized_pid = _init_pid or os.getppid()
     _init_pid = None
     _init_lock = threading.Lock()
-    for owner, name, factory in _renewed_at_fork:
-        _renew(owner, name, factory)
+    for owner, name, factory in _renewed_at_fork:  # the locks of renew_at_fork
+        obj = sys.modules[owner] if isinstance(owner, str) else owner
+        *path, attr = name.split(".")
+        for part in path:
+            obj = getattr(obj, part, None)
+        if obj is not None:
+            setattr(obj, attr, factory())
     for fn in _hooks_in_child:
         fn()
 
@@ -114,17 +107,6 @@ def bindings_import_error() -> BaseException | None:
     return _IMPORT_ERROR
 
 
-def _require_bindings() -> ModuleType:
-    if drv is None:
-        raise DriverNotFoundError(
-            "cuda-bindings is not installed or failed to import "
-            f'({_IMPORT_ERROR!r}); install it with `pip install -e ".[cu13]"` in a ctxkit '
-            'checkout (".[cu12]" for a CUDA 12 driver), or `pip install "ctxkit-cuda[cu13]"` '
-            "from the package index"
-        )
-    return drv
-
-
 def _fork_error(what: str = "") -> ForkError:
     parent = _parent_initialized_pid
     return ForkError(
@@ -132,7 +114,7 @@ def _fork_error(what: str = "") -> ForkError:
         f"and this process ({os.getpid()}) was forked from it; CUDA cannot be used in "
         "a forked child. Use the 'spawn' start method "
         "(multiprocessing.get_context('spawn') or ctxkit.procs.run_per_device)",
-        errors._NOT_INITIALIZED,
+        errors.CUDA_ERROR_NOT_INITIALIZED,
         "CUDA_ERROR_NOT_INITIALIZED",
     )
 
@@ -146,7 +128,7 @@ def check_fork(what: str) -> None:
     """Raise :class:`ForkError` naming *what* in a process forked after its parent
     initialised CUDA: entry points call it before they take a lock of an object the
     child inherited (a parent thread may hold it, and never releases it here)."""
-    if _parent_initialized_pid is not None and _init_pid is None:
+    if in_forked_child():
         raise _fork_error(what)
 
 
@@ -160,11 +142,36 @@ def init() -> None:
     ForkError
         This process was forked after its parent initialised CUDA.
     """
+    global _init_pid, _no_device
     if _init_pid is not None:
         return
     if _no_device:
         raise _no_device_error()
-    _init_slow()
+    if drv is None:
+        raise DriverNotFoundError(
+            "cuda-bindings is not installed or failed to import "
+            f'({_IMPORT_ERROR!r}); install it with `pip install -e ".[cu13]"` in a ctxkit '
+            'checkout (".[cu12]" for a CUDA 12 driver), or `pip install "ctxkit-cuda[cu13]"` '
+            "from the package index"
+        )
+    with _init_lock:
+        if _init_pid is not None:
+            return
+        if in_forked_child():
+            raise _fork_error()
+        try:
+            (err,) = drv.cuInit(0)
+        except Exception as exc:  # libcuda missing: pathfinder/RuntimeError
+            raise DriverNotFoundError(
+                "no NVIDIA driver found (libcuda.so.1 could not be loaded: "
+                f"{exc}); this machine has no usable GPU driver"
+            ) from None
+        if err == errors.CUDA_ERROR_NO_DEVICE:
+            _no_device = True
+            raise _no_device_error()
+        if err:
+            raise from_result(int(err), "cuInit(0)")
+        _init_pid = os.getpid()
 
 
 def _no_device_error() -> DriverNotFoundError:
@@ -173,42 +180,14 @@ def _no_device_error() -> DriverNotFoundError:
     return DriverNotFoundError(
         f"the NVIDIA driver loaded but reports no CUDA device{hint}; check nvidia-smi "
         "and CUDA_VISIBLE_DEVICES",
-        CUDA_ERROR_NO_DEVICE,
+        errors.CUDA_ERROR_NO_DEVICE,
         "CUDA_ERROR_NO_DEVICE",
     )
-
-
-def _init_slow() -> None:
-    global _init_pid, _no_device
-    d = _require_bindings()
-    with _init_lock:
-        if _init_pid is not None:
-            return
-        if in_forked_child():
-            raise _fork_error()
-        try:
-            (err,) = d.cuInit(0)
-        except Exception as exc:  # libcuda missing: pathfinder/RuntimeError
-            raise DriverNotFoundError(
-                "no NVIDIA driver found (libcuda.so.1 could not be loaded: "
-                f"{exc}); this machine has no usable GPU driver"
-            ) from None
-        if err == CUDA_ERROR_NO_DEVICE:
-            _no_device = True
-            raise _no_device_error()
-        if err:
-            raise from_result(int(err), "cuInit(0)")
-        _init_pid = os.getpid()
 
 
 def initialized() -> bool:
     """True once ``cuInit`` has succeeded in this process."""
     return _init_pid is not None
-
-
-def no_device() -> bool:
-    """True when the driver loaded but reported no CUDA device (after :func:`init`)."""
-    return _no_device
 
 
 def describe(code: int) -> tuple[str, str]:
@@ -217,27 +196,22 @@ def describe(code: int) -> tuple[str, str]:
     The name comes from cuda-bindings' enum; the explanation from ``cuGetErrorString``
     once the driver is initialised (before that, and without a driver, it is empty).
     """
-    d = drv
-    if d is None:
-        return f"CUresult {code}", ""
     try:
-        name = d.CUresult(code).name
+        name = drv.CUresult(code).name  # no bindings (drv None) or an unknown code: raises
     except Exception:
         return f"CUresult {code}", ""
     text = ""
     if _init_pid is not None:
-        try:
-            err, s = d.cuGetErrorString(d.CUresult(code))
+        with contextlib.suppress(Exception):
+            err, s = drv.cuGetErrorString(drv.CUresult(code))
             if not err and s:
                 text = s.decode() if isinstance(s, bytes) else str(s)
-        except Exception:
-            pass
     return name, text
 
 
 def from_result(code: int, what: str = "", detail: str = "") -> CudaError:
     """Exception for a failed driver call, with fork detection."""
-    if code == CUDA_ERROR_NOT_INITIALIZED and _parent_initialized_pid is not None:
+    if code == errors.CUDA_ERROR_NOT_INITIALIZED and _parent_initialized_pid is not None:
         return _fork_error(what)
     name, text = describe(code)
     return errors.from_result(code, what, detail, name=name, text=text)
@@ -273,18 +247,13 @@ def enum_member(enum: Any, prefix: str, name: str | Any, what: str) -> Any:
     """
     if not isinstance(name, str):
         return name
-    key = name.upper()
-    if not key.startswith(prefix):
-        key = prefix + key
+    key = name.upper().removeprefix(prefix)
     try:
-        return getattr(enum, key)
+        return getattr(enum, prefix + key)
     except AttributeError:
-        known = sorted(
-            m[len(prefix) :].lower()
-            for m in dir(enum)
-            if m.startswith(prefix) and m[len(prefix) :] != "MAX"
-        )
-        short = key[len(prefix) :].lower()
+        members = [m.removeprefix(prefix) for m in dir(enum) if m.startswith(prefix)]
+        known = sorted(m.lower() for m in members if m != "MAX")
+        short = key.lower()
         close = difflib.get_close_matches(short, known, n=5, cutoff=0.5)
         close += [k for k in known if short in k and k not in close]
         hint = f"did you mean one of {close[:5]}?" if close else f"known: {known}"
@@ -293,50 +262,24 @@ def enum_member(enum: Any, prefix: str, name: str | Any, what: str) -> Any:
 
 def driver_version() -> tuple[int, int] | None:
     """The driver's CUDA version as ``(major, minor)``, or ``None`` without a driver."""
-    if drv is None:
-        return None
     try:
-        err, v = drv.cuDriverGetVersion()
+        err, v = drv.cuDriverGetVersion()  # no bindings (drv None) or no driver: raises
     except Exception:
         return None
-    if err:
-        return None
-    return v // 1000, (v % 1000) // 10
+    return None if err else (v // 1000, (v % 1000) // 10)
 
 
 # --- cuda-bindings 12.x / 13.x differences -------------------------------------------
 
 
-def ctx_create_args(bindings_major: int, flags: int, dev: Any) -> tuple[Any, ...]:
-    """Arguments of ``cuCtxCreate`` for this cuda-bindings major version.
+def ctx_create(flags: int, dev: Any) -> Any:
+    """Create an owned context (it becomes current; the caller pops it).
 
     13.x exposes the v4 form ``cuCtxCreate(params, flags, dev)``; 12.x has the classic
     ``cuCtxCreate(flags, dev)`` (the v4 form is ``cuCtxCreate_v4`` there).
     """
-    if bindings_major >= 13:
-        return (None, flags, dev)
-    return (flags, dev)
-
-
-def ctx_create(flags: int, dev: Any) -> Any:
-    """Create an owned context (it becomes current; the caller pops it)."""
-    return call(
-        drv.cuCtxCreate,
-        *ctx_create_args(BINDINGS_VERSION[0], flags, dev),
-        what=f"cuCtxCreate(flags={flags}, device={int(dev)})",
-    )
-
-
-def mem_location(target: int | str) -> Any:
-    """A ``CUmemLocation`` for a device ordinal, or ``"cpu"`` for the host."""
-    loc = drv.CUmemLocation()
-    if isinstance(target, str):
-        loc.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST
-        loc.id = 0
-    else:
-        loc.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        loc.id = int(target)
-    return loc
+    args = (None, flags, dev) if BINDINGS_VERSION[0] >= 13 else (flags, dev)
+    return call(drv.cuCtxCreate, *args, what=f"cuCtxCreate(flags={flags}, device={int(dev)})")
 
 
 CPU_DEVICE_ID = -1  # CU_DEVICE_CPU in the 12.x device-ordinal forms
@@ -348,10 +291,16 @@ def uses_mem_location(bindings_major: int) -> bool:
 
 
 def _location(target: int | str) -> Any:
-    """A device ordinal or ``"cpu"`` in the form prefetch/advise take on this bindings major."""
-    if uses_mem_location(BINDINGS_VERSION[0]):
-        return mem_location(target)
-    return CPU_DEVICE_ID if isinstance(target, str) else int(target)
+    """A device ordinal or ``"cpu"`` (the host) in the form prefetch/advise take on this
+    bindings major: a ``CUmemLocation`` (13.x) or an ordinal (12.x)."""
+    host = isinstance(target, str)
+    if not uses_mem_location(BINDINGS_VERSION[0]):
+        return CPU_DEVICE_ID if host else int(target)
+    kinds = drv.CUmemLocationType
+    loc = drv.CUmemLocation()
+    loc.type = kinds.CU_MEM_LOCATION_TYPE_HOST if host else kinds.CU_MEM_LOCATION_TYPE_DEVICE
+    loc.id = 0 if host else int(target)
+    return loc
 
 
 def mem_prefetch(ptr: int, nbytes: int, target: int | str, stream: Any) -> None:
@@ -397,9 +346,8 @@ def pointer_device_ordinal(ptr: int) -> tuple[int, int]:
     if fn is None:
         fn = _raw_pointer_get_attribute = _load_raw_pointer_get_attribute()
     if fn is False:
-        err, value = drv.cuPointerGetAttribute(
-            drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr
-        )
+        attr = drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+        err, value = drv.cuPointerGetAttribute(attr, ptr)
         return int(err), int(value or 0)
     out = ctypes.c_int(-1)
     err = fn(ctypes.pointer(out), POINTER_ATTRIBUTE_DEVICE_ORDINAL, int(ptr))

@@ -13,8 +13,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["VARIABLES", "Variable", "env_flag", "env_off", "env_text"]
-
 
 @dataclass(frozen=True)
 class Variable:

@@ -21,26 +21,10 @@ from typing import ParamSpec, TypeVar
 
 from . import _driver
 from ._env import env_flag
-from .context import (
-    Context,
-    current_handle,
-    no_context_error,
-    require_current,
-    thread_bindings,
-    thread_state,
-)
+from .context import Context, current_handle, no_context_error, require_current, thread_bindings
 from .device import Device
 
-__all__ = [
-    "ContextLike",
-    "ContextRegistry",
-    "bind",
-    "bound",
-    "check_devices",
-    "guard",
-    "registry",
-    "resolve_context",
-]
+__all__ = ["ContextLike", "ContextRegistry", "bind", "bound", "registry"]
 
 
 P = ParamSpec("P")
@@ -87,18 +71,13 @@ class ContextRegistry:
         ctx = self._contexts.get(ordinal)
         if ctx is not None and not ctx.closed:
             return ctx
-        return self._create(ordinal)
-
-    def _create(self, ordinal: int) -> Context:
         dev = Device(ordinal)
         _driver.check_fork(f"registry.context({ordinal})")
         with self._lock:
             ctx = self._contexts.get(ordinal)
             if ctx is None or ctx.closed:
-                if self.kind == "primary":
-                    ctx = Context.primary(dev)
-                else:
-                    ctx = Context.create(dev, flags=self.flags)
+                primary = self.kind == "primary"
+                ctx = Context.primary(dev) if primary else Context.create(dev, flags=self.flags)
                 self._contexts[ordinal] = ctx
                 self._created.append(ctx)
         return ctx
@@ -169,12 +148,7 @@ def resolve_context(target: ContextLike | None, what: str) -> Context:
     fix when it has none); a Device or ordinal means the registry's context of that device.
     The context must be usable (not closed, not poisoned).
     """
-    if type(target) is Context:
-        ctx = target
-    elif target is None:
-        ctx = require_current(what)
-    else:
-        ctx = registry.resolve(target)
+    ctx = require_current(what) if target is None else registry.resolve(target)
     ctx.check_usable()
     return ctx
 
@@ -247,8 +221,6 @@ def guard(owner: Context, what: str) -> Context:
     (``ck.registry.strict = True``) a thread with no current context at all gets
     :class:`NoCurrentContextError` instead of an implicit bind.
     """
-    if not registry.strict or thread_state().top is not None:
-        return owner
-    if current_handle():
-        return owner
-    raise no_context_error(what)
+    if registry.strict and not current_handle():
+        raise no_context_error(what)
+    return owner

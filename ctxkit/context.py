@@ -32,23 +32,7 @@ from .errors import (
     NoCurrentContextError,
 )
 
-__all__ = [
-    "Context",
-    "context_of_cu",
-    "current_context",
-    "current_handle",
-    "shutting_down",
-    "thread_bindings",
-]
-
-
-_OWNED = "owned"
-
-
-_PRIMARY = "primary"
-
-
-_FOREIGN = "foreign"
+__all__ = ["Context", "context_of_cu", "current_context", "shutting_down"]
 
 
 class _ThreadState:
@@ -69,33 +53,9 @@ class _ThreadState:
         self.stack: list[Any] = []
 
 
-class _Local(threading.local):
-    """Holds one :class:`_ThreadState` per thread (one thread-local lookup per operation).
-
-    Built at the thread's first use. The garbage collector may run a finalizer -- a free,
-    which needs this state -- at any allocation, also inside ``__init__`` before ``s`` is
-    set; :func:`_first_use` then builds the state, and ``__init__`` keeps that one.
-    """
-
-    s: _ThreadState
-
-    def __init__(self) -> None:
-        _new_state(self)
-
-
-def _new_state(local: _Local) -> _ThreadState:
-    """Give this thread its state in *local* (an existing one is kept) and list it."""
-    st: _ThreadState = local.__dict__.setdefault("s", _ThreadState())
-    t = threading.current_thread()
-    with _all_lock:
-        _all_threads[threading.get_ident()] = (weakref.ref(t), t.name, st.stack)
-        for ident, v in _all_threads.copy().items():
-            if v[0]() is None:
-                del _all_threads[ident]
-    return st
-
-
-_all_threads: dict[int, tuple[weakref.ref[threading.Thread], str, list[Any]]] = {}
+#: Every thread's ``stack`` (of :class:`_ThreadState`), for :func:`thread_bindings`; a
+#: thread leaves with its ``Thread`` object.
+_all_threads: weakref.WeakKeyDictionary[threading.Thread, list[Any]] = weakref.WeakKeyDictionary()
 
 
 # Re-entrant: a finalizer run by the collector while this thread holds it may be the
@@ -104,12 +64,8 @@ _all_lock = threading.RLock()
 _driver.renew_at_fork(__name__, "_all_lock", threading.RLock)
 
 
-_tls = _Local()
-
-
 _fast = threading.local()
-"""The same per-thread state as ``_tls.s``, read through a plain ``threading.local``:
-cheaper than the subclass on every Python version; filled on a thread's first use."""
+"""This thread's :class:`_ThreadState` as ``_fast.s``, set at the thread's first use."""
 
 
 _shutting_down = False
@@ -139,21 +95,21 @@ def thread_state() -> _ThreadState:
 
 
 def _first_use() -> _ThreadState:
-    try:
-        st = _tls.s
-    except AttributeError:  # a finalizer runs inside this thread's _Local.__init__
-        st = _new_state(_tls)
-    _fast.s = st
+    """Give this thread its state and list the thread.
+
+    The garbage collector may run a finalizer -- a free, which needs this state -- at any
+    allocation, also while the state is built here: that nested first use builds the
+    state, and this one keeps it (``setdefault``).
+    """
+    st: _ThreadState = _fast.__dict__.setdefault("s", _ThreadState())
+    with _all_lock:
+        _all_threads[threading.current_thread()] = st.stack
     return st
 
 
 def entry_context(entry: Any) -> Context:
     """The context of a ``thread_state().stack`` entry."""
     return entry[0] if type(entry) is tuple else entry
-
-
-def _pushed_contexts(stack: list[Any]) -> list[Context]:
-    return [e[0] for e in list(stack) if type(e) is tuple]
 
 
 def thread_bindings() -> dict[str, list[Context]]:
@@ -164,12 +120,10 @@ def thread_bindings() -> dict[str, list[Context]]:
     with _all_lock:
         states = _all_threads.copy()
     out: dict[str, list[Context]] = {}
-    for ident, (ref, name, stack) in states.items():
-        if ref() is None:
-            continue
-        ctxs = _pushed_contexts(stack)
+    for t, stack in states.items():
+        ctxs = [e[0] for e in list(stack) if type(e) is tuple]
         if ctxs:
-            out[f"{name} ({ident})"] = ctxs
+            out[f"{t.name} ({t.ident})"] = ctxs
     return out
 
 
@@ -190,23 +144,15 @@ def current_context() -> Context | None:
     """
     _driver.init()
     cu = call(drv.cuCtxGetCurrent, what="cuCtxGetCurrent")
-    handle = int(cu)
-    if not handle:
-        return None
-    known = Context._known.get(handle)
-    if known is not None and not known.closed:
-        return known
-    return Context._adopt_current(cu)
+    return Context._adopt_current(cu) if int(cu) else None
 
 
 def context_of_cu(cu: Any) -> Context:
     """The ctxkit Context for a driver ``CUcontext`` made anywhere."""
-    known = Context._known.get(int(cu))
-    if known is not None and not known.closed:
+    known = Context._known_open(int(cu))
+    if known is not None:
         return known
-    (err,) = drv.cuCtxPushCurrent(cu)
-    if err:
-        raise _driver.from_result(int(err), f"cuCtxPushCurrent({int(cu):#x})")
+    call(drv.cuCtxPushCurrent, cu, what=f"cuCtxPushCurrent({int(cu):#x})")
     try:
         return Context._adopt_current(cu)
     finally:
@@ -249,6 +195,12 @@ class Context:
         The device the context runs on.
     handle : int
         The ``CUcontext`` value.
+    cu : CUcontext
+        The driver's ``CUcontext`` object, for driver calls that take a context.
+    kind : str
+        ``"owned"`` (created here), ``"primary"`` or ``"foreign"`` (made elsewhere).
+    closed : bool
+        True after :meth:`close`.
     """
 
     _known: ClassVar[weakref.WeakValueDictionary[int, Context]] = weakref.WeakValueDictionary()
@@ -258,20 +210,20 @@ class Context:
     __slots__ = (
         "__weakref__",
         "_by_value",
-        "_cu",
-        "_kind",
         "_poison",
         "_unusable",
         "closed",
+        "cu",
         "device",
         "handle",
+        "kind",
     )
 
     def __init__(self, cu: Any, device: Device, kind: str) -> None:
-        self._cu = cu
+        self.cu = cu
         self.handle = int(cu)
         self.device = device
-        self._kind = kind
+        self.kind = kind
         self._by_value = _compares_by_value(cu)
         self._poison: CudaError | None = None
         self._unusable = False  # closed or poisoned: one flag for the push path
@@ -288,17 +240,13 @@ class Context:
         ``CUctx_flags`` values (e.g. ``CU_CTX_SCHED_BLOCKING_SYNC``) as an int.
         """
         dev = Device(device)
-        if isinstance(flags, bool) or not isinstance(flags, int):
-            try:
-                flags = int(flags)
-            except (TypeError, ValueError):
-                raise TypeError(
-                    f"flags must be an int of CUctx_flags bits, got {flags!r}"
-                ) from None
+        try:
+            flags = int(flags)  # CUctx_flags members too
+        except (TypeError, ValueError):
+            raise TypeError(f"flags must be an int of CUctx_flags bits, got {flags!r}") from None
         cu = _driver.ctx_create(flags, dev.handle)
-        err, popped = drv.cuCtxPopCurrent()
-        _driver.raise_for(err, "cuCtxPopCurrent after cuCtxCreate")
-        ctx = cls(cu, dev, _OWNED)
+        popped = call(drv.cuCtxPopCurrent, what="cuCtxPopCurrent after cuCtxCreate")
+        ctx = cls(cu, dev, "owned")
         if int(popped) != ctx.handle:  # pragma: no cover - driver contract
             raise ContextStackError(
                 f"cuCtxCreate left {int(popped):#x} current instead of {ctx.handle:#x}"
@@ -318,45 +266,38 @@ class Context:
         with cls._class_lock:
             ctx = cls._primaries.get(dev.ordinal)
             if ctx is None or ctx.closed:
-                cu = call(
-                    drv.cuDevicePrimaryCtxRetain,
-                    dev.handle,
-                    what=f"cuDevicePrimaryCtxRetain(device={dev.ordinal})",
-                )
-                ctx = cls(cu, dev, _PRIMARY)
+                what = f"cuDevicePrimaryCtxRetain(device={dev.ordinal})"
+                cu = call(drv.cuDevicePrimaryCtxRetain, dev.handle, what=what)
+                ctx = cls(cu, dev, "primary")
                 cls._primaries[dev.ordinal] = ctx
         return ctx
 
     @classmethod
+    def _known_open(cls, handle: int) -> Context | None:
+        """The open Context of *handle* that ctxkit knows already, if any."""
+        known = cls._known.get(handle)
+        return known if known is not None and not known.closed else None
+
+    @classmethod
     def _adopt_current(cls, cu: Any) -> Context:
-        """Wrap a context some other library made current in this thread."""
-        ordinal = int(call(drv.cuCtxGetDevice, what="cuCtxGetDevice"))
-        dev = Device(ordinal)
+        """The Context of *cu*, current in this thread: a known one, the device's primary
+        context, or a new wrapper of a context some other library made."""
+        known = cls._known_open(int(cu))
+        if known is not None:
+            return known
+        dev = Device(int(call(drv.cuCtxGetDevice, what="cuCtxGetDevice")))
         prim = cls.primary(dev)
         if prim.handle == int(cu):
             return prim
         with cls._class_lock:
-            known = cls._known.get(int(cu))
-            if known is not None and not known.closed:
-                return known
-            return cls(cu, dev, _FOREIGN)
+            return cls._known_open(int(cu)) or cls(cu, dev, "foreign")
 
     # --- properties ----------------------------------------------------------------
 
     @property
-    def cu(self) -> Any:
-        """The driver's ``CUcontext`` object, for driver calls that take a context."""
-        return self._cu
-
-    @property
     def is_primary(self) -> bool:
         """True for a device's primary context."""
-        return self._kind == _PRIMARY
-
-    @property
-    def kind(self) -> str:
-        """``"owned"`` (created here), ``"primary"`` or ``"foreign"`` (made elsewhere)."""
-        return self._kind
+        return self.kind == "primary"
 
     @property
     def poisoned(self) -> bool:
@@ -373,7 +314,7 @@ class Context:
 
     def __repr__(self) -> str:
         state = " closed" if self.closed else (" poisoned" if self._poison else "")
-        return f"<Context {self._kind} device={self.device.ordinal} handle={self.handle:#x}{state}>"
+        return f"<Context {self.kind} device={self.device.ordinal} handle={self.handle:#x}{state}>"
 
     # --- push / pop ----------------------------------------------------------------
 
@@ -387,14 +328,14 @@ class Context:
             st.stack.append(self)
             return self
         if self._unusable:
-            self._raise_unusable()
+            self.check_usable()
         if top is None:
             err, cu = drv.cuCtxGetCurrent()
-            if not err and ((cu == self._cu) if self._by_value else (int(cu) == self.handle)):
+            if not err and ((cu == self.cu) if self._by_value else (int(cu) == self.handle)):
                 st.stack.append((self, None, False))
                 st.top = self
                 return self
-        (err,) = drv.cuCtxPushCurrent(self._cu)
+        (err,) = drv.cuCtxPushCurrent(self.cu)
         if err:
             raise self.note_error(err, "cuCtxPushCurrent")
         st.stack.append((self, top))
@@ -421,14 +362,14 @@ class Context:
             st.top = None
             if err:
                 raise self.note_error(err, "cuCtxGetCurrent")
-            if (cu != self._cu) if self._by_value else (int(cu) != self.handle):
+            if (cu != self.cu) if self._by_value else (int(cu) != self.handle):
                 self._restore_foreign(st, entry, cu, popped=False)
             return
         err, popped = drv.cuCtxPopCurrent()
         if err:
             st.top = None
             raise self.note_error(err, "cuCtxPopCurrent")
-        if (popped != self._cu) if self._by_value else (int(popped) != self.handle):
+        if (popped != self.cu) if self._by_value else (int(popped) != self.handle):
             self._restore_foreign(st, entry, popped, popped=True)
         st.top = entry[1]
 
@@ -448,17 +389,14 @@ class Context:
         self.__exit__(None, None, None)
 
     def _order_error(self, stack: list[Any]) -> ContextStackError:
-        inner = entry_context(stack[-1]) if stack else None
-        where = threading.current_thread().name
-        if inner is None:
-            msg = f"pop of {self!r} in thread {where!r}, but ctxkit pushed nothing here"
-        else:
-            msg = (
-                f"pop of {self!r} in thread {where!r}, but the innermost context ctxkit "
-                f"pushed here is {inner!r}; pop contexts in reverse order of push "
-                "(prefer `with ctx:` blocks)"
-            )
-        return ContextStackError(msg)
+        pop = f"pop of {self!r} in thread {threading.current_thread().name!r}"
+        if not stack:
+            return ContextStackError(f"{pop}, but ctxkit pushed nothing here")
+        return ContextStackError(
+            f"{pop}, but the innermost context ctxkit pushed here is "
+            f"{entry_context(stack[-1])!r}; pop contexts in reverse order of push "
+            "(prefer `with ctx:` blocks)"
+        )
 
     def _restore_foreign(
         self, st: _ThreadState, entry: tuple[Any, ...], top: Any, popped: bool
@@ -476,10 +414,8 @@ class Context:
         got = int(top)
         st.top = None
         prev = entry[1]
-        if prev is not None and got == prev.handle:
-            pushed_over = False
-        elif not got:
-            pushed_over = False  # nothing current: this context was popped
+        if not got or (prev is not None and got == prev.handle):
+            pushed_over = False  # this context was popped (nothing or the previous is on top)
         else:  # look one entry beneath the top (error path: the calls do not matter)
             if not popped:
                 drv.cuCtxPopCurrent()
@@ -507,13 +443,17 @@ class Context:
         )
         raise ContextStackError(
             f"context stack changed under ctxkit in thread {where!r}: {expected} "
-            f"{self.handle:#x} ({self._kind}, device {self.device.ordinal}) but the top was "
+            f"{self.handle:#x} ({self.kind}, device {self.device.ordinal}) but the top was "
             f"{got:#x}; {detail}. {kept}. Keep every push/pop inside a ctxkit block balanced."
         )
 
     # --- lifetime ------------------------------------------------------------------
 
-    def _raise_unusable(self) -> None:
+    def check_usable(self) -> None:
+        """Raise ``ContextClosedError``/``ContextPoisonedError`` if it cannot be used
+        (``ForkError`` in a forked child)."""
+        if not self._unusable:
+            return
         _driver.check_fork(f"{self!r}")
         if self.closed:
             raise ContextClosedError(f"{self!r} is closed; create a new context")
@@ -523,11 +463,6 @@ class Context:
             self._poison.code,
             self._poison.name,
         )
-
-    def check_usable(self) -> None:
-        """Raise ``ContextClosedError``/``ContextPoisonedError`` if it cannot be used."""
-        if self._unusable:
-            self._raise_unusable()
 
     def note_error(self, err: Any, what: str) -> CudaError:
         """Build the exception for a failed call made in this context.
@@ -590,22 +525,16 @@ class Context:
                     f"cannot close {self!r}: it is current in thread(s) {users}; leave "
                     "the `with` blocks (or pop it) in those threads first"
                 )
-            self._release()
-
-    def _release(self) -> None:
-        self.closed = True
-        self._unusable = True
-        Context._known.pop(self.handle, None)
-        if self._kind == _OWNED:
-            call(drv.cuCtxDestroy, self._cu, what=f"cuCtxDestroy({self.handle:#x})")
-        elif self._kind == _PRIMARY:
-            if Context._primaries.get(self.device.ordinal) is self:
-                del Context._primaries[self.device.ordinal]
-            call(
-                drv.cuDevicePrimaryCtxRelease,
-                self.device.handle,
-                what=f"cuDevicePrimaryCtxRelease(device={self.device.ordinal})",
-            )
+            self.closed = True
+            self._unusable = True
+            Context._known.pop(self.handle, None)
+            if self.kind == "owned":
+                call(drv.cuCtxDestroy, self.cu, what=f"cuCtxDestroy({self.handle:#x})")
+            elif self.kind == "primary":
+                if Context._primaries.get(self.device.ordinal) is self:
+                    del Context._primaries[self.device.ordinal]
+                what = f"cuDevicePrimaryCtxRelease(device={self.device.ordinal})"
+                call(drv.cuDevicePrimaryCtxRelease, self.device.handle, what=what)
 
     # --- freeing resources from any thread ----------------------------------------
 
@@ -622,14 +551,7 @@ class Context:
         if not lifetime.begin_free(self, fn, args):
             return  # an open stream capture forbids it: it runs when the capture ends
         try:
-            try:
-                top = _fast.s.top
-            except AttributeError:
-                top = _first_use().top
-            if top is self:
-                lifetime.check_free(fn(*args), fn)
-                return
-            with self:
+            with self:  # already current: a re-entry, no driver call
                 lifetime.check_free(fn(*args), fn)
         finally:
             lifetime.end_free()
@@ -655,9 +577,8 @@ _driver.on_fork_in_child(_disown_in_forked_child)
 def no_context_error(what: str) -> NoCurrentContextError:
     """The error for an operation that needs a context in a thread that has none."""
     t = threading.current_thread()
-    known = sorted(
-        (c for c in list(Context._known.values()) if not c.closed), key=lambda c: c.device.ordinal
-    )
+    known = [c for c in list(Context._known.values()) if not c.closed]
+    known.sort(key=lambda c: c.device.ordinal)
     listing = ", ".join(f"device {c.device.ordinal}: {c!r}" for c in known) or "none yet"
     return NoCurrentContextError(
         f"{what} needs a current CUDA context, but thread {t.name!r} (ident {t.ident}) "
@@ -676,10 +597,7 @@ def require_current(what: str) -> Context:
     Called before operations that the driver would otherwise refuse with
     ``CUDA_ERROR_INVALID_CONTEXT``.
     """
-    try:
-        top = _fast.s.top
-    except AttributeError:
-        top = _first_use().top
+    top = thread_state().top
     if top is not None:
         return top
     ctx = current_context()

@@ -21,9 +21,7 @@ def device_count() -> int:
     """
     try:
         _driver.init()
-    except DriverNotFoundError:
-        return 0
-    if _driver.no_device():
+    except DriverNotFoundError:  # no bindings, no driver, or the driver sees no device
         return 0
     return int(call(drv.cuDeviceGetCount, what="cuDeviceGetCount"))
 
@@ -56,13 +54,9 @@ class Device:
     def __new__(cls, ordinal: int | Device) -> Device:
         if isinstance(ordinal, Device):
             return ordinal
-        dev = cls._instances.get(ordinal) if isinstance(ordinal, int) else None
+        dev = cls._instances.get(ordinal) if type(ordinal) is int else None
         if dev is not None:
             return dev
-        return cls._create(ordinal)
-
-    @classmethod
-    def _create(cls, ordinal: Any) -> Device:
         if isinstance(ordinal, bool) or not isinstance(ordinal, int):
             raise TypeError(f"device ordinal must be an int, got {type(ordinal).__name__}")
         n = device_count()
@@ -101,10 +95,8 @@ class Device:
     @cached_property
     def compute_capability(self) -> tuple[int, int]:
         """``(major, minor)``, e.g. ``(9, 0)`` for Hopper."""
-        return (
-            self.attribute("compute_capability_major"),
-            self.attribute("compute_capability_minor"),
-        )
+        major = self.attribute("compute_capability_major")
+        return major, self.attribute("compute_capability_minor")
 
     @property
     def arch(self) -> str:
@@ -136,18 +128,15 @@ class Device:
         attr = _driver.enum_member(
             drv.CUdevice_attribute, "CU_DEVICE_ATTRIBUTE_", name, "device attribute"
         )
-        return int(
-            call(drv.cuDeviceGetAttribute, attr, self.handle, what=f"cuDeviceGetAttribute({name})")
-        )
+        what = f"cuDeviceGetAttribute({name})"
+        return int(call(drv.cuDeviceGetAttribute, attr, self.handle, what=what))
 
     def can_access_peer(self, other: Device | int) -> bool:
         """True when this device can map memory of *other* (``cuDeviceCanAccessPeer``)."""
         peer = Device(other)
         if peer.ordinal == self.ordinal:
             return False
-        return bool(
-            call(drv.cuDeviceCanAccessPeer, self.handle, peer.handle, what="cuDeviceCanAccessPeer")
-        )
+        return bool(call(drv.cuDeviceCanAccessPeer, self.handle, peer.handle))
 
 
 _driver.renew_at_fork(Device, "_lock")

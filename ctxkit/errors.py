@@ -7,6 +7,7 @@ for the errors people meet most, what to do about it.
 
 from __future__ import annotations
 
+from dataclasses import KW_ONLY, InitVar, dataclass, field
 from typing import Any
 
 __all__ = [
@@ -23,8 +24,6 @@ __all__ = [
     "LaunchArgumentError",
     "NoCurrentContextError",
     "OutOfMemoryError",
-    "error_class_for",
-    "from_result",
 ]
 
 
@@ -97,7 +96,13 @@ class ForkError(CudaError):
 
 
 class WrongContextError(CudaError, ValueError):
-    """An object of one context (a stream, buffer, event) was used with another context."""
+    """An object of one context (a stream, buffer, event) was used with another context
+    (by default ``CUDA_ERROR_INVALID_HANDLE``, what the driver would answer)."""
+
+    def __init__(
+        self, message: str, code: int = 400, name: str = "CUDA_ERROR_INVALID_HANDLE"
+    ) -> None:
+        super().__init__(message, code, name)
 
 
 class LaunchArgumentError(CudaError, TypeError):
@@ -106,7 +111,8 @@ class LaunchArgumentError(CudaError, TypeError):
 
 # Codes from the CUDA driver API (cuda.h), by number with their names beside them, so the
 # mapping also works (and can be tested) on a machine where the driver library is absent.
-_NOT_INITIALIZED = 3
+CUDA_ERROR_NOT_INITIALIZED = 3
+CUDA_ERROR_NO_DEVICE = 100
 
 #: Sticky errors: the context (and, on current drivers, the process) cannot be used again.
 #: ILLEGAL_ADDRESS 700, HARDWARE_STACK_ERROR 714, ILLEGAL_INSTRUCTION 715,
@@ -125,14 +131,12 @@ _CLASS_FOR_CODE: dict[int, type[CudaError]] = {
 }
 
 _HINTS: dict[int, str] = {
-    # CUDA_ERROR_NOT_INITIALIZED
-    _NOT_INITIALIZED: "the driver is not initialised in this process; call ctxkit APIs "
+    CUDA_ERROR_NOT_INITIALIZED: "the driver is not initialised in this process; call ctxkit APIs "
     "(they initialise it) rather than raw cuda.bindings calls first",
     # CUDA_ERROR_OUT_OF_MEMORY
     2: "free buffers you no longer need (close() them), use smaller chunks, "
     "or pick a device with more free memory",
-    # CUDA_ERROR_NO_DEVICE
-    100: "no CUDA device is visible; check nvidia-smi and CUDA_VISIBLE_DEVICES",
+    CUDA_ERROR_NO_DEVICE: "no CUDA device is visible; check nvidia-smi and CUDA_VISIBLE_DEVICES",
     # CUDA_ERROR_INVALID_DEVICE
     101: "use an ordinal in range(ctxkit.device_count())",
     # CUDA_ERROR_INVALID_CONTEXT
@@ -170,22 +174,15 @@ _HINTS: dict[int, str] = {
     704: "peer access is already on (ctxkit.enable_peer_access is idempotent)",
     # CUDA_ERROR_DEINITIALIZED
     4: "the driver is shutting down (interpreter exit)",
+    **dict.fromkeys(
+        STICKY_CODES,
+        "a kernel faulted and poisoned the context; on current drivers (observed: 580 / "
+        "CUDA 13.0) every other context in the process, on every device, fails too. Restart "
+        "the process (or the ctxkit.procs worker); to keep other devices working, run device "
+        "work in separate processes (ctxkit.procs.run_per_device / DevicePool). Find the "
+        "faulting access with compute-sanitizer",
+    ),
 }
-
-_STICKY_HINT = (
-    "a kernel faulted and poisoned the context; on current drivers (observed: 580 / "
-    "CUDA 13.0) every other context in the process, on every device, fails too. Restart "
-    "the process (or the ctxkit.procs worker); to keep other devices working, run device "
-    "work in separate processes (ctxkit.procs.run_per_device / DevicePool). Find the "
-    "faulting access with compute-sanitizer"
-)
-
-
-def hint_for(code: int) -> str:
-    """Return the "what to do" sentence for *code* (empty when there is none)."""
-    if code in STICKY_CODES:
-        return _STICKY_HINT
-    return _HINTS.get(code, "")
 
 
 def error_class_for(code: int) -> type[CudaError]:
@@ -212,15 +209,10 @@ def from_result(
     """
     code = int(code)
     name = name or f"CUresult {code}"
-    parts = [f"{what} failed: {name}" if what else name]
-    if text:
-        parts[0] += f" ({text})"
-    hint = hint_for(code)
-    if hint:
-        parts.append(f"Fix: {hint}.")
-    if detail:
-        parts.append(detail)
-    return error_class_for(code)("\n".join(parts), code, name)
+    head = f"{what} failed: {name}" if what else name
+    hint = _HINTS.get(code)
+    lines = [f"{head} ({text})" if text else head, f"Fix: {hint}." if hint else "", detail]
+    return error_class_for(code)("\n".join(line for line in lines if line), code, name)
 
 
 class KernelCacheWarning(UserWarning):
@@ -249,6 +241,7 @@ class KernelNotFoundError(CudaError, LookupError):
     """The module has no kernel of that name (the message lists those it has)."""
 
 
+@dataclass(eq=False, repr=False)
 class PipelineError(CudaError):
     """A failure inside a pipeline run, naming the device, chunk (or stage) and step.
 
@@ -267,22 +260,16 @@ class PipelineError(CudaError):
     The original exception is ``__cause__``; ``code``/``name`` are copied from it.
     """
 
-    def __init__(
-        self,
-        message: str,
-        device: int = -1,
-        chunk: int | None = None,
-        step: str = "",
-        cause: BaseException | None = None,
-        poisoned: bool = False,
-    ) -> None:
-        code = getattr(cause, "code", 0) if isinstance(cause, CudaError) else 0
-        name = getattr(cause, "name", "") if isinstance(cause, CudaError) else ""
-        super().__init__(message, code, name)
-        self.device = device
-        self.chunk = chunk
-        self.step = step
-        self.poisoned = poisoned
+    message: str
+    device: int = -1
+    chunk: int | None = None
+    step: str = ""
+    cause: InitVar[BaseException | None] = None
+    poisoned: bool = False
+
+    def __post_init__(self, cause: BaseException | None) -> None:
+        code, name = (cause.code, cause.name) if isinstance(cause, CudaError) else (0, "")
+        CudaError.__init__(self, self.message, code, name)
         if cause is not None:
             self.__cause__ = cause
 
@@ -292,6 +279,7 @@ class BlockIdentityError(RuntimeError):
     another process re-created it. The block is neither read nor unlinked."""
 
 
+@dataclass(eq=False, repr=False)
 class DeviceTaskError(CudaError):
     """Work for one device failed in its child process.
 
@@ -325,32 +313,23 @@ class DeviceTaskError(CudaError):
         ``run_per_device`` only: the error of every failed device, by ordinal.
     """
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        device: int,
-        kind: str,
-        pid: int | None = None,
-        exitcode: int | None = None,
-        traceback: str = "",
-        exception_type: str = "",
-        child_exception: BaseException | None = None,
-        attempts: int = 1,
-        code: int = 0,
-        name: str = "",
-    ) -> None:
-        super().__init__(message, code, name)
-        self.device = device
-        self.kind = kind
-        self.pid = pid
-        self.exitcode = exitcode
-        self.traceback = traceback
-        self.exception_type = exception_type
-        self.child_exception = child_exception
-        self.attempts = attempts
-        self.results: list[Any] = []
-        self.failures: dict[int, DeviceTaskError] = {}
+    message: str
+    _: KW_ONLY
+    device: int
+    kind: str
+    pid: int | None = None
+    exitcode: int | None = None
+    traceback: str = ""
+    exception_type: str = ""
+    child_exception: BaseException | None = None
+    attempts: int = 1
+    code: int = 0
+    name: str = ""
+    results: list[Any] = field(default_factory=list, init=False)
+    failures: dict[int, DeviceTaskError] = field(default_factory=dict, init=False)
+
+    def __post_init__(self) -> None:
+        CudaError.__init__(self, self.message, self.code, self.name)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_rebuild_task_error, (str(self),), dict(self.__dict__))

@@ -10,6 +10,7 @@ no ctxkit worker is alive (:func:`_at_exit`).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import queue
 import threading
@@ -19,9 +20,8 @@ from concurrent.futures import Executor, Future
 from typing import Any, TypeVar
 
 from . import _driver
-from . import context as _context
 from .binding import ContextLike, registry
-from .context import entry_context, thread_state
+from .context import begin_shutdown, entry_context, thread_state
 
 __all__ = ["ContextExecutor"]
 
@@ -57,24 +57,19 @@ def _blas_release() -> None:
             _blas_limiter = None
 
 
-class _WorkItem:
-    __slots__ = ("args", "fn", "future", "kwargs")
+#: A queued task: its future, the function and its arguments (``None``: a worker stops).
+_Task = tuple[Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]]
 
-    def __init__(self, future: Future[Any], fn: Callable[..., Any], args: Any, kwargs: Any):
-        self.future = future
-        self.fn = fn
-        self.args = args
-        self.kwargs = kwargs
 
-    def run(self) -> None:
-        if not self.future.set_running_or_notify_cancel():
-            return
-        try:
-            result = self.fn(*self.args, **self.kwargs)
-        except BaseException as exc:
-            self.future.set_exception(exc)
-        else:
-            self.future.set_result(result)
+def _run(future: Future[Any], fn: Callable[..., Any], args: Any, kwargs: Any) -> None:
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        result = fn(*args, **kwargs)
+    except BaseException as exc:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
 
 
 class ContextExecutor(Executor):
@@ -121,7 +116,7 @@ class ContextExecutor(Executor):
         self.max_workers = max_workers
         self.blas_threads = blas_threads
         self._prefix = thread_name_prefix
-        self._queue: queue.SimpleQueue[_WorkItem | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
         self._shutdown = False
@@ -138,52 +133,38 @@ class ContextExecutor(Executor):
             if self._shutdown:
                 raise RuntimeError("cannot submit to a ContextExecutor after shutdown()")
             future: Future[R] = Future()
-            self._queue.put(_WorkItem(future, fn, args, kwargs))
-            self._maybe_start_worker()
+            self._queue.put((future, fn, args, kwargs))
+            if not self._idle.acquire(blocking=False) and len(self._threads) < self.max_workers:
+                name = f"{self._prefix}-{len(self._threads)}"  # no idle worker: one more
+                t = threading.Thread(target=self._worker, name=name, daemon=True)
+                t.start()
+                self._threads.append(t)
         return future
-
-    def _maybe_start_worker(self) -> None:
-        if self._idle.acquire(blocking=False):
-            return
-        if len(self._threads) < self.max_workers:
-            t = threading.Thread(
-                target=self._worker,
-                name=f"{self._prefix}-{len(self._threads)}",
-                daemon=True,
-            )
-            t.start()
-            self._threads.append(t)
 
     def _worker(self) -> None:
         ctx = self.context
         try:
             ctx.push()
         except BaseException as exc:
-            self._drain_with(exc)
+            self._drain(exc)
             return
         st = thread_state()
         depth = len(st.stack)
         try:
-            while True:
-                item = self._queue.get()
-                if item is None:
-                    break
-                item.run()
+            while (item := self._queue.get()) is not None:
+                _run(*item)
                 del item
-                if len(st.stack) != depth or st.top is not ctx:
-                    self._repair(st, depth)
+                while len(st.stack) > depth:  # a task left contexts pushed: the next starts clean
+                    entry_context(st.stack[-1]).pop()
                 self._idle.release()
         finally:
-            self._repair(st, depth)
+            while len(st.stack) > depth:
+                entry_context(st.stack[-1]).pop()
             ctx.pop()
 
-    @staticmethod
-    def _repair(st: Any, depth: int) -> None:
-        """A task left contexts pushed: pop them so the next task starts clean."""
-        while len(st.stack) > depth:
-            entry_context(st.stack[-1]).pop()
-
-    def _drain_with(self, exc: BaseException) -> None:
+    def _drain(self, exc: BaseException | None) -> None:
+        """Take the queued tasks (up to a worker's stop) off the queue: fail them with
+        *exc*, or cancel them (``None``)."""
         while True:
             try:
                 item = self._queue.get_nowait()
@@ -192,8 +173,11 @@ class ContextExecutor(Executor):
             if item is None:
                 self._queue.put(None)
                 return
-            if item.future.set_running_or_notify_cancel():
-                item.future.set_exception(exc)
+            future = item[0]
+            if exc is None:
+                future.cancel()
+            elif future.set_running_or_notify_cancel():
+                future.set_exception(exc)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         """Stop accepting work; workers finish queued tasks, pop the context and exit.
@@ -205,13 +189,7 @@ class ContextExecutor(Executor):
                 return
             self._shutdown = True
             if cancel_futures:
-                while True:
-                    try:
-                        item = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    if item is not None:
-                        item.future.cancel()
+                self._drain(None)
             threads = list(self._threads)
             for _ in threads:
                 self._queue.put(None)
@@ -240,15 +218,13 @@ def _at_exit() -> None:
     released only when no ctxkit worker is alive and they are current nowhere; otherwise the
     process teardown releases them. Nothing here may raise or print.
     """
-    _context.begin_shutdown()
+    begin_shutdown()
     if _driver.in_forked_child():
         return  # the contexts are the parent's
     if any(t.is_alive() for ex in list(_live_executors) for t in list(ex._threads)):
         return
-    try:
+    with contextlib.suppress(Exception):
         registry.close(quiet=True)
-    except Exception:
-        pass
 
 
 atexit.register(_at_exit)

@@ -20,6 +20,7 @@ the frees other threads have already started, so no free slips in between.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 import weakref
@@ -28,14 +29,7 @@ from typing import Any, NamedTuple, Protocol
 
 from . import _driver
 
-__all__ = [
-    "FailedFree",
-    "check_free",
-    "context_closing",
-    "failed_frees",
-    "held_back_frees",
-    "on_context_close",
-]
+__all__ = ["FailedFree", "failed_frees", "held_back_frees"]
 
 
 class _Context(Protocol):
@@ -101,17 +95,13 @@ def held_back_frees() -> int:
         return len(_held_back)
 
 
-def _forbidden_here(tid: int) -> bool:
-    return bool(_global_captures) or tid in _capturing_threads
-
-
 def begin_free(ctx: _Context | None, fn: Callable[..., Any], args: tuple[Any, ...]) -> bool:
     """Ask before a free: ``True`` -- make it now, then call :func:`end_free`; ``False``
     -- an open capture forbids it in this thread, so it was held back and runs (through
     :func:`free_quietly`) when the capture ends."""
     tid = threading.get_ident()
     with _capture_cond:
-        if _forbidden_here(tid):
+        if _global_captures or tid in _capturing_threads:
             _held_back.append((ctx, fn, args))
             return False
         _frees_running[tid] = _frees_running.get(tid, 0) + 1
@@ -127,10 +117,6 @@ def end_free() -> None:
             _frees_running[tid] = left
         else:
             _capture_cond.notify_all()
-
-
-def _others_freeing(tid: int) -> bool:
-    return any(t != tid for t in _frees_running)
 
 
 #: stream handle -> open ctxkit captures on it, in every mode (``relaxed`` included)
@@ -165,7 +151,7 @@ def capture_begins(global_mode: bool) -> None:
         _capturing_threads[tid] = _capturing_threads.get(tid, 0) + 1
         if global_mode:
             _global_captures += 1
-            _capture_cond.wait_for(lambda: not _others_freeing(tid))
+            _capture_cond.wait_for(lambda: all(t == tid for t in _frees_running))
 
 
 def capture_ends(global_mode: bool) -> None:
@@ -223,7 +209,7 @@ def _note_failed_free(ctx: _Context | None, name: str, error: str) -> None:
         return
     _warned_failed_free = True
     where = "" if ctx is None else f" in {ctx!r}"
-    try:
+    with contextlib.suppress(Exception):  # a warnings filter may raise: a finalizer must not
         warnings.warn(
             f"ctxkit: {name}{where} failed while a finalizer freed a resource, which "
             f"stays allocated: {error}. Later failures are listed by "
@@ -231,8 +217,6 @@ def _note_failed_free(ctx: _Context | None, name: str, error: str) -> None:
             ResourceWarning,
             stacklevel=2,
         )
-    except Exception:
-        pass
 
 
 def finalizer(

@@ -7,7 +7,7 @@ anything with ``__cuda_stream__``) are accepted wherever a stream is, and can be
 without being owned (:meth:`Stream.from_handle`).
 
 Here: :class:`Stream`, :class:`Event`, the current stream per thread, the one stream
-resolver (:func:`stream_for`), and the handles and contexts of streams ctxkit did not
+resolver (``stream_for``), and the handles and contexts of streams ctxkit did not
 create.
 """
 
@@ -23,28 +23,20 @@ from typing import Any
 
 import numpy as np
 
-from ._driver import drv, from_result
+from ._driver import call, drv
 from .binding import ContextLike, guard, resolve_context
 from .context import Context, context_of_cu, require_current
 from .device import Device
 from .errors import ContextClosedError, WrongContextError
 from .lifetime import finalizer
 
-__all__ = [
-    "Event",
-    "Stream",
-    "current_stream",
-    "implicit_stream",
-    "stream_for",
-    "stream_handle",
-]
+__all__ = ["Event", "Stream", "current_stream", "stream_handle"]
 
 log = logging.getLogger("ctxkit.stream")
 
 STREAM_NON_BLOCKING = 1
 EVENT_BLOCKING_SYNC = 1
 EVENT_DISABLE_TIMING = 2
-_INVALID_HANDLE = 400
 _NOT_READY = 600
 
 
@@ -80,9 +72,7 @@ def stream_for(stream: Any, ctx: Context, what: str) -> Any:
     if isinstance(sc, Context) and sc.handle != ctx.handle:
         raise WrongContextError(
             f"{what}: stream {stream!r} belongs to {sc!r}, but the operation runs in {ctx!r}; "
-            "use a stream of that context, or run it inside `with stream.context:`",
-            _INVALID_HANDLE,
-            "CUDA_ERROR_INVALID_HANDLE",
+            "use a stream of that context, or run it inside `with stream.context:`"
         )
     return _handle_of(stream, what)
 
@@ -113,13 +103,6 @@ def _foreign_stream_int(obj: Any) -> int:
         f"expected a stream (ctxkit.Stream, CUstream, int handle, an object with "
         f"__cuda_stream__, a CuPy or PyTorch stream) or None, got {type(obj).__name__}"
     )
-
-
-def _context_of_stream(handle: Any) -> Context:
-    err, cu = drv.cuStreamGetCtx(handle)
-    if err:
-        raise from_result(int(err), f"cuStreamGetCtx({int(handle):#x})")
-    return context_of_cu(cu)
 
 
 class _CurrentStreams(threading.local):
@@ -155,8 +138,7 @@ def current_stream(context: ContextLike | None = None) -> Stream:
         Whose current stream; ``None``: the calling thread's current context.
     """
     ctx = resolve_context(context, "current_stream()")
-    cur = implicit_stream(ctx)
-    return cur if cur is not None else Stream.from_handle(0, ctx)
+    return implicit_stream(ctx) or Stream.from_handle(0, ctx)
 
 
 _NULL_STREAM: Any = drv.CUstream(0) if drv is not None else None
@@ -180,8 +162,7 @@ def _run_host_func(key: int | None) -> None:
         if stream is None:
             log.error("host function %r raised after its stream was dropped", fn, exc_info=exc)
         else:
-            with stream._lock:
-                stream._callback_errors.append(exc)
+            stream.report_callback_error(exc)
 
 
 _HOST_FN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(_run_host_func)
@@ -191,7 +172,40 @@ _HOST_FN_ADDR = ctypes.cast(_HOST_FN, ctypes.c_void_p).value or 0
 # --- streams --------------------------------------------------------------------------
 
 
-class Stream:
+class _InContext:
+    """What streams and events share: a driver handle (``None`` once closed) that lives
+    in its own context."""
+
+    __slots__ = ("__weakref__", "_fin", "context", "handle")
+
+    handle: Any
+    context: Context
+    _fin: weakref.finalize | None
+
+    @property
+    def device(self) -> Device:
+        """The device of its context."""
+        return self.context.device
+
+    @property
+    def closed(self) -> bool:
+        """True after :meth:`close`."""
+        return self.handle is None
+
+    def close(self) -> None:
+        """Destroy it now (in its context); idempotent."""
+        if self._fin is not None:
+            self._fin()
+        self.handle = None
+
+    def _open_handle(self, what: str) -> Any:
+        handle = self.handle
+        if handle is None:
+            raise ContextClosedError(f"{what}: the {type(self).__name__.lower()} was closed")
+        return handle
+
+
+class Stream(_InContext):
     """A CUDA stream, created in its own context.
 
     Parameters
@@ -213,22 +227,7 @@ class Stream:
         *priority* is outside the device's range (the message gives the range).
     """
 
-    __slots__ = (
-        "__weakref__",
-        "_callback_errors",
-        "_fin",
-        "_lock",
-        "_owner",
-        "context",
-        "handle",
-        "nonblocking",
-        "owned",
-        "priority",
-    )
-
-    handle: Any
-    context: Context
-    _fin: weakref.finalize | None
+    __slots__ = ("_callback_errors", "_lock", "_owner", "nonblocking", "owned", "priority")
 
     def __init__(
         self, context: ContextLike | None = None, nonblocking: bool = True, priority: int = 0
@@ -238,8 +237,15 @@ class Stream:
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         flags = STREAM_NON_BLOCKING if nonblocking else 0
         with ctx:
-            if priority:
-                _check_priority(ctx, priority)
+            if priority:  # 0 is always valid: no range to ask for
+                err, least, greatest = drv.cuCtxGetStreamPriorityRange()
+                if err:
+                    raise ctx.note_error(err, "cuCtxGetStreamPriorityRange")
+                if not greatest <= priority <= least:
+                    raise ValueError(
+                        f"stream priority {priority} is outside the range of device "
+                        f"{ctx.device.ordinal}: {greatest} (highest) .. {least} (lowest)"
+                    )
             err, handle = drv.cuStreamCreateWithPriority(flags, priority)
         if err:
             raise ctx.note_error(err, f"cuStreamCreateWithPriority(flags={flags}, {priority})")
@@ -261,13 +267,14 @@ class Stream:
 
     @classmethod
     def from_handle(cls, stream: Any, context: ContextLike | None = None) -> Stream:
-        """Wrap an existing stream without owning it (it is never destroyed by ctxkit).
+        """Wrap an existing stream without owning it (it is never destroyed by ctxkit);
+        :meth:`wrap` is the same.
 
-        *stream* is anything :func:`stream_handle` accepts (a CuPy or PyTorch stream, an
-        object with ``__cuda_stream__``, an int or ``CUstream``); the wrapper keeps a
-        Python object alive while it lives. *context* defaults to the stream's own context
-        (``cuStreamGetCtx``); for the special handles 0 (legacy default), 1 and 2 it is
-        the current context.
+        *stream* is anything :func:`stream_handle` accepts (a PyTorch, CuPy, cuda.core or
+        Numba stream, an object with ``__cuda_stream__``, an int or ``CUstream``); the
+        wrapper keeps a Python object alive while it lives. *context* defaults to the
+        stream's own context (``cuStreamGetCtx``); for the special handles 0 (legacy
+        default), 1 and 2 it is the current context.
         """
         if isinstance(stream, Stream):
             return stream
@@ -278,34 +285,33 @@ class Stream:
         elif value in (0, 1, 2):
             ctx = require_current("Stream.from_handle(default stream)")
         else:
-            ctx = _context_of_stream(handle)
+            cu = call(drv.cuStreamGetCtx, handle, what=f"cuStreamGetCtx({value:#x})")
+            ctx = context_of_cu(cu)
         obj = cls.__new__(cls)
         owner = None if isinstance(stream, (int, np.integer)) else stream
-        nonblocking, priority = _stream_properties(handle, value)
+        nonblocking, priority = False, 0  # what the special handles 0, 1 and 2 have
+        if value not in (0, 1, 2):
+            err, flags = drv.cuStreamGetFlags(handle)
+            nonblocking = not err and bool(int(flags) & STREAM_NON_BLOCKING)
+            err, prio = drv.cuStreamGetPriority(handle)
+            priority = 0 if err else int(prio)
         obj._setup(ctx, handle, nonblocking, priority, owned=False, owner=owner)
         return obj
 
-    @classmethod
-    def wrap(cls, stream: Any, context: ContextLike | None = None) -> Stream:
-        """A ctxkit view of another library's stream (anything with ``__cuda_stream__``, a
-        PyTorch, CuPy, cuda.core or Numba stream, a handle); see :meth:`from_handle`.
-
-        ``with ck.Stream.wrap(torch.cuda.current_stream()):`` runs ctxkit work in torch's
-        stream order.
-        """
-        return cls.from_handle(stream, context)
+    #: ``Stream.wrap(obj)``: the same as :meth:`from_handle`, a ctxkit view of another
+    #: library's stream; ``with ck.Stream.wrap(torch.cuda.current_stream()):`` runs ctxkit
+    #: work in torch's stream order.
+    wrap = from_handle
 
     # --- current stream --------------------------------------------------------------
 
     def __enter__(self) -> Stream:
         """Make this stream (and its context) current in the calling thread."""
         self._open_handle("with stream")
-        ctx = self.context
-        ctx.__enter__()
-        cur = _current
-        key = ctx.handle
-        cur.saved.append((key, cur.by_context.get(key)))
-        cur.by_context[key] = self
+        self.context.__enter__()
+        by_context, key = _current.by_context, self.context.handle
+        _current.saved.append((key, by_context.get(key)))
+        by_context[key] = self
         return self
 
     def __exit__(self, et: object, ev: object, tb: object) -> None:
@@ -328,16 +334,6 @@ class Stream:
         """The stream handle as an int."""
         return int(self.handle)
 
-    @property
-    def device(self) -> Device:
-        """The device of the stream's context."""
-        return self.context.device
-
-    @property
-    def closed(self) -> bool:
-        """True after :meth:`close`."""
-        return self.handle is None
-
     def __eq__(self, other: object) -> bool:
         if isinstance(other, Stream):
             a, b = self.handle, other.handle
@@ -356,15 +352,9 @@ class Stream:
             f"priority={self.priority}>"
         )
 
-    def _open_handle(self, what: str) -> Any:
-        handle = self.handle
-        if handle is None:
-            raise ContextClosedError(f"{what}: the stream was closed")
-        return handle
-
-    def keep_callback_error(self, exc: BaseException) -> None:
-        """Keep *exc*, raised by a host callback of this stream's work, for the next
-        :meth:`synchronize` to raise (callbacks run on a driver thread)."""
+    def report_callback_error(self, exc: BaseException) -> None:
+        """Keep *exc*, raised by a host function run on this stream (also a graph's host
+        node), for the next :meth:`synchronize` to raise (they run on a driver thread)."""
         with self._lock:
             self._callback_errors.append(exc)
 
@@ -382,20 +372,9 @@ class Stream:
             since the last synchronize; later ones are logged.
         """
         handle = self._open_handle("Stream.synchronize")
-        ctx = self.context
-        ctx.check_usable()
-        with guard(ctx, "Stream.synchronize"):
-            (err,) = drv.cuStreamSynchronize(handle)
-        if err:
-            raise ctx.note_error(err, "cuStreamSynchronize")
+        _call(self.context, "Stream.synchronize", drv.cuStreamSynchronize, handle)
         if self._callback_errors:
             self._raise_callback_error()
-
-    def report_callback_error(self, exc: BaseException) -> None:
-        """Keep *exc*, raised by a host function run on this stream (also a graph's host
-        node), for the next :meth:`synchronize` to raise."""
-        with self._lock:
-            self._callback_errors.append(exc)
 
     def _raise_callback_error(self) -> None:
         with self._lock:
@@ -407,7 +386,9 @@ class Stream:
 
     def query(self) -> bool:
         """True when all work in the stream has completed (``cuStreamQuery``)."""
-        return _query(self.context, self._open_handle("Stream.query"), "Stream.query")
+        handle = self._open_handle("Stream.query")
+        (err,) = _call(self.context, "Stream.query", drv.cuStreamQuery, handle, ok=_NOT_READY)
+        return not err
 
     def wait(self, event_or_stream: Event | Stream | Any) -> None:
         """Make later work in this stream wait for an event or for another stream's work.
@@ -419,23 +400,16 @@ class Stream:
         handle = self._open_handle("Stream.wait")
         if isinstance(event_or_stream, Event):
             event = event_or_stream
-        else:
-            other = Stream.from_handle(event_or_stream)
-            event = Event(timing=False, context=other.context)
-            event.record(other)
+        else:  # everything enqueued on that stream so far
+            event = Stream.from_handle(event_or_stream).record(timing=False)
         ev = event._open_handle("Stream.wait")
-        ctx = self.context
-        with guard(ctx, "Stream.wait"):
-            (err,) = drv.cuStreamWaitEvent(handle, ev, 0)
-        if err:
-            raise ctx.note_error(err, "cuStreamWaitEvent")
+        _call(self.context, "Stream.wait", drv.cuStreamWaitEvent, handle, ev, 0)
 
     def record(self, event: Event | None = None, *, timing: bool = True) -> Event:
         """Record *event* (a new one when ``None``) at this point of the stream."""
         if event is None:
             event = Event(timing=timing, context=self.context)
-        event.record(self)
-        return event
+        return event.record(self)
 
     def launch_host_func(self, fn: Callable[[], Any]) -> None:
         """Run ``fn()`` on a driver thread once the work enqueued so far has completed.
@@ -458,37 +432,14 @@ class Stream:
 
     def close(self) -> None:
         """Destroy an owned stream now (in its context); idempotent. Borrowed: forget it."""
-        fin = self._fin
-        if fin is not None:
-            fin()
-        self.handle = None
+        super().close()
         self._owner = None
-
-
-def _check_priority(ctx: Context, priority: int) -> None:
-    err, least, greatest = drv.cuCtxGetStreamPriorityRange()
-    if err:
-        raise ctx.note_error(err, "cuCtxGetStreamPriorityRange")
-    if not greatest <= priority <= least:
-        raise ValueError(
-            f"stream priority {priority} is outside the range of device "
-            f"{ctx.device.ordinal}: {greatest} (highest) .. {least} (lowest)"
-        )
-
-
-def _stream_properties(handle: Any, value: int) -> tuple[bool, int]:
-    """``(nonblocking, priority)`` of an existing stream (defaults for special handles)."""
-    if value in (0, 1, 2):
-        return False, 0
-    err, flags = drv.cuStreamGetFlags(handle)
-    err2, priority = drv.cuStreamGetPriority(handle)
-    return (not err and bool(int(flags) & STREAM_NON_BLOCKING)), (0 if err2 else int(priority))
 
 
 # --- events ---------------------------------------------------------------------------
 
 
-class Event:
+class Event(_InContext):
     """A CUDA event, created in its own context.
 
     Parameters
@@ -502,7 +453,7 @@ class Event:
         ``CU_EVENT_BLOCKING_SYNC``: :meth:`synchronize` sleeps instead of spinning.
     """
 
-    __slots__ = ("__weakref__", "_fin", "_recorded", "context", "handle", "timing")
+    __slots__ = ("_recorded", "timing")
 
     def __init__(
         self, timing: bool = True, context: ContextLike | None = None, *, blocking: bool = False
@@ -527,30 +478,16 @@ class Event:
             f"timing={self.timing}>"
         )
 
-    def _open_handle(self, what: str) -> Any:
-        handle = self.handle
-        if handle is None:
-            raise ContextClosedError(f"{what}: the event was closed")
-        return handle
-
-    @property
-    def device(self) -> Device:
-        """The device of the event's context."""
-        return self.context.device
-
     def query(self) -> bool:
         """True when the work before the recorded point has completed."""
-        return _query(self.context, self._open_handle("Event.query"), "Event.query")
+        handle = self._open_handle("Event.query")
+        (err,) = _call(self.context, "Event.query", drv.cuEventQuery, handle, ok=_NOT_READY)
+        return not err
 
     def synchronize(self) -> None:
         """Wait until the recorded work has completed (GIL released while waiting)."""
         handle = self._open_handle("Event.synchronize")
-        ctx = self.context
-        ctx.check_usable()
-        with guard(ctx, "Event.synchronize"):
-            (err,) = drv.cuEventSynchronize(handle)
-        if err:
-            raise ctx.note_error(err, "cuEventSynchronize")
+        _call(self.context, "Event.synchronize", drv.cuEventSynchronize, handle)
 
     def elapsed_ms(self, end: Event) -> float:
         """Milliseconds from this event to *end*; waits for *end* to complete first.
@@ -561,24 +498,39 @@ class Event:
             Either event was created with ``timing=False``, was never recorded, or the
             two belong to different devices/contexts.
         """
-        check_elapsed(self, end)
+        if not isinstance(end, Event):
+            raise TypeError(f"end must be a ctxkit.Event, got {type(end).__name__}")
+        for ev, name in ((self, "start"), (end, "end")):
+            ev._open_handle("Event.elapsed_ms")
+            if not ev.timing:
+                raise ValueError(
+                    f"elapsed_ms: the {name} event {ev!r} was created with timing=False and has "
+                    "no timestamp; create both events with Event(timing=True)"
+                )
+            if not ev._recorded:
+                raise ValueError(f"elapsed_ms: the {name} event {ev!r} was never recorded")
+        d0, d1 = self.context.device.ordinal, end.context.device.ordinal
+        if d0 != d1:
+            raise ValueError(
+                f"elapsed_ms: the events are on different devices ({d0} and {d1}); GPU clocks "
+                "are per device: time each device with its own pair of events"
+            )
+        if self.context != end.context:
+            raise ValueError(
+                f"elapsed_ms: the events belong to different contexts ({self.context!r} and "
+                f"{end.context!r}) of device {d0}; create both in one context"
+            )
         end.synchronize()
-        ctx = self.context
-        with guard(ctx, "Event.elapsed_ms"):
-            err, ms = drv.cuEventElapsedTime(self.handle, end.handle)
-        if err == _NOT_READY:
+        fn = drv.cuEventElapsedTime
+        err, ms = _call(
+            self.context, "Event.elapsed_ms", fn, self.handle, end.handle, ok=_NOT_READY
+        )
+        if err:
             raise ValueError(
                 f"{self!r} has not completed although {end!r} has: record the start event "
                 "before the end event on the same stream"
             )
-        if err:
-            raise ctx.note_error(err, "cuEventElapsedTime")
         return float(ms)
-
-    def close(self) -> None:
-        """Destroy the event now (in its context); idempotent."""
-        self._fin()
-        self.handle = None
 
     def record(self, stream: Stream | Any = None) -> Event:
         """Record the event on *stream* (default: the context's legacy default stream).
@@ -597,49 +549,19 @@ class Event:
                 f"{stream.context!r}: create the event in the stream's context "
                 "(Event(context=stream.context) or stream.record())"
             )
-        sh = stream_handle(stream)
-        with guard(ctx, "Event.record"):
-            (err,) = drv.cuEventRecord(handle, sh)
-        if err:
-            raise ctx.note_error(err, "cuEventRecord")
+        _call(ctx, "Event.record", drv.cuEventRecord, handle, stream_handle(stream))
         self._recorded = True
         return self
 
 
-def check_elapsed(start: Event, end: Event) -> None:
-    """The checks of :meth:`Event.elapsed_ms`, before any driver call."""
-    if not isinstance(end, Event):
-        raise TypeError(f"end must be a ctxkit.Event, got {type(end).__name__}")
-    start._open_handle("Event.elapsed_ms")
-    end._open_handle("Event.elapsed_ms")
-    for ev, name in ((start, "start"), (end, "end")):
-        if not ev.timing:
-            raise ValueError(
-                f"elapsed_ms: the {name} event {ev!r} was created with timing=False and has "
-                "no timestamp; create both events with Event(timing=True)"
-            )
-        if not ev._recorded:
-            raise ValueError(f"elapsed_ms: the {name} event {ev!r} was never recorded")
-    d0, d1 = start.context.device.ordinal, end.context.device.ordinal
-    if d0 != d1:
-        raise ValueError(
-            f"elapsed_ms: the events are on different devices ({d0} and {d1}); GPU clocks "
-            "are per device: time each device with its own pair of events"
-        )
-    if start.context != end.context:
-        raise ValueError(
-            f"elapsed_ms: the events belong to different contexts ({start.context!r} and "
-            f"{end.context!r}) of device {d0}; create both in one context"
-        )
-
-
-def _query(ctx: Context, handle: Any, what: str) -> bool:
-    """``cuStreamQuery``/``cuEventQuery`` (by *what*) in *ctx*: done, or still running."""
-    name = "cuStreamQuery" if what.startswith("Stream") else "cuEventQuery"
+def _call(ctx: Context, what: str, fn: Callable[..., Any], *args: Any, ok: int = 0) -> Any:
+    """``fn(*args)``, a driver call for an object of *ctx* named *what*: *ctx* must be
+    usable, and is bound as ``guard`` says; an error other than *ok* raises, noted by
+    *ctx*. Returns what *fn* returned, its status first."""
+    ctx.check_usable()
     with guard(ctx, what):
-        (err,) = getattr(drv, name)(handle)
-    if err == _NOT_READY:
-        return False
-    if err:
-        raise ctx.note_error(err, name)
-    return True
+        res = fn(*args)
+    err = res[0]
+    if err and err != ok:
+        raise ctx.note_error(err, getattr(fn, "__name__", what))
+    return res

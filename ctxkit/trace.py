@@ -128,41 +128,27 @@ def _field_test(key: str, want: Any) -> Callable[[Interval], bool]:
 
 def matcher(flt: Filter = None, **fields_: Any) -> Callable[[Interval], bool]:
     """Turn a :data:`Filter` (plus field keywords, all ANDed) into a predicate."""
-    tests: list[Callable[[Interval], bool]] = []
-    if callable(flt):
+    tests = [_field_test(k, v) for k, v in fields_.items()]
+    if isinstance(flt, Mapping):
+        tests += [_field_test(k, v) for k, v in flt.items()]
+    elif callable(flt):
         tests.append(flt)
-    elif isinstance(flt, Mapping):
-        tests.extend(_field_test(k, v) for k, v in flt.items())
     elif flt is not None:
         raise TypeError(
             "a filter is None, a mapping of Interval fields or a callable, "
             f"not {type(flt).__name__}"
         )
-    tests.extend(_field_test(k, v) for k, v in fields_.items())
-    if not tests:
-        return lambda iv: True
-    if len(tests) == 1:
-        return tests[0]
     return lambda iv: all(t(iv) for t in tests)
 
 
 def _union_ms(intervals: Iterable[Interval]) -> float:
-    total = 0.0
-    cur_start = cur_end = None
+    """Time covered by at least one of *intervals* (overlaps counted once)."""
+    total, covered = 0.0, float("-inf")  # covered: the end of what is counted so far
     for iv in sorted(intervals, key=lambda i: i.start_ms):
-        if cur_end is None or iv.start_ms > cur_end:
-            if cur_end is not None and cur_start is not None:
-                total += cur_end - cur_start
-            cur_start, cur_end = iv.start_ms, iv.end_ms
-        else:
-            cur_end = max(cur_end, iv.end_ms)
-    if cur_end is not None and cur_start is not None:
-        total += cur_end - cur_start
+        if iv.end_ms > covered:
+            total += iv.end_ms - max(iv.start_ms, covered)
+            covered = iv.end_ms
     return total
-
-
-def _stream_key(name: str) -> tuple[bool, str]:
-    return (name.startswith(HOST_PREFIX), name)
 
 
 class Timeline:
@@ -175,6 +161,13 @@ class Timeline:
     dropped : int
         How many recorded stages could not be resolved (e.g. their events never ran
         because the run failed); shown by :meth:`summary`.
+
+    Attributes
+    ----------
+    intervals : tuple of Interval
+        All intervals, sorted by start.
+    dropped : int
+        As given.
     """
 
     def __init__(self, intervals: Iterable[Interval] = (), *, dropped: int = 0) -> None:
@@ -185,19 +178,14 @@ class Timeline:
             if iv.end_ms < iv.start_ms:
                 raise ValueError(f"interval ends before it starts: {iv}")
         items.sort(key=lambda i: (i.start_ms, i.end_ms, i.device, i.stream))
-        self._intervals: tuple[Interval, ...] = tuple(items)
+        self.intervals: tuple[Interval, ...] = tuple(items)
         self.dropped = int(dropped)
 
-    @property
-    def intervals(self) -> tuple[Interval, ...]:
-        """All intervals, sorted by start."""
-        return self._intervals
-
     def __len__(self) -> int:
-        return len(self._intervals)
+        return len(self.intervals)
 
     def __iter__(self) -> Iterator[Interval]:
-        return iter(self._intervals)
+        return iter(self.intervals)
 
     def __repr__(self) -> str:
         return (
@@ -209,30 +197,30 @@ class Timeline:
     def select(self, flt: Filter = None, **fields_: Any) -> Timeline:
         """The intervals matching *flt* and the field keywords (``select(name="h2d")``)."""
         test = matcher(flt, **fields_)
-        return Timeline((iv for iv in self._intervals if test(iv)), dropped=self.dropped)
+        return Timeline((iv for iv in self.intervals if test(iv)), dropped=self.dropped)
 
     def names(self) -> list[str]:
         """Distinct stage names, sorted."""
-        return sorted({iv.name for iv in self._intervals})
+        return sorted({iv.name for iv in self.intervals})
 
     def devices(self) -> list[int]:
         """Distinct device ordinals, sorted."""
-        return sorted({iv.device for iv in self._intervals})
+        return sorted({iv.device for iv in self.intervals})
 
     def streams(self, device: int | None = None) -> list[str]:
         """Distinct streams (GPU streams first, then host threads), optionally of one device."""
-        names = {iv.stream for iv in self._intervals if device is None or iv.device == device}
-        return sorted(names, key=_stream_key)
+        names = {iv.stream for iv in self.intervals if device is None or iv.device == device}
+        return sorted(names, key=lambda n: (n.startswith(HOST_PREFIX), n))
 
     @property
     def start_ms(self) -> float:
         """Start of the earliest interval (0.0 when empty)."""
-        return self._intervals[0].start_ms if self._intervals else 0.0
+        return self.intervals[0].start_ms if self.intervals else 0.0
 
     @property
     def end_ms(self) -> float:
         """End of the latest interval (0.0 when empty)."""
-        return max((iv.end_ms for iv in self._intervals), default=0.0)
+        return max((iv.end_ms for iv in self.intervals), default=0.0)
 
     @property
     def duration_ms(self) -> float:
@@ -269,14 +257,14 @@ class Timeline:
         """Busy milliseconds per device and stage category (``{0: {"h2d": 3.1, ...}}``)."""
         out: dict[int, dict[str, float]] = {}
         for dev in self.devices():
-            mine = [iv for iv in self._intervals if iv.device == dev]
+            mine = [iv for iv in self.intervals if iv.device == dev]
             cats = sorted({iv.category for iv in mine})
             out[dev] = {c: _union_ms(iv for iv in mine if iv.category == c) for c in cats}
         return out
 
     def summary(self) -> str:
         """A few human-readable lines: span and busy time per stage for every device."""
-        if not self._intervals:
+        if not self.intervals:
             return "empty timeline"
         lines = [f"timeline: {len(self)} intervals over {self.duration_ms:.3f} ms"]
         for dev, cats in self.breakdown().items():
@@ -300,14 +288,16 @@ class Timeline:
         events: list[dict[str, Any]] = []
         tids: dict[tuple[int, str], int] = {}
         for dev in self.devices():
+            proc = {"ph": "M", "pid": dev}  # metadata: the names and order of the rows
             label = f"GPU {dev}" if dev >= 0 else "host"
-            events.append(_meta("process_name", dev, None, {"name": label}))
-            events.append(_meta("process_sort_index", dev, None, {"sort_index": dev}))
+            events.append({**proc, "name": "process_name", "args": {"name": label}})
+            events.append({**proc, "name": "process_sort_index", "args": {"sort_index": dev}})
             for i, stream in enumerate(self.streams(dev)):
                 tids[(dev, stream)] = i
-                events.append(_meta("thread_name", dev, i, {"name": stream}))
-                events.append(_meta("thread_sort_index", dev, i, {"sort_index": i}))
-        for iv in self._intervals:
+                thread = {**proc, "tid": i}
+                events.append({**thread, "name": "thread_name", "args": {"name": stream}})
+                events.append({**thread, "name": "thread_sort_index", "args": {"sort_index": i}})
+        for iv in self.intervals:
             events.append(
                 {
                     "name": iv.name,
@@ -341,27 +331,15 @@ class Timeline:
         events = data.get("traceEvents")
         if not isinstance(events, list):
             raise ValueError("not a Chrome trace: no 'traceEvents' list")
-        names: dict[tuple[int, int], str] = {}
-        for ev in events:
-            if ev.get("ph") == "M" and ev.get("name") == "thread_name":
-                names[(ev["pid"], ev["tid"])] = ev["args"]["name"]
         intervals = []
         for ev in events:
             if ev.get("ph") != "X":
                 continue
             args = ev.get("args") or {}
-            stream = args.get("stream") or names.get((ev["pid"], ev["tid"]), str(ev["tid"]))
-            start = float(ev["ts"]) / 1000.0
-            intervals.append(
-                Interval(
-                    ev["name"],
-                    int(ev["pid"]),
-                    stream,
-                    args.get("chunk"),
-                    start,
-                    start + float(ev.get("dur", 0.0)) / 1000.0,
-                )
-            )
+            stream = args.get("stream") or str(ev["tid"])  # to_chrome_trace writes the stream
+            start, dur = float(ev["ts"]) / 1000.0, float(ev.get("dur", 0.0)) / 1000.0
+            iv = Interval(ev["name"], int(ev["pid"]), stream, args.get("chunk"), start, start + dur)
+            intervals.append(iv)
         other = data.get("otherData") or {}
         return cls(intervals, dropped=int(other.get("dropped", 0)))
 
@@ -378,6 +356,7 @@ class Timeline:
         try:
             from matplotlib.backends.backend_agg import FigureCanvasAgg
             from matplotlib.figure import Figure
+            from matplotlib.patches import Patch
         except ImportError as exc:
             raise ImportError(
                 'Timeline.to_png needs matplotlib (pip install -e ".[plot]" in a checkout, '
@@ -385,7 +364,7 @@ class Timeline:
                 "and opens in https://ui.perfetto.dev"
             ) from exc
         rows = [(d, s) for d in self.devices() for s in self.streams(d)]
-        cats = sorted({iv.category for iv in self._intervals})
+        cats = sorted({iv.category for iv in self.intervals})
         palette = [
             "#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2",
             "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac",
@@ -395,12 +374,9 @@ class Timeline:
         FigureCanvasAgg(fig)
         ax = fig.add_subplot(1, 1, 1)
         for y, (dev, stream) in enumerate(rows):
+            row = self.select(device=dev, stream=stream)
             for cat in cats:
-                bars = [
-                    (iv.start_ms, iv.duration_ms)
-                    for iv in self._intervals
-                    if iv.device == dev and iv.stream == stream and iv.category == cat
-                ]
+                bars = [(iv.start_ms, iv.duration_ms) for iv in row if iv.category == cat]
                 if bars:
                     ax.broken_barh(bars, (y - 0.4, 0.8), facecolors=color[cat])
         ax.set_yticks(range(len(rows)))
@@ -408,22 +384,10 @@ class Timeline:
         ax.invert_yaxis()
         ax.set_xlabel("time (ms)")
         ax.set_title(title or f"ctxkit timeline ({self.duration_ms:.2f} ms)")
-        from matplotlib.patches import Patch
-
-        ax.legend(
-            handles=[Patch(color=color[c], label=c) for c in cats],
-            loc="upper right",
-            fontsize="small",
-        )
+        legend = [Patch(color=color[c], label=c) for c in cats]
+        ax.legend(handles=legend, loc="upper right", fontsize="small")
         fig.tight_layout()
         fig.savefig(os.fspath(path), dpi=dpi)
-
-
-def _meta(name: str, pid: int, tid: int | None, args: dict[str, Any]) -> dict[str, Any]:
-    ev: dict[str, Any] = {"name": name, "ph": "M", "pid": pid, "args": args}
-    if tid is not None:
-        ev["tid"] = tid
-    return ev
 
 
 class Recorder:
@@ -454,7 +418,6 @@ class Recorder:
         self._marks: list[tuple[str, int, str, int | None, Any, Any]] = []
         self._refs: dict[int, tuple[Any, float]] = {}
         self._cached: Timeline | None = None
-        self._lock = threading.Lock()
 
     def ms(self, host_s: float) -> float:
         """A host-clock time in seconds as milliseconds since the recording started."""
@@ -481,9 +444,8 @@ class Recorder:
 
     def calibrate(self, device: int, ref_event: Any, host_s: float) -> None:
         """Record that *ref_event* of *device* completed at host time *host_s* (seconds)."""
-        with self._lock:
-            self._refs[device] = (ref_event, host_s)
-            self._cached = None
+        self._refs[device] = (ref_event, host_s)
+        self._cached = None
 
     def calibrated(self, device: int) -> bool:
         """True once *device* has a reference event."""
@@ -504,21 +466,16 @@ class Recorder:
         intervals = list(self._host)
         dropped = 0
         for name, dev, stream, chunk, start, end in list(self._marks):
-            ref = self._refs.get(dev)
-            if ref is None:
-                dropped += 1
-                continue
-            base = self.ms(ref[1])
-            try:
-                s = base + self._elapsed(ref[0], start)
-                e = base + self._elapsed(ref[0], end)
+            try:  # KeyError: the device was never calibrated; or an event never ran
+                ref, ref_s = self._refs[dev]
+                s = self.ms(ref_s) + self._elapsed(ref, start)
+                e = self.ms(ref_s) + self._elapsed(ref, end)
             except Exception:
                 dropped += 1
                 continue
             intervals.append(Interval(name, dev, stream, chunk, s, max(s, e)))
-        tl = Timeline(intervals, dropped=dropped)
-        self._cached = tl
-        return tl
+        self._cached = Timeline(intervals, dropped=dropped)
+        return self._cached
 
 
 # --- NVTX ranges ----------------------------------------------------------------------
@@ -530,13 +487,6 @@ NVTX_DOMAIN = "ctxkit"
 
 
 NVTX_ENV = "CTXKIT_NVTX"
-
-
-_NVTX_HINT = 'pip install "ctxkit-cuda[nvtx]" (or pip install nvtx; ".[nvtx]" in a ctxkit checkout)'
-
-
-#: At most this many (name, color) pairs keep their NVTX event attributes cached.
-_NVTX_MAX_CACHED = 4096
 
 
 def _nvtx_available() -> bool:
@@ -553,6 +503,7 @@ _nvtx_enabled: bool = _nvtx_available() and not env_off(NVTX_ENV)
 _nvtx_domain: Any = None
 
 
+#: The event attributes made so far, by (name, color).
 _nvtx_attrs: dict[tuple[str, Any], Any] = {}
 
 
@@ -582,38 +533,35 @@ def set_nvtx_enabled(flag: bool = True) -> None:
     """
     global _nvtx_enabled
     if flag and not _nvtx_available():
-        raise ImportError(f"ctxkit NVTX ranges need the nvtx package: {_NVTX_HINT}")
+        raise ImportError(
+            'ctxkit NVTX ranges need the nvtx package: pip install "ctxkit-cuda[nvtx]" '
+            '(or pip install nvtx; ".[nvtx]" in a ctxkit checkout)'
+        )
     _nvtx_enabled = bool(flag)
 
 
-def _nvtx_load() -> Any:
-    """The ``ctxkit`` NVTX domain (importing ``nvtx`` at the first use)."""
+def _nvtx_attributes(name: str, color: Any) -> tuple[Any, Any]:
+    """``(domain, event attributes)`` for *name*/*color*. The ``ctxkit`` domain is made at
+    the first use (importing ``nvtx``); ``(None, None)`` when that fails, and ranges are
+    off from then on."""
     global _nvtx_domain, _nvtx_enabled
-    with _nvtx_lock:
-        if _nvtx_domain is None:
+    dom = _nvtx_domain
+    if dom is None:
+        with _nvtx_lock:
             try:
                 import nvtx
 
-                _nvtx_domain = nvtx.get_domain(NVTX_DOMAIN)
-                _nvtx_domain.get_event_attributes  # noqa: B018 - the API ctxkit needs
+                dom = _nvtx_domain or nvtx.get_domain(NVTX_DOMAIN)
+                dom.get_event_attributes  # noqa: B018 - the API ctxkit needs
             except Exception:
                 _nvtx_enabled = False
-                _nvtx_domain = None
-                return None
-    return _nvtx_domain
-
-
-def _nvtx_attributes(name: str, color: Any) -> tuple[Any, Any]:
-    """``(domain, event attributes)`` for *name*/*color*, cached."""
-    dom = _nvtx_domain or _nvtx_load()
-    if dom is None:
-        return None, None
-    key = (name, color)
-    attrs = _nvtx_attrs.get(key)
+                return None, None
+            _nvtx_domain = dom
+    attrs = _nvtx_attrs.get((name, color))
     if attrs is None:
         attrs = dom.get_event_attributes(message=name, color=color)
-        if len(_nvtx_attrs) < _NVTX_MAX_CACHED:
-            _nvtx_attrs[key] = attrs
+        if len(_nvtx_attrs) < 4096:  # names and colors are few: a bound, not an eviction
+            _nvtx_attrs[(name, color)] = attrs
     return dom, attrs
 
 
@@ -653,9 +601,7 @@ def nvtx_annotate(name: str | None = None, color: Any = None) -> Callable[[F], F
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
-            if not _nvtx_enabled:
-                return fn(*args, **kwargs)
-            with _nvtx_pushed(label, color):
+            with nvtx_range(label, color):  # a shared no-op once ranges are switched off
                 return fn(*args, **kwargs)
 
         return wrapper  # type: ignore[return-value]

@@ -130,7 +130,7 @@ class HostCallback:
             if stream is None:
                 log.error("graph host node %r raised", self.fn, exc_info=exc)
             else:
-                stream.keep_callback_error(exc)
+                stream.report_callback_error(exc)
 
     def __repr__(self) -> str:
         return f"<HostCallback {self.key} {self.fn!r}>"

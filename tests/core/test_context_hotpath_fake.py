@@ -1,7 +1,7 @@
 """The cheap paths of ``with ctx:``: re-entry, thread-local state, popped-handle checks.
 
-``__enter__``/``__exit__`` take shortcuts (a plain ``threading.local`` beside the one
-other modules read, a popped handle compared by value where the bindings allow it, one
+``__enter__``/``__exit__`` take shortcuts (the thread's state read from a plain
+``threading.local``, a popped handle compared by value where the bindings allow it, one
 "unusable" flag); these tests pin down that the shortcuts keep every rule of a push/pop.
 """
 
@@ -174,23 +174,23 @@ def test_reentry_in_one_thread_is_a_real_push_in_another(fake_driver):
         assert fake_driver.current() == ctx.handle
 
 
-def test_every_view_of_the_thread_state_is_one_object(fake_driver):
-    """``_tls.s`` (read by launch paths) and ``thread_state()`` agree in a new thread,
-    whichever is touched first."""
+def test_a_new_thread_has_one_state_whichever_path_builds_it(fake_driver):
+    """``with ctx:`` (the push path) and ``thread_state()`` build a new thread's state at
+    its first use, whichever comes first, and then share it."""
     ctx = Context.primary(0)
 
-    def with_first() -> bool:
+    def push_first() -> bool:
         with ctx:
-            st = context_mod._tls.s
+            st = thread_state()
             return st is thread_state() and st.top is ctx
 
-    def subclass_first() -> bool:
-        st = context_mod._tls.s
+    def state_first() -> bool:
+        st = thread_state()
         with ctx:
             return st is thread_state() and st.top is ctx and len(st.stack) == 1
 
-    assert in_thread(with_first) is True
-    assert in_thread(subclass_first) is True
+    assert in_thread(push_first) is True
+    assert in_thread(state_first) is True
 
 
 def test_a_thread_is_listed_once_its_first_push_is_made(fake_driver):
