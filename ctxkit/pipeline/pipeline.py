@@ -32,7 +32,7 @@ from ..binding import check_devices, registry
 from ..compiler.objectcode import ObjectCode
 from ..context import Context
 from ..device import Device, device_count
-from ..errors import ContextPoisonedError, CudaError, PipelineError
+from ..errors import CUDA_ERROR_NO_DEVICE, ContextPoisonedError, CudaError, PipelineError
 from ..memory.host import host_pointer_kind, is_pinned
 from ..memory.managed import ManagedBuffer
 from ..memory.pinned import pinned_pool
@@ -646,7 +646,7 @@ def _resolve_contexts(specs: list[int | Device | Context] | None) -> list[Contex
             raise CudaError(
                 "Pipeline(devices=None): no CUDA device is visible (the driver reports "
                 "none); check nvidia-smi and CUDA_VISIBLE_DEVICES",
-                _driver.CUDA_ERROR_NO_DEVICE,
+                CUDA_ERROR_NO_DEVICE,
                 "CUDA_ERROR_NO_DEVICE",
             )
         specs = list(range(n))
