@@ -43,18 +43,11 @@ from .alloc import Block, MemoryKind
 from .copies import (
     Mem,
     c_strides,
-    check_same_size,
-    copy_device,
     copy_from_device,
     copy_from_host,
     copy_to_device,
     copy_to_host,
-    device_mem,
-    dtoh,
-    finish_default_stream,
-    htod,
-    implicit,
-    wait_for,
+    enqueue,
 )
 from .host import host_array, plain_dtype
 from .interop import to_capsule
@@ -172,32 +165,14 @@ class DeviceArray:
 
     # --- copies ----------------------------------------------------------------------
 
-    def _check_host(self, arr: np.ndarray, what: str) -> None:
-        if arr.dtype != self.dtype:
-            raise ValueError(f"{what}: dtype {arr.dtype} does not match the array's {self.dtype}")
-        if arr.shape != self.shape:
-            raise ValueError(f"{what}: shape {arr.shape} does not match the array's {self.shape}")
-
     def copy_from_host(self, arr: Any, stream: Any = None) -> None:
         """Copy a numpy array of the same shape and dtype into the device array."""
-        what = "DeviceArray.copy_from_host"
-        dst = self.ptr
-        a = host_array(arr, what)
-        self._check_host(a, what)
-        htod(self.context, dst, a, stream, what)
+        copy_from_host(self._ctxkit_mem(), arr, stream, "DeviceArray.copy_from_host")
         self.stream = stream
 
     def copy_to_host(self, out: Any = None, stream: Any = None) -> np.ndarray:
         """Copy into *out* (same shape and dtype; a new array when ``None``); return it."""
-        what = "DeviceArray.copy_to_host"
-        src = self.ptr
-        if out is None:
-            dst = np.empty(self.shape, self.dtype)
-        else:
-            dst = host_array(out, what, writable=True)
-            self._check_host(dst, what)
-        dtoh(self.context, dst, src, stream, what)
-        return dst
+        return copy_to_host(self._ctxkit_mem(), out, stream, "DeviceArray.copy_to_host")
 
     def to_host(self, stream: Any = None) -> np.ndarray:
         """A new numpy array with the contents (synchronous unless *stream* is given)."""
@@ -206,20 +181,12 @@ class DeviceArray:
     def copy_from(self, src: Any, stream: Any = None) -> None:
         """Device-to-device copy from another device array (ctxkit, CuPy, PyTorch, ...)
         of the same shape and dtype, or a buffer of the same size."""
-        what = "DeviceArray.copy_from"
-        dst = self._ctxkit_mem()
-        s = device_mem(src, what)
-        _check_typed(s, self, what, "source")
-        copy_device(dst, s, self.nbytes, stream, what)
+        copy_from_device(self._ctxkit_mem(), src, stream, "DeviceArray.copy_from")
         self.stream = stream
 
     def copy_to(self, dst: Any, stream: Any = None) -> None:
         """Device-to-device copy into another device array of the same shape and dtype."""
-        what = "DeviceArray.copy_to"
-        src = self._ctxkit_mem()
-        d = device_mem(dst, what, write=True)
-        _check_typed(d, self, what, "destination")
-        copy_device(d, src, self.nbytes, stream, what)
+        copy_to_device(self._ctxkit_mem(), dst, stream, "DeviceArray.copy_to")
 
     # --- interop ---------------------------------------------------------------------
 
@@ -296,16 +263,6 @@ def _resolve_reshape(shape: tuple[int, ...], size: int) -> tuple[int, ...]:
     if math.prod(dims) != size or any(d < 0 for d in dims):
         raise ValueError(f"reshape: cannot reshape {size} elements into {shape}")
     return tuple(dims)
-
-
-def _check_typed(m: Mem, arr: DeviceArray, what: str, name: str) -> None:
-    if m.dtype is None:
-        check_same_size(m.nbytes, arr.nbytes, what, name)
-        return
-    if m.dtype != arr.dtype:
-        raise ValueError(f"{what}: the {name} has dtype {m.dtype}, the array {arr.dtype}")
-    if m.shape != arr.shape:
-        raise ValueError(f"{what}: the {name} has shape {m.shape}, the array {arr.shape}")
 
 
 def cai_stream(stream: Any) -> int | None:
@@ -584,23 +541,8 @@ class DeviceBuffer:
             raise TypeError(f"{what}: value must be an int byte, got {type(value).__name__}")
         if not 0 <= value <= 255:
             raise ValueError(f"{what}: value must be in 0..255, got {value}")
-        if self.nbytes == 0:
-            return
-        ctx = self.context
-        stream, wait = implicit(ctx, stream)
-        if stream is None:
-            with guard(ctx, what):
-                (err,) = drv.cuMemsetD8(ptr, int(value), self.nbytes)
-                if not err:
-                    finish_default_stream(ctx, what)
-        else:
-            sh = stream_for(stream, ctx, what)
-            with guard(ctx, what):
-                (err,) = drv.cuMemsetD8Async(ptr, int(value), self.nbytes, sh)
-                if not err and wait:
-                    wait_for(ctx, stream, what)
-        if err:
-            raise ctx.note_error(err, f"{what}: cuMemsetD8 ({self.nbytes} bytes)")
+        if self.nbytes:
+            enqueue(self.context, stream, what, "cuMemsetD8", ptr, int(value), self.nbytes)
 
     # --- typed views and interop -----------------------------------------------------
 
