@@ -49,10 +49,11 @@ from typing import TYPE_CHECKING, Any
 from .. import _driver, lifetime
 from .._driver import drv
 from .._env import alloc_cache
+from ..errors import CudaError, OutOfMemoryError
 from ..lifetime import finalizer, free_quietly
 from ..stream import Stream
 from .interop import KDL_CUDA, KDL_CUDA_HOST, KDL_CUDA_MANAGED
-from .sizes import SIZE_MAX
+from .sizes import SIZE_MAX, gib
 
 if TYPE_CHECKING:
     from ..context import Context
@@ -68,6 +69,7 @@ __all__ = [
     "enabled",
     "flush",
     "limit_bytes",
+    "out_of_memory",
 ]
 
 
@@ -94,6 +96,36 @@ class MemoryKind:
         return finalizer(owner, ctx, getattr(drv, self.free), ptr)
 
 
+_OUT_OF_MEMORY = 2
+
+_FIX = (
+    "close() buffers you no longer need, use smaller chunks, or pick a device with more free memory"
+)
+
+
+def out_of_memory(ctx: Context, err: Any, n: int, what: str, fix: str = _FIX) -> Exception:
+    """The error of a failed device allocation of *n* bytes on *ctx*'s device: for
+    out-of-memory an :class:`~ctxkit.errors.OutOfMemoryError` with the requested and the
+    free bytes (``cuMemGetInfo``; also as ``.requested`` and ``.free``) and *fix*, else
+    the driver's error as *ctx* words it."""
+    if int(err) != _OUT_OF_MEMORY:
+        return ctx.note_error(err, what)
+    try:
+        free, total = ctx.memory_info()
+    except CudaError:
+        free, total = -1, -1
+    exc = OutOfMemoryError(
+        f"{what}: cannot allocate {n} bytes ({gib(n)}) on device {ctx.device.ordinal}: only "
+        f"{free} bytes ({gib(free)}) of {total} ({gib(total)}) are free (cuMemGetInfo). "
+        f"Fix: {fix}",
+        _OUT_OF_MEMORY,
+        "CUDA_ERROR_OUT_OF_MEMORY",
+    )
+    exc.requested = n  # type: ignore[attr-defined]
+    exc.free = free  # type: ignore[attr-defined]
+    return exc
+
+
 MEM_ATTACH_GLOBAL = 1
 
 #: ``cuMemAlloc`` device memory (stream-ordered: the block cache and memory pools).
@@ -111,8 +143,6 @@ KINDS = {k.name: k for k in (DEVICE, MANAGED, PINNED)}
 _GRAIN = 512
 
 _PER_THREAD_STREAM = 2
-
-_OUT_OF_MEMORY = 2
 
 _lock = threading.RLock()
 
@@ -215,11 +245,6 @@ class Block:
         # two threads closing one buffer give it back once).
         self.token = [True]
 
-    @property
-    def live(self) -> bool:
-        """True while a buffer owns the block."""
-        return bool(self.token)
-
     def __del__(self) -> None:
         # The buffer was dropped without close(). A finalizer runs once per object, so
         # the cache gets a fresh Block, never this one.
@@ -271,21 +296,17 @@ def _in_capture(stream: Stream) -> bool:
     return bool(err) or int(status) != 0
 
 
-def take(stream: Stream, n: int) -> Block | None:
-    """A cached block for an *n*-byte buffer on *stream* (default pool), or ``None``."""
+def take(stream: Stream, n: int, pool: Any = None) -> Block | None:
+    """A cached block for an *n*-byte buffer on *stream* from the pool with handle *pool*
+    (``None``: the device's pool), or ``None``."""
     if not _enabled or _capturing or stream.handle is None or _in_capture(stream):
         return None
     ctx = stream.context
     if ctx.closed or ctx.poisoned:
         return None
-    sc = _caches.get(id(stream))
-    if sc is None:
-        if stream.owned:
-            return None
-        sc = _cache_for(stream, None)
-        if sc is None:
-            return None
-    return _pop(sc, (n + _GRAIN - 1) & -_GRAIN, stream)
+    # the hot path (an owned stream, the device's pool) builds no key
+    sc = _caches.get(id(stream)) if pool is None and stream.owned else _cache_for(stream, pool)
+    return None if sc is None else _pop(sc, size_class(n), stream)
 
 
 def _pop(sc: StreamCache, size: int, stream: Stream) -> Block | None:
@@ -302,32 +323,29 @@ def _pop(sc: StreamCache, size: int, stream: Stream) -> Block | None:
     return blk
 
 
-def take_from(stream: Stream, n: int, pool: Any) -> Block | None:
-    """As :func:`take` for a given pool handle (``None``: the device's pool)."""
-    if not _enabled or _capturing or stream.handle is None or _in_capture(stream):
-        return None
-    sc = _cache_for(stream, pool)
-    return None if sc is None else _pop(sc, size_class(n), stream)
+def allocate(ctx: Context, n: int, stream: Stream, sh: Any, pool: Any, what: str) -> Block:
+    """A new block for an *n*-byte buffer on *stream* (handle *sh*), allocated with *ctx*
+    bound; on out-of-memory the device's cached blocks are freed and it is retried once.
 
-
-def allocate(ctx: Context, n: int, stream: Stream, sh: Any, pool: Any) -> tuple[Any, Block | None]:
-    """Allocate a new block for an *n*-byte buffer on *stream* (handle *sh*) with *ctx*
-    bound; on out-of-memory free the device's cached blocks and retry once.
-
-    Returns ``(error, block)``: the driver's error (0 on success) and the block.
+    Raises
+    ------
+    OutOfMemoryError
+        It does not fit (:func:`out_of_memory`); other driver errors as
+        :meth:`Context.note_error <ctxkit.context.Context.note_error>` words them.
     """
     if _env_error is not None:
         raise _env_error
     capturing = bool(_capturing) or (_enabled and stream.handle is not None and _in_capture(stream))
     size = min(size_class(n), SIZE_MAX) if _enabled else n  # the driver refuses SIZE_MAX
-    err, ptr = _driver_alloc(size, sh, pool)
-    if int(err) == _OUT_OF_MEMORY and not capturing and _held.get(ctx.device.ordinal):
-        flush(device=ctx.device.ordinal, sync=True)
+    with ctx:
         err, ptr = _driver_alloc(size, sh, pool)
+        if int(err) == _OUT_OF_MEMORY and not capturing and _held.get(ctx.device.ordinal):
+            flush(device=ctx.device.ordinal, sync=True)
+            err, ptr = _driver_alloc(size, sh, pool)
     if err:
-        return err, None
+        raise out_of_memory(ctx, err, n, f"{what} (stream-ordered)")
     home = None if capturing or not _enabled else _cache_for(stream, pool)
-    return 0, Block(int(ptr), size, home, stream)
+    return Block(int(ptr), size, home, stream)
 
 
 def _driver_alloc(size: int, sh: Any, pool: Any) -> tuple[Any, Any]:
@@ -412,15 +430,20 @@ def _drain(sc: StreamCache) -> list[Block]:
     return out
 
 
-def _recount(device: int) -> None:
-    """Set the device's held bytes from the caches (call with the lock held)."""
-    _held[device] = sum(
+def _cached(match: Any) -> int:
+    """Bytes of the cached blocks in the caches *match* accepts."""
+    return sum(
         b.size
         for sc in list(_caches.values())
-        if sc.device == device
+        if match(sc)
         for lst in list(sc.blocks.values())
         for b in list(lst)
     )
+
+
+def _recount(device: int) -> None:
+    """Set the device's held bytes from the caches (call with the lock held)."""
+    _held[device] = _cached(lambda sc: sc.device == device)
 
 
 def _take_all(match: Any) -> list[tuple[StreamCache, list[Block]]]:
@@ -471,12 +494,8 @@ def cached_bytes(device: int, pool: Any = 0) -> int:
     pool ``cuMemAllocAsync`` uses)."""
     p = int(pool)
     with _lock:
-        return sum(
-            b.size
-            for sc in list(_caches.values())
-            if sc.device == device and (0 if sc.pool is None else int(sc.pool)) == p
-            for lst in list(sc.blocks.values())
-            for b in list(lst)
+        return _cached(
+            lambda sc: sc.device == device and (0 if sc.pool is None else int(sc.pool)) == p
         )
 
 

@@ -35,7 +35,7 @@ from .._driver import drv
 from ..binding import ContextLike, guard, resolve_context
 from ..context import Context, thread_state
 from ..device import Device
-from ..errors import ContextClosedError, CudaError, OutOfMemoryError
+from ..errors import ContextClosedError
 from ..lifetime import finalizer
 from ..stream import Event, Stream, implicit_stream, stream_for, stream_handle
 from . import alloc
@@ -51,7 +51,7 @@ from .copies import (
 )
 from .host import host_array, plain_dtype
 from .interop import to_capsule
-from .sizes import gib, nbytes_arg, shape_arg, shape_nbytes
+from .sizes import nbytes_arg, shape_arg, shape_nbytes
 
 __all__ = [
     "DeviceArray",
@@ -274,9 +274,6 @@ def cai_stream(stream: Any) -> int | None:
     return value or 1  # CAI v3: 1 is the legacy default stream (0 is disallowed)
 
 
-_OUT_OF_MEMORY = 2
-
-
 class DeviceBuffer:
     """Linear device memory in one context: ``cuMemAlloc``, or stream-ordered from a pool.
 
@@ -373,26 +370,18 @@ class DeviceBuffer:
             with ctx:
                 err, ptr = self.kind.allocate(n)
             if err:
-                raise _alloc_error(ctx, err, n, what)
+                raise alloc.out_of_memory(ctx, err, n, what)
             self._ptr = int(ptr)
             self._fin = self.kind.deallocate(self, ctx, ptr)
             return
-        self._alloc_ordered(ctx, n, stream, pool, what)
-
-    def _alloc_ordered(self, ctx: Context, n: int, stream: Any, pool: Any, what: str) -> None:
         s = stream if isinstance(stream, Stream) else Stream.from_handle(stream or 0, ctx)
         sh = stream_for(s, ctx, what)
         ph = None if pool is None else pool.handle
-        blk = alloc.take_from(s, n, ph)
-        if blk is None:
-            with ctx:
-                err, blk = alloc.allocate(ctx, n, s, sh, ph)
-            if err or blk is None:
-                raise _alloc_error(ctx, err, n, f"{what} (stream-ordered)")
-        self._ptr = blk.ptr
-        self._stream = s
         # The block holds the stream while the buffer lives, so the free (or the return to
         # the stream's cache) is ordered after every use enqueued on it.
+        blk = alloc.take(s, n, ph) or alloc.allocate(ctx, n, s, sh, ph, what)
+        self._ptr = blk.ptr
+        self._stream = s
         self._fin = blk
 
     @classmethod
@@ -475,14 +464,9 @@ class DeviceBuffer:
         if self._base is None and fin is not None:
             if isinstance(fin, Block):
                 self._fin = None
-                s = None
-                if stream is not None:
-                    s = (
-                        stream
-                        if isinstance(stream, Stream)
-                        else Stream.from_handle(stream, self.context)
-                    )
-                alloc.give_back(fin, s)
+                if stream is not None and not isinstance(stream, Stream):
+                    stream = Stream.from_handle(stream, self.context)
+                alloc.give_back(fin, stream)
             else:
                 fin()
         self._ptr = None
@@ -576,27 +560,6 @@ class DeviceBuffer:
 
 def _keep(owner: Any) -> None:
     """Finalizer target that only holds *owner* until the wrapper dies."""
-
-
-def _alloc_error(ctx: Context, err: Any, n: int, what: str) -> Exception:
-    if int(err) != _OUT_OF_MEMORY:
-        return ctx.note_error(err, what)
-    try:
-        free, total = ctx.memory_info()
-    except CudaError:
-        free, total = -1, -1
-    dev = ctx.device.ordinal
-    exc = OutOfMemoryError(
-        f"{what}: cannot allocate {n} bytes ({gib(n)}) on device {dev}: only {free} bytes "
-        f"({gib(free)}) of {total} ({gib(total)}) are free (cuMemGetInfo). Fix: close() "
-        "buffers you no longer need, use smaller chunks, or pick a device with more free "
-        "memory",
-        _OUT_OF_MEMORY,
-        "CUDA_ERROR_OUT_OF_MEMORY",
-    )
-    exc.requested = n  # type: ignore[attr-defined]
-    exc.free = free  # type: ignore[attr-defined]
-    return exc
 
 
 def device_array(shape: Any, dtype: Any = np.float64, context: Any = None) -> DeviceArray:

@@ -62,7 +62,7 @@ from ..stream import EVENT_BLOCKING_SYNC, EVENT_DISABLE_TIMING, Event
 from .copies import context_of_pointer, device_mem
 from .device import DeviceBuffer
 from .sizes import nbytes_arg
-from .vmm import Chunk, VirtualBuffer
+from .vmm import Chunk, VirtualBuffer, map_imported
 
 __all__ = [
     "ImportedBuffer",
@@ -536,7 +536,7 @@ def _import_virtual(handle: IpcVirtualBufferHandle, context: Any, what: str) -> 
         for c in chunks:
             drv.cuMemRelease(c.handle)
         raise
-    return VirtualBuffer._adopt(chunks, handle.nbytes, handle.stripe, ctx)
+    return map_imported(chunks, handle.nbytes, handle.stripe, ctx)
 
 
 @dataclass(frozen=True)

@@ -37,8 +37,9 @@ from .._driver import check_fork, drv, in_forked_child
 from ..binding import check_devices, resolve_context
 from ..context import Context, shutting_down
 from ..device import Device
-from ..errors import ContextClosedError, CudaError, OutOfMemoryError
+from ..errors import ContextClosedError, CudaError
 from ..lifetime import free_quietly
+from .alloc import out_of_memory
 from .copies import (
     Mem,
     copy_from_device,
@@ -48,9 +49,9 @@ from .copies import (
 )
 from .device import DeviceArray, DeviceBuffer
 from .interop import KDL_CUDA
-from .sizes import gib, nbytes_arg
+from .sizes import nbytes_arg
 
-__all__ = ["Chunk", "VirtualBuffer", "allocation_granularity"]
+__all__ = ["Chunk", "VirtualBuffer", "allocation_granularity", "map_imported"]
 
 
 _NOT_SUPPORTED = 801
@@ -304,19 +305,9 @@ class VirtualBuffer:
         _check_support(devs, acc, shareable, what)
         gran = max(allocation_granularity(d, shareable=shareable) for d in (*devs, *acc))
         want = stripe if stripe is not None else -(-max(n, 1) // len(devs))
-        self.stripe = _round_up(nbytes_arg(want, what, "stripe") or gran, gran)
-        self.context = ctx
-        self.devices = tuple(Device(d) for d in devs)
-        self.granularity = gran
-        self.shareable = bool(shareable)
-        self.space = _Space(acc)
-        self.nbytes = 0
-        self._reserve = _round_up(nbytes_arg(reserve, what, "reserve"), self.stripe)
-        self._closed = False
-        self._lock = threading.RLock()
-        self._views: weakref.WeakSet[DeviceBuffer] = weakref.WeakSet()
-        self._fin = weakref.finalize(self, _finalize, ctx, self.space)
-        self._fin.atexit = False
+        stripe = _round_up(nbytes_arg(want, what, "stripe") or gran, gran)
+        reserve = _round_up(nbytes_arg(reserve, what, "reserve"), stripe)
+        self._setup(ctx, devs, acc, stripe, gran, bool(shareable), reserve)
         if n:
             try:
                 self.grow(n)
@@ -324,43 +315,29 @@ class VirtualBuffer:
                 self._fin()  # now: the traceback keeps this half-made object alive
                 raise
 
-    @classmethod
-    def _adopt(
-        cls, handles: Sequence[Chunk], nbytes: int, stripe: int, context: Context
-    ) -> VirtualBuffer:
-        """A VirtualBuffer over chunks this process did not create (IPC import): mapped for
-        *context*'s device; it cannot grow; closing releases only this process's handles."""
-        vb = cls.__new__(cls)
-        vb.context = context
-        vb.devices = tuple(dict.fromkeys(Device(c.device) for c in handles if c.device >= 0))
-        vb.granularity = stripe
-        vb.stripe = stripe
-        vb.shareable = False
-        vb.space = _Space((context.device.ordinal,))
-        vb.nbytes = 0
-        vb._reserve = -1
-        vb._closed = False
-        vb._lock = threading.RLock()
-        vb._views = weakref.WeakSet()
-        vb._fin = weakref.finalize(vb, _finalize, context, vb.space)
-        vb._fin.atexit = False
-        total = sum(c.nbytes for c in handles)
-        what = "import of a VirtualBuffer"
-        with context:
-            try:
-                _reserve_range(vb.space, total, what)
-                for c in handles:
-                    _map(vb.space, c, vb.space.base, what)
-                    vb.space.chunks.append(c)
-            except BaseException:
-                mapped = {id(c) for c in vb.space.chunks}
-                for c in handles:
-                    if id(c) not in mapped:
-                        drv.cuMemRelease(c.handle)
-                _release_all(vb.space)
-                raise
-        vb.nbytes = int(nbytes)
-        return vb
+    def _setup(
+        self,
+        ctx: Context,
+        devices: Sequence[int],
+        access: tuple[int, ...],
+        stripe: int,
+        granularity: int,
+        shareable: bool,
+        reserve: int,
+    ) -> None:
+        self.context = ctx
+        self.devices = tuple(Device(d) for d in devices)
+        self.granularity = granularity
+        self.stripe = stripe
+        self.shareable = shareable
+        self.space = _Space(access)
+        self.nbytes = 0
+        self._reserve = reserve  # -1: imported, cannot grow
+        self._closed = False
+        self._lock = threading.RLock()
+        self._views: weakref.WeakSet[DeviceBuffer] = weakref.WeakSet()
+        self._fin = weakref.finalize(self, _finalize, ctx, self.space)
+        self._fin.atexit = False
 
     # --- state -----------------------------------------------------------------------
 
@@ -518,16 +495,12 @@ class VirtualBuffer:
             return handle
         if int(err) != _OUT_OF_MEMORY:
             _check(err, f"{what}: cuMemCreate({self.stripe}, device {device})")
-        try:
-            free, total = resolve_context(device, what).memory_info()
-        except CudaError:
-            free, total = -1, -1
-        raise OutOfMemoryError(
-            f"{what}: cannot create a {self.stripe}-byte ({gib(self.stripe)}) chunk on device "
-            f"{device}: only {free} bytes ({gib(free)}) of {total} are free. Fix: close "
-            "buffers you no longer need, or stripe over more devices",
-            _OUT_OF_MEMORY,
-            "CUDA_ERROR_OUT_OF_MEMORY",
+        raise out_of_memory(
+            resolve_context(device, what),
+            err,
+            self.stripe,
+            f"{what}: cuMemCreate",
+            "close buffers you no longer need, or stripe over more devices",
         )
 
     # --- views and interop ------------------------------------------------------------
@@ -589,3 +562,32 @@ class VirtualBuffer:
     def memset(self, value: int, stream: Any = None) -> None:
         """Set every byte to *value* (0..255), as ``DeviceBuffer.memset``."""
         DeviceBuffer.from_pointer(self.ptr, self.nbytes, self.context).memset(value, stream)
+
+
+def map_imported(
+    chunks: Sequence[Chunk], nbytes: int, stripe: int, context: Context
+) -> VirtualBuffer:
+    """A :class:`VirtualBuffer` over chunks this process did not create (their handles
+    imported from another process): mapped for *context*'s device; it cannot grow, and
+    closing it releases only this process's handles (those of *chunks* are its now, also
+    when mapping them fails)."""
+    vb = VirtualBuffer.__new__(VirtualBuffer)
+    devices = dict.fromkeys(c.device for c in chunks if c.device >= 0)
+    vb._setup(context, tuple(devices), (context.device.ordinal,), stripe, stripe, False, -1)
+    space = vb.space
+    what = "import of a VirtualBuffer"
+    with context:
+        try:
+            _reserve_range(space, sum(c.nbytes for c in chunks), what)
+            for c in chunks:
+                _map(space, c, space.base, what)
+                space.chunks.append(c)
+        except BaseException:
+            mapped = {id(c) for c in space.chunks}
+            for c in chunks:
+                if id(c) not in mapped:
+                    drv.cuMemRelease(c.handle)
+            _release_all(space)
+            raise
+    vb.nbytes = int(nbytes)
+    return vb
