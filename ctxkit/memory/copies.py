@@ -261,10 +261,10 @@ def copy_from_host(dst: Mem, arr: Any, stream: Any, what: str) -> None:
 def copy_to_host(src: Mem, arr: Any, stream: Any, what: str) -> np.ndarray:
     """Copy the device memory *src* into *arr* (a new array when ``None``: of its shape
     and dtype, or of ``nbytes`` uint8)."""
+    out: np.ndarray
     if arr is None:
-        out = (
-            np.empty(src.nbytes, np.uint8) if src.dtype is None else np.empty(src.shape, src.dtype)
-        )
+        shape = src.nbytes if src.shape is None else src.shape
+        out = np.empty(shape, np.uint8 if src.dtype is None else src.dtype)
     else:
         out = host_array(arr, what, writable=True)
         check_match(out, src, what, "host array")

@@ -307,37 +307,25 @@ class VirtualBuffer:
         want = stripe if stripe is not None else -(-max(n, 1) // len(devs))
         stripe = _round_up(nbytes_arg(want, what, "stripe") or gran, gran)
         reserve = _round_up(nbytes_arg(reserve, what, "reserve"), stripe)
-        self._setup(ctx, devs, acc, stripe, gran, bool(shareable), reserve)
+        self.context = ctx
+        self.devices = tuple(Device(d) for d in devs)
+        self.granularity = gran
+        self.stripe = stripe
+        self.shareable = bool(shareable)
+        self.space = _Space(acc)
+        self.nbytes = 0
+        self._reserve = reserve  # -1: imported (map_imported), cannot grow
+        self._closed = False
+        self._lock = threading.RLock()
+        self._views: weakref.WeakSet[DeviceBuffer] = weakref.WeakSet()
+        self._fin = weakref.finalize(self, _finalize, ctx, self.space)
+        self._fin.atexit = False
         if n:
             try:
                 self.grow(n)
             except BaseException:
                 self._fin()  # now: the traceback keeps this half-made object alive
                 raise
-
-    def _setup(
-        self,
-        ctx: Context,
-        devices: Sequence[int],
-        access: tuple[int, ...],
-        stripe: int,
-        granularity: int,
-        shareable: bool,
-        reserve: int,
-    ) -> None:
-        self.context = ctx
-        self.devices = tuple(Device(d) for d in devices)
-        self.granularity = granularity
-        self.stripe = stripe
-        self.shareable = shareable
-        self.space = _Space(access)
-        self.nbytes = 0
-        self._reserve = reserve  # -1: imported, cannot grow
-        self._closed = False
-        self._lock = threading.RLock()
-        self._views: weakref.WeakSet[DeviceBuffer] = weakref.WeakSet()
-        self._fin = weakref.finalize(self, _finalize, ctx, self.space)
-        self._fin.atexit = False
 
     # --- state -----------------------------------------------------------------------
 
@@ -571,9 +559,10 @@ def map_imported(
     imported from another process): mapped for *context*'s device; it cannot grow, and
     closing it releases only this process's handles (those of *chunks* are its now, also
     when mapping them fails)."""
-    vb = VirtualBuffer.__new__(VirtualBuffer)
-    devices = dict.fromkeys(c.device for c in chunks if c.device >= 0)
-    vb._setup(context, tuple(devices), (context.device.ordinal,), stripe, stripe, False, -1)
+    vb = VirtualBuffer(0, context=context)  # empty: no chunk, no address range yet
+    vb.devices = tuple(dict.fromkeys(Device(c.device) for c in chunks if c.device >= 0))
+    vb.granularity = vb.stripe = stripe
+    vb._reserve = -1
     space = vb.space
     what = "import of a VirtualBuffer"
     with context:
