@@ -37,7 +37,7 @@ from ..context import Context, thread_state
 from ..device import Device
 from ..errors import ContextClosedError
 from ..lifetime import finalizer
-from ..stream import Event, Stream, implicit_stream, stream_for, stream_handle
+from ..stream import Stream, implicit_stream, stream_for, stream_handle
 from . import alloc
 from .alloc import Block, MemoryKind
 from .copies import (
@@ -50,14 +50,13 @@ from .copies import (
     enqueue,
 )
 from .host import host_array, plain_dtype
-from .interop import to_capsule
+from .interop import order_stream, to_capsule
 from .sizes import nbytes_arg, shape_arg, shape_nbytes
 
 __all__ = [
     "DeviceArray",
     "DeviceBuffer",
     "MemoryPool",
-    "cai_stream",
     "device_array",
     "to_device",
 ]
@@ -232,22 +231,14 @@ class DeviceArray:
         return to_capsule(ptr, self.shape, self.dtype, device, self, versioned=versioned)
 
     def _order_for_consumer(self, consumer: int | None) -> None:
-        producer = self.stream
-        if producer is None or consumer == -1:
+        if self.stream is None or consumer == -1:
             return
         if consumer == 0:
             raise BufferError("__dlpack__(stream=0) is ambiguous for CUDA; pass 1 (legacy)")
-        consumer = 1 if consumer is None else int(consumer)
-        value = cai_stream(producer)
-        if value is None or value == consumer:
-            return
-        ctx = self.context
-        event = Event(timing=False, context=ctx)
-        event.record(producer)
-        with guard(ctx, "DeviceArray.__dlpack__"):
-            (err,) = drv.cuStreamWaitEvent(drv.CUstream(consumer), event.handle, 0)
-        if err:
-            raise ctx.note_error(err, "cuStreamWaitEvent for the DLPack consumer")
+        producer = cai_stream(self.stream)
+        if producer is not None:
+            with guard(self.context, "DeviceArray.__dlpack__"):
+                order_stream(self.context, producer, 1 if consumer is None else int(consumer))
 
 
 def _resolve_reshape(shape: tuple[int, ...], size: int) -> tuple[int, ...]:

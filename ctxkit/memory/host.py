@@ -352,32 +352,28 @@ def pinned_empty(
     return np.asarray(mem).view(dt).reshape(shp)
 
 
+#: The ``CU_MEMHOST*`` bit of each option and its driver name: allocations and registrations
+#: share PORTABLE and DEVICEMAP; WRITECOMBINED is an allocation's, READ_ONLY a registration's.
+_FLAGS = {
+    "portable": (MEMHOST_PORTABLE, "PORTABLE"),
+    "mapped": (MEMHOST_DEVICEMAP, "DEVICEMAP"),
+    "write_combined": (MEMHOST_WRITECOMBINED, "WRITECOMBINED"),
+    "read_only": (MEMHOST_REGISTER_READ_ONLY, "READ_ONLY"),
+}
+
+
 def _bits(**flags: bool) -> int:
     """``CU_MEMHOST*`` bits of boolean options (refusing non-bools, e.g. a stray int)."""
-    bits = {
-        "portable": MEMHOST_PORTABLE,
-        "mapped": MEMHOST_DEVICEMAP,
-        "write_combined": MEMHOST_WRITECOMBINED,
-        "read_only": MEMHOST_REGISTER_READ_ONLY,
-    }
     out = 0
     for name, value in flags.items():
         if not isinstance(value, (bool, np.bool_)):
             raise TypeError(f"{name} must be True or False, got {value!r}")
-        out |= bits[name] if value else 0
+        out |= _FLAGS[name][0] if value else 0
     return out
 
 
-def _flag_names(flags: int, register: bool = False) -> str:
-    names = [
-        (MEMHOST_PORTABLE, "PORTABLE"),
-        (MEMHOST_DEVICEMAP, "DEVICEMAP"),
-        (
-            MEMHOST_REGISTER_READ_ONLY if register else MEMHOST_WRITECOMBINED,
-            "READ_ONLY" if register else "WRITECOMBINED",
-        ),
-    ]
-    return "|".join(n for bit, n in names if flags & bit) or "0"
+def _flag_names(flags: int) -> str:
+    return "|".join(n for bit, n in _FLAGS.values() if flags & bit) or "0"
 
 
 def _host_alloc_error(ctx: Context, err: Any, nbytes: int, flags: int) -> Exception:
@@ -401,8 +397,6 @@ def pinned_zeros(
     arr[...] = 0
     return arr
 
-
-_PORTABLE = 1  # CU_MEMHOSTALLOC_PORTABLE == CU_MEMHOSTREGISTER_PORTABLE
 
 _HUGE = 2 << 20
 
@@ -476,7 +470,7 @@ def lock_new(nbytes: int, ctx: Context) -> LockedPages:
         if pages is not None:
             return pages
     with ctx:
-        err, ptr = PINNED.allocate(nbytes, _PORTABLE)
+        err, ptr = PINNED.allocate(nbytes, MEMHOST_PORTABLE)
     if err:
         raise LockFailed(int(err), "cuMemHostAlloc")
     return LockedPages(int(ptr), nbytes, ctx, registered=False)
@@ -502,7 +496,7 @@ def _register_new(nbytes: int, ctx: Context) -> LockedPages | None:
     size = -(-nbytes // _PAGE) * _PAGE
     ptr = _map_aligned(size)
     _touch(ptr, size)
-    err = register_pages(ptr, size, _PORTABLE, ctx)
+    err = register_pages(ptr, size, MEMHOST_PORTABLE, ctx)
     if not err:
         return LockedPages(ptr, size, ctx, registered=True)
     _munmap(ptr, size)
@@ -733,7 +727,7 @@ def register_host(
             "enclosing array instead, or allocate with ctxkit.pinned_empty()"
         )
     if err:
-        what = f"cuMemHostRegister({ptr:#x}, {nbytes}, {_flag_names(flags, register=True)})"
+        what = f"cuMemHostRegister({ptr:#x}, {nbytes}, {_flag_names(flags)})"
         if not a.flags.writeable and not read_only:
             what += " of a read-only array (pass read_only=True for read-only pages)"
         raise ctx.note_error(err, what)
@@ -890,20 +884,20 @@ def host_memory_flags(arr: Any) -> HostMemoryFlags:
     dptr = _device_pointer_of(first, "host_memory_flags")
     reg = _registered_flags(first, last)
     if reg is not None:
-        return _flags("registered", reg, dptr, read_only=bool(reg & MEMHOST_REGISTER_READ_ONLY))
+        return _flags("registered", reg, dptr)
     flags = _host_alloc_flags(first)
     if flags is None:
         return HostMemoryFlags("registered", device_pointer=dptr)
-    return _flags("allocated", flags, dptr, read_only=False)
+    return _flags("allocated", flags, dptr)
 
 
-def _flags(kind: str, flags: int, dptr: int, *, read_only: bool) -> HostMemoryFlags:
+def _flags(kind: str, flags: int, dptr: int) -> HostMemoryFlags:
     return HostMemoryFlags(
         kind,
         portable=bool(flags & MEMHOST_PORTABLE),
         mapped=bool(flags & MEMHOST_DEVICEMAP),
         write_combined=kind == "allocated" and bool(flags & MEMHOST_WRITECOMBINED),
-        read_only=read_only,
+        read_only=kind == "registered" and bool(flags & MEMHOST_REGISTER_READ_ONLY),
         device_pointer=dptr,
     )
 

@@ -73,8 +73,8 @@ __all__ = [
     "KDL_CUDA_MANAGED",
     "dlpack_dtype",
     "live_count",
-    "order_after_producer",
     "order_after_producers",
+    "order_stream",
     "producer_stream",
     "to_capsule",
 ]
@@ -397,10 +397,11 @@ def producer_stream(v: Any) -> int | None:
     return kind[0](v)
 
 
-def order_after_producer(
-    v: Any, consumer: Any, ctx: Context | None, consumer_stream: Any = None
+def order_after_producers(
+    values: Iterable[Any], consumer: Any, ctx: Context | None, consumer_stream: Any = None
 ) -> None:
-    """Make stream *consumer* wait until *v* is ready.
+    """Make stream *consumer* wait until each of *values* is ready: one wait per distinct
+    producer stream.
 
     On a capturing *consumer* a replayed graph never waits for foreign producers again,
     so a producer outside the capture has its work so far finished on the host before
@@ -409,8 +410,8 @@ def order_after_producer(
 
     Parameters
     ----------
-    v : Any
-        A kernel argument or copy end; numbers, host arrays and ctxkit objects need nothing.
+    values : iterable
+        Kernel arguments or copy ends; numbers, host arrays and ctxkit objects need nothing.
     consumer : CUstream, int or None
         The consumer stream's handle, in *ctx* (``None`` or 0: the legacy default stream).
     ctx : Context
@@ -425,17 +426,8 @@ def order_after_producer(
         *consumer* is capturing and no order with the producer exists: it captures into
         another graph, or the capture was begun outside ctxkit.
     """
-    order_after_producers((v,), consumer, ctx, consumer_stream)
-
-
-def order_after_producers(
-    values: Iterable[Any], consumer: Any, ctx: Context | None, consumer_stream: Any = None
-) -> None:
-    """:func:`order_after_producer` for each of *values*: one wait per distinct producer
-    stream."""
     kinds = _kinds
-    first: int | None = None
-    more: list[int] | None = None
+    producers: list[int] | None = None  # made only when there is one: the launch hot path
     for v in values:
         try:
             kind = kinds[type(v)]
@@ -451,29 +443,24 @@ def order_after_producers(
         p = stream_of(v)
         if p is None:
             continue
-        if p == 1:
-            p = _LEGACY
-        if first is None:
-            first = p
-        elif p != first:
-            if more is None:
-                more = [p]
-            elif p not in more:
-                more.append(p)
-    if first is None or ctx is None:
+        p = _LEGACY if p == 1 else p
+        if producers is None:
+            producers = [p]
+        elif p not in producers:
+            producers.append(p)
+    if producers is None or ctx is None:
         return
     c = 0 if consumer is None else int(consumer)
-    if c == 1:
-        c = _LEGACY
-    _wait(ctx, first, c, consumer_stream)
-    if more is not None:
-        for p in more:
-            _wait(ctx, p, c, consumer_stream)
+    for p in producers:
+        order_stream(ctx, p, c, consumer_stream)
 
 
-def _wait(ctx: Context, producer: int, consumer: int, consumer_stream: Any) -> None:
-    """Order *consumer* after the work enqueued on *producer* so far, unless CUDA already
-    does (same stream; legacy default vs a blocking stream)."""
+def order_stream(ctx: Context, producer: int, consumer: int, consumer_stream: Any = None) -> None:
+    """Order stream *consumer* after the work enqueued on stream *producer* so far, unless
+    CUDA already does (same stream; legacy default vs a blocking stream). Both are handle
+    values, 0 or 1 (as in CAI v3 and DLPack) the legacy default stream; *ctx* is current."""
+    producer = _LEGACY if producer == 1 else producer
+    consumer = _LEGACY if consumer == 1 else consumer
     if producer == consumer:
         return
     if producer in (_LEGACY, _PER_THREAD):
