@@ -87,21 +87,13 @@ from .host import (
 from .sizes import gib, nbytes_arg, shape_nbytes
 
 __all__ = [
-    "DEFAULT_CAP",
-    "GRANULE",
     "Block",
-    "EventCache",
     "PinnedPool",
     "PinnedPoolStats",
-    "as_streams",
     "default_budget",
-    "event_done",
     "fits",
-    "free_left",
-    "human",
     "pinned_pool",
     "size_class",
-    "sync_quietly",
 ]
 
 
@@ -278,17 +270,15 @@ class EventCache:
         ctx = stream.context
         if ctx.closed or ctx.poisoned:
             return None
+        ev = None
         try:
             ev = self._take(ctx)
-        except Exception:
-            sync_quietly(ctx)
-            return None
-        try:
             with ctx:  # bound explicitly: finalizers run in threads with no context
                 ev.record(stream)
             return ev
         except Exception:
-            self.give(ev)
+            if ev is not None:
+                self.give(ev)
         sync_quietly(ctx)
         return None
 
@@ -588,7 +578,7 @@ class PinnedPool:
         self._settle()
         with self._lock:
             waiting = list(self._blocks["pending"].values())
-        self._wait(waiting)
+        self._settle(waiting)
         return self.trim(0)
 
     def claim(self, nbytes: int) -> bool:
@@ -706,7 +696,7 @@ class PinnedPool:
                 return None
             if waited or not pending or not wait:
                 raise self._over_budget(cls, what)
-            self._wait(pending)
+            self._settle(pending)
             waited = True
 
     # --- handing out ---------------------------------------------------------------
@@ -838,15 +828,6 @@ class PinnedPool:
     def _block_of(self, arr: Any, what: str) -> Block:
         if not isinstance(arr, np.ndarray):
             raise TypeError(f"PinnedPool.{what}: expected a numpy array, got {type(arr).__name__}")
-        base: Any = arr
-        while base is not None:
-            if isinstance(base, HostMemory) and isinstance(base.owner, Block):
-                block = base.owner
-                with self._lock:
-                    if self._blocks["in_use"].get(block.ptr) is block:
-                        return block
-                break
-            base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
         ptr = host_address(arr)
         with self._lock:
             for block in self._blocks["in_use"].values():
@@ -859,19 +840,30 @@ class PinnedPool:
 
     # --- driver work outside the lock ----------------------------------------------
 
-    def _settle(self) -> None:
-        """Wait-list the returned blocks; cache those whose stream work completed."""
-        if not (self._returned or self._blocks["pending"]) or shutting_down():
+    def _settle(self, wait: Sequence[Block] = ()) -> None:
+        """Wait-list the returned blocks and cache those whose stream work completed,
+        after waiting (GIL released) for the events of the blocks *wait*."""
+        if not (wait or self._returned or self._blocks["pending"]) or shutting_down():
             return
         if not lifetime.begin_free(None, self._settle_after_capture, ()):
             return  # a capture forbids driver calls here; this runs when it ends
         try:
+            for block in wait:
+                with self._lock:
+                    events = list(block.events)
+                for ev, _ in events:
+                    sync_event(ev)  # a closed event or a poisoned context: _collect decides
             while self._returned:
                 try:
                     block = self._returned.popleft()
                 except IndexError:
                     break
-                self._return(block)
+                for s in block.streams:  # closed before the array died: wait for its context
+                    sync_quietly(s.context)
+                block.streams = []
+                ready = block.usable() and not block.events  # else _collect decides
+                with self._lock:
+                    self._put_locked(block, "cached" if ready else "pending")
             self._collect()
         finally:
             lifetime.end_free()
@@ -879,17 +871,6 @@ class PinnedPool:
     def _settle_after_capture(self) -> int:
         self._settle()
         return 0
-
-    def _return(self, block: Block) -> None:
-        """The last array of *block* died (its events are recorded): wait-list it."""
-        for s in block.streams:  # closed before the array died: wait for its context
-            self._events.record(s)
-        block.streams = []
-        dead = not block.usable()
-        with self._lock:
-            self._put_locked(block, None if dead else "pending" if block.events else "cached")
-        if dead:
-            self._free([block])
 
     def _collect(self) -> None:
         """Cache the pending blocks whose events have all completed (cuEventQuery)."""
@@ -916,22 +897,6 @@ class PinnedPool:
             if owned:
                 self._events.give(ev)
         self._free(dead)
-
-    def _wait(self, blocks: Sequence[Block]) -> None:
-        """Wait for the events of *blocks* (GIL released), then collect them."""
-        if not blocks:
-            return
-        if not lifetime.begin_free(None, self._settle_after_capture, ()):
-            return
-        try:
-            for block in blocks:
-                with self._lock:
-                    events = list(block.events)
-                for ev, _ in events:
-                    sync_event(ev)  # a closed event or a poisoned context: _collect decides
-            self._collect()
-        finally:
-            lifetime.end_free()
 
 
 _process_pool: PinnedPool | None = None
