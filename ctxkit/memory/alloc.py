@@ -379,16 +379,14 @@ def give_back(blk: Block, stream: Stream | None) -> None:
 def _give_back_slow(blk: Block, stream: Stream | None) -> None:
     own = blk.stream
     blk.stream = None
+    target = stream if stream is not None else own
     home = blk.home
-    if stream is not None and stream is not own and home is not None:
-        same = stream.handle is not None and stream.context is home.context
-        home = _cache_for(stream, home.pool) if same else None
-    if home is not None and _caches.get(home.key) is not home:  # dropped meanwhile
-        s = stream if stream is not None else own
-        usable = s is not None and s.handle is not None and not s.context.closed
-        home = _cache_for(s, home.pool) if usable and s is not None else None
+    if home is not None and (target is not own or _caches.get(home.key) is not home):
+        # freed on another stream, or its cache was dropped meanwhile: the target's cache
+        ctx = home.context
+        usable = target is not None and target.handle is not None and target.context is ctx
+        home = _cache_for(target, home.pool) if usable and not ctx.closed else None  # type: ignore[arg-type]
     if home is None or not _enabled:
-        target = stream if stream is not None else own
         if target is not None:
             free_quietly(target.context, free_async, blk.ptr, target)
         return

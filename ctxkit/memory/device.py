@@ -330,11 +330,8 @@ class DeviceBuffer:
             if type(s) is Stream and (context is None or context is s.context):
                 blk = alloc.take(s, nbytes)
                 if blk is not None:
-                    self.context = s.context
-                    self.nbytes = nbytes
-                    self._base = None
+                    self._setup_view(blk.ptr, nbytes, s.context, None)
                     self._stream = s
-                    self._ptr = blk.ptr
                     self._fin = blk
                     return
         self._init(nbytes, context, stream, pool)
@@ -345,12 +342,7 @@ class DeviceBuffer:
         if context is None and isinstance(stream, Stream):
             context = stream.context
         ctx = resolve_context(context, what)
-        self.context = ctx
-        self.nbytes = n
-        self._base = None
-        self._fin = None
-        self._stream = None
-        self._ptr = 0
+        self._setup_view(0, n, ctx, None)
         if (stream is not None or pool is not None) and not self.kind.stream_ordered:
             raise TypeError(f"{what}: {type(self).__name__} cannot be stream-ordered")
         if stream is None and self.kind.stream_ordered:
@@ -391,6 +383,7 @@ class DeviceBuffer:
         return buf
 
     def _setup_view(self, ptr: int, n: int, ctx: Context, base: DeviceBuffer | None) -> None:
+        """The state of a buffer (a view of *base*, or with nothing to free yet)."""
         self._ptr = ptr
         self.nbytes = n
         self.context = ctx

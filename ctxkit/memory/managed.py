@@ -86,8 +86,7 @@ class ManagedBuffer(DeviceBuffer):
     _views: weakref.WeakSet[HostMemory]
 
     def __init__(self, nbytes: int, context: Any = None) -> None:
-        self._views = weakref.WeakSet()
-        super().__init__(nbytes, context)
+        super().__init__(nbytes, context)  # no stream-ordered managed memory
 
     def _setup_view(self, ptr: int, n: int, ctx: Context, base: DeviceBuffer | None) -> None:
         super()._setup_view(ptr, n, ctx, base)

@@ -514,14 +514,7 @@ class VirtualBuffer:
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
         """The buffer as a 1-D uint8 array (CUDA Array Interface v3)."""
-        return {
-            "shape": (self.nbytes,),
-            "typestr": "|u1",
-            "data": (self.ptr if self.nbytes else 0, False),
-            "version": 3,
-            "strides": None,
-            "stream": None,
-        }
+        return self.as_buffer().__cuda_array_interface__
 
     def __dlpack__(self, **kwargs: Any) -> Any:
         return self.view().__dlpack__(**kwargs)
