@@ -410,8 +410,6 @@ _MAX_TOUCH_THREADS = 16
 
 _MADV_HUGEPAGE = 14
 
-_MAP_ANONYMOUS = getattr(mmap, "MAP_ANONYMOUS", 0x20)
-
 _refused = False  # registering failed once for a reason other than memory: stop trying
 
 _touch_pool: ThreadPoolExecutor | None = None
@@ -430,29 +428,36 @@ class LockFailed(Exception):
 
 @dataclass
 class LockedPages:
-    """Page-locked memory made by :func:`lock_new`: ``nbytes`` at ``ptr`` in ``ctx``."""
+    """Page-locked memory made by :func:`lock_new`: ``nbytes`` at ``ptr`` in ``ctx``, in
+    *mapping* (anonymous pages registered with ``cuMemHostRegister``) or, when that is
+    ``None``, from ``cuMemHostAlloc``."""
 
     ptr: int
     nbytes: int
     ctx: Context
-    registered: bool  # mmap + cuMemHostRegister; else cuMemHostAlloc
+    mapping: mmap.mmap | None
+
+    @property
+    def registered(self) -> bool:
+        """True for registered pages (``mmap`` + ``cuMemHostRegister``)."""
+        return self.mapping is not None
 
     def release(self) -> None:
         """Free in its context (any thread, never raising; a closed context already
-        dropped the registration or the allocation)."""
-        if not self.registered:
-            if not (self.ctx.closed or self.ctx.poisoned):
+        dropped the registration or the allocation, and only the pages are left)."""
+        gone = self.ctx.closed or self.ctx.poisoned
+        if self.mapping is None:
+            if not gone:
                 lifetime.free_quietly(self.ctx, drv.cuMemFreeHost, self.ptr)
-            return
-        if self.ctx.closed or self.ctx.poisoned:
-            _munmap(self.ptr, self.nbytes)
+        elif gone:
+            self.mapping.close()
         else:
-            lifetime.free_quietly(self.ctx, _unregister_and_unmap, self.ptr, self.nbytes)
+            lifetime.free_quietly(self.ctx, _unregister_and_unmap, self.ptr, self.mapping)
 
 
 def method() -> str:
     """``"register"`` or ``"hostalloc"``: how :func:`lock_new` makes memory now."""
-    if pinned_alloc() == "hostalloc" or _refused or _libc() is None:
+    if pinned_alloc() == "hostalloc" or _refused or not sys.platform.startswith("linux"):
         return "hostalloc"
     return "register"
 
@@ -473,7 +478,7 @@ def lock_new(nbytes: int, ctx: Context) -> LockedPages:
         err, ptr = PINNED.allocate(nbytes, MEMHOST_PORTABLE)
     if err:
         raise LockFailed(int(err), "cuMemHostAlloc")
-    return LockedPages(int(ptr), nbytes, ctx, registered=False)
+    return LockedPages(int(ptr), nbytes, ctx, None)
 
 
 def register_pages(ptr: int, nbytes: int, flags: int, context: Context | None = None) -> int:
@@ -494,75 +499,39 @@ def _register_new(nbytes: int, ctx: Context) -> LockedPages | None:
     memory (then ``cuMemHostAlloc`` serves this and every later request)."""
     global _refused
     size = -(-nbytes // _PAGE) * _PAGE
-    ptr = _map_aligned(size)
+    mapping, ptr = _map_aligned(size)
     _touch(ptr, size)
     err = register_pages(ptr, size, MEMHOST_PORTABLE, ctx)
     if not err:
-        return LockedPages(ptr, size, ctx, registered=True)
-    _munmap(ptr, size)
+        return LockedPages(ptr, size, ctx, mapping)
+    mapping.close()
     if err == _OUT_OF_MEMORY:
         raise LockFailed(_OUT_OF_MEMORY, "cuMemHostRegister")
     _refused = True
     return None
 
 
-def _unregister_and_unmap(ptr: int, nbytes: int) -> tuple[Any, ...]:
+def _unregister_and_unmap(ptr: int, mapping: mmap.mmap) -> tuple[Any, ...]:
     res = drv.cuMemHostUnregister(ptr)
-    _munmap(ptr, nbytes)
+    mapping.close()
     return tuple(res)
 
 
-_libc_handle: Any = None
-
-
-def _libc() -> Any:
-    """libc with ``mmap``/``munmap``/``madvise`` typed, or ``None`` off Linux."""
-    global _libc_handle
-    if _libc_handle is None:
-        if not sys.platform.startswith("linux"):
-            _libc_handle = False
-            return None
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_long,
-        ]
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        _libc_handle = libc
-    return _libc_handle or None
-
-
-def _map_aligned(size: int) -> int:
+def _map_aligned(size: int) -> tuple[mmap.mmap, int]:
     """Anonymous private pages: *size* bytes at a 2 MiB boundary when the block is at
-    least that large (so the kernel can back it with huge pages)."""
-    libc = _libc()
+    least that large (so the kernel can back it with huge pages), in a mapping up to
+    2 MiB - 4 KiB larger whose slack is never touched (no memory backs it)."""
     align = _HUGE if size >= _HUGE else _PAGE
-    span = size + align - _PAGE
-    prot, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | _MAP_ANONYMOUS
-    base = libc.mmap(None, span, prot, flags, -1, 0)
-    if base is None or base == ctypes.c_void_p(-1).value:
-        raise LockFailed(_OUT_OF_MEMORY, "mmap")
+    try:
+        mapping = mmap.mmap(-1, size + align - _PAGE, flags=mmap.MAP_PRIVATE)
+    except OSError:
+        raise LockFailed(_OUT_OF_MEMORY, "mmap") from None
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mapping))  # no export is kept
     start = -(-base // align) * align
-    if start > base:
-        libc.munmap(base, start - base)
-    end = start + size
-    if base + span > end:
-        libc.munmap(end, base + span - end)
     if align == _HUGE:
-        libc.madvise(start, size, _MADV_HUGEPAGE)  # a hint: refusal changes nothing
-    return int(start)
-
-
-def _munmap(ptr: int, nbytes: int) -> None:
-    libc = _libc()
-    if libc is not None:
-        libc.munmap(ptr, nbytes)
+        with contextlib.suppress(OSError):  # a hint: refusal changes nothing
+            mapping.madvise(_MADV_HUGEPAGE, start - base, size)
+    return mapping, start
 
 
 def _touch(ptr: int, size: int) -> None:
