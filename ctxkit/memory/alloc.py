@@ -62,6 +62,7 @@ __all__ = [
     "DEVICE",
     "KINDS",
     "MANAGED",
+    "OUT_OF_MEMORY",
     "PINNED",
     "Block",
     "MemoryKind",
@@ -69,6 +70,7 @@ __all__ = [
     "enabled",
     "flush",
     "limit_bytes",
+    "oom",
     "out_of_memory",
 ]
 
@@ -96,11 +98,18 @@ class MemoryKind:
         return finalizer(owner, ctx, getattr(drv, self.free), ptr)
 
 
-_OUT_OF_MEMORY = 2
+#: ``CUDA_ERROR_OUT_OF_MEMORY``
+OUT_OF_MEMORY = 2
 
 _FIX = (
     "close() buffers you no longer need, use smaller chunks, or pick a device with more free memory"
 )
+
+
+def oom(message: str) -> OutOfMemoryError:
+    """An :class:`~ctxkit.errors.OutOfMemoryError` for ``CUDA_ERROR_OUT_OF_MEMORY`` that
+    says *message*."""
+    return OutOfMemoryError(message, OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY")
 
 
 def out_of_memory(ctx: Context, err: Any, n: int, what: str, fix: str = _FIX) -> Exception:
@@ -108,18 +117,16 @@ def out_of_memory(ctx: Context, err: Any, n: int, what: str, fix: str = _FIX) ->
     out-of-memory an :class:`~ctxkit.errors.OutOfMemoryError` with the requested and the
     free bytes (``cuMemGetInfo``; also as ``.requested`` and ``.free``) and *fix*, else
     the driver's error as *ctx* words it."""
-    if int(err) != _OUT_OF_MEMORY:
+    if int(err) != OUT_OF_MEMORY:
         return ctx.note_error(err, what)
     try:
         free, total = ctx.memory_info()
     except CudaError:
         free, total = -1, -1
-    exc = OutOfMemoryError(
+    exc = oom(
         f"{what}: cannot allocate {n} bytes ({gib(n)}) on device {ctx.device.ordinal}: only "
         f"{free} bytes ({gib(free)}) of {total} ({gib(total)}) are free (cuMemGetInfo). "
-        f"Fix: {fix}",
-        _OUT_OF_MEMORY,
-        "CUDA_ERROR_OUT_OF_MEMORY",
+        f"Fix: {fix}"
     )
     exc.requested = n  # type: ignore[attr-defined]
     exc.free = free  # type: ignore[attr-defined]
@@ -339,7 +346,7 @@ def allocate(ctx: Context, n: int, stream: Stream, sh: Any, pool: Any, what: str
     size = min(size_class(n), SIZE_MAX) if _enabled else n  # the driver refuses SIZE_MAX
     with ctx:
         err, ptr = _driver_alloc(size, sh, pool)
-        if int(err) == _OUT_OF_MEMORY and not capturing and _held.get(ctx.device.ordinal):
+        if int(err) == OUT_OF_MEMORY and not capturing and _held.get(ctx.device.ordinal):
             flush(device=ctx.device.ordinal, sync=True)
             err, ptr = _driver_alloc(size, sh, pool)
     if err:

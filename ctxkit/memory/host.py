@@ -77,11 +77,10 @@ from ..errors import (
     CudaError,
     DriverNotFoundError,
     LaunchArgumentError,
-    OutOfMemoryError,
     PageableCopyError,
     PageableCopyWarning,
 )
-from .alloc import PINNED
+from .alloc import OUT_OF_MEMORY, PINNED, oom
 from .sizes import shape_nbytes
 
 __all__ = [
@@ -251,8 +250,6 @@ MEMHOST_WRITECOMBINED = 4  # CU_MEMHOSTALLOC_WRITECOMBINED
 
 MEMHOST_REGISTER_READ_ONLY = 8  # CU_MEMHOSTREGISTER_READ_ONLY
 
-_OUT_OF_MEMORY = 2
-
 
 class HostMemory:
     """Host-addressable memory exposed to numpy (``np.asarray(mem)`` is a uint8 view).
@@ -377,14 +374,12 @@ def _flag_names(flags: int) -> str:
 
 
 def _host_alloc_error(ctx: Context, err: Any, nbytes: int, flags: int) -> Exception:
-    if int(err) == _OUT_OF_MEMORY:
-        return OutOfMemoryError(
+    if int(err) == OUT_OF_MEMORY:
+        return oom(
             f"pinned_empty: cannot page-lock {nbytes} bytes ({nbytes / 2**30:.2f} GiB) of host "
             "memory (cuMemHostAlloc: CUDA_ERROR_OUT_OF_MEMORY). Pinned memory is limited by "
             "physical RAM and the locked-memory limit (ulimit -l); use smaller staging "
-            "buffers and reuse them",
-            _OUT_OF_MEMORY,
-            "CUDA_ERROR_OUT_OF_MEMORY",
+            "buffers and reuse them"
         )
     return ctx.note_error(err, f"cuMemHostAlloc({nbytes}, {_flag_names(flags)})")
 
@@ -505,8 +500,8 @@ def _register_new(nbytes: int, ctx: Context) -> LockedPages | None:
     if not err:
         return LockedPages(ptr, size, ctx, mapping)
     mapping.close()
-    if err == _OUT_OF_MEMORY:
-        raise LockFailed(_OUT_OF_MEMORY, "cuMemHostRegister")
+    if err == OUT_OF_MEMORY:
+        raise LockFailed(OUT_OF_MEMORY, "cuMemHostRegister")
     _refused = True
     return None
 
@@ -525,7 +520,7 @@ def _map_aligned(size: int) -> tuple[mmap.mmap, int]:
     try:
         mapping = mmap.mmap(-1, size + align - _PAGE, flags=mmap.MAP_PRIVATE)
     except OSError:
-        raise LockFailed(_OUT_OF_MEMORY, "mmap") from None
+        raise LockFailed(OUT_OF_MEMORY, "mmap") from None
     base = ctypes.addressof(ctypes.c_char.from_buffer(mapping))  # no export is kept
     start = -(-base // align) * align
     if align == _HUGE:

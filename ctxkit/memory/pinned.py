@@ -75,6 +75,7 @@ from ..binding import registry as _registry
 from ..context import Context, shutting_down
 from ..errors import OutOfMemoryError
 from ..stream import Event, Stream
+from .alloc import OUT_OF_MEMORY, oom
 from .host import (
     HostMemory,
     LockedPages,
@@ -346,9 +347,6 @@ def free_left(blocks: dict[str, dict[int, Block]], returned: collections.deque[B
                 sync_event(ev)
     for block in [*blocks["cached"].values(), *left]:
         block.pages.release()
-
-
-_OUT_OF_MEMORY = 2
 
 
 class PinnedPool:
@@ -771,22 +769,20 @@ class PinnedPool:
                 return lock_new(nbytes, ctx)
             except LockFailed as exc:
                 failed = exc
-            if failed.code != _OUT_OF_MEMORY:
+            if failed.code != OUT_OF_MEMORY:
                 raise ctx.note_error(failed.code, f"{failed.call}({nbytes}, PORTABLE)") from None
             if not retried and self.trim(0):
                 retried = True
                 continue
             with self._lock:
                 held = self._held_locked()
-            raise OutOfMemoryError(
+            raise oom(
                 f"{what}: the OS refused to page-lock {nbytes} bytes ({gib(nbytes)}) of host "
                 f"memory ({failed.call}: out of memory) although the pinned pool "
                 f"holds only {held} of its {self._budget}-byte budget. "
                 "Page-locked memory is limited by physical RAM: lower the budget "
                 "(CTXKIT_PINNED_POOL_BYTES or ctxkit.pinned_pool().set_budget()) or drop arrays "
-                "you no longer need",
-                _OUT_OF_MEMORY,
-                "CUDA_ERROR_OUT_OF_MEMORY",
+                "you no longer need"
             )
 
     def _free(self, blocks: Sequence[Block]) -> int:

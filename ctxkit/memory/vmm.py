@@ -39,7 +39,7 @@ from ..context import Context, shutting_down
 from ..device import Device
 from ..errors import ContextClosedError, CudaError
 from ..lifetime import free_quietly
-from .alloc import out_of_memory
+from .alloc import OUT_OF_MEMORY, out_of_memory
 from .copies import (
     Mem,
     copy_from_device,
@@ -129,21 +129,18 @@ def _access_desc(device: int) -> Any:
     return desc
 
 
-def _check(err: Any, what: str) -> None:
-    if err:
-        raise _driver.from_result(int(err), what)
-
-
 def _map(space: _Space, chunk: Chunk, base: int, what: str) -> None:
     """Map *chunk* at ``base + offset`` and give every accessing device read/write."""
     ptr = base + chunk.offset
     (err,) = drv.cuMemMap(ptr, chunk.nbytes, 0, chunk.handle, 0)
-    _check(err, f"{what}: cuMemMap({ptr:#x}, {chunk.nbytes})")
+    _driver.raise_for(err, f"{what}: cuMemMap({ptr:#x}, {chunk.nbytes})")
     descs = [_access_desc(d) for d in space.access]
     (err,) = drv.cuMemSetAccess(ptr, chunk.nbytes, descs, len(descs))
     if err:
         drv.cuMemUnmap(ptr, chunk.nbytes)
-        _check(err, f"{what}: cuMemSetAccess({ptr:#x}, {chunk.nbytes}, devices {space.access})")
+        _driver.raise_for(
+            err, f"{what}: cuMemSetAccess({ptr:#x}, {chunk.nbytes}, devices {space.access})"
+        )
 
 
 def _unmap(chunks: Sequence[Chunk], base: int) -> int:
@@ -190,7 +187,7 @@ def _devices(spec: Any, what: str, name: str) -> tuple[int, ...]:
 
 def _reserve_range(space: _Space, size: int, what: str) -> None:
     err, ptr = drv.cuMemAddressReserve(size, 0, 0, 0)
-    _check(err, f"{what}: cuMemAddressReserve({size})")
+    _driver.raise_for(err, f"{what}: cuMemAddressReserve({size})")
     space.reservations.append((int(ptr), size))
 
 
@@ -220,9 +217,6 @@ def _check_support(devs: tuple[int, ...], acc: tuple[int, ...], shareable: bool,
                     "(cuDeviceCanAccessPeer is 0), so it cannot be given access to chunks "
                     f"there; pass access= without device {a}, or devices= without device {d}"
                 )
-
-
-_OUT_OF_MEMORY = 2
 
 
 class VirtualBuffer:
@@ -481,8 +475,8 @@ class VirtualBuffer:
         err, handle = drv.cuMemCreate(self.stripe, _prop(device, self.shareable), 0)
         if not err:
             return handle
-        if int(err) != _OUT_OF_MEMORY:
-            _check(err, f"{what}: cuMemCreate({self.stripe}, device {device})")
+        if int(err) != OUT_OF_MEMORY:
+            _driver.raise_for(err, f"{what}: cuMemCreate({self.stripe}, device {device})")
         raise out_of_memory(
             resolve_context(device, what),
             err,
