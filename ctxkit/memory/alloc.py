@@ -202,13 +202,10 @@ def limit_bytes(ctx: Context) -> int:
     dev = ctx.device.ordinal
     limit = _limits.get(dev)
     if limit is None:
-        if _bound is not None:
-            limit = _bound
-        else:
-            try:
-                limit = ctx.memory_info()[1] // 4
-            except Exception:
-                limit = 0
+        try:
+            limit = _bound if _bound is not None else ctx.memory_info()[1] // 4
+        except Exception:
+            limit = 0
         _limits[dev] = limit
     return limit
 

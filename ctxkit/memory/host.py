@@ -182,15 +182,13 @@ def host_array(arr: Any, what: str, *, writable: bool = False) -> np.ndarray:
         It is not C-contiguous, or not writable when *writable*.
     """
     if not isinstance(arr, np.ndarray):
-        try:
-            arr = np.frombuffer(arr, dtype=np.uint8) if _is_buffer(arr) else None
+        try:  # anything with the buffer protocol
+            arr = np.frombuffer(arr, dtype=np.uint8)
         except (TypeError, ValueError):
-            arr = None
-        if arr is None:
             raise TypeError(
                 f"{what}: expected a numpy array or a buffer (bytes, bytearray, memoryview); "
                 "convert with np.asarray(...) first"
-            )
+            ) from None
     plain_dtype(arr.dtype, what)
     if not arr.flags.c_contiguous:
         raise ValueError(
@@ -200,14 +198,6 @@ def host_array(arr: Any, what: str, *, writable: bool = False) -> np.ndarray:
     if writable and not arr.flags.writeable:
         raise ValueError(f"{what}: the destination host array is read-only")
     return arr
-
-
-def _is_buffer(obj: Any) -> bool:
-    try:
-        memoryview(obj)
-    except TypeError:
-        return False
-    return True
 
 
 def host_address(arr: np.ndarray) -> int:

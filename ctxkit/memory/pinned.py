@@ -374,7 +374,7 @@ class PinnedPool:
         self._bytes = {"in_use": 0, "cached": 0, "pending": 0, "inflight": 0}
         self._claimed = 0
         self._count = dict.fromkeys(
-            ("requests", "hits", "allocations", "frees", "evictions", "peak"), 0
+            ("requests", "hits", "allocations", "frees", "evictions", "peak_bytes"), 0
         )
         # A private pool that is collected frees what it caches (arrays keep it alive).
         self._fin = weakref.finalize(self, free_left, self._blocks, self._returned)
@@ -542,22 +542,12 @@ class PinnedPool:
         """The pool's bytes, blocks and counters now (after settling returned blocks)."""
         self._settle()
         with self._lock:
-            b, c = self._bytes, self._count
             return PinnedPoolStats(
                 budget=self._budget,
-                in_use_bytes=b["in_use"],
-                in_use_blocks=len(self._blocks["in_use"]),
-                cached_bytes=b["cached"],
-                cached_blocks=len(self._blocks["cached"]),
-                pending_bytes=b["pending"],
-                pending_blocks=len(self._blocks["pending"]),
                 claimed_bytes=self._claimed,
-                requests=c["requests"],
-                hits=c["hits"],
-                allocations=c["allocations"],
-                frees=c["frees"],
-                evictions=c["evictions"],
-                peak_bytes=c["peak"],
+                **{f"{where}_bytes": self._bytes[where] for where in self._blocks},
+                **{f"{where}_blocks": len(blocks) for where, blocks in self._blocks.items()},
+                **self._count,
             )
 
     def trim(self, keep_bytes: int = 0) -> int:
@@ -743,7 +733,7 @@ class PinnedPool:
             self._blocks[where][block.ptr] = block
             self._bytes[where] += block.nbytes
             held = self._held_locked() - self._claimed - self._bytes["inflight"]
-            self._count["peak"] = max(self._count["peak"], held)
+            self._count["peak_bytes"] = max(self._count["peak_bytes"], held)
 
     def _evict_locked(self, limit: int, trim: bool = False) -> list[Block]:
         """Take cached blocks, least recently returned first, until the pool holds at
