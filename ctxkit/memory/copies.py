@@ -33,7 +33,6 @@ from .sizes import nbytes_arg
 
 __all__ = [
     "Mem",
-    "copy_device",
     "copy_peer",
     "device_mem",
     "disable_peer_access",
@@ -203,19 +202,14 @@ def copy_device(dst: Mem, src: Mem, n: int, stream: Any, what: str) -> bool:
     if n == 0:
         return False
     dctx, sctx = resolve_contexts(dst, src, stream, what)
-    resolved, wait = implicit(dctx, stream)
-    ours = stream_value(resolved)
+    ours = stream_value(implicit(dctx, stream)[0])
     for m, c in ((src, sctx), (dst, dctx)):
         if m.stream is not None and int(m.stream) != ours:
             sync_foreign_stream(c, m.stream, what)
-    if dctx == sctx:
-        enqueue(dctx, stream, what, "cuMemcpyDtoD", dst.ptr, src.ptr, n)
-        return False
-    direct = memcpy_peer(dst.ptr, dctx, src.ptr, sctx, n, resolved, what)
-    if wait:
-        with guard(dctx, what):
-            wait_for(dctx, resolved, what)
-    return direct
+    if dctx != sctx:
+        return memcpy_peer(dst.ptr, dctx, src.ptr, sctx, n, stream, what)
+    enqueue(dctx, stream, what, "cuMemcpyDtoD", dst.ptr, src.ptr, n)
+    return False
 
 
 def check_match(got: Any, want: Mem, what: str, name: str) -> None:
@@ -310,25 +304,11 @@ def _enabled(a: Context, b: Context) -> bool:
 def memcpy_peer(
     dptr: int, dctx: Context, sptr: int, sctx: Context, n: int, stream: Any, what: str
 ) -> bool:
-    direct = _direct(dctx, sctx)
-    if stream is None:
-        bind = dctx
-        with guard(bind, what):
-            (err,) = drv.cuMemcpyPeer(dptr, dctx.cu, sptr, sctx.cu, n)
-            if not err:
-                finish_default_stream(bind, what)
-    else:
-        if isinstance(stream, Stream):
-            bind, sh = stream.context, stream._open_handle(what)
-        else:
-            bind, sh = dctx, stream_handle(stream)
-        with guard(bind, what):
-            (err,) = drv.cuMemcpyPeerAsync(dptr, dctx.cu, sptr, sctx.cu, n, sh)
-    if err:
-        raise bind.note_error(
-            err, f"{what}: cuMemcpyPeer{'Async' if stream is not None else ''} ({n} bytes)"
-        )
-    return direct
+    """``cuMemcpyPeer`` of *n* bytes as :func:`enqueue` runs it, on a stream of either
+    context (bound for the call); returns whether peer access makes it direct."""
+    bind = stream.context if isinstance(stream, Stream) else dctx
+    enqueue(bind, stream, what, "cuMemcpyPeer", dptr, dctx.cu, sptr, sctx.cu, n)
+    return _direct(dctx, sctx)
 
 
 def _direct(a: Context, b: Context) -> bool:
