@@ -74,14 +74,13 @@ from ..binding import bind, resolve_context
 from ..context import Context, current_context, require_current, thread_state
 from ..device import Device
 from ..errors import (
-    CudaError,
     DriverNotFoundError,
     LaunchArgumentError,
     PageableCopyError,
     PageableCopyWarning,
 )
 from .alloc import OUT_OF_MEMORY, PINNED, oom
-from .sizes import shape_nbytes
+from .sizes import require_capability, shape_nbytes
 
 __all__ = [
     "HostMemory",
@@ -549,8 +548,6 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_threads_in_child)
 
 
-_NOT_SUPPORTED = 801
-
 _HOST_ALREADY_REGISTERED = 712
 
 PAGEABLE_NOTE = (
@@ -672,7 +669,13 @@ def register_host(
         return
     ctx = host_context(context, "register_host")
     if read_only:
-        _check_read_only_register(ctx)
+        require_capability(
+            ctx.device,
+            "read_only_host_register_supported",
+            "register_host(read_only=True)",
+            "cannot register host memory read-only",
+            "register it without read_only=True, or copy it into a pinned_empty() array",
+        )
     err = register_pages(ptr, nbytes, flags, ctx)
     if err == _HOST_ALREADY_REGISTERED:
         raise ValueError(
@@ -693,17 +696,6 @@ def register_host(
         with _registered_lock:
             _registered.pop(ptr, None)
         ctx.free(drv.cuMemHostUnregister, ptr)
-
-
-def _check_read_only_register(ctx: Context) -> None:
-    if not ctx.device.attribute("read_only_host_register_supported"):
-        raise CudaError(
-            f"register_host(read_only=True): device {ctx.device.ordinal} cannot register "
-            "host memory read-only (read_only_host_register_supported is 0); register it "
-            "without read_only=True, or copy it into a pinned_empty() array",
-            _NOT_SUPPORTED,
-            "CUDA_ERROR_NOT_SUPPORTED",
-        )
 
 
 def device_of(target: Any) -> int | str:

@@ -60,7 +60,6 @@ from typing import Any
 
 import numpy as np
 
-from .. import _driver
 from .._driver import drv
 from ..context import Context, context_of_cu
 from ..errors import CaptureOrderError
@@ -298,10 +297,6 @@ _Dlpack = Callable[[Any, int], None]
 
 _kinds: dict[type, tuple[_StreamOf | None, _Dlpack | None] | None] = {}
 
-_lock = threading.Lock()
-
-_driver.renew_at_fork(__name__, "_lock")
-
 
 def _torch_stream_getter() -> _StreamOf:
     """``tensor -> torch's current raw stream of its device``, the cheapest way this
@@ -374,14 +369,9 @@ def _classify(v: Any) -> tuple[_StreamOf | None, _Dlpack | None] | None:
 
 def _kind(v: Any) -> tuple[_StreamOf | None, _Dlpack | None] | None:
     t = type(v)
-    try:
-        return _kinds[t]
-    except KeyError:
-        pass
-    kind = _classify(v)
-    with _lock:
-        _kinds[t] = kind
-    return kind
+    if t not in _kinds:
+        _kinds[t] = _classify(v)  # threads racing here store the same answer
+    return _kinds[t]
 
 
 def producer_stream(v: Any) -> int | None:

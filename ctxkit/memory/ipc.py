@@ -61,7 +61,7 @@ from ..lifetime import finalizer
 from ..stream import EVENT_BLOCKING_SYNC, EVENT_DISABLE_TIMING, Event
 from .copies import context_of_pointer, device_mem
 from .device import DeviceBuffer
-from .sizes import nbytes_arg
+from .sizes import nbytes_arg, require_capability
 from .vmm import Chunk, VirtualBuffer, map_imported
 
 __all__ = [
@@ -176,8 +176,6 @@ def _received_fd(dup: Any) -> _SharedFd:
 
 EVENT_INTERPROCESS = 4  # CU_EVENT_INTERPROCESS
 
-_NOT_SUPPORTED = 801
-
 
 def _wrap_event(ctx: Context, handle: Any) -> Event:
     """An :class:`Event` for a handle made here (destroyed in *ctx* when dropped)."""
@@ -208,14 +206,13 @@ def ipc_event(context: Any = None, *, blocking: bool = False) -> Event:
         (``ipc_event_supported`` is 0).
     """
     ctx = resolve_context(context, "ipc_event")
-    if not ctx.device.attribute("ipc_event_supported"):
-        raise CudaError(
-            f"ipc_event: device {ctx.device.ordinal} cannot share events between processes "
-            "(ipc_event_supported is 0); order the processes through the host instead "
-            "(synchronize, then send a message)",
-            _NOT_SUPPORTED,
-            "CUDA_ERROR_NOT_SUPPORTED",
-        )
+    require_capability(
+        ctx.device,
+        "ipc_event_supported",
+        "ipc_event",
+        "cannot share events between processes",
+        "order the processes through the host instead (synchronize, then send a message)",
+    )
     flags = EVENT_INTERPROCESS | EVENT_DISABLE_TIMING | (EVENT_BLOCKING_SYNC if blocking else 0)
     with ctx:
         err, handle = drv.cuEventCreate(flags)

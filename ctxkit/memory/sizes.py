@@ -8,6 +8,9 @@ from typing import Any
 
 import numpy as np
 
+from ..device import Device
+from ..errors import CudaError
+
 #: The largest size the driver takes (``size_t``).
 SIZE_MAX = (1 << 64) - 1
 
@@ -42,6 +45,18 @@ def shape_nbytes(shape: Any, dtype: np.dtype[Any], what: str) -> tuple[tuple[int
     shp = shape_arg(shape)
     n = nbytes_arg(math.prod(shp) * dtype.itemsize, what, f"shape {shp} of {dtype}")
     return shp, n
+
+
+def require_capability(device: Device, attribute: str, what: str, cannot: str, fix: str) -> None:
+    """Refuse a request *device* cannot serve, before anything is made: a
+    ``CUDA_ERROR_NOT_SUPPORTED`` :class:`~ctxkit.errors.CudaError` saying what it
+    *cannot* do (its *attribute* is 0) and the *fix*."""
+    if not device.attribute(attribute):
+        raise CudaError(
+            f"{what}: device {device.ordinal} {cannot} ({attribute} is 0); {fix}",
+            801,
+            "CUDA_ERROR_NOT_SUPPORTED",
+        )
 
 
 def gib(n: int) -> str:

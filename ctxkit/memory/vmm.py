@@ -37,7 +37,7 @@ from .._driver import check_fork, drv, in_forked_child
 from ..binding import check_devices, resolve_context
 from ..context import Context, shutting_down
 from ..device import Device
-from ..errors import ContextClosedError, CudaError
+from ..errors import ContextClosedError
 from ..lifetime import free_quietly
 from .alloc import OUT_OF_MEMORY, out_of_memory
 from .copies import (
@@ -49,12 +49,9 @@ from .copies import (
 )
 from .device import DeviceArray, DeviceBuffer
 from .interop import KDL_CUDA
-from .sizes import nbytes_arg
+from .sizes import nbytes_arg, require_capability
 
 __all__ = ["Chunk", "VirtualBuffer", "allocation_granularity", "map_imported"]
-
-
-_NOT_SUPPORTED = 801
 
 
 @dataclass(frozen=True)
@@ -194,20 +191,21 @@ def _reserve_range(space: _Space, size: int, what: str) -> None:
 def _check_support(devs: tuple[int, ...], acc: tuple[int, ...], shareable: bool, what: str) -> None:
     for d in dict.fromkeys((*devs, *acc)):
         dev = Device(d)
-        if not dev.attribute("virtual_memory_management_supported"):
-            raise CudaError(
-                f"{what}: device {d} does not support virtual memory management "
-                "(virtual_memory_management_supported is 0); use DeviceBuffer",
-                _NOT_SUPPORTED,
-                "CUDA_ERROR_NOT_SUPPORTED",
-            )
-        if shareable and not dev.attribute("handle_type_posix_file_descriptor_supported"):
-            raise CudaError(
-                f"{what}: device {d} cannot export memory as POSIX file descriptors "
-                "(handle_type_posix_file_descriptor_supported is 0); create it without "
-                "shareable=True and share a DeviceBuffer through ctxkit.memory.ipc instead",
-                _NOT_SUPPORTED,
-                "CUDA_ERROR_NOT_SUPPORTED",
+        require_capability(
+            dev,
+            "virtual_memory_management_supported",
+            what,
+            "does not support virtual memory management",
+            "use DeviceBuffer",
+        )
+        if shareable:
+            require_capability(
+                dev,
+                "handle_type_posix_file_descriptor_supported",
+                what,
+                "cannot export memory as POSIX file descriptors",
+                "create it without shareable=True and share a DeviceBuffer through "
+                "ctxkit.memory.ipc instead",
             )
     for a in acc:
         for d in devs:
