@@ -422,8 +422,7 @@ def _drain(sc: StreamCache) -> list[Block]:
     run in between and put a block back re-entrantly: nothing is iterated that it could
     change, and nothing it adds is lost (it stays cached)."""
     out: list[Block] = []
-    for size in list(sc.blocks):
-        lst = sc.blocks.get(size)
+    for lst in list(sc.blocks.values()):
         while lst:
             try:
                 out.append(lst.pop())  # one at a time: a concurrent take gets the others
@@ -473,9 +472,9 @@ def flush(*, device: int | None = None, context: Any = None, sync: bool = False)
     their streams; with *sync* wait for those frees. Returns the bytes given back."""
 
     def match(sc: StreamCache) -> bool:
-        if device is not None and sc.device != device:
-            return False
-        return context is None or sc.context is context
+        return (device is None or sc.device == device) and (
+            context is None or sc.context is context
+        )
 
     freed = 0
     contexts = []
@@ -505,9 +504,8 @@ def _stream_dropped(key: Any) -> Any:
     def dropped(_ref: Any) -> None:
         with _lock:
             sc = _caches.pop(key, None)
-        if sc is None:
-            return
-        with _lock:
+            if sc is None:
+                return
             blocks = _drain(sc)
             _recount(sc.device)
         if not blocks:

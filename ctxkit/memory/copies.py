@@ -122,12 +122,11 @@ def context_of_pointer(ptr: int, what: str) -> Context:
     return Context.primary(int(ordinal))
 
 
-def stream_value(stream: Any) -> int:
-    """*stream* as a CUDA Array Interface stream value (1 for the legacy default)."""
-    if stream is None:
-        return 1
-    if isinstance(stream, Stream) and stream.handle is None:
-        return 0
+def cai_stream(stream: Any) -> int | None:
+    """*stream* as a CUDA Array Interface v3 ``"stream"`` value: ``None`` for none (or a
+    closed stream), 1 for the legacy default stream (0 is disallowed)."""
+    if stream is None or (isinstance(stream, Stream) and stream.closed):
+        return None
     return int(stream_handle(stream)) or 1
 
 
@@ -202,7 +201,7 @@ def copy_device(dst: Mem, src: Mem, n: int, stream: Any, what: str) -> bool:
     if n == 0:
         return False
     dctx, sctx = resolve_contexts(dst, src, stream, what)
-    ours = stream_value(implicit(dctx, stream)[0])
+    ours = cai_stream(implicit(dctx, stream)[0]) or 1  # None: the legacy default stream
     for m, c in ((src, sctx), (dst, dctx)):
         if m.stream is not None and int(m.stream) != ours:
             sync_foreign_stream(c, m.stream, what)

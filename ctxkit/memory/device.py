@@ -3,7 +3,7 @@
 Typed views of device memory: :class:`DeviceArray` (a shape and dtype over a
 :class:`~ctxkit.memory.device.DeviceBuffer`, no copy), its copies, and its CUDA Array
 Interface v3 / DLPack exports with the stream consumers are ordered after
-(:func:`cai_stream`). ``DeviceBuffer.view`` makes these arrays.
+(:func:`~ctxkit.memory.copies.cai_stream`). ``DeviceBuffer.view`` makes these arrays.
 
 Device memory: :class:`DeviceBuffer` (linear memory in one context, ``cuMemAlloc`` or
 stream-ordered) with its copies and its CUDA Array Interface / DLPack exports (as bytes),
@@ -37,12 +37,13 @@ from ..context import Context, thread_state
 from ..device import Device
 from ..errors import ContextClosedError
 from ..lifetime import finalizer
-from ..stream import Stream, implicit_stream, stream_for, stream_handle
+from ..stream import Stream, implicit_stream, stream_for
 from . import alloc
 from .alloc import Block, MemoryKind
 from .copies import (
     Mem,
     c_strides,
+    cai_stream,
     copy_from_device,
     copy_from_host,
     copy_to_device,
@@ -256,15 +257,6 @@ def _resolve_reshape(shape: tuple[int, ...], size: int) -> tuple[int, ...]:
     return tuple(dims)
 
 
-def cai_stream(stream: Any) -> int | None:
-    if stream is None:
-        return None
-    if isinstance(stream, Stream) and stream.closed:
-        return None
-    value = int(stream_handle(stream))
-    return value or 1  # CAI v3: 1 is the legacy default stream (0 is disallowed)
-
-
 class DeviceBuffer:
     """Linear device memory in one context: ``cuMemAlloc``, or stream-ordered from a pool.
 
@@ -399,10 +391,12 @@ class DeviceBuffer:
     @property
     def ptr(self) -> int:
         """The device address (raises ``ContextClosedError`` after :meth:`close`)."""
-        p = self._ptr
-        if p is None or (self._base is not None and self._base._ptr is None):
-            raise self._closed_error("ptr")
-        return p
+        if self.closed:
+            raise ContextClosedError(
+                f"{type(self).__name__}.ptr: the buffer was closed (its memory is freed); "
+                "allocate a new one"
+            )
+        return self._ptr  # type: ignore[return-value]
 
     @property
     def closed(self) -> bool:
@@ -413,12 +407,6 @@ class DeviceBuffer:
     def device(self) -> Device:
         """The device the memory is on."""
         return self.context.device
-
-    def _closed_error(self, what: str) -> ContextClosedError:
-        return ContextClosedError(
-            f"{type(self).__name__}.{what}: the buffer was closed (its memory is freed); "
-            "allocate a new one"
-        )
 
     def __repr__(self) -> str:
         if self.closed:

@@ -204,14 +204,6 @@ def host_address(arr: np.ndarray) -> int:
     return int(arr.__array_interface__["data"][0] or 0)
 
 
-def _driver_present() -> bool:
-    try:
-        _driver.init()
-    except DriverNotFoundError:
-        return False
-    return True
-
-
 def is_pinned(arr: Any) -> bool:
     """True when the array's memory is page-locked (``pinned_empty``/``register_host``
     or another library's pinned allocator); False for ordinary pageable memory.
@@ -224,7 +216,11 @@ def is_pinned(arr: Any) -> bool:
     pinned. Without a driver (or cuda-bindings) no memory is pinned: False.
     """
     a = host_array(arr, "is_pinned") if not isinstance(arr, np.ndarray) else arr
-    if a.size == 0 or not _driver_present():
+    if a.size == 0:
+        return False
+    try:
+        _driver.init()
+    except DriverNotFoundError:  # without a driver no memory is pinned
         return False
     first = host_address(a)
     last = first + a.nbytes - 1

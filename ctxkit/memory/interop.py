@@ -64,7 +64,7 @@ from .._driver import drv
 from ..context import Context, context_of_cu
 from ..errors import CaptureOrderError
 from ..lifetime import captured_streams, finalizer
-from ..stream import Stream, implicit_stream
+from ..stream import EVENT_DISABLE_TIMING, Stream, implicit_stream
 
 __all__ = [
     "KDL_CPU",
@@ -274,8 +274,6 @@ def to_capsule(
         _live.pop(addr, None)
         raise
 
-
-_EVENT_DISABLE_TIMING = 2
 
 _STREAM_NON_BLOCKING = 1
 
@@ -616,11 +614,7 @@ def _blocking(handle: Any) -> bool:
 
 def _stream_context(handle: Any, fallback: Context) -> Context:
     err, cu = drv.cuStreamGetCtx(handle)
-    if err or not int(cu):
-        return fallback
-    if int(cu) == fallback.handle:
-        return fallback
-    return context_of_cu(cu)
+    return fallback if err or int(cu) in (0, fallback.handle) else context_of_cu(cu)
 
 
 class _Holder:
@@ -651,7 +645,7 @@ def _event(ctx: Context) -> Any:
     hit = events.get(ctx.handle)
     if hit is not None and hit[0] is ctx:
         return hit[1]
-    err, ev = drv.cuEventCreate(_EVENT_DISABLE_TIMING)
+    err, ev = drv.cuEventCreate(EVENT_DISABLE_TIMING)
     if err:
         raise ctx.note_error(err, "cuEventCreate for producer-stream ordering")
     events[ctx.handle] = (ctx, ev)

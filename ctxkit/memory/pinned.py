@@ -643,9 +643,27 @@ class PinnedPool:
         registry's shared context of the device."""
         ctx = _registry.context(host_context(context, what).device.ordinal)
         ctx.check_usable()
-        cached = self._reserve(cls, what, reuse, wait, headroom)
-        if cached is not None:
-            return cached
+        need = cls + headroom
+        if need > self._budget - self._claimed:
+            raise self._over_budget(cls, what)
+        waited = False
+        while True:  # count cls bytes as being allocated: free cached, then wait for pending
+            with self._lock:
+                block = self._take_cached_locked(cls) if waited and reuse else None
+                if block is not None:
+                    return block  # waiting made a cached one that fits available
+                victims = self._evict_locked(self._budget - need)
+                ok = self._held_locked() + need <= self._budget
+                if ok:
+                    self._bytes["inflight"] += cls
+                pending = list(self._blocks["pending"].values())
+            self._free(victims)
+            if ok:
+                break
+            if waited or not pending or not wait:
+                raise self._over_budget(cls, what)
+            self._settle(pending)
+            waited = True
         try:
             pages = self._lock_new(cls, ctx, what)
         except BaseException:
@@ -658,36 +676,6 @@ class PinnedPool:
             self._put_locked(block, "in_use")
             self._count["allocations"] += 1
         return block
-
-    def _reserve(
-        self, cls: int, what: str, reuse: bool, wait: bool = True, headroom: int = 0
-    ) -> Block | None:
-        """Count *cls* bytes as being allocated, freeing cached blocks and then waiting
-        for pending ones to make room; OutOfMemoryError when they cannot fit. Returns a
-        cached block instead when waiting made one that fits available (*reuse*)."""
-        need = cls + headroom
-        if need > self._budget - self._claimed:
-            raise self._over_budget(cls, what)
-        waited = False
-        while True:
-            with self._lock:
-                block = self._take_cached_locked(cls) if waited and reuse else None
-                if block is not None:
-                    return block
-                victims = self._evict_locked(self._budget - need)
-                ok = self._held_locked() + need <= self._budget
-                if ok:
-                    self._bytes["inflight"] += cls
-                pending = list(self._blocks["pending"].values())
-            self._free(victims)
-            if ok:
-                return None
-            if waited or not pending or not wait:
-                raise self._over_budget(cls, what)
-            self._settle(pending)
-            waited = True
-
-    # --- handing out ---------------------------------------------------------------
 
     def _take_cached_locked(self, cls: int) -> Block | None:
         best: Block | None = None
