@@ -130,28 +130,6 @@ def cai_stream(stream: Any) -> int | None:
     return int(stream_handle(stream)) or 1
 
 
-def sync_foreign_stream(ctx: Context, value: int, what: str) -> None:
-    """CUDA Array Interface v3: the consumer synchronizes the producer's stream."""
-    with guard(ctx, what):
-        (err,) = drv.cuStreamSynchronize(drv.CUstream(int(value)))
-    if err:
-        raise ctx.note_error(err, f"cuStreamSynchronize({int(value):#x}) for {what}")
-
-
-def finish_default_stream(ctx: Context, what: str) -> None:
-    """Wait for the default stream of the bound context *ctx* (call inside its guard).
-
-    ``stream=None`` operations complete before they return. The driver runs device-side
-    ones (memset, device-to-device and peer copies, the DMA of a copy from pageable
-    memory) asynchronously to the host, on the legacy default stream, which is not
-    ordered with non-blocking streams (``ctxkit.Stream()``'s default): without this wait,
-    work enqueued next on such a stream could overtake them.
-    """
-    (err,) = drv.cuStreamSynchronize(stream_handle(None))
-    if err:
-        raise ctx.note_error(err, f"{what}: cuStreamSynchronize(default stream)")
-
-
 def implicit(ctx: Context, stream: Any) -> tuple[Any, bool]:
     """``(stream, wait)`` for an operation given *stream* on memory of *ctx*.
 
@@ -166,33 +144,34 @@ def implicit(ctx: Context, stream: Any) -> tuple[Any, bool]:
     return (None, False) if cur is None else (cur, True)
 
 
-def wait_for(ctx: Context, stream: Any, what: str) -> None:
-    """Block until *stream* (a stream of the bound context *ctx*) has finished."""
-    (err,) = drv.cuStreamSynchronize(stream_for(stream, ctx, what))
-    if err:
-        raise ctx.note_error(err, f"{what}: cuStreamSynchronize(current stream)")
-
-
 def enqueue(ctx: Context, stream: Any, what: str, fn: str, *args: Any, finish: bool = True) -> None:
     """The one way a copy or memset of memory in *ctx* runs: ``fn(*args)`` on the legacy
-    default stream (waited for with *finish*: device-side work the driver runs
-    asynchronously), else ``fnAsync(*args, stream)``, which a ``stream=None`` call on the
-    thread's current stream waits for (:func:`implicit`). The last of *args* is the byte
-    count; a driver error is raised with it."""
+    default stream, else ``fnAsync(*args, stream)``. The last of *args* is the byte count;
+    a driver error is raised with it.
+
+    ``stream=None`` operations complete before they return: on the thread's current
+    stream (:func:`implicit`) the stream is waited for; on the legacy default stream it
+    is too with *finish*, as the driver runs device-side work (memset, device-to-device
+    and peer copies, the DMA of a copy from pageable memory) asynchronously to the host
+    there, unordered with non-blocking streams (``ctxkit.Stream()``'s default): without
+    the wait, work enqueued next on such a stream could overtake it.
+    """
     stream, wait = implicit(ctx, stream)
-    if stream is None:
-        with guard(ctx, what):
+    with guard(ctx, what):
+        if stream is None:
+            sh = stream_handle(None)
             (err,) = getattr(drv, fn)(*args)
-            if not err and finish:
-                finish_default_stream(ctx, what)
-    else:
-        sh = stream_for(stream, ctx, what)
-        with guard(ctx, what):
+        else:
+            sh = stream_for(stream, ctx, what)
             (err,) = getattr(drv, fn + "Async")(*args, sh)
-            if not err and wait:
-                wait_for(ctx, stream, what)
-    if err:
-        raise ctx.note_error(err, f"{what}: {fn} ({args[-1]} bytes)")
+            finish = wait
+        if err:
+            raise ctx.note_error(err, f"{what}: {fn} ({args[-1]} bytes)")
+        if finish:
+            (err,) = drv.cuStreamSynchronize(sh)
+            if err:
+                which = "default" if stream is None else "current"
+                raise ctx.note_error(err, f"{what}: cuStreamSynchronize({which} stream)")
 
 
 def copy_device(dst: Mem, src: Mem, n: int, stream: Any, what: str) -> bool:
@@ -204,7 +183,11 @@ def copy_device(dst: Mem, src: Mem, n: int, stream: Any, what: str) -> bool:
     ours = cai_stream(implicit(dctx, stream)[0]) or 1  # None: the legacy default stream
     for m, c in ((src, sctx), (dst, dctx)):
         if m.stream is not None and int(m.stream) != ours:
-            sync_foreign_stream(c, m.stream, what)
+            # CUDA Array Interface v3: the consumer synchronizes the producer's stream
+            with guard(c, what):
+                (err,) = drv.cuStreamSynchronize(drv.CUstream(int(m.stream)))
+            if err:
+                raise c.note_error(err, f"cuStreamSynchronize({int(m.stream):#x}) for {what}")
     if dctx != sctx:
         return memcpy_peer(dst.ptr, dctx, src.ptr, sctx, n, stream, what)
     enqueue(dctx, stream, what, "cuMemcpyDtoD", dst.ptr, src.ptr, n)

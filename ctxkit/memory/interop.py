@@ -195,30 +195,12 @@ def dlpack_dtype(dtype: np.dtype[Any]) -> tuple[int, int, int]:
     return code, dt.itemsize * 8, 1
 
 
-def _int64_array(values: tuple[int, ...]) -> Any:
+def _int64s(values: tuple[int, ...]) -> Any:
+    """*values* as a C ``int64_t`` array (of at least one element)."""
     return (ctypes.c_int64 * max(len(values), 1))(*values)
 
 
-def _fill_tensor(
-    t: DLTensor,
-    ptr: int,
-    shape: tuple[int, ...],
-    strides: tuple[int, ...] | None,
-    dtype: np.dtype[Any],
-    device: tuple[int, int],
-) -> tuple[Any, Any]:
-    code, bits, lanes = dlpack_dtype(dtype)
-    c_shape = _int64_array(shape)
-    c_strides = _int64_array(strides) if strides is not None else None
-    t.data = ptr or None
-    t.device = DLDevice(device[0], device[1])
-    t.ndim = len(shape)
-    t.dtype = DLDataType(code, bits, lanes)
-    t.shape = ctypes.cast(c_shape, ctypes.POINTER(ctypes.c_int64))
-    if c_strides is not None:
-        t.strides = ctypes.cast(c_strides, ctypes.POINTER(ctypes.c_int64))
-    t.byte_offset = 0
-    return c_shape, c_strides
+_INT64_P = ctypes.POINTER(ctypes.c_int64)
 
 
 def to_capsule(
@@ -263,7 +245,18 @@ def to_capsule(
     else:
         managed = DLManagedTensor()
         name = _NAME_LEGACY
-    arrays = _fill_tensor(managed.dl_tensor, ptr, shape, strides, dtype, device)
+    c_shape = _int64s(shape)
+    c_strides = None if strides is None else _int64s(strides)
+    managed.dl_tensor = DLTensor(
+        ptr or None,
+        DLDevice(*device),
+        len(shape),
+        DLDataType(*dlpack_dtype(dtype)),
+        ctypes.cast(c_shape, _INT64_P),
+        None if c_strides is None else ctypes.cast(c_strides, _INT64_P),
+        0,
+    )
+    arrays = (c_shape, c_strides)  # kept alive with the struct
     managed.deleter = _DELETER
     addr = ctypes.addressof(managed)
     managed.manager_ctx = addr
