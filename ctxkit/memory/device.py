@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
@@ -257,6 +257,9 @@ def _resolve_reshape(shape: tuple[int, ...], size: int) -> tuple[int, ...]:
     return tuple(dims)
 
 
+_Buffer = TypeVar("_Buffer", bound="DeviceBuffer")
+
+
 class DeviceBuffer:
     """Linear device memory in one context: ``cuMemAlloc``, or stream-ordered from a pool.
 
@@ -361,8 +364,8 @@ class DeviceBuffer:
 
     @classmethod
     def from_pointer(
-        cls, ptr: int, nbytes: int, context: Any = None, owner: Any = None
-    ) -> DeviceBuffer:
+        cls: type[_Buffer], ptr: int, nbytes: int, context: Any = None, owner: Any = None
+    ) -> _Buffer:
         """Wrap device memory allocated elsewhere (not freed by ctxkit).
 
         *owner* is kept alive as long as the wrapper (and its views) live.
@@ -392,10 +395,7 @@ class DeviceBuffer:
     def ptr(self) -> int:
         """The device address (raises ``ContextClosedError`` after :meth:`close`)."""
         if self.closed:
-            raise ContextClosedError(
-                f"{type(self).__name__}.ptr: the buffer was closed (its memory is freed); "
-                "allocate a new one"
-            )
+            raise self._closed_error("ptr")
         return self._ptr  # type: ignore[return-value]
 
     @property
@@ -407,6 +407,13 @@ class DeviceBuffer:
     def device(self) -> Device:
         """The device the memory is on."""
         return self.context.device
+
+    def _closed_error(self, what: str) -> ContextClosedError:
+        """The error of a use after :meth:`close` (a subclass may say why it closed)."""
+        return ContextClosedError(
+            f"{type(self).__name__}.{what}: the buffer was closed (its memory is freed); "
+            "allocate a new one"
+        )
 
     def __repr__(self) -> str:
         if self.closed:

@@ -694,17 +694,6 @@ def register_host(
         ctx.free(drv.cuMemHostUnregister, ptr)
 
 
-def device_of(target: Any) -> int | str:
-    """A device ordinal for a Device/int/Context, or ``"cpu"``."""
-    if isinstance(target, str):
-        if target.lower() not in ("cpu", "host"):
-            raise ValueError(f"target must be a device or 'cpu', got {target!r}")
-        return "cpu"
-    if isinstance(target, Context):
-        return target.device.ordinal
-    return Device(target).ordinal
-
-
 def host_device_pointer(arr: np.ndarray) -> int | None:
     """Device address of a page-locked or managed host array for a kernel argument.
 
@@ -827,10 +816,11 @@ def host_memory_flags(arr: Any) -> HostMemoryFlags:
     reg = _registered_flags(first, last)
     if reg is not None:
         return _flags("registered", reg, dptr)
-    flags = _host_alloc_flags(first)
-    if flags is None:
+    # cuMemHostGetFlags refuses memory that is not a cuMemHostAlloc block (registered)
+    err, flags = _with_any_context(drv.cuMemHostGetFlags, first)
+    if err:
         return HostMemoryFlags("registered", device_pointer=dptr)
-    return _flags("allocated", flags, dptr)
+    return _flags("allocated", int(flags), dptr)
 
 
 def _flags(kind: str, flags: int, dptr: int) -> HostMemoryFlags:
@@ -852,13 +842,6 @@ def _with_any_context(fn: Any, *args: Any) -> tuple[Any, Any]:
         with bind(0):
             err, value = fn(*args)
     return err, value
-
-
-def _host_alloc_flags(ptr: int) -> int | None:
-    """``cuMemHostGetFlags`` of pinned *ptr*; ``None`` when the driver refuses, as it does
-    for memory that is not a ``cuMemHostAlloc`` block (registered memory)."""
-    err, flags = _with_any_context(drv.cuMemHostGetFlags, ptr)
-    return None if err else int(flags)
 
 
 def _device_pointer_of(ptr: int, what: str) -> int:

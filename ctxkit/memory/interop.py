@@ -481,9 +481,7 @@ _CAPTURE_ISOLATION = 905  # CUDA_ERROR_STREAM_CAPTURE_ISOLATION
 def _capture_info(handle: Any) -> tuple[int, int]:
     """``(capture status, capture id)`` of a stream (``(0, 0)`` if the driver refuses)."""
     res = drv.cuStreamGetCaptureInfo(handle)
-    if res[0]:
-        return _CAPTURE_NONE, 0
-    return int(res[1]), int(res[2])
+    return (_CAPTURE_NONE, 0) if res[0] else (int(res[1]), int(res[2]))
 
 
 def _capturing(consumer: int) -> bool:

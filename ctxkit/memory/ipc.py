@@ -350,9 +350,7 @@ class IpcBufferHandle(_Exported):
 
     def open(self, context: Any = None) -> ImportedBuffer:
         """:func:`import_buffer` (self, context)."""
-        buf = import_buffer(self, context)
-        assert isinstance(buf, ImportedBuffer)
-        return buf
+        return import_buffer(self, context)  # type: ignore[return-value]
 
 
 def export_buffer(buf: Any) -> IpcBufferHandle | IpcVirtualBufferHandle:
@@ -446,9 +444,7 @@ def import_buffer(
             err, f"{what}: cuIpcOpenMemHandle (memory of process {handle.pid}) in {ctx!r}"
         )
     mapping = _Mapping(ctx, int(base))
-    buf = ImportedBuffer.from_pointer(int(base) + handle.offset, handle.nbytes, ctx, owner=mapping)
-    assert isinstance(buf, ImportedBuffer)
-    return buf
+    return ImportedBuffer.from_pointer(int(base) + handle.offset, handle.nbytes, ctx, owner=mapping)
 
 
 _POSIX_FD = 1  # CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR

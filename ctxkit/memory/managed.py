@@ -23,7 +23,6 @@ from . import alloc
 from .device import DeviceBuffer
 from .host import (
     HostMemory,
-    device_of,
     plain_dtype,
 )
 from .sizes import shape_arg
@@ -59,8 +58,9 @@ def concurrent_managed_access(device: Device) -> bool:
     """Whether the host may touch managed memory while kernels run on *device*."""
     v = _concurrent_managed.get(device.ordinal)
     if v is None:
-        v = bool(device.attribute("concurrent_managed_access"))
-        _concurrent_managed[device.ordinal] = v
+        v = _concurrent_managed[device.ordinal] = bool(
+            device.attribute("concurrent_managed_access")
+        )
     return v
 
 
@@ -142,13 +142,23 @@ class ManagedBuffer(DeviceBuffer):
         prefetch is enqueued there, in that stream's context)."""
         what = "ManagedBuffer.prefetch"
         ptr = self.ptr
-        tgt = device_of(target) if target is not None else self.context.device.ordinal
+        tgt = self._target(target)
         if self.nbytes == 0:
             return
         ctx = stream.context if isinstance(stream, Stream) else self.context
         sh = stream_for(stream, ctx, what)
         with guard(ctx, what):
             _driver.mem_prefetch(ptr, self.nbytes, tgt, sh)
+
+    def _target(self, target: Any) -> int | str:
+        """A device ordinal for a Device/int/Context (``None``: its own), or ``"cpu"``."""
+        if target is None:
+            return self.context.device.ordinal
+        if isinstance(target, str):
+            if target.lower() not in ("cpu", "host"):
+                raise ValueError(f"target must be a device or 'cpu', got {target!r}")
+            return "cpu"
+        return target.device.ordinal if isinstance(target, Context) else Device(target).ordinal
 
     def advise(self, advice: Any, target: Any = None) -> None:
         """``cuMemAdvise``: *advice* is ``"read_mostly"``, ``"preferred_location"``,
@@ -157,7 +167,7 @@ class ManagedBuffer(DeviceBuffer):
         what = "ManagedBuffer.advise"
         ptr = self.ptr
         adv = _advice(advice)
-        tgt = device_of(target) if target is not None else self.context.device.ordinal
+        tgt = self._target(target)
         if self.nbytes == 0:
             return
         with guard(self.context, what):

@@ -272,10 +272,6 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reset_in_child)
 
 
-def _flat_bytes(a: np.ndarray) -> np.ndarray:
-    return a.reshape(-1).view(np.uint8)
-
-
 def _streamable(dst: Any, src: Any) -> bool:
     return (
         isinstance(dst, np.ndarray)
@@ -304,7 +300,7 @@ def copy_streaming(dst: np.ndarray, src: np.ndarray) -> None:
     if fn is None or not _streamable(dst, src):
         np.copyto(dst, src)
         return
-    d8, s8 = _flat_bytes(dst), _flat_bytes(src)
+    d8, s8 = dst.reshape(-1).view(np.uint8), src.reshape(-1).view(np.uint8)
     n = d8.shape[0]
     d = host_address(d8)
     s = host_address(s8)

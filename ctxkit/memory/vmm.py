@@ -175,10 +175,7 @@ def _finalize(ctx: Context, space: _Space) -> None:
 
 
 def _devices(spec: Any, what: str, name: str) -> tuple[int, ...]:
-    if spec is None:
-        return ()
-    checked = check_devices(spec, f"{what} {name}=")
-    assert checked is not None
+    checked = check_devices(spec, f"{what} {name}=") or ()  # None: none given
     return tuple(c.device.ordinal if isinstance(c, Context) else Device(c).ordinal for c in checked)
 
 
