@@ -533,15 +533,10 @@ def _touch_threads() -> ThreadPoolExecutor:
         return _touch_pool
 
 
-def _forget_threads_in_child() -> None:
-    """A forked child has none of the parent's threads: a new pool when it needs one."""
-    global _touch_pool, _touch_lock
-    _touch_pool = None
-    _touch_lock = threading.Lock()
+# a forked child has none of the parent's threads: a new pool when it needs one
+_driver.renew_at_fork(__name__, "_touch_pool", lambda: None)
 
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_threads_in_child)
+_driver.renew_at_fork(__name__, "_touch_lock")
 
 
 _HOST_ALREADY_REGISTERED = 712
@@ -594,11 +589,7 @@ def pageable_async(what: str) -> None:
     warnings.warn(msg, PageableCopyWarning, stacklevel=_stacklevel())
 
 
-_registered: dict[int, tuple[int, int]] = {}
-
-_registered_lock = threading.Lock()
-
-_driver.renew_at_fork(__name__, "_registered_lock")
+_registered: dict[int, tuple[int, int]] = {}  # start -> (end, flags) of register_host
 
 
 def check_async_host(arr: np.ndarray, what: str) -> None:
@@ -684,13 +675,11 @@ def register_host(
         if not a.flags.writeable and not read_only:
             what += " of a read-only array (pass read_only=True for read-only pages)"
         raise ctx.note_error(err, what)
-    with _registered_lock:
-        _registered[ptr] = (ptr + nbytes, flags)
+    _registered[ptr] = (ptr + nbytes, flags)
     try:
         yield a
     finally:
-        with _registered_lock:
-            _registered.pop(ptr, None)
+        _registered.pop(ptr, None)
         ctx.free(drv.cuMemHostUnregister, ptr)
 
 
@@ -786,10 +775,9 @@ class HostMemoryFlags:
 
 
 def _registered_flags(first: int, last: int) -> int | None:
-    with _registered_lock:
-        for start, (end, flags) in _registered.items():
-            if start <= first and last < end:
-                return flags
+    for start, (end, flags) in list(_registered.items()):  # a snapshot: no lock needed
+        if start <= first and last < end:
+            return flags
     return None
 
 

@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from .. import _driver
 from .._env import streaming_copy
 from .host import host_address
 
@@ -262,14 +263,10 @@ def streaming_pays(total_bytes: int) -> bool:
     return total_bytes >= last_level_cache_bytes()
 
 
-def _reset_in_child() -> None:
-    # A build thread of the parent does not exist in a forked child: build again there.
-    _State.lock = threading.Lock()
-    _State.building = False
+# a build thread of the parent does not exist in a forked child: build again there
+_driver.renew_at_fork(_State, "lock")
 
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_in_child)
+_driver.renew_at_fork(_State, "building", lambda: False)
 
 
 def _streamable(dst: Any, src: Any) -> bool:
