@@ -304,10 +304,11 @@ _HINTS = {
 }
 
 
-def _ipc_error(err: Any, what: str) -> CudaError:
-    code = int(err)
-    hint = _HINTS.get(code, "")
-    return _driver.from_result(code, what, f"IPC: {hint}." if hint else "")
+def _check_ipc(err: Any, what: str) -> None:
+    """Raise the driver's error of a failed IPC call, with what it means for IPC."""
+    if err:
+        hint = _HINTS.get(int(err), "")
+        raise _driver.from_result(int(err), what, f"IPC: {hint}." if hint else "")
 
 
 def _origin(dev: Device) -> _Origin:
@@ -400,8 +401,7 @@ def export_pointer(ptr: int, nbytes: int, context: Any) -> IpcBufferHandle:
                 f"allocation ({size} bytes at {base:#x})"
             )
         err, handle = drv.cuIpcGetMemHandle(base)
-    if err:
-        raise _ipc_error(err, f"{what}: cuIpcGetMemHandle({base:#x}) in {ctx!r}")
+    _check_ipc(err, f"{what}: cuIpcGetMemHandle({base:#x}) in {ctx!r}")
     return IpcBufferHandle(_to_bytes(handle), int(ptr) - base, int(nbytes), _origin(ctx.device))
 
 
@@ -439,10 +439,7 @@ def import_buffer(
     raw = _from_bytes(drv.CUipcMemHandle, handle.handle)
     with ctx:
         err, base = drv.cuIpcOpenMemHandle(raw, IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
-    if err:
-        raise _ipc_error(
-            err, f"{what}: cuIpcOpenMemHandle (memory of process {handle.pid}) in {ctx!r}"
-        )
+    _check_ipc(err, f"{what}: cuIpcOpenMemHandle (memory of process {handle.pid}) in {ctx!r}")
     mapping = _Mapping(ctx, int(base))
     return ImportedBuffer.from_pointer(int(base) + handle.offset, handle.nbytes, ctx, owner=mapping)
 
@@ -492,10 +489,9 @@ def _export_virtual(vb: VirtualBuffer, what: str) -> IpcVirtualBufferHandle:
             err, fd = drv.cuMemExportToShareableHandle(
                 c.handle, drv.CUmemAllocationHandleType(_POSIX_FD), 0
             )
-            if err:
-                raise _ipc_error(
-                    err, f"{what}: cuMemExportToShareableHandle(POSIX_FD) of {ptr + c.offset:#x}"
-                )
+            _check_ipc(
+                err, f"{what}: cuMemExportToShareableHandle(POSIX_FD) of {ptr + c.offset:#x}"
+            )
             fds.append(_SharedFd(int(fd)))
     return IpcVirtualBufferHandle(
         tuple((c.offset, c.nbytes, uuids[c.device]) for c in vb.chunks),
@@ -519,10 +515,7 @@ def _import_virtual(handle: IpcVirtualBufferHandle, context: Any, what: str) -> 
                     )
                 finally:
                     os.close(fd)
-                if err:
-                    raise _ipc_error(
-                        err, f"{what}: cuMemImportFromShareableHandle(POSIX_FD) in {ctx!r}"
-                    )
+                _check_ipc(err, f"{what}: cuMemImportFromShareableHandle(POSIX_FD) in {ctx!r}")
                 dev = _device_with_uuid(dev_uuid)
                 chunks.append(Chunk(offset, nbytes, dev.ordinal if dev else -1, h))
     except BaseException:
@@ -566,13 +559,12 @@ def export_event(event: Event) -> IpcEventHandle:
     ctx = event.context
     with guard(ctx, what):
         err, raw = drv.cuIpcGetEventHandle(handle)
-    if err:
-        raise _driver.from_result(
-            int(err),
-            f"{what}: cuIpcGetEventHandle({event!r})",
-            "IPC: create the event with ctxkit.memory.ipc.ipc_event() (CU_EVENT_INTERPROCESS "
-            "| CU_EVENT_DISABLE_TIMING).",
-        )
+    _driver.raise_for(
+        err,
+        f"{what}: cuIpcGetEventHandle({event!r})",
+        "IPC: create the event with ctxkit.memory.ipc.ipc_event() (CU_EVENT_INTERPROCESS "
+        "| CU_EVENT_DISABLE_TIMING).",
+    )
     return IpcEventHandle(_to_bytes(raw), _origin(ctx.device))
 
 
@@ -591,8 +583,5 @@ def import_event(handle: IpcEventHandle, context: Any = None) -> Event:
     raw = _from_bytes(drv.CUipcEventHandle, handle.handle)
     with ctx:
         err, ev = drv.cuIpcOpenEventHandle(raw)
-    if err:
-        raise _ipc_error(
-            err, f"{what}: cuIpcOpenEventHandle (event of process {handle.pid}) in {ctx!r}"
-        )
+    _check_ipc(err, f"{what}: cuIpcOpenEventHandle (event of process {handle.pid}) in {ctx!r}")
     return _wrap_event(ctx, ev)

@@ -243,15 +243,12 @@ class Block:
 
 def as_streams(stream: Any, what: str) -> list[Stream]:
     """``stream=`` of the pool: None, a stream, or a sequence of streams."""
+    items = list(stream) if isinstance(stream, (list, tuple)) else [stream]
     if stream is None:
         return []
-    items = list(stream) if isinstance(stream, (list, tuple)) else [stream]
-    out = []
-    for s in items:
-        if s is None:
-            raise TypeError(f"{what}: stream sequences may not contain None")
-        out.append(s if isinstance(s, Stream) else Stream.from_handle(s))
-    return out
+    if any(s is None for s in items):
+        raise TypeError(f"{what}: stream sequences may not contain None")
+    return [s if isinstance(s, Stream) else Stream.from_handle(s) for s in items]
 
 
 class EventCache:
@@ -279,7 +276,7 @@ class EventCache:
             return ev
         except Exception:
             if ev is not None:
-                self.give(ev)
+                self.give([(ev, True)])
         sync_quietly(ctx)
         return None
 
@@ -292,13 +289,14 @@ class EventCache:
                     return ev
         return Event(timing=False, context=ctx)
 
-    def give(self, ev: Event) -> None:
-        """Keep *ev* for a later :meth:`record` (dropped when its context is gone)."""
-        ctx = ev.context
-        if ev.handle is None or ctx.closed or ctx.poisoned:
-            return
-        with self._lock:
-            self._spare.setdefault(id(ctx), []).append(ev)
+    def give(self, events: Sequence[tuple[Event, bool]]) -> None:
+        """Keep the pool's own of *events* (``(event, owned)`` pairs) for a later
+        :meth:`record` (dropped when their context is gone)."""
+        for ev, owned in events:
+            ctx = ev.context
+            if owned and ev.handle is not None and not (ctx.closed or ctx.poisoned):
+                with self._lock:
+                    self._spare.setdefault(id(ctx), []).append(ev)
 
 
 def sync_quietly(ctx: Context) -> None:
@@ -767,9 +765,7 @@ class PinnedPool:
         """``cuMemFreeHost`` each block in its context (never raising); the bytes."""
         freed = 0
         for block in blocks:
-            for ev, owned in block.events:
-                if owned:
-                    self._events.give(ev)
+            self._events.give(block.events)
             block.events = []
             if block.usable():
                 with self._lock:
@@ -867,9 +863,7 @@ class PinnedPool:
                 self._put_locked(block, "cached" if block.usable() else None)
                 if block.where is None:
                     dead.append(block)
-        for ev, owned in spent_all:
-            if owned:
-                self._events.give(ev)
+        self._events.give(spent_all)
         self._free(dead)
 
 
