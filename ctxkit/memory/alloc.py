@@ -447,19 +447,6 @@ def _recount(device: int) -> None:
     _held[device] = _cached(lambda sc: sc.device == device)
 
 
-def _take_all(match: Any) -> list[tuple[StreamCache, list[Block]]]:
-    out = []
-    with _lock:
-        for sc in list(_caches.values()):
-            if sc.blocks and match(sc):
-                blocks = _drain(sc)
-                if blocks:
-                    out.append((sc, blocks))
-        for dev in {sc.device for sc, _b in out}:
-            _recount(dev)
-    return out
-
-
 def _free_blocks(sc: StreamCache, blocks: list[Block], stream: Any) -> None:
     ctx = sc.context
     for b in blocks:
@@ -476,9 +463,17 @@ def flush(*, device: int | None = None, context: Any = None, sync: bool = False)
             context is None or sc.context is context
         )
 
+    taken = []
+    with _lock:
+        for sc in list(_caches.values()):
+            blocks = _drain(sc) if sc.blocks and match(sc) else None
+            if blocks:
+                taken.append((sc, blocks))
+        for dev in {sc.device for sc, _b in taken}:
+            _recount(dev)
     freed = 0
     contexts = []
-    for sc, blocks in _take_all(match):
+    for sc, blocks in taken:
         _free_blocks(sc, blocks, sc.stream())
         freed += sum(b.size for b in blocks)
         if sc.context not in contexts:
