@@ -41,6 +41,7 @@ never cached; gives back during a capture are held back by :mod:`ctxkit.lifetime
 from __future__ import annotations
 
 import atexit
+import contextlib
 import threading
 import weakref
 from dataclasses import dataclass
@@ -253,11 +254,9 @@ class Block:
         # The buffer was dropped without close(). A finalizer runs once per object, so
         # the cache gets a fresh Block, never this one.
         if self.token:
-            try:
+            with contextlib.suppress(Exception):  # interpreter teardown
                 self.token.clear()
                 give_back(Block(self.ptr, self.size, self.home, self.stream), None)  # type: ignore[arg-type]
-            except Exception:  # pragma: no cover - interpreter teardown
-                pass
 
 
 def _key(stream: Stream, pool: Any) -> tuple[Any, bool] | None:

@@ -44,6 +44,7 @@ The export and import functions tell this process from others by ``_PROCESS_TAG`
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import uuid
@@ -144,10 +145,8 @@ def _from_bytes(cls: Any, data: bytes) -> Any:
 
 
 def _close_fd(fd: int) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.close(fd)
-    except OSError:
-        pass
 
 
 class _SharedFd:

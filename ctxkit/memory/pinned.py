@@ -60,6 +60,7 @@ cached). Last, :func:`pinned_pool`, the process-wide instance.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import threading
 import weakref
@@ -301,10 +302,8 @@ class EventCache:
 
 def sync_quietly(ctx: Context) -> None:
     """Wait for all work of *ctx*, never raising."""
-    try:
+    with contextlib.suppress(Exception):  # poisoned: no work of it will run any more
         ctx.synchronize()
-    except Exception:
-        pass  # poisoned: no work of it will run any more
 
 
 def event_done(ev: Event) -> bool:
@@ -325,11 +324,9 @@ def event_done(ev: Event) -> bool:
 def sync_event(ev: Event) -> None:
     """Wait on the host for *ev*, never raising (a closed event or a poisoned context:
     :func:`event_done` decides what that means)."""
-    try:
+    with contextlib.suppress(Exception):
         with ev.context:  # bound explicitly: strict mode refuses implicit binds
             ev.synchronize()
-    except Exception:
-        pass
 
 
 def free_left(blocks: dict[str, dict[int, Block]], returned: collections.deque[Block]) -> None:

@@ -19,6 +19,7 @@ environment), the copy is ``np.copyto``.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -190,10 +191,8 @@ def build_streaming_copy() -> None:
         if _State.loaded or _State.building:
             return
         _State.building = True
-    try:
+    with contextlib.suppress(RuntimeError):  # no new threads at interpreter exit: copies stay plain
         threading.Thread(target=_build, name="ctxkit-streamcopy-build", daemon=True).start()
-    except RuntimeError:  # no new threads at interpreter exit: copies stay plain
-        pass
 
 
 def _loop() -> _CopyFn | None:
@@ -235,12 +234,10 @@ def _cache_size(text: str) -> int:
 def last_level_cache_bytes() -> int:
     """The size of the largest CPU cache (``sysconf``, else sysfs, else
     :data:`DEFAULT_CACHE_BYTES`)."""
-    try:
+    with contextlib.suppress(ValueError, OSError, AttributeError):
         size = os.sysconf("SC_LEVEL3_CACHE_SIZE")
         if size > 0:
             return size
-    except (ValueError, OSError, AttributeError):
-        pass
     best = 0
     for entry in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
         try:

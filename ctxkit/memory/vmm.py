@@ -24,6 +24,7 @@ collection in any thread, or interpreter exit.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections.abc import Sequence
@@ -166,10 +167,8 @@ def _finalize(ctx: Context, space: _Space) -> None:
     if not space.reservations or shutting_down():
         return
     if ctx.closed or ctx.poisoned:  # VMM memory belongs to no context: free it anyway
-        try:
+        with contextlib.suppress(Exception):
             _release_all(space)
-        except Exception:
-            pass
         return
     free_quietly(ctx, _release_all, space)
 
