@@ -227,19 +227,14 @@ class DeviceArray:
         if dl_device is not None and tuple(dl_device) != device:
             raise BufferError(f"the array is on {device}, not on the requested {dl_device}")
         ptr = self.ptr
-        self._order_for_consumer(stream)
+        producer = None if stream == -1 else cai_stream(self.stream)
+        if producer is not None:  # pending writes: the consumer stream waits for them
+            if stream == 0:
+                raise BufferError("__dlpack__(stream=0) is ambiguous for CUDA; pass 1 (legacy)")
+            with guard(self.context, "DeviceArray.__dlpack__"):
+                order_stream(self.context, producer, 1 if stream is None else int(stream))
         versioned = max_version is not None and int(max_version[0]) >= 1
         return to_capsule(ptr, self.shape, self.dtype, device, self, versioned=versioned)
-
-    def _order_for_consumer(self, consumer: int | None) -> None:
-        if self.stream is None or consumer == -1:
-            return
-        if consumer == 0:
-            raise BufferError("__dlpack__(stream=0) is ambiguous for CUDA; pass 1 (legacy)")
-        producer = cai_stream(self.stream)
-        if producer is not None:
-            with guard(self.context, "DeviceArray.__dlpack__"):
-                order_stream(self.context, producer, 1 if consumer is None else int(consumer))
 
 
 def _resolve_reshape(shape: tuple[int, ...], size: int) -> tuple[int, ...]:

@@ -129,11 +129,9 @@ def host_pointer_kind(ptr: int) -> str:
     if err == _INVALID_VALUE:
         return "pageable"
     _driver.raise_for(err, f"cuPointerGetAttribute(MEMORY_TYPE, {ptr:#x})")
-    kind = int(value)
-    if kind == _MEMORYTYPE_HOST:
-        return "pinned"
-    if kind == _MEMORYTYPE_UNIFIED:
-        return "managed"
+    kind = {_MEMORYTYPE_HOST: "pinned", _MEMORYTYPE_UNIFIED: "managed"}.get(int(value))
+    if kind is not None:
+        return kind
     err, managed = drv.cuPointerGetAttribute(_attr("IS_MANAGED"), ptr)
     return "managed" if not err and managed else "device"
 
@@ -774,13 +772,6 @@ class HostMemoryFlags:
         return self.kind in ("allocated", "registered")
 
 
-def _registered_flags(first: int, last: int) -> int | None:
-    for start, (end, flags) in list(_registered.items()):  # a snapshot: no lock needed
-        if start <= first and last < end:
-            return flags
-    return None
-
-
 def host_memory_flags(arr: Any) -> HostMemoryFlags:
     """How *arr*'s memory is page-locked: allocated or registered, and with which flags.
 
@@ -801,7 +792,8 @@ def host_memory_flags(arr: Any) -> HostMemoryFlags:
             kind, device_pointer=host_device_pointer(a) if kind == "managed" else None
         )
     dptr = _device_pointer_of(first, "host_memory_flags")
-    reg = _registered_flags(first, last)
+    spans = list(_registered.items())  # a snapshot: no lock needed
+    reg = next((flags for start, (end, flags) in spans if start <= first and last < end), None)
     if reg is not None:
         return _flags("registered", reg, dptr)
     # cuMemHostGetFlags refuses memory that is not a cuMemHostAlloc block (registered)
