@@ -816,9 +816,7 @@ class PinnedPool:
             return  # a capture forbids driver calls here; this runs when it ends
         try:
             for block in wait:
-                with self._lock:
-                    events = list(block.events)
-                for ev, _ in events:
+                for ev, _ in list(block.events):  # a copy: record_event may append
                     sync_event(ev)  # a closed event or a poisoned context: _collect decides
             while self._returned:
                 try:
@@ -843,12 +841,7 @@ class PinnedPool:
         """Cache the pending blocks whose events have all completed (cuEventQuery)."""
         with self._lock:
             pending = list(self._blocks["pending"].values())
-        done = []
-        for block in pending:
-            with self._lock:
-                events = list(block.events)
-            if all(event_done(ev) for ev, _ in events):
-                done.append(block)
+        done = [b for b in pending if all(event_done(ev) for ev, _ in list(b.events))]
         dead: list[Block] = []
         spent_all = []
         with self._lock:
