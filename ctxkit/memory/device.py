@@ -52,7 +52,7 @@ from .copies import (
 )
 from .host import host_array, plain_dtype
 from .interop import order_stream, to_capsule
-from .sizes import nbytes_arg, shape_arg, shape_nbytes
+from .sizes import covering_shape, nbytes_arg, shape_nbytes
 
 __all__ = [
     "DeviceArray",
@@ -88,12 +88,7 @@ class DeviceArray:
         if not isinstance(buffer, DeviceBuffer):
             raise TypeError(f"buffer must be a DeviceBuffer, got {type(buffer).__name__}")
         dt = plain_dtype(dtype, "DeviceArray")
-        shp = shape_arg(shape)
-        need = math.prod(shp) * dt.itemsize
-        if need != buffer.nbytes:
-            raise ValueError(
-                f"shape {shp} of {dt} needs {need} bytes but the buffer has {buffer.nbytes}"
-            )
+        shp = covering_shape(buffer.nbytes, dt, shape, "DeviceArray")
         if buffer.ptr % dt.alignment:
             raise ValueError(
                 f"device address {buffer.ptr:#x} is not aligned for {dt} "
@@ -509,14 +504,7 @@ class DeviceBuffer:
 
         ``shape=None`` means 1-D; the shape must cover exactly ``nbytes`` bytes.
         """
-        dt = np.dtype(dtype)
-        if shape is None:
-            if self.nbytes % dt.itemsize:
-                raise ValueError(
-                    f"view: {self.nbytes} bytes is not a multiple of {dt} ({dt.itemsize} B)"
-                )
-            shape = (self.nbytes // dt.itemsize,)
-        return DeviceArray(self, shape, dt)
+        return DeviceArray(self, shape, dtype)
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:

@@ -87,9 +87,8 @@ KDL_CUDA_HOST = 3
 
 KDL_CUDA_MANAGED = 13
 
-_INT, _UINT, _FLOAT, _COMPLEX, _BOOL = 0, 1, 2, 5, 6
-
-_KIND_CODE = {"i": _INT, "u": _UINT, "f": _FLOAT, "c": _COMPLEX, "b": _BOOL}
+#: numpy dtype kind -> DLPack type code (kDLInt, kDLUInt, kDLFloat, kDLComplex, kDLBool)
+_KIND_CODE = {"i": 0, "u": 1, "f": 2, "c": 5, "b": 6}
 
 FLAG_READ_ONLY = 1
 

@@ -7,7 +7,6 @@ kernels run: host views synchronize first (:func:`concurrent_managed_access`).
 
 from __future__ import annotations
 
-import math
 import weakref
 from typing import Any
 
@@ -25,7 +24,7 @@ from .host import (
     HostMemory,
     plain_dtype,
 )
-from .sizes import shape_arg
+from .sizes import covering_shape
 
 __all__ = ["ManagedBuffer"]
 
@@ -103,13 +102,7 @@ class ManagedBuffer(DeviceBuffer):
         """
         ptr = self.ptr
         dt = plain_dtype(dtype, "ManagedBuffer.as_numpy")
-        if shape is None:
-            if self.nbytes % dt.itemsize:
-                raise ValueError(f"as_numpy: {self.nbytes} bytes is not a multiple of {dt}")
-            shape = (self.nbytes // dt.itemsize,)
-        shp = shape_arg(shape)
-        if math.prod(shp) * dt.itemsize != self.nbytes:
-            raise ValueError(f"as_numpy: shape {shp} of {dt} does not cover {self.nbytes} bytes")
+        shp = covering_shape(self.nbytes, dt, shape, "ManagedBuffer.as_numpy")
         if self.nbytes == 0:
             return np.empty(shp, dt)
         if not concurrent_managed_access(self.context.device):

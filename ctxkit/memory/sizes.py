@@ -47,6 +47,25 @@ def shape_nbytes(shape: Any, dtype: np.dtype[Any], what: str) -> tuple[tuple[int
     return shp, n
 
 
+def covering_shape(nbytes: int, dtype: np.dtype[Any], shape: Any, what: str) -> tuple[int, ...]:
+    """*shape* (checked by :func:`shape_arg`; ``None``: 1-D) of *dtype* items that covers
+    exactly *nbytes* bytes, as views of a buffer need; ValueError when it does not."""
+    if shape is None:
+        if nbytes % dtype.itemsize:
+            raise ValueError(
+                f"{what}: {nbytes} bytes is not a multiple of {dtype} ({dtype.itemsize} B)"
+            )
+        return (nbytes // dtype.itemsize,)
+    shp = shape_arg(shape)
+    need = math.prod(shp) * dtype.itemsize
+    if need != nbytes:
+        raise ValueError(
+            f"{what}: shape {shp} of {dtype} needs {need} bytes and does not cover the "
+            f"{nbytes} bytes of the buffer"
+        )
+    return shp
+
+
 def require_capability(device: Device, attribute: str, what: str, cannot: str, fix: str) -> None:
     """Refuse a request *device* cannot serve, before anything is made: a
     ``CUDA_ERROR_NOT_SUPPORTED`` :class:`~ctxkit.errors.CudaError` saying what it
