@@ -415,11 +415,6 @@ class LockedPages:
     ctx: Context
     mapping: mmap.mmap | None
 
-    @property
-    def registered(self) -> bool:
-        """True for registered pages (``mmap`` + ``cuMemHostRegister``)."""
-        return self.mapping is not None
-
     def release(self) -> None:
         """Free in its context (any thread, never raising; a closed context already
         dropped the registration or the allocation, and only the pages are left)."""

@@ -91,10 +91,6 @@ class ManagedBuffer(DeviceBuffer):
         super()._setup_view(ptr, n, ctx, base)
         self._views = weakref.WeakSet()
 
-    def _root(self) -> ManagedBuffer:
-        base = self._base
-        return base if isinstance(base, ManagedBuffer) else self
-
     def as_numpy(self, dtype: Any = np.uint8, shape: Any = None) -> np.ndarray:
         """A numpy array over the managed memory (no copy); keeps the buffer alive.
 
@@ -108,7 +104,7 @@ class ManagedBuffer(DeviceBuffer):
         if not concurrent_managed_access(self.context.device):
             self.context.synchronize()
         mem = HostMemory(ptr, self.nbytes, owner=self)
-        self._root()._views.add(mem)
+        (self._base if isinstance(self._base, ManagedBuffer) else self)._views.add(mem)
         return np.asarray(mem).view(dt).reshape(shp)
 
     def close(self, stream: Any = None) -> None:

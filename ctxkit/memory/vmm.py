@@ -255,25 +255,6 @@ class VirtualBuffer:
     libraries are not tracked). Reserve enough address space to avoid it.
     """
 
-    __slots__ = (
-        "__weakref__",
-        "_closed",
-        "_fin",
-        "_lock",
-        "_reserve",
-        "_views",
-        "context",
-        "devices",
-        "granularity",
-        "nbytes",
-        "shareable",
-        "space",
-        "stripe",
-    )
-
-    context: Context
-    nbytes: int
-
     def __init__(
         self,
         nbytes: int,
