@@ -269,8 +269,6 @@ def to_capsule(
 
 _STREAM_NON_BLOCKING = 1
 
-_DLPACK_CPU = 1
-
 _LEGACY = 0  # the driver's handle of the legacy default stream; CAI v3 and DLPack say 1
 
 _PER_THREAD = 2  # CU_STREAM_PER_THREAD: a blocking stream of the calling thread
@@ -329,7 +327,7 @@ def _order_dlpack(v: Any, consumer: int) -> None:
 
     The device is asked on every call: one type may hold host and device arrays.
     """
-    if int(v.__dlpack_device__()[0]) != _DLPACK_CPU:
+    if int(v.__dlpack_device__()[0]) != KDL_CPU:
         v.__dlpack__(stream=consumer or 1)
 
 

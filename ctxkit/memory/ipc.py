@@ -164,10 +164,6 @@ class _SharedFd:
 
         return (_received_fd, (DupFd(self.fd),))
 
-    def take(self) -> int:
-        """A duplicate for the caller to use and close."""
-        return os.dup(self.fd)
-
 
 def _received_fd(dup: Any) -> _SharedFd:
     return _SharedFd(dup.detach())
@@ -507,7 +503,7 @@ def _import_virtual(handle: IpcVirtualBufferHandle, context: Any, what: str) -> 
     try:
         with ctx:
             for (offset, nbytes, dev_uuid), shared in zip(handle.chunks, handle.fds):
-                fd = shared.take()
+                fd = os.dup(shared.fd)  # ours to use and close
                 try:
                     err, h = drv.cuMemImportFromShareableHandle(
                         fd, drv.CUmemAllocationHandleType(_POSIX_FD)

@@ -736,27 +736,25 @@ class PinnedPool:
     def _lock_new(self, nbytes: int, ctx: Context, what: str) -> LockedPages:
         """New page-locked memory (:func:`~ctxkit.memory.host.lock_new`); when the OS
         refuses, every cached block is freed and it is tried once more."""
-        retried = False
-        while True:
+        for attempt in (1, 2):
             try:
                 return lock_new(nbytes, ctx)
             except LockFailed as exc:
                 failed = exc
             if failed.code != OUT_OF_MEMORY:
                 raise ctx.note_error(failed.code, f"{failed.call}({nbytes}, PORTABLE)") from None
-            if not retried and self.trim(0):
-                retried = True
-                continue
-            with self._lock:
-                held = self._held_locked()
-            raise oom(
-                f"{what}: the OS refused to page-lock {nbytes} bytes ({gib(nbytes)}) of host "
-                f"memory ({failed.call}: out of memory) although the pinned pool "
-                f"holds only {held} of its {self._budget}-byte budget. "
-                "Page-locked memory is limited by physical RAM: lower the budget "
-                "(CTXKIT_PINNED_POOL_BYTES or ctxkit.pinned_pool().set_budget()) or drop arrays "
-                "you no longer need"
-            )
+            if attempt == 2 or not self.trim(0):
+                break
+        with self._lock:
+            held = self._held_locked()
+        raise oom(
+            f"{what}: the OS refused to page-lock {nbytes} bytes ({gib(nbytes)}) of host "
+            f"memory ({failed.call}: out of memory) although the pinned pool "
+            f"holds only {held} of its {self._budget}-byte budget. "
+            "Page-locked memory is limited by physical RAM: lower the budget "
+            "(CTXKIT_PINNED_POOL_BYTES or ctxkit.pinned_pool().set_budget()) or drop arrays "
+            "you no longer need"
+        )
 
     def _free(self, blocks: Sequence[Block]) -> int:
         """``cuMemFreeHost`` each block in its context (never raising); the bytes."""
