@@ -234,14 +234,11 @@ class DeviceArray:
 
 def _resolve_reshape(shape: tuple[int, ...], size: int) -> tuple[int, ...]:
     dims = [int(s) for s in shape]
-    unknown = [i for i, s in enumerate(dims) if s == -1]
-    if len(unknown) > 1:
+    if dims.count(-1) > 1:
         raise ValueError("reshape: only one dimension may be -1")
-    if unknown:
-        rest = math.prod(d for d in dims if d != -1)
-        if rest == 0 or size % rest:
-            raise ValueError(f"reshape: cannot reshape {size} elements into {shape}")
-        dims[unknown[0]] = size // rest
+    rest = math.prod(d for d in dims if d != -1)
+    if -1 in dims and rest and size % rest == 0:
+        dims[dims.index(-1)] = size // rest  # else the -1 stays and is refused below
     if math.prod(dims) != size or any(d < 0 for d in dims):
         raise ValueError(f"reshape: cannot reshape {size} elements into {shape}")
     return tuple(dims)

@@ -267,9 +267,7 @@ def host_context(context: Any, what: str) -> Context:
     """The context for a host allocation: the one given, the current one, or device 0's."""
     if context is not None:
         return resolve_context(context, what)
-    ctx = thread_state().top or current_context()
-    if ctx is None:
-        ctx = bind(0)
+    ctx = thread_state().top or current_context() or bind(0)
     ctx.check_usable()
     return ctx
 

@@ -43,9 +43,7 @@ def _advice(advice: Any) -> Any:
     if not isinstance(advice, str):
         return advice
     key = advice.lower().removeprefix("cu_mem_advise_")
-    if key in _ADVICE:
-        key = _ADVICE[key]
-    name = "CU_MEM_ADVISE_" + key.upper()
+    name = "CU_MEM_ADVISE_" + _ADVICE.get(key, key).upper()
     try:
         return getattr(drv.CUmem_advise, name)
     except AttributeError:
