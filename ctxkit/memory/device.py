@@ -588,16 +588,17 @@ class MemoryPool:
             err, handle = drv.cuMemPoolCreate(props)
         if err:
             raise ctx.note_error(err, f"cuMemPoolCreate(device {ctx.device.ordinal})")
-        self._setup(ctx, handle, owned=True)
-        self._fin = finalizer(self, ctx, drv.cuMemPoolDestroy, handle)
+        self._setup(ctx, handle, finalizer(self, ctx, drv.cuMemPoolDestroy, handle))
         if release_threshold is not None:
             self.release_threshold = release_threshold
 
-    def _setup(self, ctx: Context, handle: Any, owned: bool) -> None:
+    def _setup(self, ctx: Context, handle: Any, fin: weakref.finalize | None = None) -> MemoryPool:
+        """The pool's state: owned (destroyed by *fin*) or borrowed (*fin* ``None``)."""
         self.context = ctx
         self.handle = handle
-        self.owned = owned
-        self._fin = None
+        self.owned = fin is not None
+        self._fin = fin
+        return self
 
     @classmethod
     def default(cls, device: ContextLike | None = 0) -> MemoryPool:
@@ -607,20 +608,14 @@ class MemoryPool:
             err, handle = drv.cuDeviceGetDefaultMemPool(ctx.device.handle)
         if err:
             raise ctx.note_error(err, f"cuDeviceGetDefaultMemPool(device {ctx.device.ordinal})")
-        return cls._wrap(ctx, handle)
+        return cls.__new__(cls)._setup(ctx, handle)
 
     @classmethod
     def from_handle(cls, handle: Any, device: ContextLike | None = None) -> MemoryPool:
         """Wrap a pool made elsewhere (a ``CUmemoryPool`` or its int value); not owned."""
         ctx = resolve_context(device, "MemoryPool.from_handle()")
         value = handle if isinstance(handle, drv.CUmemoryPool) else drv.CUmemoryPool(int(handle))
-        return cls._wrap(ctx, value)
-
-    @classmethod
-    def _wrap(cls, ctx: Context, handle: Any) -> MemoryPool:
-        pool = cls.__new__(cls)
-        pool._setup(ctx, handle, owned=False)
-        return pool
+        return cls.__new__(cls)._setup(ctx, value)
 
     # --- attributes ------------------------------------------------------------------
 

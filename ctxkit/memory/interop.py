@@ -300,9 +300,7 @@ def _torch_stream_getter() -> _StreamOf:
         return fast
 
     def public(t: Any) -> int | None:
-        if not t.is_cuda:
-            return None
-        return int(torch.cuda.current_stream(t.device).cuda_stream)
+        return int(torch.cuda.current_stream(t.device).cuda_stream) if t.is_cuda else None
 
     return public
 

@@ -138,17 +138,13 @@ def _compile() -> tuple[_CopyFn | None, str]:
     """Compile the loop for the host CPU: ``(function, description)`` or
     ``(None, why not)``."""
     if platform.machine().lower() not in _X86_64:
-        return (
-            None,
-            f"np.copyto (non-temporal copies are built for x86-64 only, not {platform.machine()})",
-        )
+        why = f"non-temporal copies are built for x86-64 only, not {platform.machine()}"
+        return None, f"np.copyto ({why})"
     try:
         import llvmlite.binding as llvm
     except ImportError:
-        return (
-            None,
-            "np.copyto (install llvmlite, the extra ctxkit-cuda[fastcopy], for streaming copies)",
-        )
+        why = "install llvmlite, the extra ctxkit-cuda[fastcopy], for streaming copies"
+        return None, f"np.copyto ({why})"
     try:
         llvm.initialize_native_target()
         llvm.initialize_native_asmprinter()

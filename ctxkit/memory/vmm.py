@@ -534,10 +534,8 @@ def map_imported(
                 _map(space, c, space.base, what)
                 space.chunks.append(c)
         except BaseException:
-            mapped = {id(c) for c in space.chunks}
-            for c in chunks:
-                if id(c) not in mapped:
-                    drv.cuMemRelease(c.handle)
+            for c in chunks[len(space.chunks) :]:  # not mapped: released here
+                drv.cuMemRelease(c.handle)
             _release_all(space)
             raise
     vb.nbytes = int(nbytes)
