@@ -41,6 +41,7 @@ never cached; gives back during a capture are held back by :mod:`ctxkit.lifetime
 from __future__ import annotations
 
 import atexit
+import contextlib
 import threading
 import weakref
 from dataclasses import dataclass
@@ -49,10 +50,11 @@ from typing import TYPE_CHECKING, Any
 from .. import _driver, lifetime
 from .._driver import drv
 from .._env import alloc_cache
+from ..errors import CudaError, OutOfMemoryError
 from ..lifetime import finalizer, free_quietly
 from ..stream import Stream
 from .interop import KDL_CUDA, KDL_CUDA_HOST, KDL_CUDA_MANAGED
-from .sizes import SIZE_MAX
+from .sizes import SIZE_MAX, gib
 
 if TYPE_CHECKING:
     from ..context import Context
@@ -61,6 +63,7 @@ __all__ = [
     "DEVICE",
     "KINDS",
     "MANAGED",
+    "OUT_OF_MEMORY",
     "PINNED",
     "Block",
     "MemoryKind",
@@ -68,6 +71,8 @@ __all__ = [
     "enabled",
     "flush",
     "limit_bytes",
+    "oom",
+    "out_of_memory",
 ]
 
 
@@ -94,6 +99,41 @@ class MemoryKind:
         return finalizer(owner, ctx, getattr(drv, self.free), ptr)
 
 
+#: ``CUDA_ERROR_OUT_OF_MEMORY``
+OUT_OF_MEMORY = 2
+
+_FIX = (
+    "close() buffers you no longer need, use smaller chunks, or pick a device with more free memory"
+)
+
+
+def oom(message: str) -> OutOfMemoryError:
+    """An :class:`~ctxkit.errors.OutOfMemoryError` for ``CUDA_ERROR_OUT_OF_MEMORY`` that
+    says *message*."""
+    return OutOfMemoryError(message, OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY")
+
+
+def out_of_memory(ctx: Context, err: Any, n: int, what: str, fix: str = _FIX) -> Exception:
+    """The error of a failed device allocation of *n* bytes on *ctx*'s device: for
+    out-of-memory an :class:`~ctxkit.errors.OutOfMemoryError` with the requested and the
+    free bytes (``cuMemGetInfo``; also as ``.requested`` and ``.free``) and *fix*, else
+    the driver's error as *ctx* words it."""
+    if int(err) != OUT_OF_MEMORY:
+        return ctx.note_error(err, what)
+    try:
+        free, total = ctx.memory_info()
+    except CudaError:
+        free, total = -1, -1
+    exc = oom(
+        f"{what}: cannot allocate {n} bytes ({gib(n)}) on device {ctx.device.ordinal}: only "
+        f"{free} bytes ({gib(free)}) of {total} ({gib(total)}) are free (cuMemGetInfo). "
+        f"Fix: {fix}"
+    )
+    exc.requested = n  # type: ignore[attr-defined]
+    exc.free = free  # type: ignore[attr-defined]
+    return exc
+
+
 MEM_ATTACH_GLOBAL = 1
 
 #: ``cuMemAlloc`` device memory (stream-ordered: the block cache and memory pools).
@@ -111,8 +151,6 @@ KINDS = {k.name: k for k in (DEVICE, MANAGED, PINNED)}
 _GRAIN = 512
 
 _PER_THREAD_STREAM = 2
-
-_OUT_OF_MEMORY = 2
 
 _lock = threading.RLock()
 
@@ -165,13 +203,10 @@ def limit_bytes(ctx: Context) -> int:
     dev = ctx.device.ordinal
     limit = _limits.get(dev)
     if limit is None:
-        if _bound is not None:
-            limit = _bound
-        else:
-            try:
-                limit = ctx.memory_info()[1] // 4
-            except Exception:
-                limit = 0
+        try:
+            limit = _bound if _bound is not None else ctx.memory_info()[1] // 4
+        except Exception:
+            limit = 0
         _limits[dev] = limit
     return limit
 
@@ -215,20 +250,13 @@ class Block:
         # two threads closing one buffer give it back once).
         self.token = [True]
 
-    @property
-    def live(self) -> bool:
-        """True while a buffer owns the block."""
-        return bool(self.token)
-
     def __del__(self) -> None:
         # The buffer was dropped without close(). A finalizer runs once per object, so
         # the cache gets a fresh Block, never this one.
         if self.token:
-            try:
+            with contextlib.suppress(Exception):  # interpreter teardown
                 self.token.clear()
                 give_back(Block(self.ptr, self.size, self.home, self.stream), None)  # type: ignore[arg-type]
-            except Exception:  # pragma: no cover - interpreter teardown
-                pass
 
 
 def _key(stream: Stream, pool: Any) -> tuple[Any, bool] | None:
@@ -271,21 +299,17 @@ def _in_capture(stream: Stream) -> bool:
     return bool(err) or int(status) != 0
 
 
-def take(stream: Stream, n: int) -> Block | None:
-    """A cached block for an *n*-byte buffer on *stream* (default pool), or ``None``."""
+def take(stream: Stream, n: int, pool: Any = None) -> Block | None:
+    """A cached block for an *n*-byte buffer on *stream* from the pool with handle *pool*
+    (``None``: the device's pool), or ``None``."""
     if not _enabled or _capturing or stream.handle is None or _in_capture(stream):
         return None
     ctx = stream.context
     if ctx.closed or ctx.poisoned:
         return None
-    sc = _caches.get(id(stream))
-    if sc is None:
-        if stream.owned:
-            return None
-        sc = _cache_for(stream, None)
-        if sc is None:
-            return None
-    return _pop(sc, (n + _GRAIN - 1) & -_GRAIN, stream)
+    # the hot path (an owned stream, the device's pool) builds no key
+    sc = _caches.get(id(stream)) if pool is None and stream.owned else _cache_for(stream, pool)
+    return None if sc is None else _pop(sc, size_class(n), stream)
 
 
 def _pop(sc: StreamCache, size: int, stream: Stream) -> Block | None:
@@ -302,32 +326,29 @@ def _pop(sc: StreamCache, size: int, stream: Stream) -> Block | None:
     return blk
 
 
-def take_from(stream: Stream, n: int, pool: Any) -> Block | None:
-    """As :func:`take` for a given pool handle (``None``: the device's pool)."""
-    if not _enabled or _capturing or stream.handle is None or _in_capture(stream):
-        return None
-    sc = _cache_for(stream, pool)
-    return None if sc is None else _pop(sc, size_class(n), stream)
+def allocate(ctx: Context, n: int, stream: Stream, sh: Any, pool: Any, what: str) -> Block:
+    """A new block for an *n*-byte buffer on *stream* (handle *sh*), allocated with *ctx*
+    bound; on out-of-memory the device's cached blocks are freed and it is retried once.
 
-
-def allocate(ctx: Context, n: int, stream: Stream, sh: Any, pool: Any) -> tuple[Any, Block | None]:
-    """Allocate a new block for an *n*-byte buffer on *stream* (handle *sh*) with *ctx*
-    bound; on out-of-memory free the device's cached blocks and retry once.
-
-    Returns ``(error, block)``: the driver's error (0 on success) and the block.
+    Raises
+    ------
+    OutOfMemoryError
+        It does not fit (:func:`out_of_memory`); other driver errors as
+        :meth:`Context.note_error <ctxkit.context.Context.note_error>` words them.
     """
     if _env_error is not None:
         raise _env_error
     capturing = bool(_capturing) or (_enabled and stream.handle is not None and _in_capture(stream))
     size = min(size_class(n), SIZE_MAX) if _enabled else n  # the driver refuses SIZE_MAX
-    err, ptr = _driver_alloc(size, sh, pool)
-    if int(err) == _OUT_OF_MEMORY and not capturing and _held.get(ctx.device.ordinal):
-        flush(device=ctx.device.ordinal, sync=True)
+    with ctx:
         err, ptr = _driver_alloc(size, sh, pool)
+        if int(err) == OUT_OF_MEMORY and not capturing and _held.get(ctx.device.ordinal):
+            flush(device=ctx.device.ordinal, sync=True)
+            err, ptr = _driver_alloc(size, sh, pool)
     if err:
-        return err, None
+        raise out_of_memory(ctx, err, n, f"{what} (stream-ordered)")
     home = None if capturing or not _enabled else _cache_for(stream, pool)
-    return 0, Block(int(ptr), size, home, stream)
+    return Block(int(ptr), size, home, stream)
 
 
 def _driver_alloc(size: int, sh: Any, pool: Any) -> tuple[Any, Any]:
@@ -361,16 +382,14 @@ def give_back(blk: Block, stream: Stream | None) -> None:
 def _give_back_slow(blk: Block, stream: Stream | None) -> None:
     own = blk.stream
     blk.stream = None
+    target = stream if stream is not None else own
     home = blk.home
-    if stream is not None and stream is not own and home is not None:
-        same = stream.handle is not None and stream.context is home.context
-        home = _cache_for(stream, home.pool) if same else None
-    if home is not None and _caches.get(home.key) is not home:  # dropped meanwhile
-        s = stream if stream is not None else own
-        usable = s is not None and s.handle is not None and not s.context.closed
-        home = _cache_for(s, home.pool) if usable and s is not None else None
+    if home is not None and (target is not own or _caches.get(home.key) is not home):
+        # freed on another stream, or its cache was dropped meanwhile: the target's cache
+        ctx = home.context
+        usable = target is not None and target.handle is not None and target.context is ctx
+        home = _cache_for(target, home.pool) if usable and not ctx.closed else None  # type: ignore[arg-type]
     if home is None or not _enabled:
-        target = stream if stream is not None else own
         if target is not None:
             free_quietly(target.context, free_async, blk.ptr, target)
         return
@@ -402,8 +421,7 @@ def _drain(sc: StreamCache) -> list[Block]:
     run in between and put a block back re-entrantly: nothing is iterated that it could
     change, and nothing it adds is lost (it stays cached)."""
     out: list[Block] = []
-    for size in list(sc.blocks):
-        lst = sc.blocks.get(size)
+    for lst in list(sc.blocks.values()):
         while lst:
             try:
                 out.append(lst.pop())  # one at a time: a concurrent take gets the others
@@ -412,28 +430,20 @@ def _drain(sc: StreamCache) -> list[Block]:
     return out
 
 
-def _recount(device: int) -> None:
-    """Set the device's held bytes from the caches (call with the lock held)."""
-    _held[device] = sum(
+def _cached(match: Any) -> int:
+    """Bytes of the cached blocks in the caches *match* accepts."""
+    return sum(
         b.size
         for sc in list(_caches.values())
-        if sc.device == device
+        if match(sc)
         for lst in list(sc.blocks.values())
         for b in list(lst)
     )
 
 
-def _take_all(match: Any) -> list[tuple[StreamCache, list[Block]]]:
-    out = []
-    with _lock:
-        for sc in list(_caches.values()):
-            if sc.blocks and match(sc):
-                blocks = _drain(sc)
-                if blocks:
-                    out.append((sc, blocks))
-        for dev in {sc.device for sc, _b in out}:
-            _recount(dev)
-    return out
+def _recount(device: int) -> None:
+    """Set the device's held bytes from the caches (call with the lock held)."""
+    _held[device] = _cached(lambda sc: sc.device == device)
 
 
 def _free_blocks(sc: StreamCache, blocks: list[Block], stream: Any) -> None:
@@ -448,13 +458,21 @@ def flush(*, device: int | None = None, context: Any = None, sync: bool = False)
     their streams; with *sync* wait for those frees. Returns the bytes given back."""
 
     def match(sc: StreamCache) -> bool:
-        if device is not None and sc.device != device:
-            return False
-        return context is None or sc.context is context
+        return (device is None or sc.device == device) and (
+            context is None or sc.context is context
+        )
 
+    taken = []
+    with _lock:
+        for sc in list(_caches.values()):
+            blocks = _drain(sc) if sc.blocks and match(sc) else None
+            if blocks:
+                taken.append((sc, blocks))
+        for dev in {sc.device for sc, _b in taken}:
+            _recount(dev)
     freed = 0
     contexts = []
-    for sc, blocks in _take_all(match):
+    for sc, blocks in taken:
         _free_blocks(sc, blocks, sc.stream())
         freed += sum(b.size for b in blocks)
         if sc.context not in contexts:
@@ -471,12 +489,8 @@ def cached_bytes(device: int, pool: Any = 0) -> int:
     pool ``cuMemAllocAsync`` uses)."""
     p = int(pool)
     with _lock:
-        return sum(
-            b.size
-            for sc in list(_caches.values())
-            if sc.device == device and (0 if sc.pool is None else int(sc.pool)) == p
-            for lst in list(sc.blocks.values())
-            for b in list(lst)
+        return _cached(
+            lambda sc: sc.device == device and (0 if sc.pool is None else int(sc.pool)) == p
         )
 
 
@@ -484,9 +498,8 @@ def _stream_dropped(key: Any) -> Any:
     def dropped(_ref: Any) -> None:
         with _lock:
             sc = _caches.pop(key, None)
-        if sc is None:
-            return
-        with _lock:
+            if sc is None:
+                return
             blocks = _drain(sc)
             _recount(sc.device)
         if not blocks:

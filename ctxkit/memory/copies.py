@@ -33,13 +33,11 @@ from .sizes import nbytes_arg
 
 __all__ = [
     "Mem",
-    "copy_device",
     "copy_peer",
     "device_mem",
     "disable_peer_access",
-    "dtoh",
     "enable_peer_access",
-    "htod",
+    "enqueue",
     "peer_access_enabled",
 ]
 
@@ -56,7 +54,11 @@ class Mem(NamedTuple):
 
 
 def device_mem(obj: Any, what: str, *, write: bool = False) -> Mem:
-    """The device memory of a ctxkit buffer/array or a ``__cuda_array_interface__`` object."""
+    """The device memory of a ctxkit buffer/array or a ``__cuda_array_interface__`` object.
+
+    A foreign array's pending writes are on the interface's ``stream`` or, without one,
+    on its producer's current stream (PyTorch, CuPy: :func:`producer_stream`).
+    """
     own = getattr(obj, "_ctxkit_mem", None)
     if own is not None:
         return own()  # type: ignore[no-any-return]
@@ -66,15 +68,6 @@ def device_mem(obj: Any, what: str, *, write: bool = False) -> Mem:
             f"{what}: expected a ctxkit DeviceBuffer/DeviceArray or an object with "
             f"__cuda_array_interface__ (CuPy, PyTorch, Numba), got {type(obj).__name__}"
         )
-    mem = from_cai(cai, what, write)
-    if mem.stream is None:
-        producer = producer_stream(obj)  # PyTorch/CuPy: their current stream
-        if producer is not None:
-            mem = mem._replace(stream=producer or 1)
-    return mem
-
-
-def from_cai(cai: dict[str, Any], what: str, write: bool) -> Mem:
     shape = tuple(int(s) for s in cai["shape"])
     dtype = np.dtype(cai["typestr"])
     ptr, readonly = cai["data"]
@@ -87,6 +80,9 @@ def from_cai(cai: dict[str, Any], what: str, write: bool) -> Mem:
     if write and readonly:
         raise ValueError(f"{what}: the destination device array is read-only")
     stream = cai.get("stream")
+    if stream is None:
+        producer = producer_stream(obj)
+        stream = None if producer is None else producer or 1
     nbytes = math.prod(shape) * dtype.itemsize
     return Mem(int(ptr or 0), nbytes, None, stream, dtype, shape)
 
@@ -126,35 +122,12 @@ def context_of_pointer(ptr: int, what: str) -> Context:
     return Context.primary(int(ordinal))
 
 
-def stream_value(stream: Any) -> int:
-    """*stream* as a CUDA Array Interface stream value (1 for the legacy default)."""
-    if stream is None:
-        return 1
-    if isinstance(stream, Stream) and stream.handle is None:
-        return 0
+def cai_stream(stream: Any) -> int | None:
+    """*stream* as a CUDA Array Interface v3 ``"stream"`` value: ``None`` for none (or a
+    closed stream), 1 for the legacy default stream (0 is disallowed)."""
+    if stream is None or (isinstance(stream, Stream) and stream.closed):
+        return None
     return int(stream_handle(stream)) or 1
-
-
-def sync_foreign_stream(ctx: Context, value: int, what: str) -> None:
-    """CUDA Array Interface v3: the consumer synchronizes the producer's stream."""
-    with guard(ctx, what):
-        (err,) = drv.cuStreamSynchronize(drv.CUstream(int(value)))
-    if err:
-        raise ctx.note_error(err, f"cuStreamSynchronize({int(value):#x}) for {what}")
-
-
-def finish_default_stream(ctx: Context, what: str) -> None:
-    """Wait for the default stream of the bound context *ctx* (call inside its guard).
-
-    ``stream=None`` operations complete before they return. The driver runs device-side
-    ones (memset, device-to-device and peer copies, the DMA of a copy from pageable
-    memory) asynchronously to the host, on the legacy default stream, which is not
-    ordered with non-blocking streams (``ctxkit.Stream()``'s default): without this wait,
-    work enqueued next on such a stream could overtake them.
-    """
-    (err,) = drv.cuStreamSynchronize(stream_handle(None))
-    if err:
-        raise ctx.note_error(err, f"{what}: cuStreamSynchronize(default stream)")
 
 
 def implicit(ctx: Context, stream: Any) -> tuple[Any, bool]:
@@ -171,54 +144,34 @@ def implicit(ctx: Context, stream: Any) -> tuple[Any, bool]:
     return (None, False) if cur is None else (cur, True)
 
 
-def wait_for(ctx: Context, stream: Any, what: str) -> None:
-    """Block until *stream* (a stream of the bound context *ctx*) has finished."""
-    (err,) = drv.cuStreamSynchronize(stream_for(stream, ctx, what))
-    if err:
-        raise ctx.note_error(err, f"{what}: cuStreamSynchronize(current stream)")
+def enqueue(ctx: Context, stream: Any, what: str, fn: str, *args: Any, finish: bool = True) -> None:
+    """The one way a copy or memset of memory in *ctx* runs: ``fn(*args)`` on the legacy
+    default stream, else ``fnAsync(*args, stream)``. The last of *args* is the byte count;
+    a driver error is raised with it.
 
-
-def htod(ctx: Context, dst: int, src: np.ndarray, stream: Any, what: str) -> None:
-    """Copy host array *src* to device address *dst* (``stream=None``: see :func:`implicit`)."""
-    _host_copy(ctx, src, (dst, host_address(src)), "HtoD", stream, what)
-
-
-def dtoh(ctx: Context, dst: np.ndarray, src: int, stream: Any, what: str) -> None:
-    """Copy device address *src* into host array *dst* (``stream=None``: see :func:`implicit`)."""
-    _host_copy(ctx, dst, (host_address(dst), src), "DtoH", stream, what)
-
-
-_COPY_FNS = {
-    "HtoD": ("cuMemcpyHtoD", "cuMemcpyHtoDAsync"),
-    "DtoH": ("cuMemcpyDtoH", "cuMemcpyDtoHAsync"),
-}
-
-
-def _host_copy(
-    ctx: Context, host: np.ndarray, ends: tuple[int, int], kind: str, stream: Any, what: str
-) -> None:
-    """``cuMemcpy<kind>`` of ``host.nbytes`` between *ends* (dst, src): synchronous on the
-    legacy default stream, else async on the stream (waited for when it is the implicit
-    current stream; a pageable host array is refused for an explicit stream)."""
-    n = host.nbytes
-    if n == 0:
-        return
+    ``stream=None`` operations complete before they return: on the thread's current
+    stream (:func:`implicit`) the stream is waited for; on the legacy default stream it
+    is too with *finish*, as the driver runs device-side work (memset, device-to-device
+    and peer copies, the DMA of a copy from pageable memory) asynchronously to the host
+    there, unordered with non-blocking streams (``ctxkit.Stream()``'s default): without
+    the wait, work enqueued next on such a stream could overtake it.
+    """
     stream, wait = implicit(ctx, stream)
-    if stream is None:
-        with guard(ctx, what):
-            (err,) = getattr(drv, _COPY_FNS[kind][0])(*ends, n)
-            if not err and kind == "HtoD":
-                finish_default_stream(ctx, what)
-    else:
-        sh = stream_for(stream, ctx, what)
-        if not wait:
-            check_async_host(host, what)
-        with guard(ctx, what):
-            (err,) = getattr(drv, _COPY_FNS[kind][1])(*ends, n, sh)
-            if not err and wait:
-                wait_for(ctx, stream, what)
-    if err:
-        raise ctx.note_error(err, f"{what}: cuMemcpy{kind} ({n} bytes)")
+    with guard(ctx, what):
+        if stream is None:
+            sh = stream_handle(None)
+            (err,) = getattr(drv, fn)(*args)
+        else:
+            sh = stream_for(stream, ctx, what)
+            (err,) = getattr(drv, fn + "Async")(*args, sh)
+            finish = wait
+        if err:
+            raise ctx.note_error(err, f"{what}: {fn} ({args[-1]} bytes)")
+        if finish:
+            (err,) = drv.cuStreamSynchronize(sh)
+            if err:
+                which = "default" if stream is None else "current"
+                raise ctx.note_error(err, f"{what}: cuStreamSynchronize({which} stream)")
 
 
 def copy_device(dst: Mem, src: Mem, n: int, stream: Any, what: str) -> bool:
@@ -227,62 +180,85 @@ def copy_device(dst: Mem, src: Mem, n: int, stream: Any, what: str) -> bool:
     if n == 0:
         return False
     dctx, sctx = resolve_contexts(dst, src, stream, what)
-    stream, wait = implicit(dctx, stream)
-    ours = stream_value(stream)
+    ours = cai_stream(implicit(dctx, stream)[0]) or 1  # None: the legacy default stream
     for m, c in ((src, sctx), (dst, dctx)):
         if m.stream is not None and int(m.stream) != ours:
-            sync_foreign_stream(c, m.stream, what)
+            # CUDA Array Interface v3: the consumer synchronizes the producer's stream
+            with guard(c, what):
+                (err,) = drv.cuStreamSynchronize(drv.CUstream(int(m.stream)))
+            if err:
+                raise c.note_error(err, f"cuStreamSynchronize({int(m.stream):#x}) for {what}")
     if dctx != sctx:
-        direct = memcpy_peer(dst.ptr, dctx, src.ptr, sctx, n, stream, what)
-        if wait:
-            with guard(dctx, what):
-                wait_for(dctx, stream, what)
-        return direct
-    if stream is None:
-        with guard(dctx, what):
-            (err,) = drv.cuMemcpyDtoD(dst.ptr, src.ptr, n)
-            if not err:
-                finish_default_stream(dctx, what)
-    else:
-        sh = stream_for(stream, dctx, what)
-        with guard(dctx, what):
-            (err,) = drv.cuMemcpyDtoDAsync(dst.ptr, src.ptr, n, sh)
-            if not err and wait:
-                wait_for(dctx, stream, what)
-    if err:
-        raise dctx.note_error(err, f"{what}: cuMemcpyDtoD ({n} bytes)")
+        return memcpy_peer(dst.ptr, dctx, src.ptr, sctx, n, stream, what)
+    enqueue(dctx, stream, what, "cuMemcpyDtoD", dst.ptr, src.ptr, n)
     return False
 
 
+def check_match(got: Any, want: Mem, what: str, name: str) -> None:
+    """The other end *got* of a copy (a host array or a device :class:`Mem`) fits the
+    device memory *want*: the same dtype and shape where both are typed, else the same
+    number of bytes."""
+    if want.dtype is None or got.dtype is None:
+        if got.nbytes != want.nbytes:
+            raise ValueError(
+                f"{what}: the {name} has {got.nbytes} bytes but the device memory has "
+                f"{want.nbytes}; sizes must match (copy into a slice buf[off:off+n] for a "
+                "partial copy)"
+            )
+        return
+    for attr in ("dtype", "shape"):
+        if getattr(got, attr) != getattr(want, attr):
+            raise ValueError(
+                f"{what}: the {name} has {attr} {getattr(got, attr)}, the array "
+                f"{getattr(want, attr)}"
+            )
+
+
+def _host_copy(mem: Mem, host: np.ndarray, kind: str, stream: Any, what: str) -> None:
+    """``cuMemcpy<kind>`` between the device memory *mem* and the host array *host*: an
+    explicit *stream* with a pageable host array is refused or warned about
+    (:func:`~ctxkit.memory.host.check_async_host`); sync DtoH needs no finish."""
+    if host.nbytes == 0:
+        return
+    if stream is not None:
+        check_async_host(host, what)
+    ends = (mem.ptr, host_address(host)) if kind == "HtoD" else (host_address(host), mem.ptr)
+    ctx: Context = mem.context  # type: ignore[assignment]
+    enqueue(ctx, stream, what, f"cuMemcpy{kind}", *ends, host.nbytes, finish=kind == "HtoD")
+
+
 def copy_from_host(dst: Mem, arr: Any, stream: Any, what: str) -> None:
-    """Copy a host array of exactly ``dst.nbytes`` bytes into the device bytes *dst*."""
+    """Copy a host array into the device memory *dst* (:func:`check_match`)."""
     a = host_array(arr, what)
-    check_same_size(a.nbytes, dst.nbytes, what, "host array")
-    htod(dst.context, dst.ptr, a, stream, what)  # type: ignore[arg-type]
+    check_match(a, dst, what, "host array")
+    _host_copy(dst, a, "HtoD", stream, what)
 
 
 def copy_to_host(src: Mem, arr: Any, stream: Any, what: str) -> np.ndarray:
-    """Copy the device bytes *src* into *arr* (a new uint8 array when ``None``)."""
+    """Copy the device memory *src* into *arr* (a new array when ``None``: of its shape
+    and dtype, or of ``nbytes`` uint8)."""
+    out: np.ndarray
     if arr is None:
-        out = np.empty(src.nbytes, np.uint8)
+        shape = src.nbytes if src.shape is None else src.shape
+        out = np.empty(shape, np.uint8 if src.dtype is None else src.dtype)
     else:
         out = host_array(arr, what, writable=True)
-        check_same_size(out.nbytes, src.nbytes, what, "host array")
-    dtoh(src.context, out, src.ptr, stream, what)  # type: ignore[arg-type]
+        check_match(out, src, what, "host array")
+    _host_copy(src, out, "DtoH", stream, what)
     return out if arr is None or isinstance(arr, np.ndarray) else arr
 
 
 def copy_from_device(dst: Mem, src: Any, stream: Any, what: str) -> None:
-    """Device-to-device copy into the bytes *dst* from device memory of the same size."""
+    """Device-to-device copy into *dst* from device memory that fits it."""
     s = device_mem(src, what)
-    check_same_size(s.nbytes, dst.nbytes, what, "source")
+    check_match(s, dst, what, "source")
     copy_device(dst, s, dst.nbytes, stream, what)
 
 
 def copy_to_device(src: Mem, dst: Any, stream: Any, what: str) -> None:
-    """Device-to-device copy of the bytes *src* into device memory of the same size."""
+    """Device-to-device copy of *src* into device memory that fits it."""
     d = device_mem(dst, what, write=True)
-    check_same_size(d.nbytes, src.nbytes, what, "destination")
+    check_match(d, src, what, "destination")
     copy_device(d, src, src.nbytes, stream, what)
 
 
@@ -299,25 +275,7 @@ def resolve_contexts(dst: Mem, src: Mem, stream: Any, what: str) -> tuple[Contex
     return dctx, sctx
 
 
-def check_same_size(got: int, want: int, what: str, name: str) -> None:
-    if got != want:
-        raise ValueError(
-            f"{what}: the {name} has {got} bytes but the device memory has {want}; sizes "
-            "must match (copy into a slice buf[off:off+n] for a partial copy)"
-        )
-
-
 _peer_pairs: dict[tuple[int, int], tuple[weakref.ref[Context], weakref.ref[Context]]] = {}
-
-
-def record_peer_access(a: Context, b: Context) -> None:
-    """Remember that *a* may access *b*'s memory (``cuCtxEnablePeerAccess`` succeeded)."""
-    _peer_pairs[(a.handle, b.handle)] = (weakref.ref(a), weakref.ref(b))
-
-
-def forget_peer_access(a: Context, b: Context) -> None:
-    """Drop the record that *a* may access *b*'s memory (``cuCtxDisablePeerAccess`` succeeded)."""
-    _peer_pairs.pop((a.handle, b.handle), None)
 
 
 def _enabled(a: Context, b: Context) -> bool:
@@ -328,25 +286,11 @@ def _enabled(a: Context, b: Context) -> bool:
 def memcpy_peer(
     dptr: int, dctx: Context, sptr: int, sctx: Context, n: int, stream: Any, what: str
 ) -> bool:
-    direct = _direct(dctx, sctx)
-    if stream is None:
-        bind = dctx
-        with guard(bind, what):
-            (err,) = drv.cuMemcpyPeer(dptr, dctx.cu, sptr, sctx.cu, n)
-            if not err:
-                finish_default_stream(bind, what)
-    else:
-        if isinstance(stream, Stream):
-            bind, sh = stream.context, stream._open_handle(what)
-        else:
-            bind, sh = dctx, stream_handle(stream)
-        with guard(bind, what):
-            (err,) = drv.cuMemcpyPeerAsync(dptr, dctx.cu, sptr, sctx.cu, n, sh)
-    if err:
-        raise bind.note_error(
-            err, f"{what}: cuMemcpyPeer{'Async' if stream is not None else ''} ({n} bytes)"
-        )
-    return direct
+    """``cuMemcpyPeer`` of *n* bytes as :func:`enqueue` runs it, on a stream of either
+    context (bound for the call); returns whether peer access makes it direct."""
+    bind = stream.context if isinstance(stream, Stream) else dctx
+    enqueue(bind, stream, what, "cuMemcpyPeer", dptr, dctx.cu, sptr, sctx.cu, n)
+    return _direct(dctx, sctx)
 
 
 def _direct(a: Context, b: Context) -> bool:
@@ -361,10 +305,7 @@ _PEER_ACCESS_NOT_ENABLED = 705
 
 
 def _peer_ctx(x: Any) -> Context:
-    if isinstance(x, Context):
-        x.check_usable()
-        return x
-    ctx = bind(x)
+    ctx = x if isinstance(x, Context) else bind(x)
     ctx.check_usable()
     return ctx
 
@@ -400,7 +341,7 @@ def enable_peer_access(a: Any, b: Any) -> None:
         (err,) = drv.cuCtxEnablePeerAccess(cb.cu, 0)
     if err and int(err) != _PEER_ACCESS_ALREADY_ENABLED:
         raise ca.note_error(err, f"cuCtxEnablePeerAccess({ca!r} -> {cb!r})")
-    record_peer_access(ca, cb)
+    _peer_pairs[(ca.handle, cb.handle)] = (weakref.ref(ca), weakref.ref(cb))
 
 
 def disable_peer_access(a: Any, b: Any) -> None:
@@ -420,7 +361,7 @@ def disable_peer_access(a: Any, b: Any) -> None:
             (err,) = drv.cuCtxDisablePeerAccess(cb.cu)
         if err and int(err) != _PEER_ACCESS_NOT_ENABLED:
             raise ca.note_error(err, f"cuCtxDisablePeerAccess({ca!r} -> {cb!r})")
-    forget_peer_access(ca, cb)
+    _peer_pairs.pop((ca.handle, cb.handle), None)
 
 
 def peer_access_enabled(a: Any, b: Any) -> bool:

@@ -3,7 +3,7 @@
 Typed views of device memory: :class:`DeviceArray` (a shape and dtype over a
 :class:`~ctxkit.memory.device.DeviceBuffer`, no copy), its copies, and its CUDA Array
 Interface v3 / DLPack exports with the stream consumers are ordered after
-(:func:`cai_stream`). ``DeviceBuffer.view`` makes these arrays.
+(:func:`~ctxkit.memory.copies.cai_stream`). ``DeviceBuffer.view`` makes these arrays.
 
 Device memory: :class:`DeviceBuffer` (linear memory in one context, ``cuMemAlloc`` or
 stream-ordered) with its copies and its CUDA Array Interface / DLPack exports (as bytes),
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
@@ -35,36 +35,29 @@ from .._driver import drv
 from ..binding import ContextLike, guard, resolve_context
 from ..context import Context, thread_state
 from ..device import Device
-from ..errors import ContextClosedError, CudaError, OutOfMemoryError
+from ..errors import ContextClosedError
 from ..lifetime import finalizer
-from ..stream import Event, Stream, implicit_stream, stream_for, stream_handle
+from ..stream import Stream, implicit_stream, stream_for
 from . import alloc
 from .alloc import Block, MemoryKind
 from .copies import (
     Mem,
     c_strides,
-    check_same_size,
-    copy_device,
+    cai_stream,
     copy_from_device,
     copy_from_host,
     copy_to_device,
     copy_to_host,
-    device_mem,
-    dtoh,
-    finish_default_stream,
-    htod,
-    implicit,
-    wait_for,
+    enqueue,
 )
 from .host import host_array, plain_dtype
-from .interop import to_capsule
-from .sizes import gib, nbytes_arg, shape_arg, shape_nbytes
+from .interop import order_stream, to_capsule
+from .sizes import covering_shape, nbytes_arg, shape_nbytes
 
 __all__ = [
     "DeviceArray",
     "DeviceBuffer",
     "MemoryPool",
-    "cai_stream",
     "device_array",
     "to_device",
 ]
@@ -95,12 +88,7 @@ class DeviceArray:
         if not isinstance(buffer, DeviceBuffer):
             raise TypeError(f"buffer must be a DeviceBuffer, got {type(buffer).__name__}")
         dt = plain_dtype(dtype, "DeviceArray")
-        shp = shape_arg(shape)
-        need = math.prod(shp) * dt.itemsize
-        if need != buffer.nbytes:
-            raise ValueError(
-                f"shape {shp} of {dt} needs {need} bytes but the buffer has {buffer.nbytes}"
-            )
+        shp = covering_shape(buffer.nbytes, dt, shape, "DeviceArray")
         if buffer.ptr % dt.alignment:
             raise ValueError(
                 f"device address {buffer.ptr:#x} is not aligned for {dt} "
@@ -172,32 +160,14 @@ class DeviceArray:
 
     # --- copies ----------------------------------------------------------------------
 
-    def _check_host(self, arr: np.ndarray, what: str) -> None:
-        if arr.dtype != self.dtype:
-            raise ValueError(f"{what}: dtype {arr.dtype} does not match the array's {self.dtype}")
-        if arr.shape != self.shape:
-            raise ValueError(f"{what}: shape {arr.shape} does not match the array's {self.shape}")
-
     def copy_from_host(self, arr: Any, stream: Any = None) -> None:
         """Copy a numpy array of the same shape and dtype into the device array."""
-        what = "DeviceArray.copy_from_host"
-        dst = self.ptr
-        a = host_array(arr, what)
-        self._check_host(a, what)
-        htod(self.context, dst, a, stream, what)
+        copy_from_host(self._ctxkit_mem(), arr, stream, "DeviceArray.copy_from_host")
         self.stream = stream
 
     def copy_to_host(self, out: Any = None, stream: Any = None) -> np.ndarray:
         """Copy into *out* (same shape and dtype; a new array when ``None``); return it."""
-        what = "DeviceArray.copy_to_host"
-        src = self.ptr
-        if out is None:
-            dst = np.empty(self.shape, self.dtype)
-        else:
-            dst = host_array(out, what, writable=True)
-            self._check_host(dst, what)
-        dtoh(self.context, dst, src, stream, what)
-        return dst
+        return copy_to_host(self._ctxkit_mem(), out, stream, "DeviceArray.copy_to_host")
 
     def to_host(self, stream: Any = None) -> np.ndarray:
         """A new numpy array with the contents (synchronous unless *stream* is given)."""
@@ -206,20 +176,12 @@ class DeviceArray:
     def copy_from(self, src: Any, stream: Any = None) -> None:
         """Device-to-device copy from another device array (ctxkit, CuPy, PyTorch, ...)
         of the same shape and dtype, or a buffer of the same size."""
-        what = "DeviceArray.copy_from"
-        dst = self._ctxkit_mem()
-        s = device_mem(src, what)
-        _check_typed(s, self, what, "source")
-        copy_device(dst, s, self.nbytes, stream, what)
+        copy_from_device(self._ctxkit_mem(), src, stream, "DeviceArray.copy_from")
         self.stream = stream
 
     def copy_to(self, dst: Any, stream: Any = None) -> None:
         """Device-to-device copy into another device array of the same shape and dtype."""
-        what = "DeviceArray.copy_to"
-        src = self._ctxkit_mem()
-        d = device_mem(dst, what, write=True)
-        _check_typed(d, self, what, "destination")
-        copy_device(d, src, self.nbytes, stream, what)
+        copy_to_device(self._ctxkit_mem(), dst, stream, "DeviceArray.copy_to")
 
     # --- interop ---------------------------------------------------------------------
 
@@ -260,64 +222,29 @@ class DeviceArray:
         if dl_device is not None and tuple(dl_device) != device:
             raise BufferError(f"the array is on {device}, not on the requested {dl_device}")
         ptr = self.ptr
-        self._order_for_consumer(stream)
+        producer = None if stream == -1 else cai_stream(self.stream)
+        if producer is not None:  # pending writes: the consumer stream waits for them
+            if stream == 0:
+                raise BufferError("__dlpack__(stream=0) is ambiguous for CUDA; pass 1 (legacy)")
+            with guard(self.context, "DeviceArray.__dlpack__"):
+                order_stream(self.context, producer, 1 if stream is None else int(stream))
         versioned = max_version is not None and int(max_version[0]) >= 1
         return to_capsule(ptr, self.shape, self.dtype, device, self, versioned=versioned)
-
-    def _order_for_consumer(self, consumer: int | None) -> None:
-        producer = self.stream
-        if producer is None or consumer == -1:
-            return
-        if consumer == 0:
-            raise BufferError("__dlpack__(stream=0) is ambiguous for CUDA; pass 1 (legacy)")
-        consumer = 1 if consumer is None else int(consumer)
-        value = cai_stream(producer)
-        if value is None or value == consumer:
-            return
-        ctx = self.context
-        event = Event(timing=False, context=ctx)
-        event.record(producer)
-        with guard(ctx, "DeviceArray.__dlpack__"):
-            (err,) = drv.cuStreamWaitEvent(drv.CUstream(consumer), event.handle, 0)
-        if err:
-            raise ctx.note_error(err, "cuStreamWaitEvent for the DLPack consumer")
 
 
 def _resolve_reshape(shape: tuple[int, ...], size: int) -> tuple[int, ...]:
     dims = [int(s) for s in shape]
-    unknown = [i for i, s in enumerate(dims) if s == -1]
-    if len(unknown) > 1:
+    if dims.count(-1) > 1:
         raise ValueError("reshape: only one dimension may be -1")
-    if unknown:
-        rest = math.prod(d for d in dims if d != -1)
-        if rest == 0 or size % rest:
-            raise ValueError(f"reshape: cannot reshape {size} elements into {shape}")
-        dims[unknown[0]] = size // rest
+    rest = math.prod(d for d in dims if d != -1)
+    if -1 in dims and rest and size % rest == 0:
+        dims[dims.index(-1)] = size // rest  # else the -1 stays and is refused below
     if math.prod(dims) != size or any(d < 0 for d in dims):
         raise ValueError(f"reshape: cannot reshape {size} elements into {shape}")
     return tuple(dims)
 
 
-def _check_typed(m: Mem, arr: DeviceArray, what: str, name: str) -> None:
-    if m.dtype is None:
-        check_same_size(m.nbytes, arr.nbytes, what, name)
-        return
-    if m.dtype != arr.dtype:
-        raise ValueError(f"{what}: the {name} has dtype {m.dtype}, the array {arr.dtype}")
-    if m.shape != arr.shape:
-        raise ValueError(f"{what}: the {name} has shape {m.shape}, the array {arr.shape}")
-
-
-def cai_stream(stream: Any) -> int | None:
-    if stream is None:
-        return None
-    if isinstance(stream, Stream) and stream.closed:
-        return None
-    value = int(stream_handle(stream))
-    return value or 1  # CAI v3: 1 is the legacy default stream (0 is disallowed)
-
-
-_OUT_OF_MEMORY = 2
+_Buffer = TypeVar("_Buffer", bound="DeviceBuffer")
 
 
 class DeviceBuffer:
@@ -385,11 +312,8 @@ class DeviceBuffer:
             if type(s) is Stream and (context is None or context is s.context):
                 blk = alloc.take(s, nbytes)
                 if blk is not None:
-                    self.context = s.context
-                    self.nbytes = nbytes
-                    self._base = None
+                    self._setup_view(blk.ptr, nbytes, s.context, None)
                     self._stream = s
-                    self._ptr = blk.ptr
                     self._fin = blk
                     return
         self._init(nbytes, context, stream, pool)
@@ -400,12 +324,7 @@ class DeviceBuffer:
         if context is None and isinstance(stream, Stream):
             context = stream.context
         ctx = resolve_context(context, what)
-        self.context = ctx
-        self.nbytes = n
-        self._base = None
-        self._fin = None
-        self._stream = None
-        self._ptr = 0
+        self._setup_view(0, n, ctx, None)
         if (stream is not None or pool is not None) and not self.kind.stream_ordered:
             raise TypeError(f"{what}: {type(self).__name__} cannot be stream-ordered")
         if stream is None and self.kind.stream_ordered:
@@ -416,32 +335,24 @@ class DeviceBuffer:
             with ctx:
                 err, ptr = self.kind.allocate(n)
             if err:
-                raise _alloc_error(ctx, err, n, what)
+                raise alloc.out_of_memory(ctx, err, n, what)
             self._ptr = int(ptr)
             self._fin = self.kind.deallocate(self, ctx, ptr)
             return
-        self._alloc_ordered(ctx, n, stream, pool, what)
-
-    def _alloc_ordered(self, ctx: Context, n: int, stream: Any, pool: Any, what: str) -> None:
         s = stream if isinstance(stream, Stream) else Stream.from_handle(stream or 0, ctx)
         sh = stream_for(s, ctx, what)
         ph = None if pool is None else pool.handle
-        blk = alloc.take_from(s, n, ph)
-        if blk is None:
-            with ctx:
-                err, blk = alloc.allocate(ctx, n, s, sh, ph)
-            if err or blk is None:
-                raise _alloc_error(ctx, err, n, f"{what} (stream-ordered)")
-        self._ptr = blk.ptr
-        self._stream = s
         # The block holds the stream while the buffer lives, so the free (or the return to
         # the stream's cache) is ordered after every use enqueued on it.
+        blk = alloc.take(s, n, ph) or alloc.allocate(ctx, n, s, sh, ph, what)
+        self._ptr = blk.ptr
+        self._stream = s
         self._fin = blk
 
     @classmethod
     def from_pointer(
-        cls, ptr: int, nbytes: int, context: Any = None, owner: Any = None
-    ) -> DeviceBuffer:
+        cls: type[_Buffer], ptr: int, nbytes: int, context: Any = None, owner: Any = None
+    ) -> _Buffer:
         """Wrap device memory allocated elsewhere (not freed by ctxkit).
 
         *owner* is kept alive as long as the wrapper (and its views) live.
@@ -454,6 +365,7 @@ class DeviceBuffer:
         return buf
 
     def _setup_view(self, ptr: int, n: int, ctx: Context, base: DeviceBuffer | None) -> None:
+        """The state of a buffer (a view of *base*, or with nothing to free yet)."""
         self._ptr = ptr
         self.nbytes = n
         self.context = ctx
@@ -469,10 +381,9 @@ class DeviceBuffer:
     @property
     def ptr(self) -> int:
         """The device address (raises ``ContextClosedError`` after :meth:`close`)."""
-        p = self._ptr
-        if p is None or (self._base is not None and self._base._ptr is None):
+        if self.closed:
             raise self._closed_error("ptr")
-        return p
+        return self._ptr  # type: ignore[return-value]
 
     @property
     def closed(self) -> bool:
@@ -485,6 +396,7 @@ class DeviceBuffer:
         return self.context.device
 
     def _closed_error(self, what: str) -> ContextClosedError:
+        """The error of a use after :meth:`close` (a subclass may say why it closed)."""
         return ContextClosedError(
             f"{type(self).__name__}.{what}: the buffer was closed (its memory is freed); "
             "allocate a new one"
@@ -518,14 +430,9 @@ class DeviceBuffer:
         if self._base is None and fin is not None:
             if isinstance(fin, Block):
                 self._fin = None
-                s = None
-                if stream is not None:
-                    s = (
-                        stream
-                        if isinstance(stream, Stream)
-                        else Stream.from_handle(stream, self.context)
-                    )
-                alloc.give_back(fin, s)
+                if stream is not None and not isinstance(stream, Stream):
+                    stream = Stream.from_handle(stream, self.context)
+                alloc.give_back(fin, stream)
             else:
                 fin()
         self._ptr = None
@@ -584,23 +491,8 @@ class DeviceBuffer:
             raise TypeError(f"{what}: value must be an int byte, got {type(value).__name__}")
         if not 0 <= value <= 255:
             raise ValueError(f"{what}: value must be in 0..255, got {value}")
-        if self.nbytes == 0:
-            return
-        ctx = self.context
-        stream, wait = implicit(ctx, stream)
-        if stream is None:
-            with guard(ctx, what):
-                (err,) = drv.cuMemsetD8(ptr, int(value), self.nbytes)
-                if not err:
-                    finish_default_stream(ctx, what)
-        else:
-            sh = stream_for(stream, ctx, what)
-            with guard(ctx, what):
-                (err,) = drv.cuMemsetD8Async(ptr, int(value), self.nbytes, sh)
-                if not err and wait:
-                    wait_for(ctx, stream, what)
-        if err:
-            raise ctx.note_error(err, f"{what}: cuMemsetD8 ({self.nbytes} bytes)")
+        if self.nbytes:
+            enqueue(self.context, stream, what, "cuMemsetD8", ptr, int(value), self.nbytes)
 
     # --- typed views and interop -----------------------------------------------------
 
@@ -609,14 +501,7 @@ class DeviceBuffer:
 
         ``shape=None`` means 1-D; the shape must cover exactly ``nbytes`` bytes.
         """
-        dt = np.dtype(dtype)
-        if shape is None:
-            if self.nbytes % dt.itemsize:
-                raise ValueError(
-                    f"view: {self.nbytes} bytes is not a multiple of {dt} ({dt.itemsize} B)"
-                )
-            shape = (self.nbytes // dt.itemsize,)
-        return DeviceArray(self, shape, dt)
+        return DeviceArray(self, shape, dtype)
 
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
@@ -634,27 +519,6 @@ class DeviceBuffer:
 
 def _keep(owner: Any) -> None:
     """Finalizer target that only holds *owner* until the wrapper dies."""
-
-
-def _alloc_error(ctx: Context, err: Any, n: int, what: str) -> Exception:
-    if int(err) != _OUT_OF_MEMORY:
-        return ctx.note_error(err, what)
-    try:
-        free, total = ctx.memory_info()
-    except CudaError:
-        free, total = -1, -1
-    dev = ctx.device.ordinal
-    exc = OutOfMemoryError(
-        f"{what}: cannot allocate {n} bytes ({gib(n)}) on device {dev}: only {free} bytes "
-        f"({gib(free)}) of {total} ({gib(total)}) are free (cuMemGetInfo). Fix: close() "
-        "buffers you no longer need, use smaller chunks, or pick a device with more free "
-        "memory",
-        _OUT_OF_MEMORY,
-        "CUDA_ERROR_OUT_OF_MEMORY",
-    )
-    exc.requested = n  # type: ignore[attr-defined]
-    exc.free = free  # type: ignore[attr-defined]
-    return exc
 
 
 def device_array(shape: Any, dtype: Any = np.float64, context: Any = None) -> DeviceArray:
@@ -724,16 +588,17 @@ class MemoryPool:
             err, handle = drv.cuMemPoolCreate(props)
         if err:
             raise ctx.note_error(err, f"cuMemPoolCreate(device {ctx.device.ordinal})")
-        self._setup(ctx, handle, owned=True)
-        self._fin = finalizer(self, ctx, drv.cuMemPoolDestroy, handle)
+        self._setup(ctx, handle, finalizer(self, ctx, drv.cuMemPoolDestroy, handle))
         if release_threshold is not None:
             self.release_threshold = release_threshold
 
-    def _setup(self, ctx: Context, handle: Any, owned: bool) -> None:
+    def _setup(self, ctx: Context, handle: Any, fin: weakref.finalize | None = None) -> MemoryPool:
+        """The pool's state: owned (destroyed by *fin*) or borrowed (*fin* ``None``)."""
         self.context = ctx
         self.handle = handle
-        self.owned = owned
-        self._fin = None
+        self.owned = fin is not None
+        self._fin = fin
+        return self
 
     @classmethod
     def default(cls, device: ContextLike | None = 0) -> MemoryPool:
@@ -743,20 +608,14 @@ class MemoryPool:
             err, handle = drv.cuDeviceGetDefaultMemPool(ctx.device.handle)
         if err:
             raise ctx.note_error(err, f"cuDeviceGetDefaultMemPool(device {ctx.device.ordinal})")
-        return cls._wrap(ctx, handle)
+        return cls.__new__(cls)._setup(ctx, handle)
 
     @classmethod
     def from_handle(cls, handle: Any, device: ContextLike | None = None) -> MemoryPool:
         """Wrap a pool made elsewhere (a ``CUmemoryPool`` or its int value); not owned."""
         ctx = resolve_context(device, "MemoryPool.from_handle()")
         value = handle if isinstance(handle, drv.CUmemoryPool) else drv.CUmemoryPool(int(handle))
-        return cls._wrap(ctx, value)
-
-    @classmethod
-    def _wrap(cls, ctx: Context, handle: Any) -> MemoryPool:
-        pool = cls.__new__(cls)
-        pool._setup(ctx, handle, owned=False)
-        return pool
+        return cls.__new__(cls)._setup(ctx, value)
 
     # --- attributes ------------------------------------------------------------------
 

@@ -74,15 +74,13 @@ from ..binding import bind, resolve_context
 from ..context import Context, current_context, require_current, thread_state
 from ..device import Device
 from ..errors import (
-    CudaError,
     DriverNotFoundError,
     LaunchArgumentError,
-    OutOfMemoryError,
     PageableCopyError,
     PageableCopyWarning,
 )
-from .alloc import PINNED
-from .sizes import shape_nbytes
+from .alloc import OUT_OF_MEMORY, PINNED, oom
+from .sizes import require_capability, shape_nbytes
 
 __all__ = [
     "HostMemory",
@@ -131,11 +129,9 @@ def host_pointer_kind(ptr: int) -> str:
     if err == _INVALID_VALUE:
         return "pageable"
     _driver.raise_for(err, f"cuPointerGetAttribute(MEMORY_TYPE, {ptr:#x})")
-    kind = int(value)
-    if kind == _MEMORYTYPE_HOST:
-        return "pinned"
-    if kind == _MEMORYTYPE_UNIFIED:
-        return "managed"
+    kind = {_MEMORYTYPE_HOST: "pinned", _MEMORYTYPE_UNIFIED: "managed"}.get(int(value))
+    if kind is not None:
+        return kind
     err, managed = drv.cuPointerGetAttribute(_attr("IS_MANAGED"), ptr)
     return "managed" if not err and managed else "device"
 
@@ -183,15 +179,13 @@ def host_array(arr: Any, what: str, *, writable: bool = False) -> np.ndarray:
         It is not C-contiguous, or not writable when *writable*.
     """
     if not isinstance(arr, np.ndarray):
-        try:
-            arr = np.frombuffer(arr, dtype=np.uint8) if _is_buffer(arr) else None
+        try:  # anything with the buffer protocol
+            arr = np.frombuffer(arr, dtype=np.uint8)
         except (TypeError, ValueError):
-            arr = None
-        if arr is None:
             raise TypeError(
                 f"{what}: expected a numpy array or a buffer (bytes, bytearray, memoryview); "
                 "convert with np.asarray(...) first"
-            )
+            ) from None
     plain_dtype(arr.dtype, what)
     if not arr.flags.c_contiguous:
         raise ValueError(
@@ -203,25 +197,9 @@ def host_array(arr: Any, what: str, *, writable: bool = False) -> np.ndarray:
     return arr
 
 
-def _is_buffer(obj: Any) -> bool:
-    try:
-        memoryview(obj)
-    except TypeError:
-        return False
-    return True
-
-
 def host_address(arr: np.ndarray) -> int:
     """The address of a numpy array's first byte (0 for none)."""
     return int(arr.__array_interface__["data"][0] or 0)
-
-
-def _driver_present() -> bool:
-    try:
-        _driver.init()
-    except DriverNotFoundError:
-        return False
-    return True
 
 
 def is_pinned(arr: Any) -> bool:
@@ -236,7 +214,11 @@ def is_pinned(arr: Any) -> bool:
     pinned. Without a driver (or cuda-bindings) no memory is pinned: False.
     """
     a = host_array(arr, "is_pinned") if not isinstance(arr, np.ndarray) else arr
-    if a.size == 0 or not _driver_present():
+    if a.size == 0:
+        return False
+    try:
+        _driver.init()
+    except DriverNotFoundError:  # without a driver no memory is pinned
         return False
     first = host_address(a)
     last = first + a.nbytes - 1
@@ -250,8 +232,6 @@ MEMHOST_DEVICEMAP = 2  # CU_MEMHOSTALLOC_DEVICEMAP (= CU_MEMHOSTREGISTER_DEVICEM
 MEMHOST_WRITECOMBINED = 4  # CU_MEMHOSTALLOC_WRITECOMBINED
 
 MEMHOST_REGISTER_READ_ONLY = 8  # CU_MEMHOSTREGISTER_READ_ONLY
-
-_OUT_OF_MEMORY = 2
 
 
 class HostMemory:
@@ -287,9 +267,7 @@ def host_context(context: Any, what: str) -> Context:
     """The context for a host allocation: the one given, the current one, or device 0's."""
     if context is not None:
         return resolve_context(context, what)
-    ctx = thread_state().top or current_context()
-    if ctx is None:
-        ctx = bind(0)
+    ctx = thread_state().top or current_context() or bind(0)
     ctx.check_usable()
     return ctx
 
@@ -352,43 +330,37 @@ def pinned_empty(
     return np.asarray(mem).view(dt).reshape(shp)
 
 
+#: The ``CU_MEMHOST*`` bit of each option and its driver name: allocations and registrations
+#: share PORTABLE and DEVICEMAP; WRITECOMBINED is an allocation's, READ_ONLY a registration's.
+_FLAGS = {
+    "portable": (MEMHOST_PORTABLE, "PORTABLE"),
+    "mapped": (MEMHOST_DEVICEMAP, "DEVICEMAP"),
+    "write_combined": (MEMHOST_WRITECOMBINED, "WRITECOMBINED"),
+    "read_only": (MEMHOST_REGISTER_READ_ONLY, "READ_ONLY"),
+}
+
+
 def _bits(**flags: bool) -> int:
     """``CU_MEMHOST*`` bits of boolean options (refusing non-bools, e.g. a stray int)."""
-    bits = {
-        "portable": MEMHOST_PORTABLE,
-        "mapped": MEMHOST_DEVICEMAP,
-        "write_combined": MEMHOST_WRITECOMBINED,
-        "read_only": MEMHOST_REGISTER_READ_ONLY,
-    }
     out = 0
     for name, value in flags.items():
         if not isinstance(value, (bool, np.bool_)):
             raise TypeError(f"{name} must be True or False, got {value!r}")
-        out |= bits[name] if value else 0
+        out |= _FLAGS[name][0] if value else 0
     return out
 
 
-def _flag_names(flags: int, register: bool = False) -> str:
-    names = [
-        (MEMHOST_PORTABLE, "PORTABLE"),
-        (MEMHOST_DEVICEMAP, "DEVICEMAP"),
-        (
-            MEMHOST_REGISTER_READ_ONLY if register else MEMHOST_WRITECOMBINED,
-            "READ_ONLY" if register else "WRITECOMBINED",
-        ),
-    ]
-    return "|".join(n for bit, n in names if flags & bit) or "0"
+def _flag_names(flags: int) -> str:
+    return "|".join(n for bit, n in _FLAGS.values() if flags & bit) or "0"
 
 
 def _host_alloc_error(ctx: Context, err: Any, nbytes: int, flags: int) -> Exception:
-    if int(err) == _OUT_OF_MEMORY:
-        return OutOfMemoryError(
+    if int(err) == OUT_OF_MEMORY:
+        return oom(
             f"pinned_empty: cannot page-lock {nbytes} bytes ({nbytes / 2**30:.2f} GiB) of host "
             "memory (cuMemHostAlloc: CUDA_ERROR_OUT_OF_MEMORY). Pinned memory is limited by "
             "physical RAM and the locked-memory limit (ulimit -l); use smaller staging "
-            "buffers and reuse them",
-            _OUT_OF_MEMORY,
-            "CUDA_ERROR_OUT_OF_MEMORY",
+            "buffers and reuse them"
         )
     return ctx.note_error(err, f"cuMemHostAlloc({nbytes}, {_flag_names(flags)})")
 
@@ -402,8 +374,6 @@ def pinned_zeros(
     return arr
 
 
-_PORTABLE = 1  # CU_MEMHOSTALLOC_PORTABLE == CU_MEMHOSTREGISTER_PORTABLE
-
 _HUGE = 2 << 20
 
 _PAGE = mmap.PAGESIZE
@@ -415,8 +385,6 @@ _TOUCH_PIECE = 16 << 20
 _MAX_TOUCH_THREADS = 16
 
 _MADV_HUGEPAGE = 14
-
-_MAP_ANONYMOUS = getattr(mmap, "MAP_ANONYMOUS", 0x20)
 
 _refused = False  # registering failed once for a reason other than memory: stop trying
 
@@ -436,29 +404,31 @@ class LockFailed(Exception):
 
 @dataclass
 class LockedPages:
-    """Page-locked memory made by :func:`lock_new`: ``nbytes`` at ``ptr`` in ``ctx``."""
+    """Page-locked memory made by :func:`lock_new`: ``nbytes`` at ``ptr`` in ``ctx``, in
+    *mapping* (anonymous pages registered with ``cuMemHostRegister``) or, when that is
+    ``None``, from ``cuMemHostAlloc``."""
 
     ptr: int
     nbytes: int
     ctx: Context
-    registered: bool  # mmap + cuMemHostRegister; else cuMemHostAlloc
+    mapping: mmap.mmap | None
 
     def release(self) -> None:
         """Free in its context (any thread, never raising; a closed context already
-        dropped the registration or the allocation)."""
-        if not self.registered:
-            if not (self.ctx.closed or self.ctx.poisoned):
+        dropped the registration or the allocation, and only the pages are left)."""
+        gone = self.ctx.closed or self.ctx.poisoned
+        if self.mapping is None:
+            if not gone:
                 lifetime.free_quietly(self.ctx, drv.cuMemFreeHost, self.ptr)
-            return
-        if self.ctx.closed or self.ctx.poisoned:
-            _munmap(self.ptr, self.nbytes)
+        elif gone:
+            self.mapping.close()
         else:
-            lifetime.free_quietly(self.ctx, _unregister_and_unmap, self.ptr, self.nbytes)
+            lifetime.free_quietly(self.ctx, _unregister_and_unmap, self.ptr, self.mapping)
 
 
 def method() -> str:
     """``"register"`` or ``"hostalloc"``: how :func:`lock_new` makes memory now."""
-    if pinned_alloc() == "hostalloc" or _refused or _libc() is None:
+    if pinned_alloc() == "hostalloc" or _refused or not sys.platform.startswith("linux"):
         return "hostalloc"
     return "register"
 
@@ -476,10 +446,10 @@ def lock_new(nbytes: int, ctx: Context) -> LockedPages:
         if pages is not None:
             return pages
     with ctx:
-        err, ptr = PINNED.allocate(nbytes, _PORTABLE)
+        err, ptr = PINNED.allocate(nbytes, MEMHOST_PORTABLE)
     if err:
         raise LockFailed(int(err), "cuMemHostAlloc")
-    return LockedPages(int(ptr), nbytes, ctx, registered=False)
+    return LockedPages(int(ptr), nbytes, ctx, None)
 
 
 def register_pages(ptr: int, nbytes: int, flags: int, context: Context | None = None) -> int:
@@ -500,75 +470,39 @@ def _register_new(nbytes: int, ctx: Context) -> LockedPages | None:
     memory (then ``cuMemHostAlloc`` serves this and every later request)."""
     global _refused
     size = -(-nbytes // _PAGE) * _PAGE
-    ptr = _map_aligned(size)
+    mapping, ptr = _map_aligned(size)
     _touch(ptr, size)
-    err = register_pages(ptr, size, _PORTABLE, ctx)
+    err = register_pages(ptr, size, MEMHOST_PORTABLE, ctx)
     if not err:
-        return LockedPages(ptr, size, ctx, registered=True)
-    _munmap(ptr, size)
-    if err == _OUT_OF_MEMORY:
-        raise LockFailed(_OUT_OF_MEMORY, "cuMemHostRegister")
+        return LockedPages(ptr, size, ctx, mapping)
+    mapping.close()
+    if err == OUT_OF_MEMORY:
+        raise LockFailed(OUT_OF_MEMORY, "cuMemHostRegister")
     _refused = True
     return None
 
 
-def _unregister_and_unmap(ptr: int, nbytes: int) -> tuple[Any, ...]:
+def _unregister_and_unmap(ptr: int, mapping: mmap.mmap) -> tuple[Any, ...]:
     res = drv.cuMemHostUnregister(ptr)
-    _munmap(ptr, nbytes)
+    mapping.close()
     return tuple(res)
 
 
-_libc_handle: Any = None
-
-
-def _libc() -> Any:
-    """libc with ``mmap``/``munmap``/``madvise`` typed, or ``None`` off Linux."""
-    global _libc_handle
-    if _libc_handle is None:
-        if not sys.platform.startswith("linux"):
-            _libc_handle = False
-            return None
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_long,
-        ]
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        _libc_handle = libc
-    return _libc_handle or None
-
-
-def _map_aligned(size: int) -> int:
+def _map_aligned(size: int) -> tuple[mmap.mmap, int]:
     """Anonymous private pages: *size* bytes at a 2 MiB boundary when the block is at
-    least that large (so the kernel can back it with huge pages)."""
-    libc = _libc()
+    least that large (so the kernel can back it with huge pages), in a mapping up to
+    2 MiB - 4 KiB larger whose slack is never touched (no memory backs it)."""
     align = _HUGE if size >= _HUGE else _PAGE
-    span = size + align - _PAGE
-    prot, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | _MAP_ANONYMOUS
-    base = libc.mmap(None, span, prot, flags, -1, 0)
-    if base is None or base == ctypes.c_void_p(-1).value:
-        raise LockFailed(_OUT_OF_MEMORY, "mmap")
+    try:
+        mapping = mmap.mmap(-1, size + align - _PAGE, flags=mmap.MAP_PRIVATE)
+    except OSError:
+        raise LockFailed(OUT_OF_MEMORY, "mmap") from None
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mapping))  # no export is kept
     start = -(-base // align) * align
-    if start > base:
-        libc.munmap(base, start - base)
-    end = start + size
-    if base + span > end:
-        libc.munmap(end, base + span - end)
     if align == _HUGE:
-        libc.madvise(start, size, _MADV_HUGEPAGE)  # a hint: refusal changes nothing
-    return int(start)
-
-
-def _munmap(ptr: int, nbytes: int) -> None:
-    libc = _libc()
-    if libc is not None:
-        libc.munmap(ptr, nbytes)
+        with contextlib.suppress(OSError):  # a hint: refusal changes nothing
+            mapping.madvise(_MADV_HUGEPAGE, start - base, size)
+    return mapping, start
 
 
 def _touch(ptr: int, size: int) -> None:
@@ -590,18 +524,11 @@ def _touch_threads() -> ThreadPoolExecutor:
         return _touch_pool
 
 
-def _forget_threads_in_child() -> None:
-    """A forked child has none of the parent's threads: a new pool when it needs one."""
-    global _touch_pool, _touch_lock
-    _touch_pool = None
-    _touch_lock = threading.Lock()
+# a forked child has none of the parent's threads: a new pool when it needs one
+_driver.renew_at_fork(__name__, "_touch_pool", lambda: None)
 
+_driver.renew_at_fork(__name__, "_touch_lock")
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_threads_in_child)
-
-
-_NOT_SUPPORTED = 801
 
 _HOST_ALREADY_REGISTERED = 712
 
@@ -653,11 +580,7 @@ def pageable_async(what: str) -> None:
     warnings.warn(msg, PageableCopyWarning, stacklevel=_stacklevel())
 
 
-_registered: dict[int, tuple[int, int]] = {}
-
-_registered_lock = threading.Lock()
-
-_driver.renew_at_fork(__name__, "_registered_lock")
+_registered: dict[int, tuple[int, int]] = {}  # start -> (end, flags) of register_host
 
 
 def check_async_host(arr: np.ndarray, what: str) -> None:
@@ -724,7 +647,13 @@ def register_host(
         return
     ctx = host_context(context, "register_host")
     if read_only:
-        _check_read_only_register(ctx)
+        require_capability(
+            ctx.device,
+            "read_only_host_register_supported",
+            "register_host(read_only=True)",
+            "cannot register host memory read-only",
+            "register it without read_only=True, or copy it into a pinned_empty() array",
+        )
     err = register_pages(ptr, nbytes, flags, ctx)
     if err == _HOST_ALREADY_REGISTERED:
         raise ValueError(
@@ -733,40 +662,16 @@ def register_host(
             "enclosing array instead, or allocate with ctxkit.pinned_empty()"
         )
     if err:
-        what = f"cuMemHostRegister({ptr:#x}, {nbytes}, {_flag_names(flags, register=True)})"
+        what = f"cuMemHostRegister({ptr:#x}, {nbytes}, {_flag_names(flags)})"
         if not a.flags.writeable and not read_only:
             what += " of a read-only array (pass read_only=True for read-only pages)"
         raise ctx.note_error(err, what)
-    with _registered_lock:
-        _registered[ptr] = (ptr + nbytes, flags)
+    _registered[ptr] = (ptr + nbytes, flags)
     try:
         yield a
     finally:
-        with _registered_lock:
-            _registered.pop(ptr, None)
+        _registered.pop(ptr, None)
         ctx.free(drv.cuMemHostUnregister, ptr)
-
-
-def _check_read_only_register(ctx: Context) -> None:
-    if not ctx.device.attribute("read_only_host_register_supported"):
-        raise CudaError(
-            f"register_host(read_only=True): device {ctx.device.ordinal} cannot register "
-            "host memory read-only (read_only_host_register_supported is 0); register it "
-            "without read_only=True, or copy it into a pinned_empty() array",
-            _NOT_SUPPORTED,
-            "CUDA_ERROR_NOT_SUPPORTED",
-        )
-
-
-def device_of(target: Any) -> int | str:
-    """A device ordinal for a Device/int/Context, or ``"cpu"``."""
-    if isinstance(target, str):
-        if target.lower() not in ("cpu", "host"):
-            raise ValueError(f"target must be a device or 'cpu', got {target!r}")
-        return "cpu"
-    if isinstance(target, Context):
-        return target.device.ordinal
-    return Device(target).ordinal
 
 
 def host_device_pointer(arr: np.ndarray) -> int | None:
@@ -860,14 +765,6 @@ class HostMemoryFlags:
         return self.kind in ("allocated", "registered")
 
 
-def _registered_flags(first: int, last: int) -> int | None:
-    with _registered_lock:
-        for start, (end, flags) in _registered.items():
-            if start <= first and last < end:
-                return flags
-    return None
-
-
 def host_memory_flags(arr: Any) -> HostMemoryFlags:
     """How *arr*'s memory is page-locked: allocated or registered, and with which flags.
 
@@ -888,22 +785,24 @@ def host_memory_flags(arr: Any) -> HostMemoryFlags:
             kind, device_pointer=host_device_pointer(a) if kind == "managed" else None
         )
     dptr = _device_pointer_of(first, "host_memory_flags")
-    reg = _registered_flags(first, last)
+    spans = list(_registered.items())  # a snapshot: no lock needed
+    reg = next((flags for start, (end, flags) in spans if start <= first and last < end), None)
     if reg is not None:
-        return _flags("registered", reg, dptr, read_only=bool(reg & MEMHOST_REGISTER_READ_ONLY))
-    flags = _host_alloc_flags(first)
-    if flags is None:
+        return _flags("registered", reg, dptr)
+    # cuMemHostGetFlags refuses memory that is not a cuMemHostAlloc block (registered)
+    err, flags = _with_any_context(drv.cuMemHostGetFlags, first)
+    if err:
         return HostMemoryFlags("registered", device_pointer=dptr)
-    return _flags("allocated", flags, dptr, read_only=False)
+    return _flags("allocated", int(flags), dptr)
 
 
-def _flags(kind: str, flags: int, dptr: int, *, read_only: bool) -> HostMemoryFlags:
+def _flags(kind: str, flags: int, dptr: int) -> HostMemoryFlags:
     return HostMemoryFlags(
         kind,
         portable=bool(flags & MEMHOST_PORTABLE),
         mapped=bool(flags & MEMHOST_DEVICEMAP),
         write_combined=kind == "allocated" and bool(flags & MEMHOST_WRITECOMBINED),
-        read_only=read_only,
+        read_only=kind == "registered" and bool(flags & MEMHOST_REGISTER_READ_ONLY),
         device_pointer=dptr,
     )
 
@@ -916,13 +815,6 @@ def _with_any_context(fn: Any, *args: Any) -> tuple[Any, Any]:
         with bind(0):
             err, value = fn(*args)
     return err, value
-
-
-def _host_alloc_flags(ptr: int) -> int | None:
-    """``cuMemHostGetFlags`` of pinned *ptr*; ``None`` when the driver refuses, as it does
-    for memory that is not a ``cuMemHostAlloc`` block (registered memory)."""
-    err, flags = _with_any_context(drv.cuMemHostGetFlags, ptr)
-    return None if err else int(flags)
 
 
 def _device_pointer_of(ptr: int, what: str) -> int:

@@ -60,12 +60,11 @@ from typing import Any
 
 import numpy as np
 
-from .. import _driver
 from .._driver import drv
 from ..context import Context, context_of_cu
 from ..errors import CaptureOrderError
 from ..lifetime import captured_streams, finalizer
-from ..stream import Stream, implicit_stream
+from ..stream import EVENT_DISABLE_TIMING, Stream, implicit_stream
 
 __all__ = [
     "KDL_CPU",
@@ -73,8 +72,8 @@ __all__ = [
     "KDL_CUDA_MANAGED",
     "dlpack_dtype",
     "live_count",
-    "order_after_producer",
     "order_after_producers",
+    "order_stream",
     "producer_stream",
     "to_capsule",
 ]
@@ -88,9 +87,8 @@ KDL_CUDA_HOST = 3
 
 KDL_CUDA_MANAGED = 13
 
-_INT, _UINT, _FLOAT, _COMPLEX, _BOOL = 0, 1, 2, 5, 6
-
-_KIND_CODE = {"i": _INT, "u": _UINT, "f": _FLOAT, "c": _COMPLEX, "b": _BOOL}
+#: numpy dtype kind -> DLPack type code (kDLInt, kDLUInt, kDLFloat, kDLComplex, kDLBool)
+_KIND_CODE = {"i": 0, "u": 1, "f": 2, "c": 5, "b": 6}
 
 FLAG_READ_ONLY = 1
 
@@ -196,30 +194,12 @@ def dlpack_dtype(dtype: np.dtype[Any]) -> tuple[int, int, int]:
     return code, dt.itemsize * 8, 1
 
 
-def _int64_array(values: tuple[int, ...]) -> Any:
+def _int64s(values: tuple[int, ...]) -> Any:
+    """*values* as a C ``int64_t`` array (of at least one element)."""
     return (ctypes.c_int64 * max(len(values), 1))(*values)
 
 
-def _fill_tensor(
-    t: DLTensor,
-    ptr: int,
-    shape: tuple[int, ...],
-    strides: tuple[int, ...] | None,
-    dtype: np.dtype[Any],
-    device: tuple[int, int],
-) -> tuple[Any, Any]:
-    code, bits, lanes = dlpack_dtype(dtype)
-    c_shape = _int64_array(shape)
-    c_strides = _int64_array(strides) if strides is not None else None
-    t.data = ptr or None
-    t.device = DLDevice(device[0], device[1])
-    t.ndim = len(shape)
-    t.dtype = DLDataType(code, bits, lanes)
-    t.shape = ctypes.cast(c_shape, ctypes.POINTER(ctypes.c_int64))
-    if c_strides is not None:
-        t.strides = ctypes.cast(c_strides, ctypes.POINTER(ctypes.c_int64))
-    t.byte_offset = 0
-    return c_shape, c_strides
+_INT64_P = ctypes.POINTER(ctypes.c_int64)
 
 
 def to_capsule(
@@ -264,7 +244,18 @@ def to_capsule(
     else:
         managed = DLManagedTensor()
         name = _NAME_LEGACY
-    arrays = _fill_tensor(managed.dl_tensor, ptr, shape, strides, dtype, device)
+    c_shape = _int64s(shape)
+    c_strides = None if strides is None else _int64s(strides)
+    managed.dl_tensor = DLTensor(
+        ptr or None,
+        DLDevice(*device),
+        len(shape),
+        DLDataType(*dlpack_dtype(dtype)),
+        ctypes.cast(c_shape, _INT64_P),
+        None if c_strides is None else ctypes.cast(c_strides, _INT64_P),
+        0,
+    )
+    arrays = (c_shape, c_strides)  # kept alive with the struct
     managed.deleter = _DELETER
     addr = ctypes.addressof(managed)
     managed.manager_ctx = addr
@@ -276,11 +267,7 @@ def to_capsule(
         raise
 
 
-_EVENT_DISABLE_TIMING = 2
-
 _STREAM_NON_BLOCKING = 1
-
-_DLPACK_CPU = 1
 
 _LEGACY = 0  # the driver's handle of the legacy default stream; CAI v3 and DLPack say 1
 
@@ -298,10 +285,6 @@ _Dlpack = Callable[[Any, int], None]
 
 _kinds: dict[type, tuple[_StreamOf | None, _Dlpack | None] | None] = {}
 
-_lock = threading.Lock()
-
-_driver.renew_at_fork(__name__, "_lock")
-
 
 def _torch_stream_getter() -> _StreamOf:
     """``tensor -> torch's current raw stream of its device``, the cheapest way this
@@ -317,9 +300,7 @@ def _torch_stream_getter() -> _StreamOf:
         return fast
 
     def public(t: Any) -> int | None:
-        if not t.is_cuda:
-            return None
-        return int(torch.cuda.current_stream(t.device).cuda_stream)
+        return int(torch.cuda.current_stream(t.device).cuda_stream) if t.is_cuda else None
 
     return public
 
@@ -344,7 +325,7 @@ def _order_dlpack(v: Any, consumer: int) -> None:
 
     The device is asked on every call: one type may hold host and device arrays.
     """
-    if int(v.__dlpack_device__()[0]) != _DLPACK_CPU:
+    if int(v.__dlpack_device__()[0]) != KDL_CPU:
         v.__dlpack__(stream=consumer or 1)
 
 
@@ -374,14 +355,9 @@ def _classify(v: Any) -> tuple[_StreamOf | None, _Dlpack | None] | None:
 
 def _kind(v: Any) -> tuple[_StreamOf | None, _Dlpack | None] | None:
     t = type(v)
-    try:
-        return _kinds[t]
-    except KeyError:
-        pass
-    kind = _classify(v)
-    with _lock:
-        _kinds[t] = kind
-    return kind
+    if t not in _kinds:
+        _kinds[t] = _classify(v)  # threads racing here store the same answer
+    return _kinds[t]
 
 
 def producer_stream(v: Any) -> int | None:
@@ -397,10 +373,11 @@ def producer_stream(v: Any) -> int | None:
     return kind[0](v)
 
 
-def order_after_producer(
-    v: Any, consumer: Any, ctx: Context | None, consumer_stream: Any = None
+def order_after_producers(
+    values: Iterable[Any], consumer: Any, ctx: Context | None, consumer_stream: Any = None
 ) -> None:
-    """Make stream *consumer* wait until *v* is ready.
+    """Make stream *consumer* wait until each of *values* is ready: one wait per distinct
+    producer stream.
 
     On a capturing *consumer* a replayed graph never waits for foreign producers again,
     so a producer outside the capture has its work so far finished on the host before
@@ -409,8 +386,8 @@ def order_after_producer(
 
     Parameters
     ----------
-    v : Any
-        A kernel argument or copy end; numbers, host arrays and ctxkit objects need nothing.
+    values : iterable
+        Kernel arguments or copy ends; numbers, host arrays and ctxkit objects need nothing.
     consumer : CUstream, int or None
         The consumer stream's handle, in *ctx* (``None`` or 0: the legacy default stream).
     ctx : Context
@@ -425,17 +402,8 @@ def order_after_producer(
         *consumer* is capturing and no order with the producer exists: it captures into
         another graph, or the capture was begun outside ctxkit.
     """
-    order_after_producers((v,), consumer, ctx, consumer_stream)
-
-
-def order_after_producers(
-    values: Iterable[Any], consumer: Any, ctx: Context | None, consumer_stream: Any = None
-) -> None:
-    """:func:`order_after_producer` for each of *values*: one wait per distinct producer
-    stream."""
     kinds = _kinds
-    first: int | None = None
-    more: list[int] | None = None
+    producers: list[int] | None = None  # made only when there is one: the launch hot path
     for v in values:
         try:
             kind = kinds[type(v)]
@@ -451,29 +419,24 @@ def order_after_producers(
         p = stream_of(v)
         if p is None:
             continue
-        if p == 1:
-            p = _LEGACY
-        if first is None:
-            first = p
-        elif p != first:
-            if more is None:
-                more = [p]
-            elif p not in more:
-                more.append(p)
-    if first is None or ctx is None:
+        p = _LEGACY if p == 1 else p
+        if producers is None:
+            producers = [p]
+        elif p not in producers:
+            producers.append(p)
+    if producers is None or ctx is None:
         return
     c = 0 if consumer is None else int(consumer)
-    if c == 1:
-        c = _LEGACY
-    _wait(ctx, first, c, consumer_stream)
-    if more is not None:
-        for p in more:
-            _wait(ctx, p, c, consumer_stream)
+    for p in producers:
+        order_stream(ctx, p, c, consumer_stream)
 
 
-def _wait(ctx: Context, producer: int, consumer: int, consumer_stream: Any) -> None:
-    """Order *consumer* after the work enqueued on *producer* so far, unless CUDA already
-    does (same stream; legacy default vs a blocking stream)."""
+def order_stream(ctx: Context, producer: int, consumer: int, consumer_stream: Any = None) -> None:
+    """Order stream *consumer* after the work enqueued on stream *producer* so far, unless
+    CUDA already does (same stream; legacy default vs a blocking stream). Both are handle
+    values, 0 or 1 (as in CAI v3 and DLPack) the legacy default stream; *ctx* is current."""
+    producer = _LEGACY if producer == 1 else producer
+    consumer = _LEGACY if consumer == 1 else consumer
     if producer == consumer:
         return
     if producer in (_LEGACY, _PER_THREAD):
@@ -513,9 +476,7 @@ _CAPTURE_ISOLATION = 905  # CUDA_ERROR_STREAM_CAPTURE_ISOLATION
 def _capture_info(handle: Any) -> tuple[int, int]:
     """``(capture status, capture id)`` of a stream (``(0, 0)`` if the driver refuses)."""
     res = drv.cuStreamGetCaptureInfo(handle)
-    if res[0]:
-        return _CAPTURE_NONE, 0
-    return int(res[1]), int(res[2])
+    return (_CAPTURE_NONE, 0) if res[0] else (int(res[1]), int(res[2]))
 
 
 def _capturing(consumer: int) -> bool:
@@ -639,11 +600,7 @@ def _blocking(handle: Any) -> bool:
 
 def _stream_context(handle: Any, fallback: Context) -> Context:
     err, cu = drv.cuStreamGetCtx(handle)
-    if err or not int(cu):
-        return fallback
-    if int(cu) == fallback.handle:
-        return fallback
-    return context_of_cu(cu)
+    return fallback if err or int(cu) in (0, fallback.handle) else context_of_cu(cu)
 
 
 class _Holder:
@@ -674,7 +631,7 @@ def _event(ctx: Context) -> Any:
     hit = events.get(ctx.handle)
     if hit is not None and hit[0] is ctx:
         return hit[1]
-    err, ev = drv.cuEventCreate(_EVENT_DISABLE_TIMING)
+    err, ev = drv.cuEventCreate(EVENT_DISABLE_TIMING)
     if err:
         raise ctx.note_error(err, "cuEventCreate for producer-stream ordering")
     events[ctx.handle] = (ctx, ev)

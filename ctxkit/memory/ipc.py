@@ -44,6 +44,7 @@ The export and import functions tell this process from others by ``_PROCESS_TAG`
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import uuid
@@ -61,8 +62,8 @@ from ..lifetime import finalizer
 from ..stream import EVENT_BLOCKING_SYNC, EVENT_DISABLE_TIMING, Event
 from .copies import context_of_pointer, device_mem
 from .device import DeviceBuffer
-from .sizes import nbytes_arg
-from .vmm import Chunk, VirtualBuffer
+from .sizes import nbytes_arg, require_capability
+from .vmm import Chunk, VirtualBuffer, map_imported
 
 __all__ = [
     "ImportedBuffer",
@@ -144,10 +145,8 @@ def _from_bytes(cls: Any, data: bytes) -> Any:
 
 
 def _close_fd(fd: int) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.close(fd)
-    except OSError:
-        pass
 
 
 class _SharedFd:
@@ -165,18 +164,12 @@ class _SharedFd:
 
         return (_received_fd, (DupFd(self.fd),))
 
-    def take(self) -> int:
-        """A duplicate for the caller to use and close."""
-        return os.dup(self.fd)
-
 
 def _received_fd(dup: Any) -> _SharedFd:
     return _SharedFd(dup.detach())
 
 
 EVENT_INTERPROCESS = 4  # CU_EVENT_INTERPROCESS
-
-_NOT_SUPPORTED = 801
 
 
 def _wrap_event(ctx: Context, handle: Any) -> Event:
@@ -208,14 +201,13 @@ def ipc_event(context: Any = None, *, blocking: bool = False) -> Event:
         (``ipc_event_supported`` is 0).
     """
     ctx = resolve_context(context, "ipc_event")
-    if not ctx.device.attribute("ipc_event_supported"):
-        raise CudaError(
-            f"ipc_event: device {ctx.device.ordinal} cannot share events between processes "
-            "(ipc_event_supported is 0); order the processes through the host instead "
-            "(synchronize, then send a message)",
-            _NOT_SUPPORTED,
-            "CUDA_ERROR_NOT_SUPPORTED",
-        )
+    require_capability(
+        ctx.device,
+        "ipc_event_supported",
+        "ipc_event",
+        "cannot share events between processes",
+        "order the processes through the host instead (synchronize, then send a message)",
+    )
     flags = EVENT_INTERPROCESS | EVENT_DISABLE_TIMING | (EVENT_BLOCKING_SYNC if blocking else 0)
     with ctx:
         err, handle = drv.cuEventCreate(flags)
@@ -307,10 +299,11 @@ _HINTS = {
 }
 
 
-def _ipc_error(err: Any, what: str) -> CudaError:
-    code = int(err)
-    hint = _HINTS.get(code, "")
-    return _driver.from_result(code, what, f"IPC: {hint}." if hint else "")
+def _check_ipc(err: Any, what: str) -> None:
+    """Raise the driver's error of a failed IPC call, with what it means for IPC."""
+    if err:
+        hint = _HINTS.get(int(err), "")
+        raise _driver.from_result(int(err), what, f"IPC: {hint}." if hint else "")
 
 
 def _origin(dev: Device) -> _Origin:
@@ -353,9 +346,7 @@ class IpcBufferHandle(_Exported):
 
     def open(self, context: Any = None) -> ImportedBuffer:
         """:func:`import_buffer` (self, context)."""
-        buf = import_buffer(self, context)
-        assert isinstance(buf, ImportedBuffer)
-        return buf
+        return import_buffer(self, context)  # type: ignore[return-value]
 
 
 def export_buffer(buf: Any) -> IpcBufferHandle | IpcVirtualBufferHandle:
@@ -405,8 +396,7 @@ def export_pointer(ptr: int, nbytes: int, context: Any) -> IpcBufferHandle:
                 f"allocation ({size} bytes at {base:#x})"
             )
         err, handle = drv.cuIpcGetMemHandle(base)
-    if err:
-        raise _ipc_error(err, f"{what}: cuIpcGetMemHandle({base:#x}) in {ctx!r}")
+    _check_ipc(err, f"{what}: cuIpcGetMemHandle({base:#x}) in {ctx!r}")
     return IpcBufferHandle(_to_bytes(handle), int(ptr) - base, int(nbytes), _origin(ctx.device))
 
 
@@ -444,14 +434,9 @@ def import_buffer(
     raw = _from_bytes(drv.CUipcMemHandle, handle.handle)
     with ctx:
         err, base = drv.cuIpcOpenMemHandle(raw, IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
-    if err:
-        raise _ipc_error(
-            err, f"{what}: cuIpcOpenMemHandle (memory of process {handle.pid}) in {ctx!r}"
-        )
+    _check_ipc(err, f"{what}: cuIpcOpenMemHandle (memory of process {handle.pid}) in {ctx!r}")
     mapping = _Mapping(ctx, int(base))
-    buf = ImportedBuffer.from_pointer(int(base) + handle.offset, handle.nbytes, ctx, owner=mapping)
-    assert isinstance(buf, ImportedBuffer)
-    return buf
+    return ImportedBuffer.from_pointer(int(base) + handle.offset, handle.nbytes, ctx, owner=mapping)
 
 
 _POSIX_FD = 1  # CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
@@ -499,10 +484,9 @@ def _export_virtual(vb: VirtualBuffer, what: str) -> IpcVirtualBufferHandle:
             err, fd = drv.cuMemExportToShareableHandle(
                 c.handle, drv.CUmemAllocationHandleType(_POSIX_FD), 0
             )
-            if err:
-                raise _ipc_error(
-                    err, f"{what}: cuMemExportToShareableHandle(POSIX_FD) of {ptr + c.offset:#x}"
-                )
+            _check_ipc(
+                err, f"{what}: cuMemExportToShareableHandle(POSIX_FD) of {ptr + c.offset:#x}"
+            )
             fds.append(_SharedFd(int(fd)))
     return IpcVirtualBufferHandle(
         tuple((c.offset, c.nbytes, uuids[c.device]) for c in vb.chunks),
@@ -519,24 +503,21 @@ def _import_virtual(handle: IpcVirtualBufferHandle, context: Any, what: str) -> 
     try:
         with ctx:
             for (offset, nbytes, dev_uuid), shared in zip(handle.chunks, handle.fds):
-                fd = shared.take()
+                fd = os.dup(shared.fd)  # ours to use and close
                 try:
                     err, h = drv.cuMemImportFromShareableHandle(
                         fd, drv.CUmemAllocationHandleType(_POSIX_FD)
                     )
                 finally:
                     os.close(fd)
-                if err:
-                    raise _ipc_error(
-                        err, f"{what}: cuMemImportFromShareableHandle(POSIX_FD) in {ctx!r}"
-                    )
+                _check_ipc(err, f"{what}: cuMemImportFromShareableHandle(POSIX_FD) in {ctx!r}")
                 dev = _device_with_uuid(dev_uuid)
                 chunks.append(Chunk(offset, nbytes, dev.ordinal if dev else -1, h))
     except BaseException:
         for c in chunks:
             drv.cuMemRelease(c.handle)
         raise
-    return VirtualBuffer._adopt(chunks, handle.nbytes, handle.stripe, ctx)
+    return map_imported(chunks, handle.nbytes, handle.stripe, ctx)
 
 
 @dataclass(frozen=True)
@@ -573,13 +554,12 @@ def export_event(event: Event) -> IpcEventHandle:
     ctx = event.context
     with guard(ctx, what):
         err, raw = drv.cuIpcGetEventHandle(handle)
-    if err:
-        raise _driver.from_result(
-            int(err),
-            f"{what}: cuIpcGetEventHandle({event!r})",
-            "IPC: create the event with ctxkit.memory.ipc.ipc_event() (CU_EVENT_INTERPROCESS "
-            "| CU_EVENT_DISABLE_TIMING).",
-        )
+    _driver.raise_for(
+        err,
+        f"{what}: cuIpcGetEventHandle({event!r})",
+        "IPC: create the event with ctxkit.memory.ipc.ipc_event() (CU_EVENT_INTERPROCESS "
+        "| CU_EVENT_DISABLE_TIMING).",
+    )
     return IpcEventHandle(_to_bytes(raw), _origin(ctx.device))
 
 
@@ -598,8 +578,5 @@ def import_event(handle: IpcEventHandle, context: Any = None) -> Event:
     raw = _from_bytes(drv.CUipcEventHandle, handle.handle)
     with ctx:
         err, ev = drv.cuIpcOpenEventHandle(raw)
-    if err:
-        raise _ipc_error(
-            err, f"{what}: cuIpcOpenEventHandle (event of process {handle.pid}) in {ctx!r}"
-        )
+    _check_ipc(err, f"{what}: cuIpcOpenEventHandle (event of process {handle.pid}) in {ctx!r}")
     return _wrap_event(ctx, ev)

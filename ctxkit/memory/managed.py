@@ -7,7 +7,6 @@ kernels run: host views synchronize first (:func:`concurrent_managed_access`).
 
 from __future__ import annotations
 
-import math
 import weakref
 from typing import Any
 
@@ -23,10 +22,9 @@ from . import alloc
 from .device import DeviceBuffer
 from .host import (
     HostMemory,
-    device_of,
     plain_dtype,
 )
-from .sizes import shape_arg
+from .sizes import covering_shape
 
 __all__ = ["ManagedBuffer"]
 
@@ -45,9 +43,7 @@ def _advice(advice: Any) -> Any:
     if not isinstance(advice, str):
         return advice
     key = advice.lower().removeprefix("cu_mem_advise_")
-    if key in _ADVICE:
-        key = _ADVICE[key]
-    name = "CU_MEM_ADVISE_" + key.upper()
+    name = "CU_MEM_ADVISE_" + _ADVICE.get(key, key).upper()
     try:
         return getattr(drv.CUmem_advise, name)
     except AttributeError:
@@ -59,8 +55,9 @@ def concurrent_managed_access(device: Device) -> bool:
     """Whether the host may touch managed memory while kernels run on *device*."""
     v = _concurrent_managed.get(device.ordinal)
     if v is None:
-        v = bool(device.attribute("concurrent_managed_access"))
-        _concurrent_managed[device.ordinal] = v
+        v = _concurrent_managed[device.ordinal] = bool(
+            device.attribute("concurrent_managed_access")
+        )
     return v
 
 
@@ -86,16 +83,11 @@ class ManagedBuffer(DeviceBuffer):
     _views: weakref.WeakSet[HostMemory]
 
     def __init__(self, nbytes: int, context: Any = None) -> None:
-        self._views = weakref.WeakSet()
-        super().__init__(nbytes, context)
+        super().__init__(nbytes, context)  # no stream-ordered managed memory
 
     def _setup_view(self, ptr: int, n: int, ctx: Context, base: DeviceBuffer | None) -> None:
         super()._setup_view(ptr, n, ctx, base)
         self._views = weakref.WeakSet()
-
-    def _root(self) -> ManagedBuffer:
-        base = self._base
-        return base if isinstance(base, ManagedBuffer) else self
 
     def as_numpy(self, dtype: Any = np.uint8, shape: Any = None) -> np.ndarray:
         """A numpy array over the managed memory (no copy); keeps the buffer alive.
@@ -104,19 +96,13 @@ class ManagedBuffer(DeviceBuffer):
         """
         ptr = self.ptr
         dt = plain_dtype(dtype, "ManagedBuffer.as_numpy")
-        if shape is None:
-            if self.nbytes % dt.itemsize:
-                raise ValueError(f"as_numpy: {self.nbytes} bytes is not a multiple of {dt}")
-            shape = (self.nbytes // dt.itemsize,)
-        shp = shape_arg(shape)
-        if math.prod(shp) * dt.itemsize != self.nbytes:
-            raise ValueError(f"as_numpy: shape {shp} of {dt} does not cover {self.nbytes} bytes")
+        shp = covering_shape(self.nbytes, dt, shape, "ManagedBuffer.as_numpy")
         if self.nbytes == 0:
             return np.empty(shp, dt)
         if not concurrent_managed_access(self.context.device):
             self.context.synchronize()
         mem = HostMemory(ptr, self.nbytes, owner=self)
-        self._root()._views.add(mem)
+        (self._base if isinstance(self._base, ManagedBuffer) else self)._views.add(mem)
         return np.asarray(mem).view(dt).reshape(shp)
 
     def close(self, stream: Any = None) -> None:
@@ -143,13 +129,23 @@ class ManagedBuffer(DeviceBuffer):
         prefetch is enqueued there, in that stream's context)."""
         what = "ManagedBuffer.prefetch"
         ptr = self.ptr
-        tgt = device_of(target) if target is not None else self.context.device.ordinal
+        tgt = self._target(target)
         if self.nbytes == 0:
             return
         ctx = stream.context if isinstance(stream, Stream) else self.context
         sh = stream_for(stream, ctx, what)
         with guard(ctx, what):
             _driver.mem_prefetch(ptr, self.nbytes, tgt, sh)
+
+    def _target(self, target: Any) -> int | str:
+        """A device ordinal for a Device/int/Context (``None``: its own), or ``"cpu"``."""
+        if target is None:
+            return self.context.device.ordinal
+        if isinstance(target, str):
+            if target.lower() not in ("cpu", "host"):
+                raise ValueError(f"target must be a device or 'cpu', got {target!r}")
+            return "cpu"
+        return target.device.ordinal if isinstance(target, Context) else Device(target).ordinal
 
     def advise(self, advice: Any, target: Any = None) -> None:
         """``cuMemAdvise``: *advice* is ``"read_mostly"``, ``"preferred_location"``,
@@ -158,7 +154,7 @@ class ManagedBuffer(DeviceBuffer):
         what = "ManagedBuffer.advise"
         ptr = self.ptr
         adv = _advice(advice)
-        tgt = device_of(target) if target is not None else self.context.device.ordinal
+        tgt = self._target(target)
         if self.nbytes == 0:
             return
         with guard(self.context, what):

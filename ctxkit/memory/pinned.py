@@ -60,6 +60,7 @@ cached). Last, :func:`pinned_pool`, the process-wide instance.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import threading
 import weakref
@@ -70,12 +71,12 @@ from typing import Any
 import numpy as np
 
 from .. import _driver, lifetime
-from .._driver import drv
 from .._env import pinned_pool_bytes
 from ..binding import registry as _registry
 from ..context import Context, shutting_down
 from ..errors import OutOfMemoryError
 from ..stream import Event, Stream
+from .alloc import OUT_OF_MEMORY, oom
 from .host import (
     HostMemory,
     LockedPages,
@@ -88,21 +89,13 @@ from .host import (
 from .sizes import gib, nbytes_arg, shape_nbytes
 
 __all__ = [
-    "DEFAULT_CAP",
-    "GRANULE",
     "Block",
-    "EventCache",
     "PinnedPool",
     "PinnedPoolStats",
-    "as_streams",
     "default_budget",
-    "event_done",
     "fits",
-    "free_left",
-    "human",
     "pinned_pool",
     "size_class",
-    "sync_quietly",
 ]
 
 
@@ -228,7 +221,7 @@ class PinnedPoolStats:
 class Block:
     """One page-locked block and what must complete before it is reused."""
 
-    __slots__ = ("ctx", "events", "nbytes", "pages", "ptr", "streams")
+    __slots__ = ("ctx", "events", "nbytes", "pages", "ptr", "streams", "where")
 
     def __init__(self, pages: LockedPages, nbytes: int) -> None:
         self.pages = pages
@@ -238,6 +231,8 @@ class Block:
         self.streams: list[Stream] = []
         #: ``(event, owned)``: owned events are the pool's (recorded at return time)
         self.events: list[tuple[Event, bool]] = []
+        #: where the pool's books have it (:meth:`PinnedPool._put_locked`)
+        self.where: str | None = None
 
     def usable(self) -> bool:
         """False once its context was closed (the memory is gone) or poisoned."""
@@ -249,15 +244,12 @@ class Block:
 
 def as_streams(stream: Any, what: str) -> list[Stream]:
     """``stream=`` of the pool: None, a stream, or a sequence of streams."""
+    items = list(stream) if isinstance(stream, (list, tuple)) else [stream]
     if stream is None:
         return []
-    items = list(stream) if isinstance(stream, (list, tuple)) else [stream]
-    out = []
-    for s in items:
-        if s is None:
-            raise TypeError(f"{what}: stream sequences may not contain None")
-        out.append(s if isinstance(s, Stream) else Stream.from_handle(s))
-    return out
+    if any(s is None for s in items):
+        raise TypeError(f"{what}: stream sequences may not contain None")
+    return [s if isinstance(s, Stream) else Stream.from_handle(s) for s in items]
 
 
 class EventCache:
@@ -277,17 +269,15 @@ class EventCache:
         ctx = stream.context
         if ctx.closed or ctx.poisoned:
             return None
+        ev = None
         try:
             ev = self._take(ctx)
-        except Exception:
-            sync_quietly(ctx)
-            return None
-        try:
             with ctx:  # bound explicitly: finalizers run in threads with no context
                 ev.record(stream)
             return ev
         except Exception:
-            self.give(ev)
+            if ev is not None:
+                self.give([(ev, True)])
         sync_quietly(ctx)
         return None
 
@@ -300,21 +290,20 @@ class EventCache:
                     return ev
         return Event(timing=False, context=ctx)
 
-    def give(self, ev: Event) -> None:
-        """Keep *ev* for a later :meth:`record` (dropped when its context is gone)."""
-        ctx = ev.context
-        if ev.handle is None or ctx.closed or ctx.poisoned:
-            return
-        with self._lock:
-            self._spare.setdefault(id(ctx), []).append(ev)
+    def give(self, events: Sequence[tuple[Event, bool]]) -> None:
+        """Keep the pool's own of *events* (``(event, owned)`` pairs) for a later
+        :meth:`record` (dropped when their context is gone)."""
+        for ev, owned in events:
+            ctx = ev.context
+            if owned and ev.handle is not None and not (ctx.closed or ctx.poisoned):
+                with self._lock:
+                    self._spare.setdefault(id(ctx), []).append(ev)
 
 
 def sync_quietly(ctx: Context) -> None:
     """Wait for all work of *ctx*, never raising."""
-    try:
+    with contextlib.suppress(Exception):  # poisoned: no work of it will run any more
         ctx.synchronize()
-    except Exception:
-        pass  # poisoned: no work of it will run any more
 
 
 def event_done(ev: Event) -> bool:
@@ -332,33 +321,27 @@ def event_done(ev: Event) -> bool:
         return ctx.closed or ctx.poisoned
 
 
-def free_left(
-    cached: dict[int, Block], pending: list[Block], returned: collections.deque[Block]
-) -> None:
+def sync_event(ev: Event) -> None:
+    """Wait on the host for *ev*, never raising (a closed event or a poisoned context:
+    :func:`event_done` decides what that means)."""
+    with contextlib.suppress(Exception):
+        with ev.context:  # bound explicitly: strict mode refuses implicit binds
+            ev.synchronize()
+
+
+def free_left(blocks: dict[str, dict[int, Block]], returned: collections.deque[Block]) -> None:
     """Finalizer of a collected pool: free its blocks once their stream work is done."""
     if shutting_down():
         return
-    for block in returned:
-        for s in block.streams:
-            try:
-                with s.context:
-                    s.synchronize()
-            except Exception:
-                sync_quietly(s.context)
-    for block in [*returned, *pending]:
+    left = [*returned, *blocks["pending"].values()]
+    for block in left:
+        for s in block.streams:  # closed before the array died: wait for its context
+            sync_quietly(s.context)
         for ev, _ in block.events:
             if not event_done(ev):
-                try:
-                    with ev.context:
-                        ev.synchronize()
-                except Exception:
-                    pass
-    for block in [*cached.values(), *pending, *returned]:
-        if block.usable():
-            lifetime.free_quietly(block.ctx, drv.cuMemFreeHost, block.ptr)
-
-
-_OUT_OF_MEMORY = 2
+                sync_event(ev)
+    for block in [*blocks["cached"].values(), *left]:
+        block.pages.release()
 
 
 class PinnedPool:
@@ -374,33 +357,22 @@ class PinnedPool:
         for stream work, plus :meth:`claim`). Default: :func:`default_budget`.
     """
 
-    _budget: int
-    _lock: threading.Lock
-    _in_use: dict[int, Block]
-    _cached: collections.OrderedDict[int, Block]
-    _pending: list[Block]
-    _events: EventCache
-    _bytes: dict[str, int]
-    _claimed: int
-    _count: dict[str, int]
-    _returned: collections.deque[Block]
-
     def __init__(self, budget: int | None = None) -> None:
         self._budget = default_budget() if budget is None else nbytes_arg(budget, "budget", "")
         self._lock = threading.Lock()
-        self._in_use: dict[int, Block] = {}
-        self._cached: collections.OrderedDict[int, Block] = collections.OrderedDict()
-        self._pending: list[Block] = []
+        #: the blocks by address, where they are: under live arrays ("in_use"), ready for
+        #: reuse ("cached", least recently returned first), waiting for stream work
+        self._blocks: dict[str, dict[int, Block]] = {"in_use": {}, "cached": {}, "pending": {}}
         #: blocks whose last array died, appended by finalizers in any thread (no lock)
         self._returned: collections.deque[Block] = collections.deque()
         self._events = EventCache()
         self._bytes = {"in_use": 0, "cached": 0, "pending": 0, "inflight": 0}
         self._claimed = 0
         self._count = dict.fromkeys(
-            ("requests", "hits", "allocations", "frees", "evictions", "peak"), 0
+            ("requests", "hits", "allocations", "frees", "evictions", "peak_bytes"), 0
         )
         # A private pool that is collected frees what it caches (arrays keep it alive).
-        self._fin = weakref.finalize(self, free_left, self._cached, self._pending, self._returned)
+        self._fin = weakref.finalize(self, free_left, self._blocks, self._returned)
         self._fin.atexit = False
 
     # --- public --------------------------------------------------------------------
@@ -497,10 +469,21 @@ class PinnedPool:
         streams = as_streams(stream, what)
         if nbytes == 0:
             return np.empty(shp, dt)
-        wait = headroom is None
-        block = self._acquire(nbytes, context, what, wait=wait, headroom=headroom or 0)
+        if context is not None:  # a wrong context= fails even when the cache serves it
+            host_context(context, what)
+        cls = size_class(nbytes)
+        self._settle()
+        with self._lock:
+            self._count["requests"] += 1
+            block = self._take_cached_locked(cls)
+        if block is None:
+            block = self._allocate(
+                cls, context, what, wait=headroom is None, headroom=headroom or 0
+            )
         block.streams = streams
-        return self._wrap(block, nbytes).view(dt).reshape(shp)
+        mem = HostMemory(block.ptr, nbytes, owner=block, context=block.ctx)
+        mem._fin = lifetime.finalizer(mem, None, self._give_back, block)
+        return np.asarray(mem).view(dt).reshape(shp)
 
     def zeros(
         self, shape: Any, dtype: Any = np.float64, *, stream: Any = None, context: Any = None
@@ -554,22 +537,12 @@ class PinnedPool:
         """The pool's bytes, blocks and counters now (after settling returned blocks)."""
         self._settle()
         with self._lock:
-            b, c = self._bytes, self._count
             return PinnedPoolStats(
                 budget=self._budget,
-                in_use_bytes=b["in_use"],
-                in_use_blocks=len(self._in_use),
-                cached_bytes=b["cached"],
-                cached_blocks=len(self._cached),
-                pending_bytes=b["pending"],
-                pending_blocks=len(self._pending),
                 claimed_bytes=self._claimed,
-                requests=c["requests"],
-                hits=c["hits"],
-                allocations=c["allocations"],
-                frees=c["frees"],
-                evictions=c["evictions"],
-                peak_bytes=c["peak"],
+                **{f"{where}_bytes": self._bytes[where] for where in self._blocks},
+                **{f"{where}_blocks": len(blocks) for where, blocks in self._blocks.items()},
+                **self._count,
             )
 
     def trim(self, keep_bytes: int = 0) -> int:
@@ -579,9 +552,7 @@ class PinnedPool:
         keep = nbytes_arg(keep_bytes, "trim(keep_bytes)", "")
         self._settle()
         with self._lock:
-            victims = []
-            while self._cached and self._bytes["cached"] > keep:
-                victims.append(self._pop_cached_locked(next(iter(self._cached))))
+            victims = self._evict_locked(keep, trim=True)
         return self._free(victims)
 
     def release(self) -> int:
@@ -589,8 +560,8 @@ class PinnedPool:
         return the bytes freed. Arrays still alive keep their blocks."""
         self._settle()
         with self._lock:
-            waiting = list(self._pending)
-        self._wait(waiting)
+            waiting = list(self._blocks["pending"].values())
+        self._settle(waiting)
         return self.trim(0)
 
     def claim(self, nbytes: int) -> bool:
@@ -632,7 +603,7 @@ class PinnedPool:
             return 0
         self._settle()
         with self._lock:
-            have = sum(1 for b in self._cached.values() if fits(b.nbytes, cls))
+            have = sum(1 for b in self._blocks["cached"].values() if fits(b.nbytes, cls))
         made = []
         try:
             for _ in range(max(0, want - have)):
@@ -640,7 +611,7 @@ class PinnedPool:
         finally:
             with self._lock:
                 for block in made:
-                    self._move_locked(block, "in_use", "cached")
+                    self._put_locked(block, "cached")
         return len(made)
 
     def __repr__(self) -> str:
@@ -651,20 +622,6 @@ class PinnedPool:
         )
 
     # --- handing out ---------------------------------------------------------------
-
-    def _acquire(
-        self, nbytes: int, context: Any, what: str, wait: bool = True, headroom: int = 0
-    ) -> Block:
-        cls = size_class(nbytes)
-        if context is not None:  # a wrong context= fails even when the cache serves it
-            host_context(context, what)
-        self._settle()
-        with self._lock:
-            self._count["requests"] += 1
-            block = self._take_cached_locked(cls)
-        if block is not None:
-            return block
-        return self._allocate(cls, context, what, wait=wait, headroom=headroom)
 
     def _allocate(
         self,
@@ -677,13 +634,33 @@ class PinnedPool:
     ) -> Block:
         """A new block of *cls* bytes, in use, within the budget less *headroom* (or,
         with *reuse*, a cached one that waiting for stream work made available; no
-        waiting without *wait*: OutOfMemoryError instead)."""
-        ctx = self._alloc_context(context, what)
-        cached = self._reserve(cls, what, reuse, wait, headroom)
-        if cached is not None:
-            return cached
+        waiting without *wait*: OutOfMemoryError instead). New blocks live in the
+        registry's shared context of the device."""
+        ctx = _registry.context(host_context(context, what).device.ordinal)
+        ctx.check_usable()
+        need = cls + headroom
+        if need > self._budget - self._claimed:
+            raise self._over_budget(cls, what)
+        waited = False
+        while True:  # count cls bytes as being allocated: free cached, then wait for pending
+            with self._lock:
+                block = self._take_cached_locked(cls) if waited and reuse else None
+                if block is not None:
+                    return block  # waiting made a cached one that fits available
+                victims = self._evict_locked(self._budget - need)
+                ok = self._held_locked() + need <= self._budget
+                if ok:
+                    self._bytes["inflight"] += cls
+                pending = list(self._blocks["pending"].values())
+            self._free(victims)
+            if ok:
+                break
+            if waited or not pending or not wait:
+                raise self._over_budget(cls, what)
+            self._settle(pending)
+            waited = True
         try:
-            pages = self._host_alloc_retrying(cls, ctx, what)
+            pages = self._lock_new(cls, ctx, what)
         except BaseException:
             with self._lock:
                 self._bytes["inflight"] -= cls
@@ -691,71 +668,24 @@ class PinnedPool:
         block = Block(pages, cls)
         with self._lock:
             self._bytes["inflight"] -= cls
-            self._add_locked(block, "in_use")
+            self._put_locked(block, "in_use")
             self._count["allocations"] += 1
         return block
-
-    def _reserve(
-        self, cls: int, what: str, reuse: bool, wait: bool = True, headroom: int = 0
-    ) -> Block | None:
-        """Count *cls* bytes as being allocated, freeing cached blocks and then waiting
-        for pending ones to make room; OutOfMemoryError when they cannot fit. Returns a
-        cached block instead when waiting made one that fits available (*reuse*)."""
-        need = cls + headroom
-        if need > self._budget - self._claimed:
-            raise self._over_budget(cls, what)
-        waited = False
-        while True:
-            with self._lock:
-                block = self._take_cached_locked(cls) if waited and reuse else None
-                if block is not None:
-                    return block
-                victims = self._evict_locked(self._budget - need)
-                ok = self._held_locked() + need <= self._budget
-                if ok:
-                    self._bytes["inflight"] += cls
-                pending = list(self._pending)
-            self._free(victims)
-            if ok:
-                return None
-            if waited or not pending or not wait:
-                raise self._over_budget(cls, what)
-            self._wait(pending)
-            waited = True
-
-    def _alloc_context(self, context: Any, what: str) -> Context:
-        ctx = host_context(context, what)
-        shared = _registry.context(ctx.device.ordinal)
-        shared.check_usable()
-        return shared
-
-    def _host_alloc_retrying(self, nbytes: int, ctx: Context, what: str) -> LockedPages:
-        """New page-locked memory (:func:`~ctxkit.memory.host.lock_new`); when the OS
-        refuses, free every cached block and try once more."""
-        try:
-            return self._host_alloc(nbytes, ctx, what)
-        except OutOfMemoryError:
-            if not self.trim(0):
-                raise
-        return self._host_alloc(nbytes, ctx, what)
-
-    # --- handing out ---------------------------------------------------------------
 
     def _take_cached_locked(self, cls: int) -> Block | None:
         best: Block | None = None
         dead = []
-        for block in self._cached.values():
+        for block in self._blocks["cached"].values():
             if not block.usable():
                 dead.append(block)
             elif fits(block.nbytes, cls) and (best is None or block.nbytes <= best.nbytes):
                 best = block
         for block in dead:  # their context was closed: only our own mapping is left
-            self._pop_cached_locked(block.ptr)
+            self._put_locked(block, None)
             block.pages.release()
         if best is None:
             return None
-        self._pop_cached_locked(best.ptr)
-        self._add_locked(best, "in_use")
+        self._put_locked(best, "in_use")
         self._count["hits"] += 1
         return best
 
@@ -776,73 +706,61 @@ class PinnedPool:
         b = self._bytes
         return b["in_use"] + b["cached"] + b["pending"] + b["inflight"] + self._claimed
 
-    def _add_locked(self, block: Block, where: str) -> None:
-        if where == "in_use":
-            self._in_use[block.ptr] = block
-        elif where == "cached":
-            self._cached[block.ptr] = block
-        else:
-            self._pending.append(block)
-        self._bytes[where] += block.nbytes
-        held = self._held_locked() - self._claimed - self._bytes["inflight"]
-        self._count["peak"] = max(self._count["peak"], held)
+    def _put_locked(self, block: Block, where: str | None) -> None:
+        """Move *block* to *where* in the books (``None``: out of them)."""
+        if block.where is not None:
+            del self._blocks[block.where][block.ptr]
+            self._bytes[block.where] -= block.nbytes
+        block.where = where
+        if where is not None:
+            self._blocks[where][block.ptr] = block
+            self._bytes[where] += block.nbytes
+            held = self._held_locked() - self._claimed - self._bytes["inflight"]
+            self._count["peak_bytes"] = max(self._count["peak_bytes"], held)
 
-    def _remove_locked(self, block: Block, where: str) -> None:
-        if where == "in_use":
-            del self._in_use[block.ptr]
-        elif where == "cached":
-            del self._cached[block.ptr]
-        else:
-            self._pending.remove(block)
-        self._bytes[where] -= block.nbytes
-
-    def _move_locked(self, block: Block, src: str, dst: str) -> None:
-        self._remove_locked(block, src)
-        self._add_locked(block, dst)
-
-    def _pop_cached_locked(self, ptr: int) -> Block:
-        block = self._cached[ptr]
-        self._remove_locked(block, "cached")
-        return block
-
-    def _evict_locked(self, limit: int) -> list[Block]:
+    def _evict_locked(self, limit: int, trim: bool = False) -> list[Block]:
         """Take cached blocks, least recently returned first, until the pool holds at
-        most *limit* bytes (or nothing is cached); the caller frees them."""
+        most *limit* bytes (with *trim*: caches at most *limit* bytes) or nothing is
+        cached; the caller frees them."""
         victims = []
-        while self._cached and self._held_locked() > limit:
-            victims.append(self._pop_cached_locked(next(iter(self._cached))))
-            self._count["evictions"] += 1
+        cached = self._blocks["cached"]
+        while cached and (self._bytes["cached"] if trim else self._held_locked()) > limit:
+            victim = next(iter(cached.values()))
+            self._put_locked(victim, None)
+            victims.append(victim)
+            self._count["evictions"] += not trim
         return victims
 
     # --- driver work outside the lock ----------------------------------------------
 
-    def _host_alloc(self, nbytes: int, ctx: Context, what: str) -> LockedPages:
-        try:
-            return lock_new(nbytes, ctx)
-        except LockFailed as exc:
-            if exc.code != _OUT_OF_MEMORY:
-                raise ctx.note_error(exc.code, f"{exc.call}({nbytes}, PORTABLE)") from None
-            with self._lock:
-                held = self._held_locked()
-            raise OutOfMemoryError(
-                f"{what}: the OS refused to page-lock {nbytes} bytes ({gib(nbytes)}) of host "
-                f"memory ({exc.call}: out of memory) although the pinned pool "
-                f"holds only {held} of its {self._budget}-byte budget. "
-                "Page-locked memory is limited by physical RAM: lower the budget "
-                "(CTXKIT_PINNED_POOL_BYTES or ctxkit.pinned_pool().set_budget()) or drop arrays "
-                "you no "
-                "longer need",
-                _OUT_OF_MEMORY,
-                "CUDA_ERROR_OUT_OF_MEMORY",
-            ) from None
+    def _lock_new(self, nbytes: int, ctx: Context, what: str) -> LockedPages:
+        """New page-locked memory (:func:`~ctxkit.memory.host.lock_new`); when the OS
+        refuses, every cached block is freed and it is tried once more."""
+        for attempt in (1, 2):
+            try:
+                return lock_new(nbytes, ctx)
+            except LockFailed as exc:
+                failed = exc
+            if failed.code != OUT_OF_MEMORY:
+                raise ctx.note_error(failed.code, f"{failed.call}({nbytes}, PORTABLE)") from None
+            if attempt == 2 or not self.trim(0):
+                break
+        with self._lock:
+            held = self._held_locked()
+        raise oom(
+            f"{what}: the OS refused to page-lock {nbytes} bytes ({gib(nbytes)}) of host "
+            f"memory ({failed.call}: out of memory) although the pinned pool "
+            f"holds only {held} of its {self._budget}-byte budget. "
+            "Page-locked memory is limited by physical RAM: lower the budget "
+            "(CTXKIT_PINNED_POOL_BYTES or ctxkit.pinned_pool().set_budget()) or drop arrays "
+            "you no longer need"
+        )
 
     def _free(self, blocks: Sequence[Block]) -> int:
         """``cuMemFreeHost`` each block in its context (never raising); the bytes."""
         freed = 0
         for block in blocks:
-            for ev, owned in block.events:
-                if owned:
-                    self._events.give(ev)
+            self._events.give(block.events)
             block.events = []
             if block.usable():
                 with self._lock:
@@ -852,11 +770,6 @@ class PinnedPool:
         return freed
 
     # --- arrays over blocks --------------------------------------------------------
-
-    def _wrap(self, block: Block, nbytes: int) -> np.ndarray:
-        mem = HostMemory(block.ptr, nbytes, owner=block, context=block.ctx)
-        mem._fin = lifetime.finalizer(mem, None, self._give_back, block)
-        return np.asarray(mem)
 
     def _give_back(self, block: Block) -> int:
         """Finalizer of an array's memory (any thread, also inside the collector, even
@@ -880,18 +793,9 @@ class PinnedPool:
     def _block_of(self, arr: Any, what: str) -> Block:
         if not isinstance(arr, np.ndarray):
             raise TypeError(f"PinnedPool.{what}: expected a numpy array, got {type(arr).__name__}")
-        base: Any = arr
-        while base is not None:
-            if isinstance(base, HostMemory) and isinstance(base.owner, Block):
-                block = base.owner
-                with self._lock:
-                    if self._in_use.get(block.ptr) is block:
-                        return block
-                break
-            base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
         ptr = host_address(arr)
         with self._lock:
-            for block in self._in_use.values():
+            for block in self._blocks["in_use"].values():
                 if block.ptr <= ptr < block.ptr + block.nbytes:
                     return block
         raise ValueError(
@@ -901,19 +805,28 @@ class PinnedPool:
 
     # --- driver work outside the lock ----------------------------------------------
 
-    def _settle(self) -> None:
-        """Wait-list the returned blocks; cache those whose stream work completed."""
-        if not (self._returned or self._pending) or shutting_down():
+    def _settle(self, wait: Sequence[Block] = ()) -> None:
+        """Wait-list the returned blocks and cache those whose stream work completed,
+        after waiting (GIL released) for the events of the blocks *wait*."""
+        if not (wait or self._returned or self._blocks["pending"]) or shutting_down():
             return
         if not lifetime.begin_free(None, self._settle_after_capture, ()):
             return  # a capture forbids driver calls here; this runs when it ends
         try:
+            for block in wait:
+                for ev, _ in list(block.events):  # a copy: record_event may append
+                    sync_event(ev)  # a closed event or a poisoned context: _collect decides
             while self._returned:
                 try:
                     block = self._returned.popleft()
                 except IndexError:
                     break
-                self._return(block)
+                for s in block.streams:  # closed before the array died: wait for its context
+                    sync_quietly(s.context)
+                block.streams = []
+                ready = block.usable() and not block.events  # else _collect decides
+                with self._lock:
+                    self._put_locked(block, "cached" if ready else "pending")
             self._collect()
         finally:
             lifetime.end_free()
@@ -922,67 +835,24 @@ class PinnedPool:
         self._settle()
         return 0
 
-    def _return(self, block: Block) -> None:
-        """The last array of *block* died (its events are recorded): wait-list it."""
-        for s in block.streams:  # closed before the array died: wait for its context
-            self._events.record(s)
-        block.streams = []
-        with self._lock:
-            if not block.usable():
-                self._remove_locked(block, "in_use")
-                dead = True
-            else:
-                self._move_locked(block, "in_use", "pending" if block.events else "cached")
-                dead = False
-        if dead:
-            self._free([block])
-
     def _collect(self) -> None:
         """Cache the pending blocks whose events have all completed (cuEventQuery)."""
         with self._lock:
-            pending = list(self._pending)
-        done = []
-        for block in pending:
-            with self._lock:
-                events = list(block.events)
-            if all(event_done(ev) for ev, _ in events):
-                done.append(block)
-        dead, spent_all = [], []
+            pending = list(self._blocks["pending"].values())
+        done = [b for b in pending if all(event_done(ev) for ev, _ in list(b.events))]
+        dead: list[Block] = []
+        spent_all = []
         with self._lock:
             for block in done:
-                if block not in self._pending:
+                if block.where != "pending":
                     continue
                 spent, block.events = block.events, []
                 spent_all.extend(spent)
-                if block.usable():
-                    self._move_locked(block, "pending", "cached")
-                else:
-                    self._remove_locked(block, "pending")
+                self._put_locked(block, "cached" if block.usable() else None)
+                if block.where is None:
                     dead.append(block)
-        for ev, owned in spent_all:
-            if owned:
-                self._events.give(ev)
+        self._events.give(spent_all)
         self._free(dead)
-
-    def _wait(self, blocks: Sequence[Block]) -> None:
-        """Wait for the events of *blocks* (GIL released), then collect them."""
-        if not blocks:
-            return
-        if not lifetime.begin_free(None, self._settle_after_capture, ()):
-            return
-        try:
-            for block in blocks:
-                with self._lock:
-                    events = list(block.events)
-                for ev, _ in events:
-                    try:
-                        with ev.context:  # bound explicitly (strict mode)
-                            ev.synchronize()
-                    except Exception:
-                        pass  # a closed event or a poisoned context: _collect decides
-            self._collect()
-        finally:
-            lifetime.end_free()
 
 
 _process_pool: PinnedPool | None = None

@@ -8,6 +8,9 @@ from typing import Any
 
 import numpy as np
 
+from ..device import Device
+from ..errors import CudaError
+
 #: The largest size the driver takes (``size_t``).
 SIZE_MAX = (1 << 64) - 1
 
@@ -42,6 +45,37 @@ def shape_nbytes(shape: Any, dtype: np.dtype[Any], what: str) -> tuple[tuple[int
     shp = shape_arg(shape)
     n = nbytes_arg(math.prod(shp) * dtype.itemsize, what, f"shape {shp} of {dtype}")
     return shp, n
+
+
+def covering_shape(nbytes: int, dtype: np.dtype[Any], shape: Any, what: str) -> tuple[int, ...]:
+    """*shape* (checked by :func:`shape_arg`; ``None``: 1-D) of *dtype* items that covers
+    exactly *nbytes* bytes, as views of a buffer need; ValueError when it does not."""
+    if shape is None:
+        if nbytes % dtype.itemsize:
+            raise ValueError(
+                f"{what}: {nbytes} bytes is not a multiple of {dtype} ({dtype.itemsize} B)"
+            )
+        return (nbytes // dtype.itemsize,)
+    shp = shape_arg(shape)
+    need = math.prod(shp) * dtype.itemsize
+    if need != nbytes:
+        raise ValueError(
+            f"{what}: shape {shp} of {dtype} needs {need} bytes and does not cover the "
+            f"{nbytes} bytes of the buffer"
+        )
+    return shp
+
+
+def require_capability(device: Device, attribute: str, what: str, cannot: str, fix: str) -> None:
+    """Refuse a request *device* cannot serve, before anything is made: a
+    ``CUDA_ERROR_NOT_SUPPORTED`` :class:`~ctxkit.errors.CudaError` saying what it
+    *cannot* do (its *attribute* is 0) and the *fix*."""
+    if not device.attribute(attribute):
+        raise CudaError(
+            f"{what}: device {device.ordinal} {cannot} ({attribute} is 0); {fix}",
+            801,
+            "CUDA_ERROR_NOT_SUPPORTED",
+        )
 
 
 def gib(n: int) -> str:

@@ -19,6 +19,7 @@ environment), the copy is ``np.copyto``.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import functools
@@ -31,6 +32,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from .. import _driver
 from .._env import streaming_copy
 from .host import host_address
 
@@ -136,17 +138,13 @@ def _compile() -> tuple[_CopyFn | None, str]:
     """Compile the loop for the host CPU: ``(function, description)`` or
     ``(None, why not)``."""
     if platform.machine().lower() not in _X86_64:
-        return (
-            None,
-            f"np.copyto (non-temporal copies are built for x86-64 only, not {platform.machine()})",
-        )
+        why = f"non-temporal copies are built for x86-64 only, not {platform.machine()}"
+        return None, f"np.copyto ({why})"
     try:
         import llvmlite.binding as llvm
     except ImportError:
-        return (
-            None,
-            "np.copyto (install llvmlite, the extra ctxkit-cuda[fastcopy], for streaming copies)",
-        )
+        why = "install llvmlite, the extra ctxkit-cuda[fastcopy], for streaming copies"
+        return None, f"np.copyto ({why})"
     try:
         llvm.initialize_native_target()
         llvm.initialize_native_asmprinter()
@@ -189,10 +187,8 @@ def build_streaming_copy() -> None:
         if _State.loaded or _State.building:
             return
         _State.building = True
-    try:
+    with contextlib.suppress(RuntimeError):  # no new threads at interpreter exit: copies stay plain
         threading.Thread(target=_build, name="ctxkit-streamcopy-build", daemon=True).start()
-    except RuntimeError:  # no new threads at interpreter exit: copies stay plain
-        pass
 
 
 def _loop() -> _CopyFn | None:
@@ -234,12 +230,10 @@ def _cache_size(text: str) -> int:
 def last_level_cache_bytes() -> int:
     """The size of the largest CPU cache (``sysconf``, else sysfs, else
     :data:`DEFAULT_CACHE_BYTES`)."""
-    try:
+    with contextlib.suppress(ValueError, OSError, AttributeError):
         size = os.sysconf("SC_LEVEL3_CACHE_SIZE")
         if size > 0:
             return size
-    except (ValueError, OSError, AttributeError):
-        pass
     best = 0
     for entry in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
         try:
@@ -262,18 +256,10 @@ def streaming_pays(total_bytes: int) -> bool:
     return total_bytes >= last_level_cache_bytes()
 
 
-def _reset_in_child() -> None:
-    # A build thread of the parent does not exist in a forked child: build again there.
-    _State.lock = threading.Lock()
-    _State.building = False
+# a build thread of the parent does not exist in a forked child: build again there
+_driver.renew_at_fork(_State, "lock")
 
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_reset_in_child)
-
-
-def _flat_bytes(a: np.ndarray) -> np.ndarray:
-    return a.reshape(-1).view(np.uint8)
+_driver.renew_at_fork(_State, "building", lambda: False)
 
 
 def _streamable(dst: Any, src: Any) -> bool:
@@ -304,7 +290,7 @@ def copy_streaming(dst: np.ndarray, src: np.ndarray) -> None:
     if fn is None or not _streamable(dst, src):
         np.copyto(dst, src)
         return
-    d8, s8 = _flat_bytes(dst), _flat_bytes(src)
+    d8, s8 = dst.reshape(-1).view(np.uint8), src.reshape(-1).view(np.uint8)
     n = d8.shape[0]
     d = host_address(d8)
     s = host_address(s8)

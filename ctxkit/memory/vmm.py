@@ -24,6 +24,7 @@ collection in any thread, or interpreter exit.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections.abc import Sequence
@@ -37,8 +38,9 @@ from .._driver import check_fork, drv, in_forked_child
 from ..binding import check_devices, resolve_context
 from ..context import Context, shutting_down
 from ..device import Device
-from ..errors import ContextClosedError, CudaError, OutOfMemoryError
+from ..errors import ContextClosedError
 from ..lifetime import free_quietly
+from .alloc import OUT_OF_MEMORY, out_of_memory
 from .copies import (
     Mem,
     copy_from_device,
@@ -48,12 +50,9 @@ from .copies import (
 )
 from .device import DeviceArray, DeviceBuffer
 from .interop import KDL_CUDA
-from .sizes import gib, nbytes_arg
+from .sizes import nbytes_arg, require_capability
 
-__all__ = ["Chunk", "VirtualBuffer", "allocation_granularity"]
-
-
-_NOT_SUPPORTED = 801
+__all__ = ["Chunk", "VirtualBuffer", "allocation_granularity", "map_imported"]
 
 
 @dataclass(frozen=True)
@@ -128,21 +127,18 @@ def _access_desc(device: int) -> Any:
     return desc
 
 
-def _check(err: Any, what: str) -> None:
-    if err:
-        raise _driver.from_result(int(err), what)
-
-
 def _map(space: _Space, chunk: Chunk, base: int, what: str) -> None:
     """Map *chunk* at ``base + offset`` and give every accessing device read/write."""
     ptr = base + chunk.offset
     (err,) = drv.cuMemMap(ptr, chunk.nbytes, 0, chunk.handle, 0)
-    _check(err, f"{what}: cuMemMap({ptr:#x}, {chunk.nbytes})")
+    _driver.raise_for(err, f"{what}: cuMemMap({ptr:#x}, {chunk.nbytes})")
     descs = [_access_desc(d) for d in space.access]
     (err,) = drv.cuMemSetAccess(ptr, chunk.nbytes, descs, len(descs))
     if err:
         drv.cuMemUnmap(ptr, chunk.nbytes)
-        _check(err, f"{what}: cuMemSetAccess({ptr:#x}, {chunk.nbytes}, devices {space.access})")
+        _driver.raise_for(
+            err, f"{what}: cuMemSetAccess({ptr:#x}, {chunk.nbytes}, devices {space.access})"
+        )
 
 
 def _unmap(chunks: Sequence[Chunk], base: int) -> int:
@@ -171,45 +167,41 @@ def _finalize(ctx: Context, space: _Space) -> None:
     if not space.reservations or shutting_down():
         return
     if ctx.closed or ctx.poisoned:  # VMM memory belongs to no context: free it anyway
-        try:
+        with contextlib.suppress(Exception):
             _release_all(space)
-        except Exception:
-            pass
         return
     free_quietly(ctx, _release_all, space)
 
 
 def _devices(spec: Any, what: str, name: str) -> tuple[int, ...]:
-    if spec is None:
-        return ()
-    checked = check_devices(spec, f"{what} {name}=")
-    assert checked is not None
+    checked = check_devices(spec, f"{what} {name}=") or ()  # None: none given
     return tuple(c.device.ordinal if isinstance(c, Context) else Device(c).ordinal for c in checked)
 
 
 def _reserve_range(space: _Space, size: int, what: str) -> None:
     err, ptr = drv.cuMemAddressReserve(size, 0, 0, 0)
-    _check(err, f"{what}: cuMemAddressReserve({size})")
+    _driver.raise_for(err, f"{what}: cuMemAddressReserve({size})")
     space.reservations.append((int(ptr), size))
 
 
 def _check_support(devs: tuple[int, ...], acc: tuple[int, ...], shareable: bool, what: str) -> None:
     for d in dict.fromkeys((*devs, *acc)):
         dev = Device(d)
-        if not dev.attribute("virtual_memory_management_supported"):
-            raise CudaError(
-                f"{what}: device {d} does not support virtual memory management "
-                "(virtual_memory_management_supported is 0); use DeviceBuffer",
-                _NOT_SUPPORTED,
-                "CUDA_ERROR_NOT_SUPPORTED",
-            )
-        if shareable and not dev.attribute("handle_type_posix_file_descriptor_supported"):
-            raise CudaError(
-                f"{what}: device {d} cannot export memory as POSIX file descriptors "
-                "(handle_type_posix_file_descriptor_supported is 0); create it without "
-                "shareable=True and share a DeviceBuffer through ctxkit.memory.ipc instead",
-                _NOT_SUPPORTED,
-                "CUDA_ERROR_NOT_SUPPORTED",
+        require_capability(
+            dev,
+            "virtual_memory_management_supported",
+            what,
+            "does not support virtual memory management",
+            "use DeviceBuffer",
+        )
+        if shareable:
+            require_capability(
+                dev,
+                "handle_type_posix_file_descriptor_supported",
+                what,
+                "cannot export memory as POSIX file descriptors",
+                "create it without shareable=True and share a DeviceBuffer through "
+                "ctxkit.memory.ipc instead",
             )
     for a in acc:
         for d in devs:
@@ -219,9 +211,6 @@ def _check_support(devs: tuple[int, ...], acc: tuple[int, ...], shareable: bool,
                     "(cuDeviceCanAccessPeer is 0), so it cannot be given access to chunks "
                     f"there; pass access= without device {a}, or devices= without device {d}"
                 )
-
-
-_OUT_OF_MEMORY = 2
 
 
 class VirtualBuffer:
@@ -266,25 +255,6 @@ class VirtualBuffer:
     libraries are not tracked). Reserve enough address space to avoid it.
     """
 
-    __slots__ = (
-        "__weakref__",
-        "_closed",
-        "_fin",
-        "_lock",
-        "_reserve",
-        "_views",
-        "context",
-        "devices",
-        "granularity",
-        "nbytes",
-        "shareable",
-        "space",
-        "stripe",
-    )
-
-    context: Context
-    nbytes: int
-
     def __init__(
         self,
         nbytes: int,
@@ -304,14 +274,16 @@ class VirtualBuffer:
         _check_support(devs, acc, shareable, what)
         gran = max(allocation_granularity(d, shareable=shareable) for d in (*devs, *acc))
         want = stripe if stripe is not None else -(-max(n, 1) // len(devs))
-        self.stripe = _round_up(nbytes_arg(want, what, "stripe") or gran, gran)
+        stripe = _round_up(nbytes_arg(want, what, "stripe") or gran, gran)
+        reserve = _round_up(nbytes_arg(reserve, what, "reserve"), stripe)
         self.context = ctx
         self.devices = tuple(Device(d) for d in devs)
         self.granularity = gran
+        self.stripe = stripe
         self.shareable = bool(shareable)
         self.space = _Space(acc)
         self.nbytes = 0
-        self._reserve = _round_up(nbytes_arg(reserve, what, "reserve"), self.stripe)
+        self._reserve = reserve  # -1: imported (map_imported), cannot grow
         self._closed = False
         self._lock = threading.RLock()
         self._views: weakref.WeakSet[DeviceBuffer] = weakref.WeakSet()
@@ -323,44 +295,6 @@ class VirtualBuffer:
             except BaseException:
                 self._fin()  # now: the traceback keeps this half-made object alive
                 raise
-
-    @classmethod
-    def _adopt(
-        cls, handles: Sequence[Chunk], nbytes: int, stripe: int, context: Context
-    ) -> VirtualBuffer:
-        """A VirtualBuffer over chunks this process did not create (IPC import): mapped for
-        *context*'s device; it cannot grow; closing releases only this process's handles."""
-        vb = cls.__new__(cls)
-        vb.context = context
-        vb.devices = tuple(dict.fromkeys(Device(c.device) for c in handles if c.device >= 0))
-        vb.granularity = stripe
-        vb.stripe = stripe
-        vb.shareable = False
-        vb.space = _Space((context.device.ordinal,))
-        vb.nbytes = 0
-        vb._reserve = -1
-        vb._closed = False
-        vb._lock = threading.RLock()
-        vb._views = weakref.WeakSet()
-        vb._fin = weakref.finalize(vb, _finalize, context, vb.space)
-        vb._fin.atexit = False
-        total = sum(c.nbytes for c in handles)
-        what = "import of a VirtualBuffer"
-        with context:
-            try:
-                _reserve_range(vb.space, total, what)
-                for c in handles:
-                    _map(vb.space, c, vb.space.base, what)
-                    vb.space.chunks.append(c)
-            except BaseException:
-                mapped = {id(c) for c in vb.space.chunks}
-                for c in handles:
-                    if id(c) not in mapped:
-                        drv.cuMemRelease(c.handle)
-                _release_all(vb.space)
-                raise
-        vb.nbytes = int(nbytes)
-        return vb
 
     # --- state -----------------------------------------------------------------------
 
@@ -516,18 +450,14 @@ class VirtualBuffer:
         err, handle = drv.cuMemCreate(self.stripe, _prop(device, self.shareable), 0)
         if not err:
             return handle
-        if int(err) != _OUT_OF_MEMORY:
-            _check(err, f"{what}: cuMemCreate({self.stripe}, device {device})")
-        try:
-            free, total = resolve_context(device, what).memory_info()
-        except CudaError:
-            free, total = -1, -1
-        raise OutOfMemoryError(
-            f"{what}: cannot create a {self.stripe}-byte ({gib(self.stripe)}) chunk on device "
-            f"{device}: only {free} bytes ({gib(free)}) of {total} are free. Fix: close "
-            "buffers you no longer need, or stripe over more devices",
-            _OUT_OF_MEMORY,
-            "CUDA_ERROR_OUT_OF_MEMORY",
+        if int(err) != OUT_OF_MEMORY:
+            _driver.raise_for(err, f"{what}: cuMemCreate({self.stripe}, device {device})")
+        raise out_of_memory(
+            resolve_context(device, what),
+            err,
+            self.stripe,
+            f"{what}: cuMemCreate",
+            "close buffers you no longer need, or stripe over more devices",
         )
 
     # --- views and interop ------------------------------------------------------------
@@ -553,14 +483,7 @@ class VirtualBuffer:
     @property
     def __cuda_array_interface__(self) -> dict[str, Any]:
         """The buffer as a 1-D uint8 array (CUDA Array Interface v3)."""
-        return {
-            "shape": (self.nbytes,),
-            "typestr": "|u1",
-            "data": (self.ptr if self.nbytes else 0, False),
-            "version": 3,
-            "strides": None,
-            "stream": None,
-        }
+        return self.as_buffer().__cuda_array_interface__
 
     def __dlpack__(self, **kwargs: Any) -> Any:
         return self.view().__dlpack__(**kwargs)
@@ -589,3 +512,31 @@ class VirtualBuffer:
     def memset(self, value: int, stream: Any = None) -> None:
         """Set every byte to *value* (0..255), as ``DeviceBuffer.memset``."""
         DeviceBuffer.from_pointer(self.ptr, self.nbytes, self.context).memset(value, stream)
+
+
+def map_imported(
+    chunks: Sequence[Chunk], nbytes: int, stripe: int, context: Context
+) -> VirtualBuffer:
+    """A :class:`VirtualBuffer` over chunks this process did not create (their handles
+    imported from another process): mapped for *context*'s device; it cannot grow, and
+    closing it releases only this process's handles (those of *chunks* are its now, also
+    when mapping them fails)."""
+    vb = VirtualBuffer(0, context=context)  # empty: no chunk, no address range yet
+    vb.devices = tuple(dict.fromkeys(Device(c.device) for c in chunks if c.device >= 0))
+    vb.granularity = vb.stripe = stripe
+    vb._reserve = -1
+    space = vb.space
+    what = "import of a VirtualBuffer"
+    with context:
+        try:
+            _reserve_range(space, sum(c.nbytes for c in chunks), what)
+            for c in chunks:
+                _map(space, c, space.base, what)
+                space.chunks.append(c)
+        except BaseException:
+            for c in chunks[len(space.chunks) :]:  # not mapped: released here
+                drv.cuMemRelease(c.handle)
+            _release_all(space)
+            raise
+    vb.nbytes = int(nbytes)
+    return vb

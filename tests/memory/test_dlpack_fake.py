@@ -179,7 +179,7 @@ def test_dlpack_orders_the_consumer_stream_after_pending_writes(fake, ctx0):
         arr.__dlpack__()  # None: the legacy default stream (1)
         with pytest.raises(BufferError, match="ambiguous"):
             arr.__dlpack__(stream=0)
-    assert [w[0] for w in fake.waits] == [0x77, 1]
+    assert [w[0] for w in fake.waits] == [0x77, 0]  # DLPack's 1: the legacy stream, handle 0
     recorded = [c[2] for c in fake.calls("record")]
     assert all(r[1] == int(s.handle) for r in recorded) and len(recorded) == 2
 

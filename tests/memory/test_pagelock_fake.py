@@ -40,7 +40,7 @@ def as_bytes(pages: host.LockedPages) -> np.ndarray:
 def test_register_path_pins_aligned_usable_pages(registering, nbytes):
     ctx = ck.registry.context(0)
     pages = host.lock_new(nbytes, ctx)
-    assert pages.registered and pages.nbytes >= nbytes and pages.ctx is ctx
+    assert pages.mapping is not None and pages.nbytes >= nbytes and pages.ctx is ctx
     assert pages.ptr % (2 * MiB if nbytes >= 2 * MiB else 4096) == 0
     assert registering.register_calls[-1] == (pages.ptr, pages.nbytes, PORTABLE)
     assert registering.page_locked(pages.ptr, nbytes) and host_allocs(registering) == 0
@@ -55,7 +55,7 @@ def test_method_follows_the_environment(gpu, monkeypatch):
     monkeypatch.setenv("CTXKIT_PINNED_ALLOC", "hostalloc")
     assert host.method() == "hostalloc"
     pages = host.lock_new(MiB, ck.registry.context(0))
-    assert not pages.registered and host_allocs(gpu) == 1 and not gpu.register_calls
+    assert pages.mapping is None and host_allocs(gpu) == 1 and not gpu.register_calls
     pages.release()
     assert host_allocs(gpu) == 0
     monkeypatch.setenv("CTXKIT_PINNED_ALLOC", "pin-it")
@@ -67,7 +67,7 @@ def test_a_refused_registration_falls_back_to_host_alloc_for_good(registering):
     registering.register_error = lambda p, n, f: 801  # CUDA_ERROR_NOT_SUPPORTED
     ctx = ck.registry.context(0)
     pages = host.lock_new(4 * MiB, ctx)
-    assert not pages.registered and host_allocs(registering) == 1
+    assert pages.mapping is None and host_allocs(registering) == 1
     assert host.method() == "hostalloc"
     calls = len(registering.register_calls)
     host.lock_new(MiB, ctx).release()
