@@ -77,7 +77,7 @@ _capture_cond = threading.Condition(threading.RLock())
 _driver.renew_at_fork(__name__, "_capture_cond", lambda: threading.Condition(threading.RLock()))
 
 
-_capturing_threads: dict[int, int] = {}  # thread ident -> open thread_local/global captures
+capturing_threads: dict[int, int] = {}  # thread ident -> open thread_local/global captures
 
 
 _global_captures = 0
@@ -101,7 +101,7 @@ def begin_free(ctx: _Context | None, fn: Callable[..., Any], args: tuple[Any, ..
     :func:`free_quietly`) when the capture ends."""
     tid = threading.get_ident()
     with _capture_cond:
-        if _global_captures or tid in _capturing_threads:
+        if _global_captures or tid in capturing_threads:
             _held_back.append((ctx, fn, args))
             return False
         _frees_running[tid] = _frees_running.get(tid, 0) + 1
@@ -148,7 +148,7 @@ def capture_begins(global_mode: bool) -> None:
     global _global_captures
     tid = threading.get_ident()
     with _capture_cond:
-        _capturing_threads[tid] = _capturing_threads.get(tid, 0) + 1
+        capturing_threads[tid] = capturing_threads.get(tid, 0) + 1
         if global_mode:
             _global_captures += 1
             _capture_cond.wait_for(lambda: all(t == tid for t in _frees_running))
@@ -160,9 +160,9 @@ def capture_ends(global_mode: bool) -> None:
     global _global_captures
     tid = threading.get_ident()
     with _capture_cond:
-        depth = _capturing_threads.pop(tid, 1) - 1
+        depth = capturing_threads.pop(tid, 1) - 1
         if depth:
-            _capturing_threads[tid] = depth
+            capturing_threads[tid] = depth
         _global_captures -= int(global_mode)
         pending = list(_held_back)
         _held_back.clear()

@@ -67,7 +67,7 @@ def stream_for(stream: Any, ctx: Context, what: str) -> Any:
     """
     if stream is None:
         cur = _current.by_context.get(ctx.handle) if _current.by_context else None
-        return _NULL_STREAM if cur is None else cur._open_handle(what)
+        return _NULL_STREAM if cur is None else cur.open_handle(what)
     sc = getattr(stream, "context", None)
     if isinstance(sc, Context) and sc.handle != ctx.handle:
         raise WrongContextError(
@@ -79,7 +79,7 @@ def stream_for(stream: Any, ctx: Context, what: str) -> Any:
 
 def _handle_of(stream: Any, what: str) -> Any:
     if isinstance(stream, Stream):
-        return stream._open_handle(what)
+        return stream.open_handle(what)
     return drv.CUstream(_foreign_stream_int(stream))
 
 
@@ -176,11 +176,11 @@ class _InContext:
     """What streams and events share: a driver handle (``None`` once closed) that lives
     in its own context."""
 
-    __slots__ = ("__weakref__", "_fin", "context", "handle")
+    __slots__ = ("__weakref__", "context", "fin", "handle")
 
     handle: Any
     context: Context
-    _fin: weakref.finalize | None
+    fin: weakref.finalize | None  # destroys the handle in its context; None when borrowed
 
     @property
     def device(self) -> Device:
@@ -194,11 +194,11 @@ class _InContext:
 
     def close(self) -> None:
         """Destroy it now (in its context); idempotent."""
-        if self._fin is not None:
-            self._fin()
+        if self.fin is not None:
+            self.fin()
         self.handle = None
 
-    def _open_handle(self, what: str) -> Any:
+    def open_handle(self, what: str) -> Any:
         handle = self.handle
         if handle is None:
             raise ContextClosedError(f"{what}: the {type(self).__name__.lower()} was closed")
@@ -250,7 +250,7 @@ class Stream(_InContext):
         if err:
             raise ctx.note_error(err, f"cuStreamCreateWithPriority(flags={flags}, {priority})")
         self._setup(ctx, handle, bool(nonblocking), priority, owned=True, owner=None)
-        self._fin = finalizer(self, ctx, drv.cuStreamDestroy, handle)
+        self.fin = finalizer(self, ctx, drv.cuStreamDestroy, handle)
 
     def _setup(
         self, ctx: Context, handle: Any, nonblocking: bool, priority: int, owned: bool, owner: Any
@@ -261,7 +261,7 @@ class Stream(_InContext):
         self.priority = priority
         self.owned = owned
         self._owner = owner
-        self._fin = None
+        self.fin = None
         self._lock = threading.Lock()
         self._callback_errors: list[BaseException] = []
 
@@ -307,7 +307,7 @@ class Stream(_InContext):
 
     def __enter__(self) -> Stream:
         """Make this stream (and its context) current in the calling thread."""
-        self._open_handle("with stream")
+        self.open_handle("with stream")
         self.context.__enter__()
         by_context, key = _current.by_context, self.context.handle
         _current.saved.append((key, by_context.get(key)))
@@ -371,7 +371,7 @@ class Stream(_InContext):
             The first exception raised by a host function (:meth:`launch_host_func`)
             since the last synchronize; later ones are logged.
         """
-        handle = self._open_handle("Stream.synchronize")
+        handle = self.open_handle("Stream.synchronize")
         _call(self.context, "Stream.synchronize", drv.cuStreamSynchronize, handle)
         if self._callback_errors:
             self._raise_callback_error()
@@ -386,7 +386,7 @@ class Stream(_InContext):
 
     def query(self) -> bool:
         """True when all work in the stream has completed (``cuStreamQuery``)."""
-        handle = self._open_handle("Stream.query")
+        handle = self.open_handle("Stream.query")
         (err,) = _call(self.context, "Stream.query", drv.cuStreamQuery, handle, ok=_NOT_READY)
         return not err
 
@@ -397,12 +397,12 @@ class Stream(_InContext):
         of a multi-GPU program). A stream argument waits for everything enqueued on it so
         far: an event is recorded there and waited on.
         """
-        handle = self._open_handle("Stream.wait")
+        handle = self.open_handle("Stream.wait")
         if isinstance(event_or_stream, Event):
             event = event_or_stream
         else:  # everything enqueued on that stream so far
             event = Stream.from_handle(event_or_stream).record(timing=False)
-        ev = event._open_handle("Stream.wait")
+        ev = event.open_handle("Stream.wait")
         _call(self.context, "Stream.wait", drv.cuStreamWaitEvent, handle, ev, 0)
 
     def record(self, event: Event | None = None, *, timing: bool = True) -> Event:
@@ -420,7 +420,7 @@ class Stream(_InContext):
         """
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-        handle = self._open_handle("Stream.launch_host_func")
+        handle = self.open_handle("Stream.launch_host_func")
         key = next(_keys)
         _pending[key] = (fn, weakref.ref(self))
         ctx = self.context
@@ -464,11 +464,23 @@ class Event(_InContext):
             err, handle = drv.cuEventCreate(flags)
         if err:
             raise ctx.note_error(err, f"cuEventCreate(flags={flags})")
+        self._own(ctx, handle, bool(timing))
+
+    @classmethod
+    def adopt(cls, handle: Any, context: Context, *, timing: bool = False) -> Event:
+        """An Event owning *handle*, an event of *context* made by other means (an
+        interprocess event, one opened with ``cuIpcOpenEventHandle``): destroyed in
+        *context* when dropped, like one made by ``Event()``."""
+        ev = cls.__new__(cls)
+        ev._own(context, handle, timing)
+        return ev
+
+    def _own(self, ctx: Context, handle: Any, timing: bool) -> None:
         self.context = ctx
         self.handle = handle
-        self.timing = bool(timing)
+        self.timing = timing
         self._recorded = False
-        self._fin = finalizer(self, ctx, drv.cuEventDestroy, handle)
+        self.fin = finalizer(self, ctx, drv.cuEventDestroy, handle)
 
     def __repr__(self) -> str:
         if self.handle is None:
@@ -480,13 +492,13 @@ class Event(_InContext):
 
     def query(self) -> bool:
         """True when the work before the recorded point has completed."""
-        handle = self._open_handle("Event.query")
+        handle = self.open_handle("Event.query")
         (err,) = _call(self.context, "Event.query", drv.cuEventQuery, handle, ok=_NOT_READY)
         return not err
 
     def synchronize(self) -> None:
         """Wait until the recorded work has completed (GIL released while waiting)."""
-        handle = self._open_handle("Event.synchronize")
+        handle = self.open_handle("Event.synchronize")
         _call(self.context, "Event.synchronize", drv.cuEventSynchronize, handle)
 
     def elapsed_ms(self, end: Event) -> float:
@@ -501,7 +513,7 @@ class Event(_InContext):
         if not isinstance(end, Event):
             raise TypeError(f"end must be a ctxkit.Event, got {type(end).__name__}")
         for ev, name in ((self, "start"), (end, "end")):
-            ev._open_handle("Event.elapsed_ms")
+            ev.open_handle("Event.elapsed_ms")
             if not ev.timing:
                 raise ValueError(
                     f"elapsed_ms: the {name} event {ev!r} was created with timing=False and has "
@@ -541,7 +553,7 @@ class Event(_InContext):
             *stream* is a ctxkit Stream of another context (the driver requires the
             event and the stream to share a context).
         """
-        handle = self._open_handle("Event.record")
+        handle = self.open_handle("Event.record")
         ctx = self.context
         if isinstance(stream, Stream) and stream.context != ctx:
             raise ValueError(

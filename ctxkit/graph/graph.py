@@ -333,16 +333,16 @@ class Graph:
     @property
     def closed(self) -> bool:
         """True after :meth:`close` (or while its capture block runs)."""
-        return self._open_handle() is None
+        return self.open_handle() is None
 
-    def _open_handle(self) -> Any:
+    def open_handle(self) -> Any:
         parent = self._parent
         if parent is not None and parent.closed:
             return None
         return self.handle
 
     def _open(self, what: str) -> Any:
-        handle = self._open_handle()
+        handle = self.open_handle()
         if handle is None:
             why = (
                 "the graph holding this conditional body was closed"
@@ -364,7 +364,7 @@ class Graph:
     @property
     def num_nodes(self) -> int:
         """Nodes in the graph (its own; a child graph or conditional body counts as one)."""
-        handle = self._open_handle()
+        handle = self.open_handle()
         if handle is None:
             return self._count
         err, _nodes, n = drv.cuGraphGetNodes(handle, 0)
@@ -681,7 +681,7 @@ class Graph:
 
     def _ready(self, what: str) -> GraphExec:
         if self._exec is None:
-            if self._open_handle() is None or self._parent is not None:
+            if self.open_handle() is None or self._parent is not None:
                 raise CudaError(_EMPTY if self._parent is None else f"{what}: {_EMPTY}")
             self._exec = self.instantiate()
         return self._exec
@@ -719,7 +719,7 @@ class Graph:
     def close(self) -> None:
         """Destroy the graph (in its context) and the executable graph :meth:`launch`
         used; idempotent. Executable graphs from :meth:`instantiate` stay usable."""
-        if self._open_handle() is not None and self._parent is None:
+        if self.open_handle() is not None and self._parent is None:
             self.num_nodes  # noqa: B018  (remembered for repr)
         if self._exec is not None:
             self._exec.close()
@@ -729,7 +729,7 @@ class Graph:
         self.handle = None
 
     def __repr__(self) -> str:
-        if self._open_handle() is None:
+        if self.open_handle() is None:
             state = "empty"
         elif self._exec is not None:
             state = "ready"

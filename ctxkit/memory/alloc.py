@@ -156,7 +156,7 @@ _lock = threading.RLock()
 
 _driver.renew_at_fork(__name__, "_lock", threading.RLock)
 
-_capturing = lifetime._capturing_threads  # the dict itself: lifetime mutates it in place
+_capturing = lifetime.capturing_threads  # the dict itself: lifetime mutates it in place
 
 _captured = lifetime.captured_streams  # likewise: streams ctxkit captures, in any mode
 
@@ -222,7 +222,7 @@ class StreamCache:
         self.device = stream.context.device.ordinal
         self.pool = pool
         self.handle = stream.handle
-        self.fin = stream._fin  # the stream's destroy; alive while the handle is valid
+        self.fin = stream.fin  # the stream's destroy; alive while the handle is valid
         self.blocks: dict[int, list[Block]] = {}
         self.strong: Stream | None = stream if strong else None
         self.ref: Any = None if strong else weakref.ref(stream, _stream_dropped(key))

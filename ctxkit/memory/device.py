@@ -386,6 +386,11 @@ class DeviceBuffer:
         return self._ptr  # type: ignore[return-value]
 
     @property
+    def base(self) -> DeviceBuffer | None:
+        """The buffer this one is a view of (``buf[a:b]``); ``None`` for an allocation."""
+        return self._base
+
+    @property
     def closed(self) -> bool:
         """True after :meth:`close` (of this buffer or, for a view, of its parent)."""
         return self._ptr is None or (self._base is not None and self._base._ptr is None)

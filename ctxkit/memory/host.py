@@ -241,14 +241,14 @@ class HostMemory:
     chain; pinned allocations are freed when the last array dies.
     """
 
-    __slots__ = ("__weakref__", "_fin", "context", "nbytes", "owner", "ptr")
+    __slots__ = ("__weakref__", "context", "fin", "nbytes", "owner", "ptr")
 
     def __init__(self, ptr: int, nbytes: int, owner: Any = None, context: Any = None):
         self.ptr = int(ptr)
         self.nbytes = int(nbytes)
         self.owner = owner
         self.context = context
-        self._fin: Any = None
+        self.fin: Any = None
 
     @property
     def __array_interface__(self) -> dict[str, Any]:
@@ -326,7 +326,7 @@ def pinned_empty(
     if err:
         raise _host_alloc_error(ctx, err, nbytes, flags)
     mem = HostMemory(ptr, nbytes, context=ctx)
-    mem._fin = PINNED.deallocate(mem, ctx, ptr)
+    mem.fin = PINNED.deallocate(mem, ctx, ptr)
     return np.asarray(mem).view(dt).reshape(shp)
 
 

@@ -6,7 +6,7 @@ process, device UUID) and how an importer finds that device again, and the POSIX
 descriptors of shareable VMM chunks, which travel through ``multiprocessing`` pickling.
 
 Events other processes can wait for: :func:`ipc_event` creates one
-(``CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING``), and ``_wrap_event`` makes an
+(``CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING``), and :meth:`Event.adopt` makes an
 :class:`~ctxkit.Event` of a driver handle, one created here or opened from another
 process's handle, destroyed in its context when dropped. Their handles are exchanged by
 :func:`export_event` and :func:`import_event`.
@@ -172,17 +172,6 @@ def _received_fd(dup: Any) -> _SharedFd:
 EVENT_INTERPROCESS = 4  # CU_EVENT_INTERPROCESS
 
 
-def _wrap_event(ctx: Context, handle: Any) -> Event:
-    """An :class:`Event` for a handle made here (destroyed in *ctx* when dropped)."""
-    ev = Event.__new__(Event)
-    ev.context = ctx
-    ev.handle = handle
-    ev.timing = False
-    ev._recorded = False
-    ev._fin = finalizer(ev, ctx, drv.cuEventDestroy, handle)
-    return ev
-
-
 def ipc_event(context: Any = None, *, blocking: bool = False) -> Event:
     """An event other processes can wait for (``CU_EVENT_INTERPROCESS |
     CU_EVENT_DISABLE_TIMING``); share it with :func:`export_event`.
@@ -213,7 +202,7 @@ def ipc_event(context: Any = None, *, blocking: bool = False) -> Event:
         err, handle = drv.cuEventCreate(flags)
     if err:
         raise ctx.note_error(err, f"cuEventCreate(INTERPROCESS|DISABLE_TIMING, flags={flags})")
-    return _wrap_event(ctx, handle)
+    return Event.adopt(handle, ctx)
 
 
 class ImportedBuffer(DeviceBuffer):
@@ -550,7 +539,7 @@ def export_event(event: Event) -> IpcEventHandle:
             f"{what}: {event!r} records timestamps; events shared between processes cannot. "
             "Create it with ctxkit.memory.ipc.ipc_event()"
         )
-    handle = event._open_handle(what)
+    handle = event.open_handle(what)
     ctx = event.context
     with guard(ctx, what):
         err, raw = drv.cuIpcGetEventHandle(handle)
@@ -579,4 +568,4 @@ def import_event(handle: IpcEventHandle, context: Any = None) -> Event:
     with ctx:
         err, ev = drv.cuIpcOpenEventHandle(raw)
     _check_ipc(err, f"{what}: cuIpcOpenEventHandle (event of process {handle.pid}) in {ctx!r}")
-    return _wrap_event(ctx, ev)
+    return Event.adopt(ev, ctx)

@@ -482,7 +482,7 @@ class PinnedPool:
             )
         block.streams = streams
         mem = HostMemory(block.ptr, nbytes, owner=block, context=block.ctx)
-        mem._fin = lifetime.finalizer(mem, None, self._give_back, block)
+        mem.fin = lifetime.finalizer(mem, None, self._give_back, block)
         return np.asarray(mem).view(dt).reshape(shp)
 
     def zeros(

@@ -217,7 +217,7 @@ def _check_reachable(v: Any, buf: DeviceBuffer, ctx: Context) -> None:
     there, here = owner.device.ordinal, ctx.device.ordinal
     if there == here or isinstance(buf, ManagedBuffer) or peer_access_enabled(ctx, owner):
         return
-    what = " (a view)" if buf._base is not None else ""
+    what = " (a view)" if buf.base is not None else ""
     raise Refused(
         f"got a {type(v).__name__}{what} on device {there} ({owner!r}), but the kernel "
         f"launches on device {here} ({ctx!r}) without peer access to it; the kernel "

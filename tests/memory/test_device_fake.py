@@ -415,3 +415,13 @@ def test_host_copies_refuse_arrays_of_python_objects(fake, ctx0, dtype):
 
 
 # ======================================================================================
+
+
+def test_a_view_names_its_base_and_closes_with_it(fake, ctx0):
+    with ctx0:
+        b = DeviceBuffer(4096)
+        view = b[16:32]
+        assert b.base is None and view.base is b
+        assert view.ptr == b.ptr + 16 and view.nbytes == 16
+        b.close()
+    assert view.closed
