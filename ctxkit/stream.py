@@ -7,7 +7,7 @@ anything with ``__cuda_stream__``) are accepted wherever a stream is, and can be
 without being owned (:meth:`Stream.from_handle`).
 
 Here: :class:`Stream`, :class:`Event`, the current stream per thread, the one stream
-resolver (``stream_for``), and the handles and contexts of streams ctxkit did not
+resolver of a call (:func:`call_stream`), and the handles and contexts of streams ctxkit did not
 create.
 """
 
@@ -56,25 +56,30 @@ def stream_handle(obj: Any) -> Any:
     return _NULL_STREAM if obj is None else _handle_of(obj, "using the stream")
 
 
-def stream_for(stream: Any, ctx: Context, what: str) -> Any:
-    """The driver handle of *stream* for an operation in *ctx*.
+def call_stream(stream: Any, ctx: Context, what: str) -> tuple[Any, Any, bool]:
+    """``(stream, handle, implicit)``: what an operation in *ctx* given *stream* runs on.
 
-    The one stream resolver: like :func:`stream_handle`, and a ctxkit stream (or any stream
-    object with a ``context``) of another context is refused with
-    :class:`~ctxkit.errors.WrongContextError` instead of reaching the driver. ``None`` means
-    the calling thread's current stream of *ctx* (:func:`current_stream`), the legacy
-    default stream when none was made current.
+    The one stream resolver of a call, asked once at its entry point. ``stream=None`` means
+    the calling thread's current stream of *ctx* (:func:`current_stream`): then *stream* is
+    that :class:`Stream` and *implicit* is True (a ``stream=None`` operation has completed
+    when it returns, so the caller waits for it), or, with no current stream, ``None`` and
+    the legacy default stream's handle. A given stream comes back as it is, with its
+    driver handle (:func:`stream_handle`); a ctxkit stream (or any stream object with a
+    ``context``) of another context is refused with
+    :class:`~ctxkit.errors.WrongContextError` instead of reaching the driver.
     """
     if stream is None:
         cur = _current.by_context.get(ctx.handle) if _current.by_context else None
-        return _NULL_STREAM if cur is None else cur.open_handle(what)
+        if cur is None:
+            return None, _NULL_STREAM, False
+        return cur, cur.open_handle(what), True
     sc = getattr(stream, "context", None)
     if isinstance(sc, Context) and sc.handle != ctx.handle:
         raise WrongContextError(
             f"{what}: stream {stream!r} belongs to {sc!r}, but the operation runs in {ctx!r}; "
             "use a stream of that context, or run it inside `with stream.context:`"
         )
-    return _handle_of(stream, what)
+    return stream, _handle_of(stream, what), False
 
 
 def _handle_of(stream: Any, what: str) -> Any:

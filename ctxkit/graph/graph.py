@@ -49,7 +49,7 @@ from ..lifetime import (
     stream_capture_begins,
     stream_capture_ends,
 )
-from ..stream import Event, Stream, implicit_stream, stream_for
+from ..stream import Event, Stream, call_stream
 from .nodes import (
     ConditionalHandle,
     KernelSpec,
@@ -792,7 +792,7 @@ def capture(stream: Any, *, mode: str = "thread_local") -> Iterator[Graph]:
         raise ValueError(f"mode must be one of {sorted(_CAPTURE_MODES)}, not {mode!r}") from None
     sc = getattr(stream, "context", None)
     ctx = sc if isinstance(sc, Context) else require_current("graph capture")
-    hs = stream_for(stream, ctx, "graph")
+    _, hs, _ = call_stream(stream, ctx, "graph")
     if int(hs) in _SPECIAL_STREAMS:
         raise ValueError("the default stream cannot be captured; capture a ck.Stream()")
     graph = Graph._pending(ctx)
@@ -914,9 +914,8 @@ class GraphExec:
     def _enqueue(self, fn: Any, stream: Any, what: str) -> None:
         exe = self._open(what)
         ctx = self.context
-        hs = stream_for(stream, ctx, "graph")
+        s, hs, _ = call_stream(stream, ctx, "graph")
         if self._callbacks:  # host nodes report exceptions to the stream of this launch
-            s = stream if stream is not None else implicit_stream(ctx)
             ref = weakref.ref(s) if isinstance(s, Stream) else None
             for cb in self._callbacks:
                 cb.stream_ref = ref

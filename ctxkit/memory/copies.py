@@ -26,7 +26,7 @@ from .._driver import drv
 from ..binding import bind, guard
 from ..context import Context, require_current
 from ..errors import CudaError
-from ..stream import Stream, context_of_cu, implicit_stream, stream_for, stream_handle
+from ..stream import Stream, call_stream, context_of_cu, stream_handle
 from .host import check_async_host, host_address, host_array
 from .interop import producer_stream
 from .sizes import nbytes_arg
@@ -130,39 +130,26 @@ def cai_stream(stream: Any) -> int | None:
     return int(stream_handle(stream)) or 1
 
 
-def implicit(ctx: Context, stream: Any) -> tuple[Any, bool]:
-    """``(stream, wait)`` for an operation given *stream* on memory of *ctx*.
-
-    ``stream=None`` means the thread's current stream of *ctx* (``with stream:``); the
-    operation then runs there and, as a ``stream=None`` operation, has completed when it
-    returns (``wait``). Without a current stream: ``(None, False)``, the legacy default
-    stream, synchronous as before.
-    """
-    if stream is not None:
-        return stream, False
-    cur = implicit_stream(ctx)
-    return (None, False) if cur is None else (cur, True)
-
-
-def enqueue(ctx: Context, stream: Any, what: str, fn: str, *args: Any, finish: bool = True) -> None:
-    """The one way a copy or memset of memory in *ctx* runs: ``fn(*args)`` on the legacy
+def enqueue(
+    ctx: Context, call: tuple[Any, Any, bool], what: str, fn: str, *args: Any, finish: bool = True
+) -> None:
+    """The one way a copy or memset of memory in *ctx* runs, on the stream *call* that
+    :func:`~ctxkit.stream.call_stream` resolved for it: ``fn(*args)`` on the legacy
     default stream, else ``fnAsync(*args, stream)``. The last of *args* is the byte count;
     a driver error is raised with it.
 
     ``stream=None`` operations complete before they return: on the thread's current
-    stream (:func:`implicit`) the stream is waited for; on the legacy default stream it
+    stream the stream is waited for; on the legacy default stream it
     is too with *finish*, as the driver runs device-side work (memset, device-to-device
     and peer copies, the DMA of a copy from pageable memory) asynchronously to the host
     there, unordered with non-blocking streams (``ctxkit.Stream()``'s default): without
     the wait, work enqueued next on such a stream could overtake it.
     """
-    stream, wait = implicit(ctx, stream)
+    stream, sh, wait = call
     with guard(ctx, what):
         if stream is None:
-            sh = stream_handle(None)
             (err,) = getattr(drv, fn)(*args)
         else:
-            sh = stream_for(stream, ctx, what)
             (err,) = getattr(drv, fn + "Async")(*args, sh)
             finish = wait
         if err:
@@ -180,7 +167,8 @@ def copy_device(dst: Mem, src: Mem, n: int, stream: Any, what: str) -> bool:
     if n == 0:
         return False
     dctx, sctx = resolve_contexts(dst, src, stream, what)
-    ours = cai_stream(implicit(dctx, stream)[0]) or 1  # None: the legacy default stream
+    call = call_stream(stream, dctx, what)
+    ours = cai_stream(call[0]) or 1  # None: the legacy default stream
     for m, c in ((src, sctx), (dst, dctx)):
         if m.stream is not None and int(m.stream) != ours:
             # CUDA Array Interface v3: the consumer synchronizes the producer's stream
@@ -190,7 +178,7 @@ def copy_device(dst: Mem, src: Mem, n: int, stream: Any, what: str) -> bool:
                 raise c.note_error(err, f"cuStreamSynchronize({int(m.stream):#x}) for {what}")
     if dctx != sctx:
         return memcpy_peer(dst.ptr, dctx, src.ptr, sctx, n, stream, what)
-    enqueue(dctx, stream, what, "cuMemcpyDtoD", dst.ptr, src.ptr, n)
+    enqueue(dctx, call, what, "cuMemcpyDtoD", dst.ptr, src.ptr, n)
     return False
 
 
@@ -224,7 +212,8 @@ def _host_copy(mem: Mem, host: np.ndarray, kind: str, stream: Any, what: str) ->
         check_async_host(host, what)
     ends = (mem.ptr, host_address(host)) if kind == "HtoD" else (host_address(host), mem.ptr)
     ctx: Context = mem.context  # type: ignore[assignment]
-    enqueue(ctx, stream, what, f"cuMemcpy{kind}", *ends, host.nbytes, finish=kind == "HtoD")
+    call = call_stream(stream, ctx, what)
+    enqueue(ctx, call, what, f"cuMemcpy{kind}", *ends, host.nbytes, finish=kind == "HtoD")
 
 
 def copy_from_host(dst: Mem, arr: Any, stream: Any, what: str) -> None:
@@ -289,7 +278,8 @@ def memcpy_peer(
     """``cuMemcpyPeer`` of *n* bytes as :func:`enqueue` runs it, on a stream of either
     context (bound for the call); returns whether peer access makes it direct."""
     bind = stream.context if isinstance(stream, Stream) else dctx
-    enqueue(bind, stream, what, "cuMemcpyPeer", dptr, dctx.cu, sptr, sctx.cu, n)
+    call = call_stream(stream, bind, what)
+    enqueue(bind, call, what, "cuMemcpyPeer", dptr, dctx.cu, sptr, sctx.cu, n)
     return _direct(dctx, sctx)
 
 

@@ -37,7 +37,7 @@ from ..context import Context, thread_state
 from ..device import Device
 from ..errors import ContextClosedError
 from ..lifetime import finalizer
-from ..stream import Stream, implicit_stream, stream_for
+from ..stream import Stream, call_stream, implicit_stream
 from . import alloc
 from .alloc import Block, MemoryKind
 from .copies import (
@@ -327,8 +327,9 @@ class DeviceBuffer:
         self._setup_view(0, n, ctx, None)
         if (stream is not None or pool is not None) and not self.kind.stream_ordered:
             raise TypeError(f"{what}: {type(self).__name__} cannot be stream-ordered")
-        if stream is None and self.kind.stream_ordered:
-            stream = implicit_stream(ctx)
+        sh = None
+        if self.kind.stream_ordered:
+            stream, sh, _ = call_stream(stream, ctx, what)
         if n == 0:
             return
         if stream is None and pool is None:
@@ -340,7 +341,6 @@ class DeviceBuffer:
             self._fin = self.kind.deallocate(self, ctx, ptr)
             return
         s = stream if isinstance(stream, Stream) else Stream.from_handle(stream or 0, ctx)
-        sh = stream_for(s, ctx, what)
         ph = None if pool is None else pool.handle
         # The block holds the stream while the buffer lives, so the free (or the return to
         # the stream's cache) is ordered after every use enqueued on it.
@@ -497,7 +497,8 @@ class DeviceBuffer:
         if not 0 <= value <= 255:
             raise ValueError(f"{what}: value must be in 0..255, got {value}")
         if self.nbytes:
-            enqueue(self.context, stream, what, "cuMemsetD8", ptr, int(value), self.nbytes)
+            call = call_stream(stream, self.context, what)
+            enqueue(self.context, call, what, "cuMemsetD8", ptr, int(value), self.nbytes)
 
     # --- typed views and interop -----------------------------------------------------
 

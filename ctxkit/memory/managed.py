@@ -17,7 +17,7 @@ from .._driver import drv
 from ..binding import guard
 from ..context import Context
 from ..device import Device
-from ..stream import Stream, stream_for
+from ..stream import Stream, call_stream
 from . import alloc
 from .device import DeviceBuffer
 from .host import (
@@ -133,7 +133,7 @@ class ManagedBuffer(DeviceBuffer):
         if self.nbytes == 0:
             return
         ctx = stream.context if isinstance(stream, Stream) else self.context
-        sh = stream_for(stream, ctx, what)
+        _, sh, _ = call_stream(stream, ctx, what)
         with guard(ctx, what):
             _driver.mem_prefetch(ptr, self.nbytes, tgt, sh)
 

@@ -38,7 +38,7 @@ from ..binding import guard, registry, resolve_context
 from ..context import Context, current_handle, thread_state
 from ..errors import STICKY_CODES, CudaError, LaunchArgumentError
 from ..memory.interop import order_after_producers
-from ..stream import Stream, implicit_stream, stream_for
+from ..stream import Stream, call_stream
 from .params import ArgPacker, ParamBuffer, foreign_arrays, short_repr
 from .ptxsig import Param, Signature
 
@@ -419,9 +419,8 @@ class PreparedLaunch:
         self._buf = ParamBuffer(packer.sig)
         packer.pack_into(self._buf, args, ctx)
         self._args = list(args)
-        hs = stream_for(stream, ctx, "launch")
+        self._consumer, hs, _ = call_stream(stream, ctx, "launch")
         self._stream = hs
-        self._consumer = stream if stream is not None else implicit_stream(ctx)
         if cfg.empty:
             self._call: tuple[Any, ...] = (
                 func,
@@ -769,7 +768,7 @@ class Kernel:
             if type(stream) is Stream and stream.context is ctx and stream.handle is not None:
                 hs = stream.handle
             else:
-                hs = stream_for(stream, ctx, "launch")
+                _, hs, _ = call_stream(stream, ctx, "launch")
             addr = (self._address or self._require_packer().address)(args, ctx, hs, stream)
             if cooperative or cluster is not None or config is not None:
                 cfg = config_for(config, cooperative, cluster)
