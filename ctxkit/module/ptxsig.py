@@ -222,14 +222,16 @@ def _param_type_text(decl: str) -> str:
 def source_param_types(source: str, name: str, count: int) -> list[CType] | None:
     """Parameter types of ``__global__`` function *name* as declared in *source*.
 
-    Only a declaration with exactly *count* parameters is trusted (the PTX's count);
-    ``None`` when there is none, or when the parameter list uses a macro or template
-    this reader cannot see through.
+    Only declarations with exactly *count* parameters are read (the PTX's count), and
+    they must agree (a C++ overload with as many parameters but other types gives
+    ``None``); ``None`` also when there is none, or when the parameter list uses a macro
+    or template this reader cannot see through.
     """
     if name not in source:
         return None
     text = _COMMENTS_AND_STRINGS.sub(" ", source)
     text = re.sub(r"^\s*#.*$", " ", text, flags=re.M)
+    found: list[list[CType]] = []
     for m in re.finditer(r"\b" + re.escape(name) + r"\s*\(", text):
         head = text[: m.start()]
         cut = max(head.rfind(";"), head.rfind("}"), head.rfind("{"))
@@ -240,19 +242,35 @@ def source_param_types(source: str, name: str, count: int) -> list[CType] | None
             return None
         inner = text[m.end() : end - 1].strip()
         decls = [] if inner in ("", "void") else _split_top_level(inner)
-        if len(decls) != count:
-            continue
-        return [classify_spelling(_param_type_text(d)) for d in decls]
-    return None
+        if len(decls) == count:
+            found.append([classify_spelling(_param_type_text(d)) for d in decls])
+    return found[0] if found and all(f == found[0] for f in found) else None
 
 
 def cpp_param_types(symbol: str, source: str | None, count: int) -> list[CType] | None:
     """The C++ types of the *count* parameters of kernel *symbol*: from its mangled name
-    (C++ kernels), else from its declaration in *source* (``extern "C"`` kernels of a
-    program ctxkit compiled); ``None`` when neither tells."""
+    (C++ kernels, with the optional demangler), else from its declaration in *source*
+    (kernels of a program ctxkit compiled: ``extern "C"`` ones, and C++ ones at namespace
+    scope without template arguments, whose name the mangled symbol spells out);
+    ``None`` when neither tells."""
+    name: str | None = symbol
     if symbol.startswith("_Z"):
-        return mangled_param_types(symbol)
-    return source_param_types(source, symbol, count) if source else None
+        types = mangled_param_types(symbol)
+        name = _plain_name(symbol) if types is None else None
+        if name is None:
+            return types
+    return source_param_types(source, name, count) if source and name else None
+
+
+def _plain_name(symbol: str) -> str | None:
+    """The identifier of a C++ function mangled at namespace scope with no template
+    arguments (``_Z6widthshsiyxPfm`` -> ``widths``); ``None`` for anything else."""
+    m = re.match(r"_Z(\d+)", symbol)
+    if m is None:
+        return None
+    end = m.end() + int(m.group(1))
+    name = symbol[m.end() : end]
+    return name if name.isidentifier() and symbol[end : end + 1] not in ("I", "") else None
 
 
 _UNSIGNED_CODE = {1: "B", 2: "H", 4: "I", 8: "Q"}

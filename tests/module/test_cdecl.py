@@ -14,7 +14,13 @@ import sys
 import pytest
 
 import ctxkit as ck
-from ctxkit.module.ptxsig import CType, classify_spelling, mangled_param_types, source_param_types
+from ctxkit.module.ptxsig import (
+    CType,
+    classify_spelling,
+    cpp_param_types,
+    mangled_param_types,
+    source_param_types,
+)
 
 S, U, N = "signed", "unsigned", ""
 
@@ -188,3 +194,31 @@ def test_source_without_a_matching_declaration_gives_none() -> None:
     assert source_param_types(SOURCE, "helper", 0) is None  # not __global__
     assert source_param_types(SOURCE, "missing", 1) is None
     assert source_param_types("__global__ void k(int n", "k", 1) is None  # unbalanced
+
+
+CPP_SOURCE = """
+__global__ void widths(unsigned char u8, short s16, int s32, unsigned long long u64,
+                       long long s64, float* out, size_t n);
+__global__ void widths(unsigned char u8, short s16, int s32, unsigned long long u64,
+                       long long s64, float* out, size_t n) {}
+__global__ void over(int n) {}
+__global__ void over(unsigned n) {}
+__global__ void over(int n, int m) {}
+template <typename T> __global__ void tmpl(T* x, int n) {}
+namespace ns { __global__ void inner(int n) {} }
+"""
+
+
+def test_cpp_kernels_of_known_source_need_no_demangler(monkeypatch) -> None:
+    """Without the demangle extra, a C++ kernel at namespace scope with no template
+    arguments gets its types from the source its name spells out; overloads with as many
+    parameters, templates and nested names stay unknown (the PTX's sizes only)."""
+    monkeypatch.setitem(sys.modules, "cxxfilt", None)  # import fails: the extra is absent
+    types = cpp_param_types("_Z6widthshsiyxPfm", CPP_SOURCE, 7)
+    assert [t.sign for t in types or ()] == [U, S, S, U, S, U, U]
+    assert cpp_param_types("_Z6widthshsiyxPfm", None, 7) is None  # no source kept
+    assert cpp_param_types("_Z4overi", CPP_SOURCE, 1) is None  # two overloads of 1 parameter
+    assert [t.sign for t in cpp_param_types("_Z4overii", CPP_SOURCE, 2) or ()] == [S, S]
+    assert cpp_param_types("_Z4tmplIfEvPT_i", CPP_SOURCE, 2) is None  # template arguments
+    assert cpp_param_types("_ZN2ns5innerEi", CPP_SOURCE, 1) is None  # a nested name
+    assert [t.sign for t in cpp_param_types("plain", "__global__ void plain(int);", 1) or ()] == [S]
