@@ -100,7 +100,7 @@ def test_benchmark_runs_every_section_on_the_simulated_gpu(bench, gpu, capsys, m
     monkeypatch.setattr("ctxkit.pipeline.pincache.MIN_HOLD_BYTES", 1 << 20)
     # 40 MiB: above glibc's largest mmap threshold, so x and out have pages of their own
     # (ck.register_host of both would fail on a page they shared)
-    rc = bench.main(["--quick", "--size-gb", "0.04", "--repeats", "1"])
+    rc = bench.main(["--quick", "--size-gb", "0.04", "--first-call-gb", "0.04", "--repeats", "1"])
     text = capsys.readouterr().out
     assert rc == 0, text[-3000:]
     for needle in (
