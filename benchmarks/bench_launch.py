@@ -53,7 +53,6 @@ from verdictlines import (
     info,
     median,
     median_info,
-    median_target,
     missing_baseline,
     target,
 )
@@ -517,14 +516,15 @@ def verdicts(r: Mapping[str, Any]) -> list[Line]:
     lines.append(_ratio(r, "launch.prepared_vs_raw", "prepared", "raw_address", None, "void**"))
     n = GRAPH_TARGET_NODES
     mine, raw = r[f"graph{n}_steady_ctxkit"], r[f"graph{n}_steady_raw"]
+    # A replayed node costs what the driver's cuGraphLaunch costs: ctxkit is judged on the
+    # ratio to the raw graph of the same run, the time per node is the driver's figure.
     lines.append(
-        median_target(
+        median_info(
             "launch.graph_node_us",
             mine,
-            "<=",
-            0.6,
             "us",
-            f"{n}-node graph, fixed in advance; raw graph {median(raw):.2f}us",
+            higher=False,
+            what=f"{n}-node graph, fixed in advance; raw graph {median(raw):.2f}us",
         )
     )
     lines.append(
@@ -533,8 +533,8 @@ def verdicts(r: Mapping[str, Any]) -> list[Line]:
             "launch.graph_node_vs_raw",
             f"graph{n}_steady_ctxkit",
             f"graph{n}_steady_raw",
-            None,
-            f"{n}-node graph",
+            1.05,
+            f"{n}-node graph, fixed in advance (5% noise allowance)",
         )
     )
     for nodes in GRAPH_SIZES:
