@@ -204,6 +204,13 @@ class _InContext:
         self.handle = None
 
     def open_handle(self, what: str) -> Any:
+        """The live driver handle, for a call named ``what``.
+
+        Raises
+        ------
+        ContextClosedError
+            After :meth:`close`: the handle is gone and ``what`` names the call refused.
+        """
         handle = self.handle
         if handle is None:
             raise ContextClosedError(f"{what}: the {type(self).__name__.lower()} was closed")

@@ -336,6 +336,8 @@ class Graph:
         return self.open_handle() is None
 
     def open_handle(self) -> Any:
+        """The live ``CUgraph``, or None once it (or the graph holding this conditional
+        body) was closed, or while its capture block runs."""
         parent = self._parent
         if parent is not None and parent.closed:
             return None
