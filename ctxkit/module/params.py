@@ -599,11 +599,15 @@ class ArgPacker:
 
     # -- packing ---------------------------------------------------------------------
 
-    def pack(self, args: Sequence[Any], ctx: Context | None = None) -> bytes:
-        """The device-side parameter buffer for *args* (padding bytes are zero)."""
+    def packed(self, args: Sequence[Any], ctx: Context | None = None) -> ParamBuffer:
+        """A new :class:`ParamBuffer` holding *args*, checked (padding bytes are zero)."""
         buf = ParamBuffer(self.sig)
         self.pack_into(buf, args, ctx)
-        return bytes(buf)
+        return buf
+
+    def pack(self, args: Sequence[Any], ctx: Context | None = None) -> bytes:
+        """The device-side parameter buffer for *args* (padding bytes are zero)."""
+        return bytes(self.packed(args, ctx))
 
     def pack_one(
         self, buf: ParamBuffer, index: int, value: Any, ctx: Context | None = None
