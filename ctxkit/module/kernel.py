@@ -424,7 +424,8 @@ class PreparedLaunch:
         if cfg.empty:
             self._call: tuple[Any, ...] = (func, *dims[0], *dims[1], dims[2], self._stream)
         else:
-            self._call = (kernel._native_config(ctx, func, *dims, self._stream, cfg), func)
+            kernel._check_options(ctx, func, *dims, cfg)
+            self._call = (native_config(*dims, self._stream, cfg.attributes()), func)
         self._call += (self._buf.address, 0)
         self._wire()
 
@@ -732,7 +733,7 @@ class Kernel:
         """
         ctx = thread_state().top
         last = self._last
-        bound = False
+        bound = None
         try:
             if last[0] is ctx:
                 func = last[1]
@@ -748,20 +749,16 @@ class Kernel:
                 bx, by, bz = block, 1, 1
             else:
                 bx, by, bz = normalize_dims(block, "block")
+            if cooperative or cluster is not None or config is not None:
+                cfg = config_for(config, cooperative, cluster)
+                if not cfg.empty:  # cuLaunchKernelEx with its options checked, as prepared
+                    dims = (gx, gy, gz), (bx, by, bz)
+                    return PreparedLaunch(self, ctx, func, *dims, args, stream, shared_mem, cfg)()
             if type(stream) is Stream and stream.context is ctx and stream.handle is not None:
                 hs = stream.handle
             else:
                 _, hs, _ = call_stream(stream, ctx, "launch")
             addr = (self._address or self.packer.address)(args, ctx, hs, stream)
-            if cooperative or cluster is not None or config is not None:
-                cfg = config_for(config, cooperative, cluster)
-                if not cfg.empty:
-                    dims = (gx, gy, gz), (bx, by, bz)
-                    native = self._native_config(ctx, func, *dims, shared_mem, hs, cfg)
-                    (err,) = drv.cuLaunchKernelEx(native, func, addr, 0)
-                    if err:
-                        raise self._launch_error(int(err), ctx, func, *dims, shared_mem, cfg)
-                    return
             try:
                 (err,) = drv.cuLaunchKernel(func, gx, gy, gz, bx, by, bz, shared_mem, hs, addr, 0)
             except (OverflowError, TypeError) as exc:
@@ -772,44 +769,34 @@ class Kernel:
                 dims = (gx, gy, gz), (bx, by, bz)
                 raise self._launch_error(int(err), ctx, func, *dims, shared_mem)
         finally:
-            if bound:
-                ctx.__exit__(None, None, None)
+            if bound is not None:
+                bound.__exit__(None, None, None)
 
     def _launch_context(
         self, top: Context | None, stream: Any, args: tuple[Any, ...]
-    ) -> tuple[Context, bool]:
-        """The context of a launch, and True when it was bound for the launch: the current
+    ) -> tuple[Context, Context | None]:
+        """The context of a launch, twice when it was bound for the launch: the current
         one; in a thread with nothing current (and not in strict mode) the stream's, the
         module's or the first ctxkit buffer argument's, entered here."""
         if top is not None:
-            return top, False
+            return top, None
         if not current_handle() and not registry.strict:
             for owner in (stream, self.module, *args):
                 ctx = getattr(owner, "context", None)
                 if isinstance(ctx, Context):
-                    return ctx.__enter__(), True
+                    return ctx.__enter__(), ctx
         self.module.check_open()
-        return resolve_context(None, f"launching kernel {self.name!r}"), False
+        return resolve_context(None, f"launching kernel {self.name!r}"), None
 
-    def _native_config(
-        self,
-        ctx: Context,
-        func: Any,
-        grid: Dims,
-        block: Dims,
-        shared_mem: Any,
-        hs: Any,
-        cfg: LaunchConfig,
-    ) -> Any:
-        """The ``CUlaunchConfig`` of a launch with the options *cfg*, once what the device
-        or the kernel cannot run is refused, with the occupancy numbers in the message
-        (before the driver's bare error)."""
-        shared_mem = shared_mem_arg(shared_mem, self.name)
+    def _check_options(
+        self, ctx: Context, func: Any, grid: Dims, block: Dims, shared_mem: int, cfg: LaunchConfig
+    ) -> None:
+        """Refuse what the device or the kernel cannot run with the options *cfg*, with the
+        occupancy numbers in the message (before the driver's bare error)."""
         if cfg.cooperative:
             self._check_cooperative(ctx, func, grid, block, shared_mem)
         if cfg.cluster is not None:
             self._check_cluster(ctx, func, grid, block, shared_mem, cfg.cluster)
-        return native_config(grid, block, shared_mem, hs, cfg.attributes())
 
     def _check_cooperative(
         self, ctx: Context, func: Any, grid: Dims, block: Dims, shared_mem: int
