@@ -263,7 +263,6 @@ def open_dir(path: Path, create: bool = True) -> CacheDir | None:
     reached through a symbolic link of another user (see :func:`_follow`).
     """
     link, seen = _follow(path)
-    fd = -1
     try:
         if not link and seen is None and create:
             _make_private_dir(path)
@@ -275,16 +274,14 @@ def open_dir(path: Path, create: bool = True) -> CacheDir | None:
                 "set CTXKIT_CACHE_DIR to a directory reached through no other user's link",
             )
             return None
-        fd = os.open(path, _DIR_FLAGS)
-        problem = _distrust(os.fstat(fd), seen)
+        d = CacheDir(path, os.open(path, _DIR_FLAGS))
     except OSError as exc:
-        if fd >= 0:
-            os.close(fd)
         if create or exc.errno != errno.ENOENT:  # a missing directory to clear is no news
             _warn_unusable(path, exc)
         return None
+    problem = _distrust(os.fstat(d.fd), seen)
     if problem:
-        os.close(fd)
+        d.__exit__()
         _warn_unsafe(
             path,
             f"it {problem}",
@@ -292,7 +289,7 @@ def open_dir(path: Path, create: bool = True) -> CacheDir | None:
             "your own",
         )
         return None
-    return CacheDir(path, fd)
+    return d
 
 
 def _warn_unsafe(path: Path, problem: str, fix: str) -> None:
@@ -825,19 +822,14 @@ def _strings(value: Any) -> bool:
 def _decode(header: dict[str, Any], blobs: dict[str, bytes]) -> ObjectCode | None:
     """The :class:`ObjectCode` of a verified entry, or ``None`` when any field is off."""
     fields: dict[str, Any] = {k: header.get(k) for k in _TEXT_FIELDS}
-    lowered = header.get("lowered_names")
-    options = header.get("options")
-    version = header.get("nvrtc_version")
+    lowered, options, version = (
+        header.get(k) for k in ("lowered_names", "options", "nvrtc_version")
+    )
     code = blobs.get("code")
-    if not (
-        _strings(list(fields.values()))
-        and isinstance(lowered, dict)
-        and _strings([*lowered, *lowered.values()])
-        and _strings(options)
-        and isinstance(version, list)
-        and len(version) in (0, 2)
-        and all(type(v) is int for v in version)
-        and code
+    if not (isinstance(lowered, dict) and _strings(options) and isinstance(version, list) and code):
+        return None
+    if not _strings([*fields.values(), *lowered, *lowered.values()]) or not (
+        len(version) in (0, 2) and all(type(v) is int for v in version)
     ):
         return None
     try:

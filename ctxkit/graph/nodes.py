@@ -30,7 +30,7 @@ from ..memory.copies import Mem, device_mem
 from ..memory.host import host_array, is_pinned
 from ..memory.sizes import nbytes_arg
 from ..module.kernel import Kernel, normalize_dims, shared_mem_arg
-from ..module.params import ArgPacker, ParamBuffer
+from ..module.params import ParamBuffer
 
 __all__ = ["CONDITIONAL_DEVICE_API", "ConditionalHandle"]
 
@@ -174,11 +174,6 @@ def node_type_name(member: Any) -> str:
     return _TYPE_NAMES.get(suffix, suffix.lower())
 
 
-#: the argument packer of each kernel used in a graph (made once per kernel: making one
-#: compiles its packing code)
-_packers: weakref.WeakKeyDictionary[Kernel, ArgPacker] = weakref.WeakKeyDictionary()
-
-
 @dataclass(frozen=True, slots=True, eq=False)
 class KernelSpec:
     """What a kernel node runs: the kernel, its launch shape and its packed arguments
@@ -230,18 +225,12 @@ def kernel_spec(
     """
     if not isinstance(kernel, Kernel):
         raise TypeError(f"kernel must be a ctxkit Kernel, got {type(kernel).__name__}")
-    packer = _packers.get(kernel)
-    if packer is None:
-        kernel.params  # noqa: B018  (LaunchArgumentError naming why when it is unknown)
-        assert kernel.signature is not None
-        packer = _packers[kernel] = ArgPacker(kernel.signature, kernel.name)
+    packer = kernel.packer  # LaunchArgumentError naming why when the parameters are unknown
     g = normalize_dims(grid, "grid")
     b = normalize_dims(block, "block")
     smem = shared_mem_arg(shared_mem, kernel.name)
     values = tuple(int(a) if isinstance(a, ConditionalHandle) else a for a in args)
-    buf = ParamBuffer(packer.sig)
-    packer.pack_into(buf, values, ctx)
-    return KernelSpec(kernel, g, b, smem, tuple(args), buf)
+    return KernelSpec(kernel, g, b, smem, tuple(args), packer.packed(values, ctx))
 
 
 # --- memcpy and memset ---------------------------------------------------------------

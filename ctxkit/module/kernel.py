@@ -39,7 +39,7 @@ from ..context import Context, current_handle, thread_state
 from ..errors import STICKY_CODES, CudaError, LaunchArgumentError
 from ..memory.interop import order_after_producers
 from ..stream import Stream, call_stream
-from .params import ArgPacker, ParamBuffer, foreign_arrays, short_repr
+from .params import ArgPacker, foreign_arrays, short_repr
 from .ptxsig import Param, Signature
 
 if TYPE_CHECKING:
@@ -385,6 +385,7 @@ class PreparedLaunch:
         "_buf",
         "_call",
         "_consumer",
+        "_func",
         "_kernel",
         "_launch",
         "_module",
@@ -408,7 +409,6 @@ class PreparedLaunch:
         shared_mem: int,
         cfg: LaunchConfig,
     ) -> None:
-        packer = kernel._require_packer()
         self._kernel = kernel
         self._module = kernel.module
         self.context = ctx
@@ -416,24 +416,17 @@ class PreparedLaunch:
         self.block = normalize_dims(block, "block")
         self.shared_mem = shared_mem_arg(shared_mem, kernel.name)
         self.config = cfg
-        self._buf = ParamBuffer(packer.sig)
-        packer.pack_into(self._buf, args, ctx)
+        self._func = func
+        self._buf = kernel.packer.packed(args, ctx)
         self._args = list(args)
-        self._consumer, hs, _ = call_stream(stream, ctx, "launch")
-        self._stream = hs
+        self._consumer, self._stream, _ = call_stream(stream, ctx, "launch")
+        dims = (self.grid, self.block, self.shared_mem)
         if cfg.empty:
-            self._call: tuple[Any, ...] = (
-                func,
-                *self.grid,
-                *self.block,
-                self.shared_mem,
-                hs,
-                self._buf.address,
-                0,
-            )
+            self._call: tuple[Any, ...] = (func, *dims[0], *dims[1], dims[2], self._stream)
         else:
-            native = kernel._native_config(ctx, func, self.grid, self.block, shared_mem, hs, cfg)
-            self._call = (native, func, self._buf.address, 0)
+            kernel._check_options(ctx, func, *dims, cfg)
+            self._call = (native_config(*dims, self._stream, cfg.attributes()), func)
+        self._call += (self._buf.address, 0)
         self._wire()
 
     def _wire(self) -> None:
@@ -456,27 +449,17 @@ class PreparedLaunch:
     def __call__(self) -> None:
         """Launch (no argument packing; the context is checked in thread-local state)."""
         if thread_state().top is not self.context or self._module.closed:
-            return self._call_slow()
+            self._module.check_open()
+            with guard(self.context, f"PreparedLaunch of {self._kernel.name!r}"):
+                return self()  # now current: the plain path
         (err,) = self._launch(*self._call)
         if err:
-            raise self._error(int(err))
-
-    def _call_slow(self) -> None:
-        self._module.check_open()
-        with guard(self.context, f"PreparedLaunch of {self._kernel.name!r}"):
-            (err,) = self._launch(*self._call)
-            if err:
-                raise self._error(int(err))
-
-    def _error(self, code: int) -> CudaError:
-        func = self._call[0] if self.config.empty else self._call[1]
-        return self._kernel._launch_error(
-            code, self.context, func, self.grid, self.block, self.shared_mem, self.config
-        )
+            dims = (self.grid, self.block, self.shared_mem, self.config)
+            raise self._kernel._launch_error(int(err), self.context, self._func, *dims)
 
     def set_arg(self, key: int | str, value: Any) -> None:
         """Replace one argument (by index or PTX parameter name), checked like a launch."""
-        packer = self._kernel._require_packer()
+        packer = self._kernel.packer
         i = packer.index_of(key)
         packer.pack_one(self._buf, i, value, self.context)
         self._args[i] = value
@@ -574,9 +557,19 @@ class Kernel:
     @property
     def params(self) -> tuple[Param, ...]:
         """The parameters: PTX type, size, alignment and offset of each."""
-        return self._require_packer().sig.params
+        return self.packer.sig.params
 
-    def _require_packer(self) -> ArgPacker:
+    @property
+    def packer(self) -> ArgPacker:
+        """What checks and packs this kernel's arguments (launches, prepared launches and
+        graph kernel nodes share it).
+
+        Raises
+        ------
+        LaunchArgumentError
+            The parameter list is unknown (a cubin without PTX whose layout the driver
+            did not report).
+        """
         if self._packer is None:
             why = self._unknown_reason or "the driver did not report it"
             raise LaunchArgumentError(
@@ -614,7 +607,7 @@ class Kernel:
         NoCurrentContextError
             No *context* was given and the thread has none.
         """
-        with self._function_here(f"{self.name}.function_handle", context) as func:
+        with self._function_here(f"{self.name}.function_handle", context) as (_, func):
             return func
 
     # -- per-context function ----------------------------------------------------------
@@ -687,13 +680,6 @@ class Kernel:
         with self._function_here(f"{self.name}.preload", context):
             pass
 
-    def _current(self, what: str) -> Context:
-        self.module.check_open()
-        bound = self.module.context
-        if bound is not None:
-            return guard(bound, what)
-        return resolve_context(None, what)
-
     # -- launching -------------------------------------------------------------------
 
     def launch(
@@ -752,11 +738,9 @@ class Kernel:
             if last[0] is ctx:
                 func = last[1]
             else:
-                implied = self._implied_context(ctx, stream, args)
-                if implied is not None:  # nothing current here: bind what the launch uses
-                    implied.__enter__()
-                    bound = implied
-                ctx, func = self._launch_function(ctx if bound is None else bound)
+                ctx, bound = self._launch_context(ctx, stream, args)
+                func = self._function(ctx)
+                self._last = (ctx, func)
             if type(grid) is int and 0 < grid <= DIM_MAX:
                 gx, gy, gz = grid, 1, 1
             else:
@@ -765,20 +749,16 @@ class Kernel:
                 bx, by, bz = block, 1, 1
             else:
                 bx, by, bz = normalize_dims(block, "block")
+            if cooperative or cluster is not None or config is not None:
+                cfg = config_for(config, cooperative, cluster)
+                if not cfg.empty:  # cuLaunchKernelEx with its options checked, as prepared
+                    dims = (gx, gy, gz), (bx, by, bz)
+                    return PreparedLaunch(self, ctx, func, *dims, args, stream, shared_mem, cfg)()
             if type(stream) is Stream and stream.context is ctx and stream.handle is not None:
                 hs = stream.handle
             else:
                 _, hs, _ = call_stream(stream, ctx, "launch")
-            addr = (self._address or self._require_packer().address)(args, ctx, hs, stream)
-            if cooperative or cluster is not None or config is not None:
-                cfg = config_for(config, cooperative, cluster)
-                if not cfg.empty:
-                    dims = (gx, gy, gz), (bx, by, bz)
-                    native = self._native_config(ctx, func, *dims, shared_mem, hs, cfg)
-                    (err,) = drv.cuLaunchKernelEx(native, func, addr, 0)
-                    if err:
-                        raise self._launch_error(int(err), ctx, func, *dims, shared_mem, cfg)
-                    return
+            addr = (self._address or self.packer.address)(args, ctx, hs, stream)
             try:
                 (err,) = drv.cuLaunchKernel(func, gx, gy, gz, bx, by, bz, shared_mem, hs, addr, 0)
             except (OverflowError, TypeError) as exc:
@@ -792,47 +772,31 @@ class Kernel:
             if bound is not None:
                 bound.__exit__(None, None, None)
 
-    def _implied_context(self, top: Context | None, stream: Any, args: tuple[Any, ...]) -> Any:
-        """The context to bind for a launch from a thread with nothing current: the
-        stream's, the module's, or the first ctxkit buffer argument's (``None`` when a
-        context is current, or in strict mode: the launch then needs one)."""
-        if top is not None or current_handle() or registry.strict:
-            return None
-        for owner in (stream, self.module, *args):
-            ctx = getattr(owner, "context", None)
-            if isinstance(ctx, Context):
-                return ctx
-        return None
+    def _launch_context(
+        self, top: Context | None, stream: Any, args: tuple[Any, ...]
+    ) -> tuple[Context, Context | None]:
+        """The context of a launch, twice when it was bound for the launch: the current
+        one; in a thread with nothing current (and not in strict mode) the stream's, the
+        module's or the first ctxkit buffer argument's, entered here."""
+        if top is not None:
+            return top, None
+        if not current_handle() and not registry.strict:
+            for owner in (stream, self.module, *args):
+                ctx = getattr(owner, "context", None)
+                if isinstance(ctx, Context):
+                    return ctx.__enter__(), ctx
+        self.module.check_open()
+        return resolve_context(None, f"launching kernel {self.name!r}"), None
 
-    def _launch_function(self, ctx: Context | None) -> tuple[Context, Any]:
-        """The launch's context and function when the last launch's do not apply."""
-        if ctx is None:
-            self.module.check_open()
-            ctx = resolve_context(None, f"launching kernel {self.name!r}")
-        hit = self._funcs.get(ctx.handle)
-        func = hit[1] if hit is not None and hit[0] is ctx else self._resolve(ctx)
-        self._last = (ctx, func)
-        return ctx, func
-
-    def _native_config(
-        self,
-        ctx: Context,
-        func: Any,
-        grid: Dims,
-        block: Dims,
-        shared_mem: Any,
-        hs: Any,
-        cfg: LaunchConfig,
-    ) -> Any:
-        """The ``CUlaunchConfig`` of a launch with the options *cfg*, once what the device
-        or the kernel cannot run is refused, with the occupancy numbers in the message
-        (before the driver's bare error)."""
-        shared_mem = shared_mem_arg(shared_mem, self.name)
+    def _check_options(
+        self, ctx: Context, func: Any, grid: Dims, block: Dims, shared_mem: int, cfg: LaunchConfig
+    ) -> None:
+        """Refuse what the device or the kernel cannot run with the options *cfg*, with the
+        occupancy numbers in the message (before the driver's bare error)."""
         if cfg.cooperative:
             self._check_cooperative(ctx, func, grid, block, shared_mem)
         if cfg.cluster is not None:
             self._check_cluster(ctx, func, grid, block, shared_mem, cfg.cluster)
-        return native_config(grid, block, shared_mem, hs, cfg.attributes())
 
     def _check_cooperative(
         self, ctx: Context, func: Any, grid: Dims, block: Dims, shared_mem: int
@@ -946,10 +910,8 @@ class Kernel:
         now (or the module's context), and ``stream=None`` means the current stream now.
         Cooperative and cluster limits are checked here.
         """
-        ctx = self._current(f"preparing a launch of {self.name!r}")
-        cfg = config_for(config, cooperative, cluster)
-        with ctx:
-            func = self._function(ctx)
+        with self._function_here(f"preparing a launch of {self.name!r}") as (ctx, func):
+            cfg = config_for(config, cooperative, cluster)
             return PreparedLaunch(self, ctx, func, grid, block, args, stream, shared_mem, cfg)
 
     def _launch_error(
@@ -989,18 +951,24 @@ class Kernel:
     # -- attributes and occupancy ------------------------------------------------------
 
     @contextmanager
-    def _function_here(self, what: str, context: Context | None = None) -> Iterator[Any]:
-        """The ``CUfunction`` of *context* (default: the current one, the module's own for a
-        bound module), loaded, with that context current while the block runs."""
-        ctx = context if context is not None else self._current(what)
-        with ctx:
-            yield self._function(ctx)
+    def _function_here(
+        self, what: str, context: Context | None = None
+    ) -> Iterator[tuple[Context, Any]]:
+        """``(context, CUfunction)`` of a use of this kernel other than a launch, the
+        function loaded, with the context current while the block runs: *context*, by
+        default the current one (the module's own for a bound module)."""
+        if context is None:
+            self.module.check_open()
+            bound = self.module.context
+            context = resolve_context(None, what) if bound is None else guard(bound, what)
+        with context:
+            yield context, self._function(context)
 
     @property
     def attributes(self) -> dict[str, int]:
         """All ``CUfunction_attribute`` values in the current context, by readable name."""
         out = {}
-        with self._function_here(f"{self.name}.attributes") as func:
+        with self._function_here(f"{self.name}.attributes") as (_, func):
             for member in drv.CUfunction_attribute:
                 key = member.name[len("CU_FUNC_ATTRIBUTE_") :]
                 if key == "MAX":
@@ -1012,12 +980,12 @@ class Kernel:
 
     def attribute(self, name: str | Any) -> int:
         """One attribute, e.g. ``"num_regs"`` or ``"max_threads_per_block"``."""
-        with self._function_here(f"{self.name}.attribute({name!r})") as func:
+        with self._function_here(f"{self.name}.attribute({name!r})") as (_, func):
             return int(call(drv.cuFuncGetAttribute, function_attribute(name), func))
 
     def set_attribute(self, name: str | Any, value: int) -> None:
         """Set an attribute in the current context (e.g. ``"max_dynamic_shared_size_bytes"``)."""
-        with self._function_here(f"{self.name}.set_attribute({name!r})") as func:
+        with self._function_here(f"{self.name}.set_attribute({name!r})") as (_, func):
             self._fits.clear()  # occupancy limits depend on the attributes
             call(
                 drv.cuFuncSetAttribute,
@@ -1029,7 +997,7 @@ class Kernel:
 
     def max_block_size(self, shared_mem: int = 0, block_size_limit: int = 0) -> int:
         """Block size with the highest occupancy (``cuOccupancyMaxPotentialBlockSize``)."""
-        with self._function_here(f"{self.name}.max_block_size") as func:
+        with self._function_here(f"{self.name}.max_block_size") as (_, func):
             _grid, block = call(
                 drv.cuOccupancyMaxPotentialBlockSize,
                 func,
@@ -1041,7 +1009,7 @@ class Kernel:
 
     def occupancy(self, block_size: int, shared_mem: int = 0) -> int:
         """Resident blocks per SM at *block_size* (occupancy calculator)."""
-        with self._function_here(f"{self.name}.occupancy") as func:
+        with self._function_here(f"{self.name}.occupancy") as (_, func):
             blocks = call(
                 drv.cuOccupancyMaxActiveBlocksPerMultiprocessor,
                 func,

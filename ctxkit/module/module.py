@@ -313,11 +313,9 @@ class Module:
         if k is not None:
             return k
         symbol = self.lowered_names.get(name, name)
-        if self.context is None:
-            err, handle = drv.cuLibraryGetKernel(self._handle, symbol.encode())
-        else:
-            with guard(self.context, f"Module.function({name!r})"):
-                err, handle = drv.cuModuleGetFunction(self._handle, symbol.encode())
+        get = drv.cuLibraryGetKernel if self.context is None else drv.cuModuleGetFunction
+        with self._here(f"Module.function({name!r})"):
+            err, handle = get(self._handle, symbol.encode())
         if err == _NOT_FOUND:
             raise KernelNotFoundError(
                 missing_kernel_message(name, self.name, self.entries, self.lowered_names),
@@ -351,6 +349,11 @@ class Module:
             sig = signature_from_layout(symbol, layout)
         return sig.with_ctypes(cpp_param_types(symbol, self._image.source, len(sig.params))), ""
 
+    def _here(self, what: str) -> Any:
+        """What a use of this module's handle runs in (``with``): the module's own context
+        for a bound module (:func:`~ctxkit.binding.guard`), none for a library."""
+        return contextlib.nullcontext() if self.context is None else guard(self.context, what)
+
     def jit_error(self, code: int, what: str) -> CompileError:
         """The :class:`CompileError` for JIT failure *code* of this module's code (*what*:
         the call that failed), with the JIT's log: what a launch raises when the driver
@@ -362,16 +365,15 @@ class Module:
         """Kernel names in the module (from the PTX, else from the driver)."""
         if self._signatures is not None:
             return list(self._signatures)
+        if self.context is None:
+            calls = drv.cuLibraryGetKernelCount, drv.cuLibraryEnumerateKernels, drv.cuKernelGetName
+        else:
+            calls = drv.cuModuleGetFunctionCount, drv.cuModuleEnumerateFunctions, drv.cuFuncGetName
+        count, enumerate_, name_of = calls
         try:
-            if self.context is None:
-                n = call(drv.cuLibraryGetKernelCount, self._handle)
-                items = call(drv.cuLibraryEnumerateKernels, n, self._handle)
-                names = [call(drv.cuKernelGetName, k) for k in items]
-            else:
-                with guard(self.context, "Module.entries"):
-                    n = call(drv.cuModuleGetFunctionCount, self._handle)
-                    items = call(drv.cuModuleEnumerateFunctions, n, self._handle)
-                    names = [call(drv.cuFuncGetName, f) for f in items]
+            with self._here("Module.entries"):
+                items = call(enumerate_, call(count, self._handle), self._handle)
+                names = [call(name_of, k) for k in items]
         except Exception:
             return None
         return [n.decode() if isinstance(n, bytes) else str(n) for n in names]

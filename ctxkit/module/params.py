@@ -195,28 +195,27 @@ def short_repr(v: Any) -> str:
 
 
 def _buffer_pointer(v: DeviceBuffer, ctx: Context | None = None) -> int:
-    if v.context is not ctx and ctx is not None:
-        _check_reachable(v, v, ctx)
-    return v.ptr
+    return _reachable(v, v, ctx)
 
 
 def _array_pointer(v: DeviceArray, ctx: Context | None = None) -> int:
-    b = v.buffer
-    if b.context is not ctx and ctx is not None:
-        _check_reachable(v, b, ctx)
-    return b.ptr
+    return _reachable(v, v.buffer, ctx)
 
 
-def _check_reachable(v: Any, buf: DeviceBuffer, ctx: Context) -> None:
-    """Refuse memory of another device the launch's context cannot access.
+def _reachable(v: Any, buf: DeviceBuffer, ctx: Context | None) -> int:
+    """The address of *buf* (the memory of *v*), refused when it is memory of another
+    device the launch's context *ctx* cannot access.
 
     A kernel reading it would fault, and a fault poisons every context of the process.
-    Managed memory, memory of the launch's own device and peer-enabled pairs pass.
+    Managed memory, memory of the launch's own device and peer-enabled pairs pass
+    (``None``: no check).
     """
     owner = buf.context
+    if owner is ctx or ctx is None:
+        return buf.ptr
     there, here = owner.device.ordinal, ctx.device.ordinal
     if there == here or isinstance(buf, ManagedBuffer) or peer_access_enabled(ctx, owner):
-        return
+        return buf.ptr
     what = " (a view)" if buf.base is not None else ""
     raise Refused(
         f"got a {type(v).__name__}{what} on device {there} ({owner!r}), but the kernel "
@@ -599,11 +598,15 @@ class ArgPacker:
 
     # -- packing ---------------------------------------------------------------------
 
-    def pack(self, args: Sequence[Any], ctx: Context | None = None) -> bytes:
-        """The device-side parameter buffer for *args* (padding bytes are zero)."""
+    def packed(self, args: Sequence[Any], ctx: Context | None = None) -> ParamBuffer:
+        """A new :class:`ParamBuffer` holding *args*, checked (padding bytes are zero)."""
         buf = ParamBuffer(self.sig)
         self.pack_into(buf, args, ctx)
-        return bytes(buf)
+        return buf
+
+    def pack(self, args: Sequence[Any], ctx: Context | None = None) -> bytes:
+        """The device-side parameter buffer for *args* (padding bytes are zero)."""
+        return bytes(self.packed(args, ctx))
 
     def pack_one(
         self, buf: ParamBuffer, index: int, value: Any, ctx: Context | None = None

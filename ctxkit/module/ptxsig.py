@@ -81,15 +81,11 @@ def mangled_param_types(symbol: str) -> list[CType] | None:
     classified as a declared one (:func:`classify_spelling`).
     """
     text = demangle(symbol) if symbol.startswith("_Z") else None
-    if text is None or not text.endswith(")"):
+    start = _matching(text, len(text) - 1, -1) if text and text.endswith(")") else -1
+    if text is None or start < 0:
         return None
-    depth = 0
-    for i in range(len(text) - 1, -1, -1):
-        depth += {")": 1, "(": -1}.get(text[i], 0)
-        if depth == 0:
-            inner = text[i + 1 : -1].strip()
-            return [classify_spelling(d) for d in _split_top_level(inner)] if inner else []
-    return None
+    inner = text[start + 1 : -1].strip()
+    return [classify_spelling(d) for d in _split_top_level(inner)] if inner else []
 
 
 # --- extern "C" declarations in the CUDA source --------------------------------------------
@@ -172,16 +168,14 @@ def classify_spelling(text: str) -> CType:
     return CType(name, "")
 
 
-def _balanced(text: str, start: int) -> int:
-    """Index just past the ``)`` that closes the ``(`` at *start*; -1 when unbalanced."""
+def _matching(text: str, start: int, step: int = 1) -> int:
+    """Index of the parenthesis that matches the one at *start*, looking forward from a
+    ``(`` (or backward from a ``)``, *step* -1); -1 when unbalanced."""
     depth = 0
-    for i, ch in enumerate(text[start:], start):
-        if ch == "(":
-            depth += 1
-        elif ch == ")":
-            depth -= 1
-            if depth == 0:
-                return i + 1
+    for i in range(start, len(text) if step > 0 else -1, step):
+        depth += {"(": step, ")": -step}.get(text[i], 0)
+        if depth == 0:
+            return i
     return -1
 
 
@@ -237,10 +231,10 @@ def source_param_types(source: str, name: str, count: int) -> list[CType] | None
         cut = max(head.rfind(";"), head.rfind("}"), head.rfind("{"))
         if "__global__" not in head[cut + 1 :]:
             continue
-        end = _balanced(text, m.end() - 1)
+        end = _matching(text, m.end() - 1)
         if end < 0:
             return None
-        inner = text[m.end() : end - 1].strip()
+        inner = text[m.end() : end].strip()
         decls = [] if inner in ("", "void") else _split_top_level(inner)
         if len(decls) == count:
             found.append([classify_spelling(_param_type_text(d)) for d in decls])
