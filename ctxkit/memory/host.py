@@ -220,9 +220,13 @@ def is_pinned(arr: Any) -> bool:
         _driver.init()
     except DriverNotFoundError:  # without a driver no memory is pinned
         return False
+    return _end_kinds(a) == {"pinned"}
+
+
+def _end_kinds(a: np.ndarray) -> set[str]:
+    """The :func:`host_pointer_kind` of the first and the last byte of non-empty *a*."""
     first = host_address(a)
-    last = first + a.nbytes - 1
-    return host_pointer_kind(first) == "pinned" and host_pointer_kind(last) == "pinned"
+    return {host_pointer_kind(first), host_pointer_kind(first + a.nbytes - 1)}
 
 
 MEMHOST_PORTABLE = 1  # CU_MEMHOSTALLOC_PORTABLE (= CU_MEMHOSTREGISTER_PORTABLE)
@@ -457,11 +461,8 @@ def register_pages(ptr: int, nbytes: int, flags: int, context: Context | None = 
     host memory. Made in *context* (bound for the call) or, when ``None``, the calling
     thread's current one; returns the CUresult as an int (0: registered), so each caller
     words its own error."""
-    if context is None:
+    with contextlib.nullcontext() if context is None else context:
         (err,) = drv.cuMemHostRegister(ptr, nbytes, flags)
-    else:
-        with context:
-            (err,) = drv.cuMemHostRegister(ptr, nbytes, flags)
     return int(err)
 
 
@@ -776,14 +777,13 @@ def host_memory_flags(arr: Any) -> HostMemoryFlags:
     a = host_array(arr, "host_memory_flags") if not isinstance(arr, np.ndarray) else arr
     if a.size == 0:
         return HostMemoryFlags("pageable")
-    first = host_address(a)
-    last = first + a.nbytes - 1
-    kinds = {host_pointer_kind(first), host_pointer_kind(last)}
+    kinds = _end_kinds(a)
     if kinds != {"pinned"}:
         kind = "managed" if kinds == {"managed"} else "pageable"
         return HostMemoryFlags(
             kind, device_pointer=host_device_pointer(a) if kind == "managed" else None
         )
+    first, last = host_address(a), host_address(a) + a.nbytes - 1
     dptr = _device_pointer_of(first, "host_memory_flags")
     spans = list(_registered.items())  # a snapshot: no lock needed
     reg = next((flags for start, (end, flags) in spans if start <= first and last < end), None)
@@ -797,14 +797,10 @@ def host_memory_flags(arr: Any) -> HostMemoryFlags:
 
 
 def _flags(kind: str, flags: int, dptr: int) -> HostMemoryFlags:
-    return HostMemoryFlags(
-        kind,
-        portable=bool(flags & MEMHOST_PORTABLE),
-        mapped=bool(flags & MEMHOST_DEVICEMAP),
-        write_combined=kind == "allocated" and bool(flags & MEMHOST_WRITECOMBINED),
-        read_only=kind == "registered" and bool(flags & MEMHOST_REGISTER_READ_ONLY),
-        device_pointer=dptr,
-    )
+    """*flags* as options (WRITECOMBINED is only an allocation's, READ_ONLY only a
+    registration's flag)."""
+    bits = {name: bool(flags & bit) for name, (bit, _n) in _FLAGS.items()}
+    return HostMemoryFlags(kind, device_pointer=dptr, **bits)
 
 
 def _with_any_context(fn: Any, *args: Any) -> tuple[Any, Any]:
