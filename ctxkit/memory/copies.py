@@ -25,6 +25,7 @@ from .. import _driver
 from .._driver import drv
 from ..binding import bind, guard
 from ..context import Context, require_current
+from ..device import Device
 from ..errors import CudaError
 from ..stream import Stream, call_stream, context_of_cu, stream_handle
 from .host import check_async_host, host_address, host_array
@@ -230,6 +231,13 @@ class Copyable:
     """
 
     __slots__ = ()
+
+    context: Context
+
+    @property
+    def device(self) -> Device:
+        """The device the memory is on (its context's: where copies run)."""
+        return self.context.device
 
     def _ctxkit_mem(self) -> Mem:
         raise NotImplementedError

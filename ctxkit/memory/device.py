@@ -65,6 +65,8 @@ class DeviceArray(Copyable):
     ----------
     buffer : DeviceBuffer
         The memory (kept alive by the array).
+    context : Context
+        The context the memory was allocated in (its buffer's).
     shape : tuple of int
     dtype : numpy.dtype
     stream : Stream, stream-like or None
@@ -73,7 +75,7 @@ class DeviceArray(Copyable):
         array set it; set it yourself after launching a kernel that writes it.
     """
 
-    __slots__ = ("__weakref__", "buffer", "dtype", "shape", "stream")
+    __slots__ = ("__weakref__", "buffer", "context", "dtype", "shape", "stream")
 
     def __init__(self, buffer: DeviceBuffer, shape: Any, dtype: Any, stream: Any = None):
         if not isinstance(buffer, DeviceBuffer):
@@ -86,12 +88,13 @@ class DeviceArray(Copyable):
                 f"({dt.alignment} bytes); slice the buffer at a multiple of {dt.alignment}"
             )
         self.buffer = buffer
+        self.context = buffer.context
         self.shape = shp
         self.dtype = dt
         self.stream = stream
 
     def _ctxkit_mem(self) -> Mem:
-        return Mem(self.ptr, self.nbytes, self.buffer.context, None, self.dtype, self.shape)
+        return Mem(self.ptr, self.nbytes, self.context, None, self.dtype, self.shape)
 
     # --- numpy-like attributes -------------------------------------------------------
 
@@ -124,16 +127,6 @@ class DeviceArray(Copyable):
     def strides(self) -> tuple[int, ...]:
         """C-contiguous strides in bytes."""
         return c_strides(self.shape, self.dtype.itemsize)
-
-    @property
-    def context(self) -> Context:
-        """The context the memory was allocated in (its buffer's)."""
-        return self.buffer.context
-
-    @property
-    def device(self) -> Device:
-        """The device the memory is on."""
-        return self.buffer.context.device
 
     def __len__(self) -> int:
         if not self.shape:
@@ -373,11 +366,6 @@ class DeviceBuffer(Copyable):
     def closed(self) -> bool:
         """True after :meth:`close` (of this buffer or, for a view, of its parent)."""
         return self._ptr is None or (self._base is not None and self._base._ptr is None)
-
-    @property
-    def device(self) -> Device:
-        """The device the memory is on."""
-        return self.context.device
 
     def _closed_error(self, what: str) -> ContextClosedError:
         """The error of a use after :meth:`close` (a subclass may say why it closed)."""

@@ -307,11 +307,6 @@ class VirtualBuffer(Copyable):
         return self._closed
 
     @property
-    def device(self) -> Device:
-        """The context's device (where copies run)."""
-        return self.context.device
-
-    @property
     def access(self) -> tuple[Device, ...]:
         """The devices that may read and write the buffer."""
         return tuple(Device(d) for d in self.space.access)
