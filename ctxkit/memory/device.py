@@ -305,8 +305,7 @@ class DeviceBuffer(Copyable):
         if n == 0:
             return
         if stream is None and pool is None:
-            with ctx:
-                err, ptr = self.kind.allocate(n)
+            err, ptr = self.kind.allocate(ctx, n)
             if err:
                 raise alloc.out_of_memory(ctx, err, n, what)
             self._ptr = int(ptr)

@@ -325,8 +325,7 @@ def pinned_empty(
     if nbytes == 0:
         return np.empty(shp, dt)
     ctx = host_context(context, "pinned_empty")
-    with ctx:
-        err, ptr = PINNED.allocate(nbytes, flags)
+    err, ptr = PINNED.allocate(ctx, nbytes, flags)
     if err:
         raise _host_alloc_error(ctx, err, nbytes, flags)
     mem = HostMemory(ptr, nbytes, context=ctx)
@@ -449,8 +448,7 @@ def lock_new(nbytes: int, ctx: Context) -> LockedPages:
         pages = _register_new(nbytes, ctx)
         if pages is not None:
             return pages
-    with ctx:
-        err, ptr = PINNED.allocate(nbytes, MEMHOST_PORTABLE)
+    err, ptr = PINNED.allocate(ctx, nbytes, MEMHOST_PORTABLE)
     if err:
         raise LockFailed(int(err), "cuMemHostAlloc")
     return LockedPages(int(ptr), nbytes, ctx, None)
