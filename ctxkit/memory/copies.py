@@ -28,7 +28,7 @@ from ..context import Context, require_current
 from ..device import Device
 from ..errors import CudaError
 from ..stream import Stream, call_stream, context_of_cu, stream_handle
-from .host import check_async_host, host_address, host_array
+from .host import check_async_host, host_address, host_array, pointer_attribute
 from .interop import producer_stream
 from .sizes import nbytes_arg
 
@@ -111,8 +111,7 @@ def c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
 def context_of_pointer(ptr: int, what: str) -> Context:
     """The context owning foreign device memory (its device's primary one for pool/VMM
     allocations, which report no context)."""
-    attr = drv.CUpointer_attribute
-    err, cu = drv.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_CONTEXT, ptr)
+    err, cu = pointer_attribute("CONTEXT", ptr)
     if not err and cu is not None and int(cu):
         return context_of_cu(cu)
     err, ordinal = _driver.pointer_device_ordinal(ptr)

@@ -103,6 +103,7 @@ __all__ = [
     "pinned_empty",
     "pinned_zeros",
     "plain_dtype",
+    "pointer_attribute",
     "register_host",
     "register_pages",
     "set_strict_async",
@@ -125,19 +126,22 @@ def host_pointer_kind(ptr: int) -> str:
     """
     if not ptr:
         return "pageable"
-    err, value = _with_any_context(drv.cuPointerGetAttribute, _attr("MEMORY_TYPE"), ptr)
+    err, value = _with_any_context(pointer_attribute, "MEMORY_TYPE", ptr)
     if err == _INVALID_VALUE:
         return "pageable"
     _driver.raise_for(err, f"cuPointerGetAttribute(MEMORY_TYPE, {ptr:#x})")
     kind = {_MEMORYTYPE_HOST: "pinned", _MEMORYTYPE_UNIFIED: "managed"}.get(int(value))
     if kind is not None:
         return kind
-    err, managed = drv.cuPointerGetAttribute(_attr("IS_MANAGED"), ptr)
+    err, managed = pointer_attribute("IS_MANAGED", ptr)
     return "managed" if not err and managed else "device"
 
 
-def _attr(name: str) -> Any:
-    return getattr(drv.CUpointer_attribute, "CU_POINTER_ATTRIBUTE_" + name)
+def pointer_attribute(name: str, ptr: int) -> tuple[Any, Any]:
+    """``(err, value)`` of ``cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_<name>, ptr)``."""
+    return drv.cuPointerGetAttribute(  # type: ignore[no-any-return]
+        getattr(drv.CUpointer_attribute, "CU_POINTER_ATTRIBUTE_" + name), ptr
+    )
 
 
 def plain_dtype(dtype: Any, what: str) -> np.dtype[Any]:
@@ -683,9 +687,8 @@ def host_device_pointer(arr: np.ndarray) -> int | None:
     ptr = host_address(arr)
     if not ptr or drv is None:
         return None
-    attr = drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_POINTER
     try:
-        err, dptr = drv.cuPointerGetAttribute(attr, ptr)
+        err, dptr = pointer_attribute("DEVICE_POINTER", ptr)
     except Exception:
         return None
     if not err:
@@ -812,7 +815,7 @@ def _with_any_context(fn: Any, *args: Any) -> tuple[Any, Any]:
 
 
 def _device_pointer_of(ptr: int, what: str) -> int:
-    err, dptr = _with_any_context(drv.cuPointerGetAttribute, _attr("DEVICE_POINTER"), ptr)
+    err, dptr = _with_any_context(pointer_attribute, "DEVICE_POINTER", ptr)
     _driver.raise_for(err, f"{what}: cuPointerGetAttribute(DEVICE_POINTER, {ptr:#x})")
     return int(dptr)
 
