@@ -88,10 +88,11 @@ class MemoryKind:
     dlpack_device: int = KDL_CUDA
     stream_ordered: bool = False
 
-    def allocate(self, size: int, *args: int) -> tuple[Any, Any]:
-        """``(err, ptr)`` of the driver allocation of *size* bytes in the bound context
-        (*args*: per-call arguments after the kind's own, e.g. host-allocation flags)."""
-        return getattr(drv, self.alloc)(size, *self.alloc_args, *args)  # type: ignore[no-any-return]
+    def allocate(self, ctx: Context, size: int, *args: int) -> tuple[Any, Any]:
+        """``(err, ptr)`` of the driver allocation of *size* bytes in *ctx*, bound for the
+        call (*args*: per-call arguments after the kind's own, e.g. host-allocation flags)."""
+        with ctx:
+            return getattr(drv, self.alloc)(size, *self.alloc_args, *args)  # type: ignore[no-any-return]
 
     def deallocate(self, owner: object, ctx: Context, ptr: Any) -> weakref.finalize:
         """Free *ptr* in *ctx* once, when *owner* dies or the returned finalizer is called

@@ -25,13 +25,15 @@ from .. import _driver
 from .._driver import drv
 from ..binding import bind, guard
 from ..context import Context, require_current
+from ..device import Device
 from ..errors import CudaError
 from ..stream import Stream, call_stream, context_of_cu, stream_handle
-from .host import check_async_host, host_address, host_array
+from .host import check_async_host, host_address, host_array, pointer_attribute
 from .interop import producer_stream
 from .sizes import nbytes_arg
 
 __all__ = [
+    "Copyable",
     "Mem",
     "copy_peer",
     "device_mem",
@@ -109,8 +111,7 @@ def c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
 def context_of_pointer(ptr: int, what: str) -> Context:
     """The context owning foreign device memory (its device's primary one for pool/VMM
     allocations, which report no context)."""
-    attr = drv.CUpointer_attribute
-    err, cu = drv.cuPointerGetAttribute(attr.CU_POINTER_ATTRIBUTE_CONTEXT, ptr)
+    err, cu = pointer_attribute("CONTEXT", ptr)
     if not err and cu is not None and int(cu):
         return context_of_cu(cu)
     err, ordinal = _driver.pointer_device_ordinal(ptr)
@@ -216,39 +217,103 @@ def _host_copy(mem: Mem, host: np.ndarray, kind: str, stream: Any, what: str) ->
     enqueue(ctx, call, what, f"cuMemcpy{kind}", *ends, host.nbytes, finish=kind == "HtoD")
 
 
-def copy_from_host(dst: Mem, arr: Any, stream: Any, what: str) -> None:
-    """Copy a host array into the device memory *dst* (:func:`check_match`)."""
-    a = host_array(arr, what)
-    check_match(a, dst, what, "host array")
-    _host_copy(dst, a, "HtoD", stream, what)
+class Copyable:
+    """The copies and the memset of every kind of ctxkit device memory (buffers, typed
+    arrays, virtual buffers), run on the :class:`Mem` that its ``_ctxkit_mem`` gives.
 
+    Sizes, dtypes and contiguity are checked before the driver is called (``ValueError``
+    on a mismatch): a typed array takes arrays of its shape and dtype, a buffer any
+    C-contiguous memory of exactly ``nbytes`` bytes (copy into a slice ``buf[a:b]`` for
+    a partial copy). Without *stream* the copy has completed when the call returns; with
+    *stream* it is enqueued there and the call returns at once (see
+    :mod:`ctxkit.memory` on pageable host memory and stream order).
+    """
 
-def copy_to_host(src: Mem, arr: Any, stream: Any, what: str) -> np.ndarray:
-    """Copy the device memory *src* into *arr* (a new array when ``None``: of its shape
-    and dtype, or of ``nbytes`` uint8)."""
-    out: np.ndarray
-    if arr is None:
-        shape = src.nbytes if src.shape is None else src.shape
-        out = np.empty(shape, np.uint8 if src.dtype is None else src.dtype)
-    else:
-        out = host_array(arr, what, writable=True)
-        check_match(out, src, what, "host array")
-    _host_copy(src, out, "DtoH", stream, what)
-    return out if arr is None or isinstance(arr, np.ndarray) else arr
+    __slots__ = ()
 
+    context: Context
 
-def copy_from_device(dst: Mem, src: Any, stream: Any, what: str) -> None:
-    """Device-to-device copy into *dst* from device memory that fits it."""
-    s = device_mem(src, what)
-    check_match(s, dst, what, "source")
-    copy_device(dst, s, dst.nbytes, stream, what)
+    @property
+    def device(self) -> Device:
+        """The device the memory is on (its context's: where copies run)."""
+        return self.context.device
 
+    def _ctxkit_mem(self) -> Mem:
+        raise NotImplementedError
 
-def copy_to_device(src: Mem, dst: Any, stream: Any, what: str) -> None:
-    """Device-to-device copy of *src* into device memory that fits it."""
-    d = device_mem(dst, what, write=True)
-    check_match(d, src, what, "destination")
-    copy_device(d, src, src.nbytes, stream, what)
+    def _written(self, stream: Any) -> None:
+        """A write into the memory was enqueued on *stream* (a typed array notes it)."""
+
+    def copy_from_host(self, arr: Any, stream: Any = None) -> None:
+        """Copy a host array (C-contiguous; of the array's shape and dtype, or exactly
+        ``nbytes`` bytes for a buffer) into the device memory.
+
+        With *stream* the copy is enqueued there and the call returns at once, provided
+        the host memory is pinned (see the module notes on pageable memory); keep *arr*
+        alive and unchanged until the stream has reached the copy.
+        """
+        what = f"{type(self).__name__}.copy_from_host"
+        dst = self._ctxkit_mem()
+        a = host_array(arr, what)
+        check_match(a, dst, what, "host array")
+        _host_copy(dst, a, "HtoD", stream, what)
+        self._written(stream)
+
+    def copy_to_host(self, arr: Any = None, stream: Any = None) -> np.ndarray:
+        """Copy the device memory into *arr* (same shape and dtype, or as many bytes; a
+        new array when ``None``: of the array's shape and dtype, or ``nbytes`` uint8)
+        and return it."""
+        what = f"{type(self).__name__}.copy_to_host"
+        src = self._ctxkit_mem()
+        out: np.ndarray
+        if arr is None:
+            shape = src.nbytes if src.shape is None else src.shape
+            out = np.empty(shape, np.uint8 if src.dtype is None else src.dtype)
+        else:
+            out = host_array(arr, what, writable=True)
+            check_match(out, src, what, "host array")
+        _host_copy(src, out, "DtoH", stream, what)
+        return out if arr is None or isinstance(arr, np.ndarray) else arr
+
+    def copy_from(self, src: Any, stream: Any = None) -> None:
+        """Device-to-device copy from a buffer, array, or any ``__cuda_array_interface__``
+        object (ctxkit, CuPy, PyTorch, ...) that fits (same shape and dtype for a typed
+        array, else the same size); other contexts/devices go through :func:`copy_peer`."""
+        what = f"{type(self).__name__}.copy_from"
+        dst = self._ctxkit_mem()
+        s = device_mem(src, what)
+        check_match(s, dst, what, "source")
+        copy_device(dst, s, dst.nbytes, stream, what)
+        self._written(stream)
+
+    def copy_to(self, dst: Any, stream: Any = None) -> None:
+        """Device-to-device copy into a buffer, array or ``__cuda_array_interface__``
+        object that fits (e.g. a CuPy array or a PyTorch tensor; same shape and dtype for
+        a typed array, else the same size), in any context or device."""
+        what = f"{type(self).__name__}.copy_to"
+        src = self._ctxkit_mem()
+        d = device_mem(dst, what, write=True)
+        check_match(d, src, what, "destination")
+        copy_device(d, src, src.nbytes, stream, what)
+
+    def memset(self, value: int, stream: Any = None) -> None:
+        """Set every byte to *value* (0..255) (``cuMemsetD8``).
+
+        Without *stream* the bytes are set when the call returns; with *stream* the
+        memset is enqueued there.
+        """
+        what = f"{type(self).__name__}.memset"
+        m = self._ctxkit_mem()
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{what}: value must be an int byte, got {type(value).__name__}")
+        if not 0 <= value <= 255:
+            raise ValueError(f"{what}: value must be in 0..255, got {value}")
+        if m.nbytes:
+            ctx: Context = m.context  # type: ignore[assignment]
+            enqueue(
+                ctx, call_stream(stream, ctx, what), what, "cuMemsetD8", m.ptr, int(value), m.nbytes
+            )
+        self._written(stream)
 
 
 def resolve_contexts(dst: Mem, src: Mem, stream: Any, what: str) -> tuple[Context, Context]:

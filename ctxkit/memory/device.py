@@ -40,16 +40,7 @@ from ..lifetime import finalizer
 from ..stream import Stream, call_stream, implicit_stream
 from . import alloc
 from .alloc import Block, MemoryKind
-from .copies import (
-    Mem,
-    c_strides,
-    cai_stream,
-    copy_from_device,
-    copy_from_host,
-    copy_to_device,
-    copy_to_host,
-    enqueue,
-)
+from .copies import Copyable, Mem, c_strides, cai_stream
 from .host import host_array, plain_dtype
 from .interop import order_stream, to_capsule
 from .sizes import covering_shape, nbytes_arg, shape_nbytes
@@ -63,7 +54,7 @@ __all__ = [
 ]
 
 
-class DeviceArray:
+class DeviceArray(Copyable):
     """A typed, C-contiguous view of device memory (no copy).
 
     Exposes ``__cuda_array_interface__`` (v3) and DLPack (``__dlpack__`` /
@@ -74,6 +65,8 @@ class DeviceArray:
     ----------
     buffer : DeviceBuffer
         The memory (kept alive by the array).
+    context : Context
+        The context the memory was allocated in (its buffer's).
     shape : tuple of int
     dtype : numpy.dtype
     stream : Stream, stream-like or None
@@ -82,7 +75,7 @@ class DeviceArray:
         array set it; set it yourself after launching a kernel that writes it.
     """
 
-    __slots__ = ("__weakref__", "buffer", "dtype", "shape", "stream")
+    __slots__ = ("__weakref__", "buffer", "context", "dtype", "shape", "stream")
 
     def __init__(self, buffer: DeviceBuffer, shape: Any, dtype: Any, stream: Any = None):
         if not isinstance(buffer, DeviceBuffer):
@@ -95,12 +88,13 @@ class DeviceArray:
                 f"({dt.alignment} bytes); slice the buffer at a multiple of {dt.alignment}"
             )
         self.buffer = buffer
+        self.context = buffer.context
         self.shape = shp
         self.dtype = dt
         self.stream = stream
 
     def _ctxkit_mem(self) -> Mem:
-        return Mem(self.ptr, self.nbytes, self.buffer.context, None, self.dtype, self.shape)
+        return Mem(self.ptr, self.nbytes, self.context, None, self.dtype, self.shape)
 
     # --- numpy-like attributes -------------------------------------------------------
 
@@ -134,16 +128,6 @@ class DeviceArray:
         """C-contiguous strides in bytes."""
         return c_strides(self.shape, self.dtype.itemsize)
 
-    @property
-    def context(self) -> Context:
-        """The context the memory was allocated in (its buffer's)."""
-        return self.buffer.context
-
-    @property
-    def device(self) -> Device:
-        """The device the memory is on."""
-        return self.buffer.context.device
-
     def __len__(self) -> int:
         if not self.shape:
             raise TypeError("len() of a 0-d DeviceArray")
@@ -160,28 +144,16 @@ class DeviceArray:
 
     # --- copies ----------------------------------------------------------------------
 
-    def copy_from_host(self, arr: Any, stream: Any = None) -> None:
-        """Copy a numpy array of the same shape and dtype into the device array."""
-        copy_from_host(self._ctxkit_mem(), arr, stream, "DeviceArray.copy_from_host")
+    def _written(self, stream: Any) -> None:
         self.stream = stream
 
     def copy_to_host(self, out: Any = None, stream: Any = None) -> np.ndarray:
         """Copy into *out* (same shape and dtype; a new array when ``None``); return it."""
-        return copy_to_host(self._ctxkit_mem(), out, stream, "DeviceArray.copy_to_host")
+        return super().copy_to_host(out, stream)
 
     def to_host(self, stream: Any = None) -> np.ndarray:
         """A new numpy array with the contents (synchronous unless *stream* is given)."""
         return self.copy_to_host(None, stream)
-
-    def copy_from(self, src: Any, stream: Any = None) -> None:
-        """Device-to-device copy from another device array (ctxkit, CuPy, PyTorch, ...)
-        of the same shape and dtype, or a buffer of the same size."""
-        copy_from_device(self._ctxkit_mem(), src, stream, "DeviceArray.copy_from")
-        self.stream = stream
-
-    def copy_to(self, dst: Any, stream: Any = None) -> None:
-        """Device-to-device copy into another device array of the same shape and dtype."""
-        copy_to_device(self._ctxkit_mem(), dst, stream, "DeviceArray.copy_to")
 
     # --- interop ---------------------------------------------------------------------
 
@@ -247,7 +219,7 @@ def _resolve_reshape(shape: tuple[int, ...], size: int) -> tuple[int, ...]:
 _Buffer = TypeVar("_Buffer", bound="DeviceBuffer")
 
 
-class DeviceBuffer:
+class DeviceBuffer(Copyable):
     """Linear device memory in one context: ``cuMemAlloc``, or stream-ordered from a pool.
 
     Parameters
@@ -333,8 +305,7 @@ class DeviceBuffer:
         if n == 0:
             return
         if stream is None and pool is None:
-            with ctx:
-                err, ptr = self.kind.allocate(n)
+            err, ptr = self.kind.allocate(ctx, n)
             if err:
                 raise alloc.out_of_memory(ctx, err, n, what)
             self._ptr = int(ptr)
@@ -395,11 +366,6 @@ class DeviceBuffer:
         """True after :meth:`close` (of this buffer or, for a view, of its parent)."""
         return self._ptr is None or (self._base is not None and self._base._ptr is None)
 
-    @property
-    def device(self) -> Device:
-        """The device the memory is on."""
-        return self.context.device
-
     def _closed_error(self, what: str) -> ContextClosedError:
         """The error of a use after :meth:`close` (a subclass may say why it closed)."""
         return ContextClosedError(
@@ -458,47 +424,6 @@ class DeviceBuffer:
         view = type(self).__new__(type(self))
         view._setup_view(self.ptr + start, max(0, stop - start), self.context, base)
         return view
-
-    # --- copies ----------------------------------------------------------------------
-
-    def copy_from_host(self, arr: Any, stream: Any = None) -> None:
-        """Copy a host array (C-contiguous, exactly ``nbytes`` bytes) into the buffer.
-
-        With *stream* the copy is enqueued there and the call returns at once, provided
-        the host memory is pinned (see the module notes on pageable memory); keep *arr*
-        alive and unchanged until the stream has reached the copy.
-        """
-        copy_from_host(self._ctxkit_mem(), arr, stream, f"{type(self).__name__}.copy_from_host")
-
-    def copy_to_host(self, arr: Any = None, stream: Any = None) -> np.ndarray:
-        """Copy the buffer into *arr* (a new uint8 array when ``None``) and return it."""
-        return copy_to_host(self._ctxkit_mem(), arr, stream, f"{type(self).__name__}.copy_to_host")
-
-    def copy_from(self, src: Any, stream: Any = None) -> None:
-        """Device-to-device copy from a buffer, array, or any ``__cuda_array_interface__``
-        object of the same size; other contexts/devices go through :func:`copy_peer`."""
-        copy_from_device(self._ctxkit_mem(), src, stream, f"{type(self).__name__}.copy_from")
-
-    def copy_to(self, dst: Any, stream: Any = None) -> None:
-        """Device-to-device copy into a buffer, array or ``__cuda_array_interface__``
-        object of the same size (e.g. a CuPy array or a PyTorch tensor)."""
-        copy_to_device(self._ctxkit_mem(), dst, stream, f"{type(self).__name__}.copy_to")
-
-    def memset(self, value: int, stream: Any = None) -> None:
-        """Set every byte to *value* (0..255) (``cuMemsetD8``).
-
-        Without *stream* the bytes are set when the call returns; with *stream* the
-        memset is enqueued there.
-        """
-        what = f"{type(self).__name__}.memset"
-        ptr = self.ptr
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-            raise TypeError(f"{what}: value must be an int byte, got {type(value).__name__}")
-        if not 0 <= value <= 255:
-            raise ValueError(f"{what}: value must be in 0..255, got {value}")
-        if self.nbytes:
-            call = call_stream(stream, self.context, what)
-            enqueue(self.context, call, what, "cuMemsetD8", ptr, int(value), self.nbytes)
 
     # --- typed views and interop -----------------------------------------------------
 

@@ -103,6 +103,7 @@ __all__ = [
     "pinned_empty",
     "pinned_zeros",
     "plain_dtype",
+    "pointer_attribute",
     "register_host",
     "register_pages",
     "set_strict_async",
@@ -125,19 +126,22 @@ def host_pointer_kind(ptr: int) -> str:
     """
     if not ptr:
         return "pageable"
-    err, value = _with_any_context(drv.cuPointerGetAttribute, _attr("MEMORY_TYPE"), ptr)
+    err, value = _with_any_context(pointer_attribute, "MEMORY_TYPE", ptr)
     if err == _INVALID_VALUE:
         return "pageable"
     _driver.raise_for(err, f"cuPointerGetAttribute(MEMORY_TYPE, {ptr:#x})")
     kind = {_MEMORYTYPE_HOST: "pinned", _MEMORYTYPE_UNIFIED: "managed"}.get(int(value))
     if kind is not None:
         return kind
-    err, managed = drv.cuPointerGetAttribute(_attr("IS_MANAGED"), ptr)
+    err, managed = pointer_attribute("IS_MANAGED", ptr)
     return "managed" if not err and managed else "device"
 
 
-def _attr(name: str) -> Any:
-    return getattr(drv.CUpointer_attribute, "CU_POINTER_ATTRIBUTE_" + name)
+def pointer_attribute(name: str, ptr: int) -> tuple[Any, Any]:
+    """``(err, value)`` of ``cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_<name>, ptr)``."""
+    return drv.cuPointerGetAttribute(  # type: ignore[no-any-return]
+        getattr(drv.CUpointer_attribute, "CU_POINTER_ATTRIBUTE_" + name), ptr
+    )
 
 
 def plain_dtype(dtype: Any, what: str) -> np.dtype[Any]:
@@ -220,9 +224,13 @@ def is_pinned(arr: Any) -> bool:
         _driver.init()
     except DriverNotFoundError:  # without a driver no memory is pinned
         return False
+    return _end_kinds(a) == {"pinned"}
+
+
+def _end_kinds(a: np.ndarray) -> set[str]:
+    """The :func:`host_pointer_kind` of the first and the last byte of non-empty *a*."""
     first = host_address(a)
-    last = first + a.nbytes - 1
-    return host_pointer_kind(first) == "pinned" and host_pointer_kind(last) == "pinned"
+    return {host_pointer_kind(first), host_pointer_kind(first + a.nbytes - 1)}
 
 
 MEMHOST_PORTABLE = 1  # CU_MEMHOSTALLOC_PORTABLE (= CU_MEMHOSTREGISTER_PORTABLE)
@@ -321,8 +329,7 @@ def pinned_empty(
     if nbytes == 0:
         return np.empty(shp, dt)
     ctx = host_context(context, "pinned_empty")
-    with ctx:
-        err, ptr = PINNED.allocate(nbytes, flags)
+    err, ptr = PINNED.allocate(ctx, nbytes, flags)
     if err:
         raise _host_alloc_error(ctx, err, nbytes, flags)
     mem = HostMemory(ptr, nbytes, context=ctx)
@@ -445,8 +452,7 @@ def lock_new(nbytes: int, ctx: Context) -> LockedPages:
         pages = _register_new(nbytes, ctx)
         if pages is not None:
             return pages
-    with ctx:
-        err, ptr = PINNED.allocate(nbytes, MEMHOST_PORTABLE)
+    err, ptr = PINNED.allocate(ctx, nbytes, MEMHOST_PORTABLE)
     if err:
         raise LockFailed(int(err), "cuMemHostAlloc")
     return LockedPages(int(ptr), nbytes, ctx, None)
@@ -457,11 +463,8 @@ def register_pages(ptr: int, nbytes: int, flags: int, context: Context | None = 
     host memory. Made in *context* (bound for the call) or, when ``None``, the calling
     thread's current one; returns the CUresult as an int (0: registered), so each caller
     words its own error."""
-    if context is None:
+    with contextlib.nullcontext() if context is None else context:
         (err,) = drv.cuMemHostRegister(ptr, nbytes, flags)
-    else:
-        with context:
-            (err,) = drv.cuMemHostRegister(ptr, nbytes, flags)
     return int(err)
 
 
@@ -684,9 +687,8 @@ def host_device_pointer(arr: np.ndarray) -> int | None:
     ptr = host_address(arr)
     if not ptr or drv is None:
         return None
-    attr = drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_POINTER
     try:
-        err, dptr = drv.cuPointerGetAttribute(attr, ptr)
+        err, dptr = pointer_attribute("DEVICE_POINTER", ptr)
     except Exception:
         return None
     if not err:
@@ -776,14 +778,13 @@ def host_memory_flags(arr: Any) -> HostMemoryFlags:
     a = host_array(arr, "host_memory_flags") if not isinstance(arr, np.ndarray) else arr
     if a.size == 0:
         return HostMemoryFlags("pageable")
-    first = host_address(a)
-    last = first + a.nbytes - 1
-    kinds = {host_pointer_kind(first), host_pointer_kind(last)}
+    kinds = _end_kinds(a)
     if kinds != {"pinned"}:
         kind = "managed" if kinds == {"managed"} else "pageable"
         return HostMemoryFlags(
             kind, device_pointer=host_device_pointer(a) if kind == "managed" else None
         )
+    first, last = host_address(a), host_address(a) + a.nbytes - 1
     dptr = _device_pointer_of(first, "host_memory_flags")
     spans = list(_registered.items())  # a snapshot: no lock needed
     reg = next((flags for start, (end, flags) in spans if start <= first and last < end), None)
@@ -797,14 +798,10 @@ def host_memory_flags(arr: Any) -> HostMemoryFlags:
 
 
 def _flags(kind: str, flags: int, dptr: int) -> HostMemoryFlags:
-    return HostMemoryFlags(
-        kind,
-        portable=bool(flags & MEMHOST_PORTABLE),
-        mapped=bool(flags & MEMHOST_DEVICEMAP),
-        write_combined=kind == "allocated" and bool(flags & MEMHOST_WRITECOMBINED),
-        read_only=kind == "registered" and bool(flags & MEMHOST_REGISTER_READ_ONLY),
-        device_pointer=dptr,
-    )
+    """*flags* as options (WRITECOMBINED is only an allocation's, READ_ONLY only a
+    registration's flag)."""
+    bits = {name: bool(flags & bit) for name, (bit, _n) in _FLAGS.items()}
+    return HostMemoryFlags(kind, device_pointer=dptr, **bits)
 
 
 def _with_any_context(fn: Any, *args: Any) -> tuple[Any, Any]:
@@ -818,7 +815,7 @@ def _with_any_context(fn: Any, *args: Any) -> tuple[Any, Any]:
 
 
 def _device_pointer_of(ptr: int, what: str) -> int:
-    err, dptr = _with_any_context(drv.cuPointerGetAttribute, _attr("DEVICE_POINTER"), ptr)
+    err, dptr = _with_any_context(pointer_attribute, "DEVICE_POINTER", ptr)
     _driver.raise_for(err, f"{what}: cuPointerGetAttribute(DEVICE_POINTER, {ptr:#x})")
     return int(dptr)
 

@@ -52,6 +52,7 @@ its work is the caller's to finish before the capture begins.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import sys
 import threading
@@ -279,6 +280,8 @@ _RELAXED_MODE: Any = (
     drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED if drv is not None else None
 )
 
+_BOUND = contextlib.nullcontext()  # the producer's context is the current one already
+
 _StreamOf = Callable[[Any], "int | None"]
 
 _Dlpack = Callable[[Any, int], None]
@@ -458,11 +461,8 @@ def order_stream(ctx: Context, producer: int, consumer: int, consumer_stream: An
     if captured_streams and consumer != _LEGACY and _capturing(consumer):
         _order_in_capture(ctx, owner, handle, producer, consumer)
         return
-    if owner is ctx:
-        event = _record(ctx, handle, producer)
-    else:
-        with owner:
-            event = _record(owner, handle, producer)
+    with _BOUND if owner is ctx else owner:
+        event = _record(owner, handle, producer)
     _wait_event(ctx, event, producer, consumer)
 
 
@@ -508,11 +508,8 @@ def _order_in_capture(
             f"graph than the consumer stream {consumer:#x}: no order between two captures "
             "exists; finish the producer's capture first, or capture both on one stream"
         )
-    if owner is ctx:
-        _finish(ctx, _record(ctx, handle, producer), producer)
-    else:
-        with owner:
-            _finish(owner, _record(owner, handle, producer), producer)
+    with _BOUND if owner is ctx else owner:
+        _finish(owner, _record(owner, handle, producer), producer)
 
 
 def _finish(owner: Context, event: Any, producer: int) -> None:

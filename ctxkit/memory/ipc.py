@@ -62,6 +62,7 @@ from ..lifetime import finalizer
 from ..stream import EVENT_BLOCKING_SYNC, EVENT_DISABLE_TIMING, Event
 from .copies import context_of_pointer, device_mem
 from .device import DeviceBuffer
+from .host import pointer_attribute
 from .sizes import nbytes_arg, require_capability
 from .vmm import Chunk, VirtualBuffer, map_imported
 
@@ -232,9 +233,7 @@ class _Mapping:
 
 
 def _pointer_attribute(name: str, ptr: int, what: str) -> Any:
-    err, value = drv.cuPointerGetAttribute(
-        getattr(drv.CUpointer_attribute, "CU_POINTER_ATTRIBUTE_" + name), ptr
-    )
+    err, value = pointer_attribute(name, ptr)
     _driver.raise_for(err, f"{what}: cuPointerGetAttribute({name}, {ptr:#x})")
     return value
 

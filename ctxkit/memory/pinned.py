@@ -114,9 +114,7 @@ def size_class(nbytes: int) -> int:
     Up to 2 MiB: the next power of two, at least 4 KiB (one page). Above: the next
     multiple of 2 MiB (at most 2 MiB - 1 byte of slack per block). 0 for 0.
     """
-    n = int(nbytes)
-    if n < 0:
-        raise ValueError(f"size_class: nbytes must be >= 0, got {n}")
+    n = nbytes_arg(nbytes, "size_class")
     if n == 0:
         return 0
     if n <= GRANULE:

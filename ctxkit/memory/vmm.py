@@ -41,13 +41,7 @@ from ..device import Device
 from ..errors import ContextClosedError
 from ..lifetime import free_quietly
 from .alloc import OUT_OF_MEMORY, out_of_memory
-from .copies import (
-    Mem,
-    copy_from_device,
-    copy_from_host,
-    copy_to_device,
-    copy_to_host,
-)
+from .copies import Copyable, Mem
 from .device import DeviceArray, DeviceBuffer
 from .interop import KDL_CUDA
 from .sizes import nbytes_arg, require_capability
@@ -213,7 +207,7 @@ def _check_support(devs: tuple[int, ...], acc: tuple[int, ...], shareable: bool,
                 )
 
 
-class VirtualBuffer:
+class VirtualBuffer(Copyable):
     """Device memory in a reserved virtual address range, backed by physical chunks on one
     or several devices (CUDA virtual memory management).
 
@@ -311,11 +305,6 @@ class VirtualBuffer:
     def closed(self) -> bool:
         """True after :meth:`close` (the mappings and the address range are released)."""
         return self._closed
-
-    @property
-    def device(self) -> Device:
-        """The context's device (where copies run)."""
-        return self.context.device
 
     @property
     def access(self) -> tuple[Device, ...]:
@@ -490,28 +479,6 @@ class VirtualBuffer:
 
     def __dlpack_device__(self) -> tuple[int, int]:
         return (KDL_CUDA, self.context.device.ordinal)
-
-    # --- copies ----------------------------------------------------------------------
-
-    def copy_from_host(self, arr: Any, stream: Any = None) -> None:
-        """Copy a host array of exactly ``nbytes`` bytes into the buffer."""
-        copy_from_host(self._ctxkit_mem(), arr, stream, "VirtualBuffer.copy_from_host")
-
-    def copy_to_host(self, arr: Any = None, stream: Any = None) -> np.ndarray:
-        """Copy the buffer into *arr* (a new uint8 array when ``None``) and return it."""
-        return copy_to_host(self._ctxkit_mem(), arr, stream, "VirtualBuffer.copy_to_host")
-
-    def copy_from(self, src: Any, stream: Any = None) -> None:
-        """Device-to-device copy from memory of the same size (any context/device)."""
-        copy_from_device(self._ctxkit_mem(), src, stream, "VirtualBuffer.copy_from")
-
-    def copy_to(self, dst: Any, stream: Any = None) -> None:
-        """Device-to-device copy into memory of the same size (any context/device)."""
-        copy_to_device(self._ctxkit_mem(), dst, stream, "VirtualBuffer.copy_to")
-
-    def memset(self, value: int, stream: Any = None) -> None:
-        """Set every byte to *value* (0..255), as ``DeviceBuffer.memset``."""
-        DeviceBuffer.from_pointer(self.ptr, self.nbytes, self.context).memset(value, stream)
 
 
 def map_imported(
