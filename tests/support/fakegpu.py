@@ -58,7 +58,6 @@ from tests.support.fakecapture import (  # noqa: F401  (re-exported for tests)
     Capture,
     CaptureRules,
 )
-from tests.support.fakegreen import GreenRules
 from tests.support.fakedriver import (
     FakeDriver,
     FakeHandle,
@@ -66,6 +65,7 @@ from tests.support.fakedriver import (
     spans_registration_edge,
     swap_driver,
 )
+from tests.support.fakegreen import GreenRules
 
 ILLEGAL_ADDRESS = 700
 NOT_READY = 600
