@@ -450,5 +450,5 @@ def sm_split(dev: Any, res: Any, counts: list[int]) -> tuple[list[Any], Any, lis
 def green_create(dev: Any, res: Any) -> Any:
     """A green context (``CUgreenCtx``) over the SM resource *res* of *dev*."""
     desc = call(drv.cuDevResourceGenerateDesc, [res], 1, what="cuDevResourceGenerateDesc")
-    flags = drv.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM
+    flags = int(drv.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM)
     return call(drv.cuGreenCtxCreate, desc, dev, flags, what="cuGreenCtxCreate")

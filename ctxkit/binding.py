@@ -154,14 +154,14 @@ def resolve_context(target: ContextLike | None, what: str) -> Context:
 
 
 def check_devices(
-    devices: Sequence[ContextLike] | None, what: str, *, contexts: bool = True
+    devices: Sequence[ContextLike] | None, what: str, *, contexts: bool = True, lanes: bool = False
 ) -> list[ContextLike] | None:
     """Validate a list of devices (ordinals, Devices, and Contexts when *contexts*).
 
     The one check of a ``devices=`` argument: a sequence (not a single device), not empty,
-    no negative ordinal, no device or context twice (distinct contexts of one device --
-    green partitions, owned contexts -- are distinct lanes). ``None`` (all visible
-    devices) passes through.
+    no negative ordinal, no device twice -- with *lanes*, distinct contexts of one device
+    (green partitions, owned contexts) may be listed, each a lane; the same context twice
+    is refused. ``None`` (all visible devices) passes through.
     """
     if devices is None:
         return None
@@ -181,7 +181,10 @@ def check_devices(
             raise TypeError(f"{what}: devices must hold {names}, got {d!r}")
         if isinstance(d, int) and d < 0:
             raise ValueError(f"{what}: device ordinals are >= 0, got {d}")
-        key = (True, d.handle) if isinstance(d, Context) else (False, int(d))
+        if isinstance(d, Context):
+            key = (True, d.handle) if lanes else (False, d.device.ordinal)
+        else:
+            key = (False, int(d))
         if key in seen:
             name = f"context {d!r}" if key[0] else f"device {key[1]}"
             raise ValueError(f"{what}: {name} is listed twice in devices={specs!r}")

@@ -285,7 +285,7 @@ class Context:
         return ctx
 
     @classmethod
-    def green(cls, device: Device | int = 0, sm_count: int = 8) -> Context:
+    def green(cls, device: Device | int, sm_count: int) -> Context:
         """A green context of at least *sm_count* SMs of *device* (rounded up to the
         device's :attr:`~ctxkit.Device.sm_granularity`), for work confined to them:
         ``Device(device).partition([sm_count], remainder=False)[0]``."""

@@ -118,7 +118,7 @@ class Pipeline:
         check_fork("Pipeline")
         options = _check_options(options)
         pins = PinClaims(process_pins(), options.pin_cache_bytes)
-        contexts = _resolve_contexts(check_devices(devices, "Pipeline"))
+        contexts = _resolve_contexts(check_devices(devices, "Pipeline", lanes=True))
         threads = options.host_threads or default_host_threads(len(contexts))
         self._options = dataclasses.replace(options.over(), host_threads=threads)
         self.tracing = bool(self._options.trace)

@@ -331,3 +331,37 @@ def test_pipeline_trace_over_green_lanes(gpu):
 
 def test_require_green_passes_on_a_13_0_fake(gpu):
     _driver.require_green("here")
+
+
+PTX = b"""
+.version 7.0
+.target sm_90
+.address_size 64
+.visible .entry empty(.param .u64 a)
+{ ret; }
+"""
+
+
+def test_launches_with_stream_none_go_to_the_green_default_stream(gpu, green, monkeypatch):
+    launched: list[int] = []
+
+    def cuLaunchKernel(f, gx, gy, gz, bx, by, bz, shm, hs, params, extra):
+        launched.append(int(hs))
+        gpu.launch(hs, lambda: None)
+        return (0,)
+
+    monkeypatch.setattr(gpu, "cuLaunchKernel", cuLaunchKernel, raising=False)
+    k = ck.Module.load(PTX).function("empty")
+    with green:
+        k.launch(1, 32, 0)
+        k.prepare(1, 32, 0)()
+        s = ck.Stream()  # Stream() in a green context: a green stream
+        k.launch(1, 32, 0, stream=s)
+    k.launch(1, 32, 0, stream=s)  # nothing current: the stream's context is bound
+    default = int(current_stream(green).handle)
+    assert launched == [default, default, int(s.handle), int(s.handle)]
+    assert gpu.sms_of(s) == gpu.sms_of(default) == tuple(range(16))
+    with ck.Context.primary(0):
+        k.launch(1, 32, 0)
+    assert launched[-1] == 0  # elsewhere stream=None is the legacy default stream
+    assert gpu.legacy_in_green == []
