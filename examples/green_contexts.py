@@ -71,7 +71,11 @@ class Batch:
     to stop; each chunk runs a kernel whose blocks fill the lane's SMs for ~2 ms."""
 
     def __init__(self, lanes: list[ck.Context], spin: ck.Kernel, nbytes: int) -> None:
-        cycles = int(SPIN_SECONDS * ck.Device(0).attribute("clock_rate") * 1e3)
+        try:  # kHz; deprecated in CUDA 13: assume 2 GHz where a driver no longer says
+            khz = ck.Device(0).attribute("clock_rate") or 2_000_000
+        except (ValueError, ck.CudaError):
+            khz = 2_000_000
+        cycles = int(SPIN_SECONDS * khz * 1e3)
 
         def body(ctx, stream, d_in, d_out, n):
             blocks = 8 * ctx.sm_count  # 8 blocks of 256 threads fill an SM
