@@ -41,6 +41,7 @@ class Server:
             self.x = ck.pinned_empty(N, np.float32)
             self.y = ck.pinned_empty(N, np.float32)
             self.d_x, self.d_y = ck.DeviceBuffer(N * 4), ck.DeviceBuffer(N * 4)
+        saxpy.preload(ctx)  # loaded now: a lazy load at the first request could wait
         self.ctx, self.saxpy = ctx, saxpy
 
     def serve(self, requests: int, seed: int) -> list[float]:
