@@ -299,6 +299,18 @@ def test_pipeline_mixing_a_green_lane_and_the_primary_context(gpu):
         g.close()
 
 
+def test_pipeline_over_two_owned_contexts_of_one_device(gpu):
+    a, b = ck.Context.create(0), ck.Context.create(0)
+    x = np.arange(80_000, dtype=np.float32)
+    try:
+        with Pipeline([a, b], options=PipelineOptions(chunk_bytes=1 << 16)) as p:
+            np.testing.assert_array_equal(p.map(scale_body(gpu, 2.0), x), x * 2)
+            assert [d.lane for d in p._devices] == [0, 1]
+    finally:
+        a.close()
+        b.close()
+
+
 @pytest.mark.parametrize(
     "devices",
     [
