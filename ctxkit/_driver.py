@@ -382,3 +382,73 @@ def graph_exec_update_info(exe: Any, graph: Any) -> tuple[int, int, int] | None:
     info = _UpdateResultInfo()
     err = fn(int(exe), int(graph), ctypes.byref(info))
     return int(err), int(info.result), int(info.errorNode or 0)
+
+
+# --- green contexts (SM partitions) ---------------------------------------------------
+
+#: The driver that introduced green contexts (``cuGreenCtxCreate``).
+GREEN_MIN_DRIVER = (12, 4)  # the message of require_green names it
+
+
+def require_green(what: str) -> None:
+    """Raise :class:`CudaError` (``CUDA_ERROR_NOT_SUPPORTED``) naming the minimum versions
+    where the bindings or the driver have no green contexts."""
+    have = driver_version()
+    if drv is not None and hasattr(drv, "cuGreenCtxCreate") and have and have >= GREEN_MIN_DRIVER:
+        return
+    raise CudaError(
+        f"{what}: green contexts need a driver of CUDA 12.4+ and cuda-bindings 12.8+ (this "
+        f"process has driver CUDA {have} and cuda-bindings "
+        f"{BINDINGS_VERSION}); update the NVIDIA driver",
+        801,
+        "CUDA_ERROR_NOT_SUPPORTED",
+    )
+
+
+def sm_resource(dev: Any) -> Any:
+    """The ``CUdevResource`` of all SMs of the device *dev* (``cuDeviceGetDevResource``)."""
+    kind = drv.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM
+    return call(drv.cuDeviceGetDevResource, dev, kind, what="cuDeviceGetDevResource(SM)")
+
+
+def _split_equal(res: Any, n: int, count: int) -> tuple[list[Any], Any]:
+    what = f"cuDevSmResourceSplitByCount({n} groups of {count} SMs)"
+    groups, made, rest = call(drv.cuDevSmResourceSplitByCount, n, res, 0, count, what=what)
+    return list(groups)[: int(made)], rest
+
+
+def sm_split(dev: Any, res: Any, counts: list[int]) -> tuple[list[Any], Any, list[Any]]:
+    """Split the SM resource *res* of *dev* into groups of *counts* SMs (valid counts).
+
+    Returns ``(groups, remainder, scratch)``: *scratch* are green contexts made to split a
+    remainder again (``cuDevSmResourceSplitByCount`` splits into equal groups only, and
+    its outputs split again only through a green context); destroy them once the groups'
+    contexts exist. ``cuDevSmResourceSplit`` (CUDA 13.1+ drivers) does it in one call.
+    """
+    if hasattr(drv, "cuDevSmResourceSplit") and (driver_version() or (0, 0)) >= (13, 1):
+        params = []
+        for n in counts:
+            p = drv.CU_DEV_SM_RESOURCE_GROUP_PARAMS()
+            p.smCount = n
+            params.append(p)
+        what = f"cuDevSmResourceSplit({counts})"
+        groups, rest = call(drv.cuDevSmResourceSplit, len(counts), res, 0, params, what=what)
+        return list(groups), rest, []
+    by_count: dict[int, list[Any]] = {}
+    scratch: list[Any] = []
+    for count in dict.fromkeys(counts):  # each distinct size once, in the order asked
+        if by_count:  # split what is left: through a green context made of it
+            green = green_create(dev, res)
+            scratch.append(green)
+            kind = drv.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM
+            res = call(drv.cuGreenCtxGetDevResource, green, kind, what="cuGreenCtxGetDevResource")
+        by_count[count], res = _split_equal(res, counts.count(count), count)
+    groups = [by_count[c].pop(0) for c in counts if by_count[c]]
+    return groups, res, scratch
+
+
+def green_create(dev: Any, res: Any) -> Any:
+    """A green context (``CUgreenCtx``) over the SM resource *res* of *dev*."""
+    desc = call(drv.cuDevResourceGenerateDesc, [res], 1, what="cuDevResourceGenerateDesc")
+    flags = int(drv.CUgreenCtxCreate_flags.CU_GREEN_CTX_DEFAULT_STREAM)
+    return call(drv.cuGreenCtxCreate, desc, dev, flags, what="cuGreenCtxCreate")

@@ -154,12 +154,14 @@ def resolve_context(target: ContextLike | None, what: str) -> Context:
 
 
 def check_devices(
-    devices: Sequence[ContextLike] | None, what: str, *, contexts: bool = True
+    devices: Sequence[ContextLike] | None, what: str, *, contexts: bool = True, lanes: bool = False
 ) -> list[ContextLike] | None:
     """Validate a list of devices (ordinals, Devices, and Contexts when *contexts*).
 
     The one check of a ``devices=`` argument: a sequence (not a single device), not empty,
-    no negative ordinal, no device twice. ``None`` (all visible devices) passes through.
+    no negative ordinal, no device twice -- with *lanes*, distinct contexts of one device
+    (green partitions, owned contexts) may be listed, each a lane; the same context twice
+    is refused. ``None`` (all visible devices) passes through.
     """
     if devices is None:
         return None
@@ -173,15 +175,19 @@ def check_devices(
             f"{what} needs at least one device; devices=[] was given (use devices=None "
             "for all visible devices)"
         )
-    seen: set[int] = set()
+    seen: set[tuple[bool, int]] = set()
     for d in specs:
         if isinstance(d, bool) or not isinstance(d, kinds):
             raise TypeError(f"{what}: devices must hold {names}, got {d!r}")
         if isinstance(d, int) and d < 0:
             raise ValueError(f"{what}: device ordinals are >= 0, got {d}")
-        key = d.device.ordinal if isinstance(d, Context) else int(d)
+        if isinstance(d, Context):
+            key = (True, d.handle) if lanes else (False, d.device.ordinal)
+        else:
+            key = (False, int(d))
         if key in seen:
-            raise ValueError(f"{what}: device {key} is listed twice in devices={specs!r}")
+            name = f"context {d!r}" if key[0] else f"device {key[1]}"
+            raise ValueError(f"{what}: {name} is listed twice in devices={specs!r}")
         seen.add(key)
     return specs
 

@@ -16,12 +16,12 @@ from __future__ import annotations
 import atexit
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from . import _driver, lifetime
 from ._driver import call, drv
-from .device import Device
+from .device import Device, plan_partition, set_partitioner
 from .errors import (
     STICKY_CODES,
     ContextClosedError,
@@ -32,7 +32,7 @@ from .errors import (
     NoCurrentContextError,
 )
 
-__all__ = ["Context", "context_of_cu", "current_context", "shutting_down"]
+__all__ = ["Context", "context_of_cu", "current_context", "partition", "shutting_down"]
 
 
 class _ThreadState:
@@ -178,8 +178,10 @@ class Context:
     """A CUDA context; ``with ctx:`` pushes it on this thread's stack and pops it after.
 
     Do not construct directly: use :meth:`create` (an owned context, destroyed by
-    :meth:`close`) or :meth:`primary` (the device's primary context, shared with
-    PyTorch, CuPy and Numba; :meth:`close` releases ctxkit's reference).
+    :meth:`close`), :meth:`primary` (the device's primary context, shared with
+    PyTorch, CuPy and Numba; :meth:`close` releases ctxkit's reference), or
+    :meth:`green` / :meth:`Device.partition <ctxkit.Device.partition>` (green contexts:
+    disjoint sets of SMs of one device; :meth:`close` destroys them).
 
     Contexts compare and hash by handle. ``with`` blocks nest to any depth and across
     devices; re-entering the context already on top costs no driver call. When ctxkit
@@ -198,7 +200,11 @@ class Context:
     cu : CUcontext
         The driver's ``CUcontext`` object, for driver calls that take a context.
     kind : str
-        ``"owned"`` (created here), ``"primary"`` or ``"foreign"`` (made elsewhere).
+        ``"owned"`` (created here), ``"primary"``, ``"green"`` (an SM partition) or
+        ``"foreign"`` (made elsewhere).
+    cu_green : CUgreenCtx or None
+        The driver's green context of a ``"green"`` context (``cu`` is its
+        ``cuCtxFromGreenCtx``); ``None`` for the other kinds.
     closed : bool
         True after :meth:`close`.
     """
@@ -211,16 +217,22 @@ class Context:
         "__weakref__",
         "_by_value",
         "_poison",
+        "_sm_count",
         "_unusable",
         "closed",
         "cu",
+        "cu_green",
         "device",
         "handle",
         "kind",
     )
 
-    def __init__(self, cu: Any, device: Device, kind: str) -> None:
+    def __init__(
+        self, cu: Any, device: Device, kind: str, cu_green: Any = None, sm_count: int = 0
+    ) -> None:
         self.cu = cu
+        self.cu_green = cu_green
+        self._sm_count = sm_count
         self.handle = int(cu)
         self.device = device
         self.kind = kind
@@ -273,6 +285,13 @@ class Context:
         return ctx
 
     @classmethod
+    def green(cls, device: Device | int, sm_count: int) -> Context:
+        """A green context of at least *sm_count* SMs of *device* (rounded up to the
+        device's :attr:`~ctxkit.Device.sm_granularity`), for work confined to them:
+        ``Device(device).partition([sm_count], remainder=False)[0]``."""
+        return Device(device).partition([sm_count], remainder=False)[0]
+
+    @classmethod
     def _known_open(cls, handle: int) -> Context | None:
         """The open Context of *handle* that ctxkit knows already, if any."""
         known = cls._known.get(handle)
@@ -300,6 +319,11 @@ class Context:
         return self.kind == "primary"
 
     @property
+    def sm_count(self) -> int:
+        """The SMs its kernels run on: its partition's (green) or the device's."""
+        return self._sm_count or self.device.multiprocessor_count
+
+    @property
     def poisoned(self) -> bool:
         """True once a sticky error (kernel fault) made the context unusable."""
         return self._poison is not None
@@ -314,7 +338,11 @@ class Context:
 
     def __repr__(self) -> str:
         state = " closed" if self.closed else (" poisoned" if self._poison else "")
-        return f"<Context {self.kind} device={self.device.ordinal} handle={self.handle:#x}{state}>"
+        sms = f" sm_count={self._sm_count}" if self._sm_count else ""
+        return (
+            f"<Context {self.kind} device={self.device.ordinal}{sms} handle={self.handle:#x}"
+            f"{state}>"
+        )
 
     # --- push / pop ----------------------------------------------------------------
 
@@ -530,6 +558,8 @@ class Context:
             Context._known.pop(self.handle, None)
             if self.kind == "owned":
                 call(drv.cuCtxDestroy, self.cu, what=f"cuCtxDestroy({self.handle:#x})")
+            elif self.kind == "green":
+                call(drv.cuGreenCtxDestroy, self.cu_green, what=f"cuGreenCtxDestroy of {self!r}")
             elif self.kind == "primary":
                 if Context._primaries.get(self.device.ordinal) is self:
                     del Context._primaries[self.device.ordinal]
@@ -572,6 +602,41 @@ def _disown_in_forked_child() -> None:
 
 
 _driver.on_fork_in_child(_disown_in_forked_child)
+
+
+def partition(device: Device, sm_counts: Sequence[int], remainder: bool = True) -> list[Context]:
+    """:meth:`Device.partition <ctxkit.Device.partition>`: one split of *device*'s SMs
+    into green contexts (the remainder last, with *remainder*)."""
+    where = f"device {device.ordinal}"
+    _driver.require_green(f"{where}.partition({list(sm_counts)})")
+    Context.primary(device)  # each green context retains it: keep it alive in between
+    res = _driver.sm_resource(device.handle)
+    total = int(res.sm.smCount)
+    plan = plan_partition(sm_counts, total, *device.sm_granularity, where=where)
+    groups, rest, scratch = _driver.sm_split(device.handle, res, plan)
+    made: list[Context] = []
+    try:
+        if len(groups) != len(plan):
+            raise ValueError(
+                f"cannot partition {where} ({total} SMs, granularity "
+                f"{device.sm_granularity}) into {plan} SMs: the driver made {len(groups)} "
+                "of those groups; ask for fewer or smaller partitions"
+            )
+        for r in groups + ([rest] if remainder and int(rest.sm.smCount) else []):
+            green = _driver.green_create(device.handle, r)
+            cu = call(drv.cuCtxFromGreenCtx, green, what="cuCtxFromGreenCtx")
+            made.append(Context(cu, device, "green", green, int(r.sm.smCount)))
+    except BaseException:
+        for ctx in made:
+            ctx.close()
+        raise
+    finally:
+        for green in scratch:
+            drv.cuGreenCtxDestroy(green)
+    return made
+
+
+set_partitioner(partition)
 
 
 def no_context_error(what: str) -> NoCurrentContextError:

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Sequence
 from functools import cached_property
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from . import _driver
 from ._driver import call, drv
 from .errors import DriverNotFoundError
 
-__all__ = ["Device", "device_count", "devices"]
+if TYPE_CHECKING:  # pragma: no cover
+    from .context import Context
+
+__all__ = ["Device", "device_count", "devices", "plan_partition", "sm_granularity"]
 
 
 def device_count() -> int:
@@ -138,5 +142,81 @@ class Device:
             return False
         return bool(call(drv.cuDeviceCanAccessPeer, self.handle, peer.handle))
 
+    @cached_property
+    def sm_granularity(self) -> tuple[int, int]:
+        """``(minimum, multiple)``: the SM counts a partition of this device can have
+        (:meth:`partition`), as the driver reports them (``minSmPartitionSize``,
+        ``smCoscheduledAlignment``, CUDA 13) or else by compute capability."""
+        sm = _driver.sm_resource(self.handle).sm
+        low, step = sm_granularity(self.compute_capability[0])
+        return int(getattr(sm, "minSmPartitionSize", 0) or low), int(
+            getattr(sm, "smCoscheduledAlignment", 0) or step
+        )
+
+    def partition(self, sm_counts: Sequence[int], *, remainder: bool = True) -> list[Context]:
+        """Split the SMs into disjoint green contexts of at least *sm_counts* SMs each.
+
+        Each count is rounded up to :attr:`sm_granularity`; with *remainder* the SMs left
+        over (if any) are one more context, the last. One split: the contexts never share
+        an SM. Each is a :class:`~ctxkit.Context` of ``kind == "green"`` with its
+        ``sm_count``; ``close()`` destroys it.
+
+        Raises
+        ------
+        ValueError
+            The counts do not fit the device (the message gives its SM count and the
+            granularity).
+        CudaError
+            The driver or cuda-bindings has no green contexts (``CUDA_ERROR_NOT_SUPPORTED``;
+            the message names the minimum versions).
+        """
+        assert _partitioner is not None  # set by ctxkit.context, imported with ctxkit
+        return _partitioner(self, list(sm_counts), remainder)
+
 
 _driver.renew_at_fork(Device, "_lock")
+
+
+#: ``fn(device, sm_counts, remainder)`` behind :meth:`Device.partition`: installed by
+#: ``ctxkit.context`` (which imports this module; a Device cannot import Context).
+_partitioner: Callable[[Device, list[int], bool], list[Context]] | None = None
+
+
+def set_partitioner(fn: Callable[[Device, list[int], bool], list[Context]]) -> None:
+    """Install the function that makes the green contexts of :meth:`Device.partition`."""
+    global _partitioner
+    _partitioner = fn
+
+
+def sm_granularity(cc_major: int) -> tuple[int, int]:
+    """``(minimum, multiple)`` SM count of a partition by compute capability major, where
+    the driver does not report it: 8 and 8 on 9.x and later, 4 and 2 on 8.x, 2 and 2
+    before."""
+    if cc_major >= 9:
+        return 8, 8
+    return (4, 2) if cc_major == 8 else (2, 2)
+
+
+def plan_partition(
+    sm_counts: Sequence[int], total: int, minimum: int, multiple: int, where: str = "the device"
+) -> list[int]:
+    """The SM counts of a partition of *total* SMs: each request rounded up to at least
+    *minimum* and to a *multiple*.
+
+    Raises
+    ------
+    ValueError
+        A count is not a positive int, or the rounded counts need more than *total* SMs
+        (the message names *total* and the granularity).
+    """
+    counts = list(sm_counts)
+    if not counts or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts):
+        raise ValueError(f"sm_counts must be a non-empty list of positive ints, got {sm_counts!r}")
+    plan = [-(-max(c, minimum) // multiple) * multiple for c in counts]
+    if sum(plan) > total:
+        raise ValueError(
+            f"cannot partition {where} into {counts} SMs: it has {total} SMs, and a "
+            f"partition has at least {minimum} SMs in multiples of {multiple} (rounded: "
+            f"{plan}, {sum(plan)} SMs)"
+        )
+    return plan

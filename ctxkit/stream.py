@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _driver, lifetime
 from ._driver import call, drv
 from .binding import ContextLike, guard, resolve_context
 from .context import Context, context_of_cu, require_current
@@ -63,15 +64,18 @@ def call_stream(stream: Any, ctx: Context, what: str) -> tuple[Any, Any, bool]:
     the calling thread's current stream of *ctx* (:func:`current_stream`): then *stream* is
     that :class:`Stream` and *implicit* is True (a ``stream=None`` operation has completed
     when it returns, so the caller waits for it), or, with no current stream, ``None`` and
-    the legacy default stream's handle. A given stream comes back as it is, with its
-    driver handle (:func:`stream_handle`); a ctxkit stream (or any stream object with a
+    the legacy default stream's handle -- in a green context its own default stream
+    instead (:func:`green_default`), as an implicit one. A given stream comes back as it
+    is, with its driver handle (:func:`stream_handle`); a ctxkit stream (or any stream object with a
     ``context``) of another context is refused with
     :class:`~ctxkit.errors.WrongContextError` instead of reaching the driver.
     """
     if stream is None:
         cur = _current.by_context.get(ctx.handle) if _current.by_context else None
         if cur is None:
-            return None, _NULL_STREAM, False
+            if ctx.cu_green is None:
+                return None, _NULL_STREAM, False
+            cur = green_default(ctx)
         return cur, cur.open_handle(what), True
     sc = getattr(stream, "context", None)
     if isinstance(sc, Context) and sc.handle != ctx.handle:
@@ -135,7 +139,8 @@ def current_stream(context: ContextLike | None = None) -> Stream:
     restored on exit, invisible to other threads); every ctxkit operation given
     ``stream=None`` (launches, copies, memsets, stream-ordered allocations, pipeline
     bodies) then runs on it. Without one, it is the legacy default stream (handle 0),
-    as in the CUDA Driver API.
+    as in the CUDA Driver API; in a green context, the context's own default stream
+    (:func:`green_default`).
 
     Parameters
     ----------
@@ -143,7 +148,41 @@ def current_stream(context: ContextLike | None = None) -> Stream:
         Whose current stream; ``None``: the calling thread's current context.
     """
     ctx = resolve_context(context, "current_stream()")
+    if ctx.cu_green is not None:
+        return implicit_stream(ctx) or green_default(ctx)
     return implicit_stream(ctx) or Stream.from_handle(0, ctx)
+
+
+_green_defaults: dict[int, Stream] = {}
+_green_lock = threading.Lock()
+_driver.renew_at_fork(__name__, "_green_lock")
+
+
+def green_default(ctx: Context) -> Stream:
+    """The stream ``stream=None`` means in the green context *ctx* when no ``with
+    stream:`` of it is open: one per context, made at first use (``cuGreenCtxStreamCreate``)
+    and destroyed when the context closes.
+
+    The legacy default stream (handle 0) of a green context runs its work on every SM of
+    the device, outside the partition, and does not order with the context's
+    (non-blocking) streams: ctxkit never uses it there.
+    """
+    s = _green_defaults.get(ctx.handle)
+    if s is None or s.closed or s.context is not ctx:
+        with _green_lock:
+            s = _green_defaults.get(ctx.handle)
+            if s is None or s.closed or s.context is not ctx:
+                s = _green_defaults[ctx.handle] = Stream(ctx)
+    return s
+
+
+def _drop_green_default(ctx: Any) -> None:
+    s = _green_defaults.pop(ctx.handle, None)
+    if s is not None:
+        s.close()
+
+
+lifetime.on_context_close(_drop_green_default)
 
 
 _NULL_STREAM: Any = drv.CUstream(0) if drv is not None else None
@@ -228,7 +267,8 @@ class Stream(_InContext):
         context bound, whatever else is current.
     nonblocking : bool
         ``CU_STREAM_NON_BLOCKING``: no implicit synchronization with the legacy default
-        stream (handle 0).
+        stream (handle 0). A green context's streams are always non-blocking (made with
+        ``cuGreenCtxStreamCreate``, restricted to its SMs): ``False`` is refused there.
     priority : int
         Lower numbers are higher priority; must lie in the context's
         ``cuCtxGetStreamPriorityRange`` (0 is always valid).
@@ -236,7 +276,8 @@ class Stream(_InContext):
     Raises
     ------
     ValueError
-        *priority* is outside the device's range (the message gives the range).
+        *priority* is outside the device's range (the message gives the range), or
+        ``nonblocking=False`` in a green context.
     """
 
     __slots__ = ("_callback_errors", "_lock", "_owner", "nonblocking", "owned", "priority")
@@ -248,6 +289,11 @@ class Stream(_InContext):
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"priority must be an int, got {type(priority).__name__}")
         flags = STREAM_NON_BLOCKING if nonblocking else 0
+        if ctx.cu_green is not None and not nonblocking:
+            raise ValueError(
+                f"Stream(context={ctx!r}, nonblocking=False): the streams of a green context "
+                "are non-blocking (cuGreenCtxStreamCreate requires CU_STREAM_NON_BLOCKING)"
+            )
         with ctx:
             if priority:  # 0 is always valid: no range to ask for
                 err, least, greatest = drv.cuCtxGetStreamPriorityRange()
@@ -258,9 +304,12 @@ class Stream(_InContext):
                         f"stream priority {priority} is outside the range of device "
                         f"{ctx.device.ordinal}: {greatest} (highest) .. {least} (lowest)"
                     )
-            err, handle = drv.cuStreamCreateWithPriority(flags, priority)
+            if ctx.cu_green is None:
+                err, handle = drv.cuStreamCreateWithPriority(flags, priority)
+            else:  # cuStreamCreate would make a stream free to run on every SM
+                err, handle = drv.cuGreenCtxStreamCreate(ctx.cu_green, flags, priority)
         if err:
-            raise ctx.note_error(err, f"cuStreamCreateWithPriority(flags={flags}, {priority})")
+            raise ctx.note_error(err, f"stream creation (flags={flags}, priority {priority})")
         self._setup(ctx, handle, bool(nonblocking), priority, owned=True, owner=None)
         self.fin = finalizer(self, ctx, drv.cuStreamDestroy, handle)
 
@@ -557,7 +606,8 @@ class Event(_InContext):
         return float(ms)
 
     def record(self, stream: Stream | Any = None) -> Event:
-        """Record the event on *stream* (default: the context's legacy default stream).
+        """Record the event on *stream* (default: the context's legacy default stream; in
+        a green context, the stream ``stream=None`` means there, :func:`green_default`).
 
         Raises
         ------
@@ -573,6 +623,8 @@ class Event(_InContext):
                 f"{stream.context!r}: create the event in the stream's context "
                 "(Event(context=stream.context) or stream.record())"
             )
+        if stream is None and ctx.cu_green is not None:
+            stream = current_stream(ctx)
         _call(ctx, "Event.record", drv.cuEventRecord, handle, stream_handle(stream))
         self._recorded = True
         return self

@@ -300,8 +300,8 @@ class DeviceBuffer(Copyable):
         if (stream is not None or pool is not None) and not self.kind.stream_ordered:
             raise TypeError(f"{what}: {type(self).__name__} cannot be stream-ordered")
         sh = None
-        if self.kind.stream_ordered:
-            stream, sh, _ = call_stream(stream, ctx, what)
+        if self.kind.stream_ordered and (stream, pool, implicit_stream(ctx)) != (None,) * 3:
+            stream, sh, _ = call_stream(stream, ctx, what)  # else cuMemAlloc, green or not
         if n == 0:
             return
         if stream is None and pool is None:

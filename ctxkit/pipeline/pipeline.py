@@ -73,7 +73,10 @@ class Pipeline:
     ----------
     devices : sequence of int, Device or Context, optional
         The devices to use (default: all visible). Ints and Devices use the registry's
-        shared context of the device; a Context is used as given.
+        shared context of the device; a Context is used as given. Distinct contexts of
+        one device (green partitions, ``ck.Device(0).partition([16])``, or owned
+        contexts) are separate lanes, each with its own streams and staging; stats and
+        trace rows then go by lane position instead of device ordinal.
     options : PipelineOptions, optional
         Chunk size, block, schedule, host paths, slots per device, host threads, pin on
         reuse and tracing (:class:`~ctxkit.pipeline.PipelineOptions`); the defaults of
@@ -82,7 +85,7 @@ class Pipeline:
     Raises
     ------
     ValueError
-        ``devices=[]``, duplicate devices, or an invalid option.
+        ``devices=[]``, a device or context listed twice, or an invalid option.
     TypeError
         *options* is not a :class:`~ctxkit.pipeline.PipelineOptions`.
     DriverNotFoundError, CudaError
@@ -115,11 +118,16 @@ class Pipeline:
         check_fork("Pipeline")
         options = _check_options(options)
         pins = PinClaims(process_pins(), options.pin_cache_bytes)
-        contexts = _resolve_contexts(check_devices(devices, "Pipeline"))
+        contexts = _resolve_contexts(check_devices(devices, "Pipeline", lanes=True))
         threads = options.host_threads or default_host_threads(len(contexts))
         self._options = dataclasses.replace(options.over(), host_threads=threads)
         self.tracing = bool(self._options.trace)
-        self._devices = [DeviceState(i, ctx, options.slots) for i, ctx in enumerate(contexts)]
+        ordinals = [c.device.ordinal for c in contexts]
+        lanes = ordinals if len(set(ordinals)) == len(ordinals) else range(len(contexts))
+        self._devices = [
+            DeviceState(i, ctx, options.slots, lane)
+            for i, (ctx, lane) in enumerate(zip(contexts, lanes, strict=True))
+        ]
         self._host_pool: list[HostPool] = []  # a list: the finalizer sees it filled later
         self._lock = threading.RLock()
         self._run: Run | None = None
@@ -651,8 +659,10 @@ def _resolve_contexts(specs: list[int | Device | Context] | None) -> list[Contex
             )
         specs = list(range(n))
     contexts = [registry.resolve(d) for d in specs]
-    for ctx in contexts:
+    for i, ctx in enumerate(contexts):
         ctx.check_usable()
+        if ctx in contexts[:i]:
+            raise ValueError(f"Pipeline: {ctx!r} is listed twice in devices={specs!r}")
     return contexts
 
 

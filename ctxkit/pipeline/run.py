@@ -456,8 +456,8 @@ class Run:
         try:
             for dev in devices:
                 q: queue.SimpleQueue[Any] = queue.SimpleQueue()
-                self.stats[dev.ordinal] = DeviceStats(dev.ordinal)
-                self.progress[dev.ordinal] = Progress()
+                self.stats[dev.lane] = DeviceStats(dev.ordinal)
+                self.progress[dev.lane] = Progress()
                 feeder = dev.worker.submit(feed, self, dev, q)
                 feeder.add_done_callback(functools.partial(_unblock_if_not_run, q))
                 futures.append(feeder)
@@ -639,14 +639,14 @@ class Starter:
 def feed(run: Run, dev: DeviceState, q: queue.SimpleQueue[Any]) -> None:
     """Worker thread of *dev*: enqueue every chunk (runs with dev's context current)."""
     chunk: Chunk | None = None
-    stats = run.stats[dev.ordinal]
-    run.started[dev.ordinal] = time.perf_counter()
+    stats = run.stats[dev.lane]
+    run.started[dev.lane] = time.perf_counter()
     starter = Starter(run, dev)
     try:
         with Step("setup"):
             for slot in dev.slots:
                 slot.h2d_done = None
-            if run.rec is not None and not run.rec.calibrated(dev.ordinal):
+            if run.rec is not None and not run.rec.calibrated(dev.lane):
                 calibrate(dev, run.rec)
         if run.in_mode == "split":
             starter.split = Split(run, dev, run.plan.for_part(dev.part))
@@ -695,7 +695,7 @@ def _stage(
     output's drain (*on_done*: see :class:`CopyBatch`)."""
     assert run.pool is not None
     name = "fill" if fill else "drain"
-    trace = (run.rec, name, dev.ordinal, c.index) if run.rec is not None else None
+    trace = (run.rec, name, dev.lane, c.index) if run.rec is not None else None
     streaming = run.stream_in if fill else run.stream_out
     return run.pool.copy_async(
         dst, src, trace, urgent=fill, stop=run.stop, on_done=on_done, streaming=streaming
@@ -743,7 +743,7 @@ def _segment(dev: DeviceState, c: Chunk, pieces: HostPieces, ro: bool) -> Segmen
     """The segment of chunk *c*'s registered pages (None: it owns no whole page)."""
     if not pieces.seg_len:
         return None
-    return Segment(dev.ctx, dev.ordinal, c.index, pieces.seg_ptr, pieces.seg_len, ro)
+    return Segment(dev.ctx, dev.lane, c.index, pieces.seg_ptr, pieces.seg_len, ro)
 
 
 def _registered(run: Run, seg: Segment | None) -> bool:
@@ -808,9 +808,9 @@ def _enqueue(
     q.put((job, slot, e3, out_mode, k))
     if rec is not None:
         names = ("prefetch", "prefetch_back") if managed else ("h2d", "d2h")
-        rec.mark(names[0], dev.ordinal, slot.label, c.index, e0, e1)
-        rec.mark("kernel", dev.ordinal, slot.label, c.index, e1, e2)
-        rec.mark(names[1], dev.ordinal, slot.label, c.index, e2, e3)
+        rec.mark(names[0], dev.lane, slot.label, c.index, e0, e1)
+        rec.mark("kernel", dev.lane, slot.label, c.index, e1, e2)
+        rec.mark(names[1], dev.lane, slot.label, c.index, e2, e3)
 
 
 def _input(run: Run, dev: DeviceState, slot: Slot, job: ChunkJob) -> list[tuple[int, int, int]]:
@@ -870,7 +870,7 @@ def _wait_window(run: Run, dev: DeviceState, k: int, into_slot: bool) -> None:
     (whose slot buffers chunk *k* reuses) is drained, or ``k - 2 * staging_buffers``
     when chunk *k* writes no slot buffer; this bounds the work in flight."""
     window = len(dev.slots) * (1 if into_slot else 2)
-    if not run.progress[dev.ordinal].wait_for(k - window + 1, run.stop):
+    if not run.progress[dev.lane].wait_for(k - window + 1, run.stop):
         raise Stopped
 
 
@@ -900,7 +900,7 @@ def drain(run: Run, dev: DeviceState, q: queue.SimpleQueue[Any]) -> None:
     """Drain thread of *dev*: wait for each chunk's D2H, then queue the staging copy of
     its output on the host pool (drain work; it finishes the chunk when done) or finish
     it here, unregister its pages (runs with dev's context current)."""
-    progress = run.progress[dev.ordinal]
+    progress = run.progress[dev.lane]
     copies: collections.deque[CopyBatch] = collections.deque()
     try:
         while True:
@@ -951,7 +951,7 @@ def _drained(run: Run, dev: DeviceState, c: Chunk, k: int, batch: CopyBatch) -> 
             run.fail(dev, c, "drain", batch.error)
         run.chunk_finished()
     finally:
-        run.progress[dev.ordinal].advance(k)
+        run.progress[dev.lane].advance(k)
 
 
 def _finish_output(run: Run, slot: Slot, job: ChunkJob) -> None:
@@ -976,6 +976,6 @@ def _finish_device(run: Run, dev: DeviceState) -> None:
         if not any(getattr(e, "device", None) == dev.ordinal for e in run.errors):
             run.fail(dev, None, "synchronize", exc)
     if run.registrar is not None:
-        for failure in run.registrar.finish(dev.ordinal):
+        for failure in run.registrar.finish(dev.lane):
             run.fail(dev, None, "unregister", failure)
-    run.stats[dev.ordinal].seconds = time.perf_counter() - run.started[dev.ordinal]
+    run.stats[dev.lane].seconds = time.perf_counter() - run.started[dev.lane]

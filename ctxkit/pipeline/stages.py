@@ -124,7 +124,7 @@ def run_stage(
         raise stage_error(handle, "dependency failed", exc) from exc
     marks: list[tuple[str, Event, Event]] = []
     try:
-        if rec is not None and not rec.calibrated(dev.ordinal):
+        if rec is not None and not rec.calibrated(dev.lane):
             calibrate(dev, rec)
         timing = rec is not None
         w0 = Event(context=dev.ctx).record(s) if timing and events else None
@@ -181,7 +181,7 @@ class Stages:
         handle = StageHandle(dev.ordinal, label, dev.ctx, self)
         with self._lock:
             self._drop_completed()
-            self._pending.setdefault(dev.ordinal, collections.deque()).append(handle)
+            self._pending.setdefault(dev.lane, collections.deque()).append(handle)
         handle._future = dev.worker.submit(run_stage, dev, fn, deps, handle, rec)
         return handle
 

@@ -628,12 +628,18 @@ class Progress:
 
 
 class DeviceState:
-    """A device of the pipeline: its context, worker threads, streams and staging."""
+    """A lane of the pipeline (a device, or one of several contexts of a device: green
+    partitions): its context, worker threads, streams and staging.
 
-    def __init__(self, part: int, ctx: Context, slots: int) -> None:
+    ``lane`` is what its stats and trace rows go by: the device ordinal, or the lane's
+    position where the pipeline has several contexts of one device.
+    """
+
+    def __init__(self, part: int, ctx: Context, slots: int, lane: int | None = None) -> None:
         self.part = part
         self.ctx = ctx
         self.ordinal = ctx.device.ordinal
+        self.lane = self.ordinal if lane is None else lane
         name = f"ctxkit-pipeline-gpu{self.ordinal}"
         self.worker = ContextExecutor(ctx, max_workers=1, thread_name_prefix=name)
         self.drainer = ContextExecutor(ctx, max_workers=1, thread_name_prefix=name + "-drain")
@@ -645,7 +651,7 @@ class DeviceState:
         self.clock: tuple[Recorder, Event, float] | None = None
         dev = ctx.device
         per_sm = max(1, dev.attribute("max_threads_per_multiprocessor"))
-        self.sm_threads = dev.multiprocessor_count * per_sm
+        self.sm_threads = ctx.sm_count * per_sm  # a green lane fills its own SMs
         self.prefetch_ok = bool(dev.attribute("concurrent_managed_access"))
 
     def start_threads(self) -> None:
@@ -731,7 +737,7 @@ def calibrate(dev: DeviceState, rec: Recorder) -> None:
     ev = Event(timing=True, context=dev.ctx).record(dev.ref_stream)
     ev.synchronize()
     host_s = time.perf_counter()
-    rec.calibrate(dev.ordinal, ev, host_s)
+    rec.calibrate(dev.lane, ev, host_s)
     dev.clock = (rec, ev, host_s)
 
 

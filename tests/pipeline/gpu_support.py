@@ -38,6 +38,30 @@ def need_devices(n: int) -> list[int]:
     return list(range(n))
 
 
+#: The lane parameters of the multi-device tests that one GPU runs too: 2 and 3 green
+#: partitions of device 0 (``lanes("green2")``).
+GREEN_LANES = ["green2", "green3"]
+_green: dict[int, list[ck.Context]] = {}
+
+
+def lanes(ndev: int | str) -> list[int] | list[ck.Context]:
+    """The pipeline devices of a test: the first *ndev* devices, or for ``"green<k>"``
+    *k* green contexts splitting device 0 (made once per process and kept: equal shares
+    in multiples of 8 SMs, the remainder last)."""
+    if isinstance(ndev, int):
+        return need_devices(ndev)
+    k = int(ndev.removeprefix("green"))
+    if k not in _green:
+        share = ck.Device(0).multiprocessor_count // k // 8 * 8
+        _green[k] = ck.Device(0).partition([share] * (k - 1))
+        assert len(_green[k]) == k
+    return _green[k]
+
+
+def lane_count(ndev: int | str) -> int:
+    return ndev if isinstance(ndev, int) else int(ndev.removeprefix("green"))
+
+
 def random_array(n: int, dtype: type, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     if dtype is np.int32:
@@ -53,7 +77,7 @@ def spin_copy_body(kern: dict[str, ck.Kernel], cycles: int = SPIN_CYCLES):
     """A map body whose kernel busy-waits *cycles*, then copies its chunk (out = in)."""
 
     def body(ctx, stream, d_in, d_out, n):
-        sms = ctx.device.multiprocessor_count
+        sms = ctx.sm_count  # a green lane's own SMs
         kern["spin_then_copy"].launch(sms, 256, cycles, d_in.ptr, d_out.ptr, n, stream=stream)
 
     return body

@@ -24,6 +24,7 @@ from ctxkit.pipeline.staging import BOUNCE_BYTES
 from tests.pipeline.gpu_support import (  # noqa: F401
     assert_unregistered,
     kern,
+    lanes,
     need_devices,
     random_array,
     scaled,
@@ -102,13 +103,19 @@ def test_default_outputs_come_from_the_pool_and_fall_back_when_it_is_full(kern):
 
 @pytest.mark.parametrize("slots", [2, 6, 12])
 @pytest.mark.parametrize(
-    "ndev,schedule", [(1, "static"), pytest.param(2, "dynamic", marks=pytest.mark.multigpu)]
+    "ndev,schedule",
+    [
+        (1, "static"),
+        pytest.param(2, "dynamic", marks=pytest.mark.multigpu),
+        ("green2", "dynamic"),
+        ("green3", "static"),
+    ],
 )
 def test_many_small_chunks_in_flight_are_exact(kern, slots, ndev, schedule):
     """64 MiB + 5 elements in 1 MiB chunks: the fills and drains of many chunks run on the
     host pool at once, slots are reused as soon as their drains finish."""
     with Pipeline(
-        need_devices(ndev), options=ck.PipelineOptions(chunk_bytes=MiB, staging_buffers=slots)
+        lanes(ndev), options=ck.PipelineOptions(chunk_bytes=MiB, staging_buffers=slots)
     ) as p:
         for seed in range(2):  # a new pipeline's first call, then fresh arrays again
             x = random_array((16 << 20) + 5, np.float32, 11 + seed)

@@ -21,17 +21,18 @@ from tests.pipeline.gpu_support import (  # noqa: F401
     assert_unregistered,
     foreign_buffer,
     kern,
+    lanes,
     need_devices,
     random_array,
 )
 
 
-@pytest.mark.parametrize("ndev", [1, pytest.param(2, marks=pytest.mark.multigpu)])
+@pytest.mark.parametrize("ndev", [1, pytest.param(2, marks=pytest.mark.multigpu), "green2"])
 def test_pin_on_reuse_holds_reused_arrays_and_releases_them(kern, ndev):
     n = (64 << 20) // 4 + 5
     x = random_array(n, np.float32, 21)
     out = np.zeros_like(x)
-    with Pipeline(need_devices(ndev)) as p:
+    with Pipeline(lanes(ndev)) as p:
         paths = []
         for _ in range(3):
             out[:] = 0

@@ -20,12 +20,15 @@ import ctxkit.compiler as C
 from ctxkit.module import Module
 from ctxkit.pipeline import Pipeline, PipelineError
 from tests.pipeline.gpu_support import (  # noqa: F401
+    GREEN_LANES,
     PAGE,
     PATH_NAMES,
     SCALE,
     SPIN_CYCLES,
     assert_unregistered,
     kern,
+    lane_count,
+    lanes,
     need_devices,
     random_array,
     scaled,
@@ -37,31 +40,31 @@ from tests.pipeline.gpu_support import (  # noqa: F401
 
 
 @pytest.mark.parametrize("host_path", ["staged", "register"])
-@pytest.mark.parametrize("ndev", [1, pytest.param(2, marks=pytest.mark.multigpu)])
+@pytest.mark.parametrize("ndev", [1, pytest.param(2, marks=pytest.mark.multigpu), *GREEN_LANES])
 @pytest.mark.parametrize("n", [0, 1, 7, 1_000_003])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32])
 def test_map_pageable_bit_exact(kern, ndev, n, dtype, host_path):
     entry, alpha = SCALE[dtype]
     x = random_array(n, dtype, n)
-    with Pipeline(need_devices(ndev), options=ck.PipelineOptions(chunk_bytes=1 << 20)) as p:
+    with Pipeline(lanes(ndev), options=ck.PipelineOptions(chunk_bytes=1 << 20)) as p:
         out = p.map(kern[entry], x, args=(alpha,), options=ck.PipelineOptions(host_path=host_path))
         assert out.dtype == x.dtype and out.shape == x.shape
         np.testing.assert_array_equal(out, scaled(x, alpha))
         if n:
             assert p.last_stats.path == PATH_NAMES[host_path]
             assert p.last_stats.fallbacks == 0
-            assert len(p.last_stats.devices) == min(ndev, n)
+            assert len(p.last_stats.devices) == min(lane_count(ndev), n)
     assert_unregistered(x, out)
 
 
-@pytest.mark.parametrize("ndev", [1, pytest.param(2, marks=pytest.mark.multigpu)])
+@pytest.mark.parametrize("ndev", [1, pytest.param(2, marks=pytest.mark.multigpu), *GREEN_LANES])
 def test_map_pinned_zero_copy_and_small_chunks(kern, ndev):
     n = 1_000_003
     ctx = ck.registry.context(0)
     x = ck.pinned_empty(n, np.float32, context=ctx)
     x[...] = random_array(n, np.float32, 5)
     out = ck.pinned_empty(n, np.float32, context=ctx)
-    with Pipeline(need_devices(ndev)) as p:
+    with Pipeline(lanes(ndev)) as p:
         assert p.map(kern["scale_f32"], x, out, args=(2.0,), chunk_bytes=300_000) is out
         assert p.last_stats.path == "pinned"
         np.testing.assert_array_equal(out, x * np.float32(2))
@@ -249,13 +252,13 @@ def test_map_forgotten_args_is_a_clear_error(kern):
 
 
 @pytest.mark.parametrize("host_path", ["staged", "register"])
-@pytest.mark.parametrize("ndev", [1, pytest.param(2, marks=pytest.mark.multigpu)])
+@pytest.mark.parametrize("ndev", [1, pytest.param(2, marks=pytest.mark.multigpu), "green2"])
 def test_trace_shows_h2d_overlapping_the_previous_kernel(kern, ndev, host_path, tmp_path):
     x = random_array(16 << 20, np.float32, 4)  # 64 MiB, 16 chunks of 4 MiB
     # Registering a chunk's pages takes longer than staging them: a longer kernel keeps
     # the device the bottleneck, so that the next chunk's H2D can land during it.
     cycles = SPIN_CYCLES * (4 if host_path == "register" else 1)
-    with Pipeline(need_devices(ndev), options=ck.PipelineOptions(chunk_bytes=4 << 20)) as p:
+    with Pipeline(lanes(ndev), options=ck.PipelineOptions(chunk_bytes=4 << 20)) as p:
         out = p.map(
             spin_copy_body(kern, cycles), x, options=ck.PipelineOptions(host_path=host_path)
         )
@@ -273,13 +276,13 @@ def test_trace_shows_h2d_overlapping_the_previous_kernel(kern, ndev, host_path, 
     assert any(k.start_ms < h.end_ms < k.end_ms for h, k in pairs), tl.summary()
     host_steps = ("fill", "drain") if host_path == "staged" else ("register", "unregister")
     assert all(tl.select(name=step) for step in host_steps), tl.summary()
-    if ndev == 2:
+    if lane_count(ndev) == 2:  # two devices, or two partitions of one
         both = tl.overlaps(
             {"device": 0, "name": "kernel"}, {"device": 1, "name": "kernel"}, min_overlap_ms=1.0
         )
         assert both, tl.summary()
     data = tl.to_chrome_trace(tmp_path / "trace.json")
-    assert {e["pid"] for e in data["traceEvents"] if e["ph"] == "X"} == set(range(ndev))
+    assert {e["pid"] for e in data["traceEvents"] if e["ph"] == "X"} == set(range(lane_count(ndev)))
 
 
 # --- lazy loading ----------------------------------------------------------------------------

@@ -65,6 +65,7 @@ from tests.support.fakedriver import (
     spans_registration_edge,
     swap_driver,
 )
+from tests.support.fakegreen import GreenRules
 
 ILLEGAL_ADDRESS = 700
 NOT_READY = 600
@@ -160,8 +161,9 @@ class _Stream:
         self.q.put(None)
 
 
-class FakeGPU(CaptureRules, FakeDriver):
-    """The fake driver plus streams, events, memory, copies and kernels."""
+class FakeGPU(GreenRules, CaptureRules, FakeDriver):
+    """The fake driver plus streams, events, memory, copies, kernels and green contexts
+    (tests/support/fakegreen.py)."""
 
     CUpointer_attribute = _real.CUpointer_attribute
     CUmemLocation = _real.CUmemLocation
@@ -178,6 +180,7 @@ class FakeGPU(CaptureRules, FakeDriver):
         self.jitter = jitter
         self.kernel_errors: list[BaseException] = []
         self.init_capture_rules()
+        self.init_green()
         self.streams: dict[int, _Stream] = {}
         self.default_streams: dict[int, _Stream] = {}
         self.events: dict[int, _Event] = {}
@@ -352,6 +355,10 @@ class FakeGPU(CaptureRules, FakeDriver):
         s.put(done.set, always=True)
         done.wait()
 
+    def make_stream(self, ctx: int, flags: int) -> _Stream:
+        """A new stream of context *ctx* (its worker thread started)."""
+        return _Stream(self, ctx, flags)
+
     def cuStreamCreateWithPriority(self, flags: int, priority: int) -> tuple[int, FakeHandle]:
         ctx = self.current()
         if not ctx:
@@ -375,6 +382,9 @@ class FakeGPU(CaptureRules, FakeDriver):
     def cuStreamGetFlags(self, h: Any) -> tuple[int, int]:
         s = self.streams.get(int(h))
         return (INVALID_HANDLE, 0) if s is None else (0, s.flags)
+
+    def cuStreamGetPriority(self, h: Any) -> tuple[int, int]:
+        return (0, 0) if int(h) in self.streams else (INVALID_HANDLE, 0)
 
     def cuStreamGetCtx(self, h: Any) -> tuple[int, Any]:
         s = self.streams.get(int(h))
