@@ -34,7 +34,7 @@ import logging
 import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, nullcontext, suppress
 from typing import TYPE_CHECKING, Any
 
 from .. import _driver
@@ -87,10 +87,10 @@ _ADD = {
 
 
 def _call(ctx: Context, what: str, name: str, *args: Any, call: str = "") -> Any:
-    """``drv.<name>(*args)`` with *ctx* bound for *what* (as :func:`guard` allows), its
-    status checked (the error names *call*, by default *name*): ``None``, the one
-    result, or the results after the status."""
-    with guard(ctx, what):
+    """``drv.<name>(*args)`` with *ctx* bound for *what* (as :func:`guard` allows; no
+    bind without *what*), its status checked (the error names *call*, by default *name*):
+    ``None``, the one result, or the results after the status."""
+    with guard(ctx, what) if what else nullcontext():
         err, *out = getattr(drv, name)(*args)
     if err:
         raise ctx.note_error(err, call or name)
@@ -369,10 +369,7 @@ class Graph:
         handle = self.open_handle()
         if handle is None:
             return self._count
-        err, _nodes, n = drv.cuGraphGetNodes(handle, 0)
-        if err:
-            raise self.context.note_error(err, "cuGraphGetNodes")
-        self._count = int(n)
+        self._count = int(_call(self.context, "", "cuGraphGetNodes", handle, 0)[1])
         return self._count
 
     def nodes(self) -> list[GraphNode]:
@@ -382,17 +379,13 @@ class Graph:
         n = self.num_nodes
         if not n:
             return []
-        err, raw, n = drv.cuGraphGetNodes(handle, n)
-        if err:
-            raise self.context.note_error(err, "cuGraphGetNodes")
+        raw, n = _call(self.context, "", "cuGraphGetNodes", handle, n)
         return [self._wrap(h) for h in list(raw)[: int(n)]]
 
     def _wrap(self, handle: Any) -> GraphNode:
         node = self._nodes.get(int(handle))
         if node is None:
-            err, member = drv.cuGraphNodeGetType(handle)
-            if err:
-                raise self.context.note_error(err, "cuGraphNodeGetType")
+            member = _call(self.context, "", "cuGraphNodeGetType", handle)
             node = self._node(handle, node_type_name(member), self._specs.get(int(handle)))
         return node
 
@@ -731,12 +724,8 @@ class Graph:
         self.handle = None
 
     def __repr__(self) -> str:
-        if self.open_handle() is None:
-            state = "empty"
-        elif self._exec is not None:
-            state = "ready"
-        else:
-            state = "not instantiated"
+        ready = "ready" if self._exec is not None else "not instantiated"
+        state = ready if self.open_handle() is not None else "empty"
         kind = " body" if self._parent is not None else ""
         count = self._count  # num_nodes answers it too once closed
         with suppress(CudaError):

@@ -81,6 +81,8 @@ SHM_THRESHOLD = 1 << 20
 
 _SHM_DIR = "/dev/shm"
 _NAME_ATTEMPTS = 4
+#: ``errno`` of a reservation ``/dev/shm`` cannot back: the buffer goes through the pipe.
+_NO_ROOM = frozenset({errno.ENOSPC, errno.EFBIG, errno.ENOMEM, errno.EOPNOTSUPP})
 
 #: A block as a message names it: ``(name, size, key)``; *key* is the inode of the
 #: ``/dev/shm`` file (a name re-made by someone else has another).
@@ -164,22 +166,18 @@ def _create(name: str, raw: memoryview) -> Block | None:
         raise
     except OSError:
         return None
+    _track(name)
     try:
-        _track(name)
-        try:
-            os.posix_fallocate(fd, 0, raw.nbytes)
-        except OSError as exc:
-            _unlink(name, path)
-            if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM, errno.EOPNOTSUPP):
-                return None
-            raise
-        try:
-            with mmap.mmap(fd, raw.nbytes) as mapped:
-                mapped[:] = raw
-        except BaseException:
-            _unlink(name, path)
-            raise
+        os.posix_fallocate(fd, 0, raw.nbytes)  # first: a full /dev/shm is an error here
+        with mmap.mmap(fd, raw.nbytes) as mapped:
+            mapped[:] = raw
         return name, raw.nbytes, os.fstat(fd).st_ino
+    except BaseException as exc:
+        os.unlink(path)  # nobody else knows its name yet
+        _untrack(name)
+        if isinstance(exc, OSError) and exc.errno in _NO_ROOM:
+            return None
+        raise
     finally:
         os.close(fd)
 
@@ -252,12 +250,6 @@ def _remove(name: str, size: int, key: int) -> None:
         os.unlink(path)
     except FileNotFoundError:
         return
-    _untrack(name)
-
-
-def _unlink(name: str, path: str) -> None:
-    """Remove a block this process has just made, before anyone else knows its name."""
-    os.unlink(path)
     _untrack(name)
 
 
@@ -473,7 +465,7 @@ def dumps(
         raise _not_picklable(what, exc) from exc
 
 
-def _not_picklable(what: str, exc: Exception) -> TypeError:
+def _not_picklable(what: str, exc: Exception | None) -> TypeError:
     return TypeError(
         f"{what}: the function and its arguments must be picklable to reach a spawned "
         f"process, but pickling failed: {exc}"
@@ -517,25 +509,20 @@ class Payload:
         ``ValueError``, ``TypeError``, ``ContextClosedError`` or the driver's
         ``CudaError``); ``TypeError`` for anything else that cannot be pickled.
         """
-        found: list[memoryview] = []
-        devices = devmem.Outgoing(what)
-        try:
-            data = _dumps(obj, by_value, _collect(threshold, found), devices)
-        except Exception as exc:
-            if devices.error is not None:
-                raise devices.error from None
-            cp = None if by_value else _cloudpickle()
-            if cp is None:
-                raise _not_picklable(what, exc) from exc
-            found.clear()
+        first: Exception | None = None
+        # a lambda among the arguments: cloudpickle can send that too
+        for value in (by_value,) if by_value or _cloudpickle() is None else (False, True):
+            found: list[memoryview] = []
             devices = devmem.Outgoing(what)
-            try:  # a lambda among the arguments: cloudpickle can send that too
-                data = _dumps(obj, True, _collect(threshold, found), devices)
-            except Exception:
+            try:
+                data = _dumps(obj, value, _collect(threshold, found), devices)
+            except Exception as exc:
                 if devices.error is not None:
                     raise devices.error from None
-                raise _not_picklable(what, exc) from exc
-        return cls(data, list(found), devices if devices.sent else None)
+                first = first or exc
+                continue
+            return cls(data, found, devices if devices.sent else None)
+        raise _not_picklable(what, first) from first
 
     def snapshot(self) -> None:
         """Copy the buffers out of the caller's memory (the task waits in a queue)."""
