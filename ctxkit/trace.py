@@ -310,11 +310,8 @@ class Timeline:
                     "args": {"chunk": iv.chunk, "stream": iv.stream},
                 }
             )
-        data = {
-            "traceEvents": events,
-            "displayTimeUnit": "ms",
-            "otherData": {"generator": "ctxkit", "dropped": self.dropped},
-        }
+        other = {"generator": "ctxkit", "dropped": self.dropped}
+        data = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
         if path is not None:
             with open(path, "w", encoding="utf-8") as fh:
                 json.dump(data, fh)

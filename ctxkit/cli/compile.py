@@ -162,14 +162,10 @@ def _read_source(path: Path) -> str:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             raise _Usage(f"{path} is {_file_kind(mode)}, not a source file; pass a .cu file")
-        chunks: list[bytes] = []
-        left = MAX_SOURCE_BYTES + 1
-        while left > 0 and (chunk := os.read(fd, left)):
-            chunks.append(chunk)
-            left -= len(chunk)
+        with open(fd, "rb", closefd=False) as fh:  # reads until the limit or the end
+            data = fh.read(MAX_SOURCE_BYTES + 1)
     finally:
         os.close(fd)
-    data = b"".join(chunks)
     if len(data) > MAX_SOURCE_BYTES:
         mib, rest = divmod(MAX_SOURCE_BYTES, 1 << 20)
         limit = f"{mib} MiB" if mib and not rest else f"{MAX_SOURCE_BYTES} bytes"

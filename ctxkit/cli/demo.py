@@ -125,11 +125,6 @@ def baseline_row(rows: Sequence[Row]) -> Row | None:
     return by_key.get("torch_pinned") or by_key.get("naive")
 
 
-def _ordered(rows: Sequence[Row]) -> list[Row]:
-    rank = {k: i for i, k in enumerate(ROW_ORDER)}
-    return sorted(rows, key=lambda r: rank.get(r.key, len(rank)))
-
-
 def format_table(rows: Sequence[Row], skipped: Sequence[str] = (), title: str = "") -> list[str]:
     """The side-by-side table as lines: variant, GPUs, best and median GB/s (input +
     output bytes), every call, and the best against :func:`baseline_row`'s best."""
@@ -138,7 +133,8 @@ def format_table(rows: Sequence[Row], skipped: Sequence[str] = (), title: str = 
     width = max([len(r.label) for r in rows] + [len("variant")])
     lines = [title] if title else []
     lines.append(f"  {'variant':{width}s}  GPUs  best GB/s  median  {vs:>15s}  calls (GB/s)")
-    for r in _ordered(rows):
+    rank = {k: i for i, k in enumerate(ROW_ORDER)}
+    for r in sorted(rows, key=lambda r: rank.get(r.key, len(rank))):
         ratio = f"{r.best / base.best:.2f}x" if base and base.best else "-"
         calls = " ".join(f"{g:.1f}" for g in r.gbps)
         note = f"  ({r.note})" if r.note else ""
@@ -415,8 +411,7 @@ class _Demo:
 
     def naive(self, contexts: list[Context]) -> None:
         say("[1/6] the naive pattern (one thread, per-device streams, pageable, 8 chunks)")
-        nd = len(contexts)
-        naive = NaivePattern(self.kernel, contexts, -(-self.x.shape[0] // nd), 4)
+        naive = NaivePattern(self.kernel, contexts, -(-self.x.shape[0] // len(contexts)), 4)
         out = np.empty_like(self.x)
         try:
 

@@ -735,11 +735,8 @@ class Graph:
 
 # --- stream capture ------------------------------------------------------------------
 
-_CAPTURE_MODES = {
-    "global": "CU_STREAM_CAPTURE_MODE_GLOBAL",
-    "thread_local": "CU_STREAM_CAPTURE_MODE_THREAD_LOCAL",
-    "relaxed": "CU_STREAM_CAPTURE_MODE_RELAXED",
-}
+#: the modes of ``capture``: ``CU_STREAM_CAPTURE_MODE_<MODE>``
+_CAPTURE_MODES = ("global", "relaxed", "thread_local")
 
 _SPECIAL_STREAMS = (0, 1, 2)  # legacy default, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD
 
@@ -777,10 +774,9 @@ def capture(stream: Any, *, mode: str = "thread_local") -> Iterator[Graph]:
         raise ValueError(
             "capture needs a created stream (ck.Stream()); the default stream cannot be captured"
         )
-    try:
-        mode_enum = getattr(drv.CUstreamCaptureMode, _CAPTURE_MODES[mode])
-    except KeyError:
-        raise ValueError(f"mode must be one of {sorted(_CAPTURE_MODES)}, not {mode!r}") from None
+    if mode not in _CAPTURE_MODES:
+        raise ValueError(f"mode must be one of {list(_CAPTURE_MODES)}, not {mode!r}")
+    mode_enum = getattr(drv.CUstreamCaptureMode, f"CU_STREAM_CAPTURE_MODE_{mode.upper()}")
     sc = getattr(stream, "context", None)
     ctx = sc if isinstance(sc, Context) else require_current("graph capture")
     _, hs, _ = call_stream(stream, ctx, "graph")
