@@ -457,8 +457,7 @@ class Recorder:
 
     def timeline(self) -> Timeline:
         """Resolve everything recorded so far (events must have completed)."""
-        cached = self._cached
-        if cached is not None:
+        if (cached := self._cached) is not None:
             return cached
         intervals = list(self._host)
         dropped = 0
@@ -542,8 +541,7 @@ def _nvtx_attributes(name: str, color: Any) -> tuple[Any, Any]:
     the first use (importing ``nvtx``); ``(None, None)`` when that fails, and ranges are
     off from then on."""
     global _nvtx_domain, _nvtx_enabled
-    dom = _nvtx_domain
-    if dom is None:
+    if (dom := _nvtx_domain) is None:
         with _nvtx_lock:
             try:
                 import nvtx
@@ -554,8 +552,7 @@ def _nvtx_attributes(name: str, color: Any) -> tuple[Any, Any]:
                 _nvtx_enabled = False
                 return None, None
             _nvtx_domain = dom
-    attrs = _nvtx_attrs.get((name, color))
-    if attrs is None:
+    if (attrs := _nvtx_attrs.get((name, color))) is None:
         attrs = dom.get_event_attributes(message=name, color=color)
         if len(_nvtx_attrs) < 4096:  # names and colors are few: a bound, not an eviction
             _nvtx_attrs[(name, color)] = attrs

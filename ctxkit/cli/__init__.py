@@ -63,8 +63,7 @@ def run_command(args: argparse.Namespace) -> int:
         from .bench import cli_bench
 
         return cli_bench(args, _no_gpu_message)
-    reason = _no_gpu_message()
-    if reason:
+    if reason := _no_gpu_message():
         print(reason, file=sys.stderr)
         return EXIT_NO_GPU
     from .demo import run_demo

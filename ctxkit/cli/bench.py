@@ -104,8 +104,7 @@ def cli_bench(args: argparse.Namespace, gpu_problem: Callable[[], str | None]) -
     install (no ``benchmarks/``) are answered on any machine. *gpu_problem* returns a
     one-line reason when no GPU can be used (then exit 2).
     """
-    found = available_benchmarks()
-    if not found:
+    if not (found := available_benchmarks()):
         print(_NO_CHECKOUT, file=sys.stderr)
         return 1
     if getattr(args, "list", False):
@@ -122,8 +121,7 @@ def cli_bench(args: argparse.Namespace, gpu_problem: Callable[[], str | None]) -
             file=sys.stderr,
         )
         return 1
-    reason = gpu_problem()
-    if reason:
+    if reason := gpu_problem():
         print(reason, file=sys.stderr)
         return 2
     return run_programs({n: found[n] for n in names}, quick=bool(getattr(args, "quick", False)))
@@ -143,8 +141,7 @@ def run_one(path: Path, quick: bool) -> tuple[int, list[Verdict]]:
         assert proc.stdout is not None
         for line in proc.stdout:
             sys.stdout.write(line)
-            v = parse_line(line)
-            if v is not None:
+            if (v := parse_line(line)) is not None:
                 verdicts.append(v)
         rc = proc.wait()
     return rc, verdicts

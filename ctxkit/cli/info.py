@@ -87,8 +87,7 @@ def _archs_line(archs: tuple[int, ...]) -> str:
 def _cache_line() -> str:
     from ..compiler.cache import cache_dir, max_bytes
 
-    where = cache_dir()
-    if where is None:
+    if (where := cache_dir()) is None:
         return "off (CTXKIT_CACHE_DIR=off)"
     files = [p for p in Path(where).glob("**/*") if p.is_file()] if where.is_dir() else []
     size = sum(p.stat().st_size for p in files)

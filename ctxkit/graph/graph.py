@@ -137,8 +137,7 @@ class HostCallback:
 
 
 def _run_host_node(key: int | None) -> None:
-    cb = _callbacks.get(key or 0)
-    if cb is not None:
+    if (cb := _callbacks.get(key or 0)) is not None:
         cb.run()
 
 
@@ -344,8 +343,7 @@ class Graph:
         return self.handle
 
     def _open(self, what: str) -> Any:
-        handle = self.open_handle()
-        if handle is None:
+        if (handle := self.open_handle()) is None:
             why = (
                 "the graph holding this conditional body was closed"
                 if self._parent is not None
@@ -366,8 +364,7 @@ class Graph:
     @property
     def num_nodes(self) -> int:
         """Nodes in the graph (its own; a child graph or conditional body counts as one)."""
-        handle = self.open_handle()
-        if handle is None:
+        if (handle := self.open_handle()) is None:
             return self._count
         self._count = int(_call(self.context, "", "cuGraphGetNodes", handle, 0)[1])
         return self._count
@@ -376,15 +373,13 @@ class Graph:
         """The graph's nodes (``cuGraphGetNodes``), each with its ``type``; nodes built by
         ctxkit come back as the objects the builders returned."""
         handle = self._open("Graph.nodes")
-        n = self.num_nodes
-        if not n:
+        if not (n := self.num_nodes):
             return []
         raw, n = _call(self.context, "", "cuGraphGetNodes", handle, n)
         return [self._wrap(h) for h in list(raw)[: int(n)]]
 
     def _wrap(self, handle: Any) -> GraphNode:
-        node = self._nodes.get(int(handle))
-        if node is None:
+        if (node := self._nodes.get(int(handle))) is None:
             member = _call(self.context, "", "cuGraphNodeGetType", handle)
             node = self._node(handle, node_type_name(member), self._specs.get(int(handle)))
         return node
@@ -530,8 +525,7 @@ class Graph:
         what = f"Graph.{kind}"
         if not isinstance(event, Event):
             raise TypeError(f"{what}: expected a ctxkit.Event, got {type(event).__name__}")
-        handle = event.handle
-        if handle is None:
+        if (handle := event.handle) is None:
             raise ContextClosedError(f"{what}: the event was closed")
         if kind == "event_record":
             fix = "; create the event in the graph's context (ck.Event(context=graph.context))"
@@ -873,8 +867,7 @@ class GraphExec:
         return self.handle is None
 
     def _open(self, what: str) -> Any:
-        exe = self.handle
-        if exe is None:
+        if (exe := self.handle) is None:
             raise ContextClosedError(f"{what}: the executable graph was closed")
         return exe
 
@@ -1006,8 +999,7 @@ def _ask_libcuda(exe: Any, handle: Any, err: int) -> tuple[int, Any, Any]:
     """Update again through libcuda to learn why the driver refused (cuda-bindings returns
     no result info on failure): the status, the ``CUgraphExecUpdateResult`` and the
     ``CUgraphNode`` it names (``None`` where libcuda cannot be asked)."""
-    raw = _driver.graph_exec_update_info(exe, handle)
-    if raw is None:
+    if (raw := _driver.graph_exec_update_info(exe, handle)) is None:
         return err, None, None
     code, result, node = raw
     with suppress(ValueError):

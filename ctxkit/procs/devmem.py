@@ -503,8 +503,7 @@ class LeaseBook:
 
     def enqueue(self, key: WorkerKey, leases: Iterable[int]) -> None:
         """Queue releases of *key*'s leases for the manager to send."""
-        queued = [(key, lease) for lease in leases]
-        if queued:
+        if queued := [(key, lease) for lease in leases]:
             self._released.extend(queued)
             self._wake()
 

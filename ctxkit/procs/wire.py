@@ -398,8 +398,7 @@ def check_shippable(what: str, fn: Any) -> bool:
     """
     if not callable(fn):
         raise TypeError(f"{what}: expected a callable, got {type(fn).__name__}")
-    reason = by_value_reason(fn)
-    if not reason:
+    if not (reason := by_value_reason(fn)):
         return False
     if _cloudpickle() is None:
         raise TypeError(
@@ -521,7 +520,7 @@ class Payload:
                     raise devices.error from None
                 first = first or exc
                 continue
-            return cls(data, found, devices if devices.sent else None)
+            return cls(data, list(found), devices if devices.sent else None)
         raise _not_picklable(what, first) from first
 
     def snapshot(self) -> None:
@@ -544,10 +543,8 @@ class Payload:
             for buf in self.buffers:
                 raw = memoryview(buf).cast("B")
                 block = None
-                if reserve(raw.nbytes):
-                    block = create_block(raw)
-                    if block is None:
-                        unreserve(raw.nbytes)
+                if reserve(raw.nbytes) and (block := create_block(raw)) is None:
+                    unreserve(raw.nbytes)
                 if block is None:
                     parts.append(bytearray(raw))
                 else:
