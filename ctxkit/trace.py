@@ -39,6 +39,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any, TypeVar
 
 from . import _driver
@@ -313,18 +314,15 @@ class Timeline:
         other = {"generator": "ctxkit", "dropped": self.dropped}
         data = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
         if path is not None:
-            with open(path, "w", encoding="utf-8") as fh:
-                json.dump(data, fh)
+            Path(path).write_text(json.dumps(data), encoding="utf-8")
         return data
 
     @classmethod
     def from_chrome_trace(cls, source: Mapping[str, Any] | str | os.PathLike[str]) -> Timeline:
         """Rebuild a Timeline from :meth:`to_chrome_trace` output (a dict or a file path)."""
-        if isinstance(source, Mapping):
-            data: Mapping[str, Any] = source
-        else:
-            with open(source, encoding="utf-8") as fh:
-                data = json.load(fh)
+        data: Mapping[str, Any] = (
+            source if isinstance(source, Mapping) else json.loads(Path(source).read_text("utf-8"))
+        )
         events = data.get("traceEvents")
         if not isinstance(events, list):
             raise ValueError("not a Chrome trace: no 'traceEvents' list")

@@ -129,10 +129,9 @@ def cli_bench(args: argparse.Namespace, gpu_problem: Callable[[], str | None]) -
 
 def run_one(path: Path, quick: bool) -> tuple[int, list[Verdict]]:
     """Run one benchmark program, echoing its output; its exit status and verdicts."""
-    env = dict(os.environ)
     root = str(path.resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    env["PYTHONUNBUFFERED"] = "1"
+    pythonpath = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, str(path), *(["--quick"] if quick else [])]
     verdicts: list[Verdict] = []
     with subprocess.Popen(

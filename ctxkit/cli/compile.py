@@ -82,8 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cache", action="store_true", help="bypass the kernel cache")
 
 
-class _Usage(Exception):
-    """A command-line mistake: the message says what to pass instead."""
+class _Usage(ValueError):
+    """A command-line mistake: the message says what to pass instead (reported as any
+    other ``ValueError`` of a compile is)."""
 
 
 def run(args: argparse.Namespace) -> int:
@@ -119,8 +120,6 @@ def run(args: argparse.Namespace) -> int:
                 cache=not args.no_cache,
             )
         out = _output_path(args.output, src_path, obj.target)
-    except _Usage as exc:
-        return _fail(str(exc))
     except CompileError as exc:
         if not exc.name:  # no NVRTC call failed: NVRTC itself is missing
             return _fail(str(exc))

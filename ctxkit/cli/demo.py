@@ -258,14 +258,9 @@ def _host_memory() -> int | None:
 
 
 def _print_devices(ordinals: Sequence[int]) -> None:
-    drv_ver = _driver.driver_version()
-    bv = _driver.BINDINGS_VERSION
-    say(
-        f"ctxkit {__version__}, cuda-bindings {bv[0]}.{bv[1]}, "
-        f"driver CUDA {drv_ver[0]}.{drv_ver[1]}"
-        if drv_ver
-        else f"ctxkit {__version__}"
-    )
+    bv, dv = _driver.BINDINGS_VERSION, _driver.driver_version()
+    versions = f", cuda-bindings {bv[0]}.{bv[1]}, driver CUDA {dv[0]}.{dv[1]}" if dv else ""
+    say(f"ctxkit {__version__}{versions}")
     for i in range(device_count()):
         d = Device(i)
         mark = "*" if i in ordinals else " "
