@@ -323,8 +323,7 @@ class Timeline:
         data: Mapping[str, Any] = (
             source if isinstance(source, Mapping) else json.loads(Path(source).read_text("utf-8"))
         )
-        events = data.get("traceEvents")
-        if not isinstance(events, list):
+        if not isinstance(events := data.get("traceEvents"), list):
             raise ValueError("not a Chrome trace: no 'traceEvents' list")
         intervals = []
         for ev in events:

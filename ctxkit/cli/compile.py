@@ -158,8 +158,7 @@ def _read_source(path: Path) -> str:
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     fd = os.open(path, flags)
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
+        if not stat.S_ISREG(mode := os.fstat(fd).st_mode):
             raise _Usage(f"{path} is {_file_kind(mode)}, not a source file; pass a .cu file")
         with open(fd, "rb", closefd=False) as fh:  # reads until the limit or the end
             data = fh.read(MAX_SOURCE_BYTES + 1)
@@ -221,8 +220,7 @@ def _arch_and_target(arch: str | None, target: str | None) -> tuple[str | None, 
             f"--arch {arch} is not an architecture; pass sm_XY for a cubin or compute_XY "
             "for PTX, e.g. --arch sm_90 or --arch compute_90"
         ) from None
-    known = supported_archs()
-    if arch_number(real) not in known:
+    if arch_number(real) not in (known := supported_archs()):
         nv = "{}.{}".format(*nvrtc_version())
         names = ", ".join(f"sm_{a}" for a in known)
         raise _Usage(

@@ -537,8 +537,7 @@ def run_demo(args: argparse.Namespace) -> int:
     )
     for line in format_table(demo.rows, demo.skipped, title):
         say(line)
-    pool = pinned_pool().stats()
-    if pool.requests:
+    if (pool := pinned_pool().stats()).requests:
         say(
             f"pinned pool: {pool.hits} of {pool.requests} requests served from the cache, "
             f"{pool.allocations} blocks page-locked, peak {pool.peak_bytes / MiB:.0f} MiB "

@@ -337,8 +337,7 @@ class Graph:
     def open_handle(self) -> Any:
         """The live ``CUgraph``, or None once it (or the graph holding this conditional
         body) was closed, or while its capture block runs."""
-        parent = self._parent
-        if parent is not None and parent.closed:
+        if (parent := self._parent) is not None and parent.closed:
             return None
         return self.handle
 
@@ -407,10 +406,8 @@ class Graph:
         handle = self._open(what)
         deps = dependency_handles(self, depends_on, what)
         name = _ADD[kind]
-        if name == "cuGraphAddNode":
-            args = add_node_args(handle, deps, *params)
-        else:
-            args = (handle, deps, len(deps), *params)
+        plain = (handle, deps, len(deps), *params)
+        args = add_node_args(handle, deps, *params) if name == "cuGraphAddNode" else plain
         node = _call(self.context, what, name, *args, call=f"{name} ({what})")
         self._keep.extend(keep)
         self._changed()

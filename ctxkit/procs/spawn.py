@@ -129,8 +129,7 @@ def stop_processes(procs: Iterable[Any], grace: float) -> None:
 def spawn_context(mp_context: Any) -> Any:
     if mp_context is None:
         return multiprocessing.get_context("spawn")
-    method = mp_context.get_start_method()
-    if method != "spawn":
+    if (method := mp_context.get_start_method()) != "spawn":
         raise ValueError(
             f"ctxkit.procs needs the 'spawn' start method, got a {method!r} context: a "
             "process forked after CUDA was initialised cannot use CUDA (every driver call "
@@ -144,8 +143,7 @@ def resolve_ordinals(devices: Sequence[Device | int] | None, bind: bool) -> list
     if devices is None:
         if not bind:
             raise ValueError("_bind=False needs an explicit list of device ordinals")
-        n = device_count()
-        if n == 0:
+        if (n := device_count()) == 0:
             Device(0)  # raises the precise reason (no driver / no device)
         return list(range(n))
     specs = check_devices(devices, "run_per_device/DevicePool", contexts=False) or []

@@ -142,10 +142,8 @@ def create_block(raw: memoryview) -> Block | None:
     was already taken: send the bytes through the pipe instead.
     """
     for _ in range(_NAME_ATTEMPTS):
-        try:
+        with contextlib.suppress(FileExistsError):  # taken: try another fresh name
             return _create(_fresh_name(), raw)
-        except FileExistsError:
-            continue
     warnings.warn(
         f"ctxkit.procs: {_NAME_ATTEMPTS} fresh shared-memory names "
         f"{_SHM_DIR}/{shm_prefix()}-<random> were all taken by another process; "
