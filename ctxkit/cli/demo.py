@@ -420,19 +420,14 @@ class _Demo:
 
     def peers(self) -> None:
         say("[2/6] CuPy and PyTorch on one GPU (when installed)")
-        peers: dict[str, Peer] = {}
         cupy, why = cupy_peer()
-        if cupy is None:
-            self.skipped.append(why)
-        else:
-            peers["cupy"] = cupy
+        peers: dict[str, Peer] = {} if cupy is None else {"cupy": cupy}
         try:
-            torch, why = torch_peers(self.x)
+            torch, why_not = torch_peers(self.x)
         except Exception as exc:  # installed but unusable here (another CUDA, no memory)
-            torch, why = {}, f"torch rows (failed: {exc!r})"
+            torch, why_not = {}, f"torch rows (failed: {exc!r})"
         peers.update(torch)
-        if why:
-            self.skipped.append(why)
+        self.skipped += [w for w in (why, why_not) if w]
         for key, (fn, note) in peers.items():
             try:
                 self.timed(key, fn, fresh=False, warmup=1, note=note, gpus=1)
@@ -494,17 +489,12 @@ def run_demo(args: argparse.Namespace) -> int:
     quick = bool(getattr(args, "quick", False))
     available = device_count()
     use = available if getattr(args, "devices", None) is None else int(args.devices)
-    if not 1 <= use <= available:
-        print(f"ctxkit demo: --devices must be 1..{available}, got {use}", file=sys.stderr)
-        return 1
     ordinals = list(range(use))
     try:
-        size_mb = choose_size_mb(
-            getattr(args, "size_mb", None),
-            quick,
-            [Device(i).total_memory for i in ordinals],
-            _host_memory(),
-        )
+        if not 1 <= use <= available:
+            raise ValueError(f"--devices must be 1..{available}, got {use}")
+        gpu_bytes = [Device(i).total_memory for i in ordinals]
+        size_mb = choose_size_mb(getattr(args, "size_mb", None), quick, gpu_bytes, _host_memory())
     except ValueError as exc:
         print(f"ctxkit demo: {exc}", file=sys.stderr)
         return 1
