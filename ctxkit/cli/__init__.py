@@ -91,21 +91,17 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "access. Without a GPU it prints what it can and says so; it exits 0.",
     )
 
-    c = sub.add_parser(
-        "compile",
-        help="compile a .cu file with NVRTC (no GPU needed)",
-        description=compile_command.DESCRIPTION,
-    )
+    compile_help = "compile a .cu file with NVRTC (no GPU needed)"
+    c = sub.add_parser("compile", help=compile_help, description=compile_command.DESCRIPTION)
     compile_command.add_arguments(c)
 
     d = sub.add_parser("demo", help="the multi-GPU copy -> kernel -> copy pipeline demo")
     d.add_argument(
         "--size-mb",
         type=float,
-        default=None,
         help="input size in MiB (default: 1024 where the GPUs and host have the memory, else 256)",
     )
-    d.add_argument("--devices", type=int, default=None, help="use the first N devices")
+    d.add_argument("--devices", type=int, help="use the first N devices")
     d.add_argument("--trace", default="ctxkit-demo-trace.json", help="Chrome-trace output")
     d.add_argument("--quick", action="store_true", help="small sizes, fewer repeats")
 

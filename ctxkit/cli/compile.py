@@ -44,7 +44,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--target",
         choices=("ptx", "cubin"),
-        default=None,
         help="output kind (default: cubin, or ptx with --arch compute_XY)",
     )
     p.add_argument(
@@ -78,7 +77,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="instantiate a template kernel, e.g. --name-expression 'axpy<float>' "
         "(repeatable); its mangled name is printed, for Module.function()",
     )
-    p.add_argument("--std", default=None, help="C++ standard, e.g. c++17")
+    p.add_argument("--std", help="C++ standard, e.g. c++17")
     p.add_argument("--no-cache", action="store_true", help="bypass the kernel cache")
 
 

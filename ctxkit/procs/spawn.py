@@ -196,10 +196,8 @@ class Child:
         wire.set_shm_prefix(self.shm_prefix)
         global current_device
         current_device = self.ordinal
-        if not self.bind:
-            yield None
-            return
-        with registry.context(0 if self.visible is not None else self.ordinal) as ctx:
+        ordinal = 0 if self.visible is not None else self.ordinal
+        with registry.context(ordinal) if self.bind else contextlib.nullcontext() as ctx:
             yield ctx
 
 
@@ -489,9 +487,7 @@ def run_task(
         restart = isinstance(exc, ContextPoisonedError) or (
             isinstance(exc, CudaError) and exc.code in STICKY_CODES
         )
-    if session.context is not None and session.context.poisoned:
-        restart = True
-    return out, restart
+    return out, restart or bool(session.context is not None and session.context.poisoned)
 
 
 def reply(conn: Any, msg: Any, out: tuple[Any, ...], session: devmem.ChildSession | None) -> bool:
