@@ -337,9 +337,7 @@ class Graph:
     def open_handle(self) -> Any:
         """The live ``CUgraph``, or None once it (or the graph holding this conditional
         body) was closed, or while its capture block runs."""
-        if (parent := self._parent) is not None and parent.closed:
-            return None
-        return self.handle
+        return None if self._parent is not None and self._parent.closed else self.handle
 
     def _open(self, what: str) -> Any:
         if (handle := self.open_handle()) is None:

@@ -212,6 +212,11 @@ def _not_the_block(name: str, size: int) -> BlockIdentityError:
     )
 
 
+def shm_bytes(parts: Iterable[Part]) -> int:
+    """The bytes of the blocks among *parts*."""
+    return sum(p[1] for p in parts if isinstance(p, tuple))
+
+
 def discard_blocks(parts: Iterable[Part]) -> None:
     """Unlink the blocks among *parts* (their receiver died or will never read them)."""
     for part in parts:
@@ -308,11 +313,10 @@ def traffic() -> Traffic:
 def _count(
     direction: str, data_len: int, parts: Sequence[Part], devices: int, dev_bytes: int
 ) -> None:
-    shm_bytes = sum(p[1] for p in parts if isinstance(p, tuple))
     pipe_bytes = data_len + sum(len(p) for p in parts if not isinstance(p, tuple))
     with _traffic_lock:
         _traffic[f"pipe_bytes_{direction}"] += pipe_bytes
-        _traffic[f"shm_bytes_{direction}"] += shm_bytes
+        _traffic[f"shm_bytes_{direction}"] += shm_bytes(parts)
         _traffic[f"device_buffers_{direction}"] += devices
         _traffic[f"device_bytes_{direction}"] += dev_bytes
 
@@ -536,23 +540,18 @@ class Payload:
         Returns the parts and the bytes put in shared memory (reserved, not given back).
         """
         parts: list[Part] = []
-        used = 0
         try:
             for buf in self.buffers:
                 raw = memoryview(buf).cast("B")
                 block = None
                 if reserve(raw.nbytes) and (block := create_block(raw)) is None:
                     unreserve(raw.nbytes)
-                if block is None:
-                    parts.append(bytearray(raw))
-                else:
-                    parts.append(block)
-                    used += raw.nbytes
+                parts.append(block or bytearray(raw))
         except BaseException:
             discard_blocks(parts)
-            unreserve(used)
+            unreserve(shm_bytes(parts))
             raise
-        return parts, used
+        return parts, shm_bytes(parts)
 
     def release(self) -> None:
         """Drop the buffers and stop holding the device arguments."""
