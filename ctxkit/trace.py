@@ -298,19 +298,11 @@ class Timeline:
                 thread = {**proc, "tid": i}
                 events.append({**thread, "name": "thread_name", "args": {"name": stream}})
                 events.append({**thread, "name": "thread_sort_index", "args": {"sort_index": i}})
-        for iv in self.intervals:
-            events.append(
-                {
-                    "name": iv.name,
-                    "cat": iv.category,
-                    "ph": "X",
-                    "ts": iv.start_ms * 1000.0,
-                    "dur": iv.duration_ms * 1000.0,
-                    "pid": iv.device,
-                    "tid": tids[(iv.device, iv.stream)],
-                    "args": {"chunk": iv.chunk, "stream": iv.stream},
-                }
-            )
+        for iv in self.intervals:  # a complete ("X") event each, in microseconds
+            ts, dur = iv.start_ms * 1000.0, iv.duration_ms * 1000.0
+            event = {"name": iv.name, "cat": iv.category, "ph": "X", "ts": ts, "dur": dur}
+            where = {"pid": iv.device, "tid": tids[(iv.device, iv.stream)]}
+            events.append({**event, **where, "args": {"chunk": iv.chunk, "stream": iv.stream}})
         other = {"generator": "ctxkit", "dropped": self.dropped}
         data = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
         if path is not None:
