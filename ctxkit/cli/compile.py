@@ -9,6 +9,7 @@ PTX; an architecture this NVRTC does not know is an error. Template kernels need
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import stat
@@ -51,28 +52,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--output",
         help="output file (default: FILE.cubin or FILE.ptx in the current directory)",
     )
-    p.add_argument(
+    repeatable = functools.partial(p.add_argument, action="append", default=[])
+    repeatable(
         "-D",
         dest="defines",
-        action="append",
-        default=[],
         metavar="NAME[=VALUE]",
         help="define a preprocessor macro, e.g. -D N=4 or -DFAST (repeatable)",
     )
-    p.add_argument(
+    repeatable(
         "-I",
         dest="include_dirs",
-        action="append",
-        default=[],
         metavar="DIR",
         help='add DIR to the header search path (repeatable); #include "x.h" also '
         "looks next to FILE",
     )
-    p.add_argument(
+    repeatable(
         "--name-expression",
         dest="name_expressions",
-        action="append",
-        default=[],
         metavar="EXPR",
         help="instantiate a template kernel, e.g. --name-expression 'axpy<float>' "
         "(repeatable); its mangled name is printed, for Module.function()",
