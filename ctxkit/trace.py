@@ -568,9 +568,7 @@ def nvtx_range(name: str, color: Any = None) -> contextlib.AbstractContextManage
     *color* is an NVTX color: a name the ``nvtx`` package knows (``"blue"``,
     ``"green"``, ...) or a 0xAARRGGBB int. Without NVTX: a shared no-op.
     """
-    if not _nvtx_enabled:
-        return _NULL_RANGE
-    return _nvtx_pushed(name, color)
+    return _nvtx_pushed(name, color) if _nvtx_enabled else _NULL_RANGE
 
 
 def nvtx_annotate(name: str | None = None, color: Any = None) -> Callable[[F], F]:

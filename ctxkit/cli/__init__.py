@@ -31,9 +31,7 @@ def prog_name(argv0: str | None = None) -> str:
     ``ctxkit`` is the command the package installs.
     """
     name = os.path.basename(sys.argv[0] if argv0 is None else argv0)
-    if not name or name in ("-c", "-m") or name.endswith(".py"):
-        return "ctxkit"
-    return name
+    return "ctxkit" if not name or name in ("-c", "-m") or name.endswith(".py") else name
 
 
 def _no_gpu_message() -> str | None:

@@ -77,9 +77,7 @@ def benchmark_dir() -> Path | None:
 def available_benchmarks(directory: Path | None = None) -> dict[str, Path]:
     """``{name: path}`` of ``bench_<name>.py`` in *directory* (default: the checkout's)."""
     d = directory if directory is not None else benchmark_dir()
-    if d is None:
-        return {}
-    return {p.stem[len("bench_") :]: p for p in sorted(d.glob("bench_*.py"))}
+    return {} if d is None else {p.stem[len("bench_") :]: p for p in sorted(d.glob("bench_*.py"))}
 
 
 def describe(path: Path) -> str:

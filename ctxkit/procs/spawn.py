@@ -50,8 +50,7 @@ _PR_SET_PDEATHSIG = 1
 def _die_with_parent(parent_pid: int) -> None:
     if sys.platform.startswith("linux"):
         with contextlib.suppress(Exception):
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     if os.getppid() != parent_pid:
         os._exit(1)
 
@@ -104,10 +103,8 @@ def visible_entry(ordinal: int, env: str | None) -> str:
 
 
 def visible_for(ordinals: list[int], isolate: bool) -> list[str | None]:
-    if not isolate:
-        return [None] * len(ordinals)
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return [visible_entry(o, env) for o in ordinals]
+    return [visible_entry(o, env) if isolate else None for o in ordinals]
 
 
 def stop_processes(procs: Iterable[Any], grace: float) -> None:

@@ -442,9 +442,8 @@ def _dumps(
     cp = _cloudpickle() if by_value else None
     types = devmem.device_types() if session is not None else ()
     if not types:  # no device object can exist here: the plain (C-speed) picklers
-        if cp is not None:
-            return bytes(cp.dumps(obj, protocol=5, buffer_callback=buffer_callback))
-        return pickle.dumps(obj, protocol=5, buffer_callback=buffer_callback)
+        plain = pickle.dumps if cp is None else cp.dumps
+        return bytes(plain(obj, protocol=5, buffer_callback=buffer_callback))
     cls = _session_pickler(pickle.Pickler if cp is None else cp.Pickler)
     out = io.BytesIO()
     cls(out, session, types, protocol=5, buffer_callback=buffer_callback).dump(obj)
