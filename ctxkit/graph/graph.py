@@ -37,33 +37,14 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext, suppress
 from typing import TYPE_CHECKING, Any
 
-from .. import _driver
+from .. import _driver, lifetime
 from .._driver import drv
 from ..binding import ContextLike, guard, resolve_context
 from ..context import Context, require_current, thread_state
 from ..errors import ContextClosedError, CudaError, GraphUpdateError
-from ..lifetime import (
-    capture_begins,
-    capture_ends,
-    finalizer,
-    stream_capture_begins,
-    stream_capture_ends,
-)
 from ..stream import Event, Stream, call_stream
-from .nodes import (
-    ConditionalHandle,
-    KernelSpec,
-    add_node_args,
-    check_context,
-    check_supported,
-    conditional_params,
-    default_arg,
-    kernel_spec,
-    kind_member,
-    memcpy_params,
-    memset_params,
-    node_type_name,
-)
+from . import nodes
+from .nodes import ConditionalHandle, KernelSpec
 
 if TYPE_CHECKING:
     from ..module.kernel import Kernel
@@ -250,13 +231,13 @@ def dependency_handles(graph: Graph, depends_on: Any, what: str) -> list[Any]:
         return []
     items: Iterable[Any] = (depends_on,) if isinstance(depends_on, GraphNode) else depends_on
     try:
-        nodes = list(items)
+        given = list(items)
     except TypeError:
         raise TypeError(
             f"{what}: depends_on must be a GraphNode or a list of them, "
             f"got {type(depends_on).__name__}"
         ) from None
-    for n in nodes:
+    for n in given:
         if not isinstance(n, GraphNode):
             raise TypeError(f"{what}: depends_on holds {type(n).__name__}, not a GraphNode")
         if n.graph is not graph:
@@ -265,7 +246,7 @@ def dependency_handles(graph: Graph, depends_on: Any, what: str) -> list[Any]:
                 "a node can only depend on nodes of its own graph (add a child graph node "
                 "with graph.child(other) to run another graph inside this one)"
             )
-    return [n.handle for n in nodes]
+    return [n.handle for n in given]
 
 
 class Graph:
@@ -325,7 +306,7 @@ class Graph:
 
     def _own(self, handle: Any) -> None:
         self.handle = handle
-        self._fin = finalizer(self, self.context, drv.cuGraphDestroy, handle)
+        self._fin = lifetime.finalizer(self, self.context, drv.cuGraphDestroy, handle)
 
     # --- state -----------------------------------------------------------------------
 
@@ -378,7 +359,7 @@ class Graph:
     def _wrap(self, handle: Any) -> GraphNode:
         if (node := self._nodes.get(int(handle))) is None:
             member = _call(self.context, "", "cuGraphNodeGetType", handle)
-            node = self._node(handle, node_type_name(member), self._specs.get(int(handle)))
+            node = self._node(handle, nodes.node_type_name(member), self._specs.get(int(handle)))
         return node
 
     def _node(self, handle: Any, kind: str, spec: KernelSpec | None = None) -> GraphNode:
@@ -405,7 +386,7 @@ class Graph:
         deps = dependency_handles(self, depends_on, what)
         name = _ADD[kind]
         plain = (handle, deps, len(deps), *params)
-        args = add_node_args(handle, deps, *params) if name == "cuGraphAddNode" else plain
+        args = nodes.add_node_args(handle, deps, *params) if name == "cuGraphAddNode" else plain
         node = _call(self.context, what, name, *args, call=f"{name} ({what})")
         self._keep.extend(keep)
         self._changed()
@@ -426,7 +407,7 @@ class Graph:
 
         The arguments are checked and packed now, exactly as a launch would, and kept
         (with the buffers among them) while the graph or an executable graph of it lives.
-        A :class:`~ctxkit.graph.nodes.ConditionalHandle` passes as its value.
+        A :class:`~ctxkit.graph.ConditionalHandle` passes as its value.
 
         Raises
         ------
@@ -439,7 +420,7 @@ class Graph:
         self._open(what)
         ctx = self.context
         with guard(ctx, what):
-            spec = kernel_spec(kernel, ctx, grid, block, args, shared_mem)
+            spec = nodes.kernel_spec(kernel, ctx, grid, block, args, shared_mem)
             params = spec.params(ctx)
         return self._add("kernel", params, depends_on=depends_on, spec=spec, what=what)
 
@@ -466,7 +447,7 @@ class Graph:
         what = "Graph.memcpy"
         self._open(what)
         ctx = self.context
-        params = memcpy_params(dst, src, nbytes, ctx, what)
+        params = nodes.memcpy_params(dst, src, nbytes, ctx, what)
         return self._add("memcpy", params, ctx.cu, depends_on=depends_on, keep=(dst, src))
 
     def memset(
@@ -484,7 +465,7 @@ class Graph:
         what = "Graph.memset"
         self._open(what)
         ctx = self.context
-        params = memset_params(dst, value, count, element_size, ctx, what)
+        params = nodes.memset_params(dst, value, count, element_size, ctx, what)
         return self._add("memset", params, ctx.cu, depends_on=depends_on, keep=(dst,))
 
     def host(self, fn: Any, *args: Any, depends_on: Any = None) -> GraphNode:
@@ -524,7 +505,7 @@ class Graph:
             raise ContextClosedError(f"{what}: the event was closed")
         if kind == "event_record":
             fix = "; create the event in the graph's context (ck.Event(context=graph.context))"
-            check_context(self.context, event.context, what, repr(event), fix)
+            nodes.check_context(self.context, event.context, what, repr(event), fix)
         return self._add(kind, handle, depends_on=depends_on, keep=(event,))
 
     def empty(self, *, depends_on: Any = None) -> GraphNode:
@@ -543,7 +524,7 @@ class Graph:
             raise ValueError(f"{what}: a graph cannot contain itself")
         child = graph._open(what)
         fix = "; build both in one context"
-        check_context(self.context, graph.context, what, repr(graph), fix)
+        nodes.check_context(self.context, graph.context, what, repr(graph), fix)
         keep = (*graph._keep, *graph._specs.values())
         return self._add("child", child, depends_on=depends_on, keep=keep)
 
@@ -561,9 +542,9 @@ class Graph:
             nodes (CUDA 12.4); the message names which.
         """
         what = "Graph.conditional_handle"
-        value = default_arg(default, what)
+        value = nodes.default_arg(default, what)
         handle = self._open(what)
-        check_supported(what)
+        nodes.check_supported(what)
         ctx = self.context
         flags = int(getattr(drv, "CU_GRAPH_COND_ASSIGN_DEFAULT", 1))
         name = "cuGraphConditionalHandleCreate"
@@ -599,7 +580,7 @@ class Graph:
             *handle* belongs to another graph.
         """
         what = f"Graph.conditional({kind!r})"
-        kind_enum = kind_member(kind, what)
+        kind_enum = nodes.kind_member(kind, what)
         self._open(what)
         if handle is None:
             handle = self.conditional_handle(default)
@@ -610,7 +591,7 @@ class Graph:
                 f"{what}: {handle!r} was made for {handle.graph!r}; make it with this "
                 "graph's conditional_handle()"
             )
-        params = conditional_params(handle.handle, kind_enum, self.context.cu)
+        params = nodes.conditional_params(handle.handle, kind_enum, self.context.cu)
         node = self._add("conditional", params, depends_on=depends_on, what=what)
         handle.kind = kind
         body = Graph._pending(self.context, params.conditional.phGraph_out[0], self)
@@ -778,8 +759,8 @@ def capture(stream: Any, *, mode: str = "thread_local") -> Iterator[Graph]:
         # nothing out for the stream): a free between the two -- the garbage collector
         # runs at any allocation -- would invalidate it
         if tracked:
-            capture_begins(global_mode)
-        stream_capture_begins(int(hs))
+            lifetime.capture_begins(global_mode)
+        lifetime.stream_capture_begins(int(hs))
         try:
             _driver.raise_for(drv.cuStreamBeginCapture(hs, mode_enum)[0], "cuStreamBeginCapture")
             try:
@@ -791,9 +772,9 @@ def capture(stream: Any, *, mode: str = "thread_local") -> Iterator[Graph]:
                 raise
             err, cu_graph = drv.cuStreamEndCapture(hs)
         finally:  # the capture is over: run the frees it held back
-            stream_capture_ends(int(hs))
+            lifetime.stream_capture_ends(int(hs))
             if tracked:
-                capture_ends(global_mode)
+                lifetime.capture_ends(global_mode)
         if err:
             raise _driver.from_result(
                 int(err),
@@ -848,7 +829,9 @@ class GraphExec:
         self._uses = (list(graph._keep), dict(graph._specs))
         self._params: dict[int, KernelSpec] = {}  # set_kernel_params, by node handle
         self._callbacks = _host_callbacks(graph._keep)
-        self._fin: weakref.finalize | None = finalizer(self, ctx, drv.cuGraphExecDestroy, exe)
+        self._fin: weakref.finalize | None = lifetime.finalizer(
+            self, ctx, drv.cuGraphExecDestroy, exe
+        )
 
     @property
     def graph(self) -> Graph | None:
@@ -925,7 +908,7 @@ class GraphExec:
             raise TypeError(f"{what}: expected a ctxkit.Graph, got {type(graph).__name__}")
         handle = graph._open(what)
         ctx = self.context
-        check_context(ctx, graph.context, what, repr(graph), mine="the executable graph")
+        nodes.check_context(ctx, graph.context, what, repr(graph), mine="the executable graph")
         with guard(ctx, what):
             err, info = drv.cuGraphExecUpdate(exe, handle)
             result, node = getattr(info, "result", None), getattr(info, "errorNode", None)
