@@ -601,9 +601,8 @@ def nvtx_start_range(name: str, color: Any = None) -> Any:
 
 def nvtx_end_range(handle: Any) -> None:
     """End a range of :func:`nvtx_start_range` (``None`` is ignored)."""
-    if handle is None or _nvtx_domain is None:
-        return
-    _nvtx_domain.end_range(handle)
+    if handle is not None and _nvtx_domain is not None:
+        _nvtx_domain.end_range(handle)
 
 
 def nvtx_mark(name: str, color: Any = None) -> None:

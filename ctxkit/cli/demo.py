@@ -47,7 +47,7 @@ from ..binding import registry
 from ..compiler.objectcode import ObjectCode
 from ..compiler.program import compile, kernel_source
 from ..context import Context
-from ..device import Device, device_count
+from ..device import Device, device_count, devices
 from ..memory.device import DeviceBuffer
 from ..memory.host import pinned_empty
 from ..memory.pinned import pinned_pool
@@ -261,11 +261,10 @@ def _print_devices(ordinals: Sequence[int]) -> None:
     bv, dv = _driver.BINDINGS_VERSION, _driver.driver_version()
     versions = f", cuda-bindings {bv[0]}.{bv[1]}, driver CUDA {dv[0]}.{dv[1]}" if dv else ""
     say(f"ctxkit {__version__}{versions}")
-    for i in range(device_count()):
-        d = Device(i)
-        mark = "*" if i in ordinals else " "
+    for d in devices():
+        mark = "*" if d.ordinal in ordinals else " "
         say(
-            f"  {mark} GPU {i}: {d.name} ({d.arch}), {d.total_memory / 2**30:.0f} GiB, "
+            f"  {mark} GPU {d.ordinal}: {d.name} ({d.arch}), {d.total_memory / 2**30:.0f} GiB, "
             f"{d.multiprocessor_count} SMs, PCI {d.pci_bus_id}"
         )
 

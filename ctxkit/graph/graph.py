@@ -607,9 +607,7 @@ class Graph:
             raise ValueError(f"{what}: clone the graph holding the conditional body instead")
         out = Graph._pending(self.context)
         out._own(_call(self.context, what, "cuGraphClone", handle))
-        out._keep = list(self._keep)
-        out._origin = self
-        out._origin_specs = dict(self._specs)
+        out._keep, out._origin, out._origin_specs = list(self._keep), self, dict(self._specs)
         return out
 
     def find(self, node: GraphNode) -> GraphNode:

@@ -382,15 +382,14 @@ class _Runner:
         deadlines = [c.deadline for c in children if c.deadline is not None]
         wait_s = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
         ready = multiprocessing.connection.wait(waits, wait_s)
-        for c in children:
-            if not c.conn.closed and c.conn in ready:
+        for c in children:  # an exited child's last message may not be among those ready
+            exited = c.proc.sentinel in ready
+            if not c.conn.closed and (c.conn in ready or (exited and c.conn.poll())):
                 self._receive(c)
         now = time.monotonic()
         for c in children:
             if c.proc.sentinel in ready:
                 c.proc.join()
-                if not c.conn.closed and c.conn.poll():
-                    self._receive(c)
                 self._settle(c, timed_out=False)
             elif c.deadline is not None and now >= c.deadline:
                 stop_processes([c.proc], TERM_GRACE_S)
@@ -409,11 +408,9 @@ class _Runner:
             failure = self._outcome(c, timed_out)
         finally:
             wire.sweep_blocks(c.prefix)  # blocks of a child killed while sending its result
-        if failure is None:
-            return
-        if c.attempt <= self.retries:
+        if failure is not None and c.attempt <= self.retries:
             self._start(c.index, c.attempt + 1)
-        else:
+        elif failure is not None:
             self.failures[self.ordinals[c.index]] = failure
 
     def _outcome(self, c: _Running, timed_out: bool) -> DeviceTaskError | None:
@@ -505,11 +502,10 @@ def _child_main(conn: Any, payload: bytes, child: Child) -> None:
     """Entry point of a ``run_per_device`` child (spawned)."""
     msg: tuple[Any, ...] = ("none",)
     session: devmem.ChildSession | None = None
-    ordinal = child.ordinal
     try:
         with child.setup() as ctx:
-            session = devmem.ChildSession(ctx, None, ordinal)
-            msg = run_task(payload, [], wire.SHM_THRESHOLD, session, (ordinal,))[0]
+            session = devmem.ChildSession(ctx, None, child.ordinal)
+            msg = run_task(payload, [], wire.SHM_THRESHOLD, session, (child.ordinal,))[0]
     except BaseException as exc:
         if msg[0] == "ok":
             wire.discard_blocks(msg[2])

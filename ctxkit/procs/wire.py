@@ -193,8 +193,7 @@ def attach_block(name: str, size: int, key: int) -> Any:
     except PermissionError as exc:  # ours is always open to us
         raise _not_the_block(name, size) from exc
     try:
-        st = os.fstat(fd)
-        if st.st_ino != key or st.st_size != size:
+        if (st := os.fstat(fd)).st_ino != key or st.st_size != size:
             raise _not_the_block(name, size)
         mapped = mmap.mmap(fd, size)
     finally:
@@ -656,14 +655,12 @@ def outcome(
 ) -> tuple[Any, DeviceTaskError | None]:
     """A task's reply ``out`` (``("ok", data, parts, ...)`` or ``("error", desc)``) in
     the parent: ``(value, None)``, or ``(None, the DeviceTaskError it stands for)``."""
-    if out[0] != "ok":
-        return None, error_from(out[1], device, pid, exitcode, attempts, head)
-    try:
-        return decode(out[1], out[2], loader), None
-    except Exception as exc:
-        desc = describe_exception(exc)
-        head += ": result not loadable"
-        return None, error_from(desc, device, pid, exitcode, attempts, head)
+    if out[0] == "ok":
+        try:
+            return decode(out[1], out[2], loader), None
+        except Exception as exc:
+            out, head = ("error", describe_exception(exc)), f"{head}: result not loadable"
+    return None, error_from(out[1], device, pid, exitcode, attempts, head)
 
 
 def error_from(
