@@ -673,11 +673,10 @@ class Graph:
         """Write the graph as Graphviz DOT to *path* (``cuGraphDebugDotPrint``)."""
         what = "Graph.debug_dot"
         handle = self._open(what)
-        call = f"cuGraphDebugDotPrint({os.fspath(path)!r})"
+        name = "cuGraphDebugDotPrint"
         flags = 1 if verbose else 0  # CU_GRAPH_DEBUG_DOT_FLAGS_VERBOSE
-        _call(
-            self.context, what, "cuGraphDebugDotPrint", handle, os.fsencode(path), flags, call=call
-        )
+        call = f"{name}({os.fspath(path)!r})"
+        _call(self.context, what, name, handle, os.fsencode(path), flags, call=call)
 
     def close(self) -> None:
         """Destroy the graph (in its context) and the executable graph :meth:`launch`
@@ -955,9 +954,8 @@ class GraphExec:
         name = "cuGraphExecKernelNodeSetParams"
         with guard(ctx, what):
             new = base.replaced(ctx, args or None, grid, block, shared_mem)
-            _call(
-                ctx, what, name, exe, node.handle, new.params(ctx), call=f"{name}({new.describe()})"
-            )
+            call = f"{name}({new.describe()})"
+            _call(ctx, what, name, exe, node.handle, new.params(ctx), call=call)
         self._params[key] = new
 
     def close(self) -> None:

@@ -215,10 +215,7 @@ def _export(obj: Any, what: str) -> IpcBufferHandle:
 
 
 def _unique_contexts(bufs: Iterable[DeviceBuffer]) -> list[Any]:
-    seen: dict[int, Any] = {}
-    for b in bufs:
-        seen.setdefault(id(b.context), b.context)
-    return list(seen.values())
+    return list({id(b.context): b.context for b in bufs}.values())  # in first-seen order
 
 
 class Session:
@@ -466,8 +463,7 @@ class ChildSession(Session):
             self.finish()
         if self.leases is not None:
             self.leases.release(self.new_leases)
-        self.new_leases = []
-        self.exported = []
+        self.new_leases, self.exported = [], []
 
 
 # --- memory a pool worker lent the parent -------------------------------------------
