@@ -116,11 +116,10 @@ def stop_processes(procs: Iterable[Any], grace: float) -> None:
     deadline = time.monotonic() + grace
     for p in live:
         p.join(max(0.0, deadline - time.monotonic()))
-    for p in live:
-        if p.is_alive():
-            with contextlib.suppress(Exception):
-                p.kill()
-            p.join()
+    for p in [p for p in live if p.is_alive()]:
+        with contextlib.suppress(Exception):
+            p.kill()
+        p.join()
 
 
 def spawn_context(mp_context: Any) -> Any:
