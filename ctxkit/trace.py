@@ -39,6 +39,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any, TypeVar
 
 from . import _driver
@@ -297,39 +298,24 @@ class Timeline:
                 thread = {**proc, "tid": i}
                 events.append({**thread, "name": "thread_name", "args": {"name": stream}})
                 events.append({**thread, "name": "thread_sort_index", "args": {"sort_index": i}})
-        for iv in self.intervals:
-            events.append(
-                {
-                    "name": iv.name,
-                    "cat": iv.category,
-                    "ph": "X",
-                    "ts": iv.start_ms * 1000.0,
-                    "dur": iv.duration_ms * 1000.0,
-                    "pid": iv.device,
-                    "tid": tids[(iv.device, iv.stream)],
-                    "args": {"chunk": iv.chunk, "stream": iv.stream},
-                }
-            )
-        data = {
-            "traceEvents": events,
-            "displayTimeUnit": "ms",
-            "otherData": {"generator": "ctxkit", "dropped": self.dropped},
-        }
+        for iv in self.intervals:  # a complete ("X") event each, in microseconds
+            ts, dur = iv.start_ms * 1000.0, iv.duration_ms * 1000.0
+            event = {"name": iv.name, "cat": iv.category, "ph": "X", "ts": ts, "dur": dur}
+            where = {"pid": iv.device, "tid": tids[(iv.device, iv.stream)]}
+            events.append({**event, **where, "args": {"chunk": iv.chunk, "stream": iv.stream}})
+        other = {"generator": "ctxkit", "dropped": self.dropped}
+        data = {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
         if path is not None:
-            with open(path, "w", encoding="utf-8") as fh:
-                json.dump(data, fh)
+            Path(path).write_text(json.dumps(data), encoding="utf-8")
         return data
 
     @classmethod
     def from_chrome_trace(cls, source: Mapping[str, Any] | str | os.PathLike[str]) -> Timeline:
         """Rebuild a Timeline from :meth:`to_chrome_trace` output (a dict or a file path)."""
-        if isinstance(source, Mapping):
-            data: Mapping[str, Any] = source
-        else:
-            with open(source, encoding="utf-8") as fh:
-                data = json.load(fh)
-        events = data.get("traceEvents")
-        if not isinstance(events, list):
+        data: Mapping[str, Any] = (
+            source if isinstance(source, Mapping) else json.loads(Path(source).read_text("utf-8"))
+        )
+        if not isinstance(events := data.get("traceEvents"), list):
             raise ValueError("not a Chrome trace: no 'traceEvents' list")
         intervals = []
         for ev in events:
@@ -460,8 +446,7 @@ class Recorder:
 
     def timeline(self) -> Timeline:
         """Resolve everything recorded so far (events must have completed)."""
-        cached = self._cached
-        if cached is not None:
+        if (cached := self._cached) is not None:
             return cached
         intervals = list(self._host)
         dropped = 0
@@ -545,8 +530,7 @@ def _nvtx_attributes(name: str, color: Any) -> tuple[Any, Any]:
     the first use (importing ``nvtx``); ``(None, None)`` when that fails, and ranges are
     off from then on."""
     global _nvtx_domain, _nvtx_enabled
-    dom = _nvtx_domain
-    if dom is None:
+    if (dom := _nvtx_domain) is None:
         with _nvtx_lock:
             try:
                 import nvtx
@@ -557,8 +541,7 @@ def _nvtx_attributes(name: str, color: Any) -> tuple[Any, Any]:
                 _nvtx_enabled = False
                 return None, None
             _nvtx_domain = dom
-    attrs = _nvtx_attrs.get((name, color))
-    if attrs is None:
+    if (attrs := _nvtx_attrs.get((name, color))) is None:
         attrs = dom.get_event_attributes(message=name, color=color)
         if len(_nvtx_attrs) < 4096:  # names and colors are few: a bound, not an eviction
             _nvtx_attrs[(name, color)] = attrs
@@ -585,9 +568,7 @@ def nvtx_range(name: str, color: Any = None) -> contextlib.AbstractContextManage
     *color* is an NVTX color: a name the ``nvtx`` package knows (``"blue"``,
     ``"green"``, ...) or a 0xAARRGGBB int. Without NVTX: a shared no-op.
     """
-    if not _nvtx_enabled:
-        return _NULL_RANGE
-    return _nvtx_pushed(name, color)
+    return _nvtx_pushed(name, color) if _nvtx_enabled else _NULL_RANGE
 
 
 def nvtx_annotate(name: str | None = None, color: Any = None) -> Callable[[F], F]:
@@ -620,9 +601,8 @@ def nvtx_start_range(name: str, color: Any = None) -> Any:
 
 def nvtx_end_range(handle: Any) -> None:
     """End a range of :func:`nvtx_start_range` (``None`` is ignored)."""
-    if handle is None or _nvtx_domain is None:
-        return
-    _nvtx_domain.end_range(handle)
+    if handle is not None and _nvtx_domain is not None:
+        _nvtx_domain.end_range(handle)
 
 
 def nvtx_mark(name: str, color: Any = None) -> None:

@@ -31,9 +31,7 @@ def prog_name(argv0: str | None = None) -> str:
     ``ctxkit`` is the command the package installs.
     """
     name = os.path.basename(sys.argv[0] if argv0 is None else argv0)
-    if not name or name in ("-c", "-m") or name.endswith(".py"):
-        return "ctxkit"
-    return name
+    return "ctxkit" if not name or name in ("-c", "-m") or name.endswith(".py") else name
 
 
 def _no_gpu_message() -> str | None:
@@ -63,8 +61,7 @@ def run_command(args: argparse.Namespace) -> int:
         from .bench import cli_bench
 
         return cli_bench(args, _no_gpu_message)
-    reason = _no_gpu_message()
-    if reason:
+    if reason := _no_gpu_message():
         print(reason, file=sys.stderr)
         return EXIT_NO_GPU
     from .demo import run_demo
@@ -92,21 +89,17 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
         "access. Without a GPU it prints what it can and says so; it exits 0.",
     )
 
-    c = sub.add_parser(
-        "compile",
-        help="compile a .cu file with NVRTC (no GPU needed)",
-        description=compile_command.DESCRIPTION,
-    )
+    compile_help = "compile a .cu file with NVRTC (no GPU needed)"
+    c = sub.add_parser("compile", help=compile_help, description=compile_command.DESCRIPTION)
     compile_command.add_arguments(c)
 
     d = sub.add_parser("demo", help="the multi-GPU copy -> kernel -> copy pipeline demo")
     d.add_argument(
         "--size-mb",
         type=float,
-        default=None,
         help="input size in MiB (default: 1024 where the GPUs and host have the memory, else 256)",
     )
-    d.add_argument("--devices", type=int, default=None, help="use the first N devices")
+    d.add_argument("--devices", type=int, help="use the first N devices")
     d.add_argument("--trace", default="ctxkit-demo-trace.json", help="Chrome-trace output")
     d.add_argument("--quick", action="store_true", help="small sizes, fewer repeats")
 

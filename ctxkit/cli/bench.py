@@ -77,9 +77,7 @@ def benchmark_dir() -> Path | None:
 def available_benchmarks(directory: Path | None = None) -> dict[str, Path]:
     """``{name: path}`` of ``bench_<name>.py`` in *directory* (default: the checkout's)."""
     d = directory if directory is not None else benchmark_dir()
-    if d is None:
-        return {}
-    return {p.stem[len("bench_") :]: p for p in sorted(d.glob("bench_*.py"))}
+    return {} if d is None else {p.stem[len("bench_") :]: p for p in sorted(d.glob("bench_*.py"))}
 
 
 def describe(path: Path) -> str:
@@ -104,8 +102,7 @@ def cli_bench(args: argparse.Namespace, gpu_problem: Callable[[], str | None]) -
     install (no ``benchmarks/``) are answered on any machine. *gpu_problem* returns a
     one-line reason when no GPU can be used (then exit 2).
     """
-    found = available_benchmarks()
-    if not found:
+    if not (found := available_benchmarks()):
         print(_NO_CHECKOUT, file=sys.stderr)
         return 1
     if getattr(args, "list", False):
@@ -122,8 +119,7 @@ def cli_bench(args: argparse.Namespace, gpu_problem: Callable[[], str | None]) -
             file=sys.stderr,
         )
         return 1
-    reason = gpu_problem()
-    if reason:
+    if reason := gpu_problem():
         print(reason, file=sys.stderr)
         return 2
     return run_programs({n: found[n] for n in names}, quick=bool(getattr(args, "quick", False)))
@@ -131,10 +127,9 @@ def cli_bench(args: argparse.Namespace, gpu_problem: Callable[[], str | None]) -
 
 def run_one(path: Path, quick: bool) -> tuple[int, list[Verdict]]:
     """Run one benchmark program, echoing its output; its exit status and verdicts."""
-    env = dict(os.environ)
     root = str(path.resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    env["PYTHONUNBUFFERED"] = "1"
+    pythonpath = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, str(path), *(["--quick"] if quick else [])]
     verdicts: list[Verdict] = []
     with subprocess.Popen(
@@ -143,8 +138,7 @@ def run_one(path: Path, quick: bool) -> tuple[int, list[Verdict]]:
         assert proc.stdout is not None
         for line in proc.stdout:
             sys.stdout.write(line)
-            v = parse_line(line)
-            if v is not None:
+            if (v := parse_line(line)) is not None:
                 verdicts.append(v)
         rc = proc.wait()
     return rc, verdicts

@@ -9,6 +9,7 @@ PTX; an architecture this NVRTC does not know is an error. Template kernels need
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import stat
@@ -44,7 +45,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--target",
         choices=("ptx", "cubin"),
-        default=None,
         help="output kind (default: cubin, or ptx with --arch compute_XY)",
     )
     p.add_argument(
@@ -52,38 +52,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--output",
         help="output file (default: FILE.cubin or FILE.ptx in the current directory)",
     )
-    p.add_argument(
+    repeatable = functools.partial(p.add_argument, action="append", default=[])
+    repeatable(
         "-D",
         dest="defines",
-        action="append",
-        default=[],
         metavar="NAME[=VALUE]",
         help="define a preprocessor macro, e.g. -D N=4 or -DFAST (repeatable)",
     )
-    p.add_argument(
+    repeatable(
         "-I",
         dest="include_dirs",
-        action="append",
-        default=[],
         metavar="DIR",
         help='add DIR to the header search path (repeatable); #include "x.h" also '
         "looks next to FILE",
     )
-    p.add_argument(
+    repeatable(
         "--name-expression",
         dest="name_expressions",
-        action="append",
-        default=[],
         metavar="EXPR",
         help="instantiate a template kernel, e.g. --name-expression 'axpy<float>' "
         "(repeatable); its mangled name is printed, for Module.function()",
     )
-    p.add_argument("--std", default=None, help="C++ standard, e.g. c++17")
+    p.add_argument("--std", help="C++ standard, e.g. c++17")
     p.add_argument("--no-cache", action="store_true", help="bypass the kernel cache")
 
 
-class _Usage(Exception):
-    """A command-line mistake: the message says what to pass instead."""
+class _Usage(ValueError):
+    """A command-line mistake: the message says what to pass instead (reported as any
+    other ``ValueError`` of a compile is)."""
 
 
 def run(args: argparse.Namespace) -> int:
@@ -119,8 +115,6 @@ def run(args: argparse.Namespace) -> int:
                 cache=not args.no_cache,
             )
         out = _output_path(args.output, src_path, obj.target)
-    except _Usage as exc:
-        return _fail(str(exc))
     except CompileError as exc:
         if not exc.name:  # no NVRTC call failed: NVRTC itself is missing
             return _fail(str(exc))
@@ -159,17 +153,12 @@ def _read_source(path: Path) -> str:
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     fd = os.open(path, flags)
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
+        if not stat.S_ISREG(mode := os.fstat(fd).st_mode):
             raise _Usage(f"{path} is {_file_kind(mode)}, not a source file; pass a .cu file")
-        chunks: list[bytes] = []
-        left = MAX_SOURCE_BYTES + 1
-        while left > 0 and (chunk := os.read(fd, left)):
-            chunks.append(chunk)
-            left -= len(chunk)
+        with open(fd, "rb", closefd=False) as fh:  # reads until the limit or the end
+            data = fh.read(MAX_SOURCE_BYTES + 1)
     finally:
         os.close(fd)
-    data = b"".join(chunks)
     if len(data) > MAX_SOURCE_BYTES:
         mib, rest = divmod(MAX_SOURCE_BYTES, 1 << 20)
         limit = f"{mib} MiB" if mib and not rest else f"{MAX_SOURCE_BYTES} bytes"
@@ -226,8 +215,7 @@ def _arch_and_target(arch: str | None, target: str | None) -> tuple[str | None, 
             f"--arch {arch} is not an architecture; pass sm_XY for a cubin or compute_XY "
             "for PTX, e.g. --arch sm_90 or --arch compute_90"
         ) from None
-    known = supported_archs()
-    if arch_number(real) not in known:
+    if arch_number(real) not in (known := supported_archs()):
         nv = "{}.{}".format(*nvrtc_version())
         names = ", ".join(f"sm_{a}" for a in known)
         raise _Usage(

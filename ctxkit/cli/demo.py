@@ -47,7 +47,7 @@ from ..binding import registry
 from ..compiler.objectcode import ObjectCode
 from ..compiler.program import compile, kernel_source
 from ..context import Context
-from ..device import Device, device_count
+from ..device import Device, device_count, devices
 from ..memory.device import DeviceBuffer
 from ..memory.host import pinned_empty
 from ..memory.pinned import pinned_pool
@@ -125,11 +125,6 @@ def baseline_row(rows: Sequence[Row]) -> Row | None:
     return by_key.get("torch_pinned") or by_key.get("naive")
 
 
-def _ordered(rows: Sequence[Row]) -> list[Row]:
-    rank = {k: i for i, k in enumerate(ROW_ORDER)}
-    return sorted(rows, key=lambda r: rank.get(r.key, len(rank)))
-
-
 def format_table(rows: Sequence[Row], skipped: Sequence[str] = (), title: str = "") -> list[str]:
     """The side-by-side table as lines: variant, GPUs, best and median GB/s (input +
     output bytes), every call, and the best against :func:`baseline_row`'s best."""
@@ -138,7 +133,8 @@ def format_table(rows: Sequence[Row], skipped: Sequence[str] = (), title: str = 
     width = max([len(r.label) for r in rows] + [len("variant")])
     lines = [title] if title else []
     lines.append(f"  {'variant':{width}s}  GPUs  best GB/s  median  {vs:>15s}  calls (GB/s)")
-    for r in _ordered(rows):
+    rank = {k: i for i, k in enumerate(ROW_ORDER)}
+    for r in sorted(rows, key=lambda r: rank.get(r.key, len(rank))):
         ratio = f"{r.best / base.best:.2f}x" if base and base.best else "-"
         calls = " ".join(f"{g:.1f}" for g in r.gbps)
         note = f"  ({r.note})" if r.note else ""
@@ -262,19 +258,13 @@ def _host_memory() -> int | None:
 
 
 def _print_devices(ordinals: Sequence[int]) -> None:
-    drv_ver = _driver.driver_version()
-    bv = _driver.BINDINGS_VERSION
-    say(
-        f"ctxkit {__version__}, cuda-bindings {bv[0]}.{bv[1]}, "
-        f"driver CUDA {drv_ver[0]}.{drv_ver[1]}"
-        if drv_ver
-        else f"ctxkit {__version__}"
-    )
-    for i in range(device_count()):
-        d = Device(i)
-        mark = "*" if i in ordinals else " "
+    bv, dv = _driver.BINDINGS_VERSION, _driver.driver_version()
+    versions = f", cuda-bindings {bv[0]}.{bv[1]}, driver CUDA {dv[0]}.{dv[1]}" if dv else ""
+    say(f"ctxkit {__version__}{versions}")
+    for d in devices():
+        mark = "*" if d.ordinal in ordinals else " "
         say(
-            f"  {mark} GPU {i}: {d.name} ({d.arch}), {d.total_memory / 2**30:.0f} GiB, "
+            f"  {mark} GPU {d.ordinal}: {d.name} ({d.arch}), {d.total_memory / 2**30:.0f} GiB, "
             f"{d.multiprocessor_count} SMs, PCI {d.pci_bus_id}"
         )
 
@@ -415,8 +405,7 @@ class _Demo:
 
     def naive(self, contexts: list[Context]) -> None:
         say("[1/6] the naive pattern (one thread, per-device streams, pageable, 8 chunks)")
-        nd = len(contexts)
-        naive = NaivePattern(self.kernel, contexts, -(-self.x.shape[0] // nd), 4)
+        naive = NaivePattern(self.kernel, contexts, -(-self.x.shape[0] // len(contexts)), 4)
         out = np.empty_like(self.x)
         try:
 
@@ -430,19 +419,14 @@ class _Demo:
 
     def peers(self) -> None:
         say("[2/6] CuPy and PyTorch on one GPU (when installed)")
-        peers: dict[str, Peer] = {}
         cupy, why = cupy_peer()
-        if cupy is None:
-            self.skipped.append(why)
-        else:
-            peers["cupy"] = cupy
+        peers: dict[str, Peer] = {} if cupy is None else {"cupy": cupy}
         try:
-            torch, why = torch_peers(self.x)
+            torch, why_not = torch_peers(self.x)
         except Exception as exc:  # installed but unusable here (another CUDA, no memory)
-            torch, why = {}, f"torch rows (failed: {exc!r})"
+            torch, why_not = {}, f"torch rows (failed: {exc!r})"
         peers.update(torch)
-        if why:
-            self.skipped.append(why)
+        self.skipped += [w for w in (why, why_not) if w]
         for key, (fn, note) in peers.items():
             try:
                 self.timed(key, fn, fresh=False, warmup=1, note=note, gpus=1)
@@ -504,17 +488,12 @@ def run_demo(args: argparse.Namespace) -> int:
     quick = bool(getattr(args, "quick", False))
     available = device_count()
     use = available if getattr(args, "devices", None) is None else int(args.devices)
-    if not 1 <= use <= available:
-        print(f"ctxkit demo: --devices must be 1..{available}, got {use}", file=sys.stderr)
-        return 1
     ordinals = list(range(use))
     try:
-        size_mb = choose_size_mb(
-            getattr(args, "size_mb", None),
-            quick,
-            [Device(i).total_memory for i in ordinals],
-            _host_memory(),
-        )
+        if not 1 <= use <= available:
+            raise ValueError(f"--devices must be 1..{available}, got {use}")
+        gpu_bytes = [Device(i).total_memory for i in ordinals]
+        size_mb = choose_size_mb(getattr(args, "size_mb", None), quick, gpu_bytes, _host_memory())
     except ValueError as exc:
         print(f"ctxkit demo: {exc}", file=sys.stderr)
         return 1
@@ -547,8 +526,7 @@ def run_demo(args: argparse.Namespace) -> int:
     )
     for line in format_table(demo.rows, demo.skipped, title):
         say(line)
-    pool = pinned_pool().stats()
-    if pool.requests:
+    if (pool := pinned_pool().stats()).requests:
         say(
             f"pinned pool: {pool.hits} of {pool.requests} requests served from the cache, "
             f"{pool.allocations} blocks page-locked, peak {pool.peak_bytes / MiB:.0f} MiB "

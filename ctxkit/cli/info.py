@@ -87,8 +87,7 @@ def _archs_line(archs: tuple[int, ...]) -> str:
 def _cache_line() -> str:
     from ..compiler.cache import cache_dir, max_bytes
 
-    where = cache_dir()
-    if where is None:
+    if (where := cache_dir()) is None:
         return "off (CTXKIT_CACHE_DIR=off)"
     files = [p for p in Path(where).glob("**/*") if p.is_file()] if where.is_dir() else []
     size = sum(p.stat().st_size for p in files)
@@ -100,11 +99,10 @@ def _cache_line() -> str:
 
 
 def _print_devices(w: TextIO) -> int:
-    from ..device import Device, device_count
+    from ..device import devices
 
-    n = device_count()
-    print(f"devices       : {n}", file=w)
-    devs = [Device(i) for i in range(n)]
+    devs = devices()
+    print(f"devices       : {len(devs)}", file=w)
     for d in devs:
         cc = "{}.{}".format(*d.compute_capability)
         print(
@@ -112,15 +110,15 @@ def _print_devices(w: TextIO) -> int:
             f"SMs {d.multiprocessor_count}  PCI {d.pci_bus_id}",
             file=w,
         )
-    if n > 1:
+    if len(devs) > 1:
         print("peer access (row can access column):", file=w)
-        print("      " + " ".join(f"{j:>3}" for j in range(n)), file=w)
+        print("      " + " ".join(f"{d.ordinal:>3}" for d in devs), file=w)
         for a in devs:
             cells = " ".join(
                 "  -" if a is b else ("yes" if a.can_access_peer(b) else " no") for b in devs
             )
             print(f"  {a.ordinal:>3} {cells}", file=w)
-    return n
+    return len(devs)
 
 
 def _no_gpu_line(nvrtc: tuple[int, int] | None) -> str:

@@ -34,36 +34,17 @@ import logging
 import os
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, nullcontext, suppress
 from typing import TYPE_CHECKING, Any
 
-from .. import _driver
+from .. import _driver, lifetime
 from .._driver import drv
 from ..binding import ContextLike, guard, resolve_context
 from ..context import Context, require_current, thread_state
 from ..errors import ContextClosedError, CudaError, GraphUpdateError
-from ..lifetime import (
-    capture_begins,
-    capture_ends,
-    finalizer,
-    stream_capture_begins,
-    stream_capture_ends,
-)
 from ..stream import Event, Stream, call_stream
-from .nodes import (
-    ConditionalHandle,
-    KernelSpec,
-    add_node_args,
-    check_context,
-    check_supported,
-    conditional_params,
-    default_arg,
-    kernel_spec,
-    kind_member,
-    memcpy_params,
-    memset_params,
-    node_type_name,
-)
+from . import nodes
+from .nodes import ConditionalHandle, KernelSpec
 
 if TYPE_CHECKING:
     from ..module.kernel import Kernel
@@ -87,10 +68,10 @@ _ADD = {
 
 
 def _call(ctx: Context, what: str, name: str, *args: Any, call: str = "") -> Any:
-    """``drv.<name>(*args)`` with *ctx* bound for *what* (as :func:`guard` allows), its
-    status checked (the error names *call*, by default *name*): ``None``, the one
-    result, or the results after the status."""
-    with guard(ctx, what):
+    """``drv.<name>(*args)`` with *ctx* bound for *what* (as :func:`guard` allows; no
+    bind without *what*), its status checked (the error names *call*, by default *name*):
+    ``None``, the one result, or the results after the status."""
+    with guard(ctx, what) if what else nullcontext():
         err, *out = getattr(drv, name)(*args)
     if err:
         raise ctx.note_error(err, call or name)
@@ -137,8 +118,7 @@ class HostCallback:
 
 
 def _run_host_node(key: int | None) -> None:
-    cb = _callbacks.get(key or 0)
-    if cb is not None:
+    if (cb := _callbacks.get(key or 0)) is not None:
         cb.run()
 
 
@@ -251,13 +231,13 @@ def dependency_handles(graph: Graph, depends_on: Any, what: str) -> list[Any]:
         return []
     items: Iterable[Any] = (depends_on,) if isinstance(depends_on, GraphNode) else depends_on
     try:
-        nodes = list(items)
+        given = list(items)
     except TypeError:
         raise TypeError(
             f"{what}: depends_on must be a GraphNode or a list of them, "
             f"got {type(depends_on).__name__}"
         ) from None
-    for n in nodes:
+    for n in given:
         if not isinstance(n, GraphNode):
             raise TypeError(f"{what}: depends_on holds {type(n).__name__}, not a GraphNode")
         if n.graph is not graph:
@@ -266,7 +246,7 @@ def dependency_handles(graph: Graph, depends_on: Any, what: str) -> list[Any]:
                 "a node can only depend on nodes of its own graph (add a child graph node "
                 "with graph.child(other) to run another graph inside this one)"
             )
-    return [n.handle for n in nodes]
+    return [n.handle for n in given]
 
 
 class Graph:
@@ -326,7 +306,7 @@ class Graph:
 
     def _own(self, handle: Any) -> None:
         self.handle = handle
-        self._fin = finalizer(self, self.context, drv.cuGraphDestroy, handle)
+        self._fin = lifetime.finalizer(self, self.context, drv.cuGraphDestroy, handle)
 
     # --- state -----------------------------------------------------------------------
 
@@ -338,14 +318,10 @@ class Graph:
     def open_handle(self) -> Any:
         """The live ``CUgraph``, or None once it (or the graph holding this conditional
         body) was closed, or while its capture block runs."""
-        parent = self._parent
-        if parent is not None and parent.closed:
-            return None
-        return self.handle
+        return None if self._parent is not None and self._parent.closed else self.handle
 
     def _open(self, what: str) -> Any:
-        handle = self.open_handle()
-        if handle is None:
+        if (handle := self.open_handle()) is None:
             why = (
                 "the graph holding this conditional body was closed"
                 if self._parent is not None
@@ -366,34 +342,24 @@ class Graph:
     @property
     def num_nodes(self) -> int:
         """Nodes in the graph (its own; a child graph or conditional body counts as one)."""
-        handle = self.open_handle()
-        if handle is None:
+        if (handle := self.open_handle()) is None:
             return self._count
-        err, _nodes, n = drv.cuGraphGetNodes(handle, 0)
-        if err:
-            raise self.context.note_error(err, "cuGraphGetNodes")
-        self._count = int(n)
+        self._count = int(_call(self.context, "", "cuGraphGetNodes", handle, 0)[1])
         return self._count
 
     def nodes(self) -> list[GraphNode]:
         """The graph's nodes (``cuGraphGetNodes``), each with its ``type``; nodes built by
         ctxkit come back as the objects the builders returned."""
         handle = self._open("Graph.nodes")
-        n = self.num_nodes
-        if not n:
+        if not (n := self.num_nodes):
             return []
-        err, raw, n = drv.cuGraphGetNodes(handle, n)
-        if err:
-            raise self.context.note_error(err, "cuGraphGetNodes")
+        raw, n = _call(self.context, "", "cuGraphGetNodes", handle, n)
         return [self._wrap(h) for h in list(raw)[: int(n)]]
 
     def _wrap(self, handle: Any) -> GraphNode:
-        node = self._nodes.get(int(handle))
-        if node is None:
-            err, member = drv.cuGraphNodeGetType(handle)
-            if err:
-                raise self.context.note_error(err, "cuGraphNodeGetType")
-            node = self._node(handle, node_type_name(member), self._specs.get(int(handle)))
+        if (node := self._nodes.get(int(handle))) is None:
+            member = _call(self.context, "", "cuGraphNodeGetType", handle)
+            node = self._node(handle, nodes.node_type_name(member), self._specs.get(int(handle)))
         return node
 
     def _node(self, handle: Any, kind: str, spec: KernelSpec | None = None) -> GraphNode:
@@ -419,10 +385,8 @@ class Graph:
         handle = self._open(what)
         deps = dependency_handles(self, depends_on, what)
         name = _ADD[kind]
-        if name == "cuGraphAddNode":
-            args = add_node_args(handle, deps, *params)
-        else:
-            args = (handle, deps, len(deps), *params)
+        plain = (handle, deps, len(deps), *params)
+        args = nodes.add_node_args(handle, deps, *params) if name == "cuGraphAddNode" else plain
         node = _call(self.context, what, name, *args, call=f"{name} ({what})")
         self._keep.extend(keep)
         self._changed()
@@ -443,7 +407,7 @@ class Graph:
 
         The arguments are checked and packed now, exactly as a launch would, and kept
         (with the buffers among them) while the graph or an executable graph of it lives.
-        A :class:`~ctxkit.graph.nodes.ConditionalHandle` passes as its value.
+        A :class:`~ctxkit.graph.ConditionalHandle` passes as its value.
 
         Raises
         ------
@@ -456,7 +420,7 @@ class Graph:
         self._open(what)
         ctx = self.context
         with guard(ctx, what):
-            spec = kernel_spec(kernel, ctx, grid, block, args, shared_mem)
+            spec = nodes.kernel_spec(kernel, ctx, grid, block, args, shared_mem)
             params = spec.params(ctx)
         return self._add("kernel", params, depends_on=depends_on, spec=spec, what=what)
 
@@ -483,7 +447,7 @@ class Graph:
         what = "Graph.memcpy"
         self._open(what)
         ctx = self.context
-        params = memcpy_params(dst, src, nbytes, ctx, what)
+        params = nodes.memcpy_params(dst, src, nbytes, ctx, what)
         return self._add("memcpy", params, ctx.cu, depends_on=depends_on, keep=(dst, src))
 
     def memset(
@@ -501,7 +465,7 @@ class Graph:
         what = "Graph.memset"
         self._open(what)
         ctx = self.context
-        params = memset_params(dst, value, count, element_size, ctx, what)
+        params = nodes.memset_params(dst, value, count, element_size, ctx, what)
         return self._add("memset", params, ctx.cu, depends_on=depends_on, keep=(dst,))
 
     def host(self, fn: Any, *args: Any, depends_on: Any = None) -> GraphNode:
@@ -537,12 +501,11 @@ class Graph:
         what = f"Graph.{kind}"
         if not isinstance(event, Event):
             raise TypeError(f"{what}: expected a ctxkit.Event, got {type(event).__name__}")
-        handle = event.handle
-        if handle is None:
+        if (handle := event.handle) is None:
             raise ContextClosedError(f"{what}: the event was closed")
         if kind == "event_record":
             fix = "; create the event in the graph's context (ck.Event(context=graph.context))"
-            check_context(self.context, event.context, what, repr(event), fix)
+            nodes.check_context(self.context, event.context, what, repr(event), fix)
         return self._add(kind, handle, depends_on=depends_on, keep=(event,))
 
     def empty(self, *, depends_on: Any = None) -> GraphNode:
@@ -561,7 +524,7 @@ class Graph:
             raise ValueError(f"{what}: a graph cannot contain itself")
         child = graph._open(what)
         fix = "; build both in one context"
-        check_context(self.context, graph.context, what, repr(graph), fix)
+        nodes.check_context(self.context, graph.context, what, repr(graph), fix)
         keep = (*graph._keep, *graph._specs.values())
         return self._add("child", child, depends_on=depends_on, keep=keep)
 
@@ -579,9 +542,9 @@ class Graph:
             nodes (CUDA 12.4); the message names which.
         """
         what = "Graph.conditional_handle"
-        value = default_arg(default, what)
+        value = nodes.default_arg(default, what)
         handle = self._open(what)
-        check_supported(what)
+        nodes.check_supported(what)
         ctx = self.context
         flags = int(getattr(drv, "CU_GRAPH_COND_ASSIGN_DEFAULT", 1))
         name = "cuGraphConditionalHandleCreate"
@@ -617,7 +580,7 @@ class Graph:
             *handle* belongs to another graph.
         """
         what = f"Graph.conditional({kind!r})"
-        kind_enum = kind_member(kind, what)
+        kind_enum = nodes.kind_member(kind, what)
         self._open(what)
         if handle is None:
             handle = self.conditional_handle(default)
@@ -628,7 +591,7 @@ class Graph:
                 f"{what}: {handle!r} was made for {handle.graph!r}; make it with this "
                 "graph's conditional_handle()"
             )
-        params = conditional_params(handle.handle, kind_enum, self.context.cu)
+        params = nodes.conditional_params(handle.handle, kind_enum, self.context.cu)
         node = self._add("conditional", params, depends_on=depends_on, what=what)
         handle.kind = kind
         body = Graph._pending(self.context, params.conditional.phGraph_out[0], self)
@@ -644,9 +607,7 @@ class Graph:
             raise ValueError(f"{what}: clone the graph holding the conditional body instead")
         out = Graph._pending(self.context)
         out._own(_call(self.context, what, "cuGraphClone", handle))
-        out._keep = list(self._keep)
-        out._origin = self
-        out._origin_specs = dict(self._specs)
+        out._keep, out._origin, out._origin_specs = list(self._keep), self, dict(self._specs)
         return out
 
     def find(self, node: GraphNode) -> GraphNode:
@@ -712,11 +673,10 @@ class Graph:
         """Write the graph as Graphviz DOT to *path* (``cuGraphDebugDotPrint``)."""
         what = "Graph.debug_dot"
         handle = self._open(what)
-        call = f"cuGraphDebugDotPrint({os.fspath(path)!r})"
+        name = "cuGraphDebugDotPrint"
         flags = 1 if verbose else 0  # CU_GRAPH_DEBUG_DOT_FLAGS_VERBOSE
-        _call(
-            self.context, what, "cuGraphDebugDotPrint", handle, os.fsencode(path), flags, call=call
-        )
+        call = f"{name}({os.fspath(path)!r})"
+        _call(self.context, what, name, handle, os.fsencode(path), flags, call=call)
 
     def close(self) -> None:
         """Destroy the graph (in its context) and the executable graph :meth:`launch`
@@ -731,12 +691,8 @@ class Graph:
         self.handle = None
 
     def __repr__(self) -> str:
-        if self.open_handle() is None:
-            state = "empty"
-        elif self._exec is not None:
-            state = "ready"
-        else:
-            state = "not instantiated"
+        ready = "ready" if self._exec is not None else "not instantiated"
+        state = ready if self.open_handle() is not None else "empty"
         kind = " body" if self._parent is not None else ""
         count = self._count  # num_nodes answers it too once closed
         with suppress(CudaError):
@@ -746,11 +702,8 @@ class Graph:
 
 # --- stream capture ------------------------------------------------------------------
 
-_CAPTURE_MODES = {
-    "global": "CU_STREAM_CAPTURE_MODE_GLOBAL",
-    "thread_local": "CU_STREAM_CAPTURE_MODE_THREAD_LOCAL",
-    "relaxed": "CU_STREAM_CAPTURE_MODE_RELAXED",
-}
+#: the modes of ``capture``: ``CU_STREAM_CAPTURE_MODE_<MODE>``
+_CAPTURE_MODES = ("global", "relaxed", "thread_local")
 
 _SPECIAL_STREAMS = (0, 1, 2)  # legacy default, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD
 
@@ -788,10 +741,9 @@ def capture(stream: Any, *, mode: str = "thread_local") -> Iterator[Graph]:
         raise ValueError(
             "capture needs a created stream (ck.Stream()); the default stream cannot be captured"
         )
-    try:
-        mode_enum = getattr(drv.CUstreamCaptureMode, _CAPTURE_MODES[mode])
-    except KeyError:
-        raise ValueError(f"mode must be one of {sorted(_CAPTURE_MODES)}, not {mode!r}") from None
+    if mode not in _CAPTURE_MODES:
+        raise ValueError(f"mode must be one of {list(_CAPTURE_MODES)}, not {mode!r}")
+    mode_enum = getattr(drv.CUstreamCaptureMode, f"CU_STREAM_CAPTURE_MODE_{mode.upper()}")
     sc = getattr(stream, "context", None)
     ctx = sc if isinstance(sc, Context) else require_current("graph capture")
     _, hs, _ = call_stream(stream, ctx, "graph")
@@ -804,8 +756,8 @@ def capture(stream: Any, *, mode: str = "thread_local") -> Iterator[Graph]:
         # nothing out for the stream): a free between the two -- the garbage collector
         # runs at any allocation -- would invalidate it
         if tracked:
-            capture_begins(global_mode)
-        stream_capture_begins(int(hs))
+            lifetime.capture_begins(global_mode)
+        lifetime.stream_capture_begins(int(hs))
         try:
             _driver.raise_for(drv.cuStreamBeginCapture(hs, mode_enum)[0], "cuStreamBeginCapture")
             try:
@@ -817,9 +769,9 @@ def capture(stream: Any, *, mode: str = "thread_local") -> Iterator[Graph]:
                 raise
             err, cu_graph = drv.cuStreamEndCapture(hs)
         finally:  # the capture is over: run the frees it held back
-            stream_capture_ends(int(hs))
+            lifetime.stream_capture_ends(int(hs))
             if tracked:
-                capture_ends(global_mode)
+                lifetime.capture_ends(global_mode)
         if err:
             raise _driver.from_result(
                 int(err),
@@ -874,7 +826,9 @@ class GraphExec:
         self._uses = (list(graph._keep), dict(graph._specs))
         self._params: dict[int, KernelSpec] = {}  # set_kernel_params, by node handle
         self._callbacks = _host_callbacks(graph._keep)
-        self._fin: weakref.finalize | None = finalizer(self, ctx, drv.cuGraphExecDestroy, exe)
+        self._fin: weakref.finalize | None = lifetime.finalizer(
+            self, ctx, drv.cuGraphExecDestroy, exe
+        )
 
     @property
     def graph(self) -> Graph | None:
@@ -888,8 +842,7 @@ class GraphExec:
         return self.handle is None
 
     def _open(self, what: str) -> Any:
-        exe = self.handle
-        if exe is None:
+        if (exe := self.handle) is None:
             raise ContextClosedError(f"{what}: the executable graph was closed")
         return exe
 
@@ -952,7 +905,7 @@ class GraphExec:
             raise TypeError(f"{what}: expected a ctxkit.Graph, got {type(graph).__name__}")
         handle = graph._open(what)
         ctx = self.context
-        check_context(ctx, graph.context, what, repr(graph), mine="the executable graph")
+        nodes.check_context(ctx, graph.context, what, repr(graph), mine="the executable graph")
         with guard(ctx, what):
             err, info = drv.cuGraphExecUpdate(exe, handle)
             result, node = getattr(info, "result", None), getattr(info, "errorNode", None)
@@ -1001,9 +954,8 @@ class GraphExec:
         name = "cuGraphExecKernelNodeSetParams"
         with guard(ctx, what):
             new = base.replaced(ctx, args or None, grid, block, shared_mem)
-            _call(
-                ctx, what, name, exe, node.handle, new.params(ctx), call=f"{name}({new.describe()})"
-            )
+            call = f"{name}({new.describe()})"
+            _call(ctx, what, name, exe, node.handle, new.params(ctx), call=call)
         self._params[key] = new
 
     def close(self) -> None:
@@ -1021,8 +973,7 @@ def _ask_libcuda(exe: Any, handle: Any, err: int) -> tuple[int, Any, Any]:
     """Update again through libcuda to learn why the driver refused (cuda-bindings returns
     no result info on failure): the status, the ``CUgraphExecUpdateResult`` and the
     ``CUgraphNode`` it names (``None`` where libcuda cannot be asked)."""
-    raw = _driver.graph_exec_update_info(exe, handle)
-    if raw is None:
+    if (raw := _driver.graph_exec_update_info(exe, handle)) is None:
         return err, None, None
     code, result, node = raw
     with suppress(ValueError):

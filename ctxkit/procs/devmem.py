@@ -190,6 +190,11 @@ def _wrap(buf: DeviceBuffer, ref: DeviceRef) -> Any:
     return buf if ref.shape is None else DeviceArray(buf, ref.shape, ref.dtype)
 
 
+def _part(buf: DeviceBuffer, offset: int, nbytes: int) -> DeviceBuffer:
+    """*buf* itself when the bytes at *offset* are all of it, else a view of them."""
+    return buf if offset == 0 and nbytes == buf.nbytes else buf[offset : offset + nbytes]
+
+
 def _empty(context: Any) -> DeviceBuffer:
     from ..memory.device import DeviceBuffer
 
@@ -210,10 +215,7 @@ def _export(obj: Any, what: str) -> IpcBufferHandle:
 
 
 def _unique_contexts(bufs: Iterable[DeviceBuffer]) -> list[Any]:
-    seen: dict[int, Any] = {}
-    for b in bufs:
-        seen.setdefault(id(b.context), b.context)
-    return list(seen.values())
+    return list({id(b.context): b.context for b in bufs}.values())  # in first-seen order
 
 
 class Session:
@@ -281,15 +283,10 @@ class Outgoing(Session):
                 raise ContextClosedError(
                     f"{self.what}: a device argument is closed: {exc}"
                 ) from exc
-        handle, lease, owner = None, None, ""
-        if buf.nbytes:
-            from .workerbuffer import lease_of
+        from .workerbuffer import lease_of
 
-            lent = lease_of(buf)
-            if lent is not None:
-                handle, lease, owner = lent
-            else:
-                handle = _export(obj, self.what)
+        lent = lease_of(buf) if buf.nbytes else None
+        handle, lease, owner = lent or (_export(obj, self.what) if buf.nbytes else None, None, "")
         ordinal = buf.context.device.ordinal
         self.objects.append(obj)
         self.ordinals.append(ordinal)
@@ -324,8 +321,7 @@ class Outgoing(Session):
 
     def check_target(self, ordinal: int, isolate: bool) -> None:
         """Raise ``ValueError`` unless a child on device *ordinal* can map every argument."""
-        why = self.problem(ordinal, isolate)
-        if why:
+        if why := self.problem(ordinal, isolate):
             raise ValueError(why)
 
     def synchronize(self) -> None:
@@ -339,11 +335,9 @@ class Outgoing(Session):
             raise RuntimeError(f"a result refers to device argument {ref.arg}, which was not sent")
         base = self.objects[ref.arg]
         buf, shape, dtype = _split(base)
-        whole = ref.offset == 0 and ref.nbytes == buf.nbytes
-        if whole and ref.shape == shape and ref.dtype == dtype:
-            return base
-        part = buf if whole else buf[ref.offset : ref.offset + ref.nbytes]
-        return _wrap(part, ref)
+        part = _part(buf, ref.offset, ref.nbytes)
+        same = part is buf and (ref.shape, ref.dtype) == (shape, dtype)
+        return base if same else _wrap(part, ref)
 
     def release(self) -> None:
         """The task is over: stop holding the memory."""
@@ -374,11 +368,7 @@ class WorkerLeases(dict[int, tuple[Any, Any]]):
             raise RuntimeError(
                 f"the parent sent memory of lease {lease}, which this worker has already released"
             ) from None
-        root = _split(obj)[0]
-        rel = handle.offset - mine.offset
-        if rel == 0 and nbytes == root.nbytes:
-            return root
-        return root[rel : rel + nbytes]
+        return _part(_split(obj)[0], handle.offset - mine.offset, nbytes)
 
     def release(self, leases: list[int] | tuple[int, ...]) -> None:
         for lease in leases:
@@ -433,9 +423,7 @@ class ChildSession(Session):
         if n == 0:
             return make()
         for k, (_arg, abuf) in self.args.items():
-            if abuf.closed or not abuf.nbytes:
-                continue
-            if abuf.ptr <= ptr and ptr + n <= abuf.ptr + abuf.nbytes:
+            if not abuf.closed and abuf.nbytes and abuf.ptr <= ptr <= abuf.ptr + abuf.nbytes - n:
                 return make(arg=k, offset=ptr - abuf.ptr)
         if self.leases is None:
             raise TypeError(
@@ -475,8 +463,7 @@ class ChildSession(Session):
             self.finish()
         if self.leases is not None:
             self.leases.release(self.new_leases)
-        self.new_leases = []
-        self.exported = []
+        self.new_leases, self.exported = [], []
 
 
 # --- memory a pool worker lent the parent -------------------------------------------
@@ -512,8 +499,7 @@ class LeaseBook:
 
     def enqueue(self, key: WorkerKey, leases: Iterable[int]) -> None:
         """Queue releases of *key*'s leases for the manager to send."""
-        queued = [(key, lease) for lease in leases]
-        if queued:
+        if queued := [(key, lease) for lease in leases]:
             self._released.extend(queued)
             self._wake()
 

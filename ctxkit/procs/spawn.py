@@ -50,8 +50,7 @@ _PR_SET_PDEATHSIG = 1
 def _die_with_parent(parent_pid: int) -> None:
     if sys.platform.startswith("linux"):
         with contextlib.suppress(Exception):
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     if os.getppid() != parent_pid:
         os._exit(1)
 
@@ -104,10 +103,8 @@ def visible_entry(ordinal: int, env: str | None) -> str:
 
 
 def visible_for(ordinals: list[int], isolate: bool) -> list[str | None]:
-    if not isolate:
-        return [None] * len(ordinals)
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return [visible_entry(o, env) for o in ordinals]
+    return [visible_entry(o, env) if isolate else None for o in ordinals]
 
 
 def stop_processes(procs: Iterable[Any], grace: float) -> None:
@@ -119,18 +116,16 @@ def stop_processes(procs: Iterable[Any], grace: float) -> None:
     deadline = time.monotonic() + grace
     for p in live:
         p.join(max(0.0, deadline - time.monotonic()))
-    for p in live:
-        if p.is_alive():
-            with contextlib.suppress(Exception):
-                p.kill()
-            p.join()
+    for p in [p for p in live if p.is_alive()]:
+        with contextlib.suppress(Exception):
+            p.kill()
+        p.join()
 
 
 def spawn_context(mp_context: Any) -> Any:
     if mp_context is None:
         return multiprocessing.get_context("spawn")
-    method = mp_context.get_start_method()
-    if method != "spawn":
+    if (method := mp_context.get_start_method()) != "spawn":
         raise ValueError(
             f"ctxkit.procs needs the 'spawn' start method, got a {method!r} context: a "
             "process forked after CUDA was initialised cannot use CUDA (every driver call "
@@ -144,8 +139,7 @@ def resolve_ordinals(devices: Sequence[Device | int] | None, bind: bool) -> list
     if devices is None:
         if not bind:
             raise ValueError("_bind=False needs an explicit list of device ordinals")
-        n = device_count()
-        if n == 0:
+        if (n := device_count()) == 0:
             Device(0)  # raises the precise reason (no driver / no device)
         return list(range(n))
     specs = check_devices(devices, "run_per_device/DevicePool", contexts=False) or []
@@ -198,10 +192,8 @@ class Child:
         wire.set_shm_prefix(self.shm_prefix)
         global current_device
         current_device = self.ordinal
-        if not self.bind:
-            yield None
-            return
-        with registry.context(0 if self.visible is not None else self.ordinal) as ctx:
+        ordinal = 0 if self.visible is not None else self.ordinal
+        with registry.context(ordinal) if self.bind else contextlib.nullcontext() as ctx:
             yield ctx
 
 
@@ -389,15 +381,14 @@ class _Runner:
         deadlines = [c.deadline for c in children if c.deadline is not None]
         wait_s = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
         ready = multiprocessing.connection.wait(waits, wait_s)
-        for c in children:
-            if not c.conn.closed and c.conn in ready:
+        for c in children:  # an exited child's last message may not be among those ready
+            exited = c.proc.sentinel in ready
+            if not c.conn.closed and (c.conn in ready or (exited and c.conn.poll())):
                 self._receive(c)
         now = time.monotonic()
         for c in children:
             if c.proc.sentinel in ready:
                 c.proc.join()
-                if not c.conn.closed and c.conn.poll():
-                    self._receive(c)
                 self._settle(c, timed_out=False)
             elif c.deadline is not None and now >= c.deadline:
                 stop_processes([c.proc], TERM_GRACE_S)
@@ -416,11 +407,9 @@ class _Runner:
             failure = self._outcome(c, timed_out)
         finally:
             wire.sweep_blocks(c.prefix)  # blocks of a child killed while sending its result
-        if failure is None:
-            return
-        if c.attempt <= self.retries:
+        if failure is not None and c.attempt <= self.retries:
             self._start(c.index, c.attempt + 1)
-        else:
+        elif failure is not None:
             self.failures[self.ordinals[c.index]] = failure
 
     def _outcome(self, c: _Running, timed_out: bool) -> DeviceTaskError | None:
@@ -491,9 +480,7 @@ def run_task(
         restart = isinstance(exc, ContextPoisonedError) or (
             isinstance(exc, CudaError) and exc.code in STICKY_CODES
         )
-    if session.context is not None and session.context.poisoned:
-        restart = True
-    return out, restart
+    return out, restart or bool(session.context is not None and session.context.poisoned)
 
 
 def reply(conn: Any, msg: Any, out: tuple[Any, ...], session: devmem.ChildSession | None) -> bool:
@@ -514,11 +501,10 @@ def _child_main(conn: Any, payload: bytes, child: Child) -> None:
     """Entry point of a ``run_per_device`` child (spawned)."""
     msg: tuple[Any, ...] = ("none",)
     session: devmem.ChildSession | None = None
-    ordinal = child.ordinal
     try:
         with child.setup() as ctx:
-            session = devmem.ChildSession(ctx, None, ordinal)
-            msg = run_task(payload, [], wire.SHM_THRESHOLD, session, (ordinal,))[0]
+            session = devmem.ChildSession(ctx, None, child.ordinal)
+            msg = run_task(payload, [], wire.SHM_THRESHOLD, session, (child.ordinal,))[0]
     except BaseException as exc:
         if msg[0] == "ok":
             wire.discard_blocks(msg[2])

@@ -81,6 +81,8 @@ SHM_THRESHOLD = 1 << 20
 
 _SHM_DIR = "/dev/shm"
 _NAME_ATTEMPTS = 4
+#: ``errno`` of a reservation ``/dev/shm`` cannot back: the buffer goes through the pipe.
+_NO_ROOM = frozenset({errno.ENOSPC, errno.EFBIG, errno.ENOMEM, errno.EOPNOTSUPP})
 
 #: A block as a message names it: ``(name, size, key)``; *key* is the inode of the
 #: ``/dev/shm`` file (a name re-made by someone else has another).
@@ -140,10 +142,8 @@ def create_block(raw: memoryview) -> Block | None:
     was already taken: send the bytes through the pipe instead.
     """
     for _ in range(_NAME_ATTEMPTS):
-        try:
+        with contextlib.suppress(FileExistsError):  # taken: try another fresh name
             return _create(_fresh_name(), raw)
-        except FileExistsError:
-            continue
     warnings.warn(
         f"ctxkit.procs: {_NAME_ATTEMPTS} fresh shared-memory names "
         f"{_SHM_DIR}/{shm_prefix()}-<random> were all taken by another process; "
@@ -164,22 +164,18 @@ def _create(name: str, raw: memoryview) -> Block | None:
         raise
     except OSError:
         return None
+    _track(name)
     try:
-        _track(name)
-        try:
-            os.posix_fallocate(fd, 0, raw.nbytes)
-        except OSError as exc:
-            _unlink(name, path)
-            if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM, errno.EOPNOTSUPP):
-                return None
-            raise
-        try:
-            with mmap.mmap(fd, raw.nbytes) as mapped:
-                mapped[:] = raw
-        except BaseException:
-            _unlink(name, path)
-            raise
+        os.posix_fallocate(fd, 0, raw.nbytes)  # first: a full /dev/shm is an error here
+        with mmap.mmap(fd, raw.nbytes) as mapped:
+            mapped[:] = raw
         return name, raw.nbytes, os.fstat(fd).st_ino
+    except BaseException as exc:
+        os.unlink(path)  # nobody else knows its name yet
+        _untrack(name)
+        if isinstance(exc, OSError) and exc.errno in _NO_ROOM:
+            return None
+        raise
     finally:
         os.close(fd)
 
@@ -197,8 +193,7 @@ def attach_block(name: str, size: int, key: int) -> Any:
     except PermissionError as exc:  # ours is always open to us
         raise _not_the_block(name, size) from exc
     try:
-        st = os.fstat(fd)
-        if st.st_ino != key or st.st_size != size:
+        if (st := os.fstat(fd)).st_ino != key or st.st_size != size:
             raise _not_the_block(name, size)
         mapped = mmap.mmap(fd, size)
     finally:
@@ -214,6 +209,11 @@ def _not_the_block(name: str, size: int) -> BlockIdentityError:
         "the name was removed and re-created by another process. It was not read; the "
         "message that named it is lost"
     )
+
+
+def shm_bytes(parts: Iterable[Part]) -> int:
+    """The bytes of the blocks among *parts*."""
+    return sum(p[1] for p in parts if isinstance(p, tuple))
 
 
 def discard_blocks(parts: Iterable[Part]) -> None:
@@ -252,12 +252,6 @@ def _remove(name: str, size: int, key: int) -> None:
         os.unlink(path)
     except FileNotFoundError:
         return
-    _untrack(name)
-
-
-def _unlink(name: str, path: str) -> None:
-    """Remove a block this process has just made, before anyone else knows its name."""
-    os.unlink(path)
     _untrack(name)
 
 
@@ -318,11 +312,10 @@ def traffic() -> Traffic:
 def _count(
     direction: str, data_len: int, parts: Sequence[Part], devices: int, dev_bytes: int
 ) -> None:
-    shm_bytes = sum(p[1] for p in parts if isinstance(p, tuple))
     pipe_bytes = data_len + sum(len(p) for p in parts if not isinstance(p, tuple))
     with _traffic_lock:
         _traffic[f"pipe_bytes_{direction}"] += pipe_bytes
-        _traffic[f"shm_bytes_{direction}"] += shm_bytes
+        _traffic[f"shm_bytes_{direction}"] += shm_bytes(parts)
         _traffic[f"device_buffers_{direction}"] += devices
         _traffic[f"device_bytes_{direction}"] += dev_bytes
 
@@ -406,8 +399,7 @@ def check_shippable(what: str, fn: Any) -> bool:
     """
     if not callable(fn):
         raise TypeError(f"{what}: expected a callable, got {type(fn).__name__}")
-    reason = by_value_reason(fn)
-    if not reason:
+    if not (reason := by_value_reason(fn)):
         return False
     if _cloudpickle() is None:
         raise TypeError(
@@ -449,9 +441,8 @@ def _dumps(
     cp = _cloudpickle() if by_value else None
     types = devmem.device_types() if session is not None else ()
     if not types:  # no device object can exist here: the plain (C-speed) picklers
-        if cp is not None:
-            return bytes(cp.dumps(obj, protocol=5, buffer_callback=buffer_callback))
-        return pickle.dumps(obj, protocol=5, buffer_callback=buffer_callback)
+        plain = pickle.dumps if cp is None else cp.dumps
+        return bytes(plain(obj, protocol=5, buffer_callback=buffer_callback))
     cls = _session_pickler(pickle.Pickler if cp is None else cp.Pickler)
     out = io.BytesIO()
     cls(out, session, types, protocol=5, buffer_callback=buffer_callback).dump(obj)
@@ -473,7 +464,7 @@ def dumps(
         raise _not_picklable(what, exc) from exc
 
 
-def _not_picklable(what: str, exc: Exception) -> TypeError:
+def _not_picklable(what: str, exc: Exception | None) -> TypeError:
     return TypeError(
         f"{what}: the function and its arguments must be picklable to reach a spawned "
         f"process, but pickling failed: {exc}"
@@ -517,25 +508,20 @@ class Payload:
         ``ValueError``, ``TypeError``, ``ContextClosedError`` or the driver's
         ``CudaError``); ``TypeError`` for anything else that cannot be pickled.
         """
-        found: list[memoryview] = []
-        devices = devmem.Outgoing(what)
-        try:
-            data = _dumps(obj, by_value, _collect(threshold, found), devices)
-        except Exception as exc:
-            if devices.error is not None:
-                raise devices.error from None
-            cp = None if by_value else _cloudpickle()
-            if cp is None:
-                raise _not_picklable(what, exc) from exc
-            found.clear()
+        first: Exception | None = None
+        # a lambda among the arguments: cloudpickle can send that too
+        for value in (by_value,) if by_value or _cloudpickle() is None else (False, True):
+            found: list[memoryview] = []
             devices = devmem.Outgoing(what)
-            try:  # a lambda among the arguments: cloudpickle can send that too
-                data = _dumps(obj, True, _collect(threshold, found), devices)
-            except Exception:
+            try:
+                data = _dumps(obj, value, _collect(threshold, found), devices)
+            except Exception as exc:
                 if devices.error is not None:
                     raise devices.error from None
-                raise _not_picklable(what, exc) from exc
-        return cls(data, list(found), devices if devices.sent else None)
+                first = first or exc
+                continue
+            return cls(data, list(found), devices if devices.sent else None)
+        raise _not_picklable(what, first) from first
 
     def snapshot(self) -> None:
         """Copy the buffers out of the caller's memory (the task waits in a queue)."""
@@ -552,25 +538,18 @@ class Payload:
         Returns the parts and the bytes put in shared memory (reserved, not given back).
         """
         parts: list[Part] = []
-        used = 0
         try:
             for buf in self.buffers:
                 raw = memoryview(buf).cast("B")
                 block = None
-                if reserve(raw.nbytes):
-                    block = create_block(raw)
-                    if block is None:
-                        unreserve(raw.nbytes)
-                if block is None:
-                    parts.append(bytearray(raw))
-                else:
-                    parts.append(block)
-                    used += raw.nbytes
+                if reserve(raw.nbytes) and (block := create_block(raw)) is None:
+                    unreserve(raw.nbytes)
+                parts.append(block or bytearray(raw))
         except BaseException:
             discard_blocks(parts)
-            unreserve(used)
+            unreserve(shm_bytes(parts))
             raise
-        return parts, used
+        return parts, shm_bytes(parts)
 
     def release(self) -> None:
         """Drop the buffers and stop holding the device arguments."""
@@ -676,14 +655,12 @@ def outcome(
 ) -> tuple[Any, DeviceTaskError | None]:
     """A task's reply ``out`` (``("ok", data, parts, ...)`` or ``("error", desc)``) in
     the parent: ``(value, None)``, or ``(None, the DeviceTaskError it stands for)``."""
-    if out[0] != "ok":
-        return None, error_from(out[1], device, pid, exitcode, attempts, head)
-    try:
-        return decode(out[1], out[2], loader), None
-    except Exception as exc:
-        desc = describe_exception(exc)
-        head += ": result not loadable"
-        return None, error_from(desc, device, pid, exitcode, attempts, head)
+    if out[0] == "ok":
+        try:
+            return decode(out[1], out[2], loader), None
+        except Exception as exc:
+            out, head = ("error", describe_exception(exc)), f"{head}: result not loadable"
+    return None, error_from(out[1], device, pid, exitcode, attempts, head)
 
 
 def error_from(
