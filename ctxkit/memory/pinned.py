@@ -327,17 +327,28 @@ def sync_event(ev: Event) -> None:
             ev.synchronize()
 
 
+def work_done(block: Block, wait: bool = False) -> bool:
+    """True when the stream work *block* waits for completed (``cuEventQuery``), never
+    raising; with *wait*, after waiting on the host for it (GIL released). The contexts
+    of streams closed before its array died are waited for either way."""
+    for s in block.streams:
+        sync_quietly(s.context)
+    block.streams = []
+    for ev, _ in list(block.events):  # a copy: record_event may append
+        if not event_done(ev):
+            if not wait:
+                return False
+            sync_event(ev)
+    return True
+
+
 def free_left(blocks: dict[str, dict[int, Block]], returned: collections.deque[Block]) -> None:
     """Finalizer of a collected pool: free its blocks once their stream work is done."""
     if shutting_down():
         return
     left = [*returned, *blocks["pending"].values()]
     for block in left:
-        for s in block.streams:  # closed before the array died: wait for its context
-            sync_quietly(s.context)
-        for ev, _ in block.events:
-            if not event_done(ev):
-                sync_event(ev)
+        work_done(block, wait=True)
     for block in [*blocks["cached"].values(), *left]:
         block.pages.release()
 
@@ -385,10 +396,7 @@ class PinnedPool:
         first). Returns the bytes freed. Blocks in use are never taken away: until they
         return, the pool may hold more than a lowered budget."""
         self._budget = nbytes_arg(nbytes, "set_budget(nbytes)", "")
-        self._settle()
-        with self._lock:
-            victims = self._evict_locked(self._budget)
-        return self._free(victims)
+        return self._free_cached(self._budget)
 
     def empty(
         self,
@@ -547,19 +555,12 @@ class PinnedPool:
         """Free cached blocks (least recently returned first) until at most *keep_bytes*
         stay cached; return the bytes freed. Blocks in use or waiting for their streams
         are kept."""
-        keep = nbytes_arg(keep_bytes, "trim(keep_bytes)", "")
-        self._settle()
-        with self._lock:
-            victims = self._evict_locked(keep, trim=True)
-        return self._free(victims)
+        return self._free_cached(nbytes_arg(keep_bytes, "trim(keep_bytes)", ""), trim=True)
 
     def release(self) -> int:
         """Wait for the stream work of returned blocks, then free every block not in use;
         return the bytes freed. Arrays still alive keep their blocks."""
-        self._settle()
-        with self._lock:
-            waiting = list(self._blocks["pending"].values())
-        self._settle(waiting)
+        self._settle(wait=True)
         return self.trim(0)
 
     def claim(self, nbytes: int) -> bool:
@@ -567,13 +568,11 @@ class PinnedPool:
         the caller's arrays) against the budget, freeing cached blocks to make room.
         False, and nothing counted, when it does not fit. Undo with :meth:`unclaim`."""
         n = nbytes_arg(nbytes, "claim(nbytes)", "")
-        self._settle()
+        self._free_cached(self._budget - n)
         with self._lock:
-            victims = self._evict_locked(self._budget - n)
             ok = self._held_locked() + n <= self._budget
             if ok:
                 self._claimed += n
-        self._free(victims)
         return ok
 
     def unclaim(self, nbytes: int) -> None:
@@ -649,13 +648,13 @@ class PinnedPool:
                 ok = self._held_locked() + need <= self._budget
                 if ok:
                     self._bytes["inflight"] += cls
-                pending = list(self._blocks["pending"].values())
+                pending = bool(self._blocks["pending"])
             self._free(victims)
             if ok:
                 break
             if waited or not pending or not wait:
                 raise self._over_budget(cls, what)
-            self._settle(pending)
+            self._settle(wait=True)
             waited = True
         try:
             pages = self._lock_new(cls, ctx, what)
@@ -754,18 +753,23 @@ class PinnedPool:
             "you no longer need"
         )
 
+    def _free_cached(self, limit: int, trim: bool = False) -> int:
+        """Settle returned blocks, then free cached ones as :meth:`_evict_locked` picks
+        them for *limit* and *trim*; the bytes freed."""
+        self._settle()
+        with self._lock:
+            victims = self._evict_locked(limit, trim)
+        return self._free(victims)
+
     def _free(self, blocks: Sequence[Block]) -> int:
         """``cuMemFreeHost`` each block in its context (never raising); the bytes."""
-        freed = 0
+        with self._lock:
+            self._count["frees"] += sum(block.usable() for block in blocks)
         for block in blocks:
             self._events.give(block.events)
             block.events = []
-            if block.usable():
-                with self._lock:
-                    self._count["frees"] += 1
             block.pages.release()
-            freed += block.nbytes
-        return freed
+        return sum(block.nbytes for block in blocks)
 
     # --- arrays over blocks --------------------------------------------------------
 
@@ -803,54 +807,39 @@ class PinnedPool:
 
     # --- driver work outside the lock ----------------------------------------------
 
-    def _settle(self, wait: Sequence[Block] = ()) -> None:
-        """Wait-list the returned blocks and cache those whose stream work completed,
-        after waiting (GIL released) for the events of the blocks *wait*."""
-        if not (wait or self._returned or self._blocks["pending"]) or shutting_down():
+    def _settle(self, wait: bool = False) -> None:
+        """Wait-list the returned blocks, then cache those waiting whose stream work
+        completed (:func:`work_done`; with *wait*, after waiting for it) and free those
+        whose context is gone."""
+        if not (self._returned or self._blocks["pending"]) or shutting_down():
             return
         if not lifetime.begin_free(None, self._settle_after_capture, ()):
             return  # a capture forbids driver calls here; this runs when it ends
         try:
-            for block in wait:
-                for ev, _ in list(block.events):  # a copy: record_event may append
-                    sync_event(ev)  # a closed event or a poisoned context: _collect decides
-            while self._returned:
-                try:
-                    block = self._returned.popleft()
-                except IndexError:
-                    break
-                for s in block.streams:  # closed before the array died: wait for its context
-                    sync_quietly(s.context)
-                block.streams = []
-                ready = block.usable() and not block.events  # else _collect decides
-                with self._lock:
-                    self._put_locked(block, "cached" if ready else "pending")
-            self._collect()
+            with self._lock:
+                while self._returned:  # finalizers append without the lock, never pop
+                    self._put_locked(self._returned.popleft(), "pending")
+                # those with no events first: cached in the order they came back
+                pending = sorted(self._blocks["pending"].values(), key=lambda b: bool(b.events))
+            done = [block for block in pending if work_done(block, wait)]
+            dead: list[Block] = []
+            spent: list[tuple[Event, bool]] = []
+            with self._lock:
+                for block in done:
+                    if block.where == "pending":  # not settled by another thread meanwhile
+                        spent.extend(block.events)
+                        block.events = []
+                        self._put_locked(block, "cached" if block.usable() else None)
+                        if block.where is None:
+                            dead.append(block)
+            self._events.give(spent)
+            self._free(dead)
         finally:
             lifetime.end_free()
 
     def _settle_after_capture(self) -> int:
         self._settle()
         return 0
-
-    def _collect(self) -> None:
-        """Cache the pending blocks whose events have all completed (cuEventQuery)."""
-        with self._lock:
-            pending = list(self._blocks["pending"].values())
-        done = [b for b in pending if all(event_done(ev) for ev, _ in list(b.events))]
-        dead: list[Block] = []
-        spent_all = []
-        with self._lock:
-            for block in done:
-                if block.where != "pending":
-                    continue
-                spent, block.events = block.events, []
-                spent_all.extend(spent)
-                self._put_locked(block, "cached" if block.usable() else None)
-                if block.where is None:
-                    dead.append(block)
-        self._events.give(spent_all)
-        self._free(dead)
 
 
 _process_pool: PinnedPool | None = None
