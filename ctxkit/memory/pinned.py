@@ -155,9 +155,7 @@ def default_budget() -> int:
     if budget is not None:
         return budget
     phys = _physical_memory()
-    if phys is None:
-        return 4 * GiB
-    return min(phys // 4, DEFAULT_CAP)
+    return 4 * GiB if phys is None else min(phys // 4, DEFAULT_CAP)
 
 
 def human(n: int) -> str:
@@ -375,8 +373,8 @@ class PinnedPool:
         #: blocks whose last array died, appended by finalizers in any thread (no lock)
         self._returned: collections.deque[Block] = collections.deque()
         self._events = EventCache()
-        self._bytes = {"in_use": 0, "cached": 0, "pending": 0, "inflight": 0}
-        self._claimed = 0
+        #: bytes of the blocks in each place, of blocks being allocated and of claim()
+        self._bytes = dict.fromkeys(("in_use", "cached", "pending", "inflight", "claimed"), 0)
         self._count = dict.fromkeys(
             ("requests", "hits", "allocations", "frees", "evictions", "peak_bytes"), 0
         )
@@ -545,8 +543,7 @@ class PinnedPool:
         with self._lock:
             return PinnedPoolStats(
                 budget=self._budget,
-                claimed_bytes=self._claimed,
-                **{f"{where}_bytes": self._bytes[where] for where in self._blocks},
+                **{f"{key}_bytes": n for key, n in self._bytes.items() if key != "inflight"},
                 **{f"{where}_blocks": len(blocks) for where, blocks in self._blocks.items()},
                 **self._count,
             )
@@ -572,16 +569,17 @@ class PinnedPool:
         with self._lock:
             ok = self._held_locked() + n <= self._budget
             if ok:
-                self._claimed += n
+                self._bytes["claimed"] += n
         return ok
 
     def unclaim(self, nbytes: int) -> None:
         """Give back bytes counted by :meth:`claim`."""
         n = nbytes_arg(nbytes, "unclaim(nbytes)", "")
         with self._lock:
-            if n > self._claimed:
-                raise ValueError(f"unclaim({n}): only {self._claimed} bytes are claimed")
-            self._claimed -= n
+            claimed = self._bytes["claimed"]
+            if n > claimed:
+                raise ValueError(f"unclaim({n}): only {claimed} bytes are claimed")
+            self._bytes["claimed"] -= n
 
     def prefill(self, nbytes: int, count: int = 1, *, context: Any = None) -> int:
         """Make sure *count* cached blocks can serve requests of *nbytes* (allocating the
@@ -636,10 +634,10 @@ class PinnedPool:
         ctx = _registry.context(host_context(context, what).device.ordinal)
         ctx.check_usable()
         need = cls + headroom
-        if need > self._budget - self._claimed:
+        if need > self._budget - self._bytes["claimed"]:
             raise self._over_budget(cls, what)
-        waited = False
-        while True:  # count cls bytes as being allocated: free cached, then wait for pending
+        # count cls bytes as being allocated: free cached blocks, then wait for pending ones
+        for waited in (False, True):
             with self._lock:
                 block = self._take_cached_locked(cls) if waited and reuse else None
                 if block is not None:
@@ -655,7 +653,6 @@ class PinnedPool:
             if waited or not pending or not wait:
                 raise self._over_budget(cls, what)
             self._settle(wait=True)
-            waited = True
         try:
             pages = self._lock_new(cls, ctx, what)
         except BaseException:
@@ -670,18 +667,14 @@ class PinnedPool:
         return block
 
     def _take_cached_locked(self, cls: int) -> Block | None:
-        best: Block | None = None
-        dead = []
-        for block in self._blocks["cached"].values():
-            if not block.usable():
-                dead.append(block)
-            elif fits(block.nbytes, cls) and (best is None or block.nbytes <= best.nbytes):
-                best = block
-        for block in dead:  # their context was closed: only our own mapping is left
-            self._put_locked(block, None)
+        cached = self._blocks["cached"].values()
+        for block in [b for b in cached if not b.usable()]:  # their context was closed:
+            self._put_locked(block, None)  # only our own mapping is left
             block.pages.release()
-        if best is None:
+        fitting = [b for b in cached if fits(b.nbytes, cls)]
+        if not fitting:
             return None
+        best = min(reversed(fitting), key=lambda b: b.nbytes)  # the last returned of equal ones
         self._put_locked(best, "in_use")
         self._count["hits"] += 1
         return best
@@ -691,7 +684,7 @@ class PinnedPool:
         return OutOfMemoryError(
             f"{what}: a block of {cls} bytes ({gib(cls)}) does not fit the pinned pool's "
             f"budget of {self._budget} bytes ({gib(self._budget)}): {b['in_use']} bytes are "
-            f"in use by live arrays, {b['pending']} wait for stream work, {self._claimed} "
+            f"in use by live arrays, {b['pending']} wait for stream work, {b['claimed']} "
             f"are claimed by registrations, {b['inflight']} are being allocated. Drop "
             "arrays you no longer need, or raise the budget: "
             "CTXKIT_PINNED_POOL_BYTES=<bytes> or ctxkit.pinned_pool().set_budget(<bytes>)"
@@ -700,8 +693,7 @@ class PinnedPool:
     # --- bookkeeping (callers hold the lock) ---------------------------------------
 
     def _held_locked(self) -> int:
-        b = self._bytes
-        return b["in_use"] + b["cached"] + b["pending"] + b["inflight"] + self._claimed
+        return sum(self._bytes.values())
 
     def _put_locked(self, block: Block, where: str | None) -> None:
         """Move *block* to *where* in the books (``None``: out of them)."""
@@ -712,7 +704,8 @@ class PinnedPool:
         if where is not None:
             self._blocks[where][block.ptr] = block
             self._bytes[where] += block.nbytes
-            held = self._held_locked() - self._claimed - self._bytes["inflight"]
+            b = self._bytes
+            held = b["in_use"] + b["cached"] + b["pending"]
             self._count["peak_bytes"] = max(self._count["peak_bytes"], held)
 
     def _evict_locked(self, limit: int, trim: bool = False) -> list[Block]:
