@@ -370,25 +370,7 @@ def give_back(blk: Block, stream: Stream | None) -> None:
         blk.token.pop()
     except IndexError:  # given back already (a second close, or another thread's)
         return
-    home = blk.home
-    if stream is None and home is not None and _enabled:
-        blocks = home.blocks.get(blk.size)
-        if blocks is not None and _caches.get(home.key) is home:
-            # the common case: back to the cache of its own stream
-            blk.stream = None
-            blocks.append(blk)
-            dev = home.device
-            held = _held[dev] = _held.get(dev, 0) + blk.size  # not atomic: a flush recounts
-            limit = _limits.get(dev)
-            if held > (limit if limit is not None else limit_bytes(home.context)):
-                flush(device=dev)
-            return
-    _give_back_slow(blk, stream)
-
-
-def _give_back_slow(blk: Block, stream: Stream | None) -> None:
-    own = blk.stream
-    blk.stream = None
+    own, blk.stream = blk.stream, None
     target = stream if stream is not None else own
     home = blk.home
     if home is not None and (target is not own or _caches.get(home.key) is not home):
@@ -400,13 +382,18 @@ def _give_back_slow(blk: Block, stream: Stream | None) -> None:
         if target is not None:
             free_quietly(target.context, free_async, blk.ptr, target)
         return
-    fresh: list[Block] = []  # made outside the lock: creating it may run the GC
-    with _lock:
-        blk.home = home
-        home.blocks.setdefault(blk.size, fresh).append(blk)
-        held = _held[home.device] = _held.get(home.device, 0) + blk.size
-    if held > limit_bytes(home.context):
-        flush(device=home.device)
+    blocks = home.blocks.get(blk.size)  # the common case: a list for its size is there
+    if blocks is None:
+        fresh: list[Block] = []  # made outside the lock: creating it may run the GC
+        with _lock:
+            blocks = home.blocks.setdefault(blk.size, fresh)
+    blk.home = home
+    blocks.append(blk)
+    dev = home.device
+    held = _held[dev] = _held.get(dev, 0) + blk.size  # not atomic: a flush recounts
+    limit = _limits.get(dev)
+    if held > (limit if limit is not None else limit_bytes(home.context)):
+        flush(device=dev)
 
 
 def free_async(ptr: int, stream: Any) -> Any:
