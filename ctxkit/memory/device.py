@@ -284,9 +284,7 @@ class DeviceBuffer(Copyable):
             if type(s) is Stream and (context is None or context is s.context):
                 blk = alloc.take(s, nbytes)
                 if blk is not None:
-                    self._setup_view(blk.ptr, nbytes, s.context, None)
-                    self._stream = s
-                    self._fin = blk
+                    self._hold(blk, nbytes, s.context, s)
                     return
         self._init(nbytes, context, stream, pool)
 
@@ -299,9 +297,8 @@ class DeviceBuffer(Copyable):
         self._setup_view(0, n, ctx, None)
         if (stream is not None or pool is not None) and not self.kind.stream_ordered:
             raise TypeError(f"{what}: {type(self).__name__} cannot be stream-ordered")
-        sh = None
-        if self.kind.stream_ordered:
-            stream, sh, _ = call_stream(stream, ctx, what)
+        ordered = self.kind.stream_ordered  # else stream is None (refused above)
+        stream, sh, _ = call_stream(stream, ctx, what) if ordered else (None, None, False)
         if n == 0:
             return
         if stream is None and pool is None:
@@ -313,10 +310,13 @@ class DeviceBuffer(Copyable):
             return
         s = stream if isinstance(stream, Stream) else Stream.from_handle(stream or 0, ctx)
         ph = None if pool is None else pool.handle
-        # The block holds the stream while the buffer lives, so the free (or the return to
-        # the stream's cache) is ordered after every use enqueued on it.
-        blk = alloc.take(s, n, ph) or alloc.allocate(ctx, n, s, sh, ph, what)
-        self._ptr = blk.ptr
+        self._hold(alloc.take(s, n, ph) or alloc.allocate(ctx, n, s, sh, ph, what), n, ctx, s)
+
+    def _hold(self, blk: Block, n: int, ctx: Context, s: Stream) -> None:
+        """Own the stream-ordered block *blk* of *n* bytes on *s*. The block holds the
+        stream while the buffer lives, so the free (or the return to the stream's cache)
+        is ordered after every use enqueued on it."""
+        self._setup_view(blk.ptr, n, ctx, None)
         self._stream = s
         self._fin = blk
 

@@ -317,14 +317,6 @@ def event_done(ev: Event) -> bool:
         return ctx.closed or ctx.poisoned
 
 
-def sync_event(ev: Event) -> None:
-    """Wait on the host for *ev*, never raising (a closed event or a poisoned context:
-    :func:`event_done` decides what that means)."""
-    with contextlib.suppress(Exception):
-        with ev.context:  # bound explicitly: strict mode refuses implicit binds
-            ev.synchronize()
-
-
 def work_done(block: Block, wait: bool = False) -> bool:
     """True when the stream work *block* waits for completed (``cuEventQuery``), never
     raising; with *wait*, after waiting on the host for it (GIL released). The contexts
@@ -336,7 +328,10 @@ def work_done(block: Block, wait: bool = False) -> bool:
         if not event_done(ev):
             if not wait:
                 return False
-            sync_event(ev)
+            # bound explicitly (strict mode refuses implicit binds); never raising: a
+            # context poisoned meanwhile has no work left to wait for
+            with contextlib.suppress(Exception), ev.context:
+                ev.synchronize()
     return True
 
 
@@ -775,12 +770,11 @@ class PinnedPool:
             if not shutting_down():
                 streams, block.streams = block.streams, []  # no array is left to add more
                 for s in streams:
-                    if s.handle is None:  # closed: waiting for its context blocks, and
-                        block.streams.append(s)  # this thread may hold a lock; later
-                        continue
-                    ev = self._events.record(s)
+                    ev = None if s.handle is None else self._events.record(s)
                     if ev is not None:
                         block.events.append((ev, True))
+                    elif s.handle is None:  # closed: waiting for its context blocks, and
+                        block.streams.append(s)  # this thread may hold a lock; later
         finally:
             self._returned.append(block)
         return 0
