@@ -435,11 +435,6 @@ def _cached(match: Any) -> int:
     )
 
 
-def _recount(device: int) -> None:
-    """Set the device's held bytes from the caches (call with the lock held)."""
-    _held[device] = _cached(lambda sc: sc.device == device)
-
-
 def _drain(keys: list[Any], drop: bool = False, sync: bool = False) -> int:
     """Free the blocks of the caches with *keys* on their streams (with *drop*, forget
     the caches too; with *sync*, wait for the frees); the bytes given back."""
@@ -449,9 +444,9 @@ def _drain(keys: list[Any], drop: bool = False, sync: bool = False) -> int:
             sc = _caches.pop(key, None) if drop else _caches.get(key)
             if sc is not None:
                 taken.append((sc, _take_all(sc)))
-        for dev in {sc.device for sc, _b in taken}:
-            _recount(dev)
-    contexts = {}
+        for dev in {sc.device for sc, _b in taken}:  # their held bytes, from the caches
+            _held[dev] = _cached(lambda sc, dev=dev: sc.device == dev)
+    contexts: dict[int, Context] = {}
     for sc, blocks in taken:
         target = sc.target()
         for b in blocks:
