@@ -228,9 +228,15 @@ class StreamCache:
         self.strong: Stream | None = stream if strong else None
         self.ref: Any = None if strong else weakref.ref(stream, _stream_dropped(key))
 
-    def stream(self) -> Stream | None:
-        """The stream (``None`` once it was garbage collected)."""
-        return self.strong if self.strong is not None else self.ref()
+    def target(self) -> Any:
+        """What its blocks are freed on (:func:`free_async`): the stream; once it was
+        garbage collected, its handle while the stream is not destroyed yet (the weak
+        reference's callback runs before the stream's own finalizer, a newer one), else
+        ``None``."""
+        stream = self.strong if self.strong is not None else self.ref()
+        if stream is not None:
+            return stream
+        return self.handle if self.fin is not None and self.fin.alive else None
 
 
 class Block:
@@ -364,25 +370,7 @@ def give_back(blk: Block, stream: Stream | None) -> None:
         blk.token.pop()
     except IndexError:  # given back already (a second close, or another thread's)
         return
-    home = blk.home
-    if stream is None and home is not None and _enabled:
-        blocks = home.blocks.get(blk.size)
-        if blocks is not None and _caches.get(home.key) is home:
-            # the common case: back to the cache of its own stream
-            blk.stream = None
-            blocks.append(blk)
-            dev = home.device
-            held = _held[dev] = _held.get(dev, 0) + blk.size  # not atomic: a flush recounts
-            limit = _limits.get(dev)
-            if held > (limit if limit is not None else limit_bytes(home.context)):
-                flush(device=dev)
-            return
-    _give_back_slow(blk, stream)
-
-
-def _give_back_slow(blk: Block, stream: Stream | None) -> None:
-    own = blk.stream
-    blk.stream = None
+    own, blk.stream = blk.stream, None
     target = stream if stream is not None else own
     home = blk.home
     if home is not None and (target is not own or _caches.get(home.key) is not home):
@@ -394,13 +382,18 @@ def _give_back_slow(blk: Block, stream: Stream | None) -> None:
         if target is not None:
             free_quietly(target.context, free_async, blk.ptr, target)
         return
-    fresh: list[Block] = []  # made outside the lock: creating it may run the GC
-    with _lock:
-        blk.home = home
-        home.blocks.setdefault(blk.size, fresh).append(blk)
-        held = _held[home.device] = _held.get(home.device, 0) + blk.size
-    if held > limit_bytes(home.context):
-        flush(device=home.device)
+    blocks = home.blocks.get(blk.size)  # the common case: a list for its size is there
+    if blocks is None:
+        fresh: list[Block] = []  # made outside the lock: creating it may run the GC
+        with _lock:
+            blocks = home.blocks.setdefault(blk.size, fresh)
+    blk.home = home
+    blocks.append(blk)
+    dev = home.device
+    held = _held[dev] = _held.get(dev, 0) + blk.size  # not atomic: a flush recounts
+    limit = _limits.get(dev)
+    if held > (limit if limit is not None else limit_bytes(home.context)):
+        flush(device=dev)
 
 
 def free_async(ptr: int, stream: Any) -> Any:
@@ -417,7 +410,7 @@ def free_async(ptr: int, stream: Any) -> Any:
     return drv.cuMemFreeAsync(ptr, handle)
 
 
-def _drain(sc: StreamCache) -> list[Block]:
+def _take_all(sc: StreamCache) -> list[Block]:
     """Take every block out of *sc* (call with the lock held). The garbage collector may
     run in between and put a block back re-entrantly: nothing is iterated that it could
     change, and nothing it adds is lost (it stays cached)."""
@@ -442,47 +435,43 @@ def _cached(match: Any) -> int:
     )
 
 
-def _recount(device: int) -> None:
-    """Set the device's held bytes from the caches (call with the lock held)."""
-    _held[device] = _cached(lambda sc: sc.device == device)
+def _drain(keys: list[Any], drop: bool = False, sync: bool = False) -> int:
+    """Free the blocks of the caches with *keys* on their streams (with *drop*, forget
+    the caches too; with *sync*, wait for the frees); the bytes given back."""
+    taken = []
+    with _lock:
+        for key in keys:
+            sc = _caches.pop(key, None) if drop else _caches.get(key)
+            if sc is not None:
+                taken.append((sc, _take_all(sc)))
+        for dev in {sc.device for sc, _b in taken}:  # their held bytes, from the caches
+            _held[dev] = _cached(lambda sc, dev=dev: sc.device == dev)
+    contexts: dict[int, Context] = {}
+    for sc, blocks in taken:
+        target = sc.target()
+        for b in blocks:
+            b.home = None
+            free_quietly(sc.context, free_async, b.ptr, target)
+            contexts[id(sc.context)] = sc.context
+    for ctx in contexts.values() if sync else ():
+        if not ctx.closed and not ctx.poisoned:
+            ctx.synchronize()
+    return sum(b.size for _sc, blocks in taken for b in blocks)
 
 
-def _free_blocks(sc: StreamCache, blocks: list[Block], stream: Any) -> None:
-    ctx = sc.context
-    for b in blocks:
-        b.home = None
-        free_quietly(ctx, free_async, b.ptr, stream)
+def _keys(device: int | None = None, context: Any = None) -> list[Any]:
+    """The keys of the caches of *device* and of *context* (``None``: any)."""
+    return [
+        key
+        for key, sc in list(_caches.items())
+        if (device is None or sc.device == device) and (context is None or sc.context is context)
+    ]
 
 
 def flush(*, device: int | None = None, context: Any = None, sync: bool = False) -> int:
     """Free the cached blocks (of one device or context; all when neither is given) on
     their streams; with *sync* wait for those frees. Returns the bytes given back."""
-
-    def match(sc: StreamCache) -> bool:
-        return (device is None or sc.device == device) and (
-            context is None or sc.context is context
-        )
-
-    taken = []
-    with _lock:
-        for sc in list(_caches.values()):
-            blocks = _drain(sc) if sc.blocks and match(sc) else None
-            if blocks:
-                taken.append((sc, blocks))
-        for dev in {sc.device for sc, _b in taken}:
-            _recount(dev)
-    freed = 0
-    contexts = []
-    for sc, blocks in taken:
-        _free_blocks(sc, blocks, sc.stream())
-        freed += sum(b.size for b in blocks)
-        if sc.context not in contexts:
-            contexts.append(sc.context)
-    if sync:
-        for ctx in contexts:
-            if not ctx.closed and not ctx.poisoned:
-                ctx.synchronize()
-    return freed
+    return _drain(_keys(device, context), sync=sync)
 
 
 def cached_bytes(device: int, pool: Any = 0) -> int:
@@ -497,28 +486,14 @@ def cached_bytes(device: int, pool: Any = 0) -> int:
 
 def _stream_dropped(key: Any) -> Any:
     def dropped(_ref: Any) -> None:
-        with _lock:
-            sc = _caches.pop(key, None)
-            if sc is None:
-                return
-            blocks = _drain(sc)
-            _recount(sc.device)
-        if not blocks:
-            return
-        # This callback runs before the stream's own finalizer destroys it (a newer weak
-        # reference); should it not, the handle is gone and free_async synchronizes.
-        alive = sc.fin is not None and sc.fin.alive
-        _free_blocks(sc, blocks, sc.handle if alive else None)
+        _drain([key], drop=True)
 
     return dropped
 
 
 def context_closing(ctx: Context) -> None:
     """*ctx* is about to be closed: free its cached blocks while it still exists."""
-    flush(context=ctx)
-    with _lock:
-        for key in [k for k, sc in _caches.items() if sc.context is ctx]:
-            del _caches[key]
+    _drain(_keys(context=ctx), drop=True)
 
 
 def _at_exit() -> None:

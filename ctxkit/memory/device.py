@@ -284,9 +284,7 @@ class DeviceBuffer(Copyable):
             if type(s) is Stream and (context is None or context is s.context):
                 blk = alloc.take(s, nbytes)
                 if blk is not None:
-                    self._setup_view(blk.ptr, nbytes, s.context, None)
-                    self._stream = s
-                    self._fin = blk
+                    self._hold(blk, nbytes, s.context, s)
                     return
         self._init(nbytes, context, stream, pool)
 
@@ -313,10 +311,13 @@ class DeviceBuffer(Copyable):
             return
         s = stream if isinstance(stream, Stream) else Stream.from_handle(stream or 0, ctx)
         ph = None if pool is None else pool.handle
-        # The block holds the stream while the buffer lives, so the free (or the return to
-        # the stream's cache) is ordered after every use enqueued on it.
-        blk = alloc.take(s, n, ph) or alloc.allocate(ctx, n, s, sh, ph, what)
-        self._ptr = blk.ptr
+        self._hold(alloc.take(s, n, ph) or alloc.allocate(ctx, n, s, sh, ph, what), n, ctx, s)
+
+    def _hold(self, blk: Block, n: int, ctx: Context, s: Stream) -> None:
+        """Own the stream-ordered block *blk* of *n* bytes on *s*. The block holds the
+        stream while the buffer lives, so the free (or the return to the stream's cache)
+        is ordered after every use enqueued on it."""
+        self._setup_view(blk.ptr, n, ctx, None)
         self._stream = s
         self._fin = blk
 

@@ -155,9 +155,7 @@ def default_budget() -> int:
     if budget is not None:
         return budget
     phys = _physical_memory()
-    if phys is None:
-        return 4 * GiB
-    return min(phys // 4, DEFAULT_CAP)
+    return 4 * GiB if phys is None else min(phys // 4, DEFAULT_CAP)
 
 
 def human(n: int) -> str:
@@ -319,12 +317,22 @@ def event_done(ev: Event) -> bool:
         return ctx.closed or ctx.poisoned
 
 
-def sync_event(ev: Event) -> None:
-    """Wait on the host for *ev*, never raising (a closed event or a poisoned context:
-    :func:`event_done` decides what that means)."""
-    with contextlib.suppress(Exception):
-        with ev.context:  # bound explicitly: strict mode refuses implicit binds
-            ev.synchronize()
+def work_done(block: Block, wait: bool = False) -> bool:
+    """True when the stream work *block* waits for completed (``cuEventQuery``), never
+    raising; with *wait*, after waiting on the host for it (GIL released). The contexts
+    of streams closed before its array died are waited for either way."""
+    for s in block.streams:
+        sync_quietly(s.context)
+    block.streams = []
+    for ev, _ in list(block.events):  # a copy: record_event may append
+        if not event_done(ev):
+            if not wait:
+                return False
+            # bound explicitly (strict mode refuses implicit binds); never raising: a
+            # context poisoned meanwhile has no work left to wait for
+            with contextlib.suppress(Exception), ev.context:
+                ev.synchronize()
+    return True
 
 
 def free_left(blocks: dict[str, dict[int, Block]], returned: collections.deque[Block]) -> None:
@@ -333,11 +341,7 @@ def free_left(blocks: dict[str, dict[int, Block]], returned: collections.deque[B
         return
     left = [*returned, *blocks["pending"].values()]
     for block in left:
-        for s in block.streams:  # closed before the array died: wait for its context
-            sync_quietly(s.context)
-        for ev, _ in block.events:
-            if not event_done(ev):
-                sync_event(ev)
+        work_done(block, wait=True)
     for block in [*blocks["cached"].values(), *left]:
         block.pages.release()
 
@@ -364,8 +368,8 @@ class PinnedPool:
         #: blocks whose last array died, appended by finalizers in any thread (no lock)
         self._returned: collections.deque[Block] = collections.deque()
         self._events = EventCache()
-        self._bytes = {"in_use": 0, "cached": 0, "pending": 0, "inflight": 0}
-        self._claimed = 0
+        #: bytes of the blocks in each place, of blocks being allocated and of claim()
+        self._bytes = dict.fromkeys(("in_use", "cached", "pending", "inflight", "claimed"), 0)
         self._count = dict.fromkeys(
             ("requests", "hits", "allocations", "frees", "evictions", "peak_bytes"), 0
         )
@@ -385,10 +389,7 @@ class PinnedPool:
         first). Returns the bytes freed. Blocks in use are never taken away: until they
         return, the pool may hold more than a lowered budget."""
         self._budget = nbytes_arg(nbytes, "set_budget(nbytes)", "")
-        self._settle()
-        with self._lock:
-            victims = self._evict_locked(self._budget)
-        return self._free(victims)
+        return self._free_cached(self._budget)
 
     def empty(
         self,
@@ -537,8 +538,7 @@ class PinnedPool:
         with self._lock:
             return PinnedPoolStats(
                 budget=self._budget,
-                claimed_bytes=self._claimed,
-                **{f"{where}_bytes": self._bytes[where] for where in self._blocks},
+                **{f"{key}_bytes": n for key, n in self._bytes.items() if key != "inflight"},
                 **{f"{where}_blocks": len(blocks) for where, blocks in self._blocks.items()},
                 **self._count,
             )
@@ -547,19 +547,12 @@ class PinnedPool:
         """Free cached blocks (least recently returned first) until at most *keep_bytes*
         stay cached; return the bytes freed. Blocks in use or waiting for their streams
         are kept."""
-        keep = nbytes_arg(keep_bytes, "trim(keep_bytes)", "")
-        self._settle()
-        with self._lock:
-            victims = self._evict_locked(keep, trim=True)
-        return self._free(victims)
+        return self._free_cached(nbytes_arg(keep_bytes, "trim(keep_bytes)", ""), trim=True)
 
     def release(self) -> int:
         """Wait for the stream work of returned blocks, then free every block not in use;
         return the bytes freed. Arrays still alive keep their blocks."""
-        self._settle()
-        with self._lock:
-            waiting = list(self._blocks["pending"].values())
-        self._settle(waiting)
+        self._settle(wait=True)
         return self.trim(0)
 
     def claim(self, nbytes: int) -> bool:
@@ -567,22 +560,21 @@ class PinnedPool:
         the caller's arrays) against the budget, freeing cached blocks to make room.
         False, and nothing counted, when it does not fit. Undo with :meth:`unclaim`."""
         n = nbytes_arg(nbytes, "claim(nbytes)", "")
-        self._settle()
+        self._free_cached(self._budget - n)
         with self._lock:
-            victims = self._evict_locked(self._budget - n)
             ok = self._held_locked() + n <= self._budget
             if ok:
-                self._claimed += n
-        self._free(victims)
+                self._bytes["claimed"] += n
         return ok
 
     def unclaim(self, nbytes: int) -> None:
         """Give back bytes counted by :meth:`claim`."""
         n = nbytes_arg(nbytes, "unclaim(nbytes)", "")
         with self._lock:
-            if n > self._claimed:
-                raise ValueError(f"unclaim({n}): only {self._claimed} bytes are claimed")
-            self._claimed -= n
+            claimed = self._bytes["claimed"]
+            if n > claimed:
+                raise ValueError(f"unclaim({n}): only {claimed} bytes are claimed")
+            self._bytes["claimed"] -= n
 
     def prefill(self, nbytes: int, count: int = 1, *, context: Any = None) -> int:
         """Make sure *count* cached blocks can serve requests of *nbytes* (allocating the
@@ -637,10 +629,10 @@ class PinnedPool:
         ctx = _registry.context(host_context(context, what).device.ordinal)
         ctx.check_usable()
         need = cls + headroom
-        if need > self._budget - self._claimed:
+        if need > self._budget - self._bytes["claimed"]:
             raise self._over_budget(cls, what)
-        waited = False
-        while True:  # count cls bytes as being allocated: free cached, then wait for pending
+        # count cls bytes as being allocated: free cached blocks, then wait for pending ones
+        for waited in (False, True):
             with self._lock:
                 block = self._take_cached_locked(cls) if waited and reuse else None
                 if block is not None:
@@ -649,14 +641,13 @@ class PinnedPool:
                 ok = self._held_locked() + need <= self._budget
                 if ok:
                     self._bytes["inflight"] += cls
-                pending = list(self._blocks["pending"].values())
+                pending = bool(self._blocks["pending"])
             self._free(victims)
             if ok:
                 break
             if waited or not pending or not wait:
                 raise self._over_budget(cls, what)
-            self._settle(pending)
-            waited = True
+            self._settle(wait=True)
         try:
             pages = self._lock_new(cls, ctx, what)
         except BaseException:
@@ -671,18 +662,14 @@ class PinnedPool:
         return block
 
     def _take_cached_locked(self, cls: int) -> Block | None:
-        best: Block | None = None
-        dead = []
-        for block in self._blocks["cached"].values():
-            if not block.usable():
-                dead.append(block)
-            elif fits(block.nbytes, cls) and (best is None or block.nbytes <= best.nbytes):
-                best = block
-        for block in dead:  # their context was closed: only our own mapping is left
-            self._put_locked(block, None)
+        cached = self._blocks["cached"].values()
+        for block in [b for b in cached if not b.usable()]:  # their context was closed:
+            self._put_locked(block, None)  # only our own mapping is left
             block.pages.release()
-        if best is None:
+        fitting = [b for b in cached if fits(b.nbytes, cls)]
+        if not fitting:
             return None
+        best = min(reversed(fitting), key=lambda b: b.nbytes)  # the last returned of equal ones
         self._put_locked(best, "in_use")
         self._count["hits"] += 1
         return best
@@ -692,7 +679,7 @@ class PinnedPool:
         return OutOfMemoryError(
             f"{what}: a block of {cls} bytes ({gib(cls)}) does not fit the pinned pool's "
             f"budget of {self._budget} bytes ({gib(self._budget)}): {b['in_use']} bytes are "
-            f"in use by live arrays, {b['pending']} wait for stream work, {self._claimed} "
+            f"in use by live arrays, {b['pending']} wait for stream work, {b['claimed']} "
             f"are claimed by registrations, {b['inflight']} are being allocated. Drop "
             "arrays you no longer need, or raise the budget: "
             "CTXKIT_PINNED_POOL_BYTES=<bytes> or ctxkit.pinned_pool().set_budget(<bytes>)"
@@ -701,8 +688,7 @@ class PinnedPool:
     # --- bookkeeping (callers hold the lock) ---------------------------------------
 
     def _held_locked(self) -> int:
-        b = self._bytes
-        return b["in_use"] + b["cached"] + b["pending"] + b["inflight"] + self._claimed
+        return sum(self._bytes.values())
 
     def _put_locked(self, block: Block, where: str | None) -> None:
         """Move *block* to *where* in the books (``None``: out of them)."""
@@ -713,7 +699,8 @@ class PinnedPool:
         if where is not None:
             self._blocks[where][block.ptr] = block
             self._bytes[where] += block.nbytes
-            held = self._held_locked() - self._claimed - self._bytes["inflight"]
+            b = self._bytes
+            held = b["in_use"] + b["cached"] + b["pending"]
             self._count["peak_bytes"] = max(self._count["peak_bytes"], held)
 
     def _evict_locked(self, limit: int, trim: bool = False) -> list[Block]:
@@ -754,18 +741,23 @@ class PinnedPool:
             "you no longer need"
         )
 
+    def _free_cached(self, limit: int, trim: bool = False) -> int:
+        """Settle returned blocks, then free cached ones as :meth:`_evict_locked` picks
+        them for *limit* and *trim*; the bytes freed."""
+        self._settle()
+        with self._lock:
+            victims = self._evict_locked(limit, trim)
+        return self._free(victims)
+
     def _free(self, blocks: Sequence[Block]) -> int:
         """``cuMemFreeHost`` each block in its context (never raising); the bytes."""
-        freed = 0
+        with self._lock:
+            self._count["frees"] += sum(block.usable() for block in blocks)
         for block in blocks:
             self._events.give(block.events)
             block.events = []
-            if block.usable():
-                with self._lock:
-                    self._count["frees"] += 1
             block.pages.release()
-            freed += block.nbytes
-        return freed
+        return sum(block.nbytes for block in blocks)
 
     # --- arrays over blocks --------------------------------------------------------
 
@@ -778,12 +770,11 @@ class PinnedPool:
             if not shutting_down():
                 streams, block.streams = block.streams, []  # no array is left to add more
                 for s in streams:
-                    if s.handle is None:  # closed: waiting for its context blocks, and
-                        block.streams.append(s)  # this thread may hold a lock; later
-                        continue
-                    ev = self._events.record(s)
+                    ev = None if s.handle is None else self._events.record(s)
                     if ev is not None:
                         block.events.append((ev, True))
+                    elif s.handle is None:  # closed: waiting for its context blocks, and
+                        block.streams.append(s)  # this thread may hold a lock; later
         finally:
             self._returned.append(block)
         return 0
@@ -803,54 +794,39 @@ class PinnedPool:
 
     # --- driver work outside the lock ----------------------------------------------
 
-    def _settle(self, wait: Sequence[Block] = ()) -> None:
-        """Wait-list the returned blocks and cache those whose stream work completed,
-        after waiting (GIL released) for the events of the blocks *wait*."""
-        if not (wait or self._returned or self._blocks["pending"]) or shutting_down():
+    def _settle(self, wait: bool = False) -> None:
+        """Wait-list the returned blocks, then cache those waiting whose stream work
+        completed (:func:`work_done`; with *wait*, after waiting for it) and free those
+        whose context is gone."""
+        if not (self._returned or self._blocks["pending"]) or shutting_down():
             return
         if not lifetime.begin_free(None, self._settle_after_capture, ()):
             return  # a capture forbids driver calls here; this runs when it ends
         try:
-            for block in wait:
-                for ev, _ in list(block.events):  # a copy: record_event may append
-                    sync_event(ev)  # a closed event or a poisoned context: _collect decides
-            while self._returned:
-                try:
-                    block = self._returned.popleft()
-                except IndexError:
-                    break
-                for s in block.streams:  # closed before the array died: wait for its context
-                    sync_quietly(s.context)
-                block.streams = []
-                ready = block.usable() and not block.events  # else _collect decides
-                with self._lock:
-                    self._put_locked(block, "cached" if ready else "pending")
-            self._collect()
+            with self._lock:
+                while self._returned:  # finalizers append without the lock, never pop
+                    self._put_locked(self._returned.popleft(), "pending")
+                # those with no events first: cached in the order they came back
+                pending = sorted(self._blocks["pending"].values(), key=lambda b: bool(b.events))
+            done = [block for block in pending if work_done(block, wait)]
+            dead: list[Block] = []
+            spent: list[tuple[Event, bool]] = []
+            with self._lock:
+                for block in done:
+                    if block.where == "pending":  # not settled by another thread meanwhile
+                        spent.extend(block.events)
+                        block.events = []
+                        self._put_locked(block, "cached" if block.usable() else None)
+                        if block.where is None:
+                            dead.append(block)
+            self._events.give(spent)
+            self._free(dead)
         finally:
             lifetime.end_free()
 
     def _settle_after_capture(self) -> int:
         self._settle()
         return 0
-
-    def _collect(self) -> None:
-        """Cache the pending blocks whose events have all completed (cuEventQuery)."""
-        with self._lock:
-            pending = list(self._blocks["pending"].values())
-        done = [b for b in pending if all(event_done(ev) for ev, _ in list(b.events))]
-        dead: list[Block] = []
-        spent_all = []
-        with self._lock:
-            for block in done:
-                if block.where != "pending":
-                    continue
-                spent, block.events = block.events, []
-                spent_all.extend(spent)
-                self._put_locked(block, "cached" if block.usable() else None)
-                if block.where is None:
-                    dead.append(block)
-        self._events.give(spent_all)
-        self._free(dead)
 
 
 _process_pool: PinnedPool | None = None
