@@ -3,6 +3,7 @@ and how an array reached a child."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import time
 from collections.abc import Iterable
@@ -14,6 +15,10 @@ import numpy as np
 from ctxkit.procs import wire
 
 SHM = Path("/dev/shm")
+
+#: Pools a module's tests share (``tests/procs/test_pool.py``'s ``pool``): their workers
+#: outlive each test, so the check that a test leaves no child behind leaves them out.
+SHARED_POOLS: list[Any] = []
 
 
 def alive(pid: int) -> bool:
@@ -47,6 +52,13 @@ def wait_for(condition: Any, seconds: float = 60.0, what: str = "condition") -> 
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.02)
+
+
+def stray_children() -> list[Any]:
+    """The running child processes of this process that no shared pool owns."""
+    children = multiprocessing.active_children()
+    shared = {pid for p in SHARED_POOLS for pid in p.pids.values()}
+    return [c for c in children if c.pid not in shared]
 
 
 def own_blocks() -> set[str]:

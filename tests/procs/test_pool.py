@@ -24,7 +24,15 @@ import pytest
 import ctxkit.procs as procs
 from ctxkit.errors import ContextPoisonedError
 from ctxkit.procs import DevicePool, DeviceTaskError, TaskOptions, spawn, wire
-from tests.procs.proctools import alive, gate_open, own_blocks, transport, wait_dead, wait_for
+from tests.procs.proctools import (
+    SHARED_POOLS,
+    alive,
+    gate_open,
+    own_blocks,
+    transport,
+    wait_dead,
+    wait_for,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
@@ -156,11 +164,17 @@ def child_only_result(*_args):
     return ChildOnly()
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def pool():
+    """One pool for the tests that need no fresh one: each leaves it working (a replaced
+    worker included), so starting two workers per test is not needed."""
     p = DevicePool([0, 1], _bind=False)
+    SHARED_POOLS.append(p)
     yield p
+    SHARED_POOLS.remove(p)
+    pids = [pid for pid in p.pids.values() if pid]
     p.shutdown()
+    assert wait_dead(pids, 5) == []
 
 
 @pytest.fixture
