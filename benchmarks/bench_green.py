@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     if ck.device_count() == 0:
         print("bench_green: no GPU: no CUDA device/driver on this machine", file=sys.stderr)
         return 2
-    rounds = 5 if args.quick else 30
+    rounds = 5 if args.quick else 100
     r: dict[str, Any] = dict(measure_latency(rounds))
     mib = args.pipeline_mib or (64 if args.quick else 512)
     r.update(measure_pipeline(mib << 20, 2 if args.quick else 5))

@@ -1,9 +1,18 @@
 // Timed kernels for overlap tests: every thread busy-waits `cycles` clock64() ticks.
 
+// Only forward steps of clock64() count: a block preempted (another context's time slice)
+// may resume on an SM whose counter is behind, where `clock64() - start` turns negative and,
+// as an unsigned count, would end the wait at once.
 __device__ void spin_for(unsigned long long cycles)
 {
-    const long long start = clock64();
-    while ((unsigned long long)(clock64() - start) < cycles) {
+    unsigned long long spun = 0;
+    long long last = clock64();
+    while (spun < cycles) {
+        const long long now = clock64();
+        if (now > last) {
+            spun += (unsigned long long)(now - last);
+        }
+        last = now;
     }
 }
 

@@ -122,7 +122,7 @@ def test_downstream_mypy_strict_sees_the_api(tmp_path: Path) -> None:
     env = dict(os.environ)
     # A path on sys.path is how a wheel, or `pip install -e . --config-settings
     # editable_mode=strict`, shows ctxkit; mypy reads the package (and py.typed) there.
-    env["PYTHONPATH"] = str(REPO)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
     env.pop("MYPYPATH", None)
     proc = subprocess.run(
         [

@@ -629,8 +629,15 @@ class MemoryPool:
             raise self.context.note_error(err, f"cuMemPoolTrimTo({keep})")
 
     def allocate(self, nbytes: int, stream: Any = None) -> DeviceBuffer:
-        """A :class:`~ctxkit.DeviceBuffer` from this pool, ordered on *stream*."""
-        return DeviceBuffer(nbytes, context=self.context, stream=stream, pool=self)
+        """A :class:`~ctxkit.DeviceBuffer` from this pool, ordered on *stream*.
+
+        A pool belongs to its device, not to one context: a stream of another context of
+        that device (a green partition, an owned context) allocates from it in the
+        stream's context."""
+        sc = getattr(stream, "context", None)
+        same_device = isinstance(sc, Context) and sc.device.ordinal == self.context.device.ordinal
+        ctx = sc if same_device else self.context
+        return DeviceBuffer(nbytes, context=ctx, stream=stream, pool=self)
 
     @property
     def closed(self) -> bool:

@@ -137,7 +137,8 @@ def test_device_buffers_copies_and_pools_in_a_green_context(parts):
         s = ck.Stream()
         c = ck.DeviceBuffer(x.nbytes, stream=s)  # stream-ordered, from the device's pool
         c.copy_from(a, stream=s)
-        d = ck.MemoryPool.default(0).allocate(x.nbytes, stream=s)
+        d = ck.MemoryPool.default(0).allocate(x.nbytes, stream=s)  # the device's pool
+        assert d.context is g
         d.copy_from(c, stream=s)
         s.synchronize()
         np.testing.assert_array_equal(d.copy_to_host(np.empty_like(x)), x)

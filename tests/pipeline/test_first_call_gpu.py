@@ -24,6 +24,7 @@ from ctxkit.pipeline.staging import BOUNCE_BYTES
 from tests.pipeline.gpu_support import (  # noqa: F401
     assert_unregistered,
     kern,
+    lane_count,
     lanes,
     need_devices,
     random_array,
@@ -128,9 +129,13 @@ def test_many_small_chunks_in_flight_are_exact(kern, slots, ndev, schedule):
             )
             assert p.last_stats.path == "in=staged, out=staged"
             assert np.array_equal(y, scaled(x, 2.0))
+            # 65 chunks of 1 MiB on one lane; a static split over several lanes may end
+            # each lane's share with a short chunk of its own (66 over 3 green lanes)
+            n = sum(d.chunks for d in p.last_stats.devices)
+            assert 65 <= n <= 64 + lane_count(ndev)
             tl = p.trace()
-            assert {i.chunk for i in tl.select(name="fill")} == set(range(65))
-            assert {i.chunk for i in tl.select(name="drain")} == set(range(65))
+            assert {i.chunk for i in tl.select(name="fill")} == set(range(n))
+            assert {i.chunk for i in tl.select(name="drain")} == set(range(n))
             del x, y
     assert ck.pinned_pool().stats().in_use_blocks == 0
 
