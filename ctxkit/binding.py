@@ -153,6 +153,13 @@ def resolve_context(target: ContextLike | None, what: str) -> Context:
     return ctx
 
 
+#: Why a process-per-device API refuses a Context (a green partition, say).
+_PROCESS_LOCAL = (
+    " (a context lives in the process that made it: each worker process binds its own; "
+    "pass the device ordinal, or use Pipeline / ContextExecutor for lanes in this process)"
+)
+
+
 def check_devices(
     devices: Sequence[ContextLike] | None, what: str, *, contexts: bool = True, lanes: bool = False
 ) -> list[ContextLike] | None:
@@ -178,7 +185,8 @@ def check_devices(
     seen: set[tuple[bool, int]] = set()
     for d in specs:
         if isinstance(d, bool) or not isinstance(d, kinds):
-            raise TypeError(f"{what}: devices must hold {names}, got {d!r}")
+            why = "" if contexts or not isinstance(d, Context) else _PROCESS_LOCAL
+            raise TypeError(f"{what}: devices must hold {names}, got {d!r}{why}")
         if isinstance(d, int) and d < 0:
             raise ValueError(f"{what}: device ordinals are >= 0, got {d}")
         if isinstance(d, Context):
