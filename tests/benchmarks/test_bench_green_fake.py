@@ -5,17 +5,15 @@ The numbers mean nothing (the fake's kernels take no SMs)."""
 
 from __future__ import annotations
 
-import ctypes
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import ctxkit as ck
 from ctxkit.compiler.objectcode import ObjectCode
 from tests.support.fakedriver import FakeHandle
-from tests.support.fakegpu import FakeGPU
+from tests.support.fakegpu import FakeGPU, launch_scale_f32
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 PTX = b"""
@@ -58,16 +56,7 @@ class LaunchCalls:
         if name != "scale_f32":
             self.gpu.launch(stream, lambda: None)
             return (0,)
-        ptrs = (ctypes.c_uint64 * 4).from_address(params)
-        d_in, d_out, n = (ctypes.c_uint64.from_address(ptrs[i]).value for i in range(3))
-        alpha = ctypes.c_float.from_address(ptrs[3]).value
-
-        def kernel():
-            src = np.frombuffer((ctypes.c_char * (n * 4)).from_address(d_in), np.float32)
-            dst = np.frombuffer((ctypes.c_char * (n * 4)).from_address(d_out), np.float32)
-            dst[:] = src * np.float32(alpha)
-
-        self.gpu.launch(stream, kernel)
+        launch_scale_f32(self.gpu, stream, params)
         return (0,)
 
 

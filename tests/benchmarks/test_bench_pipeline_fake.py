@@ -4,7 +4,6 @@ benchmark shows up here rather than on the GPU machine. The numbers mean nothing
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ from ctxkit.memory import streaming_copy_info
 from ctxkit.memory.streamcopy import streaming_pays
 from tests.cli.test_demo_fake import FakeScaleKernel
 from tests.support.fakedriver import FakeHandle
-from tests.support.fakegpu import FakeGPU
+from tests.support.fakegpu import FakeGPU, launch_scale_f32
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 PAGE = mmap.PAGESIZE
@@ -42,16 +41,7 @@ class ModuleCalls:
         return self.gpu.cuStreamCreateWithPriority(flags, 0)
 
     def cuLaunchKernel(self, f, gx, gy, gz, bx, by, bz, shm, stream, params, extra):
-        ptrs = (ctypes.c_uint64 * 4).from_address(params)
-        d_in, d_out, n = (ctypes.c_uint64.from_address(ptrs[i]).value for i in range(3))
-        alpha = ctypes.c_float.from_address(ptrs[3]).value
-
-        def kernel():
-            src = np.frombuffer((ctypes.c_char * (n * 4)).from_address(d_in), np.float32)
-            dst = np.frombuffer((ctypes.c_char * (n * 4)).from_address(d_out), np.float32)
-            dst[:] = src * np.float32(alpha)
-
-        self.gpu.launch(stream, kernel)
+        launch_scale_f32(self.gpu, stream, params)
         return (0,)
 
 

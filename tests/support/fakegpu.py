@@ -670,6 +670,21 @@ def scale_body(gpu: FakeGPU, alpha: Any, delay: float = 0.0) -> Callable[..., No
     return body
 
 
+def launch_scale_f32(gpu: FakeGPU, stream: Any, params: int) -> None:
+    """Enqueue ptx/scale.cu's ``scale_f32(in, out, n, alpha)`` from its packed ``void**``
+    *params*: what a fake ``cuLaunchKernel`` of the benchmarks' scale kernel runs."""
+    ptrs = (ctypes.c_uint64 * 4).from_address(params)
+    d_in, d_out, n = (ctypes.c_uint64.from_address(ptrs[i]).value for i in range(3))
+    alpha = ctypes.c_float.from_address(ptrs[3]).value
+
+    def kernel() -> None:
+        src = np.frombuffer((ctypes.c_char * (n * 4)).from_address(d_in), np.float32)
+        dst = np.frombuffer((ctypes.c_char * (n * 4)).from_address(d_out), np.float32)
+        dst[:] = src * np.float32(alpha)
+
+    gpu.launch(stream, kernel)
+
+
 @pytest.fixture(name="gpu")
 def gpu_fixture(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeGPU]:
     """Fixture ``gpu``: swap the driver for a 2-device FakeGPU in every ctxkit module for
