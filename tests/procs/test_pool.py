@@ -1,9 +1,10 @@
 """``DevicePool`` on CPU: scheduling, failures and replacement, timeouts, shared memory,
 the ``Executor`` contract, what can be sent, fork safety.
 
-The workers import this module to find the functions below (module level). ``_bind=False``
-runs the plumbing with explicit ordinals and no context (no GPU here);
-tests/procs/test_pool_gpu.py covers the binding.
+The workers run the functions of tests/procs/pool_tasks.py (pickled by reference: each
+worker imports that module, which imports no pytest). ``_bind=False`` runs the plumbing
+with explicit ordinals and no context (no GPU here); tests/procs/test_pool_gpu.py covers
+the binding.
 """
 
 from __future__ import annotations
@@ -21,147 +22,42 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import ctxkit.procs as procs
-from ctxkit.errors import ContextPoisonedError
 from ctxkit.procs import DevicePool, DeviceTaskError, TaskOptions, spawn, wire
+from tests.procs.pool_tasks import (
+    MiB,
+    add,
+    call,
+    crash_task,
+    device_and_pid,
+    echo,
+    exit_at_start,
+    failing_initializer,
+    ignore_term_and_sleep,
+    initialised,
+    kill_self,
+    leave_a_block_and,
+    ones_without_room,
+    poison,
+    raise_str_raises,
+    remember,
+    sleep_and_record,
+    sleep_forever,
+    takes_anything,
+    takes_device,
+    transports,
+    wait_for_gate,
+)
 from tests.procs.proctools import (
     SHARED_POOLS,
     alive,
-    gate_open,
     own_blocks,
     transport,
     wait_dead,
     wait_for,
 )
+from tests.procs.spawn_tasks import always_fails, child_only_result
 
 REPO = Path(__file__).resolve().parents[2]
-MiB = 1 << 20
-
-
-# --- functions run in workers ---------------------------------------------------------
-
-
-def echo(x):
-    return x
-
-
-def add(a, b):
-    return a + b
-
-
-def call(f, *args):
-    return f(*args)
-
-
-def device_and_pid(delay=0.0):
-    time.sleep(delay)
-    return procs.worker_device(), os.getpid()
-
-
-def wait_for_gate(gate, value=None):
-    gate_open(gate)
-    return procs.worker_device(), value
-
-
-def transports(*arrays):
-    return [transport(a) for a in arrays], [float(a.sum()) for a in arrays]
-
-
-def takes_device(x, device=None):
-    return x, device
-
-
-def takes_anything(**kwargs):
-    return sorted(kwargs.items())
-
-
-def always_fails(ordinal):
-    raise RuntimeError(f"never works on {ordinal}")
-
-
-def poison():
-    raise ContextPoisonedError("fake fault", 700, "CUDA_ERROR_ILLEGAL_ADDRESS")
-
-
-def crash_task():
-    os._exit(5)
-
-
-def kill_self(sig):
-    os.kill(os.getpid(), sig)
-
-
-class StrRaises(Exception):
-    def __str__(self):
-        raise ValueError("no words for this")
-
-
-def raise_str_raises():
-    raise StrRaises()
-
-
-def sleep_forever():
-    time.sleep(600)
-
-
-def ignore_term_and_sleep():
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    time.sleep(600)
-
-
-def leave_a_block_and(how):
-    """Put a result block in /dev/shm, then die or hang before it is sent."""
-    wire.encode(np.zeros(MiB // 8), threshold=1)
-    if how == "die":
-        os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(600)
-
-
-def ones_without_room(n):
-    def no_room(fd, offset, length):
-        raise OSError(28, "No space left on device")
-
-    os.posix_fallocate = no_room  # this worker's /dev/shm is "full" from now on
-    return np.ones(n)
-
-
-def sleep_and_record(seconds, pid_dir):
-    Path(pid_dir, "running.pid").write_text(str(os.getpid()))
-    time.sleep(seconds)
-
-
-def failing_initializer(msg):
-    raise OSError(msg)
-
-
-_initialised: list[str] = []
-
-
-def remember(tag):
-    _initialised.append(tag)
-
-
-def initialised():
-    return list(_initialised)
-
-
-def exit_at_start(code):
-    os._exit(code)
-
-
-def _refuse_outside_children():
-    if procs.worker_device() is None:
-        raise RuntimeError("this object only loads inside a ctxkit child")
-    return "loaded"
-
-
-class ChildOnly:
-    def __reduce__(self):
-        return (_refuse_outside_children, ())
-
-
-def child_only_result(*_args):
-    return ChildOnly()
 
 
 @pytest.fixture(scope="module")
@@ -289,7 +185,7 @@ def test_pool_timeout_stops_a_hung_task_and_queued_work_continues(pool):
 
 def test_pool_timeout_kills_a_task_that_ignores_sigterm(monkeypatch):
     monkeypatch.setattr(spawn, "TERM_GRACE_S", 0.5)
-    # the initializer imports this module in each worker, outside any task's timeout
+    # the initializer imports the tasks' module in each worker, outside any task's timeout
     with DevicePool([0], task_timeout=1.0, initializer=add, initargs=(0, 0), _bind=False) as p:
         err = p.submit(ignore_term_and_sleep).exception(60)
         assert isinstance(err, DeviceTaskError) and err.kind == "timeout"
@@ -584,7 +480,7 @@ def test_pool_terminate_is_idempotent():
 FORK_SCRIPT = """
 import os, sys
 from ctxkit import procs
-from tests.procs.test_pool import device_and_pid
+from tests.procs.pool_tasks import device_and_pid
 
 if __name__ == "__main__":
     pool = procs.DevicePool([0, 1], _bind=False)

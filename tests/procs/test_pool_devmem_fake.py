@@ -24,6 +24,7 @@ from ctxkit.errors import ContextClosedError, ContextPoisonedError
 from ctxkit.memory import ipc
 from ctxkit.procs import DevicePool, DeviceTaskError, WorkerBuffer, devmem, wire
 from ctxkit.procs.pool import _serve
+from tests.procs.pool_tasks import where_am_i
 from tests.procs.proctools import gate_open, wait_for
 from tests.procs.test_devmem_fake import Process, allocate
 
@@ -36,10 +37,6 @@ def task(fn: Any, *args: Any) -> bytes:
 
 def poisoned() -> None:
     raise ContextPoisonedError("a kernel faulted", 700, "CUDA_ERROR_ILLEGAL_ADDRESS")
-
-
-def where_am_i(*args: Any) -> int | None:
-    return ck.procs.worker_device()
 
 
 # --- the worker loop ------------------------------------------------------------------
