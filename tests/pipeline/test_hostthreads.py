@@ -142,9 +142,15 @@ def test_pieces_not_started_are_skipped_once_the_run_stops():
 
 def test_help_until_runs_fill_pieces_in_the_calling_thread():
     pool = HostPool(1, prefix="test-help")
-    gate = threading.Event()
+    gate, held = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        held.set()
+        gate.wait(5)
+
     try:
-        blocker = pool.submit(gate.wait, 5)  # the pool's only thread is held
+        blocker = pool.submit(hold)
+        assert held.wait(5)  # the pool's only thread is held (not just queued)
         src = np.arange(3 * MIN_PIECE_BYTES, dtype=np.uint64).view(np.uint8)
         dst = np.zeros_like(src)
         t0 = time.perf_counter()
