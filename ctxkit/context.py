@@ -41,16 +41,22 @@ class _ThreadState:
     ``top`` is the context ctxkit believes current (``None``: unknown or none);
     ``stack`` holds one entry per open ``with``/push: ``(ctx, previous top)`` for a real
     push, the context itself for a re-entry that cost no driver call, and
-    ``(ctx, None, False)`` for a context the driver already had current when ctxkit had
+    ``(ctx, ADOPTED)`` for a context the driver already had current when ctxkit had
     nothing pushed (another library made it current: nothing to push or pop; the exit
-    checks it is still current).
+    checks it is still current). ``probe``: whether an outermost block first asks the
+    driver for its current context (see :class:`Context`).
     """
 
-    __slots__ = ("stack", "top")
+    __slots__ = ("probe", "stack", "top")
 
     def __init__(self) -> None:
         self.top: Context | None = None
         self.stack: list[Any] = []
+        self.probe = True
+
+
+#: The second item of a stack entry for a context ctxkit found current and did not push.
+ADOPTED: Any = object()
 
 
 #: Every thread's ``stack`` (of :class:`_ThreadState`), for :func:`thread_bindings`; a
@@ -159,21 +165,6 @@ def context_of_cu(cu: Any) -> Context:
         drv.cuCtxPopCurrent()
 
 
-def _compares_by_value(cu: Any) -> bool:
-    """True when ``!=`` on handles of *cu*'s type compares their values.
-
-    cuda-bindings 13 handles do (``!=`` costs a fraction of ``int()``); 12.8 handles
-    compare by identity, so a popped handle is checked with ``int()`` there.
-    """
-    try:
-        kind, value = type(cu), int(cu)
-        differs_from_same = kind(value) != cu
-        differs_from_other = kind(value ^ 1) != cu
-        return bool(differs_from_other and not differs_from_same)
-    except Exception:
-        return False
-
-
 class Context:
     """A CUDA context; ``with ctx:`` pushes it on this thread's stack and pops it after.
 
@@ -188,8 +179,12 @@ class Context:
     has nothing pushed in the thread and the driver already has this context current
     (PyTorch or CuPy made its primary context current), ``with ctx:`` uses it as it is:
     nothing is pushed or popped, and one ``cuCtxGetCurrent`` at exit checks that it is
-    still current. A foreign push or pop inside any block is reported at its exit with
-    :class:`~ctxkit.errors.ContextStackError`, and the stack is left as foreign code left it.
+    still current. ctxkit asks this at a thread's outermost blocks until it once finds no
+    context current there; from then on they push and pop at once, the raw pair's two
+    calls (a context another library makes current in that thread later is pushed over,
+    and is on top again after the block). A foreign push or pop inside any block is
+    reported at its exit with :class:`~ctxkit.errors.ContextStackError`, and the stack is
+    left as foreign code left it.
 
     Attributes
     ----------
@@ -215,7 +210,6 @@ class Context:
 
     __slots__ = (
         "__weakref__",
-        "_by_value",
         "_poison",
         "_sm_count",
         "_unusable",
@@ -236,7 +230,6 @@ class Context:
         self.handle = int(cu)
         self.device = device
         self.kind = kind
-        self._by_value = _compares_by_value(cu)
         self._poison: CudaError | None = None
         self._unusable = False  # closed or poisoned: one flag for the push path
         self.closed = False
@@ -355,14 +348,26 @@ class Context:
         if top is self:
             st.stack.append(self)
             return self
-        if self._unusable:
-            self.check_usable()
-        if top is None:
+        if self._unusable or (top is None and st.probe):
+            return self._enter_checked(st, top)
+        (err,) = drv.cuCtxPushCurrent(self.cu)
+        if err:
+            raise self.note_error(err, "cuCtxPushCurrent")
+        st.stack.append((self, top))
+        st.top = self
+        return self
+
+    def _enter_checked(self, st: _ThreadState, top: Context | None) -> Context:
+        """``__enter__`` of an unusable context (it raises), or of an outermost block
+        that first asks whether the driver has this context current already."""
+        self.check_usable()
+        if top is None and st.probe:
             err, cu = drv.cuCtxGetCurrent()
-            if not err and ((cu == self.cu) if self._by_value else (int(cu) == self.handle)):
-                st.stack.append((self, None, False))
+            if not err and int(cu) == self.handle:
+                st.stack.append((self, ADOPTED))
                 st.top = self
                 return self
+            st.probe = not err and bool(int(cu))  # nothing current: ctxkit owns this stack
         (err,) = drv.cuCtxPushCurrent(self.cu)
         if err:
             raise self.note_error(err, "cuCtxPushCurrent")
@@ -385,21 +390,28 @@ class Context:
             if entry is not None:
                 st.stack.append(entry)
             raise self._order_error(st.stack)
-        if len(entry) == 3:
-            err, cu = drv.cuCtxGetCurrent()
-            st.top = None
-            if err:
-                raise self.note_error(err, "cuCtxGetCurrent")
-            if (cu != self.cu) if self._by_value else (int(cu) != self.handle):
-                self._restore_foreign(st, entry, cu, popped=False)
+        prev = entry[1]
+        if prev is ADOPTED:
+            self._exit_adopted(st, entry)
             return
         err, popped = drv.cuCtxPopCurrent()
         if err:
             st.top = None
             raise self.note_error(err, "cuCtxPopCurrent")
-        if (popped != self.cu) if self._by_value else (int(popped) != self.handle):
+        # cuda-bindings 13 handles compare by value (a fraction of int()'s cost); 12.8
+        # handles by identity, so they are checked with int() when they differ
+        if popped != self.cu and int(popped) != self.handle:
             self._restore_foreign(st, entry, popped, popped=True)
-        st.top = entry[1]
+        st.top = prev
+
+    def _exit_adopted(self, st: _ThreadState, entry: tuple[Any, ...]) -> None:
+        """The exit of a block that found this context current: check it still is."""
+        err, cu = drv.cuCtxGetCurrent()
+        st.top = None
+        if err:
+            raise self.note_error(err, "cuCtxGetCurrent")
+        if int(cu) != self.handle:
+            self._restore_foreign(st, entry, cu, popped=False)
 
     def push(self) -> None:
         """Make this context current in the calling thread (pair with :meth:`pop`)."""
@@ -441,7 +453,8 @@ class Context:
         """
         got = int(top)
         st.top = None
-        prev = entry[1]
+        own = entry[1] is not ADOPTED
+        prev = entry[1] if own else None
         if not got or (prev is not None and got == prev.handle):
             pushed_over = False  # this context was popped (nothing or the previous is on top)
         else:  # look one entry beneath the top (error path: the calls do not matter)
@@ -461,7 +474,6 @@ class Context:
             )
         else:
             detail = "foreign code popped this context inside the block"
-        own = len(entry) == 2
         expected = "expected to pop" if own else "expected to find"
         kept = (
             f"ctxkit put {got:#x} back and did not pop it"

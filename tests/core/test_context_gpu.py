@@ -11,7 +11,7 @@ import pytest
 
 import ctxkit as ck
 from ctxkit._driver import drv
-from ctxkit.context import Context, thread_state
+from ctxkit.context import ADOPTED, Context, thread_state
 from tests.support.helpers import raw_current
 
 
@@ -253,7 +253,7 @@ def test_a_primary_context_torch_made_current_is_used_without_push_or_pop():
         torch.cuda.synchronize()
         out["current_before"] = raw_current()
         with ctx:
-            out["adopted"] = thread_state().stack == [(ctx, None, False)]
+            out["adopted"] = thread_state().stack == [(ctx, ADOPTED)]
             y = ck.DeviceBuffer(256 * 4)
             scale.launch(1, 256, t, y, 256, np.float32(2.0))
             out["y"] = np.frombuffer(y.copy_to_host(), np.float32).copy()

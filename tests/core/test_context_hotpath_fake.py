@@ -265,6 +265,54 @@ def test_a_context_another_library_made_current_is_used_without_push_or_pop(fres
     assert fresh_driver.current() == ctx.handle  # still the other library's
 
 
+def test_a_thread_found_with_nothing_current_stops_asking(fake_driver):
+    """Nothing current in the driver: the first outermost block asks (one
+    cuCtxGetCurrent); later ones push and pop without asking, the raw pair's two calls."""
+    ctx = Context.primary(0)
+
+    def blocks() -> tuple[int, int]:
+        with ctx:
+            pass
+        first = fake_driver.calls["cuCtxGetCurrent"]
+        for _ in range(5):
+            with ctx:
+                assert fake_driver.current() == ctx.handle
+        return first, fake_driver.calls["cuCtxGetCurrent"]
+
+    assert in_thread(blocks) == (1, 1)
+    assert fake_driver.calls["cuCtxPushCurrent"] == fake_driver.calls["cuCtxPopCurrent"] == 6
+
+
+def test_a_thread_another_library_keeps_current_is_asked_at_every_outermost_block(fake_driver):
+    ctx = Context.primary(0)
+
+    def blocks() -> None:
+        _foreign_made_current(fake_driver, ctx)
+        for _ in range(3):
+            with ctx:
+                assert thread_state().stack == [(ctx, context_mod.ADOPTED)]
+
+    in_thread(blocks)
+    assert fake_driver.calls["cuCtxGetCurrent"] == 6  # one at each end of each block
+    assert fake_driver.calls["cuCtxPushCurrent"] == fake_driver.calls["cuCtxPopCurrent"] == 0
+
+
+def test_a_context_made_current_after_ctxkit_stopped_asking_is_pushed_over(fake_driver):
+    """Once a thread is found with nothing current, a context another library makes
+    current there later is pushed again and popped back: its stack is as it was."""
+    ctx = Context.primary(0)
+
+    def blocks() -> list[int]:
+        with ctx:
+            pass
+        _foreign_made_current(fake_driver, ctx)  # e.g. torch ran its first op
+        with ctx:
+            assert [int(h) for h in fake_driver.stack()] == [ctx.handle, ctx.handle]
+        return [int(h) for h in fake_driver.stack()]
+
+    assert in_thread(blocks) == [ctx.handle]
+
+
 def test_another_context_current_in_the_driver_is_pushed_over_and_restored(fake_driver):
     a, b = Context.primary(0), Context.primary(1)
     _foreign_made_current(fake_driver, b)

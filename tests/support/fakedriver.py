@@ -249,6 +249,7 @@ def swap_driver(monkeypatch: Any, fake: Any) -> None:
     import importlib
     import sys
 
+    from ctxkit.context import thread_state
     from ctxkit.memory import host
 
     for name in (
@@ -268,6 +269,8 @@ def swap_driver(monkeypatch: Any, fake: Any) -> None:
             monkeypatch.setattr(mod, "drv", fake)
     monkeypatch.setenv("CTXKIT_PINNED_ALLOC", "hostalloc")
     monkeypatch.setattr(host, "_refused", False)
+    # a new driver: this thread's stack there is unknown, so outermost blocks ask again
+    monkeypatch.setattr(thread_state(), "probe", True)
 
 
 def spans_registration_edge(ranges: Any, ptr: int, n: int) -> bool:
