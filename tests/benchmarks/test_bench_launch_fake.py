@@ -124,10 +124,20 @@ def test_bench_context_times_the_same_work_on_both_sides(mem_fake, monkeypatch, 
     bench = bench_module("context", mem_fake, monkeypatch)
     r = bench.measure(200, 20, 2, thread_rounds=2)
     for n in bench.THREAD_COUNTS:
-        assert len(r[f"raw_threads{n}"]) == 2 and len(r[f"ctxkit_threads{n}"]) == 2
+        for mode in bench.THREAD_MODES:
+            assert len(r[f"{mode}_threads{n}"]) == 2
+    assert len(r["enter_fresh"]) == 2
     bench.print_tables(r)
     assert bench.emit(bench.verdicts(r)) == 0
-    assert "registry.executor_vs_raw_threads" in verdict_names(capsys.readouterr().out)
+    names = verdict_names(capsys.readouterr().out)
+    assert {"registry.executor_vs_raw_threads", "threads.launch_vs_raw"} <= set(names)
+    assert "context.with_fresh_thread_vs_raw_pair" in names
+
+
+def test_bench_context_profile_names_the_launch_path(mem_fake, monkeypatch):
+    bench = bench_module("context", mem_fake, monkeypatch)
+    text = bench.profile_launches(50)
+    assert "ncalls" in text and "launch" in text
 
 
 def test_gate_keeps_set_up_and_tear_down_outside_the_clock():

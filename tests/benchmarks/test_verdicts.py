@@ -47,12 +47,14 @@ def context_good() -> dict[str, Any]:
         "reenter": [0.10, 0.12, 0.20],
         "bind_cold": [0.50, 0.52, 0.54],
         "bind_hot": [0.10, 0.20, 0.25],
+        "enter_fresh": [0.50, 0.52, 0.55],
         "torch_device": [0.70, 0.72, 0.75],
         "torch_note": "torch 2.5",
     }
-    for n in (1, 4, 8):
+    for n in (1, 2, 4, 8):
         r[f"raw_threads{n}"] = [100_000.0 * n] * 3
-        r[f"ctxkit_threads{n}"] = [96_000.0 * n] * 3
+        for mode in ("launch", "prepared", "executor"):
+            r[f"{mode}_threads{n}"] = [96_000.0 * n] * 3
     return r
 
 
@@ -249,12 +251,15 @@ def _set(path: str, value: Any) -> Callable[[dict[str, Any]], None]:
 #: that line FAIL (other lines may fail with it).
 FAIL_CASES: dict[str, dict[str, Callable[[dict[str, Any]], None]]] = {
     "context": {
-        "context.with_vs_raw_pair": _set("enter", [0.60, 0.62, 0.64]),
+        "context.with_vs_raw_pair": _set("enter", [0.66, 0.66, 0.66]),
         "context.reenter_us": _set("reenter", [0.5, 0.5, 0.5]),
         "registry.bind_cold_vs_raw": _set("bind_cold", [0.9, 0.9, 0.9]),
         "registry.bind_hot_us": _set("bind_hot", [0.86, 0.86, 0.86]),
         "context.with_vs_torch_device": _set("enter_current", [0.90, 0.92, 0.94]),
-        "registry.executor_vs_raw_threads": _set("ctxkit_threads4", [200_000.0] * 3),
+        "registry.executor_vs_raw_threads": _set("executor_threads4", [200_000.0] * 3),
+        "threads.launch_vs_raw": _set("launch_threads2", [150_000.0] * 3),
+        "threads.prepared_vs_raw": _set("prepared_threads1", [90_000.0] * 3),
+        "context.with_fresh_thread_vs_raw_pair": _set("enter_fresh", [0.70, 0.70, 0.70]),
     },
     "launch": {
         "launch.prepared_vs_cupy": _set("prepared", [6.4, 6.5, 6.6]),
@@ -533,10 +538,21 @@ def test_one_gpu_skips_the_two_gpu_targets():
 
 def test_executor_line_is_the_worst_thread_count():
     r = context_good()
-    r["ctxkit_threads8"] = [0.85 * 800_000.0] * 3
+    r["executor_threads8"] = [0.94 * 800_000.0] * 3
     line = verdict_lines("context", r)["registry.executor_vs_raw_threads"]
-    assert line.value == pytest.approx(0.85) and line.verdict == "FAIL"
-    assert "8 threads 0.85x" in line.note
+    assert line.value == pytest.approx(0.94) and line.verdict == "FAIL"
+    assert "8 threads 0.94x" in line.note
+
+
+def test_thread_lines_say_how_8_threads_compare_with_1_raw_thread():
+    r = context_good()
+    lines = verdict_lines("context", r)
+    assert lines["threads.prepared_8_vs_raw_1"].value == pytest.approx(0.96 * 8)
+    assert lines["threads.raw_8_vs_raw_1"].verdict == "INFO"
+    del r["launch_threads1"], r["launch_threads2"], r["launch_threads4"], r["launch_threads8"]
+    lines = verdict_lines("context", r)
+    assert lines["threads.launch_vs_raw"].verdict == "SKIP"
+    assert "NOT MEASURED" in lines["threads.launch_vs_raw"].reason
 
 
 def test_a_target_that_could_not_be_measured_fails():
