@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from hostprofile import profile_text
 from verdictlines import (
     QUICK,
     Line,
@@ -466,30 +467,23 @@ def bench_thread_throughput(per_thread: int, rounds: int) -> dict[str, list[floa
 
 def profile_launches(n: int, top: int = 12) -> str:
     """A cProfile of *n* checked and *n* prepared launches in this thread, the *top*
-    entries by own time: where the host time of a launch goes (profiling slows every
-    Python call, so read shares, not microseconds)."""
-    import cProfile
-    import io
-    import pstats
-
+    entries by own time: where the host time of a launch goes."""
     ctx = ck.registry.context(0)
     with ctx:
         kernel, _ = _empty_kernel()
         stream = ck.Stream()
         prepared = kernel.prepare(1, 32, 0, 0, stream=stream)
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(n):
-            kernel.launch(1, 32, 0, 0, stream=stream)
-        for _ in range(n):
-            prepared()
-        prof.disable()
+
+        def launches() -> None:
+            for _ in range(n):
+                kernel.launch(1, 32, 0, 0, stream=stream)
+            for _ in range(n):
+                prepared()
+
+        text = profile_text(launches, top)
         stream.synchronize()
         stream.close()
-    out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
-    text = out.getvalue()
-    return text[text.find("   ncalls") :] if "   ncalls" in text else text
+    return text
 
 
 def print_tables(r: Mapping[str, Any]) -> None:
