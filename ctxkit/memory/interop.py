@@ -461,8 +461,11 @@ def order_stream(ctx: Context, producer: int, consumer: int, consumer_stream: An
     if captured_streams and consumer != _LEGACY and _capturing(consumer):
         _order_in_capture(ctx, owner, handle, producer, consumer)
         return
-    with _BOUND if owner is ctx else owner:
+    if owner is ctx:  # the launch hot path: no `with` around the record
         event = _record(owner, handle, producer)
+    else:
+        with owner:
+            event = _record(owner, handle, producer)
     _wait_event(ctx, event, producer, consumer)
 
 
