@@ -329,9 +329,12 @@ def _timed_gate(gate: Gate, joins: list[Callable[[], Any]], errors: list[BaseExc
     return gate.seconds()
 
 
-def raw_thread_launches(ctx: ck.Context, cubin: bytes, n: int, gate: Gate) -> None:
+def raw_thread_launches(
+    ctx: ck.Context, cubin: bytes, n: int, gate: Gate, gil_held: Any = None
+) -> None:
     """A raw cuda.bindings worker: push, load, make a stream (untimed); launch n times
-    and synchronize (timed); destroy and pop (untimed)."""
+    and synchronize (timed); destroy and pop (untimed). With *gil_held* (see
+    :func:`gil_held_launch`), the launches call libcuda through it instead."""
     (err,) = drv.cuCtxPushCurrent(ctx.cu)
     if err:
         raise RuntimeError(f"cuCtxPushCurrent: {err!r}")
@@ -349,18 +352,35 @@ def raw_thread_launches(ctx: ck.Context, cubin: bytes, n: int, gate: Gate) -> No
         err, stream = drv.cuStreamCreate(1)
         if err:
             raise RuntimeError(f"cuStreamCreate: {err!r}")
-        launch = drv.cuLaunchKernel
+        launch: Any = drv.cuLaunchKernel
+        call: tuple[Any, ...] = (fn, 1, 1, 1, 32, 1, 1, 0, stream, addr, 0)
+        if gil_held is not None:
+            launch, call = gil_held, (int(fn), 1, 1, 1, 32, 1, 1, 0, int(stream), addr, None)
         gate.start()
         for _ in range(n):
-            (err,) = launch(fn, 1, 1, 1, 32, 1, 1, 0, stream, addr, 0)
-            if err:
-                raise RuntimeError(err)
+            res = launch(*call)
+            if res if gil_held is not None else res[0]:
+                raise RuntimeError(res)
         drv.cuStreamSynchronize(stream)
         gate.finish()
         drv.cuStreamDestroy(stream)
         drv.cuModuleUnload(mod)
     finally:
         drv.cuCtxPopCurrent()
+
+
+def gil_held_launch() -> Any:
+    """libcuda's ``cuLaunchKernel`` through ``ctypes.PyDLL``, which keeps the GIL during
+    the call (an experiment, not a ctxkit path: a launch that blocks on a full queue then
+    stalls every Python thread); ``None`` where libcuda cannot be loaded."""
+    try:
+        lib = ctypes.PyDLL("libcuda.so.1")
+    except OSError:
+        return None
+    fn = lib.cuLaunchKernel
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, *[ctypes.c_uint] * 7, *[ctypes.c_void_p] * 3]
+    return fn
 
 
 def ctxkit_task_launches(kernel: ck.Kernel, n: int, gate: Gate, prepared: bool = True) -> None:
@@ -395,9 +415,13 @@ def _run_threads(nthreads: int, work: Callable[[Gate], None]) -> float:
     return _timed_gate(gate, [t.join for t in threads], errors)
 
 
-def raw_rate(ctx: ck.Context, cubin: bytes, nthreads: int, per_thread: int) -> float:
+def raw_rate(
+    ctx: ck.Context, cubin: bytes, nthreads: int, per_thread: int, gil_held: Any = None
+) -> float:
     """Launches per second of *nthreads* raw threads (set-up outside the clock)."""
-    secs = _run_threads(nthreads, lambda g: raw_thread_launches(ctx, cubin, per_thread, g))
+    secs = _run_threads(
+        nthreads, lambda g: raw_thread_launches(ctx, cubin, per_thread, g, gil_held)
+    )
     return nthreads * per_thread / secs
 
 
@@ -438,13 +462,18 @@ def _empty_kernel() -> tuple[ck.Kernel, bytes]:
 def thread_modes(
     ctx: ck.Context, kernel: ck.Kernel, cubin: bytes, ex: ck.ContextExecutor, nthreads: int
 ) -> dict[str, Callable[[int], float]]:
-    """Each mode of :data:`THREAD_MODES` as ``rate(launches_per_thread)`` for *nthreads*."""
-    return {
+    """Each mode of :data:`THREAD_MODES` as ``rate(launches_per_thread)`` for *nthreads*,
+    and ``raw_gil_held`` where libcuda loads (:func:`gil_held_launch`)."""
+    modes: dict[str, Callable[[int], float]] = {
         "raw": lambda k: raw_rate(ctx, cubin, nthreads, k),
         "launch": lambda k: thread_rate(kernel, nthreads, k, prepared=False),
         "prepared": lambda k: thread_rate(kernel, nthreads, k, prepared=True),
         "executor": lambda k: executor_rate(ex, kernel, nthreads, k),
     }
+    held = gil_held_launch()
+    if held is not None:
+        modes["raw_gil_held"] = lambda k: raw_rate(ctx, cubin, nthreads, k, held)
+    return modes
 
 
 def bench_thread_throughput(per_thread: int, rounds: int) -> dict[str, list[float]]:
@@ -519,17 +548,20 @@ def print_tables(r: Mapping[str, Any]) -> None:
 
 def print_thread_table(med: Mapping[str, float]) -> None:
     """Launches/s per mode and thread count (medians), each mode's ratio to raw beside it."""
+    modes = [m for m in (*THREAD_MODES, "raw_gil_held") if f"{m}_threads1" in med]
     print("launches/s from N threads, each on its own stream (medians; ratio to raw):")
-    print(f"threads | {' | '.join(f'{m:>16s}' for m in THREAD_MODES)}")
+    print(f"threads | {' | '.join(f'{m:>16s}' for m in modes)}")
     for n in THREAD_COUNTS:
         raw = med.get(f"raw_threads{n}")
         if not raw:
             continue
         cells = [f"{raw:16,.0f}"]
-        for mode in THREAD_MODES[1:]:
+        for mode in modes[1:]:
             v = med.get(f"{mode}_threads{n}")
             cells.append(f"{v:9,.0f} ({v / raw:.2f})" if v else f"{'-':>16s}")
         print(f"{n:7d} | {' | '.join(cells)}")
+    if "raw_gil_held" in modes:
+        print("  (raw_gil_held: raw launches through ctypes.PyDLL, the GIL kept during each call)")
 
 
 def _ratio_line(
@@ -656,7 +688,7 @@ def thread_verdicts(r: Mapping[str, Any]) -> list[Line]:
     one, top = min(THREAD_COUNTS), max(THREAD_COUNTS)
     if r.get(f"raw_threads{one}"):
         base = median(r[f"raw_threads{one}"])
-        for mode in THREAD_MODES:
+        for mode in (*THREAD_MODES, "raw_gil_held"):
             if r.get(f"{mode}_threads{top}"):
                 lines.append(
                     info(

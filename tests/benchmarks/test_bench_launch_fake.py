@@ -134,6 +134,27 @@ def test_bench_context_times_the_same_work_on_both_sides(mem_fake, monkeypatch, 
     assert "context.with_fresh_thread_vs_raw_pair" in names
 
 
+def test_bench_context_times_gil_held_raw_launches_where_libcuda_loads(
+    mem_fake, monkeypatch, capsys
+):
+    bench = bench_module("context", mem_fake, monkeypatch)
+    calls: list[tuple[int, ...]] = []
+
+    def held(*call: object) -> int:  # the PyDLL function's shape: plain ints in, CUresult out
+        calls.append(tuple(int(c or 0) for c in call))  # type: ignore[call-overload]
+        return 0
+
+    monkeypatch.setattr(bench, "gil_held_launch", lambda: held)
+    rates = bench.bench_thread_throughput(10, 1)
+    assert all(len(rates[f"raw_gil_held_threads{n}"]) == 1 for n in bench.THREAD_COUNTS)
+    assert calls and all(c[1:8] == (1, 1, 1, 32, 1, 1, 0) for c in calls)
+    r = {**bench.measure(50, 5, 1, thread_rounds=1), **rates}
+    bench.print_tables(r)
+    bench.emit(bench.verdicts(r))
+    out = capsys.readouterr().out
+    assert "threads.raw_gil_held_8_vs_raw_1" in verdict_names(out) and "PyDLL" in out
+
+
 def test_bench_context_profile_names_the_launch_path(mem_fake, monkeypatch):
     bench = bench_module("context", mem_fake, monkeypatch)
     text = bench.profile_launches(50)
