@@ -352,15 +352,18 @@ def raw_thread_launches(
         err, stream = drv.cuStreamCreate(1)
         if err:
             raise RuntimeError(f"cuStreamCreate: {err!r}")
-        launch: Any = drv.cuLaunchKernel
-        call: tuple[Any, ...] = (fn, 1, 1, 1, 32, 1, 1, 0, stream, addr, 0)
-        if gil_held is not None:
-            launch, call = gil_held, (int(fn), 1, 1, 1, 32, 1, 1, 0, int(stream), addr, None)
         gate.start()
-        for _ in range(n):
-            res = launch(*call)
-            if res if gil_held is not None else res[0]:
-                raise RuntimeError(res)
+        if gil_held is None:
+            launch = drv.cuLaunchKernel
+            for _ in range(n):
+                (err,) = launch(fn, 1, 1, 1, 32, 1, 1, 0, stream, addr, 0)
+                if err:
+                    raise RuntimeError(err)
+        else:
+            hf, hs = int(fn), int(stream)
+            for _ in range(n):
+                if gil_held(hf, 1, 1, 1, 32, 1, 1, 0, hs, addr, None):
+                    raise RuntimeError("cuLaunchKernel failed")
         drv.cuStreamSynchronize(stream)
         gate.finish()
         drv.cuStreamDestroy(stream)
