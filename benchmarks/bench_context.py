@@ -576,7 +576,7 @@ def _ratio_line(
     return target(name, value, op, limit, "x", f"{what}; medians of {len(num)}; best {best:.2f}x")
 
 
-#: Issue 32's targets: ``with ctx:`` and a cold bind at most 1.5x the raw pair; a hot
+#: Targets: ``with ctx:`` and a cold bind at most 1.5x the raw pair; a hot
 #: bind at most 0.35 us; every launch mode at least 0.95x raw threads at every count.
 WITH_VS_RAW = 1.5
 BIND_HOT_US = 0.35
