@@ -72,3 +72,13 @@ def lane_report_child(ordinal: int, n: int, alpha: float) -> tuple[int, Any, boo
     """:func:`lane_report` in a ``run_per_device`` child (which gets its ordinal)."""
     spec, same, y, _pid = lane_report(n, alpha)
     return ordinal, spec, same, y
+
+
+def scale_in_place(buf: Any, n: int, alpha: float) -> tuple[str, int]:
+    """``buf *= alpha`` (float32, the ``scale_f32`` kernel) in the worker's current context;
+    returns that context's kind and SM count."""
+    ctx = ck.current_context()
+    assert ctx is not None
+    grid = max(1, min(65535, (n + 255) // 256))
+    kernel("scale.cu", "scale_f32").launch(grid, 256, buf, buf, n, np.float32(alpha))
+    return ctx.kind, ctx.sm_count

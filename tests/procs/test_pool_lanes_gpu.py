@@ -13,10 +13,12 @@ import numpy as np
 import pytest
 
 import ctxkit as ck
+from ctxkit.errors import CudaError
 from ctxkit.procs import DevicePool, DeviceTaskError, run_per_device
 from ctxkit.procs.spawn import LaneSpec, lane_spec
-from tests.procs.gpu_tasks import N, expected, lane_report, lane_report_child
+from tests.procs.gpu_tasks import N, expected, lane_report, lane_report_child, scale_in_place
 from tests.procs.proctools import alive
+from tests.support.helpers import ipc_refused
 
 CU_CTX_SCHED_BLOCKING_SYNC = 4
 
@@ -58,6 +60,21 @@ def test_pool_over_owned_contexts_keeps_their_flags():
     finally:
         for ctx in owned:
             ctx.close()
+
+
+def test_a_green_lane_works_on_the_parents_device_buffer(parts, ctx0):
+    x = np.arange(N, dtype=np.float32)
+    buf = ck.DeviceBuffer(x.nbytes, context=ctx0)
+    buf.copy_from_host(x)
+    with DevicePool(parts) as pool:
+        try:
+            kind, sms = pool.submit_to(parts[0], scale_in_place, buf, N, 2.0).result(120)
+        except (CudaError, DeviceTaskError) as exc:
+            if ipc_refused(exc):
+                pytest.skip(f"the driver refuses CUDA IPC here: {exc}")
+            raise
+    assert (kind, sms) == ("green", parts[0].sm_count)
+    np.testing.assert_array_equal(buf.copy_to_host(np.empty_like(x)), x * 2)
 
 
 @pytest.mark.parametrize("isolate", [False, True])
