@@ -528,8 +528,8 @@ class DevicePool(Executor):
         if device is not None:
             order = self._lanes_of(device, order)
         healthy = [s for s in order if s.broken is None]
-        if not healthy:
-            raise order[0].broken  # type: ignore[misc]
+        if not healthy:  # the first one's error, in the pool's order
+            raise min(order, key=self._slots.index).broken  # type: ignore[misc]
         if device is not None:
             return min(healthy, key=lambda s: s.load)
         if allowed is not None:
