@@ -153,17 +153,10 @@ def resolve_context(target: ContextLike | None, what: str) -> Context:
     return ctx
 
 
-#: Why a process-per-device API refuses a Context (a green partition, say).
-_PROCESS_LOCAL = (
-    " (a context lives in the process that made it: each worker process binds its own; "
-    "pass the device ordinal, or use Pipeline / ContextExecutor for lanes in this process)"
-)
-
-
 def check_devices(
-    devices: Sequence[ContextLike] | None, what: str, *, contexts: bool = True, lanes: bool = False
+    devices: Sequence[ContextLike] | None, what: str, *, lanes: bool = False
 ) -> list[ContextLike] | None:
-    """Validate a list of devices (ordinals, Devices, and Contexts when *contexts*).
+    """Validate a list of devices (ordinals, Devices and Contexts).
 
     The one check of a ``devices=`` argument: a sequence (not a single device), not empty,
     no negative ordinal, no device twice -- with *lanes*, distinct contexts of one device
@@ -172,8 +165,7 @@ def check_devices(
     """
     if devices is None:
         return None
-    kinds: tuple[type, ...] = (int, Device, Context) if contexts else (int, Device)
-    names = "ints, Devices or Contexts" if contexts else "int ordinals or ctxkit.Devices"
+    kinds = (int, Device, Context)
     if isinstance(devices, kinds):
         raise TypeError(f"{what}: devices must be a sequence, e.g. devices=[0] or devices=[0, 1]")
     specs = list(devices)
@@ -185,8 +177,7 @@ def check_devices(
     seen: set[tuple[bool, int]] = set()
     for d in specs:
         if isinstance(d, bool) or not isinstance(d, kinds):
-            why = "" if contexts or not isinstance(d, Context) else _PROCESS_LOCAL
-            raise TypeError(f"{what}: devices must hold {names}, got {d!r}{why}")
+            raise TypeError(f"{what}: devices must hold ints, Devices or Contexts, got {d!r}")
         if isinstance(d, int) and d < 0:
             raise ValueError(f"{what}: device ordinals are >= 0, got {d}")
         if isinstance(d, Context):

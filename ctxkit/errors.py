@@ -309,8 +309,9 @@ class DeviceTaskError(CudaError):
     results : list
         ``run_per_device`` only: every device's result in device order, ``None`` for the
         devices that failed.
-    failures : dict[int, DeviceTaskError]
-        ``run_per_device`` only: the error of every failed device, by ordinal.
+    failures : dict[int or Context, DeviceTaskError]
+        ``run_per_device`` only: the error of every failed device, by ordinal (by the
+        Context given, for a lane: a green or owned context).
     """
 
     message: str
@@ -326,7 +327,7 @@ class DeviceTaskError(CudaError):
     code: int = 0
     name: str = ""
     results: list[Any] = field(default_factory=list, init=False)
-    failures: dict[int, DeviceTaskError] = field(default_factory=dict, init=False)
+    failures: dict[Any, DeviceTaskError] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         CudaError.__init__(self, self.message, self.code, self.name)

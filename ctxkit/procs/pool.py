@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
 from typing import Any
 
+from ..context import Context
 from ..device import Device
 from ..errors import DeviceTaskError
 from . import devmem, spawn, wire
@@ -55,8 +56,10 @@ class TaskOptions:
 
     Attributes
     ----------
-    device : int or Device, optional
-        The pool device to run on; ``None`` picks the least-loaded one.
+    device : int, Device or Context, optional
+        The pool device to run on (its least-loaded lane where it has several), or the
+        lane of a green or owned Context the pool was given; ``None`` picks the
+        least-loaded worker.
     timeout : float, optional
         Seconds the task may run once it is sent to its worker, loading its function and
         arguments included (time spent queued does not count; the worker's start-up and
@@ -65,7 +68,7 @@ class TaskOptions:
         future fails with a :class:`DeviceTaskError` of ``kind == "timeout"``.
     """
 
-    device: Device | int | None = None
+    device: Context | Device | int | None = None
     timeout: float | None = None
 
     def __post_init__(self) -> None:
@@ -89,7 +92,7 @@ class Task:
 
 @dataclasses.dataclass(eq=False, slots=True)
 class Slot:
-    """One device's worker: its process, pipes and queue.
+    """One lane's worker: its process, pipes and queue.
 
     ``state``: starting -> idle <-> busy; restarting (worker exits after a sticky fault,
     or is being stopped for a timeout); stopping (told to exit); dead (exited, not
@@ -97,7 +100,8 @@ class Slot:
     thread closes the parent's mappings of that worker's memory, then sends it ``None``.
     """
 
-    ordinal: int
+    lane: spawn.LaneSpec
+    key: spawn.LaneKey  # in pool.pids
     visible: str | None
     proc: Any = None
     task_w: Any = None
@@ -116,6 +120,10 @@ class Slot:
     stop_pending: int | None = None  # pid to send None once its memory is unmapped
 
     @property
+    def ordinal(self) -> int:
+        return self.lane.ordinal
+
+    @property
     def load(self) -> int:
         return len(self.pending) + (self.current is not None) + (self.state == "starting")
 
@@ -124,7 +132,7 @@ def lost_error(
     slot: Slot, task: Task, pid: int, code: int | None, timed_out: bool
 ) -> DeviceTaskError:
     """The error of a task whose worker died under it (or was stopped for its timeout)."""
-    head = f"task {task.label} on device {slot.ordinal}"
+    head = f"task {task.label} on {slot.lane}"
     if timed_out:
         kind = "timeout"
         msg = (
@@ -142,7 +150,7 @@ def lost_error(
 
 def terminated_error(slot: Slot | None, task: Task) -> DeviceTaskError:
     """The error of a task the pool was terminated under."""
-    where = f" on device {slot.ordinal}" if slot is not None else ""
+    where = f" on {slot.lane}" if slot is not None else ""
     return DeviceTaskError(
         f"task {task.label}{where}: the DevicePool was terminated before it finished",
         device=slot.ordinal if slot is not None else -1,
@@ -154,29 +162,50 @@ _live_pools: weakref.WeakSet[DevicePool] = weakref.WeakSet()
 
 
 class DevicePool(Executor):
-    """One long-lived worker process per device: a ``concurrent.futures.Executor``.
+    """One long-lived worker process per device (or lane): a ``concurrent.futures.Executor``.
 
     Each worker binds the registry's context of its device once, when it starts, and
-    runs tasks one at a time with it current. A worker whose task crashed the process,
+    runs tasks one at a time with it current (a lane's worker binds a context of its
+    own: see *devices*). A worker whose task crashed the process,
     raised a sticky CUDA error (the context is poisoned) or ran past its timeout is
     replaced by a fresh one; that task's future gets a :class:`DeviceTaskError`, queued
     tasks run on the replacement.
 
     ``submit(fn, *args, **kwargs)`` passes every argument to ``fn`` and picks the
-    least-loaded device; ``submit_to(device, fn, ...)`` chooses the device, and
+    least-loaded worker; ``submit_to(device, fn, ...)`` chooses the device (or lane), and
     ``submit_to(TaskOptions(device=..., timeout=...), fn, ...)`` a timeout too. ``map``
     is ``Executor.map``.
 
     Parameters
     ----------
-    devices : sequence of int or Device, optional
-        Default: every visible device.
+    devices : sequence of int, Device or Context, optional
+        Default: every visible device. An ordinal, a Device, or a primary or foreign
+        Context means that device: one worker, which binds the registry's context. A
+        green or owned Context is a *lane*: one worker of its own, so distinct contexts
+        of one device (``Device(0).partition([16])``, two owned contexts) and ordinals
+        mix. A Context lives in the process that made it, so a lane's worker makes its
+        own context of the same kind on that device -- a green context of the same
+        ``sm_count`` (``Context.green``), or an owned context with the same flags -- and
+        binds it for its whole life; ``ck.current_context()`` in a task is that context,
+        and ``ck.bind(ordinal)`` there binds it too (it is the worker's registry context
+        of the device). Which SMs a green lane gets is up to the split its worker makes:
+        it confines that worker's kernels to ``sm_count`` SMs, but processes on one GPU
+        take turns on it (time-slicing) unless MPS runs, so partitions in several
+        workers do not run concurrently the way partitions in one process do (use a
+        :class:`~ctxkit.Pipeline` or :class:`~ctxkit.ContextExecutor` for that). A worker
+        whose context cannot be made (no green contexts in the driver, an SM count the
+        device cannot give) marks its lane broken with that error, like a failed
+        ``initializer``. The same Context or device listed twice is refused
+        (``ValueError``). :attr:`devices` lists one ordinal per worker, :attr:`pids` is
+        keyed by ordinal for a device and by the Context given for a lane, and error
+        messages name a lane as in ``"on device 0 (green, 16 SMs)"``.
     isolate : bool
-        As in :func:`run_per_device`: each worker sees only its device.
+        As in :func:`run_per_device`: each worker sees only its device (the lanes of
+        one device see the same one).
     initializer : callable, optional
         Called as ``initializer(*initargs)`` in each worker after its context is bound
-        (e.g. to compile and load kernels once). If it fails, that device is marked
-        broken: its queued futures fail and ``submit`` to it raises.
+        (e.g. to compile and load kernels once). If it fails, that worker's device (or
+        lane) is marked broken: its queued futures fail and ``submit`` to it raises.
     shm_threshold : int or None
         Byte size from which an array goes through shared memory (``None``: never).
     shm_limit : int, optional
@@ -246,10 +275,12 @@ class DevicePool(Executor):
         self._init_payload = wire.dumps(
             "DevicePool(initializer=)", (initializer, tuple(initargs)), by_value
         )
-        ordinals = spawn.resolve_ordinals(devices, _bind)
-        visible = spawn.visible_for(ordinals, isolate)
-        self._slots = [Slot(o, v) for o, v in zip(ordinals, visible, strict=True)]
-        self._by_ordinal = {s.ordinal: s for s in self._slots}
+        lanes = spawn.resolve_lanes(devices, _bind)
+        visible = spawn.visible_for([lane.ordinal for lane in lanes.values()], isolate)
+        self._slots = [
+            Slot(lane, k, v) for (k, lane), v in zip(lanes.items(), visible, strict=True)
+        ]
+        self._by_key = {s.key: s for s in self._slots}
         self._threshold = shm_threshold
         # default: half of /dev/shm; no limit where there is none to measure
         self._shm_limit = (wire.shm_space()[1] // 2 or 1 << 62) if shm_limit is None else shm_limit
@@ -276,14 +307,16 @@ class DevicePool(Executor):
 
     @property
     def devices(self) -> list[int]:
-        """The device ordinals of the workers, in order."""
+        """The device ordinals of the workers, in order (one per worker: a device with
+        several lanes is listed once per lane)."""
         return [s.ordinal for s in self._slots]
 
     @property
-    def pids(self) -> dict[int, int | None]:
-        """Current worker process id per device (``None`` while none is running)."""
+    def pids(self) -> dict[int | Context, int | None]:
+        """Current worker process id per device (``None`` while none is running): by
+        ordinal, and by the Context given for a lane (a green or owned context)."""
         with self._lock:
-            return {s.ordinal: s.proc.pid if s.proc is not None else None for s in self._slots}
+            return {s.key: s.proc.pid if s.proc is not None else None for s in self._slots}
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
         """Run ``fn(*args, **kwargs)`` on the least-loaded device; returns its ``Future``.
@@ -312,7 +345,7 @@ class DevicePool(Executor):
 
     def submit_to(
         self,
-        target: Device | int | TaskOptions | None,
+        target: Context | Device | int | TaskOptions | None,
         fn: Callable[..., Any],
         /,
         *args: Any,
@@ -320,14 +353,15 @@ class DevicePool(Executor):
     ) -> Future[Any]:
         """Run ``fn(*args, **kwargs)`` on a chosen device; returns its ``Future``.
 
-        *target* is a device (ordinal or ``Device``; ``None``: least loaded) or a
-        :class:`TaskOptions` with a device and a timeout. Every keyword argument goes
-        to ``fn``.
+        *target* is a device (ordinal or ``Device``: its least-loaded lane), a lane (the
+        green or owned Context the pool was given for it), ``None`` (the least-loaded
+        worker) or a :class:`TaskOptions` with one of those and a timeout. Every keyword
+        argument goes to ``fn``.
 
         Raises
         ------
         ValueError
-            The device is not one of the pool's devices, or cannot map a device
+            The device or lane is not one of the pool's, or cannot map a device
             argument.
         DeviceTaskError
             The chosen device's worker could not start (``kind == "init"``).
@@ -482,33 +516,43 @@ class DevicePool(Executor):
 
     def _pick(
         self,
-        device: Device | int | None,
+        device: Context | Device | int | None,
         allowed: list[int] | None = None,
         prefer: int | None = None,
     ) -> Slot:
-        """The slot for a task: *device*, else the least-loaded healthy one among
-        *allowed*, the one of device *prefer* first (it holds the task's memory)."""
-        if device is not None:
-            ordinal = spawn.ordinal_of(device, False)
-            slot = self._by_ordinal.get(ordinal)
-            if slot is None:
-                raise ValueError(f"device {ordinal} is not in this pool (devices {self.devices})")
-            if slot.broken is not None:
-                raise slot.broken
-            return slot
+        """The slot for a task: the lane *device* names, or the least-loaded healthy one
+        of the device it names; else the least-loaded healthy one among *allowed*, those
+        of device *prefer* first (it holds the task's memory)."""
         n = len(self._slots)
-        healthy = [self._slots[(self._rr + k) % n] for k in range(n)]
-        healthy = [s for s in healthy if s.broken is None]
-        if not healthy:
-            raise self._slots[0].broken  # type: ignore[misc]
+        order = [self._slots[(self._rr + k) % n] for k in range(n)]  # ties go round robin
+        if device is not None:
+            order = self._lanes_of(device, order)
+        healthy = [s for s in order if s.broken is None]
+        if not healthy:  # the first one's error, in the pool's order
+            raise min(order, key=self._slots.index).broken  # type: ignore[misc]
+        if device is not None:
+            return min(healthy, key=lambda s: s.load)
         if allowed is not None:
             healthy = [s for s in healthy if s.ordinal in allowed]
             if not healthy:  # every device that can map the arguments is broken
                 raise next(s.broken for s in self._slots if s.ordinal in allowed)  # type: ignore[misc]
         same = [s for s in healthy if s.ordinal == prefer]
-        slot = same[0] if same else min(healthy, key=lambda s: s.load)
+        slot = min(same or healthy, key=lambda s: s.load)
         self._rr = (self._slots.index(slot) + 1) % n
         return slot
+
+    def _lanes_of(self, device: Context | Device | int, order: list[Slot]) -> list[Slot]:
+        """The slots *device* names, in *order*: a lane's, or every one of a device."""
+        key = spawn.lane_key(device)
+        if isinstance(key, Context):
+            if key not in self._by_key:
+                lanes = [s.key for s in self._slots if isinstance(s.key, Context)]
+                raise ValueError(f"{key!r} is not a lane of this pool (lanes {lanes})")
+            return [self._by_key[key]]
+        slots = [s for s in order if s.ordinal == key]
+        if not slots:
+            raise ValueError(f"device {key} is not in this pool (devices {self.devices})")
+        return slots
 
     def _take(self, slot: Slot) -> Task | None:
         """The next task for an idle worker, now its current one (lock held); the caller
@@ -611,15 +655,15 @@ class DevicePool(Executor):
     def _collect_releases(self) -> None:
         """Move the book's queued releases to their live workers' slots (lock held);
         those of workers that are gone are dropped."""
-        for (ordinal, pid), leases in self._book.drain().items():
-            s = self._by_ordinal.get(ordinal)
-            if s is not None and s.proc is not None and s.proc.pid == pid:
+        live = {s.proc.pid: s for s in self._slots if s.proc is not None}
+        for (_ordinal, pid), leases in self._book.drain().items():
+            if (s := live.get(pid)) is not None:
                 s.releases += leases
 
     def _spawn(self, slot: Slot) -> None:
         result_r, result_w = self._ctx.Pipe(duplex=False)
         task_r, task_w = self._ctx.Pipe(duplex=False)
-        child = spawn.Child(slot.ordinal, slot.visible, self._bind)
+        child = spawn.Child(slot.lane, slot.visible, self._bind)
         proc = self._ctx.Process(
             target=worker_main,
             args=(task_r, result_w, child, self._threshold, self._init_payload),
@@ -736,7 +780,7 @@ class DevicePool(Executor):
                     slot.state = "idle"
             self._feed(slot)
         elif kind == "init_error":
-            head = f"DevicePool worker for device {slot.ordinal} failed to start"
+            head = f"DevicePool worker for {slot.lane} failed to start"
             err = wire.error_from(msg[1], slot.ordinal, slot.proc.pid, None, 1, head, "init")
             self._mark_broken(slot, err)
             slot.result_r.close()
@@ -768,7 +812,7 @@ class DevicePool(Executor):
                 self._book.enqueue(key, out[3])
             return
         loader = devmem.ResultLoader(sent, self._book, key)
-        head = f"task {task.label} on device {slot.ordinal}"
+        head = f"task {task.label} on {slot.lane}"
         value, err = wire.outcome(out, loader, head, slot.ordinal, pid)
         if err is None:
             task.future.set_result(value)
@@ -797,7 +841,7 @@ class DevicePool(Executor):
             if was == "starting" and not self._terminating:
                 reason = spawn.exit_reason(code)
                 broken = DeviceTaskError(
-                    f"DevicePool worker for device {slot.ordinal} (pid {pid}) {reason} "
+                    f"DevicePool worker for {slot.lane} (pid {pid}) {reason} "
                     "while starting (importing ctxkit, binding the context or running the "
                     "initializer)",
                     device=slot.ordinal,

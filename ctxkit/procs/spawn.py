@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from .. import _driver
+from .._driver import call, drv
 from ..binding import check_devices, registry
 from ..context import Context
 from ..device import Device, device_count
@@ -40,8 +41,8 @@ TERM_GRACE_S = 2.0
 EXIT_GRACE_S = 10.0
 
 
-#: The logical device ordinal a ctxkit child process serves (``procs.worker_device``).
-current_device: int | None = None
+#: The lane a ctxkit child process serves (its ordinal: ``procs.worker_device``).
+current_lane: LaneSpec | None = None
 
 
 _PR_SET_PDEATHSIG = 1
@@ -135,37 +136,167 @@ def spawn_context(mp_context: Any) -> Any:
     return mp_context
 
 
-def resolve_ordinals(devices: Sequence[Device | int] | None, bind: bool) -> list[int]:
+#: A lane's key in ``DevicePool.pids`` and ``DeviceTaskError.failures``: the ordinal of a
+#: device entry, the Context given for a lane entry (a green or owned context).
+LaneKey = int | Context
+
+
+#: ``CU_CTX_FLAGS_MASK``: the flags ``cuCtxCreate`` takes (``cuCtxGetFlags`` may say more).
+_CTX_FLAGS_MASK = 0xFF
+
+
+@dataclasses.dataclass(frozen=True)
+class LaneSpec:
+    """What a child process needs to make the context it works in (picklable).
+
+    ``kind``: ``"device"`` (the registry's context of the device), ``"green"`` (a green
+    context of ``sm_count`` SMs) or ``"owned"`` (an owned context made with ``flags``).
+    *ordinal* is the logical ordinal, as the parent numbers devices. Made in the parent
+    by :func:`lane_spec`; the child makes its own context of that kind with
+    :func:`lane_context`.
+    """
+
+    ordinal: int
+    kind: str = "device"
+    sm_count: int = 0
+    flags: int = 0
+
+    def __str__(self) -> str:
+        """``device 0``, ``device 0 (green, 16 SMs)`` or ``device 0 (owned context)``."""
+        if self.kind == "green":
+            return f"device {self.ordinal} (green, {self.sm_count} SMs)"
+        if self.kind == "owned":
+            return f"device {self.ordinal} (owned context)"
+        return f"device {self.ordinal}"
+
+
+def lane_key(entry: Context | Device | int) -> LaneKey:
+    """The key of a ``devices=`` entry (or a ``submit_to`` target): a green or owned
+    Context is a lane of its own; a primary or foreign one, a Device and an ordinal mean
+    the device."""
+    if isinstance(entry, Context):
+        return entry if entry.kind in ("green", "owned") else entry.device.ordinal
+    return ordinal_of(entry, False)
+
+
+def lane_spec(entry: Context | Device | int, bind: bool) -> LaneSpec:
+    """The :class:`LaneSpec` of a ``devices=`` entry (in the parent): a green Context's
+    SM count, an owned one's flags (``cuCtxGetFlags``), the device of any other entry."""
+    if not isinstance(entry, Context):
+        return LaneSpec(ordinal_of(entry, bind))
+    entry.check_usable()
+    ordinal = entry.device.ordinal
+    if entry.kind == "green":
+        return LaneSpec(ordinal, "green", sm_count=entry.sm_count)
+    if entry.kind == "owned":
+        with entry:
+            flags = int(call(drv.cuCtxGetFlags, what=f"cuCtxGetFlags of {entry!r}"))
+        return LaneSpec(ordinal, "owned", flags=flags & _CTX_FLAGS_MASK)
+    return LaneSpec(ordinal)
+
+
+def resolve_lanes(
+    devices: Sequence[Context | Device | int] | None, bind: bool
+) -> dict[LaneKey, LaneSpec]:
+    """The lanes of a ``devices=`` argument, by key (:func:`lane_key`), in order.
+
+    Raises
+    ------
+    ValueError
+        No device, or one device (ordinal, Device, primary Context) or one Context listed
+        twice; ``None`` with *bind* false.
+    """
     if devices is None:
         if not bind:
             raise ValueError("_bind=False needs an explicit list of device ordinals")
         if (n := device_count()) == 0:
             Device(0)  # raises the precise reason (no driver / no device)
-        return list(range(n))
-    specs = check_devices(devices, "run_per_device/DevicePool", contexts=False) or []
-    return [ordinal_of(d, bind) for d in specs if not isinstance(d, Context)]
+        return {o: LaneSpec(o) for o in range(n)}
+    lanes: dict[LaneKey, LaneSpec] = {}
+    for entry in check_devices(devices, "run_per_device/DevicePool", lanes=True) or ():
+        key = lane_key(entry)
+        if key in lanes:
+            name = f"context {entry!r}" if isinstance(key, Context) else f"device {key}"
+            raise ValueError(
+                f"run_per_device/DevicePool: {name} is listed twice in devices={list(devices)!r}"
+            )
+        lanes[key] = lane_spec(entry, bind)
+    return lanes
 
 
-def ordinal_of(d: Device | int, bind: bool) -> int:
+def ordinal_of(d: Context | Device | int, bind: bool) -> int:
+    """The logical ordinal of a device entry (checked against the driver with *bind*)."""
+    if isinstance(d, Context):
+        return d.device.ordinal
     if bind:
         return Device(d).ordinal
     if isinstance(d, bool) or not isinstance(d, (int, Device)):
-        raise TypeError(f"device must be an int ordinal or a ctxkit.Device, got {d!r}")
+        raise TypeError(
+            f"device must be an int ordinal, a ctxkit.Device or a ctxkit.Context, got {d!r}"
+        )
     return int(d)
+
+
+@contextlib.contextmanager
+def lane_context(lane: LaneSpec, ordinal: int) -> Iterator[Context]:
+    """In a child: make *lane*'s context on device *ordinal* (the child's numbering) and
+    keep it current for the block.
+
+    A device lane binds the registry's context. A green or owned lane makes its own
+    context of that kind and registers it (``registry.set``): ``ck.bind(ordinal)`` and
+    everything else that resolves the device in this process use it. It is closed after
+    the block (unless a fault poisoned it: the process exit frees it then).
+    """
+    if lane.kind == "device":
+        with registry.context(ordinal) as ctx:
+            yield ctx
+        return
+    if lane.kind == "owned":
+        ctx = Context.create(ordinal, flags=lane.flags)
+    else:
+        ctx = _green(Device(ordinal), lane.sm_count)
+    try:
+        registry.set(ordinal, ctx)
+        with ctx:
+            yield ctx
+    finally:
+        if not ctx.poisoned:
+            with contextlib.suppress(Exception):
+                ctx.close()
+
+
+def _green(dev: Device, sm_count: int) -> Context:
+    """A green context of *sm_count* SMs of *dev*: ``Context.green`` where that is a
+    partition size of the device; else (the remainder of a partition, which no request
+    gives) what is left of a split of the other SMs."""
+    _driver.require_green(f"a green lane of {sm_count} SMs on device {dev.ordinal}")
+    low, step = dev.sm_granularity
+    total = int(_driver.sm_resource(dev.handle).sm.smCount)
+    if (sm_count >= low and sm_count % step == 0) or not 0 < sm_count < total:
+        return Context.green(dev, sm_count)
+    *others, rest = dev.partition([total - sm_count])
+    for ctx in others:
+        ctx.close()
+    return rest
 
 
 @dataclasses.dataclass(frozen=True)
 class Child:
-    """What a spawned child needs to set itself up, chosen by its parent: the logical
-    device it serves, its ``CUDA_VISIBLE_DEVICES`` (``None`` unless isolated; then it
-    binds device 0), whether it binds a context at all, and (filled in by the parent)
-    the parent's pid and the child's shared-memory prefix."""
+    """What a spawned child needs to set itself up, chosen by its parent: the lane it
+    serves (its device and kind of context), its ``CUDA_VISIBLE_DEVICES`` (``None`` unless
+    isolated; then its device is 0 there), whether it binds a context at all, and (filled
+    in by the parent) the parent's pid and the child's shared-memory prefix."""
 
-    ordinal: int
+    lane: LaneSpec
     visible: str | None
     bind: bool
     parent_pid: int = dataclasses.field(default_factory=os.getpid)
     shm_prefix: str = dataclasses.field(default_factory=wire.child_shm_prefix)
+
+    @property
+    def ordinal(self) -> int:
+        """The logical device ordinal, as the parent numbers devices."""
+        return self.lane.ordinal
 
     @contextlib.contextmanager
     def setup(self) -> Iterator[Any]:
@@ -175,7 +306,7 @@ class Child:
         started it dies, applies ``CUDA_VISIBLE_DEVICES`` isolation while CUDA is still
         uninitialised, names its shared-memory blocks with the prefix its parent chose
         (so the parent can remove them if this process dies while sending); then makes
-        the registry's context of its device current for the block (``None`` without
+        its lane's context current for the block (:func:`lane_context`; ``None`` without
         *bind*).
         """
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -190,22 +321,22 @@ class Child:
                 )
             os.environ["CUDA_VISIBLE_DEVICES"] = self.visible
         wire.set_shm_prefix(self.shm_prefix)
-        global current_device
-        current_device = self.ordinal
+        global current_lane
+        current_lane = self.lane
         ordinal = 0 if self.visible is not None else self.ordinal
-        with registry.context(ordinal) if self.bind else contextlib.nullcontext() as ctx:
+        with lane_context(self.lane, ordinal) if self.bind else contextlib.nullcontext() as ctx:
             yield ctx
 
 
 def worker_device() -> int | None:
     """The logical device ordinal this process serves, inside a ``run_per_device`` child
     or a ``DevicePool`` worker; ``None`` elsewhere."""
-    return current_device
+    return current_lane.ordinal if current_lane is not None else None
 
 
 def run_per_device(
     fn: Callable[..., Any],
-    devices: Sequence[Device | int] | None = None,
+    devices: Sequence[Context | Device | int] | None = None,
     args: Sequence[Any] = (),
     kwargs: dict[str, Any] | None = None,
     timeout: float | None = None,
@@ -215,11 +346,12 @@ def run_per_device(
     mp_context: Any = None,
     _bind: bool = True,
 ) -> list[Any]:
-    """Run ``fn(ordinal, *args, **kwargs)`` in one spawned process per device.
+    """Run ``fn(ordinal, *args, **kwargs)`` in one spawned process per device (or lane).
 
     Each child makes the registry's context of its device current for the duration of
     ``fn`` (``ctxkit.registry.context(ordinal)``), so ``fn`` can allocate, compile and
-    launch right away. Results come back in the order of *devices*.
+    launch right away; a lane's child makes its own context of the lane's kind instead
+    (see *devices*). Results come back in the order of *devices*.
 
     Parameters
     ----------
@@ -233,8 +365,12 @@ def run_per_device(
         of one): the parent gets its own object back. Device memory allocated in the
         child cannot be returned (the child exits): that result fails with a
         ``TypeError`` naming the fixes (or use a :class:`DevicePool`).
-    devices : sequence of int or Device, optional
-        Default: every visible device. Each may appear once.
+    devices : sequence of int, Device or Context, optional
+        Default: every visible device. Each may appear once. A green or owned Context
+        is a lane: its child runs in a context of its own of the same kind on that
+        device, as a :class:`DevicePool` lane's worker does (the same SM count, or the
+        same flags; the parent's context never leaves the parent), so distinct contexts
+        of one device each get a child. A primary or foreign Context means its device.
     args, kwargs
         Extra arguments for ``fn`` (pickled once, sent to every child). A ctxkit
         ``DeviceBuffer`` or ``DeviceArray`` among them is not copied: each child maps
@@ -269,7 +405,8 @@ def run_per_device(
         At least one device failed after its retries. The error is the first failed
         device's (``.device``, ``.kind``, the child's ``.traceback``); its message also
         names the others; ``.results`` holds every device's result (``None`` where it
-        failed) and ``.failures`` every failed device's error by ordinal.
+        failed) and ``.failures`` every failed device's error by ordinal (by the
+        Context given, for a lane).
     TypeError
         ``fn`` or the arguments cannot be sent to a spawned process.
     ValueError
@@ -292,14 +429,14 @@ def run_per_device(
     check_timeout(timeout, "timeout")
     if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
         raise ValueError(f"retries must be an int >= 0, not {retries!r}")
-    ordinals = resolve_ordinals(devices, _bind)
-    visible = visible_for(ordinals, isolate)
+    lanes = resolve_lanes(devices, _bind)
+    visible = visible_for([lane.ordinal for lane in lanes.values()], isolate)
     sent = devmem.Outgoing("run_per_device")
     payload = wire.dumps("run_per_device", (fn, tuple(args), dict(kwargs or {})), by_value, sent)
-    for o in ordinals if sent.sent else ():
-        sent.check_target(o, isolate)
+    for lane in lanes.values() if sent.sent else ():
+        sent.check_target(lane.ordinal, isolate)
     sent.synchronize()
-    runner = _Runner(ctx, payload, ordinals, visible, timeout, retries, _bind, sent)
+    runner = _Runner(ctx, payload, lanes, visible, timeout, retries, _bind, sent)
     try:
         return runner.run()
     finally:
@@ -331,19 +468,22 @@ class _Runner:
 
     ctx: Any
     payload: bytes
-    ordinals: list[int]
+    lanes: dict[LaneKey, LaneSpec]
     visible: list[str | None]
     timeout: float | None
     retries: int
     bind: bool
     sent: devmem.Outgoing
     running: dict[int, _Running] = dataclasses.field(default_factory=dict)  # from before start()
-    failures: dict[int, DeviceTaskError] = dataclasses.field(default_factory=dict)
+    failures: dict[LaneKey, DeviceTaskError] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.keys, self.specs = list(self.lanes), list(self.lanes.values())
 
     def run(self) -> list[Any]:
-        self.results: list[Any] = [None] * len(self.ordinals)
+        self.results: list[Any] = [None] * len(self.specs)
         try:
-            for i in range(len(self.ordinals)):
+            for i in range(len(self.specs)):
                 self._start(i, 1)
             while self.running:
                 self._step()
@@ -360,12 +500,10 @@ class _Runner:
         return self.results
 
     def _start(self, index: int, attempt: int) -> None:
-        ordinal = self.ordinals[index]
-        child = Child(ordinal, self.visible[index], self.bind)
+        child = Child(self.specs[index], self.visible[index], self.bind)
         reader, writer = self.ctx.Pipe(duplex=False)
-        proc = self.ctx.Process(
-            target=_child_main, args=(writer, self.payload, child), name=f"ctxkit-device-{ordinal}"
-        )
+        name = f"ctxkit-device-{child.ordinal}"
+        proc = self.ctx.Process(target=_child_main, args=(writer, self.payload, child), name=name)
         c = self.running[index] = _Running(index, attempt, proc, reader, None, child.shm_prefix)
         try:
             proc.start()
@@ -410,15 +548,16 @@ class _Runner:
         if failure is not None and c.attempt <= self.retries:
             self._start(c.index, c.attempt + 1)
         elif failure is not None:
-            self.failures[self.ordinals[c.index]] = failure
+            self.failures[self.keys[c.index]] = failure
 
     def _outcome(self, c: _Running, timed_out: bool) -> DeviceTaskError | None:
-        ordinal = self.ordinals[c.index]
+        lane = self.specs[c.index]
+        ordinal = lane.ordinal
         pid, code = c.proc.pid, c.proc.exitcode
         tries = f"attempt {c.attempt} of {self.retries + 1}"
         if c.message is not None:
             loader = devmem.ResultLoader(self.sent, None, None)
-            head = f"device {ordinal} ({tries})"
+            head = f"{lane} ({tries})"
             value, err = wire.outcome(c.message, loader, head, ordinal, pid, code, c.attempt)
             self.results[c.index] = value
             return err
@@ -429,7 +568,7 @@ class _Runner:
             kind = "crash"
             what = f"{exit_reason(code)} before sending a result ({tries}): {death_hint(code)}"
         return DeviceTaskError(
-            f"device {ordinal}: child process {pid} {what}",
+            f"{lane}: child process {pid} {what}",
             device=ordinal,
             kind=kind,
             pid=pid,
@@ -438,14 +577,16 @@ class _Runner:
         )
 
     def _summary(self) -> DeviceTaskError:
-        order = [o for o in self.ordinals if o in self.failures]
-        first = self.failures[order[0]]
+        order = [i for i, k in enumerate(self.keys) if k in self.failures]
+        first = self.failures[self.keys[order[0]]]
         err = first
         if len(order) > 1:
-            others = "; ".join(f"device {o}: {self.failures[o].kind}" for o in order[1:])
+            others = "; ".join(
+                f"{self.specs[i]}: {self.failures[self.keys[i]].kind}" for i in order[1:]
+            )
             err = copy.copy(first)  # every attribute of the first failure, a new message
             err.args = (
-                f"{len(order)} of {len(self.ordinals)} devices failed (also {others}). "
+                f"{len(order)} of {len(self.specs)} devices failed (also {others}). "
                 f"First failure:\n{first}",
             )
         err.results = self.results

@@ -377,11 +377,3 @@ def test_launches_with_stream_none_go_to_the_green_default_stream(gpu, green, mo
         k.launch(1, 32, 0)
     assert launched[-1] == 0  # elsewhere stream=None is the legacy default stream
     assert gpu.legacy_in_green == []
-
-
-def test_process_per_device_apis_refuse_a_green_context_saying_why(gpu, green):
-    from ctxkit.procs import DevicePool, run_per_device
-
-    for make in (lambda: run_per_device(abs, [green], args=(1,)), lambda: DevicePool([green])):
-        with pytest.raises(TypeError, match="lives in the process that made it"):
-            make()

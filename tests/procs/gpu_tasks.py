@@ -3,9 +3,13 @@ import time: the spawned children import it before they bind a context)."""
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import numpy as np
 
 import ctxkit as ck
+from ctxkit.procs import spawn
 
 N = 1 << 20
 SPIN_FOREVER = 1 << 62  # clock64 ticks: far longer than any timeout here
@@ -50,3 +54,31 @@ def bound_ordinal() -> int:
     ctx = ck.current_context()
     assert ctx is not None, "no context is current in this worker"
     return ctx.device.ordinal
+
+
+def lane_report(n: int, alpha: float) -> tuple[Any, bool, np.ndarray, int]:
+    """In a lane's worker: the lane of its current context (as a parent would describe
+    that context), whether the registry and ``ck.bind`` of its device give that context,
+    a kernel's result computed in it, and the worker's pid."""
+    ctx = ck.current_context()
+    assert ctx is not None, "no context is current in this worker"
+    ordinal = ctx.device.ordinal
+    with ck.bind(ordinal) as bound:
+        same = bound is ctx and ck.registry.context(ordinal) is ctx
+    return spawn.lane_spec(ctx, True), same, scale(n, alpha, 0), os.getpid()
+
+
+def lane_report_child(ordinal: int, n: int, alpha: float) -> tuple[int, Any, bool, np.ndarray]:
+    """:func:`lane_report` in a ``run_per_device`` child (which gets its ordinal)."""
+    spec, same, y, _pid = lane_report(n, alpha)
+    return ordinal, spec, same, y
+
+
+def scale_in_place(buf: Any, n: int, alpha: float) -> tuple[str, int]:
+    """``buf *= alpha`` (float32, the ``scale_f32`` kernel) in the worker's current context;
+    returns that context's kind and SM count."""
+    ctx = ck.current_context()
+    assert ctx is not None
+    grid = max(1, min(65535, (n + 255) // 256))
+    kernel("scale.cu", "scale_f32").launch(grid, 256, buf, buf, n, np.float32(alpha))
+    return ctx.kind, ctx.sm_count

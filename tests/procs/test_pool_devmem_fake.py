@@ -155,7 +155,7 @@ def lend(pool: DevicePool, ctx: Any, lease: int = 7) -> tuple[WorkerBuffer, Any]
 
 
 def spy(pool: DevicePool, ordinal: int = 0, watch: Any = None) -> Recorder:
-    slot = pool._by_ordinal[ordinal]
+    slot = pool._by_key[ordinal]
     with pool._lock:
         rec = Recorder(slot.task_w, watch)
         slot.task_w = rec
@@ -183,12 +183,12 @@ def test_a_busy_worker_gets_its_releases_with_the_next_task(vfake, vctx0, pool, 
     buf, _src = lend(pool, vctx0)
     rec = spy(pool)
     busy = pool.submit(gate_open, gate)
-    wait_for(lambda: pool._by_ordinal[0].state == "busy", 30, "the worker to be busy")
+    wait_for(lambda: pool._by_key[0].state == "busy", 30, "the worker to be busy")
     nxt = pool.submit(int, 3)
     del buf
     gc.collect()
     pool._wake()
-    wait_for(lambda: pool._by_ordinal[0].releases == [7], 30, "the release to be queued")
+    wait_for(lambda: pool._by_key[0].releases == [7], 30, "the release to be queued")
     assert rec.releases() == []  # not while the worker runs a task
     open(gate, "w").close()
     busy.result(60)
