@@ -209,9 +209,10 @@ def _host_copy(mem: Mem, host: np.ndarray, kind: str, stream: Any, what: str) ->
     (:func:`~ctxkit.memory.host.check_async_host`); sync DtoH needs no finish."""
     if host.nbytes == 0:
         return
+    addr = host_address(host)
     if stream is not None:
-        check_async_host(host, what)
-    ends = (mem.ptr, host_address(host)) if kind == "HtoD" else (host_address(host), mem.ptr)
+        check_async_host(host, what, addr)
+    ends = (mem.ptr, addr) if kind == "HtoD" else (addr, mem.ptr)
     ctx: Context = mem.context  # type: ignore[assignment]
     call = call_stream(stream, ctx, what)
     enqueue(ctx, call, what, f"cuMemcpy{kind}", *ends, host.nbytes, finish=kind == "HtoD")

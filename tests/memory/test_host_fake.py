@@ -8,6 +8,7 @@ import gc
 import subprocess
 import sys
 import warnings
+from typing import Any
 
 import numpy as np
 import pytest
@@ -231,6 +232,42 @@ def test_async_copy_inside_register_host_does_not_warn(fake, ctx0):
             warnings.simplefilter("error")
             with ck.register_host(arr):
                 buf.copy_from_host(arr, stream=s)
+
+
+def test_async_copies_of_ctxkit_pinned_arrays_ask_the_driver_nothing(fake, ctx0, monkeypatch):
+    """ctxkit's own pinned arrays and their views are known page-locked: an async copy
+    asks no cuPointerGetAttribute; another library's array is still asked about."""
+    with ctx0:
+        s = Stream()
+        a = ck.pinned_empty((4, 64), np.float32)
+        buf = DeviceBuffer(a[1].nbytes)
+        asked: list[int] = []
+        real = fake.cuPointerGetAttribute
+
+        def counting(attr: Any, ptr: int) -> Any:
+            asked.append(int(ptr))
+            return real(attr, ptr)
+
+        monkeypatch.setattr(fake, "cuPointerGetAttribute", counting)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            buf.copy_from_host(a[1], stream=s)  # a view of a view of the pinned block
+            buf.copy_to_host(a[2], stream=s)
+            assert asked == [] and _hostmem.on_ctxkit_host_memory(a[1:].reshape(-1))
+            with pytest.warns(PageableCopyWarning):
+                buf.copy_from_host(np.ones(64, np.float32), stream=s)
+        assert len(asked) == 1
+        s.synchronize()
+    assert not _hostmem.on_ctxkit_host_memory(np.ones(4))
+
+
+def test_host_address_of_every_kind_of_array():
+    """The buffer-protocol fast path and the interface agree; read-only, empty and
+    non-contiguous arrays take the interface."""
+    a = np.arange(64, dtype=np.float64)
+    ro = np.frombuffer(bytes(64), np.uint8)
+    for arr in (a, a[3:], ro, a[::2], a.reshape(8, 8).T, np.zeros(0), a[5:5]):
+        assert _hostmem.host_address(arr) == (arr.__array_interface__["data"][0] or 0)
 
 
 # ======================================================================================
