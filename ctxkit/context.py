@@ -348,8 +348,8 @@ class Context:
         if top is self:
             st.stack.append(self)
             return self
-        if self._unusable or (top is None and st.probe):
-            return self._enter_checked(st, top)
+        if (self._unusable or (top is None and st.probe)) and self._adopted(st, top):
+            return self
         (err,) = drv.cuCtxPushCurrent(self.cu)
         if err:
             raise self.note_error(err, "cuCtxPushCurrent")
@@ -357,23 +357,19 @@ class Context:
         st.top = self
         return self
 
-    def _enter_checked(self, st: _ThreadState, top: Context | None) -> Context:
-        """``__enter__`` of an unusable context (it raises), or of an outermost block
-        that first asks whether the driver has this context current already."""
+    def _adopted(self, st: _ThreadState, top: Context | None) -> bool:
+        """``__enter__`` of an unusable context (it raises), or of an outermost block that
+        first asks whether the driver has this context current already: True when it is
+        (the block then pushes nothing)."""
         self.check_usable()
         if top is None and st.probe:
             err, cu = drv.cuCtxGetCurrent()
             if not err and int(cu) == self.handle:
                 st.stack.append((self, ADOPTED))
                 st.top = self
-                return self
+                return True
             st.probe = not err and bool(int(cu))  # nothing current: ctxkit owns this stack
-        (err,) = drv.cuCtxPushCurrent(self.cu)
-        if err:
-            raise self.note_error(err, "cuCtxPushCurrent")
-        st.stack.append((self, top))
-        st.top = self
-        return self
+        return False
 
     def __exit__(self, et: object, ev: object, tb: object) -> None:
         try:

@@ -13,7 +13,7 @@ import pytest
 import ctxkit as ck
 from ctxkit.compiler.objectcode import ObjectCode
 from tests.support.fakedriver import FakeHandle
-from tests.support.fakegpu import FakeGPU, launch_scale_f32
+from tests.support.fakegpu import FakeGPU, install_raw_calls, launch_scale_f32
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 PTX = b"""
@@ -66,9 +66,7 @@ def bench(gpu, monkeypatch):
     import bench_green
 
     calls = LaunchCalls(gpu)
-    for name in ("cuModuleLoadData", "cuModuleGetFunction", "cuModuleUnload", "cuStreamCreate",
-                 "cuLaunchKernel"):  # fmt: skip
-        monkeypatch.setattr(gpu, name, getattr(calls, name), raising=False)
+    install_raw_calls(monkeypatch, gpu, calls)
     monkeypatch.setattr(bench_green, "drv", gpu)
     monkeypatch.setattr(ck, "compile", lambda *a, **kw: ObjectCode(PTX, "ptx", "sm_90"))
     gpu.attrs["CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT"] = 132

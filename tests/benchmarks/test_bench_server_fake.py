@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from tests.support.fakedriver import FakeHandle
-from tests.support.fakegpu import FakeGPU
+from tests.support.fakegpu import FakeGPU, install_raw_calls
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 SMALL = ["--threads", "3", "--requests", "6", "--rounds", "2", "--bytes", "4096"]
@@ -97,9 +97,7 @@ def bench(gpu, monkeypatch):
     import bench_server
 
     calls = ServerCalls(gpu)
-    for name in ("cuModuleLoadData", "cuModuleGetFunction", "cuModuleUnload", "cuStreamCreate",
-                 "cuLaunchKernel"):  # fmt: skip
-        monkeypatch.setattr(gpu, name, getattr(calls, name), raising=False)
+    install_raw_calls(monkeypatch, gpu, calls)
     for name in ("cuMemcpyHtoDAsync", "cuMemcpyDtoHAsync"):
         monkeypatch.setattr(gpu, name, calls.checked_copy(getattr(gpu, name)))
     monkeypatch.setattr(bench_server, "drv", gpu)

@@ -670,6 +670,22 @@ def scale_body(gpu: FakeGPU, alpha: Any, delay: float = 0.0) -> Callable[..., No
     return body
 
 
+#: The module and launch calls a benchmark's raw side makes, which FakeGPU leaves to a test.
+RAW_LAUNCH_CALLS = (
+    "cuModuleLoadData",
+    "cuModuleGetFunction",
+    "cuModuleUnload",
+    "cuStreamCreate",
+    "cuLaunchKernel",
+)
+
+
+def install_raw_calls(monkeypatch: Any, gpu: FakeGPU, calls: Any) -> None:
+    """Give *gpu* the :data:`RAW_LAUNCH_CALLS` of *calls* (a test's model of them)."""
+    for name in RAW_LAUNCH_CALLS:
+        monkeypatch.setattr(gpu, name, getattr(calls, name), raising=False)
+
+
 def launch_scale_f32(gpu: FakeGPU, stream: Any, params: int) -> None:
     """Enqueue ptx/scale.cu's ``scale_f32(in, out, n, alpha)`` from its packed ``void**``
     *params*: what a fake ``cuLaunchKernel`` of the benchmarks' scale kernel runs."""
