@@ -47,7 +47,10 @@ def test_submit_orders_device_1_after_device_0(gpu):
         (made,) = tl.select(name="stage:produce").intervals
         (used,) = tl.select(name="stage:consume").intervals
         assert wait.device == 1 and wait.duration_ms >= 25
-        assert wait.end_ms >= made.end_ms - 5 and used.start_ms >= made.end_ms - 5
+        # Device 0's and device 1's times are aligned by their own calibrations, which a
+        # loaded machine puts some ms apart: the ends agree within that, not exactly.
+        skew = 20
+        assert wait.end_ms >= made.end_ms - skew and used.start_ms >= made.end_ms - skew
         # Handles can still be used after wait() (and with a ctxkit Event).
         h2 = p.submit(1, consume, after=[h0, h1.event])
         h2.synchronize()
