@@ -41,7 +41,7 @@ import pytest
 
 import ctxkit as ck
 from ctxkit.procs import DeviceTaskError, run_per_device
-from tests.procs.test_pool_gpu import N, expected, fault_on
+from tests.procs.gpu_tasks import N, expected, fault_on
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -4,6 +4,7 @@ import time: the spawned children import it before they bind a context)."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -82,3 +83,59 @@ def scale_in_place(buf: Any, n: int, alpha: float) -> tuple[str, int]:
     grid = max(1, min(65535, (n + 255) // 256))
     kernel("scale.cu", "scale_f32").launch(grid, 256, buf, buf, n, np.float32(alpha))
     return ctx.kind, ctx.sm_count
+
+
+# --- run_per_device children (tests/procs/test_spawn_gpu.py) ---------------------------
+
+
+def scale_on_device(ordinal: int, n: int, alpha: float) -> tuple[str, int, np.ndarray, int]:
+    ctx = ck.current_context()
+    assert ctx is not None, "run_per_device did not bind a context"
+    return ctx.device.pci_bus_id, ctx.device.ordinal, scale(n, alpha, ordinal), os.getpid()
+
+
+def what_the_child_sees(ordinal: int) -> tuple[int, str | None, str, int]:
+    ctx = ck.current_context()
+    assert ctx is not None
+    return ck.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"), ctx.device.pci_bus_id, ordinal
+
+
+def fault_on(ordinal: int, bad: int, n: int) -> np.ndarray:
+    if ordinal == bad:
+        fault()
+    return scale(n, 2.0, ordinal)
+
+
+def fault_first_attempt(ordinal: int, marker_dir: str, n: int) -> np.ndarray:
+    marker = Path(marker_dir, f"faulted-{ordinal}")
+    if not marker.exists():
+        marker.write_text(str(os.getpid()))
+        fault()
+    return scale(n, 2.0, ordinal)
+
+
+def spin_on(ordinal: int, slow: int, pid_dir: str) -> int:
+    Path(pid_dir, f"{ordinal}.pid").write_text(str(os.getpid()))
+    if ordinal == slow:
+        spin_forever()
+    return ordinal
+
+
+# --- DevicePool workers (tests/procs/test_pool_gpu.py) -----------------------------------
+
+
+_pool_kernel: list[ck.Kernel] = []
+
+
+def pool_init() -> None:
+    _pool_kernel.append(kernel("scale.cu", "scale_f32"))
+
+
+def pool_scale(x: np.ndarray, alpha: float) -> tuple[int, np.ndarray, int]:
+    ctx = ck.current_context()
+    assert ctx is not None and _pool_kernel
+    d_in, d_out = ck.DeviceBuffer(x.nbytes), ck.DeviceBuffer(x.nbytes)
+    d_in.copy_from_host(x)
+    grid = max(1, min(65535, (x.size + 255) // 256))
+    _pool_kernel[0].launch(grid, 256, d_in, d_out, x.size, np.float32(alpha))
+    return ctx.device.ordinal, d_out.copy_to_host(np.empty_like(x)), os.getpid()

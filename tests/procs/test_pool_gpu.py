@@ -1,8 +1,8 @@
 """``DevicePool`` on real devices: kernels in long-lived workers, a faulted worker replaced,
 a worker stuck in a kernel stopped by the task's timeout, tasks sent by value.
 
-The functions the workers run are defined at module level and do not touch CUDA at
-import time.
+The functions the workers run live in tests/procs/gpu_tasks.py and do not touch CUDA
+at import time.
 """
 
 from __future__ import annotations
@@ -14,25 +14,17 @@ import pytest
 
 import ctxkit as ck
 from ctxkit.procs import DevicePool, DeviceTaskError, TaskOptions
-from tests.procs.gpu_tasks import N, bound_ordinal, expected, fault, kernel, scale, spin_forever
+from tests.procs.gpu_tasks import (
+    N,
+    bound_ordinal,
+    expected,
+    fault,
+    pool_init,
+    pool_scale,
+    scale,
+    spin_forever,
+)
 from tests.procs.proctools import alive
-from tests.procs.test_spawn_gpu import fault_on  # noqa: F401 - tests/core/test_sticky_gpu.py
-
-_pool_kernel: list[ck.Kernel] = []
-
-
-def pool_init() -> None:
-    _pool_kernel.append(kernel("scale.cu", "scale_f32"))
-
-
-def pool_scale(x: np.ndarray, alpha: float) -> tuple[int, np.ndarray, int]:
-    ctx = ck.current_context()
-    assert ctx is not None and _pool_kernel
-    d_in, d_out = ck.DeviceBuffer(x.nbytes), ck.DeviceBuffer(x.nbytes)
-    d_in.copy_from_host(x)
-    grid = max(1, min(65535, (x.size + 255) // 256))
-    _pool_kernel[0].launch(grid, 256, d_in, d_out, x.size, np.float32(alpha))
-    return ctx.device.ordinal, d_out.copy_to_host(np.empty_like(x)), os.getpid()
 
 
 def test_pool_runs_kernels_and_replaces_a_faulted_worker():

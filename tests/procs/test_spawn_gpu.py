@@ -1,8 +1,8 @@
 """``run_per_device`` on real devices: binding, kernel results, faults, retries, timeouts,
 functions sent by value, Ctrl-C, the process-per-GPU example.
 
-The functions the children run are defined at module level (they are imported by name in
-the spawned processes) and must not touch CUDA at import time.
+The functions the children run live in tests/procs/gpu_tasks.py (the spawned processes
+import them by name, without pytest) and do not touch CUDA at import time.
 """
 
 from __future__ import annotations
@@ -20,47 +20,21 @@ import pytest
 
 import ctxkit as ck
 from ctxkit.procs import DeviceTaskError, run_per_device
-from tests.procs.gpu_tasks import N, bound_ordinal, expected, fault, scale, spin_forever
+from tests.procs.gpu_tasks import (
+    N,
+    bound_ordinal,
+    expected,
+    fault_first_attempt,
+    fault_on,
+    scale,
+    scale_on_device,
+    spin_on,
+    what_the_child_sees,
+)
 from tests.procs.proctools import alive, transport
 from tests.support.mpi_launch import child_env
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-# --- functions run in the children ----------------------------------------------------
-
-
-def scale_on_device(ordinal: int, n: int, alpha: float) -> tuple[str, int, np.ndarray, int]:
-    ctx = ck.current_context()
-    assert ctx is not None, "run_per_device did not bind a context"
-    return ctx.device.pci_bus_id, ctx.device.ordinal, scale(n, alpha, ordinal), os.getpid()
-
-
-def what_the_child_sees(ordinal: int) -> tuple[int, str | None, str, int]:
-    ctx = ck.current_context()
-    assert ctx is not None
-    return ck.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"), ctx.device.pci_bus_id, ordinal
-
-
-def fault_on(ordinal: int, bad: int, n: int) -> np.ndarray:
-    if ordinal == bad:
-        fault()
-    return scale(n, 2.0, ordinal)
-
-
-def fault_first_attempt(ordinal: int, marker_dir: str, n: int) -> np.ndarray:
-    marker = Path(marker_dir, f"faulted-{ordinal}")
-    if not marker.exists():
-        marker.write_text(str(os.getpid()))
-        fault()
-    return scale(n, 2.0, ordinal)
-
-
-def spin_on(ordinal: int, slow: int, pid_dir: str) -> int:
-    Path(pid_dir, f"{ordinal}.pid").write_text(str(os.getpid()))
-    if ordinal == slow:
-        spin_forever()
-    return ordinal
 
 
 def two_devices() -> list[int]:
@@ -166,7 +140,7 @@ def test_sigint_to_parent_with_gpu_children(tmp_path):
     script = tmp_path / "parent.py"
     script.write_text(
         "import sys\n"
-        "from tests.procs.test_spawn_gpu import spin_on\n"
+        "from tests.procs.gpu_tasks import spin_on\n"
         "from ctxkit.procs import run_per_device\n"
         "if __name__ == '__main__':\n"
         "    run_per_device(spin_on, [0], args=(0, sys.argv[1]))\n"
