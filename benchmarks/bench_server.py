@@ -22,6 +22,9 @@ library's idiomatic calls, everything but the requests made before the barrier:
   ``cuMemcpyHtoDAsync``, ``cuLaunchKernel``, ``cuMemcpyDtoHAsync``,
   ``cuStreamSynchronize``, every CUresult checked; the kernel compiled with NVRTC
   (``cuda.bindings.nvrtc``, a cubin for the device) and loaded with ``cuModuleLoadData``;
+* ctxkit, graph: the same workers, each capturing its request (the two copies and the
+  launch) once with ``ck.capture`` and replaying it per request (``graph.launch(s)``,
+  ``s.synchronize()``): INFO lines against raw and CuPy;
 * CuPy: threads with ``cp.cuda.Stream(non_blocking=True)`` current, ``cupyx.empty_pinned``
   arrays, ``cp.empty`` device arrays; a request is ``d.set(x, stream=s)``, the
   ``cp.RawKernel`` call, ``d.get(out=y, stream=s, blocking=False)``, ``s.synchronize()``.
@@ -77,7 +80,7 @@ extern "C" __global__ void affine(const float* x, float* y, int n)
 """
 KERNEL = "affine"
 BLOCK = 256
-SIDES = ("ctxkit", "raw", "cupy")
+SIDES = ("ctxkit", "ctxkit_graph", "raw", "cupy")
 STREAM_NON_BLOCKING = 1  # CU_STREAM_NON_BLOCKING
 HOST_ALLOC_PORTABLE = 1  # CU_MEMHOSTALLOC_PORTABLE, as ck.pinned_empty allocates
 WARMUP_REQUESTS = 50
@@ -179,6 +182,40 @@ class CtxkitSide:
 
     def close(self) -> None:
         self.pool.shutdown()
+
+
+class CtxkitGraphSide(CtxkitSide):
+    """ctxkit with each worker's request captured once into a graph (``ck.capture``)
+    and replayed per request: one ``cuGraphLaunch`` instead of three driver calls, so
+    the threads queue for the GIL around two calls a request instead of four."""
+
+    name = "ctxkit_graph"
+
+    def serve(self, gate: Gate, requests: int) -> bool:
+        n = self.nbytes // 4
+        s = ck.Stream()
+        x, y = ck.pinned_empty(n, np.float32), ck.pinned_empty(n, np.float32)
+        d_in, d_out = ck.DeviceBuffer(self.nbytes), ck.DeviceBuffer(self.nbytes)
+        try:
+            fill(x, y)
+            launch = self.kernel.prepare(grid_for(n), BLOCK, d_in, d_out, n, stream=s)
+            with ck.capture(s) as graph:
+                d_in.copy_from_host(x, stream=s)
+                launch()
+                d_out.copy_to_host(y, stream=s)
+            gate.start()
+            for i in range(requests):
+                x[0] = i
+                graph.launch(s)
+                s.synchronize()
+            gate.finish()
+            return response_ok(y, requests)
+        finally:
+            with contextlib.suppress(ck.CudaError):
+                s.synchronize()
+            d_in.close()
+            d_out.close()
+            s.close()
 
 
 # --- raw cuda.bindings ------------------------------------------------------------------
@@ -477,6 +514,7 @@ def verdicts(r: dict[str, Any]) -> list[Line]:
                 f"{threads} threads: requests/s through ctxkit / through CuPy; {per_round}",
             )
         )  # fmt: skip
+    lines += graph_lines(r, per_round)
     name = "server.ctxkit_vs_raw"
     if ck_many is None or not right(r, "raw"):
         lines.append(info(name, None, "x", "a side gave wrong responses"))
@@ -488,6 +526,25 @@ def verdicts(r: dict[str, Any]) -> list[Line]:
                 f"{per_round}",
             )
         )  # fmt: skip
+    return lines
+
+
+def graph_lines(r: dict[str, Any], per_round: str) -> list[Line]:
+    """INFO: requests replayed as captured graphs vs raw and CuPy per-call requests (does
+    handing a request to one driver call go past the raw floor)."""
+    lines: list[Line] = []
+    if not measured(r, "ctxkit_graph"):
+        return lines
+    for other, who in (("raw", "raw cuda.bindings"), ("cupy", "CuPy")):
+        name = f"server.ctxkit_graph_vs_{other}"
+        if not measured(r, other):
+            continue
+        if not (right(r, "ctxkit_graph") and right(r, other)):
+            lines.append(info(name, None, "x", "a side gave wrong responses"))
+            continue
+        ratio = ratios(r["ctxkit_graph_many"], r[f"{other}_many"])
+        what = f"{r['threads']} threads: a captured request replayed / {who}; {per_round}"
+        lines.append(median_info(name, ratio, "x", what))
     return lines
 
 
@@ -513,11 +570,11 @@ def print_table(r: dict[str, Any]) -> None:
     )
     for side in SIDES:
         if not measured(r, side):
-            print(f"  {side:7s} not measured: {r.get(f'{side}_note', '')}")
+            print(f"  {side:12s} not measured: {r.get(f'{side}_note', '')}")
             continue
         many, one = median(r[f"{side}_many"]), median(r[f"{side}_one"])
         bad = "" if right(r, side) else f"  ({r[f'{side}_wrong']} WRONG responses)"
-        print(f"  {side:7s} {many:12,.0f} | {one:10,.0f} | {many / one:5.2f}x{bad}")
+        print(f"  {side:12s} {many:12,.0f} | {one:10,.0f} | {many / one:5.2f}x{bad}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -536,7 +593,11 @@ def main(argv: list[str] | None = None) -> int:
     requests = args.requests or (200 if args.quick else 2000)
     rounds = args.rounds or (3 if args.quick else 7)
     cupy, note = cupy_side(args.bytes)
-    sides: list[Side] = [CtxkitSide(args.bytes, args.threads), RawSide(args.bytes)]
+    sides: list[Side] = [
+        CtxkitSide(args.bytes, args.threads),
+        CtxkitGraphSide(args.bytes, args.threads),
+        RawSide(args.bytes),
+    ]
     if cupy is not None:
         sides.append(cupy)
     try:

@@ -119,14 +119,15 @@ def test_quick_run_serves_both_sides_and_skips_cupy(bench, gpu, capsys):
     text = capsys.readouterr().out
     print(text)
     got = lines(text)
-    for side in ("ctxkit", "raw"):
+    for side in ("ctxkit", "ctxkit_graph", "raw"):
         assert got[f"server.{side}_results"].endswith(" ok")
         assert "among 8 checked" in got[f"server.{side}_results"]  # 2 rounds x (3 + 1)
         rps = got[f"server.{side}_rps"]
         assert rps.endswith(" INFO") and "median of 2" in rps
         assert got[f"server.{side}_rps_1thread"].endswith(" INFO")
-    assert got["server.ctxkit_vs_raw"].endswith(" INFO")
-    assert "median of per-round ratios" in got["server.ctxkit_vs_raw"]
+    for name in ("server.ctxkit_vs_raw", "server.ctxkit_graph_vs_raw"):
+        assert got[name].endswith(" INFO") and "median of per-round ratios" in got[name]
+    assert "server.ctxkit_graph_vs_cupy" not in got
     for name in ("server.ctxkit_vs_cupy", "server.cupy_rps", "server.cupy_rps_1thread"):
         assert got[name].endswith(" SKIP") and "CuPy is not installed" in got[name]
     assert "server.cupy_results" not in got
@@ -138,10 +139,12 @@ def test_quick_run_serves_both_sides_and_skips_cupy(bench, gpu, capsys):
     assert all(s != 0 for *_, s in launches)  # never the legacy default stream
     per_round = 3 + 1  # threads of the many- and the 1-thread measurement
     warmup = per_round * min(6, bench.WARMUP_REQUESTS)
-    for side in ("ctxkit", "raw"):
-        assert sum(s == side for s, *_ in launches) == warmup + 2 * per_round * 6
+    captured = 3 * per_round  # the graph side launches once per thread, into its capture
+    assert sum(s == "raw" for s, *_ in launches) == warmup + 2 * per_round * 6
+    assert sum(s == "ctxkit" for s, *_ in launches) == warmup + 2 * per_round * 6 + captured
+    for side, sides_streams in (("raw", 1), ("ctxkit", 2)):  # ctxkit: per call and graph
         streams = {h for s, *_, h in launches if s == side}
-        assert len(streams) == 3 * per_round  # a stream per serving thread and measurement
+        assert len(streams) == sides_streams * 3 * per_round  # a stream per serving thread
     assert gpu.pageable_dma == []  # every copy was from/to pinned memory
 
 
@@ -304,3 +307,20 @@ def test_with_cupy_the_comparison_is_made(bench, monkeypatch, capsys):
     cmp = got["server.ctxkit_vs_cupy"]
     assert cmp.endswith((" PASS", " FAIL")) and "median of per-round ratios" in cmp
     assert served and not any(name.startswith("ctxkit") for name in served)
+    assert got["server.ctxkit_graph_vs_cupy"].endswith(" INFO")
+
+
+def test_graph_lines_compare_replayed_requests_with_raw_and_cupy(bench):
+    r = {"threads": 8, "requests": 100, "nbytes": 65536, bench.QUICK: False}
+    for side, many in (("ctxkit", [90.0] * 3), ("ctxkit_graph", [150.0, 130.0, 140.0]),
+                       ("raw", [100.0] * 3), ("cupy", [70.0] * 3)):  # fmt: skip
+        r.update({f"{side}_many": many, f"{side}_one": [10.0] * 3})
+        r.update({f"{side}_wrong": 0, f"{side}_checked": 27})
+    got = {ln.name: ln for ln in bench.verdicts(r)}
+    assert got["server.ctxkit_graph_vs_raw"].value == pytest.approx(1.4)
+    assert got["server.ctxkit_graph_vs_cupy"].value == pytest.approx(2.0)
+    assert got["server.ctxkit_graph_vs_raw"].verdict == "INFO"
+    r["ctxkit_graph_wrong"] = 2
+    got = {ln.name: ln for ln in bench.verdicts(r)}
+    assert got["server.ctxkit_graph_results"].verdict == "FAIL"
+    assert got["server.ctxkit_graph_vs_raw"].value is None
