@@ -353,9 +353,10 @@ class DeviceBuffer(Copyable):
     @property
     def ptr(self) -> int:
         """The device address (raises ``ContextClosedError`` after :meth:`close`)."""
-        if self.closed:
+        ptr, base = self._ptr, self._base  # :attr:`closed`, inline: every launch asks
+        if ptr is None or (base is not None and base._ptr is None):
             raise self._closed_error("ptr")
-        return self._ptr  # type: ignore[return-value]
+        return ptr
 
     @property
     def base(self) -> DeviceBuffer | None:
