@@ -466,7 +466,7 @@ def order_stream(ctx: Context, producer: int, consumer: int, consumer_stream: An
     else:
         with owner:
             event = _record(owner, handle, producer)
-    _wait_event(ctx, event, producer, consumer)
+    _wait_event(ctx, event, producer, consumer, consumer_stream)
 
 
 _CAPTURE_NONE = 0
@@ -537,16 +537,23 @@ def _finish(owner: Context, event: Any, producer: int) -> None:
 
 def _record(owner: Context, handle: Any, producer: int) -> Any:
     """This thread's event of *owner* (current), recorded on the producer stream."""
-    event = _event(owner)
+    hit = _events.by_context.get(owner.handle)
+    event = hit[1] if hit is not None and hit[0] is owner else _event(owner)
     (err,) = drv.cuEventRecord(event, handle)
     if err:
         raise owner.note_error(err, f"cuEventRecord on the producer stream {producer:#x}")
     return event
 
 
-def _wait_event(ctx: Context, event: Any, producer: int, consumer: int) -> None:
-    """Make *consumer* (a stream of *ctx*, the current context) wait for *event*."""
-    target = _LEGACY_HANDLE if consumer == _LEGACY else _stream_object(consumer)
+def _wait_event(
+    ctx: Context, event: Any, producer: int, consumer: int, consumer_stream: Any = None
+) -> None:
+    """Make *consumer* (a stream of *ctx*, the current context; *consumer_stream* its
+    object when the caller has it) wait for *event*."""
+    if type(consumer_stream) is Stream and consumer_stream.handle is not None:
+        target = consumer_stream.handle
+    else:
+        target = _LEGACY_HANDLE if consumer == _LEGACY else _stream_object(consumer)
     (err,) = drv.cuStreamWaitEvent(target, event, 0)
     if err == _CAPTURE_ISOLATION:
         raise CaptureOrderError(
