@@ -70,8 +70,10 @@ _all_lock = threading.RLock()
 _driver.renew_at_fork(__name__, "_all_lock", threading.RLock)
 
 
-_fast = threading.local()
-"""This thread's :class:`_ThreadState` as ``_fast.s``, set at the thread's first use."""
+per_thread = threading.local()
+"""This thread's :class:`_ThreadState` as ``per_thread.s``, set at the thread's first use
+(:func:`thread_state`). Launch hot paths read ``per_thread.s.top`` directly, ``None``
+standing for a thread that never used ctxkit (nothing ctxkit-current there)."""
 
 
 _shutting_down = False
@@ -95,7 +97,7 @@ atexit.register(begin_shutdown)
 def thread_state() -> _ThreadState:
     """This thread's ctxkit context bookkeeping (internal)."""
     try:
-        return _fast.s  # type: ignore[no-any-return]
+        return per_thread.s  # type: ignore[no-any-return]
     except AttributeError:
         return _first_use()
 
@@ -107,7 +109,7 @@ def _first_use() -> _ThreadState:
     allocation, also while the state is built here: that nested first use builds the
     state, and this one keeps it (``setdefault``).
     """
-    st: _ThreadState = _fast.__dict__.setdefault("s", _ThreadState())
+    st: _ThreadState = per_thread.__dict__.setdefault("s", _ThreadState())
     with _all_lock:
         _all_threads[threading.current_thread()] = st.stack
     return st
@@ -341,7 +343,7 @@ class Context:
 
     def __enter__(self) -> Context:
         try:
-            st = _fast.s
+            st = per_thread.s
         except AttributeError:
             st = _first_use()
         top = st.top
@@ -373,7 +375,7 @@ class Context:
 
     def __exit__(self, et: object, ev: object, tb: object) -> None:
         try:
-            st = _fast.s
+            st = per_thread.s
         except AttributeError:
             st = _first_use()
         try:

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from .. import _driver
 from .._driver import call, drv
 from ..binding import guard, registry, resolve_context
-from ..context import Context, current_handle, thread_state
+from ..context import Context, current_handle, per_thread
 from ..errors import STICKY_CODES, CudaError, LaunchArgumentError
 from ..memory.interop import order_after_producers
 from ..stream import Stream, call_stream
@@ -448,7 +448,11 @@ class PreparedLaunch:
 
     def __call__(self) -> None:
         """Launch (no argument packing; the context is checked in thread-local state)."""
-        if thread_state().top is not self.context or self._module.closed:
+        try:
+            top = per_thread.s.top
+        except AttributeError:  # this thread never used ctxkit: nothing is current
+            top = None
+        if top is not self.context or self._module.closed:
             self._module.check_open()
             with guard(self.context, f"PreparedLaunch of {self._kernel.name!r}"):
                 return self()  # now current: the plain path
@@ -731,7 +735,10 @@ class Kernel:
         ContextPoisonedError
             An earlier kernel faulted in this context.
         """
-        ctx = thread_state().top
+        try:
+            ctx = per_thread.s.top
+        except AttributeError:  # this thread never used ctxkit: nothing is current
+            ctx = None
         last = self._last
         bound = None
         try:

@@ -29,6 +29,7 @@ from tests.module.fakemodule import (  # noqa: F401
     load,
     mem_fake,
 )
+from tests.support.helpers import in_thread
 
 ARGS = (FakeBuffer(0x10), FakeBuffer(0x20), FakeBuffer(0x30), 4)
 
@@ -250,6 +251,27 @@ def test_closing_the_module_stops_the_cached_fast_path(fake):
         with pytest.raises(ck.CudaError, match="is closed"):
             k.launch(1, 1, *ARGS)
     assert len(fake.launches) == 1
+
+
+def test_the_first_ctxkit_call_of_a_fresh_thread_can_be_a_launch(fake):
+    """A thread that never used ctxkit has no ctxkit state: a prepared launch binds its
+    own context there, a plain one takes it from the module in a thread with nothing
+    current, and in strict mode the plain one refuses with the fix."""
+    mod = load(context=ck.registry.context(0))
+    k = mod.function("vector_add")
+    with ck.registry.context(0):
+        prepared = k.prepare(1, 1, *ARGS)
+
+    in_thread(prepared)
+    in_thread(lambda: k.launch(1, 1, *ARGS))
+    assert len(fake.launches) == 2
+    ck.registry.strict = True
+    try:
+        with pytest.raises(ck.NoCurrentContextError, match="bind"):
+            in_thread(lambda: k.launch(1, 1, *ARGS))
+    finally:
+        ck.registry.strict = False
+    assert len(fake.launches) == 2
 
 
 # --- unsigned parameters ------------------------------------------------------------------
