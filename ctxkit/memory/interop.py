@@ -538,7 +538,7 @@ def _finish(owner: Context, event: Any, producer: int) -> None:
 def _record(owner: Context, handle: Any, producer: int) -> Any:
     """This thread's event of *owner* (current), recorded on the producer stream."""
     hit = _events.by_context.get(owner.handle)
-    event = hit[1] if hit is not None and hit[0] is owner else _event(owner)
+    event = hit[1] if hit is not None and hit[0] is owner else _new_event(owner)
     (err,) = drv.cuEventRecord(event, handle)
     if err:
         raise owner.note_error(err, f"cuEventRecord on the producer stream {producer:#x}")
@@ -629,15 +629,11 @@ class _Events(threading.local):
 _events = _Events()
 
 
-def _event(ctx: Context) -> Any:
-    """This thread's event of *ctx* (current), created at its first use.
-
-    Kept with its context object: a later context that gets the same handle gets its own.
-    """
+def _new_event(ctx: Context) -> Any:
+    """This thread's event of *ctx* (current), made at its first use (:func:`_record`
+    looks it up). Kept with its context object: a later context that gets the same
+    handle gets its own."""
     events = _events.by_context
-    hit = events.get(ctx.handle)
-    if hit is not None and hit[0] is ctx:
-        return hit[1]
     err, ev = drv.cuEventCreate(EVENT_DISABLE_TIMING)
     if err:
         raise ctx.note_error(err, "cuEventCreate for producer-stream ordering")
