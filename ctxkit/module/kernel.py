@@ -782,13 +782,17 @@ class Kernel:
     def _launch_context(
         self, top: Context | None, stream: Any, args: tuple[Any, ...]
     ) -> tuple[Context, Context | None]:
-        """The context of a launch, twice when it was bound for the launch: the current
-        one; in a thread with nothing current (and not in strict mode) the stream's, the
-        module's or the first ctxkit buffer argument's, entered here."""
+        """The context of a launch, twice when it was bound for the launch: the one ctxkit
+        made current; else (not in strict mode) a ctxkit stream's, entered here even over a
+        context another library left current, since the caller chose that stream; in a
+        thread with nothing current the module's or the first ctxkit buffer argument's."""
         if top is not None:
             return top, None
+        sc = _chosen_stream_context(stream)
+        if sc is not None:
+            return sc.__enter__(), sc
         if not current_handle() and not registry.strict:
-            for owner in (stream, self.module, *args):
+            for owner in (self.module, *args):
                 ctx = getattr(owner, "context", None)
                 if isinstance(ctx, Context):
                     return ctx.__enter__(), ctx
@@ -914,10 +918,12 @@ class Kernel:
         """Check and pack everything once; calling the result launches.
 
         Takes the arguments of :meth:`launch`; the launch belongs to the context current
-        now (or the module's context), and ``stream=None`` means the current stream now.
+        now (the given ctxkit stream's when ctxkit made none current; the module's for a
+        bound module), and ``stream=None`` means the current stream now.
         Cooperative and cluster limits are checked here.
         """
-        with self._function_here(f"preparing a launch of {self.name!r}") as (ctx, func):
+        what = f"preparing a launch of {self.name!r}"
+        with self._function_here(what, _chosen_stream_context(stream)) as (ctx, func):
             cfg = config_for(config, cooperative, cluster)
             return PreparedLaunch(self, ctx, func, grid, block, args, stream, shared_mem, cfg)
 
@@ -1029,3 +1035,17 @@ class Kernel:
         """``(grid, block)`` covering *n* threads with the occupancy-optimal block size."""
         block = self.max_block_size(shared_mem)
         return max(1, -(-int(n) // block)), block
+
+
+def _chosen_stream_context(stream: Any) -> Context | None:
+    """The context of a ctxkit *stream* the caller chose, when ctxkit made no context
+    current in this thread and registry is not strict: a launch then runs in it, even
+    over a context another library (torch, CuPy) left current."""
+    sc = getattr(stream, "context", None)
+    if not isinstance(sc, Context) or registry.strict:
+        return None
+    try:
+        top = per_thread.s.top
+    except AttributeError:
+        top = None
+    return sc if top is None else None

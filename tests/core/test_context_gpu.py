@@ -166,8 +166,14 @@ def test_foreign_push_inside_block_is_reported_and_recoverable(ctx0, emptied, pr
 @pytest.mark.parametrize("primary_current", [True, False], ids=["primary current", "another"])
 def test_foreign_pop_inside_block_leaves_what_was_beneath(ctx0, emptied, primary_current):
     """A foreign pop of the block's context is reported whether the block pushed it or
-    found it current, and the context beneath stays current."""
+    found it current, and the context beneath stays current.
+
+    A block finds a context current (and pushes nothing) only in a thread where ctxkit
+    has not yet seen an empty driver stack; ``probe`` is set so, whatever ran before in
+    this thread. Once ctxkit saw it empty, a block pushes its context again over one
+    made current behind its back (balanced, and undetectable by the driver)."""
     outer = Context.create(0)
+    thread_state().probe = True
     try:
         (err,) = drv.cuCtxPushCurrent(outer.cu)
         assert not err

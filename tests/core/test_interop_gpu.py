@@ -170,9 +170,9 @@ def events(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     seen: list[tuple[int, int]] = []
     real = interop._wait_event
 
-    def spy(ctx: Any, event: Any, producer: int, consumer: int) -> None:
+    def spy(ctx: Any, event: Any, producer: int, consumer: int, stream: Any = None) -> None:
         seen.append((producer, consumer))
-        real(ctx, event, producer, consumer)
+        real(ctx, event, producer, consumer, stream)
 
     monkeypatch.setattr(interop, "_wait_event", spy)
     return seen

@@ -475,3 +475,38 @@ def test_ctxkit_stream_of_another_context_is_refused(mem_fake):
         with pytest.raises(ck.WrongContextError, match="belongs to"):
             k.prepare(1, 32, buf, buf, buf, 4, stream=theirs)
     assert mem_fake.launches == []
+
+
+def test_a_ctxkit_stream_picks_the_context_over_one_another_library_left_current(mem_fake):
+    """torch or CuPy may leave a context current behind ctxkit's back: a launch or a
+    prepare given a ctxkit stream then runs in that stream's context, pops back to the
+    other library's, and strict mode still refuses the mismatch."""
+    import ctxkit._driver as driver
+
+    k = load().function("vector_add")
+    c0, c1 = ck.registry.context(0), ck.registry.context(1)
+    with c1:
+        theirs = ck.Stream()
+
+    def foreign_current(body):
+        (err,) = driver.drv.cuCtxPushCurrent(c0.cu)
+        assert not err
+        try:
+            body()
+            err, cu = driver.drv.cuCtxGetCurrent()
+            assert not err and int(cu) == c0.handle
+        finally:
+            driver.drv.cuCtxPopCurrent()
+
+    in_thread(lambda: foreign_current(lambda: k.launch(1, 32, *ARGS, stream=theirs)))
+    in_thread(lambda: foreign_current(lambda: k.prepare(1, 32, *ARGS, stream=theirs)()))
+    assert [(x["ctx"], x["stream"]) for x in mem_fake.launches] == [
+        (c1.handle, int(theirs.handle))
+    ] * 2
+    ck.registry.strict = True
+    try:
+        with pytest.raises(ck.WrongContextError, match="belongs to"):
+            in_thread(lambda: foreign_current(lambda: k.launch(1, 32, *ARGS, stream=theirs)))
+    finally:
+        ck.registry.strict = False
+    assert len(mem_fake.launches) == 2

@@ -34,15 +34,19 @@ def parts():
 def test_pool_over_a_partition_runs_kernels_in_green_lanes(parts):
     with DevicePool([*parts, 0]) as pool:
         assert pool.devices == [0, 0, 0] and list(pool.pids) == [*parts, 0]
-        for lane in [*parts, 0]:
+        for lane in parts:
             spec, same, y, pid = pool.submit_to(lane, lane_report, N, 2.0).result(120)
             assert spec == lane_spec(lane, True) and same
             assert pid == pool.pids[lane]
             np.testing.assert_array_equal(y, expected(N, 2.0, 0))
         assert [lane_spec(p, True).kind for p in parts] == ["green", "green"]
         assert sum(p.sm_count for p in parts) == ck.Device(0).multiprocessor_count
-        by_ordinal = [pool.submit_to(0, lane_report, 1024, 1.0) for _ in range(6)]
-        assert {f.result(120)[3] for f in by_ordinal} <= set(pool.pids.values())
+        # an ordinal means the device: six tasks queued at once spread over its three lanes
+        by_ordinal = [pool.submit_to(0, lane_report, N, 1.0) for _ in range(6)]
+        spec_of = {pid: spec for spec, _, _, pid in (f.result(120) for f in by_ordinal)}
+        assert set(spec_of) == set(pool.pids.values())
+        assert spec_of[pool.pids[0]] == LaneSpec(0)
+        assert [spec_of[pool.pids[p]] for p in parts] == [lane_spec(p, True) for p in parts]
         pids = list(pool.pids.values())
     assert not any(alive(p) for p in pids if p)
 
