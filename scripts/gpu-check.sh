@@ -73,7 +73,7 @@ python3 -m ctxkit info 2>&1 | tee "$OUT/info.log"
 test_rc="skipped"
 if [ "$TESTS" != none ]; then
     echo "== pytest $TESTS"
-    # with the README's workers (pyproject addopts: -n 4 --dist loadgroup); one by one the
+    # with the README's workers (pyproject addopts: -n 4, GPU tests in all four); one by one the
     # GPU tests took 262 s of an H200 run that then ran past 10 minutes
     # shellcheck disable=SC2086
     python3 -m pytest $TESTS -q -p no:cacheprovider --timeout=600 -rfE \

@@ -85,12 +85,6 @@ def _is_fake(item: pytest.Item) -> bool:
     return name.endswith("_fake.py") or bool(FAKE_FIXTURES & set(getattr(item, "fixturenames", ())))
 
 
-def _starts_processes(item: pytest.Item) -> bool:
-    """Tests whose child processes (workers, the CLI, examples) may use a real GPU."""
-    parts = set(os.path.normpath(str(item.fspath)).split(os.sep))
-    return bool(parts & {"procs", "cli", "examples", "benchmarks"})
-
-
 def _is_gpu(item: pytest.Item) -> bool:
     name = os.path.basename(str(item.fspath))
     return name.endswith("_gpu.py") or item.get_closest_marker("gpu") is not None
@@ -100,7 +94,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if _is_gpu(item):
             item.add_marker(pytest.mark.gpu)
-            item.add_marker(pytest.mark.xdist_group("gpu"))  # one GPU test at a time
             if GPU_COUNT == 0 and not GPU_ERROR:
                 item.add_marker(pytest.mark.skip(reason=NO_GPU_REASON))
         elif _is_fake(item):
@@ -112,10 +105,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                         "child process that sees none (tests/test_fake_isolation.py)"
                     )
                 )
-        elif GPU_MACHINE and _starts_processes(item):
-            # On a GPU machine their children use the GPU too: beside a GPU test they would
-            # change the device's free memory that the test reads.
-            item.add_marker(pytest.mark.xdist_group("gpu"))
         if item.get_closest_marker("multigpu") and 0 < GPU_COUNT < 2:
             item.add_marker(pytest.mark.skip(reason="needs at least two CUDA devices"))
 

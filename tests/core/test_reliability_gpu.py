@@ -5,8 +5,9 @@ and by ordinal, ``push``/``pop``), allocates and frees small buffers (also while
 context is current, and from threads with nothing current), launches small kernels on
 per-thread streams and checks their results, and synchronizes streams. After every
 operation the driver's current context (``cuCtxGetCurrent``) must be the one the thread
-expects; at the end no thread may have a push left over, and device memory must be back to
-its baseline. The baseline is taken after a short warm-up round of the same stress (same
+expects; at the end no thread may have a push left over, and the device memory this process
+holds (NVML's per-process figure: other test workers use the device meanwhile) must be back
+to its baseline. The baseline is taken after a short warm-up round of the same stress (same
 threads, fewer operations): the driver reserves memory per context lazily the first time
 it is busy (kernel loading, stream and launch resources; measured after a one-operation warm-up
 on H200/CUDA 13.0: 66 MiB on a device with two contexts, 32 MiB with one) and keeps it; only
@@ -35,7 +36,7 @@ import pytest
 import ctxkit as ck
 from ctxkit.compiler import kernel_source
 from ctxkit.context import Context, thread_state
-from tests.support.helpers import raw_current
+from tests.support.helpers import process_device_memory, raw_current
 
 REPO = Path(__file__).resolve().parents[2]
 THREADS = int(os.environ.get("CTXKIT_STRESS_THREADS", "64"))
@@ -226,9 +227,19 @@ class Walker:
             self.problems.append(f"leaked pushes: driver {raw_current():#x}, ctxkit {st.stack}")
 
 
-def _device_free(pool: list[Context]) -> dict[int, int]:
+def _held(pool: list[Context]) -> dict[int, int]:
+    """Device memory this process holds per device (NVML's per-process figure; where NVML
+    is missing, total minus free: then other processes' use on the device counts too)."""
     gc.collect()
-    return {c.device.ordinal: c.memory_info()[0] for c in pool}
+    held = {}
+    for c in pool:
+        d = c.device
+        mine = process_device_memory(d.pci_bus_id)
+        if mine is None:
+            free, total = c.memory_info()
+            mine = total - free
+        held[d.ordinal] = mine
+    return held
 
 
 def _warm_up(pool: list[Context], fill: Any) -> None:
@@ -279,19 +290,19 @@ class Round:
 
 
 def _mib(before: dict[int, int], after: dict[int, int]) -> dict[int, float]:
-    return {d: round((before[d] - after[d]) / 2**20, 1) for d in before}
+    return {d: round((after[d] - before[d]) / 2**20, 1) for d in before}
 
 
 @pytest.mark.slow
 def test_thread_stress(pool: list[Context], fill: Any, record_property: Any) -> None:
     main_before = (raw_current(), len(thread_state().stack))
     _warm_up(pool, fill)
-    start = _device_free(pool)
+    start = _held(pool)
     warm = Round(pool, fill, THREADS, WARMUP_OPS, seed0=THREADS)
-    baseline = _device_free(pool)
+    baseline = _held(pool)
     run = Round(pool, fill, THREADS, OPS, seed0=0)
-    after = _device_free(pool)
-    delta = {d: baseline[d] - after[d] for d in baseline}
+    after = _held(pool)
+    delta = {d: after[d] - baseline[d] for d in baseline}
     figures = {
         "threads": THREADS,
         "ops_per_thread": OPS,
@@ -302,6 +313,7 @@ def test_thread_stress(pool: list[Context], fill: Any, record_property: Any) -> 
         "warmup_ops_per_thread": WARMUP_OPS,
         "warmup_reserved_mib": _mib(start, baseline),
         "memory_delta_mib": _mib(baseline, after),
+        "memory_held_mib": {d: round(v / 2**20, 1) for d, v in after.items()},
         **{k: v for k, v in sorted(run.totals.items())},
     }
     for k, v in figures.items():

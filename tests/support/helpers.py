@@ -111,3 +111,33 @@ def object_dtype_message(dtype: str) -> str:
     import numpy as np
 
     return re.escape(f"dtype {np.dtype(dtype)} holds Python objects")
+
+
+def process_device_memory(pci_bus_id: str) -> int | None:
+    """Bytes of device memory this process holds on the device at *pci_bus_id*, as NVML
+    reports it per process (``nvmlDeviceGetComputeRunningProcesses``); ``None`` where
+    NVML (``cuda.bindings.nvml``) is not available.
+
+    A leak check reads this rather than the device's free memory: the README's test
+    command runs GPU tests in several worker processes at once, and their allocations
+    change the device's free memory meanwhile."""
+    import os
+
+    try:
+        from cuda.bindings import nvml
+    except ImportError:
+        return None
+    try:
+        nvml.init_v2()
+    except Exception:  # no NVML library, or one that refuses: no figure
+        return None
+    try:
+        handle = nvml.device_get_handle_by_pci_bus_id_v2(pci_bus_id)
+        infos = nvml.device_get_compute_running_processes_v3(handle)
+    except Exception:
+        return None
+    finally:
+        nvml.shutdown()
+    pid = os.getpid()
+    used = [int(infos[i].used_gpu_memory) for i in range(len(infos)) if int(infos[i].pid) == pid]
+    return used[0] if used else 0
