@@ -38,7 +38,7 @@ from ..binding import guard, registry, resolve_context
 from ..context import Context, current_handle, per_thread
 from ..errors import STICKY_CODES, CudaError, LaunchArgumentError
 from ..memory.interop import order_after_producers
-from ..stream import Stream, call_stream
+from ..stream import Stream, call_stream, implicit_stream
 from .params import ArgPacker, foreign_arrays, short_repr
 from .ptxsig import Param, Signature
 
@@ -763,6 +763,12 @@ class Kernel:
                     return PreparedLaunch(self, ctx, func, *dims, args, stream, shared_mem, cfg)()
             if type(stream) is Stream and stream.context is ctx and stream.handle is not None:
                 hs = stream.handle
+            elif (
+                stream is None
+                and (cur := implicit_stream(ctx)) is not None
+                and cur.handle is not None
+            ):
+                hs = cur.handle  # `with s:` open; a closed one is refused by the resolver
             else:
                 _, hs, _ = call_stream(stream, ctx, "launch")
             addr = (self._address or self.packer.address)(args, ctx, hs, stream)
