@@ -621,6 +621,16 @@ def on_ctxkit_host_memory(arr: np.ndarray) -> bool:
     return False
 
 
+#: Called as ``hook(start, end)`` when :func:`register_host` meets memory ctxkit locked on
+#: its own initiative (pin on reuse adds one): a hook lets go of its registrations in the
+#: range, returning True when it did, so the caller's explicit registration wins.
+register_conflict_hooks: list[Any] = []
+
+
+def _released_for_caller(start: int, end: int) -> bool:
+    return any([hook(start, end) for hook in register_conflict_hooks])
+
+
 @contextlib.contextmanager
 def register_host(
     arr: Any,
@@ -648,7 +658,9 @@ def register_host(
     accepts such arrays). So give an array you register pages of its own: allocate with
     :func:`pinned_empty`, or register one big array and use slices of it. (Pin on reuse
     in ``Pipeline.map``, which registers on its own initiative, locks only the whole
-    pages inside an array.)
+    pages inside an array, lets go of them here when no map is using them: the caller's
+    registration wins.) Memory counts as page-locked already only when both
+    its first and its last byte are.
 
     Parameters
     ----------
@@ -674,7 +686,10 @@ def register_host(
     flags = _bits(portable=portable, mapped=mapped, read_only=read_only)
     a = host_array(arr, "register_host")
     ptr, nbytes = host_address(a), a.nbytes
-    if nbytes == 0 or host_pointer_kind(ptr) != "pageable":
+    if nbytes:  # pages pin on reuse locked on its own initiative become the caller's
+        _released_for_caller(ptr, ptr + nbytes)
+    kinds = _end_kinds(a) if nbytes else set()
+    if "pageable" not in kinds:  # both ends: one end alone may be a neighbour's page
         yield a
         return
     ctx = host_context(context, "register_host")

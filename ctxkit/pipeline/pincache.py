@@ -62,6 +62,7 @@ import numpy as np
 from .. import _driver
 from ..context import Context
 from ..errors import PinLeakWarning
+from ..memory.host import register_conflict_hooks
 from ..memory.pinned import PinnedPool, pinned_pool
 from .plan import PAGE, MiB, addr
 from .staging import NO_USABLE_CONTEXT, register_pages, unregister_pages
@@ -191,6 +192,18 @@ class PinCache:
                     if not h.claims and not h.users:
                         self._evict(h)
         return released
+
+    def release_range(self, start: int, end: int) -> bool:
+        """Let go of the held ranges overlapping ``[start, end)`` that no map uses now:
+        the caller is about to page-lock that memory itself (``register_host``), and the
+        driver refuses a registration overlapping one of pin on reuse's. True when one
+        was released."""
+        with self._lock:
+            overlapping = [h for h in self._held if h.start < end and start < h.end]
+            free = [h for h in overlapping if not h.users]
+            for h in free:
+                self._evict(h)
+        return bool(free)
 
     def strand_poisoned(self) -> int:
         """Keep the owners of ranges registered in a poisoned context alive until the
@@ -368,6 +381,13 @@ _process: PinCache | None = None
 _process_lock = threading.Lock()
 _driver.renew_at_fork(__name__, "_process_lock")
 _driver.renew_at_fork(__name__, "_process._lock", threading.RLock)
+
+
+def _release_for_caller(start: int, end: int) -> bool:
+    return _process is not None and _process.release_range(start, end)
+
+
+register_conflict_hooks.append(_release_for_caller)
 
 
 def process_pins() -> PinCache:

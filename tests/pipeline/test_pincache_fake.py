@@ -642,3 +642,25 @@ def test_registering_context_closed_later_unregisters_in_another(gpu):
         q.close()
         own.close()
     assert not gpu.registered
+
+
+def test_register_host_of_a_held_array_takes_its_pages_over(gpu):
+    """The caller's ck.register_host of an array pin on reuse holds registers the whole
+    array (the hold lets go), also when the held pages start at its first byte, so that
+    byte alone looks page-locked (the simulated driver registers whole pages only)."""
+    x = data(10 * PAGE)
+    raw = np.zeros(41 * PAGE, np.uint8)
+    start = (-raw.ctypes.data) % PAGE
+    out = raw[start : start + 40 * PAGE].view(np.float32)
+    with Pipeline([0], options=ck.PipelineOptions(host_threads=2)) as p:
+        for _ in range(2):
+            p.map(scale_body(gpu, 2.0), x, out)
+        assert p.last_stats.path.endswith("out=held")
+        with ck.register_host(out):
+            assert ck.is_pinned(out)
+            staged = ck.PipelineOptions(host_path="staged")
+            p.map(scale_body(gpu, 3.0), x, out, options=staged)
+            assert p.last_stats.path.endswith("out=pinned")
+            np.testing.assert_array_equal(out, x * 3)
+        assert not ck.is_pinned(out)
+        assert not gpu.pageable_dma
