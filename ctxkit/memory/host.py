@@ -621,14 +621,10 @@ def on_ctxkit_host_memory(arr: np.ndarray) -> bool:
     return False
 
 
-#: Called as ``hook(start, end)`` when :func:`register_host` meets memory ctxkit locked on
-#: its own initiative (pin on reuse adds one): a hook lets go of its registrations in the
-#: range, returning True when it did, so the caller's explicit registration wins.
+#: Called as ``hook(start, end)`` by :func:`register_host` before it looks at the memory:
+#: whoever page-locked some of it on its own initiative (pin on reuse) lets go of it
+#: there, so the caller's explicit registration wins.
 register_conflict_hooks: list[Any] = []
-
-
-def _released_for_caller(start: int, end: int) -> bool:
-    return any([hook(start, end) for hook in register_conflict_hooks])
 
 
 @contextlib.contextmanager
@@ -686,10 +682,9 @@ def register_host(
     flags = _bits(portable=portable, mapped=mapped, read_only=read_only)
     a = host_array(arr, "register_host")
     ptr, nbytes = host_address(a), a.nbytes
-    if nbytes:  # pages pin on reuse locked on its own initiative become the caller's
-        _released_for_caller(ptr, ptr + nbytes)
-    kinds = _end_kinds(a) if nbytes else set()
-    if "pageable" not in kinds:  # both ends: one end alone may be a neighbour's page
+    for hook in register_conflict_hooks if nbytes else ():
+        hook(ptr, ptr + nbytes)
+    if "pageable" not in (_end_kinds(a) if nbytes else ()):  # both ends locked already
         yield a
         return
     ctx = host_context(context, "register_host")

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 from .. import _driver
 from .._driver import call, drv
 from ..binding import guard, registry, resolve_context
-from ..context import Context, current_handle, per_thread
+from ..context import Context, current_handle, per_thread, thread_state
 from ..errors import STICKY_CODES, CudaError, LaunchArgumentError
 from ..memory.interop import order_after_producers
 from ..stream import Stream, call_stream, implicit_stream
@@ -763,11 +763,7 @@ class Kernel:
                     return PreparedLaunch(self, ctx, func, *dims, args, stream, shared_mem, cfg)()
             if type(stream) is Stream and stream.context is ctx and stream.handle is not None:
                 hs = stream.handle
-            elif (
-                stream is None
-                and (cur := implicit_stream(ctx)) is not None
-                and cur.handle is not None
-            ):
+            elif stream is None and (cur := implicit_stream(ctx)) and cur.handle is not None:
                 hs = cur.handle  # `with s:` open; a closed one is refused by the resolver
             else:
                 _, hs, _ = call_stream(stream, ctx, "launch")
@@ -794,7 +790,7 @@ class Kernel:
         thread with nothing current the module's or the first ctxkit buffer argument's."""
         if top is not None:
             return top, None
-        sc = _chosen_stream_context(stream)
+        sc = _chosen_stream_context(stream, top)
         if sc is not None:
             return sc.__enter__(), sc
         if not current_handle() and not registry.strict:
@@ -928,8 +924,8 @@ class Kernel:
         bound module), and ``stream=None`` means the current stream now.
         Cooperative and cluster limits are checked here.
         """
-        what = f"preparing a launch of {self.name!r}"
-        with self._function_here(what, _chosen_stream_context(stream)) as (ctx, func):
+        what, top = f"preparing a launch of {self.name!r}", thread_state().top
+        with self._function_here(what, _chosen_stream_context(stream, top)) as (ctx, func):
             cfg = config_for(config, cooperative, cluster)
             return PreparedLaunch(self, ctx, func, grid, block, args, stream, shared_mem, cfg)
 
@@ -1043,15 +1039,9 @@ class Kernel:
         return max(1, -(-int(n) // block)), block
 
 
-def _chosen_stream_context(stream: Any) -> Context | None:
+def _chosen_stream_context(stream: Any, top: Context | None) -> Context | None:
     """The context of a ctxkit *stream* the caller chose, when ctxkit made no context
-    current in this thread and registry is not strict: a launch then runs in it, even
-    over a context another library (torch, CuPy) left current."""
+    current in this thread (*top* is None) and registry is not strict: a launch then runs
+    in it, even over a context another library (torch, CuPy) left current."""
     sc = getattr(stream, "context", None)
-    if not isinstance(sc, Context) or registry.strict:
-        return None
-    try:
-        top = per_thread.s.top
-    except AttributeError:
-        top = None
-    return sc if top is None else None
+    return sc if isinstance(sc, Context) and top is None and not registry.strict else None

@@ -193,17 +193,16 @@ class PinCache:
                         self._evict(h)
         return released
 
-    def release_range(self, start: int, end: int) -> bool:
-        """Let go of the held ranges overlapping ``[start, end)`` that no map uses now:
-        the caller is about to page-lock that memory itself (``register_host``), and the
-        driver refuses a registration overlapping one of pin on reuse's. True when one
-        was released."""
+    def release_range(self, start: int, end: int) -> int:
+        """Let go of the held ranges overlapping ``[start, end)`` that no map uses now
+        and return their bytes: the caller is about to page-lock that memory itself
+        (``register_host``), and the driver refuses a registration overlapping one of
+        pin on reuse's."""
         with self._lock:
-            overlapping = [h for h in self._held if h.start < end and start < h.end]
-            free = [h for h in overlapping if not h.users]
+            free = [h for h in self._held if h.start < end and start < h.end and not h.users]
             for h in free:
                 self._evict(h)
-        return bool(free)
+        return sum(h.nbytes for h in free)
 
     def strand_poisoned(self) -> int:
         """Keep the owners of ranges registered in a poisoned context alive until the
@@ -383,11 +382,7 @@ _driver.renew_at_fork(__name__, "_process_lock")
 _driver.renew_at_fork(__name__, "_process._lock", threading.RLock)
 
 
-def _release_for_caller(start: int, end: int) -> bool:
-    return _process is not None and _process.release_range(start, end)
-
-
-register_conflict_hooks.append(_release_for_caller)
+register_conflict_hooks.append(lambda start, end: _process and _process.release_range(start, end))
 
 
 def process_pins() -> PinCache:
