@@ -5,15 +5,17 @@
 * per-operation cost of a context switch: raw ``cuCtxPushCurrent``/``cuCtxPopCurrent``,
   a minimal Python ``with`` around them, ``with ctx:`` and ``with ck.bind(ctx):`` (from
   another context / already current), ``with ctx:`` in a thread with nothing current
-  (as a plain ctxkit program meets it), and ``with ctx:`` beside PyTorch's
-  ``with torch.cuda.device(0):`` (when torch is installed) with the primary context
-  already current in the thread, as torch leaves it; each variant times the statement a
-  user writes (``with ck.bind(ctx): pass`` in a loop, no wrapper call), all interleaved
-  round by round, the empty loop subtracted;
+  (as a plain ctxkit program meets it; the raw pair there beside it), and ``with ctx:``
+  beside PyTorch's ``with torch.cuda.device(0):`` (when torch is installed) with the
+  primary context already current in the thread, as torch leaves it; each variant times
+  the statement a user writes (``with ck.bind(ctx): pass`` in a loop, no wrapper call),
+  all interleaved round by round, the empty loop subtracted;
 * launch throughput of 1, 2, 4 and 8 threads, each with its own stream: raw threads
   (the context pushed, their own module) vs plain threads doing checked
   ``Kernel.launch`` calls, plain threads calling a ``PreparedLaunch``, and
-  ``ContextExecutor`` workers calling a ``PreparedLaunch``. Every side times the same
+  ``ContextExecutor`` workers calling a ``PreparedLaunch``; for reference, raw launches
+  each behind one Python call (the floor of any launch object written in Python) and raw
+  launches through ctypes with the GIL kept. Every side times the same
   work: set-up (module load, stream creation, thread start-up) happens before a barrier,
   the clock runs from the barrier until every thread has launched and synchronized its
   stream. The modes run interleaved, round by round;
@@ -54,6 +56,10 @@ THREAD_COUNTS = (1, 2, 4, 8)
 
 #: The launch modes timed from threads (``raw`` is the floor).
 THREAD_MODES = ("raw", "launch", "prepared", "executor")
+
+#: Raw launches of other kinds timed beside them (reference, INFO lines only):
+#: through one Python call each, and through ctypes with the GIL kept.
+REFERENCE_THREAD_MODES = ("raw_python", "raw_gil_held")
 
 #: Checked and prepared launches in the profile (each).
 PROFILED = 20_000
@@ -187,7 +193,9 @@ def bench_switching(n: int, rounds: int) -> tuple[dict[str, list[float]], str]:
       the thread already, as PyTorch leaves it (torch then skips ``cudaSetDevice``, ctxkit
       the push), while ctxkit has nothing pushed;
     * ``reenter``/``bind_hot``: ctxkit has the context on top already;
-    * ``enter_fresh``: a thread with nothing current (ctxkit has found it so once).
+    * ``enter_fresh`` beside ``raw_fresh`` (the raw pair there, printed to show whether
+      the driver's push onto an empty stack costs more than a switch): a thread with
+      nothing current (ctxkit has found it so once).
     """
     ctx = ck.registry.context(0)
     other = ck.Context.create(0)
@@ -218,8 +226,8 @@ def _switching_rounds(
         "reenter": with_cm(ctx),
         "bind_hot": with_call(bind, ctx),
     }
-    fresh = with_cm(ctx)
-    t: dict[str, list[float]] = {k: [] for k in [*switch, *current, *hot, "enter_fresh"]}
+    fresh = {"enter_fresh": with_cm(ctx), "raw_fresh": raw_pair(ctx.cu)}
+    t: dict[str, list[float]] = {k: [] for k in [*switch, *current, *hot, *fresh]}
     with _driver_current(ctx):
         for fn in current.values():
             fn(min(n, 1000))
@@ -227,7 +235,7 @@ def _switching_rounds(
         base = per_call_us(empty_loop, n)
         with other:
             us = {name: per_call_us(fn, n) for name, fn in switch.items()}
-        us["enter_fresh"] = in_fresh_thread(fresh, n)
+        us.update({name: in_fresh_thread(fn, n) for name, fn in fresh.items()})
         with _driver_current(ctx):
             us.update({name: per_call_us(fn, n) for name, fn in current.items()})
         with ctx:
@@ -329,12 +337,31 @@ def _timed_gate(gate: Gate, joins: list[Callable[[], Any]], errors: list[BaseExc
     return gate.seconds()
 
 
+class _PythonLaunch:
+    """The raw launch behind one Python call that checks its result: the floor of any
+    launch object written in Python (``PreparedLaunch`` is one)."""
+
+    def __init__(self, call: tuple[Any, ...]) -> None:
+        self.call = call
+
+    def __call__(self) -> None:
+        (err,) = drv.cuLaunchKernel(*self.call)
+        if err:
+            raise RuntimeError(err)
+
+
 def raw_thread_launches(
-    ctx: ck.Context, cubin: bytes, n: int, gate: Gate, gil_held: Any = None
+    ctx: ck.Context,
+    cubin: bytes,
+    n: int,
+    gate: Gate,
+    gil_held: Any = None,
+    through_python: bool = False,
 ) -> None:
     """A raw cuda.bindings worker: push, load, make a stream (untimed); launch n times
     and synchronize (timed); destroy and pop (untimed). With *gil_held* (see
-    :func:`gil_held_launch`), the launches call libcuda through it instead."""
+    :func:`gil_held_launch`), the launches call libcuda through it instead; with
+    *through_python*, through a :class:`_PythonLaunch`."""
     (err,) = drv.cuCtxPushCurrent(ctx.cu)
     if err:
         raise RuntimeError(f"cuCtxPushCurrent: {err!r}")
@@ -353,7 +380,11 @@ def raw_thread_launches(
         if err:
             raise RuntimeError(f"cuStreamCreate: {err!r}")
         gate.start()
-        if gil_held is None:
+        if through_python:
+            python_launch = _PythonLaunch((fn, 1, 1, 1, 32, 1, 1, 0, stream, addr, 0))
+            for _ in range(n):
+                python_launch()
+        elif gil_held is None:
             launch = drv.cuLaunchKernel
             for _ in range(n):
                 (err,) = launch(fn, 1, 1, 1, 32, 1, 1, 0, stream, addr, 0)
@@ -419,11 +450,17 @@ def _run_threads(nthreads: int, work: Callable[[Gate], None]) -> float:
 
 
 def raw_rate(
-    ctx: ck.Context, cubin: bytes, nthreads: int, per_thread: int, gil_held: Any = None
+    ctx: ck.Context,
+    cubin: bytes,
+    nthreads: int,
+    per_thread: int,
+    gil_held: Any = None,
+    through_python: bool = False,
 ) -> float:
     """Launches per second of *nthreads* raw threads (set-up outside the clock)."""
     secs = _run_threads(
-        nthreads, lambda g: raw_thread_launches(ctx, cubin, per_thread, g, gil_held)
+        nthreads,
+        lambda g: raw_thread_launches(ctx, cubin, per_thread, g, gil_held, through_python),
     )
     return nthreads * per_thread / secs
 
@@ -472,6 +509,7 @@ def thread_modes(
         "launch": lambda k: thread_rate(kernel, nthreads, k, prepared=False),
         "prepared": lambda k: thread_rate(kernel, nthreads, k, prepared=True),
         "executor": lambda k: executor_rate(ex, kernel, nthreads, k),
+        "raw_python": lambda k: raw_rate(ctx, cubin, nthreads, k, through_python=True),
     }
     held = gil_held_launch()
     if held is not None:
@@ -542,6 +580,7 @@ def print_tables(r: Mapping[str, Any]) -> None:
     if "torch_device" in med:
         print(f"  with torch.cuda.device(0): (current) : {med['torch_device']:.3f}")
     if "enter_fresh" in med:
+        print(f"  raw pair (thread, nothing current)   : {med['raw_fresh']:.3f}")
         print(
             f"  with ctx: (thread, nothing current)  : {med['enter_fresh']:.3f} "
             f"({med['enter_fresh'] / raw:.2f}x)"
@@ -551,7 +590,7 @@ def print_tables(r: Mapping[str, Any]) -> None:
 
 def print_thread_table(med: Mapping[str, float]) -> None:
     """Launches/s per mode and thread count (medians), each mode's ratio to raw beside it."""
-    modes = [m for m in (*THREAD_MODES, "raw_gil_held") if f"{m}_threads1" in med]
+    modes = [m for m in (*THREAD_MODES, *REFERENCE_THREAD_MODES) if f"{m}_threads1" in med]
     print("launches/s from N threads, each on its own stream (medians; ratio to raw):")
     print(f"threads | {' | '.join(f'{m:>16s}' for m in modes)}")
     for n in THREAD_COUNTS:
@@ -563,6 +602,8 @@ def print_thread_table(med: Mapping[str, float]) -> None:
             v = med.get(f"{mode}_threads{n}")
             cells.append(f"{v:9,.0f} ({v / raw:.2f})" if v else f"{'-':>16s}")
         print(f"{n:7d} | {' | '.join(cells)}")
+    if "raw_python" in modes:
+        print("  (raw_python: raw launches, each behind one Python call that checks the result)")
     if "raw_gil_held" in modes:
         print("  (raw_gil_held: raw launches through ctypes.PyDLL, the GIL kept during each call)")
 
@@ -671,27 +712,38 @@ THREAD_LINES = {
 }
 
 
+def _worst_vs_raw(r: Mapping[str, Any], mode: str) -> tuple[float, str] | None:
+    """*mode*'s launch rate over raw threads' at the worst thread count (medians), and a
+    note listing every count; ``None`` when it was not measured."""
+    ratios = {
+        n: median(r[f"{mode}_threads{n}"]) / median(r[f"raw_threads{n}"])
+        for n in THREAD_COUNTS
+        if r.get(f"raw_threads{n}") and r.get(f"{mode}_threads{n}")
+    }
+    if not ratios:
+        return None
+    each = ", ".join(f"{n} threads {v:.2f}x" for n, v in ratios.items())
+    return min(ratios.values()), f"worst thread count; launch rates, medians; {each}"
+
+
 def thread_verdicts(r: Mapping[str, Any]) -> list[Line]:
     """Per ctxkit mode: the worst thread count's ratio to raw threads (a target); and how
     8 threads compare with 1 raw thread (INFO: does throughput fall as threads are added)."""
     lines: list[Line] = []
     for mode, name in THREAD_LINES.items():
-        ratios = {
-            n: median(r[f"{mode}_threads{n}"]) / median(r[f"raw_threads{n}"])
-            for n in THREAD_COUNTS
-            if r.get(f"raw_threads{n}") and r.get(f"{mode}_threads{n}")
-        }
-        if not ratios:
+        worst = _worst_vs_raw(r, mode)
+        if worst is None:
             lines.append(not_measured(name, f"{mode} launches from threads not measured"))
             continue
-        worst = min(ratios, key=ratios.__getitem__)
-        each = ", ".join(f"{n} threads {v:.2f}x" for n, v in ratios.items())
-        note = f"worst thread count; launch rates, medians; {each}"
-        lines.append(target(name, ratios[worst], ">=", THREADS_VS_RAW, "x", note))
+        lines.append(target(name, worst[0], ">=", THREADS_VS_RAW, "x", worst[1]))
+    floor = _worst_vs_raw(r, "raw_python")
+    if floor is not None:
+        what = "the floor of a launch object written in Python: raw launches, each behind one call"
+        lines.append(info("threads.python_floor_vs_raw", floor[0], "x", f"{what}; {floor[1]}"))
     one, top = min(THREAD_COUNTS), max(THREAD_COUNTS)
     if r.get(f"raw_threads{one}"):
         base = median(r[f"raw_threads{one}"])
-        for mode in (*THREAD_MODES, "raw_gil_held"):
+        for mode in (*THREAD_MODES, *REFERENCE_THREAD_MODES):
             if r.get(f"{mode}_threads{top}"):
                 lines.append(
                     info(

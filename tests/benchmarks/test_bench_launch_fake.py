@@ -126,14 +126,16 @@ def test_bench_context_times_the_same_work_on_both_sides(mem_fake, monkeypatch, 
     bench = bench_module("context", mem_fake, monkeypatch)
     r = bench.measure(200, 20, 2, thread_rounds=2)
     for n in bench.THREAD_COUNTS:
-        for mode in bench.THREAD_MODES:
+        for mode in (*bench.THREAD_MODES, "raw_python"):
             assert len(r[f"{mode}_threads{n}"]) == 2
-    assert len(r["enter_fresh"]) == 2
+    assert len(r["enter_fresh"]) == 2 and len(r["raw_fresh"]) == 2
     bench.print_tables(r)
     assert bench.emit(bench.verdicts(r)) == 0
-    names = verdict_names(capsys.readouterr().out)
+    out = capsys.readouterr().out
+    names = verdict_names(out)
     assert {"registry.executor_vs_raw_threads", "threads.launch_vs_raw"} <= set(names)
-    assert "context.with_fresh_thread_vs_raw_pair" in names
+    assert {"context.with_fresh_thread_vs_raw_pair", "threads.python_floor_vs_raw"} <= names
+    assert "raw pair (thread, nothing current)" in out and "raw_python" in out
 
 
 def test_bench_context_times_gil_held_raw_launches_where_libcuda_loads(

@@ -573,6 +573,17 @@ def test_thread_lines_say_how_8_threads_compare_with_1_raw_thread():
     assert "NOT MEASURED" in lines["threads.launch_vs_raw"].reason
 
 
+def test_the_python_launch_floor_is_information_at_its_worst_thread_count():
+    r = context_good()
+    assert "threads.python_floor_vs_raw" not in verdict_lines("context", r)
+    for n in (1, 2, 4, 8):
+        r[f"raw_python_threads{n}"] = [99_000.0 * n] * 3
+    r["raw_python_threads2"] = [0.9 * 200_000.0] * 3
+    line = verdict_lines("context", r)["threads.python_floor_vs_raw"]
+    assert line.verdict == "INFO" and line.value == pytest.approx(0.9)
+    assert "2 threads 0.90x" in line.note
+
+
 def test_a_target_that_could_not_be_measured_fails():
     r = compile_good()
     r["warm"] = [None] * 7
