@@ -371,9 +371,7 @@ def producer_stream(v: Any) -> int | None:
     through ``__dlpack__(stream=)``).
     """
     kind = _kind(v)
-    if kind is None or kind[0] is None:
-        return None
-    return kind[0](v)
+    return None if kind is None or kind[0] is None else kind[0](v)
 
 
 def order_after_producers(

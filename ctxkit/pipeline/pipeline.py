@@ -281,7 +281,8 @@ class Pipeline:
         headroom = self._staging_bytes(x, options) if out is None else 0
         x, out = prepare_io(x, out, self._devices[0].ctx, headroom)
         pooled = new_out and out.nbytes > 0 and pinned_pool().owns(out)
-        return self._map(kernel, x, out, args, options, progress, pooled)
+        made = "pooled" if pooled else "fresh" if new_out else ""
+        return self._map(kernel, x, out, args, options, progress, made)
 
     def map_managed(
         self,
@@ -501,9 +502,12 @@ class Pipeline:
         args: Sequence[Any],
         opts: PipelineOptions,
         progress: bool = False,
-        pooled_out: bool = False,
+        made_out: str = "",
         managed: bool = False,
     ) -> np.ndarray:
+        """The map behind :meth:`map` and :meth:`map_managed`, its input checked already.
+        *made_out*: ``"pooled"`` or ``"fresh"`` when :meth:`map` made *out* (in the
+        pinned pool, or with ``np.empty_like``), ``""`` when the caller gave it."""
         self._check_usable()
         if not isinstance(args, (tuple, list)):
             raise TypeError(f"args must be a tuple of extra kernel arguments, not {type(args)}")
@@ -522,10 +526,14 @@ class Pipeline:
                 try:
                     host = ("managed", "managed")
                     if not managed:
-                        host = self._host_kinds(x, out, opts.paths, held, pooled_out)
+                        host = self._host_kinds(x, out, opts.paths, held, made_out == "pooled")
                     rows = (row_bytes(x), row_bytes(out))
                     plan = plan_map(x.shape[0], rows, len(self._devices), opts, host)
                     run = Run(x, out, plan, launch, self._recorder)
+                    # a new np.empty_like output: its pages are first touched by the drain,
+                    # which the OS's zero fill leaves in the cache, where plain stores
+                    # beat non-temporal ones (H200: 70 ms less per GiB)
+                    run.stream_out &= made_out != "fresh"
                     if not plan.empty:
                         self._execute(run, progress)
                 finally:

@@ -102,6 +102,36 @@ def test_map_with_slow_host_copies_stress(gpu, monkeypatch):
     np.testing.assert_array_equal(out, x * 2)
 
 
+def test_drains_stream_into_a_given_output_but_not_into_one_the_map_made(gpu, monkeypatch):
+    """Non-temporal stores into pages first touched by the drain (``out="pageable"``'s
+    ``np.empty_like``) cost more than plain ones: the drain copies those with np.copyto;
+    a caller's output (and every fill) is streamed where the size pays."""
+    from ctxkit.pipeline import run as _run
+    from ctxkit.pipeline import staging as _staging
+
+    monkeypatch.setattr(_run, "streaming_pays", lambda nbytes: True)
+    real = _staging.copy_piece
+    pieces: list[tuple[np.ndarray, bool]] = []
+
+    def spy(dst, src, trace, label, streaming=False):
+        pieces.append((dst, streaming))
+        real(dst, src, trace, label, streaming)
+
+    monkeypatch.setattr(_staging, "copy_piece", spy)
+    x = np.arange(20_000, dtype=np.float32)
+    given = np.zeros_like(x)
+    opts = ck.PipelineOptions(chunk_bytes=8192, host_path="staged")
+    with Pipeline([0], options=opts) as p:
+        for out in ("pageable", given):
+            pieces.clear()
+            res = p.map(scale_body(gpu, 2.0), x, out)
+            np.testing.assert_array_equal(res, x * 2)
+            drains = [s for dst, s in pieces if np.shares_memory(dst, res)]
+            fills = [s for dst, s in pieces if not np.shares_memory(dst, res)]
+            assert drains and fills and all(fills)
+            assert all(drains) == (out is given) and any(drains) == (out is given)
+
+
 def test_map_pinned_takes_the_zero_copy_path(gpu):
     x = _pinned(np.arange(10_000, dtype=np.float32))
     out = _pinned(np.zeros(10_000, np.float32))
