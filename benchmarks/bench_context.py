@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from hostprofile import profile_text
 from verdictlines import (
@@ -350,18 +350,24 @@ class _PythonLaunch:
             raise RuntimeError(err)
 
 
+class RawVia(NamedTuple):
+    """How a raw worker calls ``cuLaunchKernel``: through cuda.bindings (the default),
+    through *gil_held* (:func:`gil_held_launch`), or, with *python_call*, through a
+    :class:`_PythonLaunch`."""
+
+    gil_held: Any = None
+    python_call: bool = False
+
+
+#: Raw launches through cuda.bindings, as a user of the bindings writes them.
+BINDINGS = RawVia()
+
+
 def raw_thread_launches(
-    ctx: ck.Context,
-    cubin: bytes,
-    n: int,
-    gate: Gate,
-    gil_held: Any = None,
-    through_python: bool = False,
+    ctx: ck.Context, cubin: bytes, n: int, gate: Gate, via: RawVia = BINDINGS
 ) -> None:
     """A raw cuda.bindings worker: push, load, make a stream (untimed); launch n times
-    and synchronize (timed); destroy and pop (untimed). With *gil_held* (see
-    :func:`gil_held_launch`), the launches call libcuda through it instead; with
-    *through_python*, through a :class:`_PythonLaunch`."""
+    (the way *via* says) and synchronize (timed); destroy and pop (untimed)."""
     (err,) = drv.cuCtxPushCurrent(ctx.cu)
     if err:
         raise RuntimeError(f"cuCtxPushCurrent: {err!r}")
@@ -379,8 +385,9 @@ def raw_thread_launches(
         err, stream = drv.cuStreamCreate(1)
         if err:
             raise RuntimeError(f"cuStreamCreate: {err!r}")
+        gil_held = via.gil_held
         gate.start()
-        if through_python:
+        if via.python_call:
             python_launch = _PythonLaunch((fn, 1, 1, 1, 32, 1, 1, 0, stream, addr, 0))
             for _ in range(n):
                 python_launch()
@@ -450,18 +457,10 @@ def _run_threads(nthreads: int, work: Callable[[Gate], None]) -> float:
 
 
 def raw_rate(
-    ctx: ck.Context,
-    cubin: bytes,
-    nthreads: int,
-    per_thread: int,
-    gil_held: Any = None,
-    through_python: bool = False,
+    ctx: ck.Context, cubin: bytes, nthreads: int, per_thread: int, via: RawVia = BINDINGS
 ) -> float:
     """Launches per second of *nthreads* raw threads (set-up outside the clock)."""
-    secs = _run_threads(
-        nthreads,
-        lambda g: raw_thread_launches(ctx, cubin, per_thread, g, gil_held, through_python),
-    )
+    secs = _run_threads(nthreads, lambda g: raw_thread_launches(ctx, cubin, per_thread, g, via))
     return nthreads * per_thread / secs
 
 
@@ -509,11 +508,11 @@ def thread_modes(
         "launch": lambda k: thread_rate(kernel, nthreads, k, prepared=False),
         "prepared": lambda k: thread_rate(kernel, nthreads, k, prepared=True),
         "executor": lambda k: executor_rate(ex, kernel, nthreads, k),
-        "raw_python": lambda k: raw_rate(ctx, cubin, nthreads, k, through_python=True),
+        "raw_python": lambda k: raw_rate(ctx, cubin, nthreads, k, RawVia(python_call=True)),
     }
     held = gil_held_launch()
     if held is not None:
-        modes["raw_gil_held"] = lambda k: raw_rate(ctx, cubin, nthreads, k, held)
+        modes["raw_gil_held"] = lambda k: raw_rate(ctx, cubin, nthreads, k, RawVia(gil_held=held))
     return modes
 
 
