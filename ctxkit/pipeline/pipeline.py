@@ -529,11 +529,7 @@ class Pipeline:
                         host = self._host_kinds(x, out, opts.paths, held, made_out == "pooled")
                     rows = (row_bytes(x), row_bytes(out))
                     plan = plan_map(x.shape[0], rows, len(self._devices), opts, host)
-                    run = Run(x, out, plan, launch, self._recorder)
-                    # a new np.empty_like output: its pages are first touched by the drain,
-                    # which the OS's zero fill leaves in the cache, where plain stores
-                    # beat non-temporal ones (H200: 70 ms less per GiB)
-                    run.stream_out &= made_out != "fresh"
+                    run = Run(x, out, plan, launch, self._recorder, made_out == "fresh")
                     if not plan.empty:
                         self._execute(run, progress)
                 finally:

@@ -402,7 +402,8 @@ class ChunkJob:
 
 class Run:
     """The state shared by the worker threads of one map call, carried out as *plan*
-    says (its modes, chunks and how far feeders claim ahead)."""
+    says (its modes, chunks and how far feeders claim ahead); *fresh_out*: the map made
+    *out* itself with ``np.empty_like`` (its pages not yet touched)."""
 
     def __init__(
         self,
@@ -411,6 +412,7 @@ class Run:
         plan: MapPlan,
         launch: Callable[..., None],
         recorder: Recorder | None,
+        fresh_out: bool = False,
     ) -> None:
         self.pool: HostPool | None = None
         self.registrar: Registrar | None = None
@@ -422,7 +424,10 @@ class Run:
         self.out_ptr = addr(out)
         self.in_place = self.x_ptr == self.out_ptr and x.nbytes == out.nbytes
         self.stream_in = streaming_pays(x.nbytes)
-        self.stream_out = streaming_pays(out.nbytes)
+        # a fresh output (np.empty_like, made by the map) is first touched by the drain,
+        # whose page faults leave the zeroed lines in the cache, where plain stores beat
+        # non-temporal ones (H200: 70 ms less per GiB)
+        self.stream_out = streaming_pays(out.nbytes) and not fresh_out
         self.in_row = row_bytes(x)
         self.out_row = row_bytes(out)
         self.row_elems = math.prod(x.shape[1:])
