@@ -3,9 +3,11 @@
     PYTHONPATH=. python3 benchmarks/bench_context.py [--quick]
 
 * per-operation cost of a context switch: raw ``cuCtxPushCurrent``/``cuCtxPopCurrent``,
-  a minimal Python ``with`` around them, ``with ctx:`` and ``with ck.bind(ctx):`` (from
-  another context / already current), ``with ctx:`` in a thread with nothing current
-  (as a plain ctxkit program meets it; the raw pair there beside it), and ``with ctx:``
+  a minimal Python ``with`` around them (and that with a ``threading.local`` stack: the
+  floor of any ``with`` that knows what it made current per thread), ``with ctx:`` and
+  ``with ck.bind(ctx):`` (from another context / already current), ``with ctx:`` in a
+  thread with nothing current (as a plain ctxkit program meets it; the raw pair there
+  beside it), and ``with ctx:``
   beside PyTorch's ``with torch.cuda.device(0):`` (when torch is installed) with the
   primary context already current in the thread, as torch leaves it; each variant times
   the statement a user writes (``with ck.bind(ctx): pass`` in a loop, no wrapper call),
@@ -15,8 +17,9 @@
   ``Kernel.launch`` calls, plain threads calling a ``PreparedLaunch``, and
   ``ContextExecutor`` workers calling a ``PreparedLaunch``; for reference, raw launches
   each behind one Python call (the floor of any launch object written in Python) and raw
-  launches through ctypes with the GIL kept. Every side times the same
-  work: set-up (module load, stream creation, thread start-up) happens before a barrier,
+  launches through ctypes with the GIL kept; past the per-launch floor, threads replaying
+  a captured graph of prepared launches (one driver call a batch). Every side times the
+  same work: set-up (module load, stream creation, thread start-up) happens before a barrier,
   the clock runs from the barrier until every thread has launched and synchronized its
   stream. The modes run interleaved, round by round;
 * a profile (cProfile, one thread) of checked and prepared launches: where the host time
@@ -60,6 +63,13 @@ THREAD_MODES = ("raw", "launch", "prepared", "executor")
 #: Raw launches of other kinds timed beside them (reference, INFO lines only):
 #: through one Python call each, and through ctypes with the GIL kept.
 REFERENCE_THREAD_MODES = ("raw_python", "raw_gil_held")
+
+#: ctxkit launches batched per thread (INFO lines): each thread captures
+#: :data:`GRAPH_BATCH` prepared launches into a graph once and replays it.
+BATCHED_THREAD_MODES = ("graph",)
+
+#: Launches per captured graph of the ``graph`` mode.
+GRAPH_BATCH = 100
 
 #: Checked and prepared launches in the profile (each).
 PROFILED = 20_000
@@ -118,6 +128,33 @@ class _RawWith:
     def __exit__(self, *exc: object) -> None:
         err, _c = drv.cuCtxPopCurrent()
         if err:
+            raise RuntimeError(err)
+
+
+class _LocalWith(_RawWith):
+    """The raw pair plus the least per-thread bookkeeping any context manager needs that
+    knows, without asking the driver, what it made current in this thread (a
+    ``threading.local`` stack, the popped handle checked): the floor under ``with ctx:``."""
+
+    def __init__(self, cu: object) -> None:
+        super().__init__(cu)
+        self.local = threading.local()
+
+    def __enter__(self) -> None:
+        try:
+            stack = self.local.stack
+        except AttributeError:
+            stack = self.local.stack = []
+        (err,) = drv.cuCtxPushCurrent(self.cu)
+        if err:
+            raise RuntimeError(err)
+        stack.append(self)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.local.stack.pop() is not self:
+            raise RuntimeError("popped out of order")
+        err, popped = drv.cuCtxPopCurrent()
+        if err or popped != self.cu:
             raise RuntimeError(err)
 
 
@@ -214,6 +251,7 @@ def _switching_rounds(
         "raw": raw_pair(ctx.cu),
         "raw_checked": raw_pair_checked(ctx.cu),
         "raw_with": raw_with(ctx.cu),
+        "local_with": with_cm(_LocalWith(ctx.cu)),
         "empty_with": with_cm(empty_cm),
         "enter": with_cm(ctx),
         "bind_cold": with_call(bind, ctx),
@@ -443,6 +481,24 @@ def ctxkit_task_launches(kernel: ck.Kernel, n: int, gate: Gate, prepared: bool =
     stream.close()
 
 
+def ctxkit_graph_launches(kernel: ck.Kernel, n: int, gate: Gate) -> None:
+    """Batched launches from one thread: :data:`GRAPH_BATCH` prepared launches captured
+    into a graph (untimed), the graph replayed ``n // GRAPH_BATCH`` times and the stream
+    synchronized (timed)."""
+    stream = ck.Stream()
+    launch = kernel.prepare(1, 32, 0, 0, stream=stream)
+    with ck.capture(stream) as graph:
+        for _ in range(GRAPH_BATCH):
+            launch()
+    gate.start()
+    for _ in range(max(1, n // GRAPH_BATCH)):
+        graph.launch(stream)
+    stream.synchronize()
+    gate.finish()
+    graph.close()
+    stream.close()
+
+
 def _run_threads(nthreads: int, work: Callable[[Gate], None]) -> float:
     """Seconds of the timed work of *nthreads* plain threads each running ``work(gate)``."""
     gate = Gate(nthreads)
@@ -474,6 +530,19 @@ def thread_rate(kernel: ck.Kernel, nthreads: int, per_thread: int, prepared: boo
             ctxkit_task_launches(kernel, per_thread, gate, prepared)
 
     return nthreads * per_thread / _run_threads(nthreads, work)
+
+
+def graph_rate(kernel: ck.Kernel, nthreads: int, per_thread: int) -> float:
+    """Kernel launches per second of *nthreads* bound threads replaying captured graphs
+    (:func:`ctxkit_graph_launches`)."""
+    ctx = ck.registry.context(0)
+    batches = max(1, per_thread // GRAPH_BATCH)
+
+    def work(gate: Gate) -> None:
+        with ck.bind(ctx):
+            ctxkit_graph_launches(kernel, per_thread, gate)
+
+    return nthreads * batches * GRAPH_BATCH / _run_threads(nthreads, work)
 
 
 def executor_rate(
@@ -509,6 +578,7 @@ def thread_modes(
         "prepared": lambda k: thread_rate(kernel, nthreads, k, prepared=True),
         "executor": lambda k: executor_rate(ex, kernel, nthreads, k),
         "raw_python": lambda k: raw_rate(ctx, cubin, nthreads, k, RawVia(python_call=True)),
+        "graph": lambda k: graph_rate(kernel, nthreads, k),
     }
     held = gil_held_launch()
     if held is not None:
@@ -563,6 +633,8 @@ def print_tables(r: Mapping[str, Any]) -> None:
     print(f"  raw cuCtxPushCurrent+cuCtxPopCurrent : {raw:.3f}")
     print(f"    + int(popped) == handle check      : {med['raw_checked']:.3f}")
     print(f"    as a minimal Python `with` class   : {med['raw_with']:.3f}")
+    if "local_with" in med:
+        print(f"    + a threading.local stack          : {med['local_with']:.3f}")
     if "empty_with" in med:
         print(f"  an empty Python `with` (no driver)   : {med['empty_with']:.3f}")
     print(
@@ -589,7 +661,8 @@ def print_tables(r: Mapping[str, Any]) -> None:
 
 def print_thread_table(med: Mapping[str, float]) -> None:
     """Launches/s per mode and thread count (medians), each mode's ratio to raw beside it."""
-    modes = [m for m in (*THREAD_MODES, *REFERENCE_THREAD_MODES) if f"{m}_threads1" in med]
+    every = (*THREAD_MODES, *REFERENCE_THREAD_MODES, *BATCHED_THREAD_MODES)
+    modes = [m for m in every if f"{m}_threads1" in med]
     print("launches/s from N threads, each on its own stream (medians; ratio to raw):")
     print(f"threads | {' | '.join(f'{m:>16s}' for m in modes)}")
     for n in THREAD_COUNTS:
@@ -605,6 +678,11 @@ def print_thread_table(med: Mapping[str, float]) -> None:
         print("  (raw_python: raw launches, each behind one Python call that checks the result)")
     if "raw_gil_held" in modes:
         print("  (raw_gil_held: raw launches through ctypes.PyDLL, the GIL kept during each call)")
+    if "graph" in modes:
+        print(
+            f"  (graph: each thread replays a graph of {GRAPH_BATCH} captured prepared launches; "
+            "kernel launches/s)"
+        )
 
 
 def _ratio_line(
@@ -690,6 +768,16 @@ def verdicts(r: Mapping[str, Any]) -> list[Line]:
                 "around the raw pair, vs the raw pair",
             )
         )
+    if r.get("local_with"):
+        lines.append(
+            info(
+                "context.thread_local_with_floor_vs_raw_pair",
+                median(r["local_with"]) / median(r["raw"]),
+                "x",
+                "the floor of a `with` that knows what it made current in each thread: the "
+                "minimal class plus a threading.local stack and the popped handle checked",
+            )
+        )
     if r.get("empty_with"):
         lines.append(
             median_info(
@@ -739,10 +827,14 @@ def thread_verdicts(r: Mapping[str, Any]) -> list[Line]:
     if floor is not None:
         what = "the floor of a launch object written in Python: raw launches, each behind one call"
         lines.append(info("threads.python_floor_vs_raw", floor[0], "x", f"{what}; {floor[1]}"))
+    graph = _worst_vs_raw(r, "graph")
+    if graph is not None:
+        what = f"kernels launched through captured graphs of {GRAPH_BATCH} prepared launches"
+        lines.append(info("threads.graph_vs_raw", graph[0], "x", f"{what}; {graph[1]}"))
     one, top = min(THREAD_COUNTS), max(THREAD_COUNTS)
     if r.get(f"raw_threads{one}"):
         base = median(r[f"raw_threads{one}"])
-        for mode in (*THREAD_MODES, *REFERENCE_THREAD_MODES):
+        for mode in (*THREAD_MODES, *REFERENCE_THREAD_MODES, *BATCHED_THREAD_MODES):
             if r.get(f"{mode}_threads{top}"):
                 lines.append(
                     info(
@@ -755,7 +847,7 @@ def thread_verdicts(r: Mapping[str, Any]) -> list[Line]:
     return lines
 
 
-def measure(n: int, per_thread: int, rounds: int, thread_rounds: int = 3) -> dict[str, Any]:
+def measure(n: int, per_thread: int, rounds: int, thread_rounds: int = 5) -> dict[str, Any]:
     """Switch costs (*n* per round, *rounds* rounds) and launch rates (*per_thread*
     launches per thread, *thread_rounds* rounds per mode and thread count)."""
     r: dict[str, Any] = {}

@@ -126,16 +126,32 @@ def test_bench_context_times_the_same_work_on_both_sides(mem_fake, monkeypatch, 
     bench = bench_module("context", mem_fake, monkeypatch)
     r = bench.measure(200, 20, 2, thread_rounds=2)
     for n in bench.THREAD_COUNTS:
-        for mode in (*bench.THREAD_MODES, "raw_python"):
+        for mode in (*bench.THREAD_MODES, "raw_python", *bench.BATCHED_THREAD_MODES):
             assert len(r[f"{mode}_threads{n}"]) == 2
     assert len(r["enter_fresh"]) == 2 and len(r["raw_fresh"]) == 2
+    assert len(r["local_with"]) == 2
     bench.print_tables(r)
     assert bench.emit(bench.verdicts(r)) == 0
     out = capsys.readouterr().out
     names = verdict_names(out)
     assert {"registry.executor_vs_raw_threads", "threads.launch_vs_raw"} <= set(names)
     assert {"context.with_fresh_thread_vs_raw_pair", "threads.python_floor_vs_raw"} <= names
+    assert {"threads.graph_vs_raw", "context.thread_local_with_floor_vs_raw_pair"} <= names
     assert "raw pair (thread, nothing current)" in out and "raw_python" in out
+    assert "threading.local stack" in out and "captured prepared launches" in out
+
+
+def test_bench_context_graph_mode_launches_the_captured_kernels(mem_fake, monkeypatch):
+    """Each replay of a thread's graph runs GRAPH_BATCH launches of the empty kernel."""
+    bench = bench_module("context", mem_fake, monkeypatch)
+    with ck.registry.context(0):
+        kernel, _ = bench._empty_kernel()
+    replays: list[object] = []
+    real = bench.ck.Graph.launch
+    monkeypatch.setattr(bench.ck.Graph, "launch", lambda g, s=None: (replays.append(g), real(g, s)))
+    rate = bench.graph_rate(kernel, 2, 3 * bench.GRAPH_BATCH)
+    assert rate > 0 and len(replays) == 2 * 3
+    assert all(g.num_nodes == bench.GRAPH_BATCH for g in set(replays))
 
 
 def test_bench_context_times_gil_held_raw_launches_where_libcuda_loads(
