@@ -17,11 +17,12 @@
   ``Kernel.launch`` calls, plain threads calling a ``PreparedLaunch``, and
   ``ContextExecutor`` workers calling a ``PreparedLaunch``; for reference, raw launches
   each behind one Python call (the floor of any launch object written in Python) and raw
-  launches through ctypes with the GIL kept; past the per-launch floor, threads replaying
-  a captured graph of prepared launches (one driver call a batch). Every side times the
-  same work: set-up (module load, stream creation, thread start-up) happens before a barrier,
-  the clock runs from the barrier until every thread has launched and synchronized its
-  stream. The modes run interleaved, round by round;
+  launches through ctypes with the GIL kept; past the per-launch floor, threads handing
+  prepared launches to one ``LaunchQueue`` (one thread makes the driver calls) and
+  threads replaying a captured graph of prepared launches (one driver call a batch).
+  Every side times the same work: set-up (module load, stream creation, thread start-up)
+  happens before a barrier, the clock runs from the barrier until every thread has
+  launched and synchronized its stream. The modes run interleaved, round by round;
 * a profile (cProfile, one thread) of checked and prepared launches: where the host time
   of a launch goes.
 
@@ -64,9 +65,10 @@ THREAD_MODES = ("raw", "launch", "prepared", "executor")
 #: through one Python call each, and through ctypes with the GIL kept.
 REFERENCE_THREAD_MODES = ("raw_python", "raw_gil_held")
 
-#: ctxkit launches batched per thread (INFO lines): each thread captures
-#: :data:`GRAPH_BATCH` prepared launches into a graph once and replays it.
-BATCHED_THREAD_MODES = ("graph",)
+#: ctxkit launches past the per-launch floor (INFO lines): threads handing their prepared
+#: launches to one ``LaunchQueue``, and threads each replaying a graph of
+#: :data:`GRAPH_BATCH` captured prepared launches.
+BATCHED_THREAD_MODES = ("queue", "graph")
 
 #: Launches per captured graph of the ``graph`` mode.
 GRAPH_BATCH = 100
@@ -481,6 +483,21 @@ def ctxkit_task_launches(kernel: ck.Kernel, n: int, gate: Gate, prepared: bool =
     stream.close()
 
 
+def ctxkit_queued_launches(kernel: ck.Kernel, q: ck.LaunchQueue, n: int, gate: Gate) -> None:
+    """A bound thread's stream and prepared launch (untimed); n submits to the shared
+    LaunchQueue *q*, its flush and a synchronize (timed)."""
+    stream = ck.Stream()
+    launch = kernel.prepare(1, 32, 0, 0, stream=stream)
+    submit = q.submit
+    gate.start()
+    for _ in range(n):
+        submit(launch)
+    q.flush()
+    stream.synchronize()
+    gate.finish()
+    stream.close()
+
+
 def ctxkit_graph_launches(kernel: ck.Kernel, n: int, gate: Gate) -> None:
     """Batched launches from one thread: :data:`GRAPH_BATCH` prepared launches captured
     into a graph (untimed), the graph replayed ``n // GRAPH_BATCH`` times and the stream
@@ -532,6 +549,19 @@ def thread_rate(kernel: ck.Kernel, nthreads: int, per_thread: int, prepared: boo
     return nthreads * per_thread / _run_threads(nthreads, work)
 
 
+def queue_rate(kernel: ck.Kernel, nthreads: int, per_thread: int) -> float:
+    """Launches per second of *nthreads* bound threads handing prepared launches to one
+    LaunchQueue (made before the clock starts)."""
+    ctx = ck.registry.context(0)
+    with ck.LaunchQueue(ctx) as q:
+
+        def work(gate: Gate) -> None:
+            with ck.bind(ctx):
+                ctxkit_queued_launches(kernel, q, per_thread, gate)
+
+        return nthreads * per_thread / _run_threads(nthreads, work)
+
+
 def graph_rate(kernel: ck.Kernel, nthreads: int, per_thread: int) -> float:
     """Kernel launches per second of *nthreads* bound threads replaying captured graphs
     (:func:`ctxkit_graph_launches`)."""
@@ -578,6 +608,7 @@ def thread_modes(
         "prepared": lambda k: thread_rate(kernel, nthreads, k, prepared=True),
         "executor": lambda k: executor_rate(ex, kernel, nthreads, k),
         "raw_python": lambda k: raw_rate(ctx, cubin, nthreads, k, RawVia(python_call=True)),
+        "queue": lambda k: queue_rate(kernel, nthreads, k),
         "graph": lambda k: graph_rate(kernel, nthreads, k),
     }
     held = gil_held_launch()
@@ -678,6 +709,8 @@ def print_thread_table(med: Mapping[str, float]) -> None:
         print("  (raw_python: raw launches, each behind one Python call that checks the result)")
     if "raw_gil_held" in modes:
         print("  (raw_gil_held: raw launches through ctypes.PyDLL, the GIL kept during each call)")
+    if "queue" in modes:
+        print("  (queue: the threads hand their prepared launches to one ck.LaunchQueue)")
     if "graph" in modes:
         print(
             f"  (graph: each thread replays a graph of {GRAPH_BATCH} captured prepared launches; "
@@ -827,10 +860,14 @@ def thread_verdicts(r: Mapping[str, Any]) -> list[Line]:
     if floor is not None:
         what = "the floor of a launch object written in Python: raw launches, each behind one call"
         lines.append(info("threads.python_floor_vs_raw", floor[0], "x", f"{what}; {floor[1]}"))
-    graph = _worst_vs_raw(r, "graph")
-    if graph is not None:
-        what = f"kernels launched through captured graphs of {GRAPH_BATCH} prepared launches"
-        lines.append(info("threads.graph_vs_raw", graph[0], "x", f"{what}; {graph[1]}"))
+    batched = {
+        "queue": "prepared launches handed to one LaunchQueue",
+        "graph": f"kernels launched through captured graphs of {GRAPH_BATCH} prepared launches",
+    }
+    for mode, what in batched.items():
+        worst = _worst_vs_raw(r, mode)
+        if worst is not None:
+            lines.append(info(f"threads.{mode}_vs_raw", worst[0], "x", f"{what}; {worst[1]}"))
     one, top = min(THREAD_COUNTS), max(THREAD_COUNTS)
     if r.get(f"raw_threads{one}"):
         base = median(r[f"raw_threads{one}"])

@@ -57,6 +57,8 @@ __all__ = [
     "KernelNotFoundError",
     "LaunchArgumentError",
     "LaunchConfig",
+    "LaunchQueue",
+    "LaunchQueueError",
     "ManagedBuffer",
     "MemoryPool",
     "Module",
@@ -129,6 +131,7 @@ from .errors import (  # noqa: E402
     KernelCacheWarning,
     KernelNotFoundError,
     LaunchArgumentError,
+    LaunchQueueError,
     NoCurrentContextError,
     OutOfMemoryError,
     PageableCopyError,
@@ -138,7 +141,7 @@ from .errors import (  # noqa: E402
     PtxVersionWarning,
     WrongContextError,
 )
-from .executor import ContextExecutor  # noqa: E402
+from .executor import ContextExecutor, LaunchQueue  # noqa: E402
 
 
 def __getattr__(name: str) -> Any:

@@ -22,6 +22,7 @@ __all__ = [
     "ForkError",
     "GraphUpdateError",
     "LaunchArgumentError",
+    "LaunchQueueError",
     "NoCurrentContextError",
     "OutOfMemoryError",
 ]
@@ -340,6 +341,27 @@ def _rebuild_task_error(message: str) -> DeviceTaskError:
     err = DeviceTaskError.__new__(DeviceTaskError)
     Exception.__init__(err, message)
     return err
+
+
+class LaunchQueueError(CudaError):
+    """A launch handed to a :class:`~ctxkit.LaunchQueue` failed in the queue's thread.
+
+    Raised in the thread that submitted the launch, at its next ``submit``, ``flush`` or
+    ``close``. The launch's exception is ``__cause__`` (``code``/``name`` copied from a
+    ``CudaError``).
+
+    Attributes
+    ----------
+    dropped : int
+        Launches the same thread submitted after the failed one, which were not issued
+        (they may have depended on it).
+    """
+
+    def __init__(self, message: str, cause: BaseException, dropped: int) -> None:
+        code, name = (cause.code, cause.name) if isinstance(cause, CudaError) else (0, "")
+        super().__init__(message, code, name)
+        self.__cause__ = cause
+        self.dropped = dropped
 
 
 class CaptureOrderError(CudaError):

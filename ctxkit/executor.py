@@ -1,4 +1,5 @@
-"""A :class:`concurrent.futures.Executor` whose worker threads keep one context current.
+"""Threads that keep one context current: a :class:`concurrent.futures.Executor`, and a
+:class:`LaunchQueue` that issues the launches many threads hand it.
 
 Each worker binds the context once for its whole life, so tasks never pay a push/pop
 and never meet ``CUDA_ERROR_INVALID_CONTEXT``. ``blas_threads`` caps the BLAS thread
@@ -22,8 +23,9 @@ from typing import Any, TypeVar
 from . import _driver
 from .binding import ContextLike, registry
 from .context import begin_shutdown, entry_context, thread_state
+from .errors import LaunchQueueError
 
-__all__ = ["ContextExecutor"]
+__all__ = ["ContextExecutor", "LaunchQueue"]
 
 R = TypeVar("R")
 
@@ -209,6 +211,228 @@ class ContextExecutor(Executor):
 _live_executors: weakref.WeakSet[ContextExecutor] = weakref.WeakSet()
 
 
+class _Channel:
+    """One submitting thread's side of a :class:`LaunchQueue`: the first error of its
+    launches (``None``: none), what failed, and how many of its later launches were
+    dropped since."""
+
+    __slots__ = ("dropped", "error", "failed")
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+        self.failed = ""
+        self.dropped = 0
+
+
+#: A queued launch and its submitter's channel; a flush marker is ``(event, None)``.
+_Item = tuple[Any, "_Channel | None"]
+
+
+class LaunchQueue:
+    """One thread that issues the launches many threads hand it.
+
+    Every driver call releases the GIL, and threads that each launch for themselves queue
+    for it again after every call, so their combined rate falls as threads are added (on
+    an H200 8 raw cuda.bindings threads launch at about half the rate of one). Threads
+    that :meth:`submit` their launches here only append to a queue; its one thread, with
+    the context current, issues them, so the rate stays near one thread's.
+
+    What the caller sees differently from launching itself:
+
+    * ``submit`` returns before the launch is issued. Launches are issued in submission
+      order (each thread's in its own order); work the thread enqueues on the same
+      stream itself (a copy, a direct launch) comes after its submitted launches only
+      once :meth:`flush` returned.
+    * An error of a launch is raised in the thread that submitted it, at its next
+      ``submit``, ``flush`` or ``close``, as :class:`~ctxkit.errors.LaunchQueueError`;
+      that thread's later launches are not issued until then (other threads' are).
+
+    Parameters
+    ----------
+    target : Context, Device or int
+        The context (or the registry's context of that device) the launches run in.
+    name : str
+        The launching thread's name.
+
+    Examples
+    --------
+    >>> with ck.LaunchQueue(0) as q:                       # doctest: +SKIP
+    ...     launch = kernel.prepare(grid, block, x, n, stream=s)
+    ...     for _ in range(1000):
+    ...         q.submit(launch)                        # from any number of threads
+    ...     q.flush()                                   # issued; now s.synchronize()
+    """
+
+    def __init__(self, target: ContextLike, *, name: str = "ctxkit-launcher") -> None:
+        self.context = registry.resolve(target)
+        self.context.check_usable()
+        self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
+        self._put = self._queue.put
+        self._local = threading.local()
+        self._open = True
+        started: list[BaseException | None] = []
+        ready = threading.Event()
+        self._thread = threading.Thread(
+            target=self._issue, args=(started, ready), name=name, daemon=True
+        )
+        self._thread.start()
+        ready.wait()
+        if started[0] is not None:
+            self._open = False
+            raise started[0]
+        _live_queues.add(self)
+
+    def submit(self, launch: Callable[[], object]) -> None:
+        """Hand *launch* -- a :class:`~ctxkit.PreparedLaunch`, or any callable without
+        arguments -- to the launching thread, which calls it with the context current.
+
+        Raises
+        ------
+        LaunchQueueError
+            An earlier launch of this thread failed (nothing of this thread was issued
+            after it).
+        RuntimeError
+            The queue is closed.
+        ForkError
+            In a forked child (the launching thread is the parent's).
+        """
+        try:
+            ch = self._local.ch
+        except AttributeError:
+            ch = self._local.ch = _Channel()
+        if ch.error is not None or not self._open:
+            self._refuse(ch, "submit")
+        self._put((launch, ch))
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every launch submitted before this call, from any thread, has been
+        issued to the driver (not run: synchronize the stream for that).
+
+        Raises
+        ------
+        LaunchQueueError
+            A launch this thread submitted failed.
+        TimeoutError
+            Launches were still queued after *timeout* seconds.
+        RuntimeError
+            Called from a launch the queue is running (it would wait for itself).
+        """
+        ch = self._channel()
+        if self._open:
+            if threading.current_thread() is self._thread:
+                raise RuntimeError("LaunchQueue.flush from a launch it runs would wait for itself")
+            done = threading.Event()
+            self._put((done, None))
+            if not done.wait(timeout):
+                raise TimeoutError(f"LaunchQueue.flush: launches still queued after {timeout} s")
+        elif _driver.in_forked_child():
+            self._refuse(ch, "flush")
+        if ch.error is not None:
+            self._raise(ch)
+
+    def close(self) -> None:
+        """Issue what is queued, stop the launching thread (it pops the context);
+        idempotent. A launch of this thread that failed is raised as by :meth:`flush`."""
+        if self._open and not _driver.in_forked_child():
+            self._open = False
+            self._put(None)
+            if threading.current_thread() is not self._thread:
+                self._thread.join()
+                self._refuse_late()
+        self._open = False
+        ch = self._channel()
+        if ch.error is not None:
+            self._raise(ch)
+
+    def __enter__(self) -> LaunchQueue:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "open" if self._open else "closed"
+        return f"<LaunchQueue {state} {self.context!r}>"
+
+    def _channel(self) -> _Channel:
+        ch: _Channel | None = getattr(self._local, "ch", None)
+        if ch is None:
+            ch = self._local.ch = _Channel()
+        return ch
+
+    def _issue(self, started: list[BaseException | None], ready: threading.Event) -> None:
+        """The launching thread: bind the context (*started* says whether that failed),
+        then run each queued launch."""
+        try:
+            self.context.push()
+        except BaseException as exc:
+            started.append(exc)
+            return
+        finally:
+            started.append(None)  # after an error: started[0] is the error
+            ready.set()
+        try:
+            self._run_queued()
+        finally:
+            self.context.pop()
+
+    def _run_queued(self) -> None:
+        get = self._queue.get
+        while (item := get()) is not None:
+            fn, ch = item
+            if ch is None:
+                fn.set()  # a flush marker
+            elif ch.error is not None:
+                ch.dropped += 1
+            else:
+                try:
+                    fn()
+                except BaseException as exc:
+                    ch.error, ch.failed = exc, repr(fn)
+            del item, fn
+
+    def _refuse_late(self) -> None:
+        """After the thread stopped: fail what other threads submitted while it stopped."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None and item[1] is not None and item[1].error is None:
+                item[1].error = RuntimeError("the LaunchQueue closed before it was issued")
+                item[1].failed = repr(item[0])
+
+    def _refuse(self, ch: _Channel, what: str) -> None:
+        _driver.check_fork(f"LaunchQueue.{what}")
+        if ch.error is not None:
+            self._raise(ch)
+        raise RuntimeError(f"LaunchQueue.{what}: the queue is closed")
+
+    def _raise(self, ch: _Channel) -> None:
+        exc, dropped = ch.error, ch.dropped
+        assert exc is not None
+        ch.error, ch.dropped = None, 0
+        raise LaunchQueueError(
+            f"{ch.failed}, submitted to {self!r} from this thread, failed: "
+            f"{type(exc).__name__}: {exc}; {dropped} later launch(es) of this thread were "
+            "not issued",
+            exc,
+            dropped,
+        )
+
+
+_live_queues: weakref.WeakSet[LaunchQueue] = weakref.WeakSet()
+
+
+def _forget_queues() -> None:
+    """In a forked child: every queue's launching thread is the parent's."""
+    for q in list(_live_queues):
+        q._open = False
+
+
+_driver.on_fork_in_child(_forget_queues)
+
+
 def _at_exit() -> None:
     """Interpreter exit: stop freeing, and release the registry's contexts when that is safe.
 
@@ -222,6 +446,8 @@ def _at_exit() -> None:
     if _driver.in_forked_child():
         return  # the contexts are the parent's
     if any(t.is_alive() for ex in list(_live_executors) for t in list(ex._threads)):
+        return
+    if any(q._thread.is_alive() for q in list(_live_queues)):
         return
     with contextlib.suppress(Exception):
         registry.close(quiet=True)

@@ -137,8 +137,19 @@ def test_bench_context_times_the_same_work_on_both_sides(mem_fake, monkeypatch, 
     assert {"registry.executor_vs_raw_threads", "threads.launch_vs_raw"} <= set(names)
     assert {"context.with_fresh_thread_vs_raw_pair", "threads.python_floor_vs_raw"} <= names
     assert {"threads.graph_vs_raw", "context.thread_local_with_floor_vs_raw_pair"} <= names
+    assert {"threads.queue_vs_raw", "threads.queue_8_vs_raw_1"} <= names
     assert "raw pair (thread, nothing current)" in out and "raw_python" in out
     assert "threading.local stack" in out and "captured prepared launches" in out
+    assert "ck.LaunchQueue" in out
+
+
+def test_bench_context_queue_mode_issues_every_launch(mem_fake, monkeypatch):
+    bench = bench_module("context", mem_fake, monkeypatch)
+    with ck.registry.context(0):
+        kernel, _ = bench._empty_kernel()
+    before = len(mem_fake.launches)
+    assert bench.queue_rate(kernel, 3, 40) > 0
+    assert len(mem_fake.launches) - before == 3 * 40
 
 
 def test_bench_context_graph_mode_launches_the_captured_kernels(mem_fake, monkeypatch):

@@ -25,6 +25,25 @@ def in_thread(fn: Callable[[], Any], name: str | None = None) -> Any:
     return out.get("value")
 
 
+def in_threads(n: int, fn: Callable[[int], Any], timeout: float = 60.0) -> None:
+    """Run ``fn(i)`` in *n* threads at once (i = 0 .. n-1); re-raise the first error of any."""
+    errors: list[BaseException] = []
+
+    def guarded(i: int) -> None:
+        try:
+            fn(i)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    if errors:
+        raise errors[0]
+
+
 def raw_current() -> int:
     """The calling thread's current context handle as the driver reports it (0: none)."""
     from ctxkit._driver import drv
