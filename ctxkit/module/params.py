@@ -75,11 +75,38 @@ def _ndarray_pointer(arr: np.ndarray, ctx: Any = None) -> int:
 def _torch_pointer(t: Any, ctx: Any = None) -> int:
     if not t.is_cuda:
         raise Refused(f"got a torch tensor on {t.device} (host memory); move it with .cuda()")
+    if ctx is not None and (there := t.get_device()) != ctx.device.ordinal:
+        _foreign_reachable(t, there, ctx)
     return int(t.data_ptr())
 
 
 def _cupy_pointer(a: Any, ctx: Any = None) -> int:
-    return int(a.data.ptr)
+    mem = a.data
+    there = mem.device_id
+    if ctx is not None and there != ctx.device.ordinal and not _cupy_managed(mem):
+        _foreign_reachable(a, there, ctx)
+    return int(mem.ptr)
+
+
+def _cupy_managed(mem: Any) -> bool:
+    """Whether a CuPy ``MemoryPointer`` holds managed memory (usable from every device)."""
+    return type(mem.mem).__name__ == "ManagedMemory"
+
+
+def _foreign_reachable(v: Any, there: int, ctx: Context) -> None:
+    """Refuse a PyTorch/CuPy array of device *there* in a launch in *ctx* (another
+    device) unless *ctx* has peer access to that device: a kernel reading it would fault,
+    and a fault poisons every context of the process."""
+    if peer_access_enabled(ctx, there):
+        return
+    here = ctx.device.ordinal
+    kind = f"{(type(v).__module__ or '').split('.')[0]} {type(v).__name__}"
+    raise Refused(
+        f"got a {kind} on device {there}, but the kernel launches on device {here} "
+        f"({ctx!r}) without peer access to it; the kernel would fault. Enable it first "
+        f"(ck.enable_peer_access(<device {here} context>, {there}), once), or move the "
+        f"array to device {here}"
+    )
 
 
 def _attr_pointer(a: Any, ctx: Any = None) -> int:

@@ -136,6 +136,9 @@ class FakeCudaTensor(FakeCpuTensor):
     is_cuda = True
     device = "cuda:0"
 
+    def get_device(self) -> int:
+        return 0
+
 
 class FakeDlpackHost:
     def __dlpack_device__(self) -> tuple[int, int]:

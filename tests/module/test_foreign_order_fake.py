@@ -350,7 +350,7 @@ def test_cupy_array_waits_for_cupy_current_stream(mem_fake, busy, setup, monkeyp
 
     class ndarray:
         def __init__(self, ptr: int) -> None:
-            self.data = types.SimpleNamespace(ptr=ptr)
+            self.data = types.SimpleNamespace(ptr=ptr, device_id=0, mem=None)
 
     ndarray.__module__ = "cupy"
     s = ck.Stream()
@@ -379,3 +379,44 @@ def test_producer_of_another_context_records_there_and_waits_here(mem_fake, busy
     (_, rec_ctx, (event, on)), (_, wait_ctx, (waiter, waited)) = log
     assert (rec_ctx, on) == (c1.handle, int(there.handle))
     assert (wait_ctx, waiter, waited) == (setup.ctx.handle, 0, event)
+
+
+def test_torch_and_cupy_arrays_of_another_device_are_refused_without_peer_access(
+    mem_fake, setup, monkeypatch
+):
+    """A kernel reading another device's memory without peer access would fault (and poison
+    every context): PyTorch and CuPy arrays are checked like ctxkit buffers."""
+    tensor = _torch_like(monkeypatch, lambda index: 0, None)
+
+    class FarTensor(tensor):  # type: ignore[misc, valid-type]
+        def get_device(self) -> int:
+            return 1
+
+    FarTensor.__module__ = "torch"
+    stream_mod = types.SimpleNamespace(get_current_stream_ptr=lambda: 0)
+    _fake_module(monkeypatch, "cupy", cuda=types.SimpleNamespace(stream=stream_mod))
+
+    class ndarray:
+        def __init__(self, ptr: int, device: int, mem: Any = None) -> None:
+            self.data = types.SimpleNamespace(ptr=ptr, device_id=device, mem=mem)
+
+    class ManagedMemory:
+        pass
+
+    ndarray.__module__ = "cupy"
+    k, a, b = setup.k, setup.a, setup.b
+    with pytest.raises(ck.LaunchArgumentError) as info:
+        k.launch(1, 32, FarTensor(a.ptr), b)
+    msg = str(info.value)
+    assert "argument 0" in msg and "torch FarTensor on device 1" in msg
+    assert "launches on device 0" in msg and "ck.enable_peer_access" in msg
+    with pytest.raises(ck.LaunchArgumentError, match="argument 1 .* cupy ndarray on device 1"):
+        k.launch(1, 32, a, ndarray(b.ptr, 1))
+    with pytest.raises(ck.LaunchArgumentError, match="on device 1"):
+        k.prepare(1, 32, FarTensor(a.ptr), b)
+    assert mem_fake.launches == []
+    k.launch(1, 32, tensor(a.ptr), ndarray(b.ptr, 0))  # the launch's own device
+    k.launch(1, 32, a, ndarray(b.ptr, 1, ManagedMemory()))  # managed memory passes
+    ck.enable_peer_access(setup.ctx, 1)
+    k.launch(1, 32, FarTensor(a.ptr), ndarray(b.ptr, 1))  # peer access enabled: passes
+    assert len(mem_fake.launches) == 3
