@@ -20,6 +20,7 @@ ARGS = {
     "multi_device_streams.py": ["--mb", "64"],
     "peer_copy.py": ["--mb", "64", "--reps", "5"],
     "thread_pool_server.py": ["--requests", "20"],
+    "launch_queue.py": ["--steps", "500"],
     "green_contexts.py": ["--requests", "50", "--mb", "32"],
     "process_per_gpu.py": ["--quick"],
     "mpi_pipeline.py": ["--quick"],
