@@ -369,7 +369,7 @@ class LaunchQueue:
             started.append(exc)
             return
         finally:
-            started.append(None)  # after an error: started[0] is the error
+            started.append(None)  # read as started[0]: the error, or this None
             ready.set()
         try:
             self._run_queued()
@@ -409,9 +409,11 @@ class LaunchQueue:
         raise RuntimeError(f"LaunchQueue.{what}: the queue is closed")
 
     def _raise(self, ch: _Channel) -> None:
+        """Raise the failure *ch* holds (it has one) and clear it: the thread goes on."""
         exc, dropped = ch.error, ch.dropped
-        assert exc is not None
         ch.error, ch.dropped = None, 0
+        if exc is None:
+            return
         raise LaunchQueueError(
             f"{ch.failed}, submitted to {self!r} from this thread, failed: "
             f"{type(exc).__name__}: {exc}; {dropped} later launch(es) of this thread were "
