@@ -791,26 +791,21 @@ def verdicts(r: Mapping[str, Any]) -> list[Line]:
         )
     lines += thread_verdicts(r)
     lines.append(median_info("context.raw_pair_us", r["raw"], "us", higher=False))
-    if r.get("raw_with"):
-        lines.append(
-            info(
-                "context.python_with_floor_vs_raw_pair",
-                median(r["raw_with"]) / median(r["raw"]),
-                "x",
-                "the floor of any Python `with` that pushes and pops: a minimal class "
-                "around the raw pair, vs the raw pair",
-            )
-        )
-    if r.get("local_with"):
-        lines.append(
-            info(
-                "context.thread_local_with_floor_vs_raw_pair",
-                median(r["local_with"]) / median(r["raw"]),
-                "x",
-                "the floor of a `with` that knows what it made current in each thread: the "
-                "minimal class plus a threading.local stack and the popped handle checked",
-            )
-        )
+    floors = {
+        "raw_with": (
+            "context.python_with_floor_vs_raw_pair",
+            "the floor of any Python `with` that pushes and pops: a minimal class around the "
+            "raw pair, vs the raw pair",
+        ),
+        "local_with": (
+            "context.thread_local_with_floor_vs_raw_pair",
+            "the floor of a `with` that knows what it made current in each thread: the "
+            "minimal class plus a threading.local stack and the popped handle checked",
+        ),
+    }
+    for key, (name, what) in floors.items():
+        if r.get(key):
+            lines.append(info(name, median(r[key]) / median(r["raw"]), "x", what))
     if r.get("empty_with"):
         lines.append(
             median_info(
