@@ -280,6 +280,7 @@ class LaunchQueue:
         ready.wait()
         if started[0] is not None:
             self._open = False
+            self._thread.join()  # it has nothing left to do: gone before the error is seen
             raise started[0]
         _live_queues.add(self)
 
