@@ -292,7 +292,7 @@ class LaunchQueue:
         ------
         LaunchQueueError
             An earlier launch of this thread failed (nothing of this thread was issued
-            after it).
+            after it, and *launch* is not submitted either; submit it again to go on).
         RuntimeError
             The queue is closed.
         ForkError
