@@ -81,32 +81,23 @@ def _torch_pointer(t: Any, ctx: Any = None) -> int:
 
 
 def _cupy_pointer(a: Any, ctx: Any = None) -> int:
-    mem = a.data
+    mem = a.data  # CuPy's managed memory (ManagedMemory) is usable from every device
     there = mem.device_id
-    if ctx is not None and there != ctx.device.ordinal and not _cupy_managed(mem):
+    if (
+        ctx is not None
+        and there != ctx.device.ordinal
+        and type(mem.mem).__name__ != "ManagedMemory"
+    ):
         _foreign_reachable(a, there, ctx)
     return int(mem.ptr)
 
 
-def _cupy_managed(mem: Any) -> bool:
-    """Whether a CuPy ``MemoryPointer`` holds managed memory (usable from every device)."""
-    return type(mem.mem).__name__ == "ManagedMemory"
-
-
 def _foreign_reachable(v: Any, there: int, ctx: Context) -> None:
     """Refuse a PyTorch/CuPy array of device *there* in a launch in *ctx* (another
-    device) unless *ctx* has peer access to that device: a kernel reading it would fault,
-    and a fault poisons every context of the process."""
-    if peer_access_enabled(ctx, there):
-        return
-    here = ctx.device.ordinal
-    kind = f"{(type(v).__module__ or '').split('.')[0]} {type(v).__name__}"
-    raise Refused(
-        f"got a {kind} on device {there}, but the kernel launches on device {here} "
-        f"({ctx!r}) without peer access to it; the kernel would fault. Enable it first "
-        f"(ck.enable_peer_access(<device {here} context>, {there}), once), or move the "
-        f"array to device {here}"
-    )
+    device) unless *ctx* has peer access to that device (see :func:`_reachable`)."""
+    if not peer_access_enabled(ctx, there):
+        library = (type(v).__module__ or "").split(".")[0]
+        raise _unreachable(f"{library} {type(v).__name__}", there, ctx)
 
 
 def _attr_pointer(a: Any, ctx: Any = None) -> int:
@@ -243,13 +234,20 @@ def _reachable(v: Any, buf: DeviceBuffer, ctx: Context | None) -> int:
     there, here = owner.device.ordinal, ctx.device.ordinal
     if there == here or isinstance(buf, ManagedBuffer) or peer_access_enabled(ctx, owner):
         return buf.ptr
-    what = " (a view)" if buf.base is not None else ""
-    raise Refused(
-        f"got a {type(v).__name__}{what} on device {there} ({owner!r}), but the kernel "
-        f"launches on device {here} ({ctx!r}) without peer access to it; the kernel "
-        f"would fault. Enable it first (ck.enable_peer_access(<device {here} context>, "
-        f"<device {there} context>), once; see ck.Device({here}).can_access_peer), or "
-        f"copy the data to device {here} (ck.copy_peer), or use managed memory "
+    view = " (a view)" if buf.base is not None else ""
+    raise _unreachable(f"{type(v).__name__}{view}", there, ctx, f" ({owner!r})")
+
+
+def _unreachable(what: str, there: int, ctx: Context, owner: str = "") -> Refused:
+    """The refusal of *what*, memory on device *there* (of context *owner*), in a launch
+    in *ctx* on another device without peer access to it."""
+    here = ctx.device.ordinal
+    return Refused(
+        f"got a {what} on device {there}{owner}, but the kernel launches on device {here} "
+        f"({ctx!r}) without peer access to it; the kernel would fault. Enable it first "
+        f"(ck.enable_peer_access(<device {here} context>, <device {there} context>), once; "
+        f"see ck.Device({here}).can_access_peer), or copy the data to device {here} "
+        "(ck.copy_peer, or the array library's own copy), or use managed memory "
         "(ck.ManagedBuffer)"
     )
 
