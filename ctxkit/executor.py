@@ -271,17 +271,15 @@ class LaunchQueue:
         self._put = self._queue.put
         self._local = threading.local()
         self._open = True
-        started: list[BaseException | None] = []
+        self._start_error: BaseException | None = None
         ready = threading.Event()
-        self._thread = threading.Thread(
-            target=self._issue, args=(started, ready), name=name, daemon=True
-        )
+        self._thread = threading.Thread(target=self._issue, args=(ready,), name=name, daemon=True)
         self._thread.start()
         ready.wait()
-        if started[0] is not None:
+        if self._start_error is not None:
             self._open = False
             self._thread.join()  # it has nothing left to do: gone before the error is seen
-            raise started[0]
+            raise self._start_error
         _live_queues.add(self)
 
     def submit(self, launch: Callable[[], object]) -> None:
@@ -362,16 +360,15 @@ class LaunchQueue:
             ch = self._local.ch = _Channel()
         return ch
 
-    def _issue(self, started: list[BaseException | None], ready: threading.Event) -> None:
-        """The launching thread: bind the context (*started* says whether that failed),
-        then run each queued launch."""
+    def _issue(self, ready: threading.Event) -> None:
+        """The launching thread: bind the context (a failure is ``_start_error``), say
+        so through *ready*, then run each queued launch."""
         try:
             self.context.push()
         except BaseException as exc:
-            started.append(exc)
+            self._start_error = exc
             return
         finally:
-            started.append(None)  # read as started[0]: the error, or this None
             ready.set()
         try:
             self._run_queued()
