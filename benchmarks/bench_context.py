@@ -537,42 +537,39 @@ def raw_rate(
     return nthreads * per_thread / secs
 
 
-def thread_rate(kernel: ck.Kernel, nthreads: int, per_thread: int, prepared: bool) -> float:
-    """Launches per second of *nthreads* plain threads, each binding the kernel's
-    context for its life (``with ck.bind(ctx):``)."""
+def _bound_rate(nthreads: int, launches: int, work: Callable[[Gate], None]) -> float:
+    """Launches per second of *nthreads* plain threads, each binding device 0's registry
+    context for its life (``with ck.bind(ctx):``) and making *launches* in ``work(gate)``."""
     ctx = ck.registry.context(0)
 
-    def work(gate: Gate) -> None:
+    def bound(gate: Gate) -> None:
         with ck.bind(ctx):
-            ctxkit_task_launches(kernel, per_thread, gate, prepared)
+            work(gate)
 
-    return nthreads * per_thread / _run_threads(nthreads, work)
+    return nthreads * launches / _run_threads(nthreads, bound)
+
+
+def thread_rate(kernel: ck.Kernel, nthreads: int, per_thread: int, prepared: bool) -> float:
+    """Checked or prepared launches per second of *nthreads* bound threads."""
+    return _bound_rate(
+        nthreads, per_thread, lambda g: ctxkit_task_launches(kernel, per_thread, g, prepared)
+    )
 
 
 def queue_rate(kernel: ck.Kernel, nthreads: int, per_thread: int) -> float:
     """Launches per second of *nthreads* bound threads handing prepared launches to one
     LaunchQueue (made before the clock starts)."""
-    ctx = ck.registry.context(0)
-    with ck.LaunchQueue(ctx) as q:
-
-        def work(gate: Gate) -> None:
-            with ck.bind(ctx):
-                ctxkit_queued_launches(kernel, q, per_thread, gate)
-
-        return nthreads * per_thread / _run_threads(nthreads, work)
+    with ck.LaunchQueue(ck.registry.context(0)) as q:
+        return _bound_rate(
+            nthreads, per_thread, lambda g: ctxkit_queued_launches(kernel, q, per_thread, g)
+        )
 
 
 def graph_rate(kernel: ck.Kernel, nthreads: int, per_thread: int) -> float:
     """Kernel launches per second of *nthreads* bound threads replaying captured graphs
     (:func:`ctxkit_graph_launches`)."""
-    ctx = ck.registry.context(0)
-    batches = max(1, per_thread // GRAPH_BATCH)
-
-    def work(gate: Gate) -> None:
-        with ck.bind(ctx):
-            ctxkit_graph_launches(kernel, per_thread, gate)
-
-    return nthreads * batches * GRAPH_BATCH / _run_threads(nthreads, work)
+    launches = max(1, per_thread // GRAPH_BATCH) * GRAPH_BATCH
+    return _bound_rate(nthreads, launches, lambda g: ctxkit_graph_launches(kernel, per_thread, g))
 
 
 def executor_rate(
