@@ -76,7 +76,9 @@ class CaptureRules(GraphNodes):
         self.thread_modes: dict[int, int] = {}  # cuThreadExchangeStreamCaptureMode
         self.init_graph_nodes()
         self.libraries: set[int] = set()
-        self._clock = threading.Lock()
+        # Re-entrant: a collection inside a locked section may run a finalizer (a module
+        # unload, a free) that asks the capture rules again in the same thread.
+        self._clock = threading.RLock()
 
     def _invalidate(self, cap: Capture, why: str) -> None:
         if not cap.invalidated_by:
@@ -92,7 +94,7 @@ class CaptureRules(GraphNodes):
         tid = threading.get_ident()
         mode = self.thread_modes.get(tid, CAPTURE_GLOBAL)
         with self._clock:
-            hit = [c for c in self.captures.values() if c.forbids(tid, mode)]
+            hit = [c for c in list(self.captures.values()) if c.forbids(tid, mode)]
             for cap in hit:
                 self._invalidate(cap, what)
         return STREAM_CAPTURE_UNSUPPORTED if hit else 0
@@ -104,7 +106,7 @@ class CaptureRules(GraphNodes):
         err = self.unsafe(f"{what} on the legacy default stream") if unsafe else 0
         ctx = self.current()
         with self._clock:
-            joined = [c for c in self.captures.values() if c.blocking and c.ctx == ctx]
+            joined = [c for c in list(self.captures.values()) if c.blocking and c.ctx == ctx]
             for cap in joined:
                 self._invalidate(cap, f"{what} on the legacy default stream")
         return err or (STREAM_CAPTURE_IMPLICIT if joined else 0)
