@@ -20,7 +20,7 @@ import difflib
 import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from . import errors
@@ -283,6 +283,35 @@ def ctx_create(flags: int, dev: Any) -> Any:
 
 
 CPU_DEVICE_ID = -1  # CU_DEVICE_CPU in the 12.x device-ordinal forms
+
+
+def context_id(cu: Any) -> int | None:
+    """``cuCtxGetId``: the driver's id of context *cu*, unique in the process (None where
+    the driver or the bindings lack it)."""
+    fn = getattr(drv, "cuCtxGetId", None)
+    if fn is None:
+        return None
+    err, ident = fn(cu)
+    return None if err else int(ident)
+
+
+@contextlib.contextmanager
+def live_primary(dev: Any, ident: int | None) -> Iterator[Any]:
+    """Device *dev*'s primary context retained for the block when it is the one with
+    driver id *ident* (others kept it alive since ctxkit released it), else None: one
+    that was reset, destroyed or made anew since holds none of the old one's resources."""
+    err, _flags, active = drv.cuDevicePrimaryCtxGetState(dev)
+    if err or not active or ident is None:
+        yield None
+        return
+    err, cu = drv.cuDevicePrimaryCtxRetain(dev)
+    if err:
+        yield None
+        return
+    try:
+        yield cu if context_id(cu) == ident else None
+    finally:
+        drv.cuDevicePrimaryCtxRelease(dev)
 
 
 def uses_mem_location(bindings_major: int) -> bool:

@@ -14,9 +14,10 @@ itself, in thread-local state, so that
 from __future__ import annotations
 
 import atexit
+import contextlib
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 from . import _driver, lifetime
@@ -212,6 +213,7 @@ class Context:
 
     __slots__ = (
         "__weakref__",
+        "_driver_id",
         "_poison",
         "_sm_count",
         "_unusable",
@@ -235,6 +237,9 @@ class Context:
         self._poison: CudaError | None = None
         self._unusable = False  # closed or poisoned: one flag for the push path
         self.closed = False
+        # the driver's unique id of a primary context: after close, tells the context this
+        # object retained from a new one at the same handle
+        self._driver_id = _driver.context_id(cu) if kind == "primary" else None
         Context._known[self.handle] = self
 
     # --- construction --------------------------------------------------------------
@@ -583,18 +588,67 @@ class Context:
 
         Used by buffers, streams, events and modules when they are closed or collected:
         the context is bound for the call (no cost when it already is) so the handle is
-        never freed in whatever context happens to be current. A closed context freed its
-        resources already, and at interpreter exit the process teardown does; both skip.
+        never freed in whatever context happens to be current. A destroyed context freed
+        its resources already, and at interpreter exit the process teardown does; both
+        skip. A closed primary context that another retainer keeps alive still holds
+        them: they are freed there (:meth:`freeing`).
         """
-        if self._unusable or _shutting_down:
+        if _shutting_down or (self._unusable and not self._released_primary()):
             return
         if not lifetime.begin_free(self, fn, args):
             return  # an open stream capture forbids it: it runs when the capture ends
         try:
-            with self:  # already current: a re-entry, no driver call
-                lifetime.check_free(fn(*args), fn)
+            if not self._unusable:
+                with self:  # already current: a re-entry, no driver call
+                    lifetime.check_free(fn(*args), fn)
+                return
+            with self.freeing() as live:
+                if live:
+                    lifetime.check_free(fn(*args), fn)
         finally:
             lifetime.end_free()
+
+    def _released_primary(self) -> bool:
+        return self.closed and self.kind == "primary" and self._poison is None
+
+    @contextlib.contextmanager
+    def freeing(self) -> Iterator[bool]:
+        """Bind the driver context that holds what was made in this one, for freeing it.
+
+        Yields True with it current: this context while open (a re-entry when it is
+        current already), or, once closed, a primary context that another retainer
+        (PyTorch, CuPy, a newer ctxkit primary) keeps alive; its memory, registrations
+        and streams outlived ``close``, and leaving them would leak them (or, for
+        registered pages that are then unmapped, break every later host allocation of
+        the process with ``CUDA_ERROR_ALREADY_MAPPED``). Yields False when they went with
+        the context (destroyed, or a primary every retainer released) or can no longer
+        be freed (poisoned).
+        """
+        if not self._unusable:
+            with self:
+                yield True
+            return
+        if not self._released_primary():
+            yield False
+            return
+        with _driver.live_primary(self.device.handle, self._driver_id) as cu:
+            if cu is None:
+                yield False
+                return
+            call(drv.cuCtxPushCurrent, cu, what="cuCtxPushCurrent of a released primary")
+            try:
+                yield True
+            finally:
+                call(drv.cuCtxPopCurrent, what="cuCtxPopCurrent of a released primary")
+
+    def resources_alive(self) -> bool:
+        """True while what was made in this context still exists in the driver: it is
+        open, poisoned (nothing can free it any more) or a closed primary context kept
+        alive by another retainer (see :meth:`freeing`)."""
+        if not self._unusable or self._poison is not None:
+            return True
+        with self.freeing() as live:
+            return live
 
 
 _driver.renew_at_fork(Context, "_class_lock", threading.RLock)

@@ -404,6 +404,11 @@ _MAX_TOUCH_THREADS = 16
 
 _MADV_HUGEPAGE = 14
 
+_HOST_NOT_REGISTERED = 713
+
+# registered pages no call could unregister (see LockedPages.release): never unmapped
+_stranded: list[mmap.mmap] = []
+
 _refused = False  # registering failed once for a reason other than memory: stop trying
 
 _touch_pool: ThreadPoolExecutor | None = None
@@ -432,13 +437,16 @@ class LockedPages:
     mapping: mmap.mmap | None
 
     def release(self) -> None:
-        """Free in its context (any thread, never raising; a closed context already
-        dropped the registration or the allocation, and only the pages are left)."""
-        gone = self.ctx.closed or self.ctx.poisoned
+        """Free in its context (any thread, never raising). Registered pages are unmapped
+        only once no registration covers them: a registration left over unmapped pages
+        makes every later host allocation of the process there fail
+        (``CUDA_ERROR_ALREADY_MAPPED``, ``cuCtxCreate`` included). So pages of a poisoned
+        context, which no call can unregister, stay mapped until the process exits."""
         if self.mapping is None:
-            if not gone:
-                lifetime.free_quietly(self.ctx, drv.cuMemFreeHost, self.ptr)
-        elif gone:
+            lifetime.free_quietly(self.ctx, drv.cuMemFreeHost, self.ptr)
+        elif self.ctx.poisoned:
+            _stranded.append(self.mapping)
+        elif not self.ctx.resources_alive():  # the registration went with the context
             self.mapping.close()
         else:
             lifetime.free_quietly(self.ctx, _unregister_and_unmap, self.ptr, self.mapping)
@@ -498,7 +506,10 @@ def _register_new(nbytes: int, ctx: Context) -> LockedPages | None:
 
 def _unregister_and_unmap(ptr: int, mapping: mmap.mmap) -> tuple[Any, ...]:
     res = drv.cuMemHostUnregister(ptr)
-    mapping.close()
+    if int(res[0]) in (0, _HOST_NOT_REGISTERED):
+        mapping.close()
+    else:  # still registered: the pages must stay
+        _stranded.append(mapping)
     return tuple(res)
 
 

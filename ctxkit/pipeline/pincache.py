@@ -59,7 +59,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _driver
+from .. import _driver, lifetime
 from ..context import Context
 from ..errors import PinLeakWarning
 from ..memory.host import register_conflict_hooks
@@ -383,6 +383,21 @@ _driver.renew_at_fork(__name__, "_process._lock", threading.RLock)
 
 
 register_conflict_hooks.append(lambda start, end: _process and _process.release_range(start, end))
+
+
+def _context_closing(ctx: Context) -> None:
+    """Undo the idle ranges *ctx* registered while it exists: destroying a context drops
+    its registrations (a ``PORTABLE`` one too), so another pipeline keeping them would
+    take pageable pages for page-locked ones. A later sighting holds them again."""
+    cache = _process
+    if cache is None:
+        return
+    with cache._lock:
+        for h in [h for h in cache._held if h.contexts[0] is ctx and not h.users]:
+            cache._evict(h)
+
+
+lifetime.on_context_close(_context_closing)
 
 
 def process_pins() -> PinCache:

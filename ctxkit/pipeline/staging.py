@@ -422,17 +422,18 @@ def relaxed_capture() -> Iterator[None]:
 def unregister_pages(ptr: int, contexts: Iterable[Context]) -> int:
     """``cuMemHostUnregister(ptr)`` now, in relaxed capture mode, in the first usable
     context of *contexts* (a ``PORTABLE`` registration is known to every context, so a
-    closed or poisoned one can be stood in for). Returns the CUresult as an int, or
-    :data:`NO_USABLE_CONTEXT`."""
+    closed or poisoned one can be stood in for; a closed primary context that another
+    retainer keeps alive still can, :meth:`~ctxkit.Context.freeing`). Returns the CUresult
+    as an int, or :data:`NO_USABLE_CONTEXT`."""
     for ctx in contexts:
-        if ctx.closed or ctx.poisoned:
-            continue
         try:
-            with ctx, relaxed_capture():
-                (err,) = drv.cuMemHostUnregister(ptr)
+            with ctx.freeing() as live:
+                if live:
+                    with relaxed_capture():
+                        (err,) = drv.cuMemHostUnregister(ptr)
+                    return int(err)
         except Exception:
             continue
-        return int(err)
     return NO_USABLE_CONTEXT
 
 
@@ -531,8 +532,7 @@ class Registrar:
 
     def _unregister(self, seg: Segment) -> None:
         t0 = time.perf_counter()
-        with seg.ctx:
-            err = unregister_pages(seg.ptr, (seg.ctx,))
+        err = unregister_pages(seg.ptr, (seg.ctx,))
         self._trace("unregister", seg, t0)
         if err:
             raise seg.ctx.note_error(

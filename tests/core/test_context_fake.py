@@ -269,6 +269,41 @@ def test_free_skips_closed_context(fake_driver):
     assert fake_driver.calls["fake_free"] == 0
 
 
+def _retained_elsewhere(fake_driver, ordinal: int = 0) -> FakeHandle:
+    """Device *ordinal*'s primary context retained as PyTorch or CuPy would."""
+    err, cu = fake_driver.cuDevicePrimaryCtxRetain(FakeHandle(ordinal))
+    assert not err
+    return cu
+
+
+def test_free_after_close_runs_in_a_primary_another_library_keeps(fake_driver):
+    _retained_elsewhere(fake_driver)
+    ctx = Context.primary(0)
+    ctx.close()
+    assert ctx.resources_alive()
+    ctx.free(fake_driver.fake_free, 1)
+    assert fake_driver.freed_in == [(1, ctx.handle)]
+    assert fake_driver.current() == 0 and fake_driver.primary_refs[0] == 1  # as found
+
+
+def test_free_after_close_skips_a_primary_released_by_everyone(fake_driver):
+    ctx = Context.primary(0)
+    ctx.close()  # the last retain: the driver destroyed it with what it held
+    again = Context.primary(0)  # a new context at the same handle
+    assert again.handle == ctx.handle and not ctx.resources_alive()
+    ctx.free(fake_driver.fake_free, 1)
+    assert fake_driver.calls["fake_free"] == 0
+    assert again.resources_alive()
+
+
+def test_freeing_a_poisoned_context_binds_nothing(fake_driver):
+    ctx = Context.primary(0)
+    ctx.note_error(700, "a kernel")  # CUDA_ERROR_ILLEGAL_ADDRESS: sticky
+    with ctx.freeing() as live:
+        assert not live
+    assert ctx.resources_alive()  # they exist; nothing can free them
+
+
 def test_free_raises_on_failure_and_free_quietly_does_not(fake_driver, monkeypatch):
     ctx = Context.primary(0)
 

@@ -15,6 +15,7 @@ import ctxkit as ck
 from ctxkit.errors import OutOfMemoryError
 from ctxkit.memory import host
 from ctxkit.memory.pinned import PinnedPool
+from tests.support.fakedriver import FakeHandle
 
 MiB = 1 << 20
 PORTABLE = 1
@@ -89,12 +90,59 @@ def test_release_after_its_context_closed_only_unmaps(registering):
     ctx = ck.Context.create(0)
     pages = host.lock_new(MiB, ctx)
     ctx.close()  # the driver dropped the registration with the context
-    registering.registered.pop(pages.ptr, None)
+    assert pages.ptr not in registering.registered
     unregisters = []
     real = registering.cuMemHostUnregister
     registering.cuMemHostUnregister = lambda p: unregisters.append(p) or real(p)
     pages.release()
     assert unregisters == []
+
+
+def _unregisters(gpu) -> list[int]:
+    calls: list[int] = []
+    real = gpu.cuMemHostUnregister
+    gpu.cuMemHostUnregister = lambda p: calls.append(p) or real(p)
+    return calls
+
+
+def test_release_after_closing_a_primary_torch_keeps_unregisters_before_unmapping(registering):
+    # PyTorch/CuPy hold the primary context: ctxkit's close does not destroy it, so the
+    # registration outlives close; unmapping under it would leave the driver a range whose
+    # pages are gone (every later cuMemHostAlloc/cuCtxCreate there: ALREADY_MAPPED)
+    registering.cuDevicePrimaryCtxRetain(FakeHandle(0))
+    ctx = ck.Context.primary(0)
+    pages = host.lock_new(MiB, ctx)
+    ctx.close()
+    calls = _unregisters(registering)
+    pages.release()
+    assert calls == [pages.ptr] and pages.ptr not in registering.registered
+    assert pages.mapping is not None and pages.mapping.closed
+
+
+def test_release_after_every_retainer_let_go_only_unmaps(registering):
+    ctx = ck.Context.primary(0)
+    pages = host.lock_new(MiB, ctx)
+    ctx.close()  # the last retain: the driver destroyed the context and its registration
+    assert pages.ptr not in registering.registered
+    ck.Context.primary(0)  # the same handle, a new context
+    calls = _unregisters(registering)
+    pages.release()
+    assert calls == [] and pages.mapping is not None and pages.mapping.closed
+
+
+def test_pages_no_call_can_unregister_stay_mapped(registering, monkeypatch):
+    monkeypatch.setattr(host, "_stranded", [])
+    ctx = ck.Context.primary(0)
+    poisoned = host.lock_new(MiB, ctx)
+    refused = host.lock_new(MiB, ctx)
+    real = registering.cuMemHostUnregister
+    registering.cuMemHostUnregister = lambda p: (999,) if p == refused.ptr else real(p)
+    refused.release()  # the driver refused: the pages are still locked
+    ctx.note_error(700, "a kernel")
+    poisoned.release()  # a sticky fault: no context can unregister any more
+    assert host._stranded == [refused.mapping, poisoned.mapping]
+    assert not refused.mapping.closed and not poisoned.mapping.closed
+    assert registering.page_locked(poisoned.ptr, MiB)
 
 
 def test_the_pool_draws_registered_blocks_and_frees_them_on_trim(registering):

@@ -631,12 +631,16 @@ def test_registering_context_closed_later_unregisters_in_another(gpu):
             p.map(scale_body(gpu, 2.0), x, out)
         q.map(scale_body(gpu, 2.0), x, out)  # q keeps the ranges p registered
         p.close()
-        own.close()
+        assert gpu.registered and q.pinned_bytes
+        own.close()  # its registrations go with it: undone first, q lets go
+        assert not gpu.registered and not q.pinned_bytes
+        for _ in range(2):
+            q.map(scale_body(gpu, 2.0), x, out)  # held again, in q's context
         assert gpu.registered and q.pinned_bytes
         start = first_page(x)
         del x
         gc.collect()
-        assert start not in gpu.registered  # unregistered in q's context
+        assert start not in gpu.registered
     finally:
         p.close()
         q.close()

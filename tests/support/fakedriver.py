@@ -11,6 +11,8 @@ Where ctxkit relies on a driver rule the fake enforces it, as the real driver do
 * ``cuCtxCreate`` takes the arguments of the cuda-bindings major in
   :attr:`bindings_major` -- ``(flags, dev)`` for 12.x, ``(params, flags, dev)`` for
   13.x -- and raises ``TypeError`` for the other form, like the real bindings;
+* a primary context that every retainer released is a new context when retained again:
+  same handle, new ``cuCtxGetId``;
 * ``cuCtxDestroy`` of the calling thread's current context pops it; a destroyed
   context answers ``CUDA_ERROR_CONTEXT_IS_DESTROYED``;
 * a sticky fault (:attr:`fault`) poisons every context of the process, and
@@ -71,6 +73,7 @@ class FakeDriver:
         self._ids = itertools.count(0x1000, 0x100)
         self.primary = {d: FakeHandle(next(self._ids)) for d in range(ndev)}
         self.primary_refs = dict.fromkeys(range(ndev), 0)
+        self.primary_life = dict.fromkeys(range(ndev), 1)  # a reset makes a new context
         self.ctx_device: dict[int, int] = {int(h): d for d, h in self.primary.items()}
         self.ctx_flags: dict[int, int] = {}
         self.destroyed: set[int] = set()
@@ -119,8 +122,23 @@ class FakeDriver:
             reset = self.primary_refs[d] == 0
         if reset:
             self.resets[d] += 1
+            self.primary_life[d] += 1
             self.reset_context(int(self.primary[d]))
         return (0,)
+
+    def cuDevicePrimaryCtxGetState(self, dev: FakeHandle) -> tuple[int, int, int]:
+        d = int(dev)
+        return (0, 0, int(self.primary_refs[d] > 0))
+
+    def cuCtxGetId(self, ctx: FakeHandle) -> tuple[int, int]:
+        """Unique per context: a primary context reset and made again gets a new id."""
+        c = int(ctx)
+        if c in self.destroyed or c not in self.ctx_device:
+            return (CONTEXT_IS_DESTROYED, 0)
+        for d, h in self.primary.items():
+            if int(h) == c:
+                return (0, (c << 20) | self.primary_life[d])
+        return (0, c)
 
     def reset_context(self, ctx: int) -> None:
         """The primary context *ctx* was reset or destroyed: its resources are gone

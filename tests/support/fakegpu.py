@@ -190,6 +190,7 @@ class FakeGPU(GreenRules, CaptureRules, FakeDriver):
         self.advice: list[tuple[int, int, Any, Any]] = []  # (ptr, n, advice, target)
         self.peer_access: set[tuple[int, int]] = set()  # (device, peer): cuDeviceCanAccessPeer
         self.registered: dict[int, tuple[int, int]] = {}  # ptr -> (nbytes, flags)
+        self.registered_in: dict[int, int] = {}  # ptr -> the context that registered it
         self.register_calls: list[tuple[int, int, int]] = []
         self.max_registered = 0
         self.register_error: Callable[[int, int, int], int] | None = None
@@ -258,11 +259,15 @@ class FakeGPU(GreenRules, CaptureRules, FakeDriver):
     # --- context reset -----------------------------------------------------------------
 
     def reset_context(self, ctx: int) -> None:
-        """Reset/destroy: the context's memory, streams and events are gone."""
+        """Reset/destroy: the context's memory, registrations (as on an H200: a
+        ``PORTABLE`` one too), streams and events are gone."""
         with self._mlock:
             for ptr in [p for p, c in self.mem_ctx.copy().items() if c == ctx]:
                 self.mem.pop(ptr, None)
                 self.mem_ctx.pop(ptr, None)
+            for ptr in [p for p, c in self.registered_in.copy().items() if c == ctx]:
+                self.registered.pop(ptr, None)
+                self.registered_in.pop(ptr, None)
         for h in [h for h, st in self.streams.items() if st.ctx == ctx]:
             self.streams.pop(h).stop()
         for h in [h for h, e in self.events.items() if e.ctx == ctx]:
@@ -537,6 +542,7 @@ class FakeGPU(GreenRules, CaptureRules, FakeDriver):
             if any(b < p + n and p < e for b, e in locked):  # registered or cuMemHostAlloc
                 return (ALREADY_REGISTERED,)
             self.registered[p] = (n, int(flags))
+            self.registered_in[p] = self.current()
             total = sum(m for m, _ in self.registered.copy().values())
             self.max_registered = max(self.max_registered, total)
         return (0,)
@@ -550,6 +556,7 @@ class FakeGPU(GreenRules, CaptureRules, FakeDriver):
         with self._mlock:
             if self.registered.pop(int(ptr), None) is None:
                 return (NOT_REGISTERED,)
+            self.registered_in.pop(int(ptr), None)
         return (0,)
 
     def cuPointerGetAttribute(self, attr: Any, ptr: Any) -> tuple[int, int]:
