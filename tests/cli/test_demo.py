@@ -3,9 +3,6 @@ size choice and trace names, and ``ctxkit demo`` on a machine without a GPU."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,9 +18,9 @@ from ctxkit.cli.demo import (
     io_gbps,
     trace_paths,
 )
+from tests.support.helpers import run_python
 
 GiB = 1 << 30
-REPO = Path(__file__).resolve().parents[2]
 
 # One H200, 1 GiB float32 (issue 16's numbers, GB/s in+out).
 CANNED = [
@@ -130,15 +127,6 @@ def test_trace_paths_put_the_first_call_beside_the_main_trace(tmp_path):
 def test_demo_exits_2_without_a_gpu():
     if ck.device_count() > 0:
         pytest.skip("checks the machine-without-GPU path")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    res = subprocess.run(
-        [sys.executable, "-m", "ctxkit", "demo", "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        cwd=REPO,
-        check=False,
-    )
+    res = run_python("-m", "ctxkit", "demo", "--quick")
     assert res.returncode == 2, res.stdout + res.stderr
     assert res.stderr.startswith("ctxkit: no GPU")

@@ -3,29 +3,15 @@ the table printed (peers or a skip line for each), both traces written."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 from ctxkit.cli.demo import LABELS
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.support.helpers import run_python
 
 
 def test_quick_demo_prints_the_table_and_writes_both_traces(tmp_path):
     trace = tmp_path / "demo.json"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    res = subprocess.run(
-        [sys.executable, "-m", "ctxkit", "demo", "--quick", "--devices", "1", "--trace",
-         str(trace)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-        cwd=REPO,
-        check=False,
-    )  # fmt: skip
+    res = run_python(
+        "-m", "ctxkit", "demo", "--quick", "--devices", "1", "--trace", str(trace), timeout=600
+    )
     out = res.stdout
     assert res.returncode == 0, out + res.stderr
     assert "OK: every result matches numpy exactly" in out and "VERIFY FAILED" not in out

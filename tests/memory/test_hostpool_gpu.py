@@ -5,13 +5,8 @@ context, trim really frees, and a process exits cleanly with blocks in use and c
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,9 +17,9 @@ from ctxkit import lifetime
 from ctxkit.memory.device import DeviceBuffer
 from ctxkit.memory.host import host_pointer_kind, is_pinned
 from ctxkit.memory.pinned import PinnedPool
+from tests.support.helpers import run_python
 
 MiB = 1 << 20
-REPO = Path(__file__).resolve().parents[2]
 SPIN = 400_000_000  # clock64 ticks: ~0.2 s at H200 clocks
 
 
@@ -191,21 +186,10 @@ def test_arrays_dropped_in_other_threads_are_freed_cleanly(ctx0):
     assert len(lifetime.failed_frees()) == failed
 
 
-def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
-    e = {**os.environ, "PYTHONPATH": str(REPO), **env}
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=e,
-        check=False,
-    )
-
-
 def test_the_process_pool_exits_cleanly_with_blocks_in_use_and_cached():
-    res = _python(
-        """
+    res = run_python(
+        timeout=180,
+        code="""
         import threading
         import numpy as np
         import ctxkit as ck
@@ -222,15 +206,16 @@ def test_the_process_pool_exits_cleanly_with_blocks_in_use_and_cached():
         t.join()
         st = pool.stats()
         print("ok", st.allocations, st.in_use_blocks, st.cached_blocks + st.pending_blocks)
-        """
+        """,
     )
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == ["ok", "3", "1", "2"] and res.stderr == ""
 
 
 def test_the_budget_comes_from_the_environment():
-    res = _python(
-        """
+    res = run_python(
+        timeout=180,
+        code="""
         import numpy as np
         import ctxkit as ck
         from ctxkit.memory.pinned import pinned_pool

@@ -7,16 +7,11 @@ a child process: it closes and re-retains device 0's primary context."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import pytest
 
+from tests.support.helpers import run_python
+
 pytestmark = pytest.mark.gpu
-REPO = Path(__file__).resolve().parents[2]
 
 PRELUDE = """
 import gc
@@ -42,16 +37,7 @@ print("Context.create:", ck.Context.create(0).handle != 0)
 
 
 def _python(code: str) -> str:
-    env = dict(os.environ, PYTHONPATH=str(REPO), CTXKIT_PINNED_ALLOC="register")
-    res = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        cwd=REPO,
-        check=False,
-    )
+    res = run_python(code=code, CTXKIT_PINNED_ALLOC="register")
     assert res.returncode == 0, res.stdout + res.stderr
     return res.stdout
 

@@ -6,12 +6,6 @@ the pool when dropped and are reused."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -30,8 +24,8 @@ from tests.pipeline.gpu_support import (  # noqa: F401
     random_array,
     scaled,
 )
+from tests.support.helpers import run_python
 
-REPO = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
 
 
@@ -236,22 +230,10 @@ def test_pinned_output_lifetime(kern):
     assert np.array_equal(z, scaled(x, 3.0))  # outlives its pipeline
 
 
-def _python(code: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=REPO,
-        check=False,
-    )
-
-
 def test_pool_kept_at_close_and_freed_cleanly_at_exit():
-    res = _python(
-        """
+    res = run_python(
+        timeout=300,
+        code="""
         import numpy as np
         import ctxkit as ck
         import ctxkit.compiler as C
@@ -271,7 +253,7 @@ def test_pool_kept_at_close_and_freed_cleanly_at_exit():
         left = ck.Pipeline([0])  # never closed
         y = left.map(k, x, args=(2.0,), out="pinned")  # alive at exit
         print("ok", kept, again, bool(np.array_equal(y, x * 2)))
-        """
+        """,
     )
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == ["ok", "True", "True", "True"]

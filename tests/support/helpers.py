@@ -2,9 +2,34 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_python(
+    *args: str, code: str | None = None, timeout: float = 120, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """A child ``python *args`` (or ``python -c code``, dedented) run in the repository,
+    with ctxkit importable from it and *env* added to this process's environment; its
+    output is captured as text."""
+    argv = [*args] if code is None else ["-c", textwrap.dedent(code)]
+    return subprocess.run(
+        [sys.executable, *argv],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": str(REPO), **env},
+        cwd=REPO,
+        check=False,
+    )
 
 
 def in_thread(fn: Callable[[], Any], name: str | None = None) -> Any:
