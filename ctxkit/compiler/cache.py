@@ -169,10 +169,6 @@ def _euid() -> int:
     return os.geteuid()
 
 
-def _owned_by_me(st: os.stat_result) -> bool:
-    return st.st_uid == _euid()
-
-
 def _file_id(st: os.stat_result) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
@@ -231,11 +227,9 @@ class CacheDir:
     def remove(self, name: str) -> bool:
         """Unlink *name*, or remove it if it is an empty directory; False when it stays."""
         for remove in (os.unlink, os.rmdir):
-            try:
+            with contextlib.suppress(OSError):
                 remove(name, dir_fd=self.fd)
-            except OSError:
-                continue
-            return True
+                return True
         return False
 
     def scan(self) -> Iterator[tuple[str, os.stat_result]]:
@@ -247,12 +241,9 @@ class CacheDir:
 
     def discard(self, name: str, seen: os.stat_result | None = None) -> None:
         """Remove *name*, unless it is no longer the file *seen* (a writer replaced it)."""
-        try:
-            if seen is not None and _file_id(self.lstat(name)) != _file_id(seen):
-                return
-        except OSError:
-            return
-        self.remove(name)
+        with contextlib.suppress(OSError):
+            if seen is None or _file_id(self.lstat(name)) == _file_id(seen):
+                self.remove(name)
 
 
 def open_dir(path: Path, create: bool = True) -> CacheDir | None:
@@ -268,19 +259,14 @@ def open_dir(path: Path, create: bool = True) -> CacheDir | None:
             _make_private_dir(path)
             link, seen = _follow(path)
         if link:
-            _warn_unsafe(
-                path,
-                link,
-                "set CTXKIT_CACHE_DIR to a directory reached through no other user's link",
-            )
+            _warn_unsafe(path, link, _LINK_FIX)
             return None
         d = CacheDir(path, os.open(path, _DIR_FLAGS))
     except OSError as exc:
         if create or exc.errno != errno.ENOENT:  # a missing directory to clear is no news
             _warn_unusable(path, exc)
         return None
-    problem = _distrust(os.fstat(d.fd), seen)
-    if problem:
+    if problem := _distrust(os.fstat(d.fd), seen):
         d.__exit__()
         _warn_unsafe(
             path,
@@ -299,6 +285,9 @@ def _warn_unsafe(path: Path, problem: str, fix: str) -> None:
         f"Fix: {fix} (or to 'off').",
         once=(path, "unsafe"),
     )
+
+
+_LINK_FIX = "set CTXKIT_CACHE_DIR to a directory reached through no other user's link"
 
 
 _MAX_LINKS = 40  # as Linux's ELOOP
@@ -341,11 +330,10 @@ def _follow(path: Path) -> tuple[str, os.stat_result | None]:
 
 def _make_private_dir(path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
+    # made by someone else meanwhile: verified like any existing directory
+    with contextlib.suppress(FileExistsError):
         os.mkdir(path, 0o700)
-    except FileExistsError:
-        return  # made by someone else meanwhile: verified like any existing directory
-    os.chmod(path, 0o700)  # whatever the umask
+        os.chmod(path, 0o700)  # whatever the umask
 
 
 def _distrust(st: os.stat_result, seen: os.stat_result | None) -> str:
@@ -353,7 +341,7 @@ def _distrust(st: os.stat_result, seen: os.stat_result | None) -> str:
     *seen* is the ``lstat`` of the place its path led to when it was checked."""
     if not stat.S_ISDIR(st.st_mode):
         return "is not a directory"
-    if not _owned_by_me(st):
+    if st.st_uid != _euid():
         return f"is owned by uid {st.st_uid}, not by this process (euid {_euid()})"
     if st.st_mode & 0o022:
         return f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
@@ -384,13 +372,11 @@ def read_entry(d: CacheDir, key: str, limit: int) -> tuple[dict[str, Any], dict[
         return None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or not _owned_by_me(st) or st.st_size > limit:
-            data = None
-        else:
-            data = _read_exactly(fd, st.st_size)
-            if data is not None and os.utime in os.supports_fd:
-                with contextlib.suppress(OSError):
-                    os.utime(fd)  # last use, for the least-recently-used eviction
+        readable = stat.S_ISREG(st.st_mode) and st.st_uid == _euid() and st.st_size <= limit
+        data = _read_exactly(fd, st.st_size) if readable else None
+        if data is not None and os.utime in os.supports_fd:
+            with contextlib.suppress(OSError):
+                os.utime(fd)  # last use, for the least-recently-used eviction
     except OSError:
         return None
     finally:
@@ -405,10 +391,7 @@ def _read_exactly(fd: int, size: int) -> bytes | None:
     """The *size* bytes of *fd*; ``None`` when it holds fewer or more (it changed while
     read: not an entry written by ``os.replace``)."""
     data = bytearray()
-    while len(data) <= size:
-        chunk = os.read(fd, min(size + 1 - len(data), 1 << 24))
-        if not chunk:
-            break
+    while len(data) <= size and (chunk := os.read(fd, min(size + 1 - len(data), 1 << 24))):
         data += chunk
     return bytes(data) if len(data) == size else None
 
@@ -416,9 +399,7 @@ def _read_exactly(fd: int, size: int) -> bytes | None:
 def parse_entry(data: bytes, key: str) -> tuple[dict[str, Any], dict[str, bytes]] | None:
     """Split and verify an entry's bytes; ``None`` for anything malformed."""
     first, sep, rest = data.partition(b"\n")
-    if not sep or not first.startswith(_MAGIC):
-        return None
-    if hashlib.sha256(rest).hexdigest().encode() != first[len(_MAGIC) :]:
+    if not sep or first != _MAGIC + hashlib.sha256(rest).hexdigest().encode():
         return None
     line, sep, payload = rest.partition(b"\n")
     try:
@@ -434,16 +415,12 @@ def parse_entry(data: bytes, key: str) -> tuple[dict[str, Any], dict[str, bytes]
     offset = 0
     for item in layout:
         match item:
-            case [str() as name, int() as size] if type(size) is int and size >= 0:
-                if name in blobs:
-                    return None
+            case [str() as name, size] if type(size) is int and size >= 0 and name not in blobs:
                 blobs[name] = payload[offset : offset + size]
                 offset += size
             case _:
                 return None
-    if offset != len(payload):
-        return None
-    return header, blobs
+    return (header, blobs) if offset == len(payload) else None
 
 
 def encode_entry(key: str, header: dict[str, Any], blobs: dict[str, bytes]) -> bytes:
@@ -591,7 +568,7 @@ def _acquire(d: CacheDir, name: str, timeout: float) -> int | None:
         keep = False
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or not _owned_by_me(st):
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != _euid():
                 return None
             while not _try_lock(fd):
                 waited = time.monotonic() - start
@@ -697,34 +674,24 @@ def max_bytes() -> int:
 
 def make_key(parts: dict[str, Any]) -> str:
     """SHA-256 (hex) of the canonical JSON of *parts* plus the entry format version."""
-    blob = json.dumps(
-        {"format": FORMAT_VERSION, **parts}, sort_keys=True, separators=(",", ":")
-    ).encode()
-    return hashlib.sha256(blob).hexdigest()
+    blob = json.dumps({"format": FORMAT_VERSION, **parts}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 _NVRTC_NAMES = ("libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so.11.2", "libnvrtc.so")
 
 
-_WHEEL_LIB_DIRS = (
-    ("nvidia", "cu13", "lib"),
-    ("nvidia", "cu12", "lib"),
-    ("nvidia", "cuda_nvrtc", "lib"),
-)
+_WHEEL_LIB_DIRS = tuple(("nvidia", sub, "lib") for sub in ("cu13", "cu12", "cuda_nvrtc"))
 
 
 _ENV_VARS = ("CUDA_PATH", "CUDA_HOME", "CONDA_PREFIX", "LD_LIBRARY_PATH")
 
 
 def _candidate_dirs() -> list[str]:
-    dirs: list[str] = []
-    for entry in sys.path:
-        if entry and os.path.isdir(os.path.join(entry, "nvidia")):
-            dirs.extend(os.path.join(entry, *parts) for parts in _WHEEL_LIB_DIRS)
-    for var in ("CONDA_PREFIX", "CUDA_PATH", "CUDA_HOME"):
-        root = os.environ.get(var)
-        if root:
-            dirs += [os.path.join(root, "lib64"), os.path.join(root, "lib")]
+    wheels = [entry for entry in sys.path if entry and os.path.isdir(os.path.join(entry, "nvidia"))]
+    dirs = [os.path.join(entry, *parts) for entry in wheels for parts in _WHEEL_LIB_DIRS]
+    roots = [os.environ.get(var) for var in ("CONDA_PREFIX", "CUDA_PATH", "CUDA_HOME")]
+    dirs += [os.path.join(root, sub) for root in roots if root for sub in ("lib64", "lib")]
     dirs += [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep) if d]
     dirs += ["/usr/local/cuda/lib64", "/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu"]
     dirs += ["/usr/lib64", "/usr/lib"]
@@ -739,11 +706,8 @@ def toolchain_fingerprint(nvrtc_version: Callable[[], tuple[int, int]], bindings
         with contextlib.suppress(OSError):
             st = os.stat(path)
             found.append((path, st.st_size, st.st_mtime_ns))
-    if found:
-        env = {v: os.environ.get(v, "") for v in _ENV_VARS}
-        ident: Any = {"libs": found, "env": env}
-    else:
-        ident = {"nvrtc": list(nvrtc_version())}
+    env = {v: os.environ.get(v, "") for v in _ENV_VARS}
+    ident: Any = {"libs": found, "env": env} if found else {"nvrtc": list(nvrtc_version())}
     return make_key({"bindings_major": bindings_major, "toolchain": ident})
 
 
@@ -766,14 +730,12 @@ def cached(directory: Path, key: str, build: Callable[[], ObjectCode]) -> Object
     *directory*, builds a given key at a time; the others wait and take its result.
     """
     slot = (str(directory), key)
-    obj = _memo_hit(slot)
-    if obj is not None:
+    if (obj := _memo_hit(slot)) is not None:
         return obj
     with _lock:
         key_lock = _key_locks.setdefault(slot, threading.Lock())
     with key_lock:
-        obj = _memo_hit(slot)
-        if obj is not None:
+        if (obj := _memo_hit(slot)) is not None:
             return obj
         cap = max_bytes()
         d = open_dir(directory)
@@ -822,9 +784,7 @@ def _strings(value: Any) -> bool:
 def _decode(header: dict[str, Any], blobs: dict[str, bytes]) -> ObjectCode | None:
     """The :class:`ObjectCode` of a verified entry, or ``None`` when any field is off."""
     fields: dict[str, Any] = {k: header.get(k) for k in _TEXT_FIELDS}
-    lowered, options, version = (
-        header.get(k) for k in ("lowered_names", "options", "nvrtc_version")
-    )
+    lowered, options, version = map(header.get, ("lowered_names", "options", "nvrtc_version"))
     code = blobs.get("code")
     if not (isinstance(lowered, dict) and _strings(options) and isinstance(version, list) and code):
         return None
@@ -854,9 +814,7 @@ def clear_cache() -> int:
     with _lock:
         _memo.clear()
     directory = cache_dir()
-    if directory is None or not directory.is_dir():
-        return 0
-    d = open_dir(directory, create=False)
+    d = open_dir(directory, create=False) if directory is not None and directory.is_dir() else None
     if d is None:
         return 0
     with d:

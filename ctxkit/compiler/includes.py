@@ -70,14 +70,12 @@ def directives(text: str) -> tuple[tuple[Directive, ...], bool]:
     """The include directives of *text* and whether it has a computed include."""
     if "include" not in text:
         return (), False
-    if "\\\n" in text or "\\\r\n" in text:
-        text = text.replace("\\\r\n", "").replace("\\\n", "")
+    text = text.replace("\\\r\n", "").replace("\\\n", "")
     found: dict[Directive, None] = {}
     for m in _DIRECTIVE_RE.finditer(text):
-        quote, target = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
-        target = target.strip()
-        if target:
-            found[(quote == '"', target)] = None
+        quote, target = m.group(1, 2) if m.group(1) else m.group(3, 4)
+        if target.strip():
+            found[(quote == '"', target.strip())] = None
     return tuple(found), _COMPUTED_RE.search(text) is not None
 
 
@@ -93,12 +91,10 @@ class SearchPath:
 
 def _option_values(options: Sequence[str], short: str, long: str) -> list[str]:
     """Values of ``-Xvalue``, ``-X value``, ``--long=value`` and ``--long value``."""
-    out = []
+    out: list[str] = []
     for i, opt in enumerate(options):
-        nxt = options[i + 1] if i + 1 < len(options) else ""
         if opt in (short, long):
-            if nxt:
-                out.append(nxt)
+            out.extend(v for v in options[i + 1 : i + 2] if v)
         elif opt.startswith(long + "="):
             out.append(opt[len(long) + 1 :])
         elif short == "-I" and opt.startswith("-I"):
@@ -167,9 +163,8 @@ def _header(path: str, st: os.stat_result) -> _Header | None:
     except OSError:
         return None
     racy = _now_ns() - max(st.st_mtime_ns, st.st_ctime_ns) < RACY_NS
-    info = _Header(
-        sig, hashlib.sha256(data).hexdigest(), directives(data.decode("utf-8", "replace")), racy
-    )
+    text = data.decode("utf-8", "replace")
+    info = _Header(sig, hashlib.sha256(data).hexdigest(), directives(text), racy)
     if len(_headers) >= 4 * MAX_FILES:
         _headers.clear()
     _headers[path] = info
@@ -191,13 +186,13 @@ class _Scan:
         if found[0]:
             self.todo.append((found[0], includer))
 
-    def candidates(self, quoted: bool, target: str, includer: str | None) -> list[tuple[str, bool]]:
+    def candidates(self, quoted: bool, target: str, includer: str | None) -> list[str]:
+        """The paths NVRTC tries for *target*, in order (the CUDA include directories,
+        searched last and not followed, need no look: whatever they hold adds nothing)."""
         if os.path.isabs(target):
-            return [(target, False)]
-        out = [(os.path.join(includer, target), False)] if quoted and includer is not None else []
-        out += [(os.path.join(d, target), False) for d in self.sp.dirs]
-        out += [(os.path.join(d, target), True) for d in self.sp.cuda_dirs]
-        return out
+            return [target]
+        first = [includer] if quoted and includer is not None else []
+        return [os.path.join(d, target) for d in (*first, *self.sp.dirs)]
 
     def resolve(self, quoted: bool, target: str, includer: str | None) -> None:
         if target in self.headers:
@@ -208,17 +203,12 @@ class _Scan:
                 here = os.path.join(base, os.path.dirname(target)) if base is not None else None
                 self.add_text(directives(self.headers[target]), here)
             return
-        for path, cuda in self.candidates(quoted, target, includer):
+        for path in self.candidates(quoted, target, includer):
             try:
                 st = os.stat(path)
             except (OSError, ValueError):
                 st = None
-            regular = st is not None and stat.S_ISREG(st.st_mode)
-            if cuda:
-                if regular:
-                    return
-                continue
-            info = _header(path, st) if st is not None and regular else None
+            info = _header(path, st) if st is not None and stat.S_ISREG(st.st_mode) else None
             self.files[path] = info.digest if info is not None else None
             if info is None:
                 continue
@@ -242,16 +232,12 @@ def fingerprint(
 
     Empty when the program includes nothing from disk. See the module docstring.
     """
-    found = directives(source)
-    if (
-        not any(found)
-        and not any(any(directives(t)) for t in headers.values())
-        and not _option_values(options, "-include", "--pre-include")
-    ):
+    pre_includes = _option_values(options, "-include", "--pre-include")
+    if not pre_includes and not any(any(directives(t)) for t in (source, *headers.values())):
         return []
     sp = search_path(name, options, cuda_dirs)
     scan = _Scan(sp, headers)
-    scan.add_text(found, sp.source_dir)
+    scan.add_text(directives(source), sp.source_dir)
     scan.add_text((tuple((True, p) for p in sp.pre_includes), False), sp.source_dir)
     while scan.todo:
         items, includer = scan.todo.pop()
@@ -280,25 +266,27 @@ def tree_fingerprint(dirs: Iterable[str], limit: int = 2000) -> list[Any]:
     *limit* entries are visited per directory, so a huge tree costs a bounded number of
     ``stat`` calls (edits past the limit go unseen).
     """
-    out: list[Any] = []
-    for d in dirs:
-        files: list[Any] = []
-        visited = 0
-        for root, subdirs, names in os.walk(d):
-            subdirs[:] = sorted(s for s in subdirs if not s.startswith(".") and s != "__pycache__")
-            visited += len(subdirs)
-            for name in sorted(names):
-                visited += 1
-                if os.path.splitext(name)[1].lower() not in _HEADER_SUFFIXES:
-                    continue
-                try:
-                    st = os.stat(os.path.join(root, name))
-                except OSError:
-                    continue
-                files.append([os.path.relpath(os.path.join(root, name), d), *_signature(st)[:4]])
-                if visited >= limit:
-                    break
+    return [[os.path.abspath(d), _tree_files(d, limit)] for d in dirs]
+
+
+def _tree_files(d: str, limit: int) -> list[Any]:
+    """The entries of :func:`tree_fingerprint` for the directory *d*."""
+    files: list[Any] = []
+    visited = 0
+    for root, subdirs, names in os.walk(d):
+        subdirs[:] = sorted(s for s in subdirs if not s.startswith(".") and s != "__pycache__")
+        visited += len(subdirs)
+        for name in sorted(names):
+            visited += 1
+            if os.path.splitext(name)[1].lower() not in _HEADER_SUFFIXES:
+                continue
+            try:
+                st = os.stat(os.path.join(root, name))
+            except OSError:
+                continue
+            files.append([os.path.relpath(os.path.join(root, name), d), *_signature(st)[:4]])
             if visited >= limit:
-                break
-        out.append([os.path.abspath(d), files])
-    return out
+                return files
+        if visited >= limit:
+            return files
+    return files

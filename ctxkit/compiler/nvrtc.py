@@ -98,8 +98,7 @@ def versions_line() -> str:
     drv = _driver.driver_version()
     drv_text = f"driver CUDA {drv[0]}.{drv[1]}" if drv else "no driver"
     try:
-        nv = nvrtc_version()
-        nv_text = f"NVRTC {nv[0]}.{nv[1]}"
+        nv_text = "NVRTC {}.{}".format(*nvrtc_version())
     except CompileError:
         nv_text = "NVRTC unavailable"
     return f"{nv_text}, {drv_text}, cuda-bindings {'.'.join(map(str, _driver.BINDINGS_VERSION))}"
@@ -127,8 +126,7 @@ def normalize_arch(arch: Any) -> str:
     """
     if hasattr(arch, "compute_capability"):
         arch = arch.compute_capability
-    text = _arch_text(arch)
-    m = _ARCH_RE.match(text)
+    m = _ARCH_RE.match(_arch_text(arch))
     if m is None:
         raise ValueError(f"cannot understand arch={arch!r}: not an architecture; use {ARCH_FORMS}")
     return f"sm_{m.group(1)}{m.group(2)}"
@@ -161,8 +159,7 @@ def arch_number(arch: str) -> int:
     ValueError
         *arch* is not a normalised arch.
     """
-    m = _ARCH_RE.match(arch)
-    if m is None:
+    if (m := _ARCH_RE.match(arch)) is None:
         raise ValueError(f"{arch!r} is not an architecture; use {ARCH_FORMS}")
     return int(m.group(1))
 
@@ -228,12 +225,10 @@ def cuda_include_dirs() -> tuple[str, ...]:
             found = find_nvidia_header_directory(lib)
             if found and found not in dirs:
                 dirs.append(found)
-    if not dirs:
-        for var in ("CUDA_PATH", "CUDA_HOME"):
-            root = os.environ.get(var)
-            if root and os.path.isdir(os.path.join(root, "include")):
-                dirs.append(os.path.join(root, "include"))
-                break
+    if not dirs:  # the first toolkit with an include directory
+        roots = [os.environ.get(var) for var in ("CUDA_PATH", "CUDA_HOME")]
+        toolkits = [os.path.join(root, "include") for root in roots if root]
+        dirs = [d for d in toolkits if os.path.isdir(d)][:1]
     return tuple(dirs)
 
 
@@ -252,11 +247,8 @@ def cuda_dirs_fingerprint(dirs: Sequence[str]) -> list[Any]:
 
 @lru_cache(maxsize=64)
 def _canary(d: str) -> str:
-    for f in ("cuda_runtime.h", "cuda/std/version"):
-        path = os.path.join(d, f)
-        if os.path.isfile(path):
-            return path
-    return d
+    paths = (os.path.join(d, f) for f in ("cuda_runtime.h", "cuda/std/version"))
+    return next((path for path in paths if os.path.isfile(path)), d)
 
 
 def _get_blob(nvrtc: ModuleType, prog: Any, size_fn: str, get_fn: str) -> bytes:
@@ -265,8 +257,7 @@ def _get_blob(nvrtc: ModuleType, prog: Any, size_fn: str, get_fn: str) -> bytes:
     if size <= 1:
         return b""
     buf = b" " * size
-    (err,) = getattr(nvrtc, get_fn)(prog, buf)
-    check(err, get_fn)
+    check(getattr(nvrtc, get_fn)(prog, buf)[0], get_fn)
     return buf
 
 
@@ -333,8 +324,7 @@ def compile_error(name: str, options: Sequence[str], err: Any, log: str) -> Comp
         f"options: {' '.join(options)}\n"
         f"versions: {versions_line()}"
     )
-    missing = _MISSING_HEADER_RE.search(log)
-    if missing:
+    if missing := _MISSING_HEADER_RE.search(log):
         found = ", ".join(cuda_include_dirs()) or "none"
         message += (
             f"\nHint: {missing.group(1)!r} was not found. CUDA headers come from the "

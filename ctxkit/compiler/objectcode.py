@@ -20,7 +20,8 @@ __all__ = ["ObjectCode", "detect_target"]
 TARGETS = ("auto", "ptx", "cubin", "fatbin")
 
 
-_FATBIN_MAGIC = b"\x50\xed\x55\xba"
+#: The first bytes of a cubin (ELF) and of a fatbin.
+_MAGIC_TARGETS = {b"\x7fELF": "cubin", b"\x50\xed\x55\xba": "fatbin"}
 
 
 def warn_if_ptx_too_new(nvrtc: tuple[int, int] | None, stacklevel: int) -> None:
@@ -126,11 +127,9 @@ def detect_target(data: bytes) -> str:
     ValueError
         The bytes are none of these.
     """
-    head = bytes(data[:4])
-    if head == b"\x7fELF":
-        return "cubin"
-    if head == _FATBIN_MAGIC:
-        return "fatbin"
+    target = _MAGIC_TARGETS.get(bytes(data[:4]))
+    if target is not None:
+        return target
     text = bytes(data[:65536]).decode("utf-8", "replace")
     if re.search(r"^\s*\.version\s+\d+\.\d+", text, re.MULTILINE):
         return "ptx"

@@ -25,16 +25,9 @@ from .. import _driver
 from ..errors import DriverNotFoundError
 from . import cache as _cache
 from . import includes as _includes
+from . import nvrtc as _nvrtc
 from .cache import count
-from .nvrtc import (
-    cuda_dirs_fingerprint,
-    cuda_include_dirs,
-    make_fatbin,
-    normalize_arch,
-    nvrtc_version,
-    plan,
-    run_nvrtc,
-)
+from .nvrtc import cuda_include_dirs, normalize_arch, nvrtc_version
 from .objectcode import TARGETS, ObjectCode, warn_if_ptx_too_new
 
 __all__ = ["Program", "compile", "device_arch", "kernel_names", "kernel_path", "kernel_source"]
@@ -92,8 +85,6 @@ def _as_str_tuple(value: Any, what: str) -> tuple[str, ...]:
 
 
 def _define_options(defines: Mapping[str, Any] | Iterable[str] | None) -> list[str]:
-    if defines is None:
-        return []
     if isinstance(defines, Mapping):
         return [f"-D{k}" if v is None or v is True else f"-D{k}={v}" for k, v in defines.items()]
     return [f"-D{d}" for d in _as_str_tuple(defines, "defines")]
@@ -105,8 +96,7 @@ def _split_arch_option(options: tuple[str, ...]) -> tuple[tuple[str, ...], str |
     arch = None
     it = iter(options)
     for opt in it:
-        m = _ARCH_OPT_RE.match(opt)
-        if m:
+        if m := _ARCH_OPT_RE.match(opt):
             arch = m.group(1) or next(it, "")
         else:
             rest.append(opt)
@@ -245,23 +235,24 @@ class Program:
         if not cuda_dirs and not files:
             return key
         return _cache.make_key(
-            {"program": key, "cuda_headers": cuda_dirs_fingerprint(cuda_dirs), "files": files}
+            {
+                "program": key,
+                "cuda_headers": _nvrtc.cuda_dirs_fingerprint(cuda_dirs),
+                "files": files,
+            }
         )
 
     def _build(self, arch: str, target: str) -> ObjectCode:
-        built, target, note = plan(arch, target)
+        built, target, note = _nvrtc.plan(arch, target)
         nvrtc_arch = built.replace("sm_", "compute_") if target == "ptx" else built
         options = [f"-arch={nvrtc_arch}", *self.options]
         if self._needs_cuda_headers():
             options += [f"-I{d}" for d in cuda_include_dirs()]
-        ptx, cubin, log, lowered = run_nvrtc(self, options, want_cubin=target != "ptx")
+        ptx, cubin, log, lowered = _nvrtc.run_nvrtc(self, options, want_cubin=target != "ptx")
         count("compiled")
-        if target == "ptx":
-            code = ptx.encode() + b"\0"
-        elif target == "cubin":
-            code = cubin
-        else:
-            code = make_fatbin(cubin, ptx, built, self.name)
+        code = ptx.encode() + b"\0" if target == "ptx" else cubin
+        if target == "fatbin":
+            code = _nvrtc.make_fatbin(cubin, ptx, built, self.name)
         return ObjectCode(
             code=code,
             target=target,
@@ -357,8 +348,7 @@ def kernel_path(name: str) -> Path:
     """
     directory = _ptx_dir()
     base = Path(name).name
-    for candidate in (base, base + ".cu"):
-        p = directory / candidate
+    for p in (directory / base, directory / f"{base}.cu"):
         if p.is_file():
             return p
     raise FileNotFoundError(
