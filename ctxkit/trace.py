@@ -197,8 +197,7 @@ class Timeline:
 
     def select(self, flt: Filter = None, **fields_: Any) -> Timeline:
         """The intervals matching *flt* and the field keywords (``select(name="h2d")``)."""
-        test = matcher(flt, **fields_)
-        return Timeline((iv for iv in self.intervals if test(iv)), dropped=self.dropped)
+        return Timeline(filter(matcher(flt, **fields_), self.intervals), dropped=self.dropped)
 
     def names(self) -> list[str]:
         """Distinct stage names, sorted."""
@@ -242,13 +241,12 @@ class Timeline:
         xs = self.select(a).intervals
         ys = sorted(self.select(b).intervals, key=lambda i: i.start_ms)
         starts = [y.start_ms for y in ys]
-        pairs = []
-        for x in xs:
-            stop = bisect.bisect_left(starts, x.end_ms - min_overlap_ms)
-            for y in ys[:stop]:
-                if y is not x and x.overlap_ms(y) > min_overlap_ms:
-                    pairs.append((x, y))
-        return pairs
+        return [
+            (x, y)
+            for x in xs
+            for y in ys[: bisect.bisect_left(starts, x.end_ms - min_overlap_ms)]
+            if y is not x and x.overlap_ms(y) > min_overlap_ms
+        ]
 
     def busy_ms(self, flt: Filter = None, **fields_: Any) -> float:
         """Time covered by at least one matching interval (overlaps counted once)."""
@@ -317,15 +315,7 @@ class Timeline:
         )
         if not isinstance(events := data.get("traceEvents"), list):
             raise ValueError("not a Chrome trace: no 'traceEvents' list")
-        intervals = []
-        for ev in events:
-            if ev.get("ph") != "X":
-                continue
-            args = ev.get("args") or {}
-            stream = args.get("stream") or str(ev["tid"])  # to_chrome_trace writes the stream
-            start, dur = float(ev["ts"]) / 1000.0, float(ev.get("dur", 0.0)) / 1000.0
-            iv = Interval(ev["name"], int(ev["pid"]), stream, args.get("chunk"), start, start + dur)
-            intervals.append(iv)
+        intervals = [_interval_of(ev) for ev in events if ev.get("ph") == "X"]
         other = data.get("otherData") or {}
         return cls(intervals, dropped=int(other.get("dropped", 0)))
 
@@ -374,6 +364,14 @@ class Timeline:
         ax.legend(handles=legend, loc="upper right", fontsize="small")
         fig.tight_layout()
         fig.savefig(os.fspath(path), dpi=dpi)
+
+
+def _interval_of(ev: Mapping[str, Any]) -> Interval:
+    """The Interval of one complete (``"X"``) Chrome-trace event."""
+    args = ev.get("args") or {}
+    stream = args.get("stream") or str(ev["tid"])  # to_chrome_trace writes the stream
+    start, dur = float(ev["ts"]) / 1000.0, float(ev.get("dur", 0.0)) / 1000.0
+    return Interval(ev["name"], int(ev["pid"]), stream, args.get("chunk"), start, start + dur)
 
 
 class Recorder:
@@ -590,13 +588,18 @@ def nvtx_annotate(name: str | None = None, color: Any = None) -> Callable[[F], F
     return deco
 
 
-def nvtx_start_range(name: str, color: Any = None) -> Any:
-    """Start a range that may end in another thread; pass the result to
-    :func:`nvtx_end_range`. ``None`` without NVTX."""
+def _nvtx_call(method: str, name: str, color: Any) -> Any:
+    """``domain.<method>(attributes of name/color)``; ``None`` without NVTX."""
     if not _nvtx_enabled:
         return None
     dom, attrs = _nvtx_attributes(name, color)
-    return None if dom is None else dom.start_range(attrs)
+    return None if dom is None else getattr(dom, method)(attrs)
+
+
+def nvtx_start_range(name: str, color: Any = None) -> Any:
+    """Start a range that may end in another thread; pass the result to
+    :func:`nvtx_end_range`. ``None`` without NVTX."""
+    return _nvtx_call("start_range", name, color)
 
 
 def nvtx_end_range(handle: Any) -> None:
@@ -607,8 +610,4 @@ def nvtx_end_range(handle: Any) -> None:
 
 def nvtx_mark(name: str, color: Any = None) -> None:
     """An instant NVTX marker (e.g. "kernel compiled")."""
-    if not _nvtx_enabled:
-        return
-    dom, attrs = _nvtx_attributes(name, color)
-    if dom is not None:
-        dom.mark(attrs)
+    _nvtx_call("mark", name, color)

@@ -119,17 +119,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         status = run_command(args)
         sys.stdout.flush()
     except BrokenPipeError:
-        return _reader_gone()
+        # stdout's reader closed the pipe (``ctxkit info | head -1``): exit quietly, with
+        # stdout pointed at /dev/null so the interpreter's last flush at exit does not raise
+        # again (the recipe of the Python documentation's "Note on SIGPIPE")
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
     return status
-
-
-def _reader_gone() -> int:
-    """Exit quietly when stdout's reader closed the pipe (``ctxkit info | head -1``).
-
-    stdout is pointed at /dev/null, so the interpreter's last flush at exit does not raise
-    again (the recipe of the Python documentation's "Note on SIGPIPE").
-    """
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
-    return EXIT_BROKEN_PIPE

@@ -111,8 +111,7 @@ def cli_bench(args: argparse.Namespace, gpu_problem: Callable[[], str | None]) -
             print(f"{name:{width}s}  {describe(path)}".rstrip())
         return 0
     names = list(getattr(args, "names", None) or found)
-    unknown = [n for n in names if n not in found]
-    if unknown:
+    if unknown := [n for n in names if n not in found]:
         print(
             f"ctxkit bench: unknown benchmark(s) {', '.join(unknown)}; "
             f"available: {', '.join(found)} (see --list)",
@@ -157,8 +156,7 @@ def run_programs(programs: dict[str, Path], quick: bool = False) -> int:
             problems.append(f"{name}: printed no SUMMARY line")
     if problems:
         print(f"\nctxkit bench: {len(problems)} problem(s):")
-        for p in problems:
-            print(f"  {p}")
+        print("\n".join(f"  {p}" for p in problems))
         return 1
     print(f"\nctxkit bench: {len(programs)} benchmark(s), no FAIL line")
     return 0

@@ -158,13 +158,10 @@ def choose_size_mb(
     ValueError
         *requested* is not a positive number.
     """
-    if requested is None:
-        roomy = min(gpu_bytes, default=0) >= 8 * GiB and (host_bytes or 0) >= 16 * GiB
-        size = 1024.0 if roomy else 256.0
-    else:
-        size = float(requested)
-        if not size > 0:
-            raise ValueError(f"--size-mb must be a positive number of MiB, got {requested!r}")
+    roomy = min(gpu_bytes, default=0) >= 8 * GiB and (host_bytes or 0) >= 16 * GiB
+    size = (1024.0 if roomy else 256.0) if requested is None else float(requested)
+    if not size > 0:
+        raise ValueError(f"--size-mb must be a positive number of MiB, got {requested!r}")
     return min(size, 64.0) if quick else size
 
 
@@ -420,12 +417,11 @@ class _Demo:
     def peers(self) -> None:
         say("[2/6] CuPy and PyTorch on one GPU (when installed)")
         cupy, why = cupy_peer()
-        peers: dict[str, Peer] = {} if cupy is None else {"cupy": cupy}
         try:
             torch, why_not = torch_peers(self.x)
         except Exception as exc:  # installed but unusable here (another CUDA, no memory)
             torch, why_not = {}, f"torch rows (failed: {exc!r})"
-        peers.update(torch)
+        peers: dict[str, Peer] = torch if cupy is None else {"cupy": cupy, **torch}
         self.skipped += [w for w in (why, why_not) if w]
         for key, (fn, note) in peers.items():
             try:
@@ -436,11 +432,10 @@ class _Demo:
 
     def first_call(self) -> None:
         say("[3/6] ctxkit first call: a new Pipeline per call, arrays never seen, default out")
-        ordinals, kernel = self.ordinals, self.kernel
 
         def run(x: np.ndarray) -> np.ndarray:
-            with Pipeline(ordinals) as p:
-                out = p.map(kernel, x, args=(ALPHA,))
+            with Pipeline(self.ordinals) as p:
+                out = p.map(self.kernel, x, args=(ALPHA,))
                 t_map = time.perf_counter()
                 if self.trace:
                     self.first_timeline = p.trace()
@@ -524,8 +519,7 @@ def run_demo(args: argparse.Namespace) -> int:
         f"results: {x.nbytes / MiB:.0f} MiB float32 in and out, y = 2 * x; GB/s count input "
         f"+ output bytes; {repeats} call(s) per variant:"
     )
-    for line in format_table(demo.rows, demo.skipped, title):
-        say(line)
+    say("\n".join(format_table(demo.rows, demo.skipped, title)))
     if (pool := pinned_pool().stats()).requests:
         say(
             f"pinned pool: {pool.hits} of {pool.requests} requests served from the cache, "
