@@ -133,14 +133,13 @@ def lost_error(
 ) -> DeviceTaskError:
     """The error of a task whose worker died under it (or was stopped for its timeout)."""
     head = f"task {task.label} on {slot.lane}"
+    kind = "timeout" if timed_out else "crash"
     if timed_out:
-        kind = "timeout"
         msg = (
             f"{head} did not finish within {task.timeout:g} s: worker process {pid} was "
             f"stopped ({spawn.exit_reason(code)}) and replaced"
         )
     else:
-        kind = "crash"
         msg = (
             f"{head}: worker process {pid} {spawn.exit_reason(code)} while running it; the "
             f"worker was replaced. {spawn.death_hint(code)}"
@@ -293,8 +292,7 @@ class DevicePool(Executor):
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._rr = 0
-        self._shutdown = False
-        self._terminating = False
+        self._shutdown = self._terminating = False
         self._wake_r, self._wake_w = self._ctx.Pipe(duplex=False)
         # wakes the manager thread; for the lease book too (finalizers, any thread)
         self._wake = functools.partial(_wake_through, self._wake_w)
@@ -409,8 +407,7 @@ class DevicePool(Executor):
         for key in self._book.workers():
             self._book.invalidate(key, "the DevicePool was terminated", False)
         with self._lock:
-            self._shutdown = True
-            self._terminating = True
+            self._shutdown = self._terminating = True
             tasks = [t for s in self._slots for t in s.pending]
             running = [(s, s.current) for s in self._slots if s.current is not None]
             kill_at = time.monotonic() + spawn.TERM_GRACE_S
@@ -773,44 +770,40 @@ class DevicePool(Executor):
         except (EOFError, OSError):
             slot.result_r.close()
             return
-        kind = msg[0]
-        if kind == "ready":
+        if msg[0] == "ready":
             with self._lock:
                 if slot.state == "starting":
                     slot.state = "idle"
             self._feed(slot)
-        elif kind == "init_error":
+        elif msg[0] == "init_error":
             head = f"DevicePool worker for {slot.lane} failed to start"
             err = wire.error_from(msg[1], slot.ordinal, slot.proc.pid, None, 1, head, "init")
             self._mark_broken(slot, err)
             slot.result_r.close()
-        elif kind == "result":
+        elif msg[0] == "result":
             self._complete(slot, msg[1], msg[2], msg[3])
 
     def _complete(self, slot: Slot, task_id: int, out: Any, restart: bool) -> None:
         pid = slot.proc.pid
         key: WorkerKey = (slot.ordinal, pid)
         with self._lock:
-            task = slot.current
-            if task is None or task.id != task_id:  # terminated under it
-                task = None
-            else:
+            task = slot.current if slot.current is not None and slot.current.id == task_id else None
+            if task is not None:  # else terminated under it
                 slot.current, slot.deadline = None, None
                 if restart:
                     slot.state = "restarting"
                     slot.stop_pending = pid  # once its lent memory is unmapped here
                 elif slot.state == "busy":
                     slot.state = "idle"
-        sent = None
-        if task is not None:
-            sent, task.payload.devices = task.payload.devices, None  # results may refer to them
-            self._drop(task)  # the worker has let go of the arguments' blocks
-        self._feed(slot)
         if task is None:
+            self._feed(slot)
             if out[0] == "ok":
                 wire.discard_blocks(out[2])
                 self._book.enqueue(key, out[3])
             return
+        sent, task.payload.devices = task.payload.devices, None  # results may refer to them
+        self._drop(task)  # the worker has let go of the arguments' blocks
+        self._feed(slot)
         loader = devmem.ResultLoader(sent, self._book, key)
         head = f"task {task.label} on {slot.lane}"
         value, err = wire.outcome(out, loader, head, slot.ordinal, pid)
@@ -835,13 +828,11 @@ class DevicePool(Executor):
             was = slot.state
             slot.result_r.close()
             old_w = slot.task_w
-            slot.proc = None
-            slot.deadline = slot.kill_at = slot.timed_out = None
+            slot.proc = slot.deadline = slot.kill_at = slot.timed_out = None
             slot.state = "dead" if was != "broken" else "broken"
             if was == "starting" and not self._terminating:
-                reason = spawn.exit_reason(code)
                 broken = DeviceTaskError(
-                    f"DevicePool worker for {slot.lane} (pid {pid}) {reason} "
+                    f"DevicePool worker for {slot.lane} (pid {pid}) {spawn.exit_reason(code)} "
                     "while starting (importing ctxkit, binding the context or running the "
                     "initializer)",
                     device=slot.ordinal,

@@ -552,24 +552,22 @@ class _Runner:
 
     def _outcome(self, c: _Running, timed_out: bool) -> DeviceTaskError | None:
         lane = self.specs[c.index]
-        ordinal = lane.ordinal
         pid, code = c.proc.pid, c.proc.exitcode
         tries = f"attempt {c.attempt} of {self.retries + 1}"
         if c.message is not None:
             loader = devmem.ResultLoader(self.sent, None, None)
             head = f"{lane} ({tries})"
-            value, err = wire.outcome(c.message, loader, head, ordinal, pid, code, c.attempt)
+            value, err = wire.outcome(c.message, loader, head, lane.ordinal, pid, code, c.attempt)
             self.results[c.index] = value
             return err
+        kind = "timeout" if timed_out else "crash"
         if timed_out:
-            kind = "timeout"
             what = f"did not finish within {self.timeout:g} s and was stopped ({tries})"
         else:
-            kind = "crash"
             what = f"{exit_reason(code)} before sending a result ({tries}): {death_hint(code)}"
         return DeviceTaskError(
             f"{lane}: child process {pid} {what}",
-            device=ordinal,
+            device=lane.ordinal,
             kind=kind,
             pid=pid,
             exitcode=code,
@@ -578,8 +576,7 @@ class _Runner:
 
     def _summary(self) -> DeviceTaskError:
         order = [i for i, k in enumerate(self.keys) if k in self.failures]
-        first = self.failures[self.keys[order[0]]]
-        err = first
+        err = first = self.failures[self.keys[order[0]]]
         if len(order) > 1:
             others = "; ".join(
                 f"{self.specs[i]}: {self.failures[self.keys[i]].kind}" for i in order[1:]

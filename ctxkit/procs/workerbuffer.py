@@ -93,8 +93,7 @@ def adopt(
     unmapped, then ``on_release()`` queues the release for the worker."""
     imp = cast(DeviceBuffer, import_buffer(handle))
     token = Lease()
-    fin = weakref.finalize(token, _release, imp, on_release)
-    fin.atexit = False
+    weakref.finalize(token, _release, imp, on_release).atexit = False
     buf = cast(WorkerBuffer, WorkerBuffer.from_pointer(imp.ptr, imp.nbytes, imp.context, token))
     buf._info = Info(handle, imp.ptr, lease, owner)
     return buf
