@@ -202,8 +202,7 @@ def size_class(n: int) -> int:
 def limit_bytes(ctx: Context) -> int:
     """The most bytes the cache keeps for *ctx*'s device."""
     dev = ctx.device.ordinal
-    limit = _limits.get(dev)
-    if limit is None:
+    if (limit := _limits.get(dev)) is None:
         try:
             limit = _bound if _bound is not None else ctx.memory_info()[1] // 4
         except Exception:
@@ -226,7 +225,8 @@ class StreamCache:
         self.fin = stream.fin  # the stream's destroy; alive while the handle is valid
         self.blocks: dict[int, list[Block]] = {}
         self.strong: Stream | None = stream if strong else None
-        self.ref: Any = None if strong else weakref.ref(stream, _stream_dropped(key))
+        # a collected stream's blocks are freed and its cache forgotten (_drain)
+        self.ref: Any = None if strong else weakref.ref(stream, lambda _r: _drain([key], drop=True))
 
     def target(self) -> Any:
         """What its blocks are freed on (:func:`free_async`): the stream; once it was
@@ -281,8 +281,7 @@ def _key(stream: Stream, pool: Any) -> tuple[Any, bool] | None:
 
 
 def _cache_for(stream: Stream, pool: Any) -> StreamCache | None:
-    found = _key(stream, pool)
-    if found is None:
+    if (found := _key(stream, pool)) is None:
         return None
     key, strong = found
     sc = _caches.get(key)
@@ -482,13 +481,6 @@ def cached_bytes(device: int, pool: Any = 0) -> int:
         return _cached(
             lambda sc: sc.device == device and (0 if sc.pool is None else int(sc.pool)) == p
         )
-
-
-def _stream_dropped(key: Any) -> Any:
-    def dropped(_ref: Any) -> None:
-        _drain([key], drop=True)
-
-    return dropped
 
 
 def context_closing(ctx: Context) -> None:

@@ -61,8 +61,7 @@ def device_mem(obj: Any, what: str, *, write: bool = False) -> Mem:
     A foreign array's pending writes are on the interface's ``stream`` or, without one,
     on its producer's current stream (PyTorch, CuPy: :func:`producer_stream`).
     """
-    own = getattr(obj, "_ctxkit_mem", None)
-    if own is not None:
+    if (own := getattr(obj, "_ctxkit_mem", None)) is not None:
         return own()  # type: ignore[no-any-return]
     cai = getattr(obj, "__cuda_array_interface__", None)
     if not isinstance(cai, dict):
@@ -85,27 +84,21 @@ def device_mem(obj: Any, what: str, *, write: bool = False) -> Mem:
     if stream is None:
         producer = producer_stream(obj)
         stream = None if producer is None else producer or 1
-    nbytes = math.prod(shape) * dtype.itemsize
-    return Mem(int(ptr or 0), nbytes, None, stream, dtype, shape)
+    return Mem(int(ptr or 0), math.prod(shape) * dtype.itemsize, None, stream, dtype, shape)
 
 
 def is_c_contiguous(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
+    """True when every dimension of *shape* other than 1 has its C stride (the last
+    dimensions of *shape* and *strides* paired); always for an empty array."""
     if 0 in shape:
         return True
-    expected = itemsize
-    for dim, stride in zip(reversed(shape), reversed(strides)):
-        if dim != 1 and stride != expected:
-            return False
-        expected *= dim
-    return True
+    want = reversed(c_strides(shape, itemsize))
+    return all(d == 1 or s == w for d, s, w in zip(reversed(shape), reversed(strides), want))
 
 
 def c_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
-    out, acc = [], itemsize
-    for s in reversed(shape):
-        out.append(acc)
-        acc *= s
-    return tuple(reversed(out))
+    """C-contiguous strides in bytes of *shape* with *itemsize*-byte items."""
+    return tuple(itemsize * math.prod(shape[i + 1 :]) for i in range(len(shape)))
 
 
 def context_of_pointer(ptr: int, what: str) -> Context:
@@ -311,9 +304,8 @@ class Copyable:
             raise ValueError(f"{what}: value must be in 0..255, got {value}")
         if m.nbytes:
             ctx: Context = m.context  # type: ignore[assignment]
-            enqueue(
-                ctx, call_stream(stream, ctx, what), what, "cuMemsetD8", m.ptr, int(value), m.nbytes
-            )
+            call = call_stream(stream, ctx, what)
+            enqueue(ctx, call, what, "cuMemsetD8", m.ptr, int(value), m.nbytes)
         self._written(stream)
 
 

@@ -277,10 +277,8 @@ class DeviceBuffer(Copyable):
         # block cache of s: no resolver, no push/pop, no driver call.
         if pool is None and type(nbytes) is int and nbytes > 0 and self.kind.stream_ordered:
             s = stream
-            if s is None and context is None:
-                top = thread_state().top
-                if top is not None:
-                    s = implicit_stream(top)
+            if s is None and context is None and (top := thread_state().top) is not None:
+                s = implicit_stream(top)
             if type(s) is Stream and (context is None or context is s.context):
                 blk = alloc.take(s, nbytes)
                 if blk is not None:

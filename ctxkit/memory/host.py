@@ -130,8 +130,7 @@ def host_pointer_kind(ptr: int) -> str:
     if err == _INVALID_VALUE:
         return "pageable"
     _driver.raise_for(err, f"cuPointerGetAttribute(MEMORY_TYPE, {ptr:#x})")
-    kind = {_MEMORYTYPE_HOST: "pinned", _MEMORYTYPE_UNIFIED: "managed"}.get(int(value))
-    if kind is not None:
+    if kind := {_MEMORYTYPE_HOST: "pinned", _MEMORYTYPE_UNIFIED: "managed"}.get(int(value)):
         return kind
     err, managed = pointer_attribute("IS_MANAGED", ptr)
     return "managed" if not err and managed else "device"
@@ -360,12 +359,10 @@ _FLAGS = {
 
 def _bits(**flags: bool) -> int:
     """``CU_MEMHOST*`` bits of boolean options (refusing non-bools, e.g. a stray int)."""
-    out = 0
     for name, value in flags.items():
         if not isinstance(value, (bool, np.bool_)):
             raise TypeError(f"{name} must be True or False, got {value!r}")
-        out |= _FLAGS[name][0] if value else 0
-    return out
+    return sum(_FLAGS[name][0] for name, value in flags.items() if value)  # distinct bits
 
 
 def _flag_names(flags: int) -> str:
@@ -467,10 +464,8 @@ def lock_new(nbytes: int, ctx: Context) -> LockedPages:
     LockFailed
         The OS or the driver refused (``code`` 2: out of memory).
     """
-    if method() == "register":
-        pages = _register_new(nbytes, ctx)
-        if pages is not None:
-            return pages
+    if method() == "register" and (pages := _register_new(nbytes, ctx)) is not None:
+        return pages
     err, ptr = PINNED.allocate(ctx, nbytes, MEMHOST_PORTABLE)
     if err:
         raise LockFailed(int(err), "cuMemHostAlloc")
@@ -780,8 +775,7 @@ def pageable_memory_access(device: Any = None) -> bool:
         dev = require_current("pageable_memory_access").device
     else:
         dev = device.device if isinstance(device, Context) else Device(device)
-    known = _pageable_access.get(dev.ordinal)
-    if known is None:
+    if (known := _pageable_access.get(dev.ordinal)) is None:
         known = _pageable_access[dev.ordinal] = bool(dev.attribute("pageable_memory_access"))
     return known
 
@@ -828,12 +822,10 @@ def host_memory_flags(arr: Any) -> HostMemoryFlags:
     a = host_array(arr, "host_memory_flags") if not isinstance(arr, np.ndarray) else arr
     if a.size == 0:
         return HostMemoryFlags("pageable")
-    kinds = _end_kinds(a)
+    if (kinds := _end_kinds(a)) == {"managed"}:
+        return HostMemoryFlags("managed", device_pointer=host_device_pointer(a))
     if kinds != {"pinned"}:
-        kind = "managed" if kinds == {"managed"} else "pageable"
-        return HostMemoryFlags(
-            kind, device_pointer=host_device_pointer(a) if kind == "managed" else None
-        )
+        return HostMemoryFlags("pageable")
     first, last = host_address(a), host_address(a) + a.nbytes - 1
     dptr = _device_pointer_of(first, "host_memory_flags")
     spans = list(_registered.items())  # a snapshot: no lock needed
@@ -912,8 +904,7 @@ class PageableArg:
         LaunchArgumentError
             That device cannot access pageable memory.
         """
-        pinned = host_device_pointer(self.array)
-        if pinned is not None:
+        if (pinned := host_device_pointer(self.array)) is not None:
             return pinned
         dev = require_current("pageable_arg").device
         if not pageable_memory_access(dev):

@@ -256,11 +256,10 @@ def to_capsule(
         None if c_strides is None else ctypes.cast(c_strides, _INT64_P),
         0,
     )
-    arrays = (c_shape, c_strides)  # kept alive with the struct
     managed.deleter = _DELETER
     addr = ctypes.addressof(managed)
     managed.manager_ctx = addr
-    _live[addr] = (managed, arrays, owner)
+    _live[addr] = (managed, (c_shape, c_strides), owner)  # the arrays live with the struct
     try:
         return _capsule_new(addr, name, _DESTRUCTOR)
     except BaseException:
@@ -631,10 +630,9 @@ def _new_event(ctx: Context) -> Any:
     """This thread's event of *ctx* (current), made at its first use (:func:`_record`
     looks it up). Kept with its context object: a later context that gets the same
     handle gets its own."""
-    events = _events.by_context
     err, ev = drv.cuEventCreate(EVENT_DISABLE_TIMING)
     if err:
         raise ctx.note_error(err, "cuEventCreate for producer-stream ordering")
-    events[ctx.handle] = (ctx, ev)
+    _events.by_context[ctx.handle] = (ctx, ev)
     finalizer(_events.holder, ctx, drv.cuEventDestroy, ev)
     return ev

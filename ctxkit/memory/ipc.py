@@ -119,8 +119,7 @@ def _device_with_uuid(device_uuid: str) -> Device | None:
 def _import_context(origin: _Origin, context: Any, what: str) -> Context:
     if context is not None:
         return resolve_context(context, what)
-    dev = _device_with_uuid(origin.device_uuid)
-    if dev is None:
+    if (dev := _device_with_uuid(origin.device_uuid)) is None:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         where = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
         raise CudaError(
@@ -302,12 +301,21 @@ def _origin(dev: Device) -> _Origin:
     )
 
 
-def _check_other_process(origin: _Origin, what: str, use: str) -> None:
+def _opening(
+    handle: Any, kind: type[IpcBufferHandle | IpcEventHandle], raw: Any, context: Any, what: str
+) -> tuple[Context, Any]:
+    """The context to open a legacy *handle* (of class *kind*) in and its driver struct
+    (of class *raw*), after refusing other values and handles of this very process."""
+    if not isinstance(handle, kind):
+        raise TypeError(f"{what}: expected an {kind.__name__}, got {type(handle).__name__}")
+    origin = handle.origin
     if origin.process == _process_token():
+        use = "event" if kind is IpcEventHandle else "buffer"
         raise ValueError(
             f"{what}: the handle was exported by this process (pid {origin.pid}); CUDA IPC "
             f"handles open only in other processes: use the {use} itself here"
         )
+    return _import_context(origin, context, what), _from_bytes(raw, handle.handle)
 
 
 @dataclass(frozen=True)
@@ -359,8 +367,7 @@ def export_buffer(buf: Any) -> IpcBufferHandle | IpcVirtualBufferHandle:
     if isinstance(buf, VirtualBuffer):
         return _export_virtual(buf, what)
     m = device_mem(buf, what)
-    ctx = m.context
-    if ctx is None:
+    if (ctx := m.context) is None:
         with guard(require_current(what), what):
             ctx = context_of_pointer(m.ptr, what)
     return export_pointer(m.ptr, m.nbytes, ctx)
@@ -415,11 +422,7 @@ def import_buffer(
     what = "import_buffer"
     if isinstance(handle, IpcVirtualBufferHandle):
         return _import_virtual(handle, context, what)
-    if not isinstance(handle, IpcBufferHandle):
-        raise TypeError(f"{what}: expected an IpcBufferHandle, got {type(handle).__name__}")
-    _check_other_process(handle.origin, what, "buffer")
-    ctx = _import_context(handle.origin, context, what)
-    raw = _from_bytes(drv.CUipcMemHandle, handle.handle)
+    ctx, raw = _opening(handle, IpcBufferHandle, drv.CUipcMemHandle, context, what)
     with ctx:
         err, base = drv.cuIpcOpenMemHandle(raw, IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
     _check_ipc(err, f"{what}: cuIpcOpenMemHandle (memory of process {handle.pid}) in {ctx!r}")
@@ -559,11 +562,7 @@ def import_event(handle: IpcEventHandle, context: Any = None) -> Event:
     handle (``cuEventDestroy``). *context* is chosen as for :func:`import_buffer`.
     """
     what = "import_event"
-    if not isinstance(handle, IpcEventHandle):
-        raise TypeError(f"{what}: expected an IpcEventHandle, got {type(handle).__name__}")
-    _check_other_process(handle.origin, what, "event")
-    ctx = _import_context(handle.origin, context, what)
-    raw = _from_bytes(drv.CUipcEventHandle, handle.handle)
+    ctx, raw = _opening(handle, IpcEventHandle, drv.CUipcEventHandle, context, what)
     with ctx:
         err, ev = drv.cuIpcOpenEventHandle(raw)
     _check_ipc(err, f"{what}: cuIpcOpenEventHandle (event of process {handle.pid}) in {ctx!r}")

@@ -53,12 +53,10 @@ def _advice(advice: Any) -> Any:
 
 def concurrent_managed_access(device: Device) -> bool:
     """Whether the host may touch managed memory while kernels run on *device*."""
-    v = _concurrent_managed.get(device.ordinal)
-    if v is None:
-        v = _concurrent_managed[device.ordinal] = bool(
-            device.attribute("concurrent_managed_access")
-        )
-    return v
+    if (known := _concurrent_managed.get(device.ordinal)) is None:
+        known = bool(device.attribute("concurrent_managed_access"))
+        _concurrent_managed[device.ordinal] = known
+    return known
 
 
 class ManagedBuffer(DeviceBuffer):
@@ -151,11 +149,10 @@ class ManagedBuffer(DeviceBuffer):
         """``cuMemAdvise``: *advice* is ``"read_mostly"``, ``"preferred_location"``,
         ``"accessed_by"`` (optionally prefixed ``"set_"``/``"unset_"``) or a
         ``CUmem_advise`` member; *target* a device (default: its own) or ``"cpu"``."""
-        what = "ManagedBuffer.advise"
         ptr = self.ptr
         adv = _advice(advice)
         tgt = self._target(target)
         if self.nbytes == 0:
             return
-        with guard(self.context, what):
+        with guard(self.context, "ManagedBuffer.advise"):
             _driver.mem_advise(ptr, self.nbytes, adv, tgt)

@@ -132,13 +132,11 @@ def _physical_memory() -> int | None:
         phys = int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     except (AttributeError, ValueError, OSError):
         return None
-    try:  # a container's memory limit (cgroup v2) when it is lower
+    with contextlib.suppress(OSError):  # a container's memory limit (cgroup v2) when lower
         with open("/sys/fs/cgroup/memory.max", encoding="ascii") as f:
             text = f.read().strip()
         if text.isdigit():
             phys = min(phys, int(text))
-    except OSError:
-        pass
     return phys
 
 
@@ -151,8 +149,7 @@ def default_budget() -> int:
     ``run_per_device`` workers) set ``CTXKIT_PINNED_POOL_BYTES`` to about a quarter of the
     node's memory divided by the processes per node.
     """
-    budget = pinned_pool_bytes()
-    if budget is not None:
+    if (budget := pinned_pool_bytes()) is not None:
         return budget
     phys = _physical_memory()
     return 4 * GiB if phys is None else min(phys // 4, DEFAULT_CAP)
@@ -699,8 +696,7 @@ class PinnedPool:
         if where is not None:
             self._blocks[where][block.ptr] = block
             self._bytes[where] += block.nbytes
-            b = self._bytes
-            held = b["in_use"] + b["cached"] + b["pending"]
+            held = sum(self._bytes[place] for place in self._blocks)  # in use, cached, pending
             self._count["peak_bytes"] = max(self._count["peak_bytes"], held)
 
     def _evict_locked(self, limit: int, trim: bool = False) -> list[Block]:

@@ -104,7 +104,9 @@ def _ir(opaque_pointers: bool) -> str:
         "loop:",
         "  %off = phi i64 [ 0, %entry ], [ %next, %loop ]",
     ]
-    for k in range(_STEP // 64):
+    vectors = range(_STEP // 64)
+    sv, dv = ("%s", "%d") if opaque_pointers else ("%sv", "%dv")  # the <8 x i64> pointers
+    for k in vectors:
         lines += [
             f"  %o{k} = add i64 %off, {64 * k}",
             f"  %s{k} = getelementptr i8, {p8} %src, i64 %o{k}",
@@ -115,12 +117,8 @@ def _ir(opaque_pointers: bool) -> str:
                 f"  %sv{k} = bitcast i8* %s{k} to {pv}",
                 f"  %dv{k} = bitcast i8* %d{k} to {pv}",
             ]
-    for k in range(_STEP // 64):
-        src = f"%s{k}" if opaque_pointers else f"%sv{k}"
-        lines.append(f"  %v{k} = load <8 x i64>, {pv} {src}, align 1")
-    for k in range(_STEP // 64):
-        dst = f"%d{k}" if opaque_pointers else f"%dv{k}"
-        lines.append(f"  store <8 x i64> %v{k}, {pv} {dst}, align 64, !nontemporal !0")
+    lines += [f"  %v{k} = load <8 x i64>, {pv} {sv}{k}, align 1" for k in vectors]
+    lines += [f"  store <8 x i64> %v{k}, {pv} {dv}{k}, align 64, !nontemporal !0" for k in vectors]
     lines += [
         f"  %next = add i64 %off, {_STEP}",
         "  %more = icmp ult i64 %next, %n",
@@ -163,8 +161,7 @@ def _compile() -> tuple[_CopyFn | None, str]:
         address = engine.get_function_address(_ENTRY)
     except Exception as exc:  # an LLVM that cannot build it: plain copies, said so
         return None, f"np.copyto (llvmlite could not build the streaming copy: {exc})"
-    proto = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64)
-    cfn = proto(address)
+    cfn = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64)(address)
     _State.keep[:] = [engine, cfn]
     llvm_version = ".".join(map(str, llvm.llvm_version_info))
     return cfn, f"non-temporal stores (llvmlite, LLVM {llvm_version}, {cpu})"
