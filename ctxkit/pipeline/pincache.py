@@ -54,6 +54,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Iterable
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -254,12 +255,11 @@ class PinCache:
         """Hold the range if it was seen before (the sighting is used up), never refused,
         overlaps no held range and fits; None when it is not held."""
         key = (id(owner), start, end)
-        prev = self._seen.pop(key, None)
-        if prev is None or prev() is not owner:  # the first sighting: noted, staged
+        # the first sighting: noted, staged
+        if (prev := self._seen.pop(key, None)) is None or prev() is not owner:
             self._note(self._seen, key, owner)
             return None
-        refused = self._refused.get(key)
-        if refused is not None and refused() is owner:
+        if (refused := self._refused.get(key)) is not None and refused() is owner:
             return None
         if any(h.start < end and start < h.end for h in self._held):
             return None
@@ -344,15 +344,13 @@ def _unregister(h: Held) -> None:
         return
     if err != NO_USABLE_CONTEXT:  # still page-locked: it stays counted against the budget
         why = f"cuMemHostUnregister failed with CUresult {err}"
-    try:
+    with suppress(Exception):  # runs in finalizers: never raise
         warnings.warn(
             f"ctxkit: pin on reuse could not unregister {h.nbytes} bytes at {h.start:#x} "
             f"({why}); those pages stay page-locked until the process exits",
             PinLeakWarning,
             stacklevel=2,
         )
-    except Exception:  # runs in finalizers: never raise
-        pass
 
 
 class PinClaims:

@@ -22,6 +22,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import suppress
 from typing import Any
 
 import numpy as np
@@ -117,7 +118,7 @@ class Pipeline:
     ) -> None:
         check_fork("Pipeline")
         options = _check_options(options)
-        pins = PinClaims(process_pins(), options.pin_cache_bytes)
+        self._pins = PinClaims(process_pins(), options.pin_cache_bytes)
         contexts = _resolve_contexts(check_devices(devices, "Pipeline", lanes=True))
         threads = options.host_threads or default_host_threads(len(contexts))
         self._options = dataclasses.replace(options.over(), host_threads=threads)
@@ -136,7 +137,6 @@ class Pipeline:
         self._kernels: dict[tuple[int, str], tuple[Any, Module, Kernel]] = {}
         self._stats = RunStats()
         self._closed = False
-        self._pins = pins
         self._fin = weakref.finalize(self, shutdown_all, self._devices, self._host_pool, self._pins)
         self._fin.atexit = False
         build_streaming_copy()  # in the background: a staging copy never waits for it
@@ -435,10 +435,8 @@ class Pipeline:
                 return
             self._stages.join()
             if self._recorder is not None and not self.poisoned:
-                try:
+                with suppress(Exception):  # the timeline is a diagnostic: never block close()
                     self.trace()
-                except Exception:  # the timeline is a diagnostic: never block close()
-                    pass
             self._closed = True
             self._fin.detach()
             for dev in self._devices:
@@ -606,8 +604,7 @@ class Pipeline:
                 f"got {type(obj).__name__}"
             )
         key = (id(obj), name)
-        hit = self._kernels.get(key)
-        if hit is not None and hit[0] is obj:
+        if (hit := self._kernels.get(key)) is not None and hit[0] is obj:
             return hit[2]
         with self._devices[0].ctx:
             mod = Module.load(obj)
@@ -633,13 +630,12 @@ class Pipeline:
                 try:
                     dev.ctx.check_usable()
                 except ContextPoisonedError as exc:
-                    raise ContextPoisonedError(
+                    msg = (
                         f"this Pipeline is unusable: the context of device {dev.ordinal} was "
                         f"poisoned by an earlier fault ({exc}); close() it and restart the "
-                        "process (or reset the device) to use the GPU again",
-                        exc.code,
-                        exc.name,
-                    ) from exc
+                        "process (or reset the device) to use the GPU again"
+                    )
+                    raise ContextPoisonedError(msg, exc.code, exc.name) from exc
 
 
 def _park_if_exiting() -> None:
@@ -652,15 +648,13 @@ def _park_if_exiting() -> None:
 
 def _resolve_contexts(specs: list[int | Device | Context] | None) -> list[Context]:
     if specs is None:
-        n = device_count()
-        if n == 0:
+        if (n := device_count()) == 0:
             _driver.init()
-            raise CudaError(
+            msg = (
                 "Pipeline(devices=None): no CUDA device is visible (the driver reports "
-                "none); check nvidia-smi and CUDA_VISIBLE_DEVICES",
-                CUDA_ERROR_NO_DEVICE,
-                "CUDA_ERROR_NO_DEVICE",
+                "none); check nvidia-smi and CUDA_VISIBLE_DEVICES"
             )
+            raise CudaError(msg, CUDA_ERROR_NO_DEVICE, "CUDA_ERROR_NO_DEVICE")
         specs = list(range(n))
     contexts = [registry.resolve(d) for d in specs]
     for i, ctx in enumerate(contexts):

@@ -434,8 +434,7 @@ def plan_map(
         # lengthen a stop (each registered chunk is unregistered before map returns, and
         # cuMemHostUnregister waits for the device).
         per_device = -(-(options.host_threads or 2) // len(active))
-        bufs = options.slots
-        ahead = max(ahead, bufs, min(per_device, 2 * bufs))
+        ahead = max(ahead, options.slots, min(per_device, 2 * options.slots))
     return MapPlan(
         n_rows, rpc, parts, tuple(chunks), "static" if static else "dynamic", modes[0],
         modes[1], active, ahead, rpc * row_bytes[0], rpc * row_bytes[1],

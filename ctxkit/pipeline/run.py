@@ -68,6 +68,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -100,6 +101,7 @@ from .staging import (
     Segment,
     Slot,
     calibrate,
+    check_result,
     ensure_slot,
     grow_pinned,
     sync_event,
@@ -257,10 +259,9 @@ class LineBar:
     def close(self) -> None:
         """Show the final count and end the line. Idempotent."""
         with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._draw("\n")
+            if not self._closed:
+                self._closed = True
+                self._draw("\n")
 
     def _draw(self, end: str = "") -> None:
         pct = 100 * self.n // self.total if self.total else 100
@@ -274,8 +275,7 @@ def make_bar(total: int, desc: str = "ctxkit map") -> Bar:
         from tqdm import tqdm
     except ImportError:
         return LineBar(total, desc)
-    bar: Bar = tqdm(total=total, desc=desc, unit="chunk")
-    return bar
+    return tqdm(total=total, desc=desc, unit="chunk")
 
 
 # --- kernel launcher and step tags ---
@@ -296,14 +296,13 @@ def make_launcher(
 
         return launch_kernel
     if callable(kernel):
-        body = kernel
         in_tail, out_tail = x.shape[1:], out.shape[1:]
         in_dtype, out_dtype = x.dtype, out.dtype  # not the arrays: keep them collectable
 
         def launch_body(
             dev: DeviceState, s: Stream, d_in: int, d_out: int, n: int, c: Chunk
         ) -> None:
-            body(
+            kernel(
                 dev.ctx,
                 s,
                 ChunkView(d_in, (c.rows, *in_tail), in_dtype),
@@ -337,10 +336,8 @@ class Step:
 
     def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
         if exc is not None and not hasattr(exc, "_ctxkit_step"):
-            try:
+            with suppress(AttributeError):
                 exc._ctxkit_step = self.name  # type: ignore[attr-defined]
-            except AttributeError:
-                pass
 
 
 def _unblock_if_not_run(q: queue.SimpleQueue[Any], feeder: Future[Any]) -> None:
@@ -516,12 +513,10 @@ class Run:
     def fail(self, dev: DeviceState, chunk: Chunk | None, step: str, exc: BaseException) -> None:
         """Record a failure (as a PipelineError naming device and chunk) and stop the run."""
         self.stop.set()
-        if not isinstance(exc, Exception) or isinstance(exc, PipelineError):
-            err: BaseException = exc
-        else:
-            err = chunk_error(dev.ordinal, dev.ctx.poisoned, chunk, step, exc)
+        if isinstance(exc, Exception) and not isinstance(exc, PipelineError):
+            exc = chunk_error(dev.ordinal, dev.ctx.poisoned, chunk, step, exc)
         with self.lock:
-            self.errors.append(err)
+            self.errors.append(exc)
 
 
 def run_stats(run: Run, seconds: float, nbytes: int) -> RunStats:
@@ -608,8 +603,7 @@ class Starter:
             slot = dev.slots[p % n_slots]
             if stage_in and not self._input_free(slot, p, enqueued):
                 return
-            c = next(self._claimed, None)
-            if c is None:
+            if (c := next(self._claimed, None)) is None:
                 self._exhausted = True
                 return
             if p < n_slots and not run.plan.managed:
@@ -737,8 +731,7 @@ def _side(
     if mode != "register":
         return None, None
     pieces = host_pieces(base, total, b0, b1)
-    seg = _segment(dev, c, pieces, ro)
-    if seg is not None:
+    if (seg := _segment(dev, c, pieces, ro)) is not None:
         assert run.registrar is not None
         run.registrar.register(seg)
     return pieces, seg
@@ -755,10 +748,9 @@ def _registered(run: Run, seg: Segment | None) -> bool:
     if seg is None:
         return True
     assert run.registrar is not None
-    if run.registrar.wait(seg):
-        return True
-    run.note_fallback()
-    return False
+    if not (ok := run.registrar.wait(seg)):
+        run.note_fallback()
+    return ok
 
 
 def _enqueue(
@@ -790,9 +782,8 @@ def _enqueue(
     else:
         with nvtx_range("h2d", "green"), Step("h2d"):
             for off, src, n in h2d:
-                (err,) = drv.cuMemcpyHtoDAsync(d_in + off, src, n, s.handle)
-                if err:
-                    raise dev.ctx.note_error(err, "cuMemcpyHtoDAsync")
+                result = drv.cuMemcpyHtoDAsync(d_in + off, src, n, s.handle)
+                check_result(dev, result, "cuMemcpyHtoDAsync")
         e1 = slot.h2d_done = dev.take_event(timing).record(s)
     with nvtx_range("kernel", "blue"), Step("kernel"):
         run.launch(dev, s, d_in, d_out, c.rows * run.row_elems, c)
@@ -806,16 +797,14 @@ def _enqueue(
         out_mode, d2h = _output(run, dev, slot, job, k)
         with nvtx_range("d2h", "red"), Step("d2h"):
             for dst, off, n in d2h:
-                (err,) = drv.cuMemcpyDtoHAsync(dst, d_out + off, n, s.handle)
-                if err:
-                    raise dev.ctx.note_error(err, "cuMemcpyDtoHAsync")
+                result = drv.cuMemcpyDtoHAsync(dst, d_out + off, n, s.handle)
+                check_result(dev, result, "cuMemcpyDtoHAsync")
     e3 = dev.take_event(timing).record(s)
     q.put((job, slot, e3, out_mode, k))
     if rec is not None:
-        names = ("prefetch", "prefetch_back") if managed else ("h2d", "d2h")
-        rec.mark(names[0], dev.lane, slot.label, c.index, e0, e1)
-        rec.mark("kernel", dev.lane, slot.label, c.index, e1, e2)
-        rec.mark(names[1], dev.lane, slot.label, c.index, e2, e3)
+        first, last = ("prefetch", "prefetch_back") if managed else ("h2d", "d2h")
+        for name, start, end in ((first, e0, e1), ("kernel", e1, e2), (last, e2, e3)):
+            rec.mark(name, dev.lane, slot.label, c.index, start, end)
 
 
 def _input(run: Run, dev: DeviceState, slot: Slot, job: ChunkJob) -> list[tuple[int, int, int]]:
@@ -881,14 +870,12 @@ def _wait_window(run: Run, dev: DeviceState, k: int, into_slot: bool) -> None:
 
 def _pieces(pc: HostPieces, bounce: int, host: int) -> list[tuple[int, int, int]]:
     """``(device offset, host address, n)`` of the head, direct and tail pieces."""
-    out = []
-    if pc.head:
-        out.append((0, bounce, pc.head))
-    if pc.direct:
-        out.append((pc.head, host + pc.head, pc.direct))
-    if pc.tail:
-        out.append((pc.head + pc.direct, bounce + PAGE, pc.tail))
-    return out
+    pieces = [
+        (0, bounce, pc.head),
+        (pc.head, host + pc.head, pc.direct),
+        (pc.head + pc.direct, bounce + PAGE, pc.tail),
+    ]
+    return [p for p in pieces if p[2]]
 
 
 def _wait_h2d(dev: DeviceState, slot: Slot, index: int) -> None:
@@ -908,11 +895,7 @@ def drain(run: Run, dev: DeviceState, q: queue.SimpleQueue[Any]) -> None:
     progress = run.progress[dev.lane]
     copies: collections.deque[CopyBatch] = collections.deque()
     try:
-        while True:
-            item = q.get()
-            if item is None:
-                break
-            job, slot, ev, mode, k = item
+        for job, slot, ev, mode, k in iter(q.get, None):
             queued = False
             try:
                 if run.stop.is_set():
@@ -962,8 +945,7 @@ def _drained(run: Run, dev: DeviceState, c: Chunk, k: int, batch: CopyBatch) -> 
 def _finish_output(run: Run, slot: Slot, job: ChunkJob) -> None:
     """Copy the bounced bytes of a chunk whose output pages are held or registered into
     the user's array (nothing to do for other outputs, written by the DMA itself)."""
-    pc = job.out_pieces
-    if pc is not None and pc.bounced:
+    if (pc := job.out_pieces) is not None and pc.bounced:
         c = job.chunk
         nb, b0 = c.rows * run.out_row, c.row0 * run.out_row
         dst, bounce = run.out_bytes[b0 : b0 + nb], slot.bounce_out
@@ -974,9 +956,7 @@ def _finish_output(run: Run, slot: Slot, job: ChunkJob) -> None:
 def _finish_device(run: Run, dev: DeviceState) -> None:
     try:
         for slot in dev.slots:
-            (err,) = drv.cuStreamSynchronize(slot.stream.handle)
-            if err:
-                raise dev.ctx.note_error(err, "cuStreamSynchronize")
+            check_result(dev, drv.cuStreamSynchronize(slot.stream.handle), "cuStreamSynchronize")
     except BaseException as exc:
         if not any(getattr(e, "device", None) == dev.ordinal for e in run.errors):
             run.fail(dev, None, "synchronize", exc)

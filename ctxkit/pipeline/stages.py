@@ -14,6 +14,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
+from contextlib import suppress
 from typing import Any
 
 from ..context import Context
@@ -62,9 +63,7 @@ class StageHandle:
         """True when the stage was enqueued and its GPU work has completed."""
         if not self._future.done():
             return False
-        if self._future.exception() is not None:
-            return True
-        return self.event.query()
+        return self._future.exception() is not None or self.event.query()
 
     def synchronize(self) -> None:
         """Wait for the stage's GPU work; raises :class:`PipelineError` if it failed."""
@@ -98,14 +97,8 @@ class StageHandle:
 def stage_error(handle: StageHandle, step: str, exc: BaseException) -> PipelineError:
     """The PipelineError for a failed stage, naming its device and name."""
     poisoned = isinstance(exc, ContextPoisonedError) or handle._context.poisoned
-    return PipelineError(
-        f"Pipeline stage {handle.name!r} on device {handle.device} failed ({step}): {exc}",
-        handle.device,
-        None,
-        "stage",
-        exc,
-        poisoned,
-    )
+    msg = f"Pipeline stage {handle.name!r} on device {handle.device} failed ({step}): {exc}"
+    return PipelineError(msg, handle.device, None, "stage", exc, poisoned)
 
 
 def run_stage(
@@ -224,10 +217,8 @@ class Stages:
     def join(self) -> None:
         """Wait until every stage function has run (its worker may be shut down next)."""
         for h in self.outstanding():
-            try:
+            with suppress(BaseException):
                 h._future.exception()
-            except BaseException:
-                pass
 
     def clear(self) -> None:
         """Forget every stage."""

@@ -35,7 +35,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -169,10 +169,8 @@ class HostPool:
 
     def _take(self) -> tuple[bool, Callable[[], None] | None]:
         for dq in (self._fill, self._drain):
-            try:
+            with suppress(IndexError):
                 return True, dq.popleft()
-            except IndexError:
-                pass
         return False, None
 
     def _work(self) -> None:
@@ -527,8 +525,7 @@ class Registrar:
         self._trace("register", seg, t0)
         if err:
             seg.error = describe(int(err))[0]
-            return False
-        return True
+        return not err
 
     def _unregister(self, seg: Segment) -> None:
         t0 = time.perf_counter()
@@ -715,11 +712,17 @@ def shutdown_all(devices: list[DeviceState], pool: list[HostPool], pins: Any) ->
     pins.release()
 
 
-def sync_event(dev: DeviceState, ev: Event, what: str) -> None:
-    """Wait for *ev* (GIL released); a failure is noted on the device's context."""
-    (err,) = drv.cuEventSynchronize(ev.handle)
+def check_result(dev: DeviceState, result: tuple[Any, ...], what: str) -> None:
+    """Raise the error (noted on the device's context) of the driver call *what* made
+    for *dev* that returned *result*, the 1-tuple of its status."""
+    (err,) = result
     if err:
         raise dev.ctx.note_error(err, what)
+
+
+def sync_event(dev: DeviceState, ev: Event, what: str) -> None:
+    """Wait for *ev* (GIL released); a failure is noted on the device's context."""
+    check_result(dev, drv.cuEventSynchronize(ev.handle), what)
 
 
 def quiet_sync(dev: DeviceState) -> None:
@@ -756,13 +759,12 @@ def ensure_slot(dev: DeviceState, slot: Slot, plan: MapPlan, pool: HostPool | No
         if plan.bounces and slot.bounce is None:
             slot.bounce = pinned_pool().empty((BOUNCE_BYTES,), np.uint8, context=dev.ctx)
     except OutOfMemoryError as exc:
-        raise OutOfMemoryError(
+        msg = (
             f"Pipeline: cannot allocate staging slot {slot.index} of {in_bytes} + "
             f"{out_bytes} bytes on device {dev.ordinal}: {exc}. Use a smaller chunk_bytes "
-            "or fewer staging_buffers",
-            exc.code,
-            exc.name,
-        ) from exc
+            "or fewer staging_buffers"
+        )
+        raise OutOfMemoryError(msg, exc.code, exc.name) from exc
     out = slot.pin_out
     if plan.stage_out and (out is None or out.nbytes < out_bytes):
         assert pool is not None
