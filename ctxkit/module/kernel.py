@@ -110,8 +110,7 @@ def normalize_dims(value: Any, what: str) -> Dims:
         raise ValueError(f"{what} must have 1 to 3 dimensions, got {len(dims)}: {tuple(dims)}")
     if any(not 0 < d <= DIM_MAX for d in dims):
         raise ValueError(f"{what} dimensions must be positive ints, got {tuple(dims)}")
-    while len(dims) < 3:
-        dims.append(1)
+    dims += [1] * (3 - len(dims))
     return dims[0], dims[1], dims[2]
 
 
@@ -128,26 +127,21 @@ def explain_launch_config(
     """
     out = []
     threads = block[0] * block[1] * block[2]
-    mtpb = limits.get("max_threads_per_block")
-    if mtpb is not None and threads > mtpb:
+    if (mtpb := limits.get("max_threads_per_block")) is not None and threads > mtpb:
         why = f"block {block} has {threads} threads, more than this kernel's limit of {mtpb}"
-        regs = limits.get("num_regs")
-        if regs and limits.get("regs_per_block"):
+        if (regs := limits.get("num_regs")) and limits.get("regs_per_block"):
             why += (
                 f" (it uses {regs} registers per thread; the SM has "
                 f"{limits['regs_per_block']} per block)"
             )
         out.append(why + f"; use a block of at most {mtpb} threads")
-    req = limits.get("reqntid")
-    if req is not None and threads != req:
+    if (req := limits.get("reqntid")) is not None and threads != req:
         out.append(f"the kernel requires exactly {req} threads per block (.reqntid)")
     for kind, dims in (("block", block), ("grid", grid)):
         for axis, n in zip("xyz", dims):
-            lim = limits.get(f"max_{kind}_dim_{axis}")
-            if lim is not None and n > lim:
+            if (lim := limits.get(f"max_{kind}_dim_{axis}")) is not None and n > lim:
                 out.append(f"{kind}.{axis} = {n} exceeds the device maximum {lim}")
-    dyn = limits.get("max_dynamic_shared")
-    if dyn is not None and shared_mem > dyn:
+    if (dyn := limits.get("max_dynamic_shared")) is not None and shared_mem > dyn:
         why = f"shared_mem={shared_mem} bytes exceeds this kernel's dynamic shared limit ({dyn})"
         optin = limits.get("max_shared_optin")
         static = limits.get("static_shared", 0)
@@ -617,8 +611,7 @@ class Kernel:
     # -- per-context function ----------------------------------------------------------
 
     def _function(self, ctx: Context) -> Any:
-        hit = self._funcs.get(ctx.handle)
-        if hit is not None and hit[0] is ctx:
+        if (hit := self._funcs.get(ctx.handle)) is not None and hit[0] is ctx:
             return hit[1]
         return self._resolve(ctx)
 
@@ -641,8 +634,7 @@ class Kernel:
             err, func = drv.cuKernelGetFunction(self._handle)
             if err:
                 raise self._function_error(int(err), ctx, "cuKernelGetFunction")
-        err = load_function(func)
-        if err:
+        if err := load_function(func):
             raise self._function_error(err, ctx, "cuFuncLoad")
         self._funcs[ctx.handle] = (ctx, func)
         return func
@@ -790,8 +782,7 @@ class Kernel:
         thread with nothing current the module's or the first ctxkit buffer argument's."""
         if top is not None:
             return top, None
-        sc = _chosen_stream_context(stream, top)
-        if sc is not None:
+        if (sc := _chosen_stream_context(stream, top)) is not None:
             return sc.__enter__(), sc
         if not current_handle() and not registry.strict:
             for owner in (self.module, *args):
@@ -822,8 +813,7 @@ class Kernel:
         """
         threads = block[0] * block[1] * block[2]
         key = ("cooperative", ctx.handle, threads, shared_mem)
-        limit = self._fits.get(key)
-        if limit is None:
+        if (limit := self._fits.get(key)) is None:
             dev = ctx.device
             if not dev.attribute("cooperative_launch"):
                 raise _refusal(
@@ -881,9 +871,8 @@ class Kernel:
                     _INVALID_CLUSTER_SIZE,
                 )
         key = ("cluster", ctx.handle, block, shared_mem, cluster)
-        fits = self._fits.get(key)
         size = math.prod(cluster)
-        if fits is None:
+        if (fits := self._fits.get(key)) is None:
             cfg = native_config(grid, block, shared_mem, None, [_cluster_attribute(cluster)])
             with ctx:
                 err, n = drv.cuOccupancyMaxActiveClusters(func, cfg)
@@ -952,9 +941,8 @@ class Kernel:
         detail = _LAUNCH_HINTS.get(code, "")
         if code in (_INVALID_VALUE, _OUT_OF_RESOURCES):
             reqntid = self.signature.reqntid if self.signature is not None else None
-            reasons = explain_launch_config(
-                grid, block, shared_mem, launch_limits(ctx, func, reqntid)
-            )
+            limits = launch_limits(ctx, func, reqntid)
+            reasons = explain_launch_config(grid, block, shared_mem, limits)
             detail = "\n".join(f"- {r}" for r in reasons)
         elif code in (_INVALID_HANDLE, _INVALID_CONTEXT):
             detail = (

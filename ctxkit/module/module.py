@@ -25,7 +25,7 @@ from ..compiler.objectcode import detect_target
 from ..context import Context, current_handle
 from ..errors import STICKY_CODES, CompileError, CudaError, KernelNotFoundError
 from ..lifetime import finalizer
-from .kernel import JIT_CODES, Kernel
+from .kernel import _INVALID_VALUE, JIT_CODES, Kernel
 from .ptxsig import Signature, cpp_param_types, parse_entries, signature_from_layout
 
 __all__ = [
@@ -111,8 +111,7 @@ def missing_kernel_message(
         shown = [f"{by_symbol[e]} ({e})" if e in by_symbol else e for e in entries]
         listing = ", ".join(shown) or "none"
     msg = f"no kernel {name!r} in module {label}. Kernels present: {listing}."
-    mangled = [e for e in entries or () if e.startswith("_Z") and f"{len(name)}{name}" in e]
-    if mangled:
+    if mangled := [e for e in entries or () if e.startswith("_Z") and f"{len(name)}{name}" in e]:
         msg += (
             f" {name!r} was compiled as C++ and its name is mangled ({mangled[0]}): declare "
             'it extern "C", or compile with name_expressions=("'
@@ -124,8 +123,7 @@ def missing_kernel_message(
             f"name_expressions=({name!r},) so its lowered name is recorded."
         )
     else:
-        close = difflib.get_close_matches(name, [*(entries or ()), *lowered], n=3)
-        if close:
+        if close := difflib.get_close_matches(name, [*(entries or ()), *lowered], n=3):
             msg += f" Did you mean {', '.join(repr(c) for c in close)}?"
         msg += ' Kernels must be __global__ and extern "C" (or named via name_expressions).'
     return msg
@@ -136,13 +134,9 @@ _PTX_VERSION = re.compile(r"^\s*\.version\s+(\d+)\.(\d+)", re.M)
 
 def jit_detail(code: int, ptx: str | None, error_log: str, info_log: str) -> str:
     """The part of a JIT failure message after the driver's error text."""
-    parts = []
-    if error_log:
-        parts.append(f"JIT error log:\n{error_log}")
-    if info_log:
-        parts.append(f"JIT info log:\n{info_log}")
-    m = _PTX_VERSION.search(ptx) if code == 222 and ptx else None
-    if m:
+    logs = (("error", error_log), ("info", info_log))
+    parts = [f"JIT {kind} log:\n{log}" for kind, log in logs if log]
+    if code == 222 and ptx and (m := _PTX_VERSION.search(ptx)):
         drv_ver = _driver.driver_version()
         have = f"{drv_ver[0]}.{drv_ver[1]}" if drv_ver else "unknown"
         parts.append(
@@ -197,9 +191,6 @@ def diagnose_jit(image: Image) -> str | None:
 
 
 _NOT_FOUND = 500
-
-
-_INVALID_VALUE = 1
 
 
 def _unload_library(unload: Any, lib: Any) -> Any:
@@ -309,8 +300,7 @@ class Module:
             The module is closed.
         """
         self.check_open()
-        k = self._kernels.get(name)
-        if k is not None:
+        if (k := self._kernels.get(name)) is not None:
             return k
         symbol = self.lowered_names.get(name, name)
         get = drv.cuLibraryGetKernel if self.context is None else drv.cuModuleGetFunction

@@ -207,9 +207,7 @@ def device_pointer(v: Any) -> int | None:
 
 def short_repr(v: Any) -> str:
     r = repr(v)
-    if len(r) > 60:
-        r = r[:57] + "..."
-    return f"{type(v).__name__} {r}"
+    return f"{type(v).__name__} {r if len(r) <= 60 else r[:57] + '...'}"
 
 
 def _buffer_pointer(v: DeviceBuffer, ctx: Context | None = None) -> int:

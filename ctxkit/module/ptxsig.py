@@ -180,29 +180,23 @@ def _matching(text: str, start: int, step: int = 1) -> int:
 
 
 def _split_top_level(text: str) -> list[str]:
-    out: list[str] = []
-    cur: list[str] = []
+    """*text* split at the commas outside any bracket."""
+    parts = [""]
     depth = 0
     for ch in text:
-        if ch in "(<[{":
-            depth += 1
-        elif ch in ")>]}":
-            depth -= 1
+        depth += (ch in "(<[{") - (ch in ")>]}")
         if ch == "," and depth == 0:
-            out.append("".join(cur))
-            cur = []
+            parts.append("")
         else:
-            cur.append(ch)
-    out.append("".join(cur))
-    return out
+            parts[-1] += ch
+    return parts
 
 
 def _param_type_text(decl: str) -> str:
     """``const size_t n = 4`` -> ``const size_t``: drop the default value and the name."""
     decl = decl.split("=", 1)[0].strip()
     decl = re.sub(r"__align__\s*\([^)]*\)", " ", decl)
-    m = re.match(r"^(.*?)([A-Za-z_]\w*)\s*((?:\[[^\]]*\])*)$", decl, re.S)
-    if m is None:
+    if (m := re.match(r"^(.*?)([A-Za-z_]\w*)\s*((?:\[[^\]]*\])*)$", decl, re.S)) is None:
         return decl
     head, name, arrays = m.group(1), m.group(2), m.group(3)
     words = re.findall(r"[A-Za-z_]\w*", head)
@@ -231,8 +225,7 @@ def source_param_types(source: str, name: str, count: int) -> list[CType] | None
         cut = max(head.rfind(";"), head.rfind("}"), head.rfind("{"))
         if "__global__" not in head[cut + 1 :]:
             continue
-        end = _matching(text, m.end() - 1)
-        if end < 0:
+        if (end := _matching(text, m.end() - 1)) < 0:
             return None
         inner = text[m.end() : end].strip()
         decls = [] if inner in ("", "void") else _split_top_level(inner)
@@ -259,8 +252,7 @@ def cpp_param_types(symbol: str, source: str | None, count: int) -> list[CType] 
 def _plain_name(symbol: str) -> str | None:
     """The identifier of a C++ function mangled at namespace scope with no template
     arguments (``_Z6widthshsiyxPfm`` -> ``widths``); ``None`` for anything else."""
-    m = re.match(r"_Z(\d+)", symbol)
-    if m is None:
+    if (m := re.match(r"_Z(\d+)", symbol)) is None:
         return None
     end = m.end() + int(m.group(1))
     name = symbol[m.end() : end]
@@ -372,12 +364,8 @@ class Param:
         """This parameter with its C++ type: the sign applies to integer parameters."""
         if self.kind not in (INT, BITS) or self.count or self.type.startswith("s"):
             return replace(self, ctype=ctype.spelling)
-        return replace(
-            self,
-            ctype=ctype.spelling,
-            signed=ctype.sign == SIGNED,
-            unsigned=ctype.sign == UNSIGNED,
-        )
+        sign = ctype.sign
+        return replace(self, ctype=ctype.spelling, signed=sign == SIGNED, unsigned=sign == UNSIGNED)
 
     @property
     def code(self) -> str:
@@ -462,8 +450,7 @@ def _parse_param(decl: str, index: int, offset: int) -> Param:
     if not ptype:
         raise ValueError(f"no type in parameter declaration {decl.strip()!r}")
     kind, elem = _type_info(ptype)
-    m = re.fullmatch(r"([A-Za-z_$%][\w$]*)(?:\[(\d+)\])?", tokens[-1])
-    if m is None:
+    if (m := re.fullmatch(r"([A-Za-z_$%][\w$]*)(?:\[(\d+)\])?", tokens[-1])) is None:
         raise ValueError(f"cannot read the parameter name in {decl.strip()!r}")
     count = int(m.group(2)) if m.group(2) else 0
     size = elem * vec * (count or 1)
@@ -486,10 +473,8 @@ def _parse_param(decl: str, index: int, offset: int) -> Param:
 
 
 def _directives(text: str) -> dict[str, tuple[int, ...]]:
-    out = {}
-    for m in _DIRECTIVE.finditer(text or ""):
-        out[m.group(1)] = tuple(int(x) for x in m.group(2).replace(",", " ").split())
-    return out
+    """``.maxntid``/``.reqntid`` values in an entry's directives, by name (the last wins)."""
+    return {m[1]: tuple(map(int, re.findall(r"\d+", m[2]))) for m in _DIRECTIVE.finditer(text)}
 
 
 def parse_entries(ptx: str | bytes) -> dict[str, Signature]:
@@ -508,10 +493,8 @@ def parse_entries(ptx: str | bytes) -> dict[str, Signature]:
         name, plist, tail = m.group(1), m.group(2), m.group(3)
         params: list[Param] = []
         end = 0
-        decls = [d for d in (plist or "").split(",") if d.strip()]
-        for i, decl in enumerate(decls):
-            p = _parse_param(decl, i, end)
-            params.append(p)
+        for i, decl in enumerate(d for d in (plist or "").split(",") if d.strip()):
+            params.append(p := _parse_param(decl, i, end))
             end = p.offset + p.size
         d = _directives(tail)
         out[name] = Signature(name, tuple(params), end, d.get("maxntid"), d.get("reqntid"))
@@ -523,8 +506,7 @@ def signature_from_layout(name: str, layout: Sequence[tuple[int, int]]) -> Signa
     params = []
     end = 0
     for i, (offset, size) in enumerate(layout):
-        kind = BITS if size in _UNSIGNED_CODE else BYTES
-        align = size if size in _UNSIGNED_CODE else 1
+        kind, align = (BITS, size) if size in _UNSIGNED_CODE else (BYTES, 1)
         params.append(Param(i, f"param_{i}", "raw", size, align, offset, kind=kind))
         end = max(end, offset + size)
     return Signature(name, tuple(params), end)
