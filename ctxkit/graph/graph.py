@@ -33,7 +33,7 @@ import itertools
 import logging
 import os
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext, suppress
 from typing import TYPE_CHECKING, Any
 
@@ -76,6 +76,12 @@ def _call(ctx: Context, what: str, name: str, *args: Any, call: str = "") -> Any
     if err:
         raise ctx.note_error(err, call or name)
     return out[0] if len(out) == 1 else out or None
+
+
+def _expect(obj: Any, cls: type, name: str, what: str) -> None:
+    """Raise ``TypeError`` (*what* names the call) unless *obj* is a *cls*, named *name*."""
+    if not isinstance(obj, cls):
+        raise TypeError(f"{what}: expected a {name}, got {type(obj).__name__}")
 
 
 # --- host node callbacks -------------------------------------------------------------
@@ -229,9 +235,8 @@ def dependency_handles(graph: Graph, depends_on: Any, what: str) -> list[Any]:
     """
     if depends_on is None:
         return []
-    items: Iterable[Any] = (depends_on,) if isinstance(depends_on, GraphNode) else depends_on
     try:
-        given = list(items)
+        given = list((depends_on,) if isinstance(depends_on, GraphNode) else depends_on)
     except TypeError:
         raise TypeError(
             f"{what}: depends_on must be a GraphNode or a list of them, "
@@ -342,9 +347,8 @@ class Graph:
     @property
     def num_nodes(self) -> int:
         """Nodes in the graph (its own; a child graph or conditional body counts as one)."""
-        if (handle := self.open_handle()) is None:
-            return self._count
-        self._count = int(_call(self.context, "", "cuGraphGetNodes", handle, 0)[1])
+        if (handle := self.open_handle()) is not None:
+            self._count = int(_call(self.context, "", "cuGraphGetNodes", handle, 0)[1])
         return self._count
 
     def nodes(self) -> list[GraphNode]:
@@ -446,9 +450,8 @@ class Graph:
         """
         what = "Graph.memcpy"
         self._open(what)
-        ctx = self.context
-        params = nodes.memcpy_params(dst, src, nbytes, ctx, what)
-        return self._add("memcpy", params, ctx.cu, depends_on=depends_on, keep=(dst, src))
+        params = nodes.memcpy_params(dst, src, nbytes, self.context, what)
+        return self._add("memcpy", params, self.context.cu, depends_on=depends_on, keep=(dst, src))
 
     def memset(
         self,
@@ -464,9 +467,8 @@ class Graph:
         pattern); *count* defaults to the whole of *dst*."""
         what = "Graph.memset"
         self._open(what)
-        ctx = self.context
-        params = nodes.memset_params(dst, value, count, element_size, ctx, what)
-        return self._add("memset", params, ctx.cu, depends_on=depends_on, keep=(dst,))
+        params = nodes.memset_params(dst, value, count, element_size, self.context, what)
+        return self._add("memset", params, self.context.cu, depends_on=depends_on, keep=(dst,))
 
     def host(self, fn: Any, *args: Any, depends_on: Any = None) -> GraphNode:
         """A host node (``cuGraphAddHostNode``): ``fn(*args)`` runs on a driver thread at
@@ -499,8 +501,7 @@ class Graph:
 
     def _event_node(self, event: Event, depends_on: Any, kind: str) -> GraphNode:
         what = f"Graph.{kind}"
-        if not isinstance(event, Event):
-            raise TypeError(f"{what}: expected a ctxkit.Event, got {type(event).__name__}")
+        _expect(event, Event, "ctxkit.Event", what)
         if (handle := event.handle) is None:
             raise ContextClosedError(f"{what}: the event was closed")
         if kind == "event_record":
@@ -518,8 +519,7 @@ class Graph:
         """A child graph node (``cuGraphAddChildGraphNode``): a copy of *graph* as it is
         now runs as one node (later changes to *graph* do not reach it)."""
         what = "Graph.child"
-        if not isinstance(graph, Graph):
-            raise TypeError(f"{what}: expected a ctxkit.Graph, got {type(graph).__name__}")
+        _expect(graph, Graph, "ctxkit.Graph", what)
         if graph is self:
             raise ValueError(f"{what}: a graph cannot contain itself")
         child = graph._open(what)
@@ -547,8 +547,7 @@ class Graph:
         nodes.check_supported(what)
         ctx = self.context
         flags = int(getattr(drv, "CU_GRAPH_COND_ASSIGN_DEFAULT", 1))
-        name = "cuGraphConditionalHandleCreate"
-        cond = _call(ctx, what, name, handle, ctx.cu, value, flags)
+        cond = _call(ctx, what, "cuGraphConditionalHandleCreate", handle, ctx.cu, value, flags)
         return ConditionalHandle(cond, self, value)
 
     def conditional(
@@ -594,8 +593,7 @@ class Graph:
         params = nodes.conditional_params(handle.handle, kind_enum, self.context.cu)
         node = self._add("conditional", params, depends_on=depends_on, what=what)
         handle.kind = kind
-        body = Graph._pending(self.context, params.conditional.phGraph_out[0], self)
-        return node, body, handle
+        return node, Graph._pending(self.context, params.conditional.phGraph_out[0], self), handle
 
     # --- whole-graph operations ------------------------------------------------------
 
@@ -615,8 +613,7 @@ class Graph:
         (``cuGraphNodeFindInClone``)."""
         what = "Graph.find"
         handle = self._open(what)
-        if not isinstance(node, GraphNode):
-            raise TypeError(f"{what}: expected a GraphNode, got {type(node).__name__}")
+        _expect(node, GraphNode, "GraphNode", what)
         if node.graph is self:
             return node
         if self._origin is None or node.graph is not self._origin:
@@ -674,9 +671,9 @@ class Graph:
         what = "Graph.debug_dot"
         handle = self._open(what)
         name = "cuGraphDebugDotPrint"
-        flags = 1 if verbose else 0  # CU_GRAPH_DEBUG_DOT_FLAGS_VERBOSE
         call = f"{name}({os.fspath(path)!r})"
-        _call(self.context, what, name, handle, os.fsencode(path), flags, call=call)
+        # flags: 1 is CU_GRAPH_DEBUG_DOT_FLAGS_VERBOSE
+        _call(self.context, what, name, handle, os.fsencode(path), 1 if verbose else 0, call=call)
 
     def close(self) -> None:
         """Destroy the graph (in its context) and the executable graph :meth:`launch`
@@ -694,10 +691,9 @@ class Graph:
         ready = "ready" if self._exec is not None else "not instantiated"
         state = ready if self.open_handle() is not None else "empty"
         kind = " body" if self._parent is not None else ""
-        count = self._count  # num_nodes answers it too once closed
-        with suppress(CudaError):
-            count = self.num_nodes
-        return f"<Graph{kind} {count} nodes {state} in {self.context!r}>"
+        with suppress(CudaError):  # refreshes self._count while the graph is open
+            self.num_nodes  # noqa: B018
+        return f"<Graph{kind} {self._count} nodes {state} in {self.context!r}>"
 
 
 # --- stream capture ------------------------------------------------------------------
@@ -826,9 +822,7 @@ class GraphExec:
         self._uses = (list(graph._keep), dict(graph._specs))
         self._params: dict[int, KernelSpec] = {}  # set_kernel_params, by node handle
         self._callbacks = _host_callbacks(graph._keep)
-        self._fin: weakref.finalize | None = lifetime.finalizer(
-            self, ctx, drv.cuGraphExecDestroy, exe
-        )
+        self._fin: weakref.finalize = lifetime.finalizer(self, ctx, drv.cuGraphExecDestroy, exe)
 
     @property
     def graph(self) -> Graph | None:
@@ -901,8 +895,7 @@ class GraphExec:
         """
         what = "GraphExec.update"
         exe = self._open(what)
-        if not isinstance(graph, Graph):
-            raise TypeError(f"{what}: expected a ctxkit.Graph, got {type(graph).__name__}")
+        _expect(graph, Graph, "ctxkit.Graph", what)
         handle = graph._open(what)
         ctx = self.context
         nodes.check_context(ctx, graph.context, what, repr(graph), mine="the executable graph")
@@ -941,8 +934,7 @@ class GraphExec:
         """
         what = "GraphExec.set_kernel_params"
         exe = self._open(what)
-        if not isinstance(node, GraphNode):
-            raise TypeError(f"{what}: expected a GraphNode, got {type(node).__name__}")
+        _expect(node, GraphNode, "GraphNode", what)
         if node.graph is not self._graph():
             raise ValueError(
                 f"{what}: {node!r} belongs to {node.graph!r}, not to the graph this "
@@ -960,8 +952,7 @@ class GraphExec:
 
     def close(self) -> None:
         """Destroy the executable graph (in its context); idempotent."""
-        if self._fin is not None:
-            self._fin()
+        self._fin()
         self.handle = None
 
     def __repr__(self) -> str:

@@ -50,6 +50,13 @@ def check_context(
         )
 
 
+def fill(struct: Any, **fields: Any) -> Any:
+    """Set *fields* on the driver structure *struct*, in the order given; return it."""
+    for name, value in fields.items():
+        setattr(struct, name, value)
+    return struct
+
+
 #: Declarations to put in front of NVRTC source that sets a conditional handle.
 CONDITIONAL_DEVICE_API = r"""
 typedef unsigned long long cudaGraphConditionalHandle;
@@ -135,10 +142,7 @@ def conditional_params(handle: Any, kind_enum: Any, cu_ctx: Any) -> Any:
     """The ``CUgraphNodeParams`` of a conditional node with one body graph."""
     p = drv.CUgraphNodeParams()
     p.type = drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_CONDITIONAL
-    p.conditional.handle = handle
-    p.conditional.type = kind_enum
-    p.conditional.size = 1
-    p.conditional.ctx = cu_ctx
+    fill(p.conditional, handle=handle, type=kind_enum, size=1, ctx=cu_ctx)
     return p
 
 
@@ -167,8 +171,7 @@ _TYPE_NAMES = {
 def node_type_name(member: Any) -> str:
     """``"kernel"``, ``"memcpy"``, ``"memset"``, ``"host"``, ``"child"``, ``"empty"``,
     ``"event_record"``, ``"event_wait"``, ``"conditional"``, ... for a ``CUgraphNodeType``."""
-    name = getattr(member, "name", None)
-    if not isinstance(name, str):
+    if not isinstance(name := getattr(member, "name", None), str):
         return f"type {int(member)}"
     suffix = name.removeprefix("CU_GRAPH_NODE_TYPE_")
     return _TYPE_NAMES.get(suffix, suffix.lower())
@@ -202,13 +205,10 @@ class KernelSpec:
 
     def params(self, ctx: Context) -> Any:
         """The ``CUDA_KERNEL_NODE_PARAMS``, with the kernel's function in *ctx*."""
-        p = drv.CUDA_KERNEL_NODE_PARAMS()
-        p.func = self.kernel.function_handle(ctx)
+        p = fill(drv.CUDA_KERNEL_NODE_PARAMS(), func=self.kernel.function_handle(ctx))
         p.gridDimX, p.gridDimY, p.gridDimZ = self.grid
         p.blockDimX, p.blockDimY, p.blockDimZ = self.block
-        p.sharedMemBytes = self.shared_mem
-        p.kernelParams = self.buf.address
-        return p
+        return fill(p, sharedMemBytes=self.shared_mem, kernelParams=self.buf.address)
 
     def describe(self) -> str:
         """The kernel and its launch shape, for messages and reprs."""
@@ -236,6 +236,12 @@ def kernel_spec(
 # --- memcpy and memset ---------------------------------------------------------------
 
 
+_MEM_FIX = (
+    "; build the graph in the memory's context (ck.Graph(context=buf.context)) or "
+    "copy the data there first"
+)
+
+
 class HostSide(NamedTuple):
     """Pinned host memory taking part in a memcpy node (the node keeps its array)."""
 
@@ -257,14 +263,7 @@ def copy_side(obj: Any, ctx: Context, what: str, name: str, write: bool) -> Mem 
         return HostSide(int(obj.ctypes.data), int(obj.nbytes))
     mem = device_mem(obj, what, write=write)
     if isinstance(mem.context, Context):
-        check_context(
-            ctx,
-            mem.context,
-            what,
-            f"the {name} ({type(obj).__name__})",
-            "; build the graph in the memory's context (ck.Graph(context=buf.context)) or "
-            "copy the data there first",
-        )
+        check_context(ctx, mem.context, what, f"the {name} ({type(obj).__name__})", _MEM_FIX)
     return mem
 
 
@@ -290,19 +289,12 @@ def memcpy_params(dst: Any, src: Any, nbytes: Any, ctx: Context, what: str) -> A
         raise ValueError(
             f"{what}: nothing to copy (0 bytes); use graph.empty() for a node that does nothing"
         )
-    kinds = drv.CUmemorytype
     p = drv.CUDA_MEMCPY3D()
     for side, end in ((s, "src"), (d, "dst")):
-        if isinstance(side, HostSide):
-            setattr(p, f"{end}MemoryType", kinds.CU_MEMORYTYPE_HOST)
-            setattr(p, f"{end}Host", side.ptr)
-        else:
-            setattr(p, f"{end}MemoryType", kinds.CU_MEMORYTYPE_DEVICE)
-            setattr(p, f"{end}Device", side.ptr)
-    p.WidthInBytes = n
-    p.Height = 1
-    p.Depth = 1
-    return p
+        where = "Host" if isinstance(side, HostSide) else "Device"
+        setattr(p, f"{end}MemoryType", getattr(drv.CUmemorytype, f"CU_MEMORYTYPE_{where.upper()}"))
+        setattr(p, f"{end}{where}", side.ptr)
+    return fill(p, WidthInBytes=n, Height=1, Depth=1)
 
 
 def memset_params(
@@ -345,11 +337,5 @@ def memset_params(
         raise ValueError(f"{what}: the destination is not aligned to {element_size} bytes")
     if not count:
         raise ValueError(f"{what}: nothing to set (0 elements)")
-    p = drv.CUDA_MEMSET_NODE_PARAMS()
-    p.dst = dst.ptr
-    p.elementSize = int(element_size)
-    p.value = int(value)
-    p.width = int(count)
-    p.height = 1
-    p.pitch = 0
-    return p
+    p = fill(drv.CUDA_MEMSET_NODE_PARAMS(), dst=dst.ptr, elementSize=int(element_size))
+    return fill(p, value=int(value), width=int(count), height=1, pitch=0)
