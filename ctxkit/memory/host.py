@@ -107,6 +107,7 @@ __all__ = [
     "register_host",
     "register_pages",
     "set_strict_async",
+    "strand",
     "strict_async",
 ]
 
@@ -403,8 +404,16 @@ _MADV_HUGEPAGE = 14
 
 _HOST_NOT_REGISTERED = 713
 
-# registered pages no call could unregister (see LockedPages.release): never unmapped
-_stranded: list[mmap.mmap] = []
+_stranded: list[Any] = []  # see strand()
+
+
+def strand(memory: Any) -> None:
+    """Keep *memory* -- pages, or the owner of pages, whose registration no call can undo
+    (its context is poisoned, or the driver refused) -- until the process exits: freed,
+    its registered pages would be handed to new memory, and every later host allocation
+    there fails (``CUDA_ERROR_ALREADY_MAPPED``)."""
+    _stranded.append(memory)
+
 
 _refused = False  # registering failed once for a reason other than memory: stop trying
 
@@ -442,7 +451,7 @@ class LockedPages:
         if self.mapping is None:
             lifetime.free_quietly(self.ctx, drv.cuMemFreeHost, self.ptr)
         elif self.ctx.poisoned:
-            _stranded.append(self.mapping)
+            strand(self.mapping)
         elif not self.ctx.resources_alive():  # the registration went with the context
             self.mapping.close()
         else:
@@ -504,7 +513,7 @@ def _unregister_and_unmap(ptr: int, mapping: mmap.mmap) -> tuple[Any, ...]:
     if int(res[0]) in (0, _HOST_NOT_REGISTERED):
         mapping.close()
     else:  # still registered: the pages must stay
-        _stranded.append(mapping)
+        strand(mapping)
     return tuple(res)
 
 

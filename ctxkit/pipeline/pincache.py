@@ -63,7 +63,7 @@ import numpy as np
 from .. import _driver, lifetime
 from ..context import Context
 from ..errors import PinLeakWarning
-from ..memory.host import register_conflict_hooks
+from ..memory.host import register_conflict_hooks, strand
 from ..memory.pinned import PinnedPool, pinned_pool
 from .plan import PAGE, MiB, addr
 from .staging import NO_USABLE_CONTEXT, register_pages, unregister_pages
@@ -131,7 +131,6 @@ class PinCache:
         # (id(owner), start, end) -> the owner, weakly: ranges seen once / refused by the driver
         self._seen: dict[tuple[int, int, int], weakref.ref[Any]] = {}
         self._refused: dict[tuple[int, int, int], weakref.ref[Any]] = {}
-        self._stranded: list[Any] = []  # owners of pages no context can unregister
         self._clock = 0
         self._warned_stranded = False
 
@@ -219,7 +218,7 @@ class PinCache:
                 if any(c.poisoned for c in h.contexts):
                     self._held.remove(h)
                     h.registered = False
-                    self._stranded.append(h.ref())
+                    strand(h.ref())
                     kept += h.nbytes
         if kept and not self._warned_stranded:
             self._warned_stranded = True
