@@ -545,6 +545,10 @@ class Context:
     def close(self) -> None:
         """Destroy an owned context / release a primary one. Idempotent.
 
+        A primary context's work is waited for first: PyTorch or CuPy may keep it alive
+        past the release, and what ctxkit frees after ``close()`` (pinned pages, cached
+        blocks) counts its copies as finished, as they are once a context is destroyed.
+
         Raises
         ------
         ContextInUseError
@@ -555,6 +559,9 @@ class Context:
             return
         _driver.check_fork(f"close of {self!r}")
         lifetime.context_closing(self)  # caches give back what they hold in it, while it exists
+        if self.kind == "primary" and not (self._unusable or _shutting_down):
+            with contextlib.suppress(Exception):  # a fault poisons it: no work left to wait for
+                self.synchronize()
         with Context._class_lock:
             if self.closed:
                 return

@@ -426,6 +426,38 @@ def test_synchronize_waits_for_queued_work_and_query_sees_it(gpu):
         assert ran == [1] and s.query() is True
 
 
+def test_closing_a_primary_another_library_keeps_waits_for_its_work(gpu):
+    """Release leaves the context alive in PyTorch's hands, so close() waits: the pinned
+    pages and cached blocks freed after it may be what a queued copy still reads."""
+    from ctxkit.stream import Stream
+
+    err, _ = gpu.cuDevicePrimaryCtxRetain(FakeHandle(0))  # as PyTorch or CuPy would
+    assert not err
+    ctx = Context.primary(0)
+    started, release, ran = threading.Event(), threading.Event(), []
+
+    def copy() -> None:
+        started.set()
+        release.wait(10)
+        ran.append(1)
+
+    with ctx:
+        s = Stream()
+        gpu.launch(s, copy)
+    assert started.wait(10)
+    threading.Timer(0.05, release.set).start()
+    ctx.close()
+    assert ran == [1] and ctx.closed and ctx.resources_alive()
+
+
+def test_closing_a_poisoned_primary_waits_for_nothing(fake_driver):
+    ctx = Context.primary(0)
+    ctx._poison = "a fault"
+    ctx._unusable = True
+    ctx.close()
+    assert ctx.closed and fake_driver.calls["cuCtxSynchronize"] == 0
+
+
 def test_resources_of_a_reset_primary_context_are_not_freed_again(gpu):
     """The release that drops the last reference resets the primary context, which frees
     its memory: the buffer's finalizer must not free it a second time."""

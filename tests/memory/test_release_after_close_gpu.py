@@ -88,3 +88,27 @@ print("torch pinned:", pinned.is_pinned())
 """
     )
     assert out == EXPECTED + "torch pinned: True\n"
+
+
+def test_closing_a_primary_another_library_holds_waits_for_queued_copies():
+    """Release leaves the context alive, so close() waits for its work, as destroying a
+    context does: the copy's results are in host memory when it returns."""
+    out = _python(
+        PRELUDE
+        + """
+from ctxkit.compiler import kernel_source
+err, other = drv.cuDevicePrimaryCtxRetain(dev)  # what PyTorch's runtime holds
+ctx = ck.Context.primary(0)
+with ctx:
+    spin = ck.Module.load(ck.compile(kernel_source("spin.cu"))).function("spin")
+    s = ck.Stream()
+    src = ck.to_device(np.full(1 << 20, 7, np.uint8))
+    host = ck.pinned_empty(1 << 20, np.uint8, context=ctx)
+    host[:] = 0
+    spin.launch(1, 1, 400_000_000, 0, stream=s)  # ~0.2 s
+    src.copy_to_host(host, stream=s)
+ctx.close()
+print("copied:", bool((host == 7).all()))
+"""
+    )
+    assert out == "copied: True\n"
