@@ -552,8 +552,10 @@ class Context:
         Raises
         ------
         ContextInUseError
-            The context is current in some thread (ctxkit's own pushes and the
-            calling thread's driver stack are checked).
+            The context is current in some thread: ctxkit's own pushes, and for a context
+            ctxkit made, the calling thread's driver stack (a primary context another
+            library made current there is theirs, and closing releases only ctxkit's
+            retain).
         """
         if self.closed:
             return
@@ -566,7 +568,9 @@ class Context:
             if self.closed:
                 return
             users = [t for t, ctxs in thread_bindings().items() if any(c is self for c in ctxs)]
-            if not users and _driver.bindings_available():
+            # a primary context PyTorch or CuPy made current here stays theirs: releasing
+            # ctxkit's retain leaves it alive for them (or reset, and retained again later)
+            if not users and self.kind != "primary" and _driver.bindings_available():
                 err, cu = drv.cuCtxGetCurrent()
                 if not err and int(cu) == self.handle:
                     users = [threading.current_thread().name]

@@ -222,6 +222,28 @@ def test_close_refused_when_current_through_raw_push(fake_driver):
     ctx.close()
 
 
+def test_closing_a_primary_another_library_made_current_releases_only_ctxkits_share(
+    fake_driver,
+):
+    torch_ctx = _retained_elsewhere(fake_driver)
+    fake_driver.stack().append(torch_ctx)  # as PyTorch leaves it after its first op
+    ctx = Context.primary(0)
+    ctx.close()
+    assert ctx.closed and fake_driver.primary_refs[0] == 1
+    assert fake_driver.current() == ctx.handle  # still PyTorch's, current as it left it
+    again = Context.primary(0)
+    with again:
+        assert fake_driver.current() == again.handle
+    fake_driver.stack().pop()
+
+
+def test_closing_a_primary_ctxkit_has_current_is_refused(fake_driver):
+    ctx = Context.primary(0)
+    with ctx, pytest.raises(ck.ContextInUseError, match="current"):
+        ctx.close()
+    ctx.close()
+
+
 def test_current_context_recognises_foreign_primary(fake_driver):
     fake_driver.stack().append(fake_driver.primary[1])  # e.g. PyTorch made it current
     ctx = current_context()
@@ -448,6 +470,7 @@ def test_closing_a_primary_another_library_keeps_waits_for_its_work(gpu):
     threading.Timer(0.05, release.set).start()
     ctx.close()
     assert ran == [1] and ctx.closed and ctx.resources_alive()
+    s.close()  # freed in the context PyTorch keeps
 
 
 def test_closing_a_poisoned_primary_waits_for_nothing(fake_driver):
