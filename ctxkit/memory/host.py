@@ -659,19 +659,17 @@ def register_host(
     and memory CUDA already manages (a ``ManagedBuffer.as_numpy()`` view) are yielded
     unchanged (the flags do not apply) and left alone on exit.
 
-    Page rules: the driver locks whole pages, so the registration also covers whatever
-    shares the array's partial first and last page, such as the ends of its heap
-    neighbours (arrays below glibc's mmap threshold sit back to back). While the block
-    runs, the driver refuses (``CUDA_ERROR_INVALID_VALUE``) every copy whose host range
-    spans the registration's edge: a pageable copy of such a neighbour, by ctxkit,
-    PyTorch or CuPy, fails. Where it refuses an array that shares a page with memory
-    already registered elsewhere, ctxkit raises ``ValueError`` (the CUDA 13.0 driver
-    accepts such arrays). So give an array you register pages of its own: allocate with
-    :func:`pinned_empty`, or register one big array and use slices of it. (Pin on reuse
-    in ``Pipeline.map``, which registers on its own initiative, locks only the whole
-    pages inside an array, lets go of them here when no map is using them: the caller's
-    registration wins.) Memory counts as page-locked already only when both
-    its first and its last byte are.
+    Byte rules (measured on H200, driver 580): the OS locks whole pages, but the driver
+    keeps the registration as the array's exact bytes, so heap neighbours sharing its
+    first or last page stay pageable and their copies by anyone work. While the block
+    runs the driver refuses (``CUDA_ERROR_INVALID_VALUE``) a copy whose host range
+    starts inside the array and ends beyond it, such as a copy of the array's owner from
+    a byte inside the array on: register the whole owner, or copy the view itself. An
+    array some of whose bytes are registered already (by another registration or a
+    pinned allocation) is refused: ``ValueError``. Pin on reuse in ``Pipeline.map``,
+    which registers on its own initiative, lets go of what it holds here when no map is
+    using it: the caller's registration wins. Memory counts as page-locked already only
+    when both its first and its last byte are.
 
     Parameters
     ----------
@@ -714,8 +712,9 @@ def register_host(
     err = register_pages(ptr, nbytes, flags, ctx)
     if err == _HOST_ALREADY_REGISTERED:
         raise ValueError(
-            f"register_host: the array at {ptr:#x} ({nbytes} bytes) shares a page with host "
-            "memory that is already registered; the driver pins whole pages. Register one "
+            f"register_host: the array at {ptr:#x} ({nbytes} bytes) is partly registered "
+            "already (some of its bytes belong to another registration or a pinned "
+            "allocation, and the driver registers a byte only once). Register one "
             "enclosing array instead, or allocate with ctxkit.pinned_empty()"
         )
     if err:

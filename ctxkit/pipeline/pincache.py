@@ -7,9 +7,8 @@ buffers, a training or serving loop) pays neither if the arrays stay page-locked
 calls, the way MPI libraries keep a registration cache. :class:`PinCache` does that:
 
 * the first call that sees a pageable array only notes it (it is staged);
-* a later call that sees the same memory again page-locks the whole pages inside the
-  array once (``cuMemHostRegister(PORTABLE)``), and from then on its chunks are DMAed
-  directly;
+* a later call that sees the same memory again page-locks the array's bytes once
+  (``cuMemHostRegister(PORTABLE)``), and from then on its chunks are DMAed directly;
 * a registration is undone when the array's memory owner is collected (its weak
   reference fires before numpy frees the memory), when the cache needs room (least
   recently used first), and when no Pipeline keeps it any more
@@ -26,15 +25,15 @@ and held arrays together never exceed the budget. Each Pipeline's claims
 
 The memory owner is the last ndarray of the array's ``.base`` chain: it owns the memory
 or keeps the object that does alive, and numpy refuses to ``resize`` an array that has
-weak references, so the held pages stay the array's own. Only the whole pages inside the
-array are registered, never its partial first and last page: arrays smaller than the
-mmap threshold come from the heap, back to back with other memory, and a registration
-rounded out to pages would cover a neighbour's bytes. The driver refuses any copy whose
-host range spans a registration's edge, so a pageable copy of that neighbour by anyone
-(PyTorch, CuPy, ctxkit) would fail. The pipeline moves the bytes on the partial pages
-through its pinned bounce buffer (:func:`~.plan.held_pieces`). Ranges that overlap a
-held range, and pages the driver refuses (registered elsewhere, locked-memory limit),
-are never held: those arrays keep the pipeline's other host path.
+weak references, so the held bytes stay the array's own. The driver keeps a registration
+as the exact byte range asked for (the pages it locks may be shared with other memory,
+and those bytes stay pageable), and it refuses any copy that starts inside a
+registration and ends beyond it. So the range held runs from the array's first byte to
+the end of its owner's bytes (:func:`hold_range`): a pageable copy by anyone (PyTorch,
+CuPy, ctxkit) of the owner, of any view of it, or of a neighbour sharing the array's
+first or last page goes through as before. Ranges that overlap a held range, and
+memory the driver refuses (registered elsewhere, locked-memory limit), are never held:
+those arrays keep the pipeline's other host path.
 
 When the owner dies its pages are unregistered at once, never later: freed memory that
 stayed registered would make a new array numpy places there look pinned, and the device
@@ -65,13 +64,14 @@ from ..context import Context
 from ..errors import PinLeakWarning
 from ..memory.host import register_conflict_hooks, strand
 from ..memory.pinned import PinnedPool, pinned_pool
-from .plan import PAGE, MiB, addr
+from .plan import MiB, addr
 from .staging import NO_USABLE_CONTEXT, register_pages, unregister_pages
 
 __all__ = [
     "MIN_HOLD_BYTES",
     "PinCache",
     "PinClaims",
+    "hold_range",
     "memory_owner",
     "process_pins",
 ]
@@ -93,6 +93,25 @@ def memory_owner(arr: np.ndarray) -> np.ndarray:
     while isinstance(owner.base, np.ndarray):
         owner = owner.base
     return owner
+
+
+def hold_range(arr: np.ndarray, owner: np.ndarray) -> tuple[int, int]:
+    """The bytes pin on reuse registers for *arr*: from its first byte to the end of its
+    memory *owner*'s bytes (or of its own, when it ends later).
+
+    The driver refuses a copy that starts inside a registration and ends beyond it, so
+    a registration ending inside the owner would fail a pageable copy of any view of the
+    owner that runs past *arr*'s end (``owner`` whole when *arr* is ``owner[:n]``)."""
+    ptr = addr(arr)
+    return ptr, max(ptr + arr.nbytes, _last_byte(owner) + 1)
+
+
+def _last_byte(a: np.ndarray) -> int:
+    """The address of the last byte of *a*'s memory, whatever its strides."""
+    if not a.size:
+        return addr(a) - 1
+    reach = sum((n - 1) * st for n, st in zip(a.shape, a.strides, strict=True) if st > 0)
+    return addr(a) + reach + a.itemsize - 1
 
 
 @dataclass(eq=False)
@@ -150,11 +169,10 @@ class PinCache:
         """Use *arr* for one map call: its held range (now registered if this is its
         second sighting and it fits), or None. Pair a range with :meth:`done`."""
         limit = min(pinned_pool().budget, claims.limit)
-        ptr = addr(arr)
-        start, end = -(-ptr // PAGE) * PAGE, (ptr + arr.nbytes) // PAGE * PAGE  # whole pages
-        if limit <= 0 or arr.nbytes < MIN_HOLD_BYTES or end <= start:
+        if limit <= 0 or arr.nbytes < MIN_HOLD_BYTES:
             return None
         owner = memory_owner(arr)
+        start, end = hold_range(arr, owner)
         with self._lock:
             self._clock += 1
             held = next(

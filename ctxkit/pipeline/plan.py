@@ -22,7 +22,6 @@ __all__ = [
     "choose_host_path",
     "default_chunk_bytes",
     "grid_size",
-    "held_pieces",
     "host_pieces",
     "plan_map",
     "prepare_io",
@@ -184,11 +183,11 @@ class PipelineOptions:
         Pin on reuse, for ``host_path="auto"``: a pageable array (16 MiB or more) that a
         later map call sees again is page-locked once (``cuMemHostRegister``) and kept
         locked while its memory lives, so every further call DMAs it directly, as if it
-        were pinned. Only the whole pages inside the array are locked (the bytes on its
-        partial end pages are bounced), never memory next to it. This bounds the bytes
-        the pipeline keeps locked (least recently used arrays are released first); 0
-        turns it off. Default: the process budget. See
-        :meth:`~ctxkit.pipeline.Pipeline.release_pinned`.
+        were pinned. The bytes from the array's start to the end of its memory owner are
+        registered, no byte next to them, so anyone's copies of the owner, its views and
+        neighbouring memory behave as before. This bounds the bytes the pipeline keeps
+        locked (least recently used arrays are released first); 0 turns it off.
+        Default: the process budget. See :meth:`~ctxkit.pipeline.Pipeline.release_pinned`.
 
         The budget is one per process, shared by every Pipeline (a registration serves
         all of them) and by the pinned pool its staging buffers and pinned outputs come
@@ -342,9 +341,9 @@ class MapPlan:
 
     @property
     def bounces(self) -> bool:
-        """True when a side's chunks may bounce the bytes at their ends (registered or
-        held pages), so a slot needs its bounce buffer."""
-        return self.registers or "held" in (self.in_mode, self.out_mode)
+        """True when a side's chunks may bounce the bytes at their ends (registered
+        pages), so a slot needs its bounce buffer."""
+        return self.registers
 
     @property
     def needs_pool(self) -> bool:
@@ -604,18 +603,3 @@ def host_pieces(base: int, total: int, b0: int, b1: int, page: int = PAGE) -> Ho
         return HostPieces(b1 - b0, 0, 0, 0, 0)
     end = min(a1, s1)
     return HostPieces(s0 - a0, end - s0, a1 - end, s0, s1 - s0)
-
-
-def held_pieces(base: int, total: int, b0: int, b1: int, page: int = PAGE) -> HostPieces:
-    """Split bytes ``[b0, b1)`` of an array at address *base* (*total* bytes long) whose
-    whole pages pin on reuse keeps registered (:mod:`.pincache`).
-
-    The bytes on the array's partial first page are ``head``, those on its partial last
-    page ``tail`` (each shorter than a page, bounced), the rest ``direct``: no copy
-    crosses the registration's edge. ``seg_ptr``/``seg_len`` are the registered pages.
-    """
-    lo, hi = -(-base // page) * page, (base + total) // page * page
-    a0, a1 = base + b0, base + b1
-    d0 = min(max(a0, lo), a1)
-    d1 = max(min(a1, hi), d0)
-    return HostPieces(d0 - a0, d1 - d0, a1 - d1, lo, max(hi - lo, 0))

@@ -30,9 +30,8 @@ Host data of a side (input or output) moves one of five ways (the map's
 :class:`~ctxkit.pipeline.plan.MapPlan` says which):
 
 * ``pinned``: the user's array is page-locked already; copies use it directly;
-* ``held``: the whole pages inside the user's array kept locked by pin on reuse
-  (:mod:`ctxkit.pipeline.pincache`) and used directly; the bytes on its partial first
-  and last pages go through the slot's small bounce buffer;
+* ``held``: the user's array kept locked by pin on reuse
+  (:mod:`ctxkit.pipeline.pincache`) and used directly;
 * ``staged``: through a pinned staging buffer of the slot, filled (input) or drained
   (output) by the host copy pool;
 * ``register``: the chunk's whole pages are registered ahead of time by the host pool
@@ -88,7 +87,6 @@ from .plan import (
     MapPlan,
     addr,
     grid_size,
-    held_pieces,
     host_pieces,
     row_bytes,
 )
@@ -727,7 +725,7 @@ def _side(
     device only reads it)."""
     b0, b1 = c.row0 * row, c.row1 * row
     if mode == "held":
-        return held_pieces(base, total, b0, b1), None
+        return HostPieces(0, b1 - b0, 0, base + b0, b1 - b0), None  # all of it registered
     if mode != "register":
         return None, None
     pieces = host_pieces(base, total, b0, b1)

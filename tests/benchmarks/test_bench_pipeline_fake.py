@@ -19,7 +19,6 @@ from tests.support.fakedriver import FakeHandle
 from tests.support.fakegpu import FakeGPU, launch_scale_f32
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-PAGE = mmap.PAGESIZE
 
 
 class ModuleCalls:
@@ -45,26 +44,8 @@ class ModuleCalls:
         return (0,)
 
 
-def lock_whole_pages(gpu: FakeGPU, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The driver locks the whole pages of an unaligned range (``ck.register_host`` of a
-    numpy array that does not start on a page); the fake takes page-aligned ranges only."""
-    register, unregister = gpu.cuMemHostRegister, gpu.cuMemHostUnregister
-
-    def cuMemHostRegister(ptr, n, flags):
-        p = int(ptr)
-        start, end = p - p % PAGE, -(-(p + n) // PAGE) * PAGE
-        return register(start, end - start, flags)
-
-    def cuMemHostUnregister(ptr):
-        return unregister(int(ptr) - int(ptr) % PAGE)
-
-    monkeypatch.setattr(gpu, "cuMemHostRegister", cuMemHostRegister)
-    monkeypatch.setattr(gpu, "cuMemHostUnregister", cuMemHostUnregister)
-
-
 @pytest.fixture
 def bench(gpu, monkeypatch):
-    lock_whole_pages(gpu, monkeypatch)
     monkeypatch.syspath_prepend(str(BENCH))
     import bench_pipeline
     import pipeline_baselines

@@ -373,18 +373,43 @@ def test_register_host_in_place(ctx0):
 
 
 def test_register_host_neighbours_in_one_page(ctx0):
-    """Two arrays in one page: the driver pins whole pages. Either both registrations
-    work, or the second is refused with ctxkit's explanation; nothing else."""
+    """Two arrays in one page: the driver keeps exact byte ranges, so both registrations
+    work; an array with bytes of a registered one is refused with ctxkit's message."""
     block = np.zeros(8192, np.uint8)
-    first, second = block[64:128], block[256:512]
+    first, second = block[64:128], block[128:512]
     with ctx0, ck.register_host(first):
+        assert ck.is_pinned(first) and not ck.is_pinned(block[:64])
+        with ck.register_host(second):
+            assert ck.is_pinned(second)
+        with pytest.raises(ValueError, match="partly registered already"):
+            with ck.register_host(block[100:200]):  # starts inside first
+                pass
         assert ck.is_pinned(first)
-        try:
-            with ck.register_host(second):
-                assert ck.is_pinned(second)
-        except ValueError as exc:
-            assert "shares a page" in str(exc)
-        assert ck.is_pinned(first)
+
+
+def test_register_host_refuses_only_copies_running_out_of_the_array(ctx0):
+    """The rule the simulated drivers model (tests/support/fakedriver.py): a pageable
+    copy may not start inside a registration and end beyond it; copies of neighbours on
+    its pages and copies from before it go through, with correct bytes."""
+    raw = np.zeros(8 * 4096, np.uint8)
+    s = -int(raw.ctypes.data) % 4096 + 4096 + 100
+    arr = raw[s : s + 2 * 4096 + 50]
+    e = s + arr.nbytes
+    with ctx0:
+        buf = DeviceBuffer(4 * 4096)
+        with ck.register_host(arr):
+            for lo, hi in ((s - 4096, s), (e, e + 4096), (s - 10, s + 10), (s - 10, e + 10)):
+                want = np.random.default_rng(lo).integers(0, 255, hi - lo, np.uint8)
+                raw[lo:hi] = want
+                buf[: hi - lo].copy_from_host(raw[lo:hi])
+                raw[lo:hi] = 0
+                buf[: hi - lo].copy_to_host(raw[lo:hi])
+                np.testing.assert_array_equal(raw[lo:hi], want)
+            for lo, hi in ((s + 10, e + 10), (s, e + 1)):
+                with pytest.raises(ck.CudaError, match="INVALID_VALUE"):
+                    buf[: hi - lo].copy_from_host(raw[lo:hi])
+        buf[:4096].copy_from_host(raw[s + 10 : s + 4106])  # unregistered: pageable again
+        buf.close()
 
 
 def test_pageable_async_copy_warns_pinned_does_not(ctx0):

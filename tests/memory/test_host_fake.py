@@ -178,31 +178,37 @@ def test_register_host_pins_in_place_and_unregisters(fake, ctx0):
             with ck.register_host(arr[10:]):  # already pinned: left alone
                 pass
             assert ck.is_pinned(arr)
-            with pytest.raises(ValueError, match="shares a page"):
-                neighbour = np.frombuffer(
-                    (ctypes.c_uint8 * 16).from_address(arr.ctypes.data + arr.nbytes), np.uint8
-                )
-                with ck.register_host(neighbour):
+            across = np.frombuffer(
+                (ctypes.c_uint8 * 16).from_address(arr.ctypes.data + arr.nbytes - 8), np.uint8
+            )
+            with pytest.raises(ValueError, match="partly registered already"):
+                with ck.register_host(across):  # its first 8 bytes are arr's
                     pass
         assert not ck.is_pinned(arr)
     assert len(fake.calls("register")) == 1 and len(fake.calls("unregister")) == 1
     assert fake.calls("register")[0][2][2] == 1  # PORTABLE
 
 
-def test_register_host_covers_a_neighbours_bytes_whose_copy_then_fails(fake, ctx0):
+def test_register_host_refuses_only_copies_running_out_of_the_array(fake, ctx0):
+    """The driver's rule: a copy may not start inside a registration and end beyond it;
+    neighbours that share the array's pages, and copies ending inside it, go through."""
     raw = np.zeros(8 * PAGE, np.uint8)
     s = -raw.ctypes.data % PAGE + PAGE + 100  # not on a page boundary
-    before, arr, after = raw[s - PAGE : s], raw[s : s + 2 * PAGE], raw[s + 2 * PAGE :][:PAGE]
+    before, arr = raw[s - PAGE : s], raw[s : s + 2 * PAGE]
+    after = raw[s + 2 * PAGE :][:PAGE]
     with ctx0:
-        buf = DeviceBuffer(PAGE)
+        buf = DeviceBuffer(4 * PAGE)
         with ck.register_host(arr):
-            DeviceBuffer(arr.nbytes).copy_from_host(arr)  # inside the registration: fine
-            for neighbour in (before, after):  # partly on the registered pages
-                with pytest.raises(ck.CudaError, match="INVALID_VALUE"):
-                    buf.copy_from_host(neighbour)
-                with pytest.raises(ck.CudaError, match="INVALID_VALUE"):
-                    buf.copy_to_host(neighbour)
-        buf.copy_from_host(after)  # unregistered: pageable again
+            DeviceBuffer(arr.nbytes).copy_from_host(arr)
+            for fine in (before, after, raw[s - 10 : s + 10], raw[s - 10 : s + 2 * PAGE + 10]):
+                buf[: fine.nbytes].copy_from_host(fine)
+                buf[: fine.nbytes].copy_to_host(fine)
+            across = raw[s + PAGE : s + 3 * PAGE]  # from inside arr past its end
+            with pytest.raises(ck.CudaError, match="INVALID_VALUE"):
+                buf[: across.nbytes].copy_from_host(across)
+            with pytest.raises(ck.CudaError, match="INVALID_VALUE"):
+                buf[: across.nbytes].copy_to_host(across)
+        buf[: across.nbytes].copy_from_host(across)  # unregistered: pageable again
         assert not fake.registered
 
 

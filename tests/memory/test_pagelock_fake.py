@@ -198,6 +198,9 @@ def test_register_pages_returns_the_cuda_result(gpu):
     assert gpu.register_calls[-1] == (ptr, arr.nbytes, PORTABLE)
     assert host.register_pages(ptr, arr.nbytes, PORTABLE, ctx) == 712  # already registered
     with ctx:
-        assert host.register_pages(ptr + 1, 4096, PORTABLE) == 1  # not page-aligned: invalid
+        assert host.register_pages(ptr + 1, 4096, PORTABLE) == 712  # overlaps those bytes
+        beyond = ptr + arr.nbytes + 10  # unaligned, sharing no byte: accepted
+        assert host.register_pages(beyond, 100, PORTABLE) == 0
+        assert ck._driver.drv.cuMemHostUnregister(beyond) == (0,)
         (err,) = ck._driver.drv.cuMemHostUnregister(ptr)
     assert not err and ptr not in gpu.registered

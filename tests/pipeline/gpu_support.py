@@ -93,16 +93,14 @@ def assert_unregistered(*arrays: np.ndarray) -> None:
 
 
 def assert_held(*arrays: np.ndarray) -> None:
-    """Pin on reuse holds the arrays as it should: their whole pages are page-locked, the
-    partial pages at their ends (shared with whatever lies next to them) are not."""
+    """Pin on reuse holds the arrays as it should: every byte of them is page-locked (the
+    registration starts at the first one), the byte before each array is not (the
+    neighbour sharing its first page stays pageable)."""
     for a in arrays:
         lo, hi = int(a.ctypes.data), int(a.ctypes.data) + a.nbytes
-        first, last = -(-lo // PAGE) * PAGE, hi // PAGE * PAGE - 1
-        assert host_pointer_kind(first) == host_pointer_kind(last) == "pinned", (hex(lo), hi - lo)
-        if lo % PAGE:
-            assert host_pointer_kind(lo) == "pageable", hex(lo)
-        if hi % PAGE:
-            assert host_pointer_kind(hi - 1) == "pageable", hex(hi)
+        for ptr in (lo, lo + a.nbytes // 2, hi - 1):
+            assert host_pointer_kind(ptr) == "pinned", (hex(ptr), hex(lo), hi - lo)
+        assert host_pointer_kind(lo - 1) == "pageable", hex(lo)
 
 
 def foreign_buffer(n: int, seed: int) -> tuple[bytearray, np.ndarray]:

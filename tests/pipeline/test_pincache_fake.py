@@ -9,7 +9,6 @@ after it was released or registered twice.
 from __future__ import annotations
 
 import gc
-import itertools
 import threading
 import warnings
 import weakref
@@ -22,7 +21,6 @@ import ctxkit as ck
 from ctxkit.pipeline import Pipeline, PipelineError
 from ctxkit.pipeline import pincache as _pincache
 from ctxkit.pipeline.pincache import PinCache, PinClaims, memory_owner
-from ctxkit.pipeline.staging import BOUNCE_BYTES
 from tests.support import fakegpu
 from tests.support.fakegpu import (
     CAPTURE_GLOBAL,
@@ -42,11 +40,11 @@ def _small_min(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def own_pages(a: np.ndarray) -> np.ndarray:
-    """A copy of *a* on pages of its own (a view into a padded buffer), as big numpy
-    arrays are (glibc maps them); small heap blocks may share pages with neighbours."""
+    """A copy of *a* that is its own memory owner, on pages it shares with nothing (as
+    big numpy arrays are: glibc maps them), not starting on a page."""
     raw = np.zeros(a.nbytes + 3 * PAGE, np.uint8)
     start = (-raw.ctypes.data) % PAGE + PAGE + 16
-    out = raw[start : start + a.nbytes].view(a.dtype)
+    out = np.frombuffer(raw.data, a.dtype, count=a.size, offset=start)
     out[...] = a
     return out
 
@@ -57,16 +55,6 @@ def data(n: int = N, seed: int = 0) -> np.ndarray:
 
 def zeros(n: int = N) -> np.ndarray:
     return own_pages(np.zeros(n, np.float32))
-
-
-def first_page(a: np.ndarray) -> int:
-    """The first whole page inside *a*: where pin on reuse registers it."""
-    return -(-a.ctypes.data // PAGE) * PAGE
-
-
-def whole_pages(a: np.ndarray) -> int:
-    """Bytes of the whole pages inside *a*."""
-    return (a.ctypes.data + a.nbytes) // PAGE * PAGE - first_page(a)
 
 
 def registered_bytes(gpu) -> int:
@@ -87,7 +75,7 @@ def test_second_call_pins_and_later_calls_reuse_the_registration(gpu):
         assert paths[0] == "in=staged, out=staged"
         assert paths[1:] == ["in=held, out=held"] * 3
         assert len(gpu.register_calls) == calls == 2  # x and out, once each
-        assert p.pinned_bytes == registered_bytes(gpu) == whole_pages(x) + whole_pages(out)
+        assert p.pinned_bytes == registered_bytes(gpu) == x.nbytes + out.nbytes
         assert not gpu.pageable_dma
     assert not gpu.registered  # close() unlocked everything
 
@@ -98,8 +86,8 @@ def test_held_input_is_registered_read_only_capable_and_output_writable(gpu):
         p.map(scale_body(gpu, 2.0), x, out)
         p.map(scale_body(gpu, 2.0), x, out)
         starts = {ptr: (n, flags) for ptr, n, flags in gpu.register_calls}
-        assert starts[first_page(x)][0] == whole_pages(x)
-        assert starts[first_page(out)][0] == whole_pages(out)
+        assert starts[x.ctypes.data][0] == x.nbytes
+        assert starts[out.ctypes.data][0] == out.nbytes
 
 
 def test_registration_is_released_when_the_array_dies(gpu):
@@ -108,7 +96,7 @@ def test_registration_is_released_when_the_array_dies(gpu):
         x = data()
         for _ in range(2):
             p.map(scale_body(gpu, 2.0), x, out)
-        start = first_page(x)
+        start = x.ctypes.data
         assert start in gpu.registered
         del x
         gc.collect()
@@ -207,7 +195,7 @@ def test_array_over_a_foreign_buffer_is_held_while_the_array_lives(gpu):
             p.map(scale_body(gpu, 2.0), x[PAGE : PAGE + N], out)
             np.testing.assert_array_equal(out, x[PAGE : PAGE + N] * 2)
         assert p.last_stats.path == "in=held, out=held"
-        start = first_page(x[PAGE:])
+        start = x[PAGE:].ctypes.data
         assert start in gpu.registered
         del x
         gc.collect()
@@ -216,13 +204,15 @@ def test_array_over_a_foreign_buffer_is_held_while_the_array_lives(gpu):
 
 
 def _row() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """``raw`` and three arrays of N back to back in it at offsets that are no multiple
-    of a page (heap neighbours): ``before`` shares its last page with ``x``, ``x`` its
-    last page with ``after``."""
+    """``raw`` and three arrays of N back to back in it, each its own memory owner, at
+    offsets that are no multiple of a page (heap neighbours): ``before`` shares its
+    last page with ``x``, ``x`` its last page with ``after``."""
     raw = np.zeros(3 * N + 2 * PAGE, np.float32)
-    s = (-raw.ctypes.data % PAGE) // 4 + 4
-    before, x, after = (raw[s + i * N : s + (i + 1) * N] for i in range(3))
-    assert all(a.ctypes.data % PAGE for a in (before, x, after))
+    s = (-raw.ctypes.data % PAGE) + 16
+    before, x, after = (
+        np.frombuffer(raw.data, np.float32, count=N, offset=s + i * 4 * N) for i in range(3)
+    )
+    assert all(a.ctypes.data % PAGE and memory_owner(a) is a for a in (before, x, after))
     x[:] = np.arange(N)
     return raw, before, x, after
 
@@ -235,7 +225,7 @@ def _inside(gpu, *arrays: np.ndarray) -> None:
 
 
 @pytest.mark.parametrize("path", ["auto", "register", "split"])
-def test_a_registration_covers_only_whole_pages_inside_the_arrays(gpu, path):
+def test_a_registration_covers_only_bytes_of_the_arrays(gpu, path):
     _raw, _before, x, after = _row()
     with Pipeline(
         [0], options=ck.PipelineOptions(chunk_bytes=8 * PAGE, host_threads=2, host_path=path)
@@ -246,33 +236,75 @@ def test_a_registration_covers_only_whole_pages_inside_the_arrays(gpu, path):
             np.testing.assert_array_equal(after, np.arange(N, dtype=np.float32) * 2)
         assert gpu.register_calls and (path != "auto" or p.last_stats.path == "in=held, out=held")
         _inside(gpu, x, after)
-        assert not gpu.pageable_dma  # the partial end pages were bounced through pinned memory
+        if path == "auto":  # held: each array registered byte-exactly, once
+            want = sorted((a.ctypes.data, a.nbytes) for a in (x, after))
+            assert sorted((q, n) for q, n, _f in gpu.register_calls) == want
+        assert not gpu.pageable_dma
     assert not gpu.registered
+
+
+def _round_trip(p: Pipeline, a: np.ndarray) -> None:
+    """A pageable copy of *a* to the device and back by ctxkit, as any library does."""
+    want = np.random.default_rng(5).random(a.size, dtype=np.float32).reshape(a.shape)
+    a[...] = want
+    buf = ck.DeviceBuffer(a.nbytes, context=p.contexts[0])
+    buf.copy_from_host(a)
+    a[...] = 0
+    buf.copy_to_host(a)
+    np.testing.assert_array_equal(a, want)
+    np.testing.assert_array_equal(buf.copy_to_host().view(np.float32).reshape(a.shape), want)
+    buf.close()
 
 
 @pytest.mark.parametrize("side", ["before", "after"])
 def test_neighbour_of_a_held_array_is_copied_by_anyone(gpu, side):
     _raw, before, x, after = _row()
-    b = before if side == "before" else after
     out = zeros()
     with Pipeline([0], options=ck.PipelineOptions(chunk_bytes=8 * PAGE, host_threads=2)) as p:
         for _ in range(2):
             p.map(scale_body(gpu, 2.0), x, out)
         assert p.last_stats.path == "in=held, out=held"
-        want = np.random.default_rng(5).random(N, dtype=np.float32)
-        b[:] = want
-        buf = ck.DeviceBuffer(b.nbytes, context=p.contexts[0])
-        buf.copy_from_host(b)  # pageable, and its page next to x holds some of x's bytes
-        b[:] = 0
-        buf.copy_to_host(b)
-        np.testing.assert_array_equal(b, want)
-        np.testing.assert_array_equal(buf.copy_to_host().view(np.float32), want)
-        buf.close()
+        _round_trip(p, before if side == "before" else after)  # shares a page with x
         p.map(scale_body(gpu, 3.0), x, out)
         np.testing.assert_array_equal(out, np.arange(N, dtype=np.float32) * 3)
 
 
-def test_neighbours_both_held_leave_their_shared_page_unregistered(gpu):
+@pytest.mark.parametrize(
+    "part", ["whole", "head", "tail", "middle"], ids=lambda part: f"{part}-slice"
+)
+def test_slices_of_a_held_array_are_copied_by_anyone(gpu, part):
+    x, out = data(), zeros()
+    piece = {"whole": x, "head": x[:5000], "tail": x[-5000:], "middle": x[3000:-3000]}[part]
+    with Pipeline([0], options=ck.PipelineOptions(chunk_bytes=8 * PAGE, host_threads=2)) as p:
+        for _ in range(2):
+            p.map(scale_body(gpu, 2.0), x, out)
+        assert p.last_stats.path == "in=held, out=held"
+        _round_trip(p, piece)  # starts inside the registration: must not run past its end
+        p.map(scale_body(gpu, 2.0), x, out)
+        np.testing.assert_array_equal(out, x * 2)
+        assert not gpu.pageable_dma
+
+
+def test_a_held_view_keeps_the_rest_of_its_owner_copyable(gpu):
+    """A map of ``buf[:N]``: copies of ``buf`` and of views running past the map's
+    rows (they start inside what is held) work as before."""
+    buf = own_pages(np.arange(2 * N, dtype=np.float32))
+    out = zeros()
+    with Pipeline([0], options=ck.PipelineOptions(chunk_bytes=8 * PAGE, host_threads=2)) as p:
+        for _ in range(2):
+            p.map(scale_body(gpu, 2.0), buf[:N], out)
+        assert p.last_stats.path == "in=held, out=held"
+        assert gpu.register_calls[0][:2] == (buf.ctypes.data, buf.nbytes)
+        for view in (buf, buf[N // 2 :], buf[N // 2 : N + 10], buf[N - 1 :]):
+            _round_trip(p, view)
+        buf[:] = np.arange(2 * N)
+        p.map(scale_body(gpu, 2.0), buf[N // 2 : N + N // 2], out)  # inside: still held
+        assert p.last_stats.path == "in=held, out=held"
+        np.testing.assert_array_equal(out, np.arange(N // 2, N + N // 2, dtype=np.float32) * 2)
+        assert not gpu.pageable_dma
+
+
+def test_neighbours_sharing_pages_are_all_held(gpu):
     _raw, before, x, after = _row()
     with Pipeline([0], options=ck.PipelineOptions(chunk_bytes=8 * PAGE, host_threads=2)) as p:
         for _ in range(3):
@@ -283,8 +315,7 @@ def test_neighbours_both_held_leave_their_shared_page_unregistered(gpu):
             np.testing.assert_array_equal(after, np.arange(N, dtype=np.float32) * 3)
         assert p.last_stats.path == "in=held, out=held"
         spans = sorted((b, b + n) for b, (n, _f) in gpu.registered.items())
-        assert len(spans) == 3 and all(e < s for (_, e), (s, _) in itertools.pairwise(spans))
-        _inside(gpu, before, x, after)
+        assert spans == [(a.ctypes.data, a.ctypes.data + a.nbytes) for a in (before, x, after)]
         assert not gpu.pageable_dma
     assert not gpu.registered
 
@@ -347,7 +378,7 @@ def test_disabled_cache_answers_without_the_driver():
 # --- one budget per process -------------------------------------------------------------------
 
 
-ONE = N * 4 + 2 * PAGE  # the pages of one array
+ONE = N * 4  # the bytes of one array
 
 
 def leave_room(pipes: list[Pipeline], gpu: Any, nbytes: int) -> int:
@@ -411,7 +442,7 @@ def test_a_registration_serves_every_pipeline_until_the_last_lets_go(gpu):
 
 def test_pin_cache_bytes_caps_one_pipeline_within_the_process_budget(gpu):
     arrays = [data(seed=i) for i in range(3)]
-    one = N * 4 + 2 * PAGE
+    one = N * 4
     with Pipeline([0], options=ck.PipelineOptions(host_threads=2, pin_cache_bytes=one)) as p:
         for _ in range(3):
             for a in arrays:
@@ -452,7 +483,7 @@ def test_a_full_pool_stages_instead_of_holding(gpu):
 def test_room_in_the_pool_is_made_by_releasing_idle_ranges(gpu):
     arrays = [data(seed=i) for i in range(2)]
     with Pipeline([0], options=ck.PipelineOptions(host_threads=2)) as p:
-        leave_room([p], gpu, ONE + BOUNCE_BYTES)  # one held array (and its bounce buffer)
+        leave_room([p], gpu, ONE)  # one held array
         for _ in range(3):
             for a in arrays:
                 p.map(scale_body(gpu, 2.0), a, a)  # in place: one range per array
@@ -507,7 +538,7 @@ class ForeignBuffer:
         return np.frombuffer(self.raw, np.float32)
 
     def start(self) -> int:
-        return first_page(self.array()[PAGE:])
+        return self.array()[PAGE:].ctypes.data
 
 
 def _hold(gpu, p: Pipeline, owner: np.ndarray, out: np.ndarray) -> None:
@@ -595,7 +626,7 @@ def test_every_registration_left_behind_is_warned_about(gpu, monkeypatch):
             for x in xs:
                 for _ in range(2):
                     p.map(scale_body(gpu, 2.0), x, out)
-            starts = {f"{first_page(a):#x}" for a in (*xs, out)}
+            starts = {f"{a.ctypes.data:#x}" for a in (*xs, out)}
             del x
             xs.clear()
             gc.collect()
@@ -637,7 +668,7 @@ def test_registering_context_closed_later_unregisters_in_another(gpu):
         for _ in range(2):
             q.map(scale_body(gpu, 2.0), x, out)  # held again, in q's context
         assert gpu.registered and q.pinned_bytes
-        start = first_page(x)
+        start = x.ctypes.data
         del x
         gc.collect()
         assert start not in gpu.registered
@@ -649,9 +680,9 @@ def test_registering_context_closed_later_unregisters_in_another(gpu):
 
 
 def test_register_host_of_a_held_array_takes_its_pages_over(gpu):
-    """The caller's ck.register_host of an array pin on reuse holds registers the whole
-    array (the hold lets go), also when the held pages start at its first byte, so that
-    byte alone looks page-locked (the simulated driver registers whole pages only)."""
+    """The caller's ck.register_host of a view inside a range pin on reuse holds (the
+    view's first byte looks page-locked, its last too) registers the view itself: the
+    hold lets go first."""
     x = data(10 * PAGE)
     raw = np.zeros(41 * PAGE, np.uint8)
     start = (-raw.ctypes.data) % PAGE
@@ -664,7 +695,7 @@ def test_register_host_of_a_held_array_takes_its_pages_over(gpu):
             assert ck.is_pinned(out)
             staged = ck.PipelineOptions(host_path="staged")
             p.map(scale_body(gpu, 3.0), x, out, options=staged)
-            assert p.last_stats.path.endswith("out=pinned")
+            assert p.last_stats.path == "pinned"  # x: still held, so page-locked
             np.testing.assert_array_equal(out, x * 3)
         assert not ck.is_pinned(out)
         assert not gpu.pageable_dma

@@ -313,23 +313,3 @@ def test_prepare_io_read_only_and_partial_overlap():
     big = np.zeros(9)
     with pytest.raises(ValueError, match="partially overlaps"):
         prepare_io(big[:8], big[1:])
-
-
-@pytest.mark.parametrize(
-    ("b0", "b1", "pieces"),
-    [
-        (0, 1000, (1000, 0, 0)),  # all on the partial first page: bounced
-        (0, 5000, (1096, 3904, 0)),
-        (1096, 9192, (0, 8096, 0)),  # whole pages only: direct
-        (1096, 13000, (0, 8192, 3712)),
-        (9288, 12000, (0, 0, 2712)),  # all on the partial last page
-        (0, 13000, (1096, 8192, 3712)),
-    ],
-)
-def test_held_pieces_bounce_only_the_bytes_on_partial_end_pages(b0, b1, pieces):
-    from ctxkit.pipeline.plan import held_pieces
-
-    pc = held_pieces(3000, 13000, b0, b1, page=4096)  # pages 4096..12288 inside
-    assert (pc.head, pc.direct, pc.tail) == pieces
-    assert (pc.seg_ptr, pc.seg_len) == (4096, 8192)
-    assert pc.head < 4096 and pc.tail < 4096

@@ -14,11 +14,12 @@ events, memory, copies, kernels, libraries and graphs, modelled on CUDA's semant
   allocations and registered ranges are known to ``cuPointerGetAttribute``, anything
   else is pageable; freeing memory that is not allocated (twice, or after the primary
   context was reset) is ``CUDA_ERROR_INVALID_VALUE``;
-* ``cuMemHostRegister`` is strict: page-aligned ranges only, never a page twice nor a
-  page of ``cuMemHostAlloc`` memory (``CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED``);
-  ``register_error`` can make it fail.
-  A copy whose host range spans a registration's edge (partly inside it, or across two)
-  is ``CUDA_ERROR_INVALID_VALUE``, as on the driver.
+* ``cuMemHostRegister`` keeps exact byte ranges, as the driver does (unaligned ones
+  too): never a byte twice nor a byte of ``cuMemHostAlloc`` memory
+  (``CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED``), while two registrations may share a
+  page; ``register_error`` can make it fail.
+  A copy whose host range starts inside a registration and ends beyond it is
+  ``CUDA_ERROR_INVALID_VALUE``, as on the driver.
   Every async copy whose host side is pageable - when enqueued or when it runs (an
   unregister before the DMA finished) - is recorded in ``pageable_dma``;
 * a kernel is a Python function enqueued with :meth:`FakeGPU.launch`; raising
@@ -34,7 +35,6 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-import mmap
 import queue
 import random
 import threading
@@ -285,7 +285,8 @@ class FakeGPU(GreenRules, CaptureRules, FakeDriver):
             )
 
     def spans_edge(self, ptr: int, n: int) -> bool:
-        """True when host bytes ``[ptr, ptr + n)`` span a registration's edge."""
+        """True when host bytes ``[ptr, ptr + n)`` start inside a registration and end
+        beyond it."""
         with self._mlock:
             ranges = [(b, b + m) for b, (m, _) in self.registered.copy().items()]
         return spans_registration_edge(ranges, ptr, n)
@@ -530,7 +531,7 @@ class FakeGPU(GreenRules, CaptureRules, FakeDriver):
         err = self.unsafe("cuMemHostRegister")
         if err:
             return (err,)
-        if p % mmap.PAGESIZE or n % mmap.PAGESIZE or n <= 0:
+        if n <= 0:
             return (INVALID_VALUE,)
         self.register_calls.append((p, n, int(flags)))
         err = self.register_error(p, n, int(flags)) if self.register_error else 0

@@ -45,9 +45,9 @@ _HostFn = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 class FakeMemDriver:
     """Memory, streams, events and peer access; everything else goes to the context fake.
 
-    ``cuMemHostRegister`` locks the whole pages of a range; a copy whose host bytes span
-    the edge of those pages (partly inside, or across two registrations) is
-    ``CUDA_ERROR_INVALID_VALUE``, as on the driver.
+    ``cuMemHostRegister`` keeps the exact byte range (registrations may share a page but
+    not a byte); a copy whose host bytes start inside a registration and end beyond it
+    is ``CUDA_ERROR_INVALID_VALUE``, as on the driver.
 
     "Device" memory is host memory from ctypes, so copies really move bytes. Like the
     real driver, memsets, device-to-device/peer copies and host-to-device copies without
@@ -71,7 +71,7 @@ class FakeMemDriver:
         self.used = 0
         self.allocs: dict[int, tuple[Any, int, int, str]] = {}  # addr -> (buf, n, ctx, kind)
         self.host_allocs: dict[int, tuple[Any, int, int]] = {}  # addr -> (buf, n, ctx)
-        self.registered: dict[int, tuple[int, int, int]] = {}  # start -> (end, page range)
+        self.registered: dict[int, int] = {}  # start -> end, exact bytes as on the driver
         self.log: list[tuple[str, int, Any]] = []  # (call, current ctx, detail)
         self.streams: dict[int, int] = {}  # handle -> ctx
         self.stream_info: dict[int, tuple[int, int]] = {}  # handle -> (flags, priority)
@@ -172,14 +172,14 @@ class FakeMemDriver:
         queued: bool = False,
         host: int | None = None,
     ) -> tuple[int]:
-        """*host*: the address of the host side, whose bytes must not span the edge of
-        a registration's pages (the driver refuses that copy)."""
+        """*host*: the address of the host side, whose bytes must not start inside a
+        registration and end beyond it (the driver refuses that copy)."""
         if not self.cur():
             return (INVALID_CONTEXT,)
         if self._err():
             return (self._err(),)
-        pages = [(ps, pe) for _e, ps, pe in self.registered.values()]
-        if host is not None and spans_registration_edge(pages, int(host), n):
+        ranges = list(self.registered.items())
+        if host is not None and spans_registration_edge(ranges, int(host), n):
             return (INVALID_VALUE,)
         if stream is not None and self._stream_ok(stream):
             return (INVALID_HANDLE,)
@@ -262,11 +262,9 @@ class FakeMemDriver:
     def cuMemHostRegister(self, p: int, n: int, flags: int) -> tuple[int]:
         if not self.cur():
             return (INVALID_CONTEXT,)
-        start, end = p // PAGE * PAGE, (p + n + PAGE - 1) // PAGE * PAGE
-        for _e, s, e in self.registered.values():
-            if start < e and s < end:
-                return (HOST_ALREADY_REGISTERED,)
-        self.registered[p] = (p + n, start, end)
+        if any(s < p + n and p < e for s, e in self.registered.items()):
+            return (HOST_ALREADY_REGISTERED,)
+        self.registered[p] = p + n
         self.note("register", (p, n, flags))
         return (OK,)
 
@@ -291,7 +289,7 @@ class FakeMemDriver:
                 if attr == A.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL:
                     return (OK, self.base.ctx_device[ctx])
         pinned = any(a <= p < a + n for a, (_b, n, _c) in self.host_allocs.items()) or any(
-            s <= p < e for s, (e, _ps, _pe) in self.registered.items()
+            s <= p < e for s, e in self.registered.items()
         )
         if pinned and attr == A.CU_POINTER_ATTRIBUTE_MEMORY_TYPE:
             return (OK, 1)
