@@ -325,7 +325,9 @@ def test_new_pipelines_reuse_the_staging_blocks_of_closed_ones(gpu):
 def test_trace_shows_overlap_of_copies_kernels_and_devices(gpu, tmp_path):
     x = np.arange(16_000, dtype=np.float32)
     with Pipeline([0, 1], options=ck.PipelineOptions(chunk_bytes=4000, staging_buffers=3)) as p:
-        p.map(scale_body(gpu, 2.0, delay=0.01), x)
+        # kernels long enough that the next chunk's fill and H2D fit inside one on a
+        # loaded CI host (at 10 ms they once all missed)
+        p.map(scale_body(gpu, 2.0, delay=0.03), x)
         tl = p.trace()
     names = set(tl.names())
     assert {"h2d", "kernel", "d2h", "fill", "drain"} <= names
