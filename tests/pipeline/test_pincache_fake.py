@@ -20,7 +20,7 @@ import pytest
 import ctxkit as ck
 from ctxkit.pipeline import Pipeline, PipelineError
 from ctxkit.pipeline import pincache as _pincache
-from ctxkit.pipeline.pincache import PinCache, PinClaims, memory_owner
+from ctxkit.pipeline.pincache import PinCache, PinClaims, hold_range, memory_owner
 from tests.support import fakegpu
 from tests.support.fakegpu import (
     CAPTURE_GLOBAL,
@@ -368,6 +368,20 @@ def test_release_pinned_and_finalizer(gpu):
 def test_bad_budget(bad):
     with pytest.raises(ValueError, match="pin_cache_bytes"):
         Pipeline([0], options=ck.PipelineOptions(pin_cache_bytes=bad))
+
+
+def test_hold_range_runs_from_the_array_to_the_end_of_its_owner():
+    buf = np.zeros((100, 10), np.float32)
+    p = buf.ctypes.data
+    assert hold_range(buf, buf) == (p, p + buf.nbytes)
+    assert hold_range(buf[5:20], buf) == (p + 5 * 40, p + buf.nbytes)  # the owner's rest too
+    col = buf[:, 3]  # strided: up to the owner's last byte
+    assert hold_range(col, buf) == (p + 12, p + buf.nbytes)
+    flipped = buf[::-1]  # its first element is the owner's last row
+    assert hold_range(flipped[:1], flipped) == (p + 99 * 40, p + buf.nbytes)
+    alone = np.frombuffer(bytearray(64), np.uint8, count=16, offset=8)  # owns its view
+    assert memory_owner(alone) is alone
+    assert hold_range(alone, alone) == (alone.ctypes.data, alone.ctypes.data + 16)
 
 
 def test_disabled_cache_answers_without_the_driver():
