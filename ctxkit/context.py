@@ -336,6 +336,10 @@ class Context:
     def __hash__(self) -> int:
         return hash(self.handle)
 
+    __reduce__ = lifetime.process_local(
+        "send the device ordinal (a ck.Device pickles) and use ck.registry.context(n) there"
+    )
+
     def __repr__(self) -> str:
         state = " closed" if self.closed else (" poisoned" if self._poison else "")
         sms = f" sm_count={self._sm_count}" if self._sm_count else ""

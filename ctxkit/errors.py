@@ -312,7 +312,8 @@ class DeviceTaskError(CudaError):
         devices that failed.
     failures : dict[int or Context, DeviceTaskError]
         ``run_per_device`` only: the error of every failed device, by ordinal (by the
-        Context given, for a lane: a green or owned context).
+        Context given, for a lane: a green or owned context; a pickled copy keys a lane
+        by the context's ``str()``, since a context does not leave its process).
     """
 
     message: str
@@ -334,7 +335,8 @@ class DeviceTaskError(CudaError):
         CudaError.__init__(self, self.message, self.code, self.name)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_task_error, (str(self),), dict(self.__dict__))
+        lanes = {k if isinstance(k, int) else str(k): v for k, v in self.failures.items()}
+        return (_rebuild_task_error, (str(self),), {**self.__dict__, "failures": lanes})
 
 
 def _rebuild_task_error(message: str) -> DeviceTaskError:

@@ -25,7 +25,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, NoReturn, Protocol
 
 from . import _driver
 
@@ -227,6 +227,21 @@ def finalizer(
     fin = weakref.finalize(owner, free_quietly, ctx, fn, *args)
     fin.atexit = False
     return fin
+
+
+def process_local(fix: str) -> Callable[[Any], NoReturn]:
+    """A ``__reduce__`` for a class whose objects own driver handles: pickling or copying
+    one (``pickle``, ``copy.copy``, ``copy.deepcopy``, ``multiprocessing``) raises a
+    ``TypeError`` that says *fix* (how to get one in the other process). A handle is valid
+    only in the process that made it, and a copy would own it a second time."""
+
+    def __reduce__(self: Any) -> NoReturn:
+        raise TypeError(
+            f"a ctxkit {type(self).__name__} cannot be pickled or copied: it owns CUDA "
+            f"driver handles that are valid only in this process; {fix}"
+        )
+
+    return __reduce__
 
 
 # --- before a context is closed ------------------------------------------------------

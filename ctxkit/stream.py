@@ -226,6 +226,8 @@ class _InContext:
     context: Context
     fin: weakref.finalize | None  # destroys the handle in its context; None when borrowed
 
+    __reduce__ = lifetime.process_local("make one there (ck.export_event shares an event)")
+
     @property
     def device(self) -> Device:
         """The device of its context."""

@@ -222,6 +222,8 @@ class GraphNode:
         self._spec = graph._specs[int(self.handle)] = new
         graph._changed()
 
+    __reduce__ = lifetime.process_local("build or capture the graph there")
+
     def __repr__(self) -> str:
         detail = f" {self._spec.describe()}" if self._spec is not None else ""
         return f"<GraphNode {self.type}{detail} {int(self.handle):#x}>"
@@ -687,6 +689,8 @@ class Graph:
             self._fin()
         self.handle = None
 
+    __reduce__ = lifetime.process_local("build or capture the graph there")
+
     def __repr__(self) -> str:
         ready = "ready" if self._exec is not None else "not instantiated"
         state = ready if self.open_handle() is not None else "empty"
@@ -954,6 +958,8 @@ class GraphExec:
         """Destroy the executable graph (in its context); idempotent."""
         self._fin()
         self.handle = None
+
+    __reduce__ = lifetime.process_local("build or capture the graph there")
 
     def __repr__(self) -> str:
         state = "closed" if self.handle is None else f"{int(self.handle):#x}"

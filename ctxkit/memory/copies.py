@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .. import _driver
+from .. import _driver, lifetime
 from .._driver import drv
 from ..binding import bind, guard
 from ..context import Context, require_current
@@ -226,6 +226,10 @@ class Copyable:
     __slots__ = ()
 
     context: Context
+
+    __reduce__ = lifetime.process_local(
+        "send its copy_to_host(), or pass it to ck.procs, which maps it there by CUDA IPC"
+    )
 
     @property
     def device(self) -> Device:

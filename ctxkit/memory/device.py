@@ -155,6 +155,16 @@ class DeviceArray(Copyable):
         """A new numpy array with the contents (synchronous unless *stream* is given)."""
         return self.copy_to_host(None, stream)
 
+    def __deepcopy__(self, memo: Any) -> DeviceArray:
+        """A new array of the same shape and dtype in the same context, holding a copy
+        made on the device (``copy.copy`` too), as CuPy and numpy copy arrays."""
+        out = self.buffer._alike(self.nbytes).view(self.shape, self.dtype)
+        out.copy_from(self)
+        return out
+
+    def __copy__(self) -> DeviceArray:
+        return self.__deepcopy__(None)
+
     # --- interop ---------------------------------------------------------------------
 
     @property
@@ -424,6 +434,20 @@ class DeviceBuffer(Copyable):
         view = type(self).__new__(type(self))
         view._setup_view(self.ptr + start, max(0, stop - start), self.context, base)
         return view
+
+    def _alike(self, nbytes: int) -> DeviceBuffer:
+        """New memory of this kind in this context (a copy's destination)."""
+        return DeviceBuffer(nbytes, self.context)
+
+    def __deepcopy__(self, memo: Any) -> DeviceBuffer:
+        """A new buffer of the same size and kind in the same context, holding a copy made
+        on the device (``copy.copy`` too); a view's copy holds the view's bytes."""
+        out = self._alike(self.nbytes)
+        out.copy_from(self)
+        return out
+
+    def __copy__(self) -> DeviceBuffer:
+        return self.__deepcopy__(None)
 
     # --- typed views and interop -----------------------------------------------------
 

@@ -83,6 +83,9 @@ class ManagedBuffer(DeviceBuffer):
     def __init__(self, nbytes: int, context: Any = None) -> None:
         super().__init__(nbytes, context)  # no stream-ordered managed memory
 
+    def _alike(self, nbytes: int) -> ManagedBuffer:
+        return ManagedBuffer(nbytes, self.context)
+
     def _setup_view(self, ptr: int, n: int, ctx: Context, base: DeviceBuffer | None) -> None:
         super()._setup_view(ptr, n, ctx, base)
         self._views = weakref.WeakSet()

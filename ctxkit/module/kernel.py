@@ -32,7 +32,7 @@ from dataclasses import dataclass, fields
 from functools import cache, lru_cache
 from typing import TYPE_CHECKING, Any
 
-from .. import _driver
+from .. import _driver, lifetime
 from .._driver import call, drv
 from ..binding import guard, registry, resolve_context
 from ..context import Context, current_handle, per_thread, thread_state
@@ -468,6 +468,8 @@ class PreparedLaunch:
         """The current arguments."""
         return tuple(self._args)
 
+    __reduce__ = lifetime.process_local("send its ObjectCode and ck.Module.load it there")
+
     def __repr__(self) -> str:
         options = f" {self.config.describe()}" if not self.config.empty else ""
         return (
@@ -546,6 +548,8 @@ class Kernel:
         self._funcs: dict[int, tuple[Context, Any]] = {}
         self._last: tuple[Any, Any] = _NO_LAUNCH  # (context, CUfunction) of the last launch
         self._fits: dict[Any, Any] = {}  # occupancy limits of cooperative and cluster launches
+
+    __reduce__ = lifetime.process_local("send its ObjectCode and ck.Module.load it there")
 
     def __repr__(self) -> str:
         return f"<Kernel {self.signature or self.name} from {self.module.name}>"

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import _driver
+from .. import _driver, lifetime
 from .. import context as _context
 from .._driver import call, describe, drv
 from ..binding import bind, guard, registry
@@ -382,6 +382,8 @@ class Module:
         for k in self._kernels.values():
             k.forget_functions()
         self._fin()
+
+    __reduce__ = lifetime.process_local("send its ObjectCode and ck.Module.load it there")
 
     def __repr__(self) -> str:
         where = "library" if self.context is None else f"bound to {self.context!r}"

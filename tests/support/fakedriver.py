@@ -53,6 +53,10 @@ class FakeHandle:
     def __repr__(self) -> str:
         return f"FakeHandle({self.value:#x})"
 
+    def __reduce__(self) -> Any:
+        # cuda.bindings' handle types refuse pickling and copying just so
+        raise TypeError("no default __reduce__ due to non-trivial __cinit__")
+
 
 class FakeDriver:
     """Implements the driver calls ctxkit's context layer makes."""

@@ -619,6 +619,17 @@ class FakeGPU(GreenRules, CaptureRules, FakeDriver):
     def cuMemcpyDtoH(self, dst: Any, src: Any, n: int) -> tuple[int]:
         return self._sync_copy(dst, src, n, int(dst), "cuMemcpyDtoH")
 
+    def cuMemcpyDtoD(self, dst: Any, src: Any, n: int) -> tuple[int]:
+        return self._sync_copy(dst, src, n, 0, "cuMemcpyDtoD")
+
+    def cuMemsetD8(self, ptr: Any, value: int, n: int) -> tuple[int]:
+        """On the legacy default stream, like the synchronous copies (the host waits)."""
+        err = self.context_error() or self._legacy("cuMemsetD8")
+        if not err:
+            self._drain(self._stream(0))
+            ctypes.memset(int(ptr), value, n)
+        return (err or self.fault,)
+
     def cuMemsetD8Async(self, ptr: Any, value: int, n: int, h: Any) -> tuple[int]:
         p = int(ptr)
         return (self._submit(h, lambda: ctypes.memset(p, value, n), "cuMemsetD8Async"),)
