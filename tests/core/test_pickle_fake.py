@@ -135,3 +135,9 @@ def test_device_task_error_of_lanes_pickles_with_the_contexts_named(k):
         assert lane in err.failures  # the original keeps its Context keys
     finally:
         lane.close()
+
+
+def test_what_the_refusals_name_does_pickle(gpu):
+    assert pickle.loads(pickle.dumps(ck.Device(1))) is ck.Device(1)
+    obj = ck.compile(ck.kernel_source("fill.cu"), arch="sm_90", target="cubin", cache=False)
+    assert pickle.loads(pickle.dumps(obj)) == obj
