@@ -370,6 +370,22 @@ def foreign_args_variants(
             wait(target, event, 0)
         stream.synchronize()
 
+    torch_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    cupy_stream = getattr(cp.cuda.stream, "get_current_stream_ptr", None)
+
+    def reads_floor(n: int) -> None:
+        """The event floor plus the least torch and CuPy answer per launch: each array's
+        pointer and device, and its library's current stream (what ordering needs)."""
+        launch, record, wait = kernel.launch, drv.cuEventRecord, drv.cuStreamWaitEvent
+        legacy, target = drv.CUstream(0), stream.handle
+        for _ in range(n):
+            torch_stream(t.get_device()), t.data_ptr(), t.is_cuda
+            cupy_stream(), c.data.ptr, c.data.device_id
+            launch(1, 32, a, b, stream=stream)
+            record(event, legacy)
+            wait(target, event, 0)
+        stream.synchronize()
+
     err, event = drv.cuEventCreate(2)  # CU_EVENT_DISABLE_TIMING
     if err:
         raise RuntimeError(f"cuEventCreate: {err}")
@@ -379,6 +395,7 @@ def foreign_args_variants(
         "two_buffers": run(a, b, stream),
         "torch_cupy": run(t, c, stream),
         "two_buffers_event_floor": floor,
+        **({"foreign_reads_floor": reads_floor} if torch_stream and cupy_stream else {}),
         "two_buffers_blocking": run(a, b, blocking),
         "torch_cupy_blocking": run(t, c, blocking),
     }
@@ -500,6 +517,18 @@ def verdicts(r: Mapping[str, Any]) -> list[Line]:
                 None,
                 "the floor of ordering after the legacy stream with an event: the same "
                 "launch plus one raw cuEventRecord + cuStreamWaitEvent",
+            )
+        )
+    if r.get("foreign_reads_floor") and r.get("two_buffers"):
+        lines.append(
+            _ratio(
+                r,
+                "launch.foreign_reads_floor_vs_ctxkit_buffers",
+                "foreign_reads_floor",
+                "two_buffers",
+                None,
+                "the event floor plus what torch and CuPy take to give each array's pointer, "
+                "device and current stream (their own Python, before ctxkit does anything)",
             )
         )
     if r.get("torch_cupy_blocking"):
