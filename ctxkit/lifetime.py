@@ -236,8 +236,9 @@ def process_local(fix: str) -> Callable[[Any], NoReturn]:
     only in the process that made it, and a copy would own it a second time."""
 
     def __reduce__(self: Any) -> NoReturn:
+        how = "pickled" if hasattr(self, "__deepcopy__") else "pickled or copied"
         raise TypeError(
-            f"a ctxkit {type(self).__name__} cannot be pickled or copied: it owns CUDA "
+            f"a ctxkit {type(self).__name__} cannot be {how}: it owns CUDA "
             f"driver handles that are valid only in this process; {fix}"
         )
 
