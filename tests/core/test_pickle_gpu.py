@@ -48,4 +48,4 @@ def test_deepcopy_of_an_array_copies_it_on_the_device(ctx0, fill):
         host = dup.to_host()
         assert host.shape == (N,) and (host == 2.5).all()
         buf = copy.copy(a.buffer[: 4 * 16])
-        assert buf.nbytes == 64 and not buf.to_host().any()
+        assert buf.nbytes == 64 and not buf.copy_to_host().any()
