@@ -40,6 +40,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -602,33 +603,34 @@ class FakeGPU(GreenRules, CaptureRules, FakeDriver):
     def cuMemcpyDtoHAsync(self, dst: Any, src: Any, n: int, h: Any) -> tuple[int]:
         return self._copy(dst, src, n, h, int(dst), "cuMemcpyDtoHAsync")
 
-    def _sync_copy(self, dst: Any, src: Any, n: int, host: int, what: str) -> tuple[int]:
-        """A synchronous copy: ordered on the legacy default stream, waits for it."""
+    def _on_legacy(
+        self, what: str, work: Callable[[], Any], host: tuple[int, int] | None = None
+    ) -> tuple[int]:
+        """Synchronous *work*: ordered on the legacy default stream, the host waits for it.
+        *host*: the ``(ptr, n)`` host side of a copy, refused when it spans the edge of a
+        registration."""
         err = self.context_error() or self._legacy(what)
         if err:
             return (err,)
-        if self.spans_edge(host, n):
+        if host is not None and self.spans_edge(*host):
             return (INVALID_VALUE,)
         self._drain(self._stream(0))
-        ctypes.memmove(int(dst), int(src), n)
+        work()
         return (self.fault,)
 
     def cuMemcpyHtoD(self, dst: Any, src: Any, n: int) -> tuple[int]:
-        return self._sync_copy(dst, src, n, int(src), "cuMemcpyHtoD")
+        copy = partial(ctypes.memmove, int(dst), int(src), n)
+        return self._on_legacy("cuMemcpyHtoD", copy, (int(src), n))
 
     def cuMemcpyDtoH(self, dst: Any, src: Any, n: int) -> tuple[int]:
-        return self._sync_copy(dst, src, n, int(dst), "cuMemcpyDtoH")
+        copy = partial(ctypes.memmove, int(dst), int(src), n)
+        return self._on_legacy("cuMemcpyDtoH", copy, (int(dst), n))
 
     def cuMemcpyDtoD(self, dst: Any, src: Any, n: int) -> tuple[int]:
-        return self._sync_copy(dst, src, n, 0, "cuMemcpyDtoD")
+        return self._on_legacy("cuMemcpyDtoD", partial(ctypes.memmove, int(dst), int(src), n))
 
     def cuMemsetD8(self, ptr: Any, value: int, n: int) -> tuple[int]:
-        """On the legacy default stream, like the synchronous copies (the host waits)."""
-        err = self.context_error() or self._legacy("cuMemsetD8")
-        if not err:
-            self._drain(self._stream(0))
-            ctypes.memset(int(ptr), value, n)
-        return (err or self.fault,)
+        return self._on_legacy("cuMemsetD8", partial(ctypes.memset, int(ptr), value, n))
 
     def cuMemsetD8Async(self, ptr: Any, value: int, n: int, h: Any) -> tuple[int]:
         p = int(ptr)
